@@ -1,0 +1,69 @@
+"""A caching pool of host buffers for get results.
+
+Fresh large allocations cost a page fault per page when first written (on some VMs that is slower
+than the copy itself); the pool keeps the pages of buffers whose tensors have died and hands them to
+the next get, as a caching allocator does. A buffer returns to the pool when the last tensor or array
+viewing it is garbage collected; the pool never holds more than ``max_cached_bytes`` idle.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import weakref
+
+import numpy as np
+
+POOL_GRANULE = 2 << 20  # huge-page size: buffers are rounded up to it and reused by size class
+
+
+class HostBufferPool:
+    """Hands out uint8 numpy arrays backed by reusable anonymous mappings (see module docstring)."""
+
+    def __init__(self, max_cached_bytes: int | None = None, min_pooled_bytes: int = 1 << 20) -> None:
+        env = os.environ.get("TQ_BUFFER_POOL_BYTES")
+        self.max_cached_bytes = max_cached_bytes if max_cached_bytes is not None else int(env) if env else 2 << 30
+        self.min_pooled_bytes = min_pooled_bytes
+        self._free: dict[int, list[mmap.mmap]] = {}
+        self._cached = 0
+        self._lock = threading.Lock()
+
+    @property
+    def cached_bytes(self) -> int:
+        return self._cached
+
+    def empty(self, nbytes: int) -> np.ndarray:
+        """An uninitialised uint8 array of ``nbytes`` (pooled when large)."""
+        if nbytes < self.min_pooled_bytes or self.max_cached_bytes <= 0:
+            return np.empty(nbytes, dtype=np.uint8)
+        size = -(-nbytes // POOL_GRANULE) * POOL_GRANULE
+        with self._lock:
+            bucket = self._free.get(size)
+            mm = bucket.pop() if bucket else None
+            if mm is not None:
+                self._cached -= size
+        if mm is None:
+            mm = mmap.mmap(-1, size)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                mm.madvise(mmap.MADV_HUGEPAGE)
+        arr = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
+        weakref.finalize(arr, self._release, mm, size)
+        return arr
+
+    def _release(self, mm: mmap.mmap, size: int) -> None:
+        with self._lock:
+            if self._cached + size <= self.max_cached_bytes:
+                self._free.setdefault(size, []).append(mm)
+                self._cached += size
+                return
+        mm.close()
+
+    def clear(self) -> None:
+        """Unmap every idle buffer."""
+        with self._lock:
+            for bucket in self._free.values():
+                for mm in bucket:
+                    mm.close()
+            self._free.clear()
+            self._cached = 0

@@ -1,0 +1,406 @@
+"""The TQ client: put, write back, get, wait, discard - from any process, by the service's address.
+
+Data never passes through the controller: the client asks the controller where (key, field) pairs
+live (one round trip), then moves bytes straight to or from the storage units (one round trip per
+unit, issued in parallel). On the same host it reads and writes a unit's shared-memory arena directly,
+so a get costs one memory copy into the result; elsewhere bytes stream over TCP as raw frames.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any, Literal, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from . import protocol
+from .arena import Arena, align_up, host_identity
+from .bufferpool import HostBufferPool
+from .columns import BITS, EncodedColumn, encode_column, pad_bits, to_tensor, unpack_objects, write_chunks
+from .errors import DuplicateKeyError, InvalidRequestError, TQError
+from .jagged import JaggedTensor
+from .meta import KVBatchMeta
+from .rpc import RpcChannel
+from .schema import JAGGED, OBJECT, FieldSchema
+
+Layout = Literal["padded", "jagged", "list"]
+UNIT, BLOCK, ROW = 0, 1, 2
+_FIELD_ALIGN = 64
+
+_default_pool = HostBufferPool()
+
+
+def mint_keys(uids: Sequence[str], group_size: int) -> list[str]:
+    """Keys ``"{uid}_g{i}"`` for ``group_size`` generations of each prompt uid, grouped by prompt."""
+    if group_size < 1:
+        raise InvalidRequestError(f"group_size must be >= 1, got {group_size}")
+    return [f"{uid}_g{i}" for uid in uids for i in range(group_size)]
+
+
+class _Fetched:
+    """Where each requested row of one field lives after a fetch: a source buffer and a byte range."""
+
+    def __init__(self, schema: FieldSchema, n: int) -> None:
+        self.schema = schema
+        self.sources: list[np.ndarray] = []
+        self.src = np.zeros(n, dtype=np.int64)
+        self.starts = np.zeros(n, dtype=np.int64)
+        self.sizes = np.zeros(n, dtype=np.int64)
+
+    def copy_into(self, dst: np.ndarray, dst_starts: np.ndarray) -> None:
+        """Copy every row to ``dst[dst_starts[i]:...]``: one memcpy per run adjacent in source and dest."""
+        n = self.sizes.size
+        if not n:
+            return
+        ends = self.starts + self.sizes
+        dst_ends = dst_starts + self.sizes
+        brk = np.flatnonzero((self.starts[1:] != ends[:-1]) | (dst_starts[1:] != dst_ends[:-1]) | (self.src[1:] != self.src[:-1])) + 1
+        firsts = np.concatenate(([0], brk)).tolist()
+        lasts = (np.concatenate((brk, [n])) - 1).tolist()
+        starts, ends_l, dsts, srcs = self.starts.tolist(), ends.tolist(), dst_starts.tolist(), self.src.tolist()
+        for a, b in zip(firsts, lasts):
+            s, e, d = starts[a], ends_l[b], dsts[a]
+            dst[d : d + (e - s)] = self.sources[srcs[a]][s:e]
+
+
+class TQClient:
+    """A long-lived, thread-safe connection to a TQ service (controller + storage units).
+
+    Args:
+        address: the controller's address, e.g. ``tcp://127.0.0.1:5555``.
+        secret: the service's shared secret (default: ``$TQ_SECRET``).
+        timeout: seconds every request may take before :class:`~tq.errors.TQConnectionError`.
+        transport: ``"auto"`` maps same-host storage arenas; ``"tcp"`` always streams bytes.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        secret: str | None = None,
+        timeout: float = 30.0,
+        transport: Literal["auto", "tcp"] = "auto",
+        buffer_pool: HostBufferPool | None = None,
+    ) -> None:
+        if transport not in ("auto", "tcp"):
+            raise InvalidRequestError(f"transport must be 'auto' or 'tcp', got {transport!r}")
+        secret = secret if secret is not None else os.environ.get("TQ_SECRET")
+        self.address, self.timeout, self.transport = address, timeout, transport
+        self._secret = secret.encode() if secret else None
+        self._pool = buffer_pool or _default_pool
+        self._ctrl = RpcChannel(address, secret=self._secret, timeout=timeout, name="controller")
+        self._units: list[dict[str, Any]] = []
+        self._unit_chans: dict[int, RpcChannel] = {}
+        self._arenas: dict[int, Arena] = {}
+        self._host = host_identity()
+        self._rr = itertools.count()
+        self._refresh_units()
+
+    # ------------------------------------------------------------------ connections
+    def _refresh_units(self) -> None:
+        info, _ = self._ctrl.call("hello", {"timeout": self.timeout})
+        self._units = list(info["units"])
+        for u in self._units:
+            if u["unit_id"] not in self._unit_chans:
+                self._unit_chans[u["unit_id"]] = RpcChannel(
+                    u["address"], secret=self._secret, timeout=self.timeout, name=f"storage unit {u['unit_id']}"
+                )
+
+    def _is_local(self, unit: int) -> bool:
+        u = self._units[unit]
+        return self.transport == "auto" and u["host"] == self._host and os.path.exists(u["arena_path"])
+
+    def _arena(self, unit: int) -> Arena:
+        arena = self._arenas.get(unit)
+        if arena is None:
+            u = self._units[unit]
+            arena = self._arenas[unit] = Arena(u["arena_path"], u["arena_size"], create=False)
+        return arena
+
+    def _pick_unit(self) -> int:
+        if not self._units:
+            raise TQError("the TQ service has no storage units")
+        local = [u["unit_id"] for u in self._units if self._is_local(u["unit_id"])]
+        pool = local or [u["unit_id"] for u in self._units]
+        return pool[next(self._rr) % len(pool)]
+
+    def close(self) -> None:
+        """Close every connection and unmap every arena."""
+        self._ctrl.close()
+        for chan in self._unit_chans.values():
+            chan.close()
+        for arena in self._arenas.values():
+            arena.close()
+        self._arenas.clear()
+
+    def __enter__(self) -> "TQClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _call(self, op: str, args: dict[str, Any], buffers: Sequence[Any] = (), timeout: float | None = None) -> Any:
+        return self._ctrl.call(op, args, buffers, timeout=timeout)[0]
+
+    # ------------------------------------------------------------------ partitions and keys
+    def register_partition(self, partition_id: str, *, reuse: bool = False) -> None:
+        """Create a partition; with ``reuse=True`` an existing one is cleared and reused."""
+        self._call("create_partition", {"partition": partition_id, "reuse": reuse})
+
+    def clear_partition(self, partition_id: str) -> int:
+        """Free every key of a partition (the partition stays registered); returns keys cleared."""
+        return self._call("clear_partition", {"partition": partition_id})["keys_cleared"]
+
+    def drop_partition(self, partition_id: str) -> None:
+        """Free every key and unregister the partition."""
+        self._call("drop_partition", {"partition": partition_id})
+
+    def list_partitions(self) -> list[dict[str, Any]]:
+        """Each partition's key count, fields (schema, how many keys produced them) and bytes held."""
+        return self._call("list_partitions", {})
+
+    def mint_keys(self, partition_id: str, uids: Sequence[str], group_size: int) -> KVBatchMeta:
+        """Register ``"{uid}_g{i}"`` keys with no data yet (a later put fills them)."""
+        keys = mint_keys(uids, group_size)
+        self._call("mint", {"partition": partition_id, "keys": keys})
+        return KVBatchMeta(partition_id, tuple(keys))
+
+    def get_meta(self, partition_id: str, keys: Sequence[str] | None = None) -> KVBatchMeta:
+        """A meta for the given keys (default: every key), with their tags, lengths and common fields."""
+        r = self._call("get_meta", {"partition": partition_id, "keys": list(keys) if keys is not None else None})
+        return KVBatchMeta(
+            partition_id, tuple(r["keys"]), tuple(r["fields"]),
+            tuple(r["sequence_lengths"]) if r["sequence_lengths"] is not None else None,
+            {k: tuple(v) for k, v in r["tags"].items()},
+        )
+
+    def set_tags(self, meta: KVBatchMeta) -> None:
+        """Store the meta's per-key tags on the controller (so :meth:`get_meta` returns them)."""
+        if meta.tags:
+            self._call("set_tags", {"partition": meta.partition_id, "keys": list(meta.keys), "tags": {k: list(v) for k, v in meta.tags.items()}})
+
+    # ------------------------------------------------------------------ writes
+    def put(
+        self,
+        partition_id: str,
+        keys: Sequence[str],
+        columns: Mapping[str, Any],
+        *,
+        tags: Mapping[str, Sequence[Any]] | None = None,
+        sequence_lengths: Sequence[int] | None = None,
+    ) -> KVBatchMeta:
+        """Store columns for new keys (fresh, or minted and still empty) in one batched write.
+
+        A column is a tensor ``[n, ...]`` (fixed per-sample shape; ``[n]`` for scalars), a
+        :class:`JaggedTensor` or jagged nested tensor, a list of ``n`` tensors whose leading dim
+        varies (token-aligned), or a list of ``n`` msgpack-able Python values (strings, message logs).
+        ``sequence_lengths`` default to the row lengths of the first jagged column.
+        """
+        keys = list(keys)
+        encoded = self._encode(keys, columns)
+        if sequence_lengths is None:
+            sequence_lengths = next((c.lengths.tolist() for c in encoded.values() if c.lengths is not None), None)
+        self._store_and_commit(partition_id, keys, encoded, "put", tags, sequence_lengths)
+        return KVBatchMeta(
+            partition_id, tuple(keys), tuple(columns),
+            tuple(int(s) for s in sequence_lengths) if sequence_lengths is not None else None,
+            {k: tuple(v) for k, v in (tags or {}).items()},
+        )
+
+    def write_back(self, meta: KVBatchMeta, columns: Mapping[str, Any]) -> KVBatchMeta:
+        """Store new fields for the meta's existing keys; returns the meta with the fields added."""
+        keys = list(meta.keys)
+        self._store_and_commit(meta.partition_id, keys, self._encode(keys, columns), "write_back", None, None)
+        return meta.add_fields(tuple(columns))
+
+    def _encode(self, keys: list[str], columns: Mapping[str, Any]) -> dict[str, EncodedColumn]:
+        if not keys:
+            raise InvalidRequestError("a write needs at least one key")
+        if not columns:
+            raise InvalidRequestError("a write needs at least one column")
+        if len(set(keys)) != len(keys):
+            seen: set[str] = set()
+            dup = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+            raise DuplicateKeyError(f"key {dup!r} appears more than once in the write")
+        return {name: encode_column(name, value, len(keys)) for name, value in columns.items()}
+
+    def _store_and_commit(
+        self, partition_id: str, keys: list[str], encoded: dict[str, EncodedColumn], mode: str,
+        tags: Mapping[str, Sequence[Any]] | None, sequence_lengths: Sequence[int] | None,
+    ) -> None:
+        unit = self._pick_unit()
+        chan = self._unit_chans[unit]
+        buffers: list[Any] = []
+        fields: dict[str, Any] = {}
+        if self._is_local(unit):
+            offsets, pos = {}, 0
+            for name, col in encoded.items():
+                offsets[name] = pos
+                pos = align_up(pos + col.nbytes, _FIELD_ALIGN)
+            alloc, _ = chan.call("alloc", {"nbytes": pos})
+            view = self._arena(unit).view
+            base = alloc["offset"]
+            for name, col in encoded.items():
+                write_chunks(view[base + offsets[name] : base + offsets[name] + col.nbytes], col.chunks)
+                fields[name] = {"schema": col.schema.to_wire(), "offset": offsets[name],
+                                "row_offsets": protocol.pack_array(col.row_offsets, buffers)}
+            args: dict[str, Any] = {"n_rows": len(keys), "fields": fields, "alloc": alloc["alloc"]}
+        else:
+            for name, col in encoded.items():
+                data = col.chunks[0] if len(col.chunks) == 1 else (np.concatenate(col.chunks) if col.chunks else np.empty(0, np.uint8))
+                fields[name] = {"schema": col.schema.to_wire(),
+                                "row_offsets": protocol.pack_array(col.row_offsets, buffers),
+                                "data": protocol.pack_array(data, buffers)}
+            args = {"n_rows": len(keys), "fields": fields}
+        stored, _ = chan.call("store", args, buffers)
+        cbufs: list[Any] = []
+        commit = {
+            "partition": partition_id, "keys": keys, "mode": mode, "unit": unit, "block": stored["block"],
+            "fields": {n: {"schema": c.schema.to_wire(), "row_nbytes": protocol.pack_array(np.diff(c.row_offsets), cbufs)}
+                       for n, c in encoded.items()},
+        }
+        if tags:
+            commit["tags"] = {k: list(v) for k, v in tags.items()}
+        if sequence_lengths is not None:
+            commit["sequence_lengths"] = [int(s) for s in sequence_lengths]
+        try:
+            self._call("commit", commit, cbufs)
+        except TQError:
+            try:  # the data never became visible: give its space back
+                chan.call("free_blocks", {"blocks": [stored["block"]]})
+            except TQError:
+                pass
+            raise
+
+    # ------------------------------------------------------------------ reads
+    def wait(self, meta: KVBatchMeta, fields: Sequence[str] | None = None, timeout: float = 60.0) -> None:
+        """Block until every key of ``meta`` has ``fields`` (default: ``meta.fields``) or time out."""
+        fields = list(fields if fields is not None else meta.fields)
+        self._call("wait", {"partition": meta.partition_id, "keys": list(meta.keys), "fields": fields, "timeout": timeout},
+                   timeout=timeout + self.timeout)
+
+    def _fetch(self, meta: KVBatchMeta, fields: list[str]) -> dict[str, _Fetched]:
+        located, lmsg = self._ctrl.call("locate", {"partition": meta.partition_id, "keys": list(meta.keys), "fields": fields})
+        if located["units_version"] != len(self._units):
+            self._refresh_units()
+        n = len(meta.keys)
+        recs = {f: protocol.unpack_array(spec["loc"], lmsg.buffers, name=f"{f}.loc") for f, spec in located["fields"].items()}
+        out = {f: _Fetched(FieldSchema.from_wire(spec["schema"]), n) for f, spec in located["fields"].items()}
+        units = sorted(set(np.concatenate([r[:, UNIT] for r in recs.values()]).tolist())) if n else []
+        pending = []
+        for unit in units:  # send every unit its request first, then collect: the units work in parallel
+            bufs: list[Any] = []
+            req = {}
+            for f, rec in recs.items():
+                sel = rec[:, UNIT] == unit
+                if sel.any():
+                    req[f] = {"blocks": protocol.pack_array(rec[sel, BLOCK], bufs), "rows": protocol.pack_array(rec[sel, ROW], bufs)}
+            mode = "shm" if self._is_local(unit) else "tcp"
+            chan = self._unit_chans[unit]
+            pending.append((unit, mode, chan, chan.send("fetch", {"fields": req, "mode": mode}, bufs)))
+        for unit, mode, chan, rid in pending:
+            reply, msg = chan.recv(rid, "fetch")
+            for f, entry in reply.items():
+                sel = np.flatnonzero(recs[f][:, UNIT] == unit)
+                fx = out[f]
+                sizes = protocol.unpack_array(entry["sizes"], msg.buffers, dtype="<i8")
+                if mode == "shm":
+                    fx.sources.append(self._arena(unit).view)
+                    fx.starts[sel] = protocol.unpack_array(entry["starts"], msg.buffers, dtype="<i8")
+                else:
+                    fx.sources.append(protocol.unpack_array(entry["data"], msg.buffers, dtype="|u1"))
+                    fx.starts[sel] = np.cumsum(sizes) - sizes
+                fx.src[sel] = len(fx.sources) - 1
+                fx.sizes[sel] = sizes
+        return out
+
+    def get(
+        self,
+        meta: KVBatchMeta,
+        fields: Sequence[str] | None = None,
+        *,
+        layout: Layout = "padded",
+        pad_to: int | None = None,
+        pad_value: float | int | bool | Mapping[str, float | int | bool] = 0,
+        wait_timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """Fetch ``fields`` (default: ``meta.fields``) for the meta's keys, in key order.
+
+        Fixed-shape fields come back as ``[n, ...]`` tensors and object fields as lists. Jagged fields
+        come back as ``layout`` asks: ``"padded"`` - a dense ``[n, L, ...]`` tensor with ``L = pad_to``,
+        else ``meta.extra_info["global_forward_pad_seqlen"]``, else the longest row, rounded up to
+        ``extra_info["pad_to_multiple"]`` when set, filled with ``pad_value`` (a scalar or a per-field
+        map); ``"jagged"`` - a :class:`JaggedTensor`; ``"list"`` - one tensor per sample.
+        ``wait_timeout`` first waits for the fields to be produced.
+        """
+        if layout not in ("padded", "jagged", "list"):
+            raise InvalidRequestError(f"layout must be 'padded', 'jagged' or 'list', got {layout!r}")
+        fields = list(fields if fields is not None else meta.fields)
+        if not fields:
+            raise InvalidRequestError("get needs at least one field (the meta names none)")
+        if wait_timeout is not None:
+            self.wait(meta, fields, wait_timeout)
+        fetched = self._fetch(meta, fields)
+        return {f: self._assemble(f, fetched[f], meta, layout, pad_to, pad_value) for f in fields}
+
+    def _assemble(self, name: str, fx: _Fetched, meta: KVBatchMeta, layout: Layout, pad_to: int | None, pad_value: Any) -> Any:
+        schema, n = fx.schema, fx.sizes.size
+        dst_starts = np.cumsum(fx.sizes) - fx.sizes
+        if schema.kind == OBJECT:
+            raw = np.empty(int(fx.sizes.sum()), dtype=np.uint8)
+            fx.copy_into(raw, dst_starts)
+            return unpack_objects(raw, fx.sizes)
+        row_bytes = schema.itemsize * schema.row_elems
+        if schema.kind != JAGGED:
+            raw = self._pool.empty(int(fx.sizes.sum()))
+            fx.copy_into(raw, dst_starts)
+            return to_tensor(raw, schema, (n, *schema.shape))
+        lengths = fx.sizes // max(row_bytes, 1)
+        if layout in ("jagged", "list"):
+            raw = self._pool.empty(int(fx.sizes.sum()))
+            fx.copy_into(raw, dst_starts)
+            values = to_tensor(raw, schema, (int(lengths.sum()), *schema.shape))
+            offsets = torch.zeros(n + 1, dtype=torch.int64)
+            torch.cumsum(torch.from_numpy(lengths), 0, out=offsets[1:])
+            jt = JaggedTensor(values, offsets)
+            return jt if layout == "jagged" else jt.unbind()
+        longest = int(lengths.max()) if n else 0
+        target = pad_to if pad_to is not None else meta.extra_info.get("global_forward_pad_seqlen", longest)
+        multiple = meta.extra_info.get("pad_to_multiple")
+        if multiple:
+            target = -(-target // multiple) * multiple
+        if target < longest:
+            raise InvalidRequestError(
+                f"field {name!r}: key {meta.keys[int(np.argmax(lengths))]!r} has {longest} tokens, more than the pad length {target}"
+            )
+        raw = self._pool.empty(n * target * row_bytes)
+        fx.copy_into(raw, np.arange(n, dtype=np.int64) * (target * row_bytes))
+        short = np.flatnonzero(lengths < target)
+        if short.size:
+            fill = pad_value.get(name, 0) if isinstance(pad_value, Mapping) else pad_value
+            bits = raw.view(BITS[schema.itemsize]).reshape(n, target * schema.row_elems)
+            pad = pad_bits(schema, fill)
+            for i, start in zip(short.tolist(), (lengths[short] * schema.row_elems).tolist()):
+                bits[i, start:] = pad
+        return to_tensor(raw, schema, (n, target, *schema.shape))
+
+    # ------------------------------------------------------------------ deletes and stats
+    def discard(self, meta: KVBatchMeta) -> int:
+        """Free the meta's keys (all their fields) and unregister them; returns keys discarded."""
+        return self._call("discard", {"partition": meta.partition_id, "keys": list(meta.keys)})["discarded"]
+
+    def stats(self) -> dict[str, Any]:
+        """Controller stats (partitions, op counts and latencies) plus every storage unit's."""
+        stats = self._call("stats", {})
+        stats["unit_stats"] = [self._unit_chans[u["unit_id"]].call("stats", {})[0] for u in self._units]
+        return stats
+
+    def trim(self) -> int:
+        """Give the pages of free storage ranges back to the OS; returns bytes released."""
+        return sum(self._unit_chans[u["unit_id"]].call("trim", {})[0]["released_bytes"] for u in self._units)
+
+    def shutdown_service(self) -> None:
+        """Stop the controller and its storage units."""
+        self._call("shutdown", {})

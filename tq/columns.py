@@ -1,0 +1,140 @@
+"""Turning user columns (tensors, jagged tensors, lists) into stored bytes and back (client side)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import msgpack
+import numpy as np
+import torch
+
+from .errors import InvalidRequestError, SchemaConflictError
+from .jagged import JaggedTensor
+from .schema import DTYPES, JAGGED, OBJECT, TENSOR, FieldSchema
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+# Same-size unsigned ints: copies and pad fills work on raw bits, whatever the dtype.
+BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+@dataclass
+class EncodedColumn:
+    """A column ready to store: schema, per-row byte offsets and the byte chunks in row order."""
+
+    schema: FieldSchema
+    row_offsets: np.ndarray  # int64 [n + 1]
+    chunks: list[np.ndarray]  # uint8 arrays; their concatenation is the column's bytes
+    lengths: np.ndarray | None = None  # leading-dim lengths of a jagged column
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.row_offsets[-1])
+
+
+def _dtype_name(t: torch.Tensor, field: str) -> str:
+    name = DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        raise InvalidRequestError(f"field {field!r}: dtype {t.dtype} is not supported; use one of {sorted(DTYPES)}")
+    return name
+
+
+def _raw(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a tensor as a uint8 numpy array (a view when already contiguous on CPU)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    return t.view(torch.uint8).numpy() if t.numel() else np.empty(0, dtype=np.uint8)
+
+
+def _offsets(lengths: np.ndarray, unit: int) -> np.ndarray:
+    ro = np.zeros(lengths.size + 1, dtype=np.int64)
+    np.cumsum(lengths * unit, out=ro[1:])
+    return ro
+
+
+def encode_column(field: str, value: Any, n_rows: int) -> EncodedColumn:
+    """Encode one column of ``n_rows`` samples (see :meth:`TQClient.put` for accepted forms)."""
+    if isinstance(value, np.ndarray) and value.dtype != object:
+        value = torch.from_numpy(np.ascontiguousarray(value))
+    if isinstance(value, torch.Tensor) and value.is_nested:
+        value = JaggedTensor(value.values(), value.offsets().to(torch.int64).cpu())
+    if isinstance(value, JaggedTensor):
+        if len(value) != n_rows:
+            raise InvalidRequestError(f"field {field!r} has {len(value)} rows for {n_rows} keys")
+        schema = FieldSchema(JAGGED, _dtype_name(value.values, field), tuple(value.values.shape[1:]))
+        lengths = value.lengths.numpy()
+        return EncodedColumn(schema, _offsets(lengths, schema.itemsize * schema.row_elems), [_raw(value.values)], lengths)
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 or value.shape[0] != n_rows:
+            raise InvalidRequestError(f"field {field!r}: tensor of shape {tuple(value.shape)} needs leading dim {n_rows}")
+        schema = FieldSchema(TENSOR, _dtype_name(value, field), tuple(value.shape[1:]))
+        row = schema.itemsize * schema.row_elems
+        return EncodedColumn(schema, np.arange(n_rows + 1, dtype=np.int64) * row, [_raw(value)])
+    if not isinstance(value, (list, tuple)):
+        raise InvalidRequestError(
+            f"field {field!r}: expected a tensor, JaggedTensor, nested tensor or list, got {type(value).__name__}"
+        )
+    if len(value) != n_rows:
+        raise InvalidRequestError(f"field {field!r} has {len(value)} rows for {n_rows} keys")
+    if value and all(isinstance(v, torch.Tensor) for v in value):
+        first = value[0]
+        if first.dim() == 0:
+            return encode_column(field, torch.stack(list(value)), n_rows)
+        dtype, trailing = first.dtype, tuple(first.shape[1:])
+        for i, v in enumerate(value):
+            if v.dtype != dtype or v.dim() == 0 or tuple(v.shape[1:]) != trailing:
+                raise SchemaConflictError(
+                    f"field {field!r}: row {i} is {v.dtype}{tuple(v.shape)}, row 0 is {dtype}{tuple(first.shape)}"
+                )
+        schema = FieldSchema(JAGGED, _dtype_name(first, field), trailing)
+        lengths = np.fromiter((v.shape[0] for v in value), dtype=np.int64, count=n_rows)
+        return EncodedColumn(schema, _offsets(lengths, schema.itemsize * schema.row_elems), [_raw(v) for v in value], lengths)
+    try:
+        blobs = [msgpack.packb(v, use_bin_type=True) for v in value]
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"field {field!r}: values must be tensors or msgpack-able Python objects ({exc})") from None
+    sizes = np.fromiter((len(b) for b in blobs), dtype=np.int64, count=n_rows)
+    return EncodedColumn(FieldSchema(OBJECT, "object"), _offsets(sizes, 1), [np.frombuffer(b, dtype=np.uint8) for b in blobs])
+
+
+def write_chunks(dst: np.ndarray, chunks: Sequence[np.ndarray]) -> None:
+    """Copy chunks back to back into ``dst`` (a uint8 view of exactly their total size)."""
+    pos = 0
+    for c in chunks:
+        dst[pos : pos + c.size] = c
+        pos += c.size
+
+
+def pad_bits(schema: FieldSchema, pad_value: float | int | bool) -> Any:
+    """The pad value as the raw bits of the field's dtype (so fills work for bfloat16 too)."""
+    t = torch.tensor(pad_value, dtype=TORCH_DTYPES[schema.dtype])
+    return t.reshape(1).view(torch.uint8).numpy().view(BITS[schema.itemsize])[0]
+
+
+def to_tensor(raw: np.ndarray, schema: FieldSchema, shape: tuple[int, ...]) -> torch.Tensor:
+    """View raw bytes as a tensor of the field's dtype and ``shape`` (no copy)."""
+    t = torch.from_numpy(raw) if raw.size else torch.empty(0, dtype=torch.uint8)
+    return t.view(TORCH_DTYPES[schema.dtype]).reshape(shape)
+
+
+def unpack_objects(raw: np.ndarray, sizes: np.ndarray) -> list[Any]:
+    """Decode one msgpack value per row from concatenated bytes."""
+    out, pos, buf = [], 0, raw.tobytes()
+    for s in sizes.tolist():
+        out.append(msgpack.unpackb(buf[pos : pos + s], raw=False, strict_map_key=False))
+        pos += s
+    return out

@@ -1,0 +1,558 @@
+"""The TQ controller: metadata only - partitions, keys, field status and schemas, placement, waits.
+
+It never touches column bytes and never blocks on a request: a ``wait`` (or a ``hello`` arriving before
+the storage units registered) is parked with a deadline and answered from the loop. Storage is freed by
+fire-and-forget messages to the units over DEALER sockets polled in the same loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import protocol
+from .errors import (
+    DuplicateKeyError,
+    FieldNotProducedError,
+    InvalidRequestError,
+    KeyNotFoundError,
+    PartitionExistsError,
+    PartitionNotFoundError,
+    SchemaConflictError,
+    TQTimeoutError,
+)
+from .rpc import DEFERRED, Call, RpcServer
+from .schema import FieldSchema
+
+log = logging.getLogger(__name__)
+
+TAG_TYPES = (type(None), bool, int, float, str)
+# Columns of a location record: storage unit, block, row, bytes.
+UNIT, BLOCK, ROW, NBYTES = range(4)
+
+
+@dataclass
+class Partition:
+    """Keys of one partition; per field a location table indexed by key slot (-1: not produced)."""
+
+    pid: str
+    index: dict[str, int] = field(default_factory=dict)  # key -> slot
+    slot_keys: list[str | None] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)  # -1: unknown
+    tags: dict[str, list[Any]] = field(default_factory=dict)
+    schemas: dict[str, FieldSchema] = field(default_factory=dict)
+    locs: dict[str, np.ndarray] = field(default_factory=dict)  # field -> int64 [capacity, 4]
+    created_at: float = field(default_factory=time.time)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.slot_keys)
+
+    def slots_of(self, keys: list[str]) -> np.ndarray:
+        try:
+            return np.fromiter((self.index[k] for k in keys), dtype=np.int64, count=len(keys))
+        except KeyError as exc:
+            raise KeyNotFoundError(f"key {exc.args[0]!r} is not in partition {self.pid!r}") from None
+
+    def add_keys(self, keys: list[str]) -> np.ndarray:
+        start = len(self.slot_keys)
+        for i, k in enumerate(keys):
+            self.index[k] = start + i
+        self.slot_keys.extend(keys)
+        self.seq_lens.extend([-1] * len(keys))
+        for values in self.tags.values():
+            values.extend([None] * len(keys))
+        for name, loc in self.locs.items():
+            if loc.shape[0] < len(self.slot_keys):
+                grown = np.full((max(2 * loc.shape[0], len(self.slot_keys)), 4), -1, dtype=np.int64)
+                grown[: loc.shape[0]] = loc
+                self.locs[name] = grown
+        return np.arange(start, start + len(keys), dtype=np.int64)
+
+    def loc(self, name: str) -> np.ndarray:
+        if name not in self.locs:
+            self.locs[name] = np.full((max(len(self.slot_keys), 16), 4), -1, dtype=np.int64)
+        return self.locs[name]
+
+    def live_slots(self) -> np.ndarray:
+        return np.fromiter(self.index.values(), dtype=np.int64, count=len(self.index))
+
+    def bytes_held(self) -> int:
+        live = self.live_slots()
+        return int(sum(np.clip(loc[live, NBYTES], 0, None).sum() for loc in self.locs.values()))
+
+
+@dataclass
+class Waiter:
+    call: Call
+    pid: str
+    keys: list[str]
+    fields: list[str]
+    deadline: float
+
+
+class Controller(RpcServer):
+    """The controller process's server (see module docstring)."""
+
+    def __init__(
+        self,
+        bind: str,
+        *,
+        secret: bytes | None = None,
+        expected_units: int = 0,
+        max_message_bytes: int = 256 << 20,
+    ) -> None:
+        super().__init__("controller", bind, secret=secret, max_message_bytes=max_message_bytes)
+        self.partitions: dict[str, Partition] = {}
+        self.units: list[dict[str, Any]] = []
+        self.unit_socks: dict[int, Any] = {}
+        self.expected_units = expected_units
+        self.waiters: list[Waiter] = []
+        self.hello_waiters: list[tuple[Call, float]] = []
+        self.bytes_committed = 0
+        self.recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)
+        self.handlers.update(
+            hello=self.op_hello,
+            register_unit=self.op_register_unit,
+            create_partition=self.op_create_partition,
+            clear_partition=self.op_clear_partition,
+            drop_partition=self.op_drop_partition,
+            list_partitions=self.op_list_partitions,
+            mint=self.op_mint,
+            commit=self.op_commit,
+            locate=self.op_locate,
+            wait=self.op_wait,
+            discard=self.op_discard,
+            get_meta=self.op_get_meta,
+            set_tags=self.op_set_tags,
+            stats=lambda a, b, c: self.stats(),
+            shutdown=self.op_shutdown,
+        )
+
+    # -- small helpers
+    def _partition(self, args: dict) -> Partition:
+        pid = args.get("partition")
+        if not isinstance(pid, str):
+            raise InvalidRequestError("request needs a string 'partition'")
+        part = self.partitions.get(pid)
+        if part is None:
+            raise PartitionNotFoundError(f"partition {pid!r} is not registered")
+        return part
+
+    @staticmethod
+    def _str_list(args: dict, name: str) -> list[str]:
+        value = args.get(name)
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise InvalidRequestError(f"'{name}' must be a list of strings")
+        return value
+
+    @staticmethod
+    def _unique(keys: list[str]) -> None:
+        if len(set(keys)) != len(keys):
+            seen: set[str] = set()
+            dup = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+            raise DuplicateKeyError(f"key {dup!r} appears more than once in the request")
+
+    def _units_info(self) -> dict[str, Any]:
+        return {"units": self.units, "units_version": len(self.units)}
+
+    # -- units
+    def op_hello(self, args: dict, buffers: list, call: Call) -> Any:
+        if len(self.units) >= self.expected_units:
+            return self._units_info()
+        timeout = args.get("timeout", 30.0)
+        self.hello_waiters.append((call, time.monotonic() + float(timeout)))
+        return DEFERRED
+
+    def op_register_unit(self, args: dict, buffers: list, call: Call) -> dict:
+        import zmq
+
+        info = {k: args.get(k) for k in ("unit_id", "address", "host", "arena_path", "arena_size", "pid")}
+        if not isinstance(info["address"], str) or not isinstance(info["arena_size"], int):
+            raise InvalidRequestError("register_unit needs an address and an arena_size")
+        info["unit_id"] = len(self.units)  # the controller numbers units in registration order
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(info["address"])
+        self.unit_socks[info["unit_id"]] = sock
+        self.add_socket(sock, self._on_unit_reply)
+        self.units.append(info)
+        return {"unit_id": info["unit_id"]}
+
+    def _on_unit_reply(self, frames: list) -> None:
+        try:
+            protocol.raise_for_reply(protocol.decode(frames, self.secret))
+        except Exception as exc:
+            log.warning("a storage unit refused a free request: %s", exc)
+
+    def _send_to_unit(self, unit: int, op: str, args: dict, buffers: list) -> None:
+        sock = self.unit_socks.get(unit)
+        if sock is not None:
+            sock.send_multipart(protocol.request(op, 0, args, buffers, self.secret))
+
+    def _free_locations(self, part: Partition, slots: np.ndarray) -> None:
+        """Tell every unit to free the rows these slots hold (fire and forget)."""
+        if not slots.size:
+            return
+        rows = np.concatenate([loc[slots] for loc in part.locs.values()]) if part.locs else np.empty((0, 4), np.int64)
+        rows = rows[rows[:, UNIT] >= 0]
+        for unit in np.unique(rows[:, UNIT]).tolist():
+            sel = rows[rows[:, UNIT] == unit]
+            bufs: list[Any] = []
+            args = {"blocks": protocol.pack_array(sel[:, BLOCK], bufs), "rows": protocol.pack_array(sel[:, ROW], bufs)}
+            self._send_to_unit(unit, "free_rows", args, bufs)
+
+    # -- partitions
+    def op_create_partition(self, args: dict, buffers: list, call: Call) -> dict:
+        pid = args.get("partition")
+        if not isinstance(pid, str) or not pid:
+            raise InvalidRequestError("partition id must be a non-empty string")
+        if pid in self.partitions:
+            if not args.get("reuse", False):
+                raise PartitionExistsError(f"partition {pid!r} already exists (pass reuse=True to clear and reuse it)")
+            self._clear(self.partitions[pid])
+            return {"partition": pid, "reused": True}
+        self.partitions[pid] = Partition(pid)
+        return {"partition": pid, "reused": False}
+
+    def _clear(self, part: Partition) -> int:
+        n = len(part.index)
+        self._free_locations(part, part.live_slots())
+        self.partitions[part.pid] = Partition(part.pid)
+        return n
+
+    def op_clear_partition(self, args: dict, buffers: list, call: Call) -> dict:
+        return {"keys_cleared": self._clear(self._partition(args))}
+
+    def op_drop_partition(self, args: dict, buffers: list, call: Call) -> dict:
+        part = self._partition(args)
+        n = self._clear(part)
+        del self.partitions[part.pid]
+        for w in [w for w in self.waiters if w.pid == part.pid]:
+            self.waiters.remove(w)
+            self.reply_error(w.call, PartitionNotFoundError(f"partition {part.pid!r} was dropped while waiting"))
+        return {"keys_cleared": n}
+
+    def op_list_partitions(self, args: dict, buffers: list, call: Call) -> list:
+        return [self._partition_summary(p) for p in self.partitions.values()]
+
+    def _partition_summary(self, p: Partition) -> dict[str, Any]:
+        live = p.live_slots()
+        produced = {name: int((loc[live, UNIT] >= 0).sum()) for name, loc in p.locs.items()}
+        return {
+            "partition": p.pid,
+            "keys": len(p.index),
+            "fields": {name: {"schema": p.schemas[name].describe(), "produced": produced.get(name, 0)} for name in p.schemas},
+            "bytes": p.bytes_held(),
+        }
+
+    # -- keys and fields
+    def op_mint(self, args: dict, buffers: list, call: Call) -> dict:
+        part = self._partition(args)
+        keys = self._str_list(args, "keys")
+        self._unique(keys)
+        clash = next((k for k in keys if k in part.index), None)
+        if clash is not None:
+            raise DuplicateKeyError(f"key {clash!r} already exists in partition {part.pid!r}")
+        part.add_keys(keys)
+        return {"minted": len(keys)}
+
+    def op_commit(self, args: dict, buffers: list, call: Call) -> dict:
+        """Make a stored block visible: new keys (``mode='put'``) or new fields of existing keys."""
+        part = self._partition(args)
+        keys = self._str_list(args, "keys")
+        self._unique(keys)
+        mode, unit, block = args.get("mode"), args.get("unit"), args.get("block")
+        if mode not in ("put", "write_back"):
+            raise InvalidRequestError("commit mode must be 'put' or 'write_back'")
+        if not isinstance(unit, int) or not 0 <= unit < len(self.units) or not isinstance(block, int):
+            raise InvalidRequestError(f"commit names unknown storage unit {unit!r}")
+        fields = args.get("fields")
+        if not isinstance(fields, dict) or not fields:
+            raise InvalidRequestError("commit needs a non-empty map of fields")
+        schemas = {str(n): FieldSchema.from_wire(spec.get("schema")) for n, spec in fields.items() if isinstance(spec, dict)}
+        if len(schemas) != len(fields):
+            raise InvalidRequestError("commit: every field needs a spec map")
+        nbytes = {n: protocol.unpack_array(fields[n].get("row_nbytes"), buffers, name=f"{n}.row_nbytes", dtype="<i8") for n in schemas}
+        for name, nb in nbytes.items():
+            if nb.shape != (len(keys),):
+                raise InvalidRequestError(f"field {name!r}: {nb.size} row sizes for {len(keys)} keys")
+        for name, schema in schemas.items():
+            known = part.schemas.get(name)
+            if known is not None and known != schema:
+                raise SchemaConflictError(
+                    f"field {name!r} of partition {part.pid!r} is {known.describe()}; this write is {schema.describe()}"
+                )
+        tags = self._tags(args.get("tags"), len(keys))
+        seq = args.get("sequence_lengths")
+        if seq is not None and (not isinstance(seq, list) or len(seq) != len(keys) or not all(isinstance(s, int) for s in seq)):
+            raise InvalidRequestError("sequence_lengths must be a list of ints, one per key")
+
+        # Validate everything before changing any state: a bad commit must leave the partition as it was.
+        if mode == "put":
+            known_slots = [part.index.get(k) for k in keys]
+            for k, s in zip(keys, known_slots):
+                if s is not None and any(loc[s, UNIT] >= 0 for loc in part.locs.values()):
+                    raise DuplicateKeyError(f"key {k!r} already holds data in partition {part.pid!r}")
+            new = [k for k, s in zip(keys, known_slots) if s is None]
+        else:
+            part.slots_of(keys)  # raises on unknown keys
+            new = []
+            for name in schemas:
+                if name in part.locs:
+                    loc = part.locs[name]
+                    slots = part.slots_of(keys)
+                    taken = np.flatnonzero(loc[slots, UNIT] >= 0)
+                    if taken.size:
+                        raise SchemaConflictError(f"field {name!r} was already produced for key {keys[int(taken[0])]!r}")
+        if new:
+            part.add_keys(new)
+        slots = part.slots_of(keys)
+        for name, schema in schemas.items():
+            part.schemas[name] = schema
+            loc = part.loc(name)
+            loc[slots, UNIT] = unit
+            loc[slots, BLOCK] = block
+            loc[slots, ROW] = np.arange(len(keys))
+            loc[slots, NBYTES] = nbytes[name]
+        for tname, values in tags.items():
+            column = part.tags.setdefault(tname, [None] * part.capacity)
+            for s, v in zip(slots.tolist(), values):
+                column[s] = v
+        if seq is not None:
+            for s, v in zip(slots.tolist(), seq):
+                part.seq_lens[s] = v
+        total = int(sum(int(nb.sum()) for nb in nbytes.values()))
+        self.bytes_committed += total
+        self.recent.append((time.monotonic(), total))
+        self._check_waiters(part.pid)
+        return {"keys": len(keys)}
+
+    def _tags(self, tags: Any, n: int) -> dict[str, list[Any]]:
+        if tags is None:
+            return {}
+        if not isinstance(tags, dict):
+            raise InvalidRequestError("tags must map tag names to per-key value lists")
+        for name, values in tags.items():
+            if not isinstance(name, str) or not isinstance(values, list) or len(values) != n:
+                raise InvalidRequestError(f"tag {name!r} must list one value per key ({n})")
+            if not all(isinstance(v, TAG_TYPES) for v in values):
+                raise InvalidRequestError(f"tag {name!r} values must be None, bool, int, float or str")
+        return tags
+
+    def _missing(self, part: Partition, keys: list[str], fields: list[str]) -> tuple[int, str | None]:
+        """(number of missing (key, field) pairs, a description of the first one)."""
+        slots = np.fromiter((part.index.get(k, -1) for k in keys), dtype=np.int64, count=len(keys))
+        missing, first = 0, None
+        unknown = np.flatnonzero(slots < 0)
+        if unknown.size:
+            missing += unknown.size * len(fields)
+            first = f"key {keys[int(unknown[0])]!r} (not registered yet)"
+        known = slots[slots >= 0]
+        for name in fields:
+            loc = part.locs.get(name)
+            absent = np.flatnonzero(loc[known, UNIT] < 0) if loc is not None else np.arange(known.size)
+            if absent.size:
+                missing += absent.size
+                if first is None:
+                    first = f"field {name!r} of key {part.slot_keys[int(known[int(absent[0])])]!r}"
+        return missing, first
+
+    def op_locate(self, args: dict, buffers: list, call: Call) -> tuple[dict, list]:
+        part = self._partition(args)
+        keys = self._str_list(args, "keys")
+        fields = self._str_list(args, "fields")
+        slots = part.slots_of(keys)
+        out: dict[str, Any] = {}
+        frames: list[Any] = []
+        for name in fields:
+            if name not in part.schemas:
+                raise FieldNotProducedError(f"field {name!r} was never produced in partition {part.pid!r}")
+            rec = part.locs[name][slots]
+            absent = np.flatnonzero(rec[:, UNIT] < 0)
+            if absent.size:
+                raise FieldNotProducedError(
+                    f"field {name!r} is not produced for {absent.size} of {len(keys)} keys "
+                    f"in partition {part.pid!r} (first: {keys[int(absent[0])]!r})"
+                )
+            out[name] = {"schema": part.schemas[name].to_wire(), "loc": protocol.pack_array(rec, frames)}
+        return {"fields": out, "units_version": len(self.units)}, frames
+
+    def op_wait(self, args: dict, buffers: list, call: Call) -> Any:
+        part = self._partition(args)
+        keys = self._str_list(args, "keys")
+        fields = self._str_list(args, "fields")
+        timeout = args.get("timeout")
+        if not isinstance(timeout, (int, float)) or timeout < 0:
+            raise InvalidRequestError("wait needs a timeout >= 0 (seconds)")
+        missing, first = self._missing(part, keys, fields)
+        if not missing:
+            return {"ready": True}
+        self.waiters.append(Waiter(call, part.pid, keys, fields, time.monotonic() + float(timeout)))
+        return DEFERRED
+
+    def _check_waiters(self, pid: str) -> None:
+        for w in [w for w in self.waiters if w.pid == pid]:
+            if not self._missing(self.partitions[pid], w.keys, w.fields)[0]:
+                self.waiters.remove(w)
+                self.reply(w.call, {"ready": True})
+
+    def next_deadline(self) -> float | None:
+        times = [w.deadline for w in self.waiters] + [d for _, d in self.hello_waiters]
+        return min(times, default=None)
+
+    def on_tick(self, now: float) -> None:
+        for w in [w for w in self.waiters if w.deadline <= now]:
+            self.waiters.remove(w)
+            part = self.partitions.get(w.pid)
+            missing, first = self._missing(part, w.keys, w.fields) if part else (len(w.keys), None)
+            self.reply_error(
+                w.call,
+                TQTimeoutError(f"timed out waiting for {missing} (key, field) pairs in partition {w.pid!r}; first missing: {first}"),
+            )
+        if self.hello_waiters and (len(self.units) >= self.expected_units or any(d <= now for _, d in self.hello_waiters)):
+            for c, _ in self.hello_waiters:
+                self.reply(c, self._units_info())
+            self.hello_waiters.clear()
+
+    def op_discard(self, args: dict, buffers: list, call: Call) -> dict:
+        part = self._partition(args)
+        keys = self._str_list(args, "keys")
+        self._unique(keys)
+        slots = part.slots_of(keys)
+        self._free_locations(part, slots)
+        for k in keys:
+            del part.index[k]
+        for s in slots.tolist():
+            part.slot_keys[s] = None
+        for loc in part.locs.values():
+            loc[slots] = -1
+        return {"discarded": len(keys)}
+
+    def op_get_meta(self, args: dict, buffers: list, call: Call) -> dict:
+        """Keys (all, or the given ones), their tags and sequence lengths, and fields produced for all."""
+        part = self._partition(args)
+        keys = self._str_list(args, "keys") if args.get("keys") is not None else [k for k in part.slot_keys if k is not None]
+        slots = part.slots_of(keys)
+        sl = slots.tolist()
+        produced = [n for n, loc in part.locs.items() if keys and bool((loc[slots, UNIT] >= 0).all())]
+        seq = [part.seq_lens[s] for s in sl]
+        return {
+            "keys": keys,
+            "fields": produced,
+            "sequence_lengths": None if any(v < 0 for v in seq) else seq,
+            "tags": {name: [col[s] for s in sl] for name, col in part.tags.items()},
+        }
+
+    def op_set_tags(self, args: dict, buffers: list, call: Call) -> dict:
+        part = self._partition(args)
+        keys = self._str_list(args, "keys")
+        slots = part.slots_of(keys).tolist()
+        for name, values in self._tags(args.get("tags"), len(keys)).items():
+            column = part.tags.setdefault(name, [None] * part.capacity)
+            for s, v in zip(slots, values):
+                column[s] = v
+        return {"keys": len(keys)}
+
+    def op_shutdown(self, args: dict, buffers: list, call: Call) -> dict:
+        for unit in list(self.unit_socks):
+            self._send_to_unit(unit, "shutdown", {}, [])
+        self.stop()
+        return {"stopping": True}
+
+    def stats(self) -> dict[str, Any]:
+        now = time.monotonic()
+        window = [(t, b) for t, b in self.recent if now - t <= 60.0]
+        return {
+            **self.server_stats(),
+            "partitions": [self._partition_summary(p) for p in self.partitions.values()],
+            "units": self.units,
+            "bytes_committed_total": self.bytes_committed,
+            "put_bytes_per_s_60s": sum(b for _, b in window) / 60.0,
+            "parked_waits": len(self.waiters),
+        }
+
+
+def serve(
+    bind: str,
+    *,
+    storage_units: int = 1,
+    capacity: int = 4 << 30,
+    shm_dir: str = "/dev/shm",
+    unit_host: str | None = None,
+    secret: bytes | None = None,
+    ready_file: str | None = None,
+) -> None:
+    """Run a controller and ``storage_units`` local storage-unit processes until shut down.
+
+    The units split ``capacity`` evenly. Once bound, the controller writes its address as JSON to
+    ``ready_file`` (and prints ``TQ_READY <address>``), so launchers never guess ports.
+    """
+    import json
+    import subprocess
+    import sys
+
+    from .server import check_bind_allowed
+
+    check_bind_allowed(bind, secret)
+    ctrl = Controller(bind, secret=secret, expected_units=storage_units)
+    host = unit_host or bind.split("://", 1)[1].rsplit(":", 1)[0]
+    env = dict(os.environ)
+    if secret:
+        env["TQ_SECRET"] = secret.decode()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tq.storage", "--unit-id", str(i), "--bind", f"tcp://{host}:0",
+             "--controller", ctrl.address, "--capacity", str(capacity // max(storage_units, 1)), "--shm-dir", shm_dir],
+            env=env,
+        )
+        for i in range(storage_units)
+    ]
+    signal.signal(signal.SIGTERM, lambda *_: ctrl.stop())
+    signal.signal(signal.SIGINT, lambda *_: ctrl.stop())
+    if ready_file:
+        tmp = ready_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"address": ctrl.address, "pid": os.getpid()}, f)
+        os.replace(tmp, ready_file)
+    print(f"TQ_READY {ctrl.address}", flush=True)
+    try:
+        ctrl.serve_forever()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Run the TQ controller and its local storage units in the foreground.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--storage-units", type=int, default=1)
+    p.add_argument("--capacity", type=int, default=4 << 30)
+    p.add_argument("--shm-dir", default="/dev/shm")
+    p.add_argument("--ready-file")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("TQ_LOG_LEVEL", "WARNING"))
+    secret = os.environ.get("TQ_SECRET")
+    serve(
+        f"tcp://{a.host}:{a.port}", storage_units=a.storage_units, capacity=a.capacity, shm_dir=a.shm_dir,
+        secret=secret.encode() if secret else None, ready_file=a.ready_file,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""JaggedTensor: a batch of variable-length rows as one values tensor plus offsets (no per-row objects)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass
+class JaggedTensor:
+    """Rows ``values[offsets[i]:offsets[i+1]]`` for ``i < len(self)``; trailing dims are shared.
+
+    ``values`` has shape ``[total, *trailing]`` and ``offsets`` is int64 ``[n + 1]`` starting at 0.
+    """
+
+    values: torch.Tensor
+    offsets: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.offsets.dtype != torch.int64 or self.offsets.dim() != 1 or self.offsets.numel() < 1:
+            raise ValueError("offsets must be a 1-d int64 tensor with at least one element")
+        if int(self.offsets[0]) != 0 or int(self.offsets[-1]) != self.values.shape[0]:
+            raise ValueError(f"offsets must run from 0 to values.shape[0]={self.values.shape[0]}")
+        if bool((self.offsets[1:] < self.offsets[:-1]).any()):
+            raise ValueError("offsets must be non-decreasing")
+
+    def __len__(self) -> int:
+        return self.offsets.numel() - 1
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Row lengths (int64 ``[n]``)."""
+        return self.offsets[1:] - self.offsets[:-1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.values.dtype
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.values[int(self.offsets[i]) : int(self.offsets[i + 1])]
+
+    def unbind(self) -> list[torch.Tensor]:
+        """Rows as a list of views into ``values``."""
+        return list(torch.split(self.values, self.lengths.tolist()))
+
+    @classmethod
+    def from_list(cls, rows: Sequence[torch.Tensor]) -> "JaggedTensor":
+        """Concatenate rows (one copy); all rows share dtype and trailing shape."""
+        if not rows:
+            raise ValueError("from_list needs at least one row")
+        lengths = torch.tensor([r.shape[0] for r in rows], dtype=torch.int64)
+        offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        return cls(torch.cat([r.reshape(r.shape[0], *rows[0].shape[1:]) for r in rows]), offsets)
+
+    @classmethod
+    def from_padded(cls, padded: torch.Tensor, lengths: Sequence[int] | torch.Tensor) -> "JaggedTensor":
+        """Take the first ``lengths[i]`` entries of row ``i`` of a ``[n, L, ...]`` padded tensor."""
+        lengths = torch.as_tensor(lengths, dtype=torch.int64).cpu()
+        if lengths.numel() != padded.shape[0] or (lengths.numel() and int(lengths.max()) > padded.shape[1]):
+            raise ValueError(f"lengths {tuple(lengths.shape)} do not fit padded shape {tuple(padded.shape)}")
+        mask = torch.arange(padded.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        return cls(padded[mask.to(padded.device)], offsets)
+
+    def to_padded(self, pad_to: int | None = None, pad_value: float | int | bool = 0) -> torch.Tensor:
+        """Dense ``[n, pad_to, *trailing]`` tensor (``pad_to`` defaults to the longest row)."""
+        lengths = self.lengths
+        longest = int(lengths.max()) if len(self) else 0
+        pad_to = longest if pad_to is None else pad_to
+        if pad_to < longest:
+            raise ValueError(f"pad_to={pad_to} is shorter than the longest row ({longest})")
+        out = self.values.new_full((len(self), pad_to, *self.values.shape[1:]), pad_value)
+        mask = torch.arange(pad_to).unsqueeze(0) < lengths.unsqueeze(1)
+        out[mask] = self.values
+        return out

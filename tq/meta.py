@@ -1,0 +1,455 @@
+"""Lightweight batch handles for the TransferQueue data plane.
+
+A :class:`KVBatchMeta` names a batch of samples stored in the data-plane
+service without carrying any bulk tensor data: it holds the per-sample storage
+keys, the column names (``fields``) the batch promises or asks for, optional
+unpadded sequence lengths, small columnar per-sample ``tags`` and a free-form
+``extra_info`` dict that is propagated unchanged to every derived meta.
+
+The training driver passes these handles around (sharded per data-parallel
+rank, see :mod:`tq.sharding`); each worker fetches its shard's columns from
+storage by key.
+
+This module is pure Python (plus numpy and msgpack): no I/O, no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+__all__ = ["KVBatchMeta", "TAG_VALUE_TYPES"]
+
+#: Exact Python types allowed as tag values.
+TAG_VALUE_TYPES: tuple[type, ...] = (type(None), bool, int, float, str)
+_TAG_TYPES = frozenset(TAG_VALUE_TYPES)
+
+
+def _as_tuple(value: Any, what: str) -> tuple:
+    """Normalise a list / tuple / numpy array / iterable to a tuple of Python objects."""
+    if isinstance(value, tuple):
+        return value
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{what} must be a sequence, not a {type(value).__name__}")
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1:
+            raise ValueError(f"{what} must be 1-D, got an array of shape {value.shape}")
+        return tuple(value.tolist())
+    if isinstance(value, Mapping):
+        raise TypeError(f"{what} must be a sequence, not a mapping")
+    if not isinstance(value, Iterable):
+        raise TypeError(f"{what} must be a sequence, got {type(value).__name__}")
+    return tuple(value)
+
+
+def _first_duplicate(items: Sequence[Any]) -> Any:
+    seen: set = set()
+    for item in items:
+        if item in seen:
+            return item
+        seen.add(item)
+    return None  # pragma: no cover - only called when a duplicate exists
+
+
+def _normalise_tag_values(name: str, values: Any, n: int) -> tuple:
+    vals = _as_tuple(values, f"tag {name!r}")
+    if len(vals) != n:
+        raise ValueError(f"tag {name!r} has {len(vals)} values for {n} keys")
+    types = set(map(type, vals))
+    if not types <= _TAG_TYPES:
+        if any(issubclass(t, np.generic) for t in types):
+            vals = tuple(v.item() if isinstance(v, np.generic) else v for v in vals)
+            types = set(map(type, vals))
+        if not types <= _TAG_TYPES:
+            for i, v in enumerate(vals):
+                if type(v) not in _TAG_TYPES:
+                    raise TypeError(
+                        f"tag {name!r} value at index {i} has type {type(v).__name__}; "
+                        "tag values must be None, bool, int, float or str"
+                    )
+    return vals
+
+
+def _normalise_scalar_tag(name: str, value: Any) -> Any:
+    if isinstance(value, np.generic):
+        value = value.item()
+    if type(value) not in _TAG_TYPES:
+        raise TypeError(
+            f"tag {name!r} scalar has type {type(value).__name__}; "
+            "tag values must be None, bool, int, float or str"
+        )
+    return value
+
+
+def _normalise_indices(indices: Any, n: int) -> list[int]:
+    """Turn an int sequence / int array / boolean mask into a list of ints in [0, n)."""
+    if isinstance(indices, (str, bytes, Mapping)):
+        raise TypeError(f"indices must be a sequence of ints or a boolean mask, got {type(indices).__name__}")
+    arr = np.asarray(indices)
+    if arr.ndim != 1:
+        if arr.size == 0:
+            return []
+        raise TypeError(f"indices must be 1-D, got shape {arr.shape}")
+    if arr.dtype == np.bool_:
+        if arr.shape[0] != n:
+            raise IndexError(f"boolean mask has length {arr.shape[0]} but the meta has {n} keys")
+        return np.flatnonzero(arr).tolist()
+    if arr.size == 0:
+        return []
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"indices must be integers or a boolean mask, got dtype {arr.dtype}")
+    bad = (arr < 0) | (arr >= n)
+    if bad.any():
+        first = int(arr[int(np.argmax(bad))])
+        raise IndexError(f"index {first} out of range for a meta with {n} keys")
+    return arr.tolist()
+
+
+@dataclass(frozen=True)
+class KVBatchMeta:
+    """Immutable handle for a batch of samples held in the data-plane service.
+
+    Attributes:
+        partition_id: storage partition holding the samples (e.g. ``"train@step12"``).
+        keys: one storage key per sample; unique within a meta.
+        fields: column names the handle promises (producer side) or asks for
+            (consumer side); unique.
+        sequence_lengths: unpadded length of each sample (ints >= 0), or ``None``.
+        tags: columnar per-sample primitives, ``tag name -> tuple`` of
+            ``len(keys)`` values, each ``None``/``bool``/``int``/``float``/``str``.
+        extra_info: batch-level dict propagated unchanged to every derived
+            meta (``select``, ``chunk``, shards, ...), e.g.
+            ``global_forward_pad_seqlen`` or micro-batch plans.
+
+    Lists and numpy arrays passed to the constructor are normalised to tuples,
+    dicts are copied, and everything is validated (``ValueError`` for wrong
+    lengths / duplicates / negative lengths, ``TypeError`` for wrong types).
+    All methods return new metas; instances are never mutated.  Instances are
+    not hashable (they contain dicts).
+    """
+
+    partition_id: str
+    keys: tuple[str, ...]
+    fields: tuple[str, ...] = ()
+    sequence_lengths: tuple[int, ...] | None = None
+    tags: Mapping[str, tuple] = field(default_factory=dict)
+    extra_info: Mapping[str, Any] = field(default_factory=dict)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    # ------------------------------------------------------------------ init
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+
+        if not isinstance(self.partition_id, str):
+            raise TypeError(f"partition_id must be a str, got {type(self.partition_id).__name__}")
+
+        keys = _as_tuple(self.keys, "keys")
+        if not set(map(type, keys)) <= {str}:
+            for i, k in enumerate(keys):
+                if not isinstance(k, str):
+                    raise TypeError(f"key at index {i} has type {type(k).__name__}; keys must be str")
+        n = len(keys)
+        if len(set(keys)) != n:
+            raise ValueError(f"duplicate key {_first_duplicate(keys)!r} in keys")
+        set_(self, "keys", keys)
+
+        fields = _as_tuple(self.fields, "fields")
+        for f in fields:
+            if not isinstance(f, str):
+                raise TypeError(f"field names must be str, got {type(f).__name__} ({f!r})")
+        if len(set(fields)) != len(fields):
+            raise ValueError(f"duplicate field {_first_duplicate(fields)!r} in fields")
+        set_(self, "fields", fields)
+
+        if self.sequence_lengths is not None:
+            lens = _as_tuple(self.sequence_lengths, "sequence_lengths")
+            if len(lens) != n:
+                raise ValueError(f"sequence_lengths has {len(lens)} values for {n} keys")
+            types = set(map(type, lens))
+            if not types <= {int}:
+                if any(issubclass(t, np.integer) for t in types):
+                    lens = tuple(int(v) if isinstance(v, np.integer) else v for v in lens)
+                for i, v in enumerate(lens):
+                    if type(v) is not int:
+                        raise TypeError(
+                            f"sequence_lengths value at index {i} (key {keys[i]!r}) has type "
+                            f"{type(v).__name__}; expected int"
+                        )
+            if lens and min(lens) < 0:
+                i = lens.index(min(lens))
+                raise ValueError(f"sequence_lengths value {lens[i]} for key {keys[i]!r} is negative")
+            set_(self, "sequence_lengths", lens)
+
+        if not isinstance(self.tags, Mapping):
+            raise TypeError(f"tags must be a mapping, got {type(self.tags).__name__}")
+        tags: dict[str, tuple] = {}
+        for name, values in self.tags.items():
+            if not isinstance(name, str):
+                raise TypeError(f"tag names must be str, got {type(name).__name__} ({name!r})")
+            tags[name] = _normalise_tag_values(name, values, n)
+        set_(self, "tags", tags)
+
+        if not isinstance(self.extra_info, Mapping):
+            raise TypeError(f"extra_info must be a mapping, got {type(self.extra_info).__name__}")
+        set_(self, "extra_info", dict(self.extra_info))
+
+    # ------------------------------------------------------------ basic info
+    @property
+    def size(self) -> int:
+        """Number of samples (keys) in the batch."""
+        return len(self.keys)
+
+    def __len__(self) -> int:
+        """Number of samples (keys) in the batch."""
+        return len(self.keys)
+
+    @property
+    def total_tokens(self) -> int:
+        """Sum of ``sequence_lengths``; ``ValueError`` if they are unknown (``None``)."""
+        if self.sequence_lengths is None:
+            raise ValueError("total_tokens requires sequence_lengths, but they are None")
+        return sum(self.sequence_lengths)
+
+    # --------------------------------------------------------------- subsets
+    def _take(self, idx: list[int]) -> KVBatchMeta:
+        keys = self.keys
+        lens = self.sequence_lengths
+        return KVBatchMeta(
+            partition_id=self.partition_id,
+            keys=tuple([keys[i] for i in idx]),
+            fields=self.fields,
+            sequence_lengths=None if lens is None else tuple([lens[i] for i in idx]),
+            tags={name: tuple([vals[i] for i in idx]) for name, vals in self.tags.items()},
+            extra_info=self.extra_info,
+        )
+
+    def select(self, indices: Sequence[int] | Sequence[bool] | np.ndarray) -> KVBatchMeta:
+        """Return the samples at ``indices``, in the order given.
+
+        ``indices`` is a sequence / numpy array of ints in ``[0, len(self))``
+        (negative indices are rejected) or a boolean mask of length
+        ``len(self)``.  Keys, sequence lengths and every tag are subset
+        together.  Raises ``IndexError`` for an out-of-range index or a mask of
+        the wrong length, ``ValueError`` if an index repeats (keys must stay
+        unique).
+        """
+        return self._take(_normalise_indices(indices, len(self.keys)))
+
+    def _key_positions(self, keys: Iterable[str]) -> list[int]:
+        if isinstance(keys, str):
+            keys = [keys]
+        pos = {k: i for i, k in enumerate(self.keys)}
+        out = []
+        for k in keys:
+            i = pos.get(k)
+            if i is None:
+                raise KeyError(f"unknown key {k!r} (not in meta of partition {self.partition_id!r})")
+            out.append(i)
+        return out
+
+    def select_keys(self, keys: Iterable[str]) -> KVBatchMeta:
+        """Return the samples named by ``keys``, in the order given.
+
+        Raises ``KeyError`` naming the first key not in this meta.
+        """
+        return self._take(self._key_positions(keys))
+
+    def slice(self, start: int | None, stop: int | None = None) -> KVBatchMeta:
+        """Return the contiguous samples ``[start:stop]`` (Python slice semantics)."""
+        s = slice(start, stop)
+        lens = self.sequence_lengths
+        return KVBatchMeta(
+            partition_id=self.partition_id,
+            keys=self.keys[s],
+            fields=self.fields,
+            sequence_lengths=None if lens is None else lens[s],
+            tags={name: vals[s] for name, vals in self.tags.items()},
+            extra_info=self.extra_info,
+        )
+
+    def drop(self, keys: Iterable[str]) -> KVBatchMeta:
+        """Return this meta without ``keys``; remaining order is preserved.
+
+        Raises ``KeyError`` naming the first key not in this meta.
+        """
+        removed = set(self._key_positions(keys))
+        return self._take([i for i in range(len(self.keys)) if i not in removed])
+
+    def chunk(self, n: int) -> list[KVBatchMeta]:
+        """Split into ``n`` contiguous pieces whose sizes differ by at most 1.
+
+        Like ``numpy.array_split``: the first ``len(self) % n`` pieces get one
+        extra sample.  ``n`` must be in ``1..len(self)`` (``ValueError``
+        otherwise), so no piece is empty.
+        """
+        total = len(self.keys)
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            raise TypeError(f"chunk count must be an int, got {type(n).__name__}")
+        n = int(n)
+        if not 1 <= n <= total:
+            raise ValueError(f"cannot split {total} samples into {n} chunks (need 1 <= n <= {total})")
+        base, rem = divmod(total, n)
+        out = []
+        start = 0
+        for i in range(n):
+            stop = start + base + (1 if i < rem else 0)
+            out.append(self.slice(start, stop))
+            start = stop
+        return out
+
+    # --------------------------------------------------------------- combine
+    @staticmethod
+    def concat(metas: Sequence[KVBatchMeta]) -> KVBatchMeta:
+        """Concatenate metas of one partition into a single meta.
+
+        All metas must share ``partition_id``, the same ``fields`` set and the
+        same tag names (``ValueError`` naming the mismatch); keys must stay
+        unique.  Fields order and ``extra_info`` come from the first meta;
+        ``sequence_lengths`` are concatenated, or ``None`` if any is ``None``.
+        """
+        metas = list(metas)
+        if not metas:
+            raise ValueError("concat needs at least one meta")
+        for m in metas:
+            if not isinstance(m, KVBatchMeta):
+                raise TypeError(f"concat expects KVBatchMeta instances, got {type(m).__name__}")
+        first = metas[0]
+        field_set = set(first.fields)
+        tag_names = set(first.tags)
+        for i, m in enumerate(metas[1:], start=1):
+            if m.partition_id != first.partition_id:
+                raise ValueError(
+                    f"cannot concat metas of different partitions: "
+                    f"{first.partition_id!r} (meta 0) and {m.partition_id!r} (meta {i})"
+                )
+            if set(m.fields) != field_set:
+                raise ValueError(
+                    f"cannot concat metas with different fields: {sorted(field_set)} (meta 0) "
+                    f"and {sorted(m.fields)} (meta {i})"
+                )
+            if set(m.tags) != tag_names:
+                raise ValueError(
+                    f"cannot concat metas with different tags: {sorted(tag_names)} (meta 0) "
+                    f"and {sorted(m.tags)} (meta {i})"
+                )
+        keys: tuple[str, ...] = tuple(k for m in metas for k in m.keys)
+        if any(m.sequence_lengths is None for m in metas):
+            lens = None
+        else:
+            lens = tuple(v for m in metas for v in m.sequence_lengths)  # type: ignore[union-attr]
+        tags = {name: tuple(v for m in metas for v in m.tags[name]) for name in first.tags}
+        return KVBatchMeta(
+            partition_id=first.partition_id,
+            keys=keys,
+            fields=first.fields,
+            sequence_lengths=lens,
+            tags=tags,
+            extra_info=first.extra_info,
+        )
+
+    # ------------------------------------------------------ field / tag edits
+    def _replace(self, **changes: Any) -> KVBatchMeta:
+        values = {
+            "partition_id": self.partition_id,
+            "keys": self.keys,
+            "fields": self.fields,
+            "sequence_lengths": self.sequence_lengths,
+            "tags": self.tags,
+            "extra_info": self.extra_info,
+        }
+        values.update(changes)
+        return KVBatchMeta(**values)
+
+    def with_fields(self, fields: Iterable[str]) -> KVBatchMeta:
+        """Return a meta whose ``fields`` are replaced by ``fields``."""
+        return self._replace(fields=_as_tuple(fields, "fields"))
+
+    def add_fields(self, fields: Iterable[str]) -> KVBatchMeta:
+        """Return a meta whose ``fields`` are the ordered union of the current ones and ``fields``."""
+        new = list(self.fields)
+        seen = set(new)
+        for f in _as_tuple(fields, "fields"):
+            if f not in seen:
+                seen.add(f)
+                new.append(f)
+        return self._replace(fields=tuple(new))
+
+    def stamp_tags(self, **tags: Any) -> KVBatchMeta:
+        """Return a meta with ``tags`` added or overwritten.
+
+        Each value is either a scalar primitive (``None``/``bool``/``int``/
+        ``float``/``str``), broadcast to every key, or a sequence of
+        ``len(self)`` primitives.
+        """
+        n = len(self.keys)
+        new = dict(self.tags)
+        for name, value in tags.items():
+            if isinstance(value, str) or value is None or isinstance(value, (bool, int, float, np.generic)):
+                new[name] = (_normalise_scalar_tag(name, value),) * n
+            else:
+                new[name] = _normalise_tag_values(name, value, n)
+        return self._replace(tags=new)
+
+    def with_extra_info(self, **kv: Any) -> KVBatchMeta:
+        """Return a meta whose ``extra_info`` is the current one updated with ``kv``."""
+        return self._replace(extra_info={**self.extra_info, **kv})
+
+    # ---------------------------------------------------------- serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-Python dict (lists instead of tuples) suitable for msgpack / JSON."""
+        return {
+            "partition_id": self.partition_id,
+            "keys": list(self.keys),
+            "fields": list(self.fields),
+            "sequence_lengths": None if self.sequence_lengths is None else list(self.sequence_lengths),
+            "tags": {name: list(vals) for name, vals in self.tags.items()},
+            "extra_info": dict(self.extra_info),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> KVBatchMeta:
+        """Inverse of :meth:`to_dict`; ``partition_id`` and ``keys`` are required."""
+        missing = [k for k in ("partition_id", "keys") if k not in d]
+        if missing:
+            raise ValueError(f"meta dict is missing required entries: {missing}")
+        return cls(
+            partition_id=d["partition_id"],
+            keys=d["keys"],
+            fields=d.get("fields") or (),
+            sequence_lengths=d.get("sequence_lengths"),
+            tags=d.get("tags") or {},
+            extra_info=d.get("extra_info") or {},
+        )
+
+    def to_msgpack(self) -> bytes:
+        """Serialise with msgpack (``use_bin_type=True``).
+
+        ``extra_info`` must be msgpack-serialisable; otherwise ``TypeError``
+        names the offending key.  Note tuples inside ``extra_info`` come back
+        as lists.
+        """
+        d = self.to_dict()
+        try:
+            return msgpack.packb(d, use_bin_type=True)
+        except (TypeError, ValueError, OverflowError) as exc:
+            for k, v in self.extra_info.items():
+                try:
+                    msgpack.packb({k: v}, use_bin_type=True)
+                except (TypeError, ValueError, OverflowError) as item_exc:
+                    raise TypeError(
+                        f"extra_info[{k!r}] (type {type(v).__name__}) is not msgpack-serialisable: {item_exc}"
+                    ) from item_exc
+            raise TypeError(f"meta is not msgpack-serialisable: {exc}") from exc
+
+    @classmethod
+    def from_msgpack(cls, data: bytes) -> KVBatchMeta:
+        """Inverse of :meth:`to_msgpack`."""
+        d = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        if not isinstance(d, Mapping):
+            raise ValueError(f"msgpack payload is a {type(d).__name__}, expected a map")
+        return cls.from_dict(d)

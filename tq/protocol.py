@@ -1,0 +1,163 @@
+"""The TQ wire format - the only module that knows how messages look on the wire.
+
+A message is a ZMQ multipart message::
+
+    [header, mac, buffer_0, ..., buffer_{n-1}]
+
+``header`` is a msgpack map (never pickle). Requests carry ``v`` (protocol version), ``op``, ``rid``
+(request id, echoed in the reply), ``args`` and ``bs`` (the byte size of every buffer frame); replies
+carry ``v``, ``rid``, ``ok`` and ``result`` or ``error``. ``mac`` is the HMAC-SHA256 of the header bytes
+under the shared secret (empty when the service runs without one); since the header lists every
+buffer's size, a truncated or padded message is caught too. Bulk data (tensor bytes, index arrays)
+travels only in buffer frames, referenced from ``args`` as ``{"b": index, "d": dtype, "s": shape}``,
+so it is never copied through msgpack and can be sent and received zero-copy.
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass, field
+from hashlib import sha256
+from typing import Any, Sequence
+
+import msgpack
+import numpy as np
+
+from .errors import (
+    ERROR_TYPES,
+    AuthenticationError,
+    MalformedMessageError,
+    MessageTooLargeError,
+    ProtocolVersionError,
+    TQError,
+)
+
+PROTOCOL_VERSION = 1
+MAX_HEADER_BYTES = 64 << 20
+DEFAULT_MAX_MESSAGE_BYTES = 8 << 30
+# Index arrays and raw-byte views may only use these dtypes; anything else in a ref is rejected.
+ARRAY_DTYPES = frozenset({"<i8", "<i4", "<i2", "|i1", "|u1", "<u2", "<f4", "<f8", "|b1", "<f2"})
+
+
+def _packb(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _unpackb(data: bytes | memoryview) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def sign(secret: bytes | None, header: bytes) -> bytes:
+    """HMAC-SHA256 of a header under ``secret`` (empty when no secret is set)."""
+    return hmac.new(secret, header, sha256).digest() if secret else b""
+
+
+@dataclass
+class Message:
+    """A decoded message: its header map and its buffer frames (memoryviews, not copied)."""
+
+    header: dict[str, Any]
+    buffers: list[memoryview] = field(default_factory=list)
+
+
+def _frame_bytes(frame: Any) -> memoryview:
+    buf = getattr(frame, "buffer", frame)  # zmq.Frame or bytes
+    return memoryview(buf).cast("B") if not isinstance(buf, memoryview) or buf.format != "B" else buf
+
+
+def encode(header: dict[str, Any], buffers: Sequence[Any], secret: bytes | None) -> list[Any]:
+    """Frame a header and its buffers; buffers go out as given (no copy here)."""
+    views = [memoryview(b) for b in buffers]
+    header = dict(header, v=PROTOCOL_VERSION, bs=[v.nbytes for v in views])
+    hb = _packb(header)
+    return [hb, sign(secret, hb), *views]
+
+
+def decode(frames: Sequence[Any], secret: bytes | None, *, max_message_bytes: int | None = None) -> Message:
+    """Decode and verify a message; raises a specific :class:`TQError` for every defect."""
+    if len(frames) < 2:
+        raise MalformedMessageError(f"message has {len(frames)} frame(s); expected header, mac, buffers")
+    hview = _frame_bytes(frames[0])
+    if hview.nbytes > MAX_HEADER_BYTES:
+        raise MessageTooLargeError(f"header of {hview.nbytes} bytes exceeds {MAX_HEADER_BYTES}")
+    hb = hview.tobytes()
+    mac = _frame_bytes(frames[1]).tobytes()
+    if secret is not None and not hmac.compare_digest(mac, sign(secret, hb)):
+        raise AuthenticationError("request signature missing or invalid for this server's secret")
+    try:
+        header = _unpackb(hb)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise MalformedMessageError(f"header is not valid msgpack: {exc}") from None
+    if not isinstance(header, dict):
+        raise MalformedMessageError(f"header must be a map, got {type(header).__name__}")
+    version = header.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolVersionError(f"protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})")
+    sizes = header.get("bs")
+    buffers = [_frame_bytes(f) for f in frames[2:]]
+    if not isinstance(sizes, list) or len(sizes) != len(buffers):
+        raise MalformedMessageError(f"header declares {sizes!r} buffer sizes but {len(buffers)} buffer frames arrived")
+    total = 0
+    for declared, buf in zip(sizes, buffers):
+        if not isinstance(declared, int) or declared != buf.nbytes:
+            raise MalformedMessageError(f"buffer size mismatch: declared {declared!r}, got {buf.nbytes}")
+        total += declared
+    if max_message_bytes is not None and total > max_message_bytes:
+        raise MessageTooLargeError(f"message of {total} bytes exceeds the limit of {max_message_bytes}")
+    return Message(header, buffers)
+
+
+# ----------------------------------------------------------------------------- requests / replies
+def request(op: str, rid: int, args: dict[str, Any], buffers: Sequence[Any], secret: bytes | None) -> list[Any]:
+    return encode({"op": op, "rid": rid, "args": args}, buffers, secret)
+
+
+def reply_ok(rid: Any, result: Any, buffers: Sequence[Any], secret: bytes | None) -> list[Any]:
+    return encode({"rid": rid, "ok": True, "result": result}, buffers, secret)
+
+
+def reply_error(rid: Any, exc: BaseException, secret: bytes | None) -> list[Any]:
+    name = type(exc).__name__ if isinstance(exc, TQError) else "TQError"
+    message = str(exc) if isinstance(exc, TQError) else f"{type(exc).__name__}: {exc}"
+    return encode({"rid": rid, "ok": False, "error": {"type": name, "message": message}}, [], secret)
+
+
+def raise_for_reply(msg: Message) -> Any:
+    """Return a reply's result or raise the error it carries as its own :class:`TQError` subclass."""
+    header = msg.header
+    if header.get("ok") is True:
+        return header.get("result")
+    err = header.get("error")
+    if not isinstance(err, dict):
+        raise MalformedMessageError(f"reply carries neither result nor error: {header!r}")
+    raise ERROR_TYPES.get(str(err.get("type")), TQError)(str(err.get("message")))
+
+
+# ----------------------------------------------------------------------------- array refs
+def pack_array(arr: np.ndarray, buffers: list[Any]) -> dict[str, Any]:
+    """Append a contiguous array's bytes to ``buffers`` and return its ref for the header."""
+    arr = np.ascontiguousarray(arr)
+    if arr.dtype.str not in ARRAY_DTYPES:
+        raise TypeError(f"array dtype {arr.dtype} cannot travel on the wire")
+    buffers.append(arr.reshape(-1).view(np.uint8) if arr.size else b"")
+    return {"b": len(buffers) - 1, "d": arr.dtype.str, "s": list(arr.shape)}
+
+
+def unpack_array(ref: Any, buffers: Sequence[memoryview], *, name: str = "array", dtype: str | None = None) -> np.ndarray:
+    """Return a read-only zero-copy view of a referenced buffer, validating dtype, shape and size."""
+    if not isinstance(ref, dict) or not isinstance(ref.get("b"), int) or not isinstance(ref.get("s"), list):
+        raise MalformedMessageError(f"{name}: expected an array ref, got {ref!r}")
+    index, dt, shape = ref["b"], ref.get("d"), ref["s"]
+    if dt not in ARRAY_DTYPES or (dtype is not None and np.dtype(dt) != np.dtype(dtype)):
+        raise MalformedMessageError(f"{name}: dtype {dt!r} not allowed here")
+    if not 0 <= index < len(buffers):
+        raise MalformedMessageError(f"{name}: buffer index {index} out of range")
+    if len(shape) > 8 or any(not isinstance(d, int) or d < 0 for d in shape):
+        raise MalformedMessageError(f"{name}: invalid shape {shape!r}")
+    npdt = np.dtype(dt)
+    expected = int(np.prod(shape, dtype=np.int64)) * npdt.itemsize
+    buf = buffers[index]
+    if buf.nbytes != expected:
+        raise MalformedMessageError(f"{name}: buffer holds {buf.nbytes} bytes, shape {shape} of {dt} needs {expected}")
+    out = np.frombuffer(buf, dtype=npdt) if expected else np.empty(0, dtype=npdt)
+    return out.reshape(shape)

@@ -1,0 +1,361 @@
+"""A storage unit: holds column bytes in a shared-memory arena and serves them by (block, row).
+
+The unit knows nothing of keys or partitions - the controller maps (key, field) to (unit, block, row).
+A *block* is what one put or write-back stored: one arena range holding each of its fields as one
+contiguous buffer (values back to back, per-row byte offsets beside), never one object per sample.
+Same-host clients write blocks straight into the arena (``alloc`` then ``store``) and read them by
+byte range (``fetch`` in ``shm`` mode); other clients send and receive the bytes as frames.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import protocol
+from .arena import Arena, RangeAllocator, check_shm_room, host_identity
+from .errors import CapacityError, InvalidRequestError, StorageUnitError
+from .rpc import Call, RpcChannel, RpcServer
+from .schema import JAGGED, OBJECT, TENSOR, FieldSchema
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ALLOC_LEASE_S = 600.0
+
+
+@dataclass
+class FieldLayout:
+    schema: FieldSchema
+    start: int  # absolute arena offset of the field's first byte
+    row_offsets: np.ndarray  # int64 [n_rows + 1], byte offsets relative to ``start``
+
+
+@dataclass
+class Block:
+    start: int
+    size: int
+    fields: dict[str, FieldLayout]
+    live: np.ndarray  # bool [n_rows]
+    n_live: int
+
+
+def validate_layout(schema: FieldSchema, row_offsets: np.ndarray, name: str) -> None:
+    """Check that per-row byte offsets fit the field's kind, dtype and shape."""
+    if row_offsets.ndim != 1 or row_offsets.size < 1 or row_offsets[0] != 0:
+        raise InvalidRequestError(f"field {name!r}: row offsets must start at 0")
+    sizes = np.diff(row_offsets)
+    if (sizes < 0).any():
+        raise InvalidRequestError(f"field {name!r}: row offsets must be non-decreasing")
+    unit = schema.itemsize * schema.row_elems
+    if schema.kind == TENSOR and (sizes != unit).any():
+        raise InvalidRequestError(f"field {name!r}: every row of a {schema.describe()} column holds {unit} bytes")
+    if schema.kind == JAGGED and unit and (sizes % unit).any():
+        raise InvalidRequestError(f"field {name!r}: row sizes must be multiples of {unit} bytes for {schema.describe()}")
+
+
+class StorageUnit(RpcServer):
+    """One storage unit process (see module docstring)."""
+
+    def __init__(
+        self,
+        unit_id: int,
+        bind: str,
+        *,
+        capacity: int,
+        shm_dir: str = "/dev/shm",
+        secret: bytes | None = None,
+        max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
+        alloc_lease_s: float = DEFAULT_ALLOC_LEASE_S,
+    ) -> None:
+        super().__init__(f"storage unit {unit_id}", bind, secret=secret, max_message_bytes=max_message_bytes)
+        self.unit_id = unit_id
+        check_shm_room(shm_dir, capacity)
+        self.arena = Arena(os.path.join(shm_dir, f"tq-{uuid.uuid4().hex[:12]}-unit{unit_id}.arena"), capacity, create=True)
+        self.alloc = RangeAllocator(capacity)
+        self.blocks: dict[int, Block] = {}
+        self.pending: dict[int, tuple[int, int, float]] = {}  # alloc id -> (start, size, expiry)
+        self.alloc_lease_s = alloc_lease_s
+        self._next_id = 1
+        self.bytes_stored = 0
+        self.bytes_served = 0
+        self.handlers.update(
+            ping=lambda a, b, c: {"unit_id": unit_id},
+            alloc=self.op_alloc,
+            store=self.op_store,
+            fetch=self.op_fetch,
+            free_rows=self.op_free_rows,
+            free_blocks=self.op_free_blocks,
+            trim=self.op_trim,
+            stats=lambda a, b, c: self.stats(),
+            shutdown=self.op_shutdown,
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "unit_id": self.unit_id,
+            "address": self.address,
+            "host": host_identity(),
+            "arena_path": self.arena.path,
+            "arena_size": self.arena.size,
+            "pid": os.getpid(),
+        }
+
+    # -- helpers
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
+
+    def next_deadline(self) -> float | None:
+        return min((exp for _, _, exp in self.pending.values()), default=None)
+
+    def on_tick(self, now: float) -> None:
+        for aid, (start, size, exp) in list(self.pending.items()):
+            if exp <= now:  # a writer that allocated and never stored (crashed): reclaim
+                log.warning("storage unit %d reclaims expired allocation %d (%d bytes)", self.unit_id, aid, size)
+                del self.pending[aid]
+                self.alloc.free(start, size)
+
+    # -- ops
+    def op_alloc(self, args: dict, buffers: list, call: Call) -> dict:
+        nbytes = args.get("nbytes")
+        if not isinstance(nbytes, int) or nbytes < 0 or nbytes > self.arena.size:
+            raise CapacityError(f"cannot allocate {nbytes!r} bytes in an arena of {self.arena.size}")
+        start = self.alloc.allocate(nbytes)
+        aid = self._new_id()
+        self.pending[aid] = (start, nbytes, time.monotonic() + self.alloc_lease_s)
+        return {"alloc": aid, "offset": start}
+
+    def op_store(self, args: dict, buffers: list, call: Call) -> dict:
+        """Register a block: either an earlier ``alloc`` the client filled, or bytes sent as frames."""
+        n_rows, fields = args.get("n_rows"), args.get("fields")
+        if not isinstance(n_rows, int) or n_rows < 0 or not isinstance(fields, dict) or not fields:
+            raise InvalidRequestError("store needs n_rows >= 0 and a non-empty map of fields")
+        layouts: list[tuple[str, FieldSchema, int, np.ndarray, Any]] = []
+        rel = 0
+        for name, spec in fields.items():
+            if not isinstance(name, str) or not isinstance(spec, dict):
+                raise InvalidRequestError("store: fields must map names to specs")
+            schema = FieldSchema.from_wire(spec.get("schema"))
+            ro = protocol.unpack_array(spec.get("row_offsets"), buffers, name=f"{name}.row_offsets", dtype="<i8")
+            if ro.size != n_rows + 1:
+                raise InvalidRequestError(f"field {name!r}: {ro.size} row offsets for {n_rows} rows")
+            validate_layout(schema, ro, name)
+            nbytes = int(ro[-1])
+            data = None
+            if "data" in spec:
+                data = protocol.unpack_array(spec["data"], buffers, name=f"{name}.data", dtype="|u1")
+                if data.size != nbytes:
+                    raise InvalidRequestError(f"field {name!r}: {data.size} data bytes, row offsets say {nbytes}")
+                offset = rel
+            else:
+                offset = spec.get("offset")
+                if not isinstance(offset, int) or offset < rel:
+                    raise InvalidRequestError(f"field {name!r}: offset {offset!r} overlaps the previous field")
+            layouts.append((name, schema, offset, np.array(ro, dtype=np.int64), data))
+            rel = offset + nbytes
+        if "alloc" in args:
+            pend = self.pending.get(args["alloc"]) if isinstance(args["alloc"], int) else None
+            if pend is None:
+                raise InvalidRequestError(f"unknown or expired allocation {args['alloc']!r}")
+            start, size, _ = pend
+            if rel > size:
+                raise InvalidRequestError(f"fields need {rel} bytes but allocation {args['alloc']} holds {size}")
+            if any(d is not None for *_, d in layouts):
+                raise InvalidRequestError("store: give either an allocation or data frames, not both")
+            del self.pending[args["alloc"]]
+        else:
+            if any(d is None for *_, d in layouts):
+                raise InvalidRequestError("store without an allocation needs a data frame for every field")
+            size = rel
+            start = self.alloc.allocate(size)
+            for _, _, offset, ro, data in layouts:
+                self.arena.view[start + offset : start + offset + data.size] = data
+        block = Block(
+            start,
+            size,
+            {n: FieldLayout(s, start + off, ro) for n, s, off, ro, _ in layouts},
+            np.ones(n_rows, dtype=bool),
+            n_rows,
+        )
+        bid = self._new_id()
+        if n_rows == 0:
+            self.alloc.free(start, size)
+        else:
+            self.blocks[bid] = block
+        self.bytes_stored += rel
+        return {"block": bid, "nbytes": {n: int(ro[-1]) for n, _, _, ro, _ in layouts}}
+
+    def _rows_of(self, spec: Any, buffers: list, name: str) -> tuple[np.ndarray, np.ndarray]:
+        if not isinstance(spec, dict):
+            raise InvalidRequestError(f"{name}: expected blocks and rows")
+        blocks = protocol.unpack_array(spec.get("blocks"), buffers, name=f"{name}.blocks", dtype="<i8")
+        rows = protocol.unpack_array(spec.get("rows"), buffers, name=f"{name}.rows", dtype="<i8")
+        if blocks.shape != rows.shape or blocks.ndim != 1:
+            raise InvalidRequestError(f"{name}: blocks and rows must be 1-d arrays of one length")
+        return blocks, rows
+
+    def _locate(self, field: str, blocks: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Absolute arena offsets and byte sizes of the given rows of one field (vectorised per block)."""
+        starts = np.empty(blocks.size, dtype=np.int64)
+        sizes = np.empty(blocks.size, dtype=np.int64)
+        for bid in np.unique(blocks).tolist():
+            block = self.blocks.get(bid)
+            if block is None or field not in block.fields:
+                raise StorageUnitError(f"storage unit {self.unit_id} holds no field {field!r} in block {bid} (freed or never stored)")
+            sel = np.flatnonzero(blocks == bid)
+            r = rows[sel]
+            if r.size and (r.min() < 0 or r.max() >= block.live.size):
+                raise StorageUnitError(f"block {bid} has {block.live.size} rows; asked for row {int(r.max())}")
+            if not block.live[r].all():
+                raise StorageUnitError(f"rows of block {bid} were already freed")
+            lay = block.fields[field]
+            starts[sel] = lay.start + lay.row_offsets[r]
+            sizes[sel] = lay.row_offsets[r + 1] - lay.row_offsets[r]
+        return starts, sizes
+
+    def op_fetch(self, args: dict, buffers: list, call: Call) -> tuple[dict, list]:
+        """Serve rows of fields: as arena byte ranges (``shm``) or gathered into one frame per field."""
+        fields, mode = args.get("fields"), args.get("mode")
+        if not isinstance(fields, dict) or mode not in ("shm", "tcp"):
+            raise InvalidRequestError("fetch needs a map of fields and mode 'shm' or 'tcp'")
+        out: dict[str, Any] = {}
+        frames: list[Any] = []
+        for name, spec in fields.items():
+            blocks, rows = self._rows_of(spec, buffers, str(name))
+            starts, sizes = self._locate(name, blocks, rows)
+            entry = {"sizes": protocol.pack_array(sizes, frames)}
+            total = int(sizes.sum())
+            if mode == "shm":
+                entry["starts"] = protocol.pack_array(starts, frames)
+            else:
+                entry["data"] = protocol.pack_array(self._gather(starts, sizes, total), frames)
+            self.bytes_served += total
+            out[name] = entry
+        return out, frames
+
+    def _gather(self, starts: np.ndarray, sizes: np.ndarray, total: int) -> np.ndarray:
+        """Copy rows into one buffer, one memcpy per run of rows that are adjacent in the arena."""
+        data = np.empty(total, dtype=np.uint8)
+        if not starts.size:
+            return data
+        ends = starts + sizes
+        breaks = np.flatnonzero(starts[1:] != ends[:-1]) + 1
+        run_first = np.concatenate(([0], breaks))
+        run_last = np.concatenate((breaks, [starts.size])) - 1
+        dst = np.concatenate(([0], np.cumsum(sizes)))
+        view = self.arena.view
+        for a, b in zip(run_first.tolist(), run_last.tolist()):
+            s, e = int(starts[a]), int(ends[b])
+            data[dst[a] : dst[a] + (e - s)] = view[s:e]
+        return data
+
+    def _free_block(self, bid: int) -> None:
+        block = self.blocks.pop(bid, None)
+        if block is not None:
+            self.alloc.free(block.start, block.size)
+
+    def op_free_rows(self, args: dict, buffers: list, call: Call) -> dict:
+        blocks, rows = self._rows_of(args, buffers, "free_rows")
+        freed = 0
+        for bid in np.unique(blocks).tolist():
+            block = self.blocks.get(bid)
+            if block is None:
+                continue
+            r = rows[blocks == bid]
+            r = r[(r >= 0) & (r < block.live.size)]
+            block.live[r] = False
+            block.n_live = int(block.live.sum())
+            if block.n_live == 0:
+                self._free_block(bid)
+                freed += 1
+        return {"blocks_freed": freed}
+
+    def op_free_blocks(self, args: dict, buffers: list, call: Call) -> dict:
+        bids = args.get("blocks")
+        if not isinstance(bids, list):
+            raise InvalidRequestError("free_blocks needs a list of block ids")
+        for bid in bids:
+            if isinstance(bid, int):
+                self._free_block(bid)
+        return {"blocks_freed": len(bids)}
+
+    def op_trim(self, args: dict, buffers: list, call: Call) -> dict:
+        """Release the pages of every free arena range to the OS."""
+        released = 0
+        for start, size in self.alloc.free_ranges():
+            self.arena.release_pages(start, size)
+            released += size
+        return {"released_bytes": released}
+
+    def op_shutdown(self, args: dict, buffers: list, call: Call) -> dict:
+        self.stop()
+        return {"stopping": True}
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **self.describe(),
+            **self.server_stats(),
+            "blocks": len(self.blocks),
+            "bytes_used": self.alloc.used,
+            "bytes_live": int(sum(int(b.fields[f].row_offsets[-1]) for b in self.blocks.values() for f in b.fields)),
+            "bytes_stored_total": self.bytes_stored,
+            "bytes_served_total": self.bytes_served,
+            "pending_allocs": len(self.pending),
+        }
+
+    def close(self) -> None:
+        super().close()
+        self.arena.close(unlink=True)
+
+
+def run_storage_unit(
+    unit_id: int,
+    bind: str,
+    controller: str,
+    *,
+    capacity: int,
+    shm_dir: str = "/dev/shm",
+    secret: bytes | None = None,
+    max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
+    register_timeout: float = 30.0,
+) -> None:
+    """Start a unit, register it with the controller at ``controller`` and serve until shut down."""
+    unit = StorageUnit(unit_id, bind, capacity=capacity, shm_dir=shm_dir, secret=secret, max_message_bytes=max_message_bytes)
+    try:
+        chan = RpcChannel(controller, secret=secret, timeout=register_timeout, name="controller")
+        chan.call("register_unit", unit.describe())
+        chan.close()
+        signal.signal(signal.SIGTERM, lambda *_: unit.stop())
+        unit.serve_forever()
+    except BaseException:
+        unit.close()
+        raise
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Run one TQ storage unit (normally started by tq-controller).")
+    p.add_argument("--unit-id", type=int, required=True)
+    p.add_argument("--bind", required=True, help="e.g. tcp://127.0.0.1:0")
+    p.add_argument("--controller", required=True)
+    p.add_argument("--capacity", type=int, required=True)
+    p.add_argument("--shm-dir", default="/dev/shm")
+    p.add_argument("--max-message-bytes", type=int, default=protocol.DEFAULT_MAX_MESSAGE_BYTES)
+    a = p.parse_args(argv)
+    secret = os.environ.get("TQ_SECRET")
+    logging.basicConfig(level=os.environ.get("TQ_LOG_LEVEL", "WARNING"))
+    run_storage_unit(
+        a.unit_id, a.bind, a.controller, capacity=a.capacity, shm_dir=a.shm_dir,
+        secret=secret.encode() if secret else None, max_message_bytes=a.max_message_bytes,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""Shared fixtures: a real TQ service (controller + storage unit processes) per test module."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from tq import TQClient, TQServer
+
+
+@pytest.fixture(scope="module")
+def tq_server():
+    """A controller with two storage units on loopback, shut down after the module."""
+    server = TQServer(storage_units=2, capacity=512 << 20)
+    yield server
+    server.shutdown()
+
+
+@pytest.fixture()
+def client(tq_server):
+    c = TQClient(tq_server.address, timeout=10.0)
+    yield c
+    c.close()
+
+
+@pytest.fixture()
+def partition(client):
+    """A fresh partition id, dropped after the test."""
+    pid = f"p-{uuid.uuid4().hex[:8]}"
+    client.register_partition(pid)
+    yield pid
+    try:
+        client.drop_partition(pid)
+    except Exception:
+        pass

@@ -60,7 +60,7 @@ def round_lengths(lengths: Sequence[int] | np.ndarray, sequence_length_round: in
         raise ValueError(f"sequence lengths must be >= 0, got {int(arr.min())}")
     if r == 1:
         return arr
-    return arr // r * r
+    return (arr + (r - 1)) // r * r
 
 
 def micro_batch_cost(rounded_lengths: Sequence[int], mode: MicroBatchMode) -> int:

@@ -8,6 +8,8 @@ viewing it is garbage collected; the pool never holds more than ``max_cached_byt
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import mmap
 import os
 import threading
@@ -25,8 +27,9 @@ class HostBufferPool:
         env = os.environ.get("TQ_BUFFER_POOL_BYTES")
         self.max_cached_bytes = max_cached_bytes if max_cached_bytes is not None else int(env) if env else 2 << 30
         self.min_pooled_bytes = min_pooled_bytes
-        self._free: dict[int, list[mmap.mmap]] = {}
+        self._free: list[tuple[int, int, mmap.mmap]] = []  # (size, seq, mapping), sorted by size
         self._cached = 0
+        self._seq = itertools.count()
         self._lock = threading.Lock()
 
     @property
@@ -38,10 +41,11 @@ class HostBufferPool:
         if nbytes < self.min_pooled_bytes or self.max_cached_bytes <= 0:
             return np.empty(nbytes, dtype=np.uint8)
         size = -(-nbytes // POOL_GRANULE) * POOL_GRANULE
-        with self._lock:
-            bucket = self._free.get(size)
-            mm = bucket.pop() if bucket else None
-            if mm is not None:
+        mm = None
+        with self._lock:  # best fit: the smallest idle buffer that holds the request, if not over 2x
+            i = bisect.bisect_left(self._free, (size, -1))
+            if i < len(self._free) and self._free[i][0] <= 2 * size:
+                size, _, mm = self._free.pop(i)
                 self._cached -= size
         if mm is None:
             mm = mmap.mmap(-1, size)
@@ -54,7 +58,7 @@ class HostBufferPool:
     def _release(self, mm: mmap.mmap, size: int) -> None:
         with self._lock:
             if self._cached + size <= self.max_cached_bytes:
-                self._free.setdefault(size, []).append(mm)
+                bisect.insort(self._free, (size, next(self._seq), mm))
                 self._cached += size
                 return
         mm.close()
@@ -62,8 +66,7 @@ class HostBufferPool:
     def clear(self) -> None:
         """Unmap every idle buffer."""
         with self._lock:
-            for bucket in self._free.values():
-                for mm in bucket:
-                    mm.close()
+            for _, _, mm in self._free:
+                mm.close()
             self._free.clear()
             self._cached = 0

@@ -18,10 +18,11 @@ import torch
 from . import protocol
 from .arena import Arena, align_up, host_identity
 from .bufferpool import HostBufferPool
-from .columns import BITS, EncodedColumn, encode_column, pad_bits, to_tensor, unpack_objects, write_chunks
+from .columns import EncodedColumn, encode_column, pad_bits, to_tensor, unpack_objects, write_chunks
 from .errors import DuplicateKeyError, InvalidRequestError, TQError
 from .jagged import JaggedTensor
 from .meta import KVBatchMeta
+from .rowcopy import copy_rows
 from .rpc import RpcChannel
 from .schema import JAGGED, OBJECT, FieldSchema
 
@@ -49,20 +50,9 @@ class _Fetched:
         self.starts = np.zeros(n, dtype=np.int64)
         self.sizes = np.zeros(n, dtype=np.int64)
 
-    def copy_into(self, dst: np.ndarray, dst_starts: np.ndarray) -> None:
-        """Copy every row to ``dst[dst_starts[i]:...]``: one memcpy per run adjacent in source and dest."""
-        n = self.sizes.size
-        if not n:
-            return
-        ends = self.starts + self.sizes
-        dst_ends = dst_starts + self.sizes
-        brk = np.flatnonzero((self.starts[1:] != ends[:-1]) | (dst_starts[1:] != dst_ends[:-1]) | (self.src[1:] != self.src[:-1])) + 1
-        firsts = np.concatenate(([0], brk)).tolist()
-        lasts = (np.concatenate((brk, [n])) - 1).tolist()
-        starts, ends_l, dsts, srcs = self.starts.tolist(), ends.tolist(), dst_starts.tolist(), self.src.tolist()
-        for a, b in zip(firsts, lasts):
-            s, e, d = starts[a], ends_l[b], dsts[a]
-            dst[d : d + (e - s)] = self.sources[srcs[a]][s:e]
+    def copy_into(self, dst: np.ndarray, dst_starts: np.ndarray, row_span: int = 0, pad: bytes = b"") -> None:
+        """Copy row i to ``dst[dst_starts[i]:]``; with ``row_span`` pad each row's rest with ``pad``."""
+        copy_rows(dst, dst_starts, self.sources, self.src, self.starts, self.sizes, row_span, pad)
 
 
 class TQClient:
@@ -376,14 +366,9 @@ class TQClient:
                 f"field {name!r}: key {meta.keys[int(np.argmax(lengths))]!r} has {longest} tokens, more than the pad length {target}"
             )
         raw = self._pool.empty(n * target * row_bytes)
-        fx.copy_into(raw, np.arange(n, dtype=np.int64) * (target * row_bytes))
-        short = np.flatnonzero(lengths < target)
-        if short.size:
-            fill = pad_value.get(name, 0) if isinstance(pad_value, Mapping) else pad_value
-            bits = raw.view(BITS[schema.itemsize]).reshape(n, target * schema.row_elems)
-            pad = pad_bits(schema, fill)
-            for i, start in zip(short.tolist(), (lengths[short] * schema.row_elems).tolist()):
-                bits[i, start:] = pad
+        fill = pad_value.get(name, 0) if isinstance(pad_value, Mapping) else pad_value
+        span = target * row_bytes
+        fx.copy_into(raw, np.arange(n, dtype=np.int64) * span, span, pad_bits(schema, fill).tobytes())
         return to_tensor(raw, schema, (n, target, *schema.shape))
 
     # ------------------------------------------------------------------ deletes and stats

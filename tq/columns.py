@@ -11,6 +11,7 @@ import torch
 
 from .errors import InvalidRequestError, SchemaConflictError
 from .jagged import JaggedTensor
+from .rowcopy import copy_rows
 from .schema import DTYPES, JAGGED, OBJECT, TENSOR, FieldSchema
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -113,10 +114,12 @@ def encode_column(field: str, value: Any, n_rows: int) -> EncodedColumn:
 
 def write_chunks(dst: np.ndarray, chunks: Sequence[np.ndarray]) -> None:
     """Copy chunks back to back into ``dst`` (a uint8 view of exactly their total size)."""
-    pos = 0
-    for c in chunks:
-        dst[pos : pos + c.size] = c
-        pos += c.size
+    if len(chunks) == 1:
+        dst[:] = chunks[0]
+        return
+    sizes = np.fromiter((c.size for c in chunks), dtype=np.int64, count=len(chunks))
+    n = sizes.size
+    copy_rows(dst, np.cumsum(sizes) - sizes, chunks, np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64), sizes)
 
 
 def pad_bits(schema: FieldSchema, pad_value: float | int | bool) -> Any:

@@ -23,6 +23,7 @@ import numpy as np
 from . import protocol
 from .arena import Arena, RangeAllocator, check_shm_room, host_identity
 from .errors import CapacityError, InvalidRequestError, StorageUnitError
+from .rowcopy import copy_rows
 from .rpc import Call, RpcChannel, RpcServer
 from .schema import JAGGED, OBJECT, TENSOR, FieldSchema
 
@@ -242,19 +243,10 @@ class StorageUnit(RpcServer):
         return out, frames
 
     def _gather(self, starts: np.ndarray, sizes: np.ndarray, total: int) -> np.ndarray:
-        """Copy rows into one buffer, one memcpy per run of rows that are adjacent in the arena."""
+        """Copy rows back to back into one new buffer (the frame a TCP reader receives)."""
         data = np.empty(total, dtype=np.uint8)
-        if not starts.size:
-            return data
-        ends = starts + sizes
-        breaks = np.flatnonzero(starts[1:] != ends[:-1]) + 1
-        run_first = np.concatenate(([0], breaks))
-        run_last = np.concatenate((breaks, [starts.size])) - 1
-        dst = np.concatenate(([0], np.cumsum(sizes)))
-        view = self.arena.view
-        for a, b in zip(run_first.tolist(), run_last.tolist()):
-            s, e = int(starts[a]), int(ends[b])
-            data[dst[a] : dst[a] + (e - s)] = view[s:e]
+        n = sizes.size
+        copy_rows(data, np.cumsum(sizes) - sizes, [self.arena.view], np.zeros(n, dtype=np.int64), starts, sizes)
         return data
 
     def _free_block(self, bid: int) -> None:
@@ -326,13 +318,25 @@ def run_storage_unit(
     secret: bytes | None = None,
     max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
     register_timeout: float = 30.0,
+    ready_file: str | None = None,
 ) -> None:
-    """Start a unit, register it with the controller at ``controller`` and serve until shut down."""
+    """Start a unit, register it with the controller at ``controller`` and serve until shut down.
+
+    Once registered, the unit's description (with the ``unit_id`` the controller assigned) is written
+    as JSON to ``ready_file`` when given, so a launcher (e.g. a Ray actor) knows it is serving.
+    """
     unit = StorageUnit(unit_id, bind, capacity=capacity, shm_dir=shm_dir, secret=secret, max_message_bytes=max_message_bytes)
     try:
         chan = RpcChannel(controller, secret=secret, timeout=register_timeout, name="controller")
-        chan.call("register_unit", unit.describe())
+        registered, _ = chan.call("register_unit", unit.describe())
         chan.close()
+        if ready_file:
+            import json
+
+            tmp = ready_file + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump({**unit.describe(), "unit_id": registered["unit_id"]}, f)
+            os.replace(tmp, ready_file)  # atomic: a reader never sees half a file
         signal.signal(signal.SIGTERM, lambda *_: unit.stop())
         unit.serve_forever()
     except BaseException:
@@ -348,12 +352,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--capacity", type=int, required=True)
     p.add_argument("--shm-dir", default="/dev/shm")
     p.add_argument("--max-message-bytes", type=int, default=protocol.DEFAULT_MAX_MESSAGE_BYTES)
+    p.add_argument("--ready-file", help="write the registered unit's description here as JSON once serving")
     a = p.parse_args(argv)
     secret = os.environ.get("TQ_SECRET")
     logging.basicConfig(level=os.environ.get("TQ_LOG_LEVEL", "WARNING"))
     run_storage_unit(
         a.unit_id, a.bind, a.controller, capacity=a.capacity, shm_dir=a.shm_dir,
-        secret=secret.encode() if secret else None, max_message_bytes=a.max_message_bytes,
+        secret=secret.encode() if secret else None, max_message_bytes=a.max_message_bytes, ready_file=a.ready_file,
     )
 
 

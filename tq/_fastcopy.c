@@ -1,0 +1,117 @@
+/* Row copies for the TQ client and storage units, with the GIL released.
+ *
+ * copy_rows(dst, dst_starts, sources, src_idx, src_starts, sizes, row_span, pad)
+ *   for every row i: memcpy(dst + dst_starts[i], sources[src_idx[i]] + src_starts[i], sizes[i]);
+ *   when row_span > 0, the rest of the row up to row_span bytes is filled with the byte pattern `pad`.
+ * Every range is bounds-checked first (offsets may come from another process), so bad offsets raise
+ * ValueError instead of touching memory they do not own. A pure-numpy fallback lives in tq/rowcopy.py.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+static int get_i64(PyObject *obj, Py_buffer *view, const char *name) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS) < 0) return -1;
+    if (view->len % 8 != 0) {
+        PyErr_Format(PyExc_ValueError, "%s must be an int64 buffer", name);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static void fill_pattern(char *p, Py_ssize_t n, const char *pat, Py_ssize_t plen) {
+    if (n <= 0) return;
+    int uniform = 1;
+    for (Py_ssize_t k = 1; k < plen; k++) uniform &= (pat[k] == pat[0]);
+    if (uniform) { memset(p, pat[0], (size_t)n); return; }
+    Py_ssize_t done = plen < n ? plen : n;
+    memcpy(p, pat, (size_t)done);
+    while (done < n) {  /* doubling copies of what is already filled */
+        Py_ssize_t step = done < n - done ? done : n - done;
+        memcpy(p + done, p, (size_t)step);
+        done += step;
+    }
+}
+
+static PyObject *copy_rows(PyObject *self, PyObject *args) {
+    PyObject *dst_o, *dst_starts_o, *sources_o, *src_idx_o, *src_starts_o, *sizes_o;
+    Py_ssize_t row_span;
+    Py_buffer pad;
+    if (!PyArg_ParseTuple(args, "OOOOOOny*", &dst_o, &dst_starts_o, &sources_o, &src_idx_o, &src_starts_o,
+                          &sizes_o, &row_span, &pad))
+        return NULL;
+    PyObject *ret = NULL;
+    Py_buffer dst = {0}, dst_starts = {0}, src_idx = {0}, src_starts = {0}, sizes = {0};
+    Py_buffer *srcs = NULL;
+    Py_ssize_t nsrc = 0, got_src = 0;
+    PyObject *seq = PySequence_Fast(sources_o, "sources must be a sequence of buffers");
+    if (!seq) goto done_pad;
+    nsrc = PySequence_Fast_GET_SIZE(seq);
+    if (PyObject_GetBuffer(dst_o, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done_seq;
+    if (get_i64(dst_starts_o, &dst_starts, "dst_starts") < 0) goto done_dst;
+    if (get_i64(src_idx_o, &src_idx, "src_idx") < 0) goto done_ds;
+    if (get_i64(src_starts_o, &src_starts, "src_starts") < 0) goto done_si;
+    if (get_i64(sizes_o, &sizes, "sizes") < 0) goto done_ss;
+    Py_ssize_t n = sizes.len / 8;
+    if (dst_starts.len / 8 != n || src_idx.len / 8 != n || src_starts.len / 8 != n) {
+        PyErr_SetString(PyExc_ValueError, "dst_starts, src_idx, src_starts and sizes must have one length");
+        goto done_sz;
+    }
+    if (row_span > 0 && pad.len < 1) {
+        PyErr_SetString(PyExc_ValueError, "a pad pattern is needed when row_span > 0");
+        goto done_sz;
+    }
+    srcs = PyMem_Calloc((size_t)(nsrc ? nsrc : 1), sizeof(Py_buffer));
+    if (!srcs) { PyErr_NoMemory(); goto done_sz; }
+    for (; got_src < nsrc; got_src++)
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got_src), &srcs[got_src], PyBUF_C_CONTIGUOUS) < 0) goto done_srcs;
+    const int64_t *ds = dst_starts.buf, *si = src_idx.buf, *ss = src_starts.buf, *sz = sizes.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {  /* validate everything before copying anything */
+        int64_t s = si[i];
+        Py_ssize_t span = row_span > 0 ? row_span : sz[i];
+        if (s < 0 || s >= nsrc || sz[i] < 0 || ss[i] < 0 || ds[i] < 0 || sz[i] > span ||
+            ss[i] > srcs[s].len - sz[i] || ds[i] > dst.len - span) {
+            PyErr_Format(PyExc_ValueError, "row %zd: copy out of bounds (source %lld, start %lld, size %lld)", i,
+                         (long long)s, (long long)ss[i], (long long)sz[i]);
+            goto done_srcs;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    char *d = dst.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        memcpy(d + ds[i], (const char *)srcs[si[i]].buf + ss[i], (size_t)sz[i]);
+        if (row_span > 0) fill_pattern(d + ds[i] + sz[i], row_span - sz[i], pad.buf, pad.len);
+    }
+    Py_END_ALLOW_THREADS
+    ret = Py_None;
+    Py_INCREF(ret);
+done_srcs:
+    for (Py_ssize_t k = 0; k < got_src; k++) PyBuffer_Release(&srcs[k]);
+    PyMem_Free(srcs);
+done_sz:
+    PyBuffer_Release(&sizes);
+done_ss:
+    PyBuffer_Release(&src_starts);
+done_si:
+    PyBuffer_Release(&src_idx);
+done_ds:
+    PyBuffer_Release(&dst_starts);
+done_dst:
+    PyBuffer_Release(&dst);
+done_seq:
+    Py_DECREF(seq);
+done_pad:
+    PyBuffer_Release(&pad);
+    return ret;
+}
+
+static PyMethodDef methods[] = {
+    {"copy_rows", copy_rows, METH_VARARGS, "Copy byte rows between buffers, optionally padding each row."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fastcopy", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__fastcopy(void) { return PyModule_Create(&module); }

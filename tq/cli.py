@@ -1,0 +1,445 @@
+"""``tq-controller``: start, stop and inspect a TQ service (controller + local storage units).
+
+::
+
+    tq-controller start [--host 127.0.0.1] [--port 0] [--storage-units 1] [--capacity 4G] [--foreground]
+    tq-controller status [--json]
+    tq-controller stop
+
+``start`` runs ``python -m tq.controller`` as a detached process (its own session, so closing the
+terminal does not kill it) and records ``{address, pid, log}`` in a state file - by default
+``$TQ_STATE_DIR/controller.json`` with ``TQ_STATE_DIR`` defaulting to ``~/.cache/tq`` - which
+``status`` and ``stop`` read when no ``--address`` is given. Errors print one line to stderr and exit
+non-zero: 1 for "not running / unreachable / failed", 2 for a refused request (bad arguments, already
+running, a non-loopback bind without a secret).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Sequence
+
+from .errors import AuthenticationError, TQError
+
+EXIT_FAILED = 1
+EXIT_REFUSED = 2
+STATUS_TIMEOUT_S = 5.0
+STOP_TIMEOUT_S = 15.0
+START_TIMEOUT_S = 60.0
+
+_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+class CLIError(Exception):
+    """A failure to report as one line on stderr with exit code ``code`` (no traceback)."""
+
+    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def parse_size(text: str) -> int:
+    """Parse a byte count such as ``4294967296``, ``4G``, ``512M``, ``1.5GiB`` or ``64k`` (binary units)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: expected a number with an optional K/M/G/T suffix")
+    value = int(float(m.group(1)) * _SUFFIXES[m.group(2).upper()])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return value
+
+
+def format_bytes(n: float) -> str:
+    """``1536 -> '1.5 KiB'``: a short human-readable byte count."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def default_state_file() -> str:
+    """``$TQ_STATE_DIR/controller.json`` (``TQ_STATE_DIR`` defaults to ``~/.cache/tq``)."""
+    state_dir = os.environ.get("TQ_STATE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tq")
+    return os.path.join(state_dir, "controller.json")
+
+
+def read_state(path: str) -> dict[str, Any] | None:
+    """The recorded state, or None when there is no (readable) state file."""
+    try:
+        with open(path) as f:
+            state = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise CLIError(f"cannot read state file {path}: {exc}") from None
+    return state if isinstance(state, dict) else None
+
+
+def _write_state(path: str, state: dict[str, Any]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(state, f, indent=2)
+    os.replace(tmp, path)  # atomic: a concurrent reader never sees half a file
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def pid_alive(pid: int | None, *, controller_only: bool = True) -> bool:
+    """Whether ``pid`` runs (not a zombie) and, with ``controller_only``, is a TQ controller.
+
+    The command-line check guards against a recycled pid: after a reboot or a crash the recorded pid may
+    belong to an unrelated process, which ``stop`` must never signal.
+    """
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return not controller_only or "tq.controller" in " ".join(proc.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def _wait_pid_exit(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not pid_alive(pid, controller_only=False):
+            return True
+        time.sleep(0.05)
+    return not pid_alive(pid, controller_only=False)
+
+
+def _kill_tree(pid: int, sig: int) -> None:
+    """Signal a controller and its storage-unit children (children first, so none is orphaned)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        procs = proc.children(recursive=True) + [proc]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _secret(args: argparse.Namespace) -> str | None:
+    return args.secret if args.secret else os.environ.get("TQ_SECRET") or None
+
+
+def _resolve_target(args: argparse.Namespace) -> tuple[str, dict[str, Any] | None, str]:
+    """(address, recorded state or None, state file path) for ``stop``/``status``."""
+    state_file = args.state_file or default_state_file()
+    state = read_state(state_file)
+    if args.address:
+        # The state's pid only belongs to this address if the state records the same address.
+        return args.address, state if state and state.get("address") == args.address else None, state_file
+    if not state or not isinstance(state.get("address"), str):
+        raise CLIError(f"no TQ controller is recorded in {state_file} (start one with `tq-controller start`, or pass --address)")
+    return state["address"], state, state_file
+
+
+# ---------------------------------------------------------------------------------------------- status table
+def render_status(stats: dict[str, Any], *, address: str | None = None) -> Any:
+    """A rich renderable of a service's stats (as returned by :meth:`tq.TQClient.stats`).
+
+    Sections: a summary line (uptime, throughput), partitions (keys, fields, bytes held), storage units
+    (address, used / arena size, blocks, bytes stored / served) and per-operation counts with p50/p99
+    latency for the controller and every unit.
+    """
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    title = f"TQ service at {address}" if address else "TQ service"
+    summary = Text.assemble(
+        (title, "bold"),
+        f"  uptime {stats.get('uptime_s', 0.0):.0f}s",
+        f"  put throughput (60s) {format_bytes(stats.get('put_bytes_per_s_60s', 0.0))}/s",
+        f"  committed total {format_bytes(stats.get('bytes_committed_total', 0))}",
+        f"  parked waits {stats.get('parked_waits', 0)}",
+        f"  rejected messages {stats.get('rejected_messages', 0)}",
+    )
+
+    parts = Table(title="Partitions", title_justify="left", expand=False)
+    for col, justify in (("partition", "left"), ("keys", "right"), ("fields (schema, produced)", "left"), ("bytes held", "right")):
+        parts.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for p in stats.get("partitions", []):
+        fields = ", ".join(f"{name} ({spec.get('schema')}, {spec.get('produced')})" for name, spec in p.get("fields", {}).items())
+        parts.add_row(str(p.get("partition")), str(p.get("keys")), fields or "-", format_bytes(p.get("bytes", 0)))
+    if not stats.get("partitions"):
+        parts.add_row("(none)", "", "", "")
+
+    units = Table(title="Storage units", title_justify="left", expand=False)
+    for col, justify in (("unit", "right"), ("address", "left"), ("host", "left"), ("used / arena", "right"),
+                         ("blocks", "right"), ("stored total", "right"), ("served total", "right"), ("pid", "right")):
+        units.add_column(col, justify=justify)  # type: ignore[arg-type]
+    # unit_stats come from the units themselves; fall back to the controller's registry if absent.
+    unit_rows = stats.get("unit_stats") or stats.get("units", [])
+    for u in unit_rows:
+        used = u.get("bytes_used")
+        units.add_row(
+            str(u.get("unit_id")), str(u.get("address")), str(u.get("host", "")).split("/", 1)[0],
+            f"{format_bytes(used)} / {format_bytes(u.get('arena_size', 0))}" if used is not None else f"? / {format_bytes(u.get('arena_size', 0))}",
+            str(u.get("blocks", "?")), format_bytes(u.get("bytes_stored_total", 0)), format_bytes(u.get("bytes_served_total", 0)),
+            str(u.get("pid", "")),
+        )
+    if not unit_rows:
+        units.add_row("", "(none registered)", "", "", "", "", "", "")
+
+    ops = Table(title="Operations", title_justify="left", expand=False)
+    for col, justify in (("server", "left"), ("op", "left"), ("count", "right"), ("errors", "right"),
+                         ("p50 ms", "right"), ("p99 ms", "right")):
+        ops.add_column(col, justify=justify)  # type: ignore[arg-type]
+    servers = [("controller", stats.get("ops", {}))] + [(f"unit {u.get('unit_id')}", u.get("ops", {})) for u in stats.get("unit_stats", [])]
+    for server, table in servers:
+        for op, st in sorted(table.items()):
+            ops.add_row(server, op, str(st.get("count", 0)), str(st.get("errors", 0)),
+                        f"{st.get('p50_ms', 0.0):.2f}", f"{st.get('p99_ms', 0.0):.2f}")
+    return Group(summary, parts, units, ops)
+
+
+def print_status(stats: dict[str, Any], *, address: str | None = None, file: Any = None) -> None:
+    """Print :func:`render_status` to ``file`` (default stdout), at least 120 columns wide when not a TTY."""
+    from rich.console import Console
+
+    out = file if file is not None else sys.stdout
+    width = None if out.isatty() else max(120, shutil.get_terminal_size((120, 40)).columns)
+    Console(file=out, width=width, highlight=False).print(render_status(stats, address=address))
+
+
+# ---------------------------------------------------------------------------------------------- commands
+def cmd_start(args: argparse.Namespace) -> int:
+    """Start a controller and its storage units; record and print its address."""
+    from .server import check_bind_allowed
+
+    secret = _secret(args)
+    try:
+        check_bind_allowed(f"tcp://{args.host}:{args.port}", secret.encode() if secret else None)
+    except AuthenticationError as exc:
+        raise CLIError(str(exc), EXIT_REFUSED) from None
+    if args.storage_units < 0:
+        raise CLIError("--storage-units must be >= 0", EXIT_REFUSED)
+
+    state_file = os.path.abspath(args.state_file or default_state_file())
+    state = read_state(state_file)
+    if state and pid_alive(state.get("pid")):
+        raise CLIError(
+            f"a TQ controller is already running at {state.get('address')} (pid {state.get('pid')}, recorded in "
+            f"{state_file}); stop it with `tq-controller stop` or use another --state-file",
+            EXIT_REFUSED,
+        )
+    os.makedirs(os.path.dirname(state_file), exist_ok=True)
+    _remove(state_file)  # stale: its controller is gone
+    log_path = os.path.splitext(state_file)[0] + ".log"
+    ready_file = os.path.splitext(state_file)[0] + ".ready"
+    _remove(ready_file)
+
+    env = dict(os.environ)
+    if secret:
+        env["TQ_SECRET"] = secret  # by environment, never argv: argv is world-readable in ps
+    cmd = [sys.executable, "-m", "tq.controller", "--host", args.host, "--port", str(args.port),
+           "--storage-units", str(args.storage_units), "--capacity", str(args.capacity),
+           "--shm-dir", args.shm_dir, "--ready-file", ready_file]
+    # Children must find this package even when it is not installed (run from a source checkout).
+    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+
+    if args.foreground:
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+        log_path = ""
+    else:
+        with open(log_path, "ab") as log:
+            log.write(f"--- tq-controller start {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(cmd)}\n".encode())
+            log.flush()
+            proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+    try:
+        address = _await_service(proc, ready_file, args.storage_units, secret, log_path)
+    except BaseException:
+        _kill_tree(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        raise
+    finally:
+        _remove(ready_file)
+    _write_state(state_file, {"address": address, "pid": proc.pid, "log": log_path or None,
+                              "storage_units": args.storage_units, "started_at": time.time()})
+    print(address, flush=True)
+    if not args.foreground:
+        return 0
+    return _run_foreground(proc, state_file)
+
+
+def _await_service(proc: subprocess.Popen, ready_file: str, units: int, secret: str | None, log_path: str) -> str:
+    """Wait (bounded) until the controller wrote its ready file and all its storage units registered."""
+    from .client import TQClient
+
+    see_log = f" (see {log_path})" if log_path else ""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not os.path.exists(ready_file):
+        if proc.poll() is not None:
+            raise CLIError(f"the TQ controller exited with code {proc.returncode} before it was ready{see_log}")
+        if time.monotonic() > deadline:
+            raise CLIError(f"the TQ controller was not ready within {START_TIMEOUT_S:.0f}s{see_log}")
+        time.sleep(0.05)
+    with open(ready_file) as f:
+        address = json.load(f)["address"]
+    # hello is parked by the controller until every unit registered (or its timeout passes), so this
+    # one call both checks the service answers and waits for the units.
+    left = max(1.0, deadline - time.monotonic())
+    client = TQClient(address, secret=secret, timeout=left)
+    try:
+        registered = len(client.stats()["units"])
+    finally:
+        client.close()
+    if registered < units:
+        raise CLIError(f"only {registered} of {units} storage units registered within {START_TIMEOUT_S:.0f}s{see_log}")
+    return address
+
+
+def _run_foreground(proc: subprocess.Popen, state_file: str) -> int:
+    """Wait on the controller; on SIGTERM/Ctrl-C stop it (bounded) and remove the state file."""
+    signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
+    try:
+        while True:
+            try:
+                code = proc.wait()
+                break
+            except KeyboardInterrupt:  # the controller got the same SIGINT from the terminal
+                proc.terminate()
+    finally:
+        if proc.poll() is None:
+            try:
+                proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                _kill_tree(proc.pid, signal.SIGKILL)
+                proc.wait()
+        _remove(state_file)
+    return 0 if code in (0, -signal.SIGTERM, -signal.SIGINT) else EXIT_FAILED
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    """Shut a controller down (RPC, else SIGTERM to the recorded pid), wait for it, remove the state file."""
+    from .client import TQClient
+
+    address, state, state_file = _resolve_target(args)
+    pid = state.get("pid") if state else None
+    alive = pid_alive(pid)
+    try:
+        client = TQClient(address, secret=_secret(args), timeout=STATUS_TIMEOUT_S)
+        try:
+            client.shutdown_service()
+        finally:
+            client.close()
+        reached = True
+    except TQError as exc:
+        reached = False
+        if not alive:
+            if state:
+                _remove(state_file)
+            raise CLIError(f"no TQ controller is running at {address} ({exc})"
+                           + (f"; removed the stale state file {state_file}" if state else "")) from None
+    if alive:
+        if not reached:
+            _kill_tree(pid, signal.SIGTERM)  # unreachable (e.g. wrong secret) but alive here: terminate it
+        if not _wait_pid_exit(pid, STOP_TIMEOUT_S):
+            _kill_tree(pid, signal.SIGTERM)
+            if not _wait_pid_exit(pid, 5.0):
+                _kill_tree(pid, signal.SIGKILL)
+                _wait_pid_exit(pid, 5.0)
+    if state:
+        _remove(state_file)
+    print(f"stopped TQ controller at {address}" + (f" (pid {pid})" if pid else ""), flush=True)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Print the service's stats as tables (or raw JSON with ``--json``)."""
+    from .client import TQClient
+
+    address, _, _ = _resolve_target(args)
+    try:
+        client = TQClient(address, secret=_secret(args), timeout=args.timeout)
+        try:
+            stats = client.stats()
+        finally:
+            client.close()
+    except TQError as exc:
+        raise CLIError(f"TQ controller at {address} is not reachable: {exc}") from None
+    if args.json:
+        print(json.dumps(stats, indent=2, sort_keys=True, default=str), flush=True)
+    else:
+        print_status(stats, address=address)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- entry point
+def build_parser() -> argparse.ArgumentParser:
+    """The ``tq-controller`` argument parser (subcommands start, stop, status)."""
+    p = argparse.ArgumentParser(prog="tq-controller", description="Start, stop and inspect a TransferQueue service.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--state-file", help="state JSON (default: $TQ_STATE_DIR/controller.json, TQ_STATE_DIR=~/.cache/tq)")
+        sp.add_argument("--secret", help="the service's shared secret (default: $TQ_SECRET)")
+
+    s = sub.add_parser("start", help="start a controller and its storage units in the background")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs a secret)")
+    s.add_argument("--port", type=int, default=0, help="controller port (0: pick a free one)")
+    s.add_argument("--storage-units", type=int, default=1, help="local storage units (0: units join later, e.g. via Ray)")
+    s.add_argument("--capacity", type=parse_size, default=4 << 30, help="total bytes over all units, e.g. 4G or 512M")
+    s.add_argument("--shm-dir", default="/dev/shm", help="directory (tmpfs) holding the storage arenas")
+    s.add_argument("--foreground", action="store_true", help="stay attached and stop the service on Ctrl-C")
+    common(s)
+    s.set_defaults(func=cmd_start)
+
+    for name, func, help_ in (("stop", cmd_stop, "shut the service down"), ("status", cmd_status, "show partitions, units and op stats")):
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument("--address", help="controller address (default: the one recorded in the state file)")
+        common(sp)
+        if name == "status":
+            sp.add_argument("--json", action="store_true", help="print the raw stats as JSON")
+            sp.add_argument("--timeout", type=float, default=STATUS_TIMEOUT_S, help="seconds to wait for an answer")
+        sp.set_defaults(func=func)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run ``tq-controller``; exits with the command's status (errors: one line on stderr)."""
+    args = build_parser().parse_args(argv)
+    try:
+        code = args.func(args)
+    except CLIError as exc:
+        print(f"tq-controller {args.command}: {exc}", file=sys.stderr, flush=True)
+        code = exc.code
+    except (TQError, OSError, ValueError) as exc:
+        print(f"tq-controller {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        code = EXIT_FAILED
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Copying byte rows between buffers - the one hot loop of the data plane.
+
+``copy_rows`` uses the C helper ``tq._fastcopy`` (built at install, GIL released, bounds-checked) and
+falls back to numpy slicing (same results, more Python overhead per row) where it was not built.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+try:
+    from ._fastcopy import copy_rows as _c_copy_rows
+except ImportError:  # no compiler at install time
+    _c_copy_rows = None
+
+HAVE_FASTCOPY = _c_copy_rows is not None
+
+
+def copy_rows(
+    dst: np.ndarray,
+    dst_starts: np.ndarray,
+    sources: Sequence[np.ndarray],
+    src_idx: np.ndarray,
+    src_starts: np.ndarray,
+    sizes: np.ndarray,
+    row_span: int = 0,
+    pad: bytes = b"",
+) -> None:
+    """For each row i copy ``sizes[i]`` bytes from ``sources[src_idx[i]][src_starts[i]:]`` to
+    ``dst[dst_starts[i]:]``; with ``row_span > 0`` fill the rest of each row's span with ``pad``."""
+    if _c_copy_rows is not None:
+        _c_copy_rows(dst, dst_starts.astype(np.int64, copy=False), list(sources), src_idx.astype(np.int64, copy=False),
+                     src_starts.astype(np.int64, copy=False), sizes.astype(np.int64, copy=False), row_span, pad)
+        return
+    n = sizes.size
+    if n and ((src_starts < 0).any() or (dst_starts < 0).any() or (sizes < 0).any()
+              or (row_span > 0 and (sizes > row_span).any())
+              or (dst_starts + (row_span if row_span > 0 else sizes) > dst.size).any()
+              or any((src_starts[src_idx == k] + sizes[src_idx == k] > s.size).any() for k, s in enumerate(sources))):
+        raise ValueError("copy out of bounds")
+    pattern = np.frombuffer(pad, dtype=np.uint8) if row_span > 0 else None
+    for i, (k, s, d, z) in enumerate(zip(src_idx.tolist(), src_starts.tolist(), dst_starts.tolist(), sizes.tolist())):
+        dst[d : d + z] = sources[k][s : s + z]
+        if pattern is not None and z < row_span:
+            tail = dst[d + z : d + row_span]
+            tail[:] = np.resize(pattern, tail.size)

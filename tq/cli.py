@@ -33,6 +33,7 @@ EXIT_FAILED = 1
 EXIT_REFUSED = 2
 STATUS_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 15.0
+SHUTDOWN_RPC_TIMEOUT_S = 3.0
 START_TIMEOUT_S = 60.0
 
 _SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -175,8 +176,8 @@ def render_status(stats: dict[str, Any], *, address: str | None = None) -> Any:
     title = f"TQ service at {address}" if address else "TQ service"
     summary = Text.assemble(
         (title, "bold"),
-        f"  uptime {stats.get('uptime_s', 0.0):.0f}s",
-        f"  put throughput (60s) {format_bytes(stats.get('put_bytes_per_s_60s', 0.0))}/s",
+        f"  uptime {stats.get('uptime_s', 0.0):.0f}s\n",
+        f"put throughput (60s) {format_bytes(stats.get('put_bytes_per_s_60s', 0.0))}/s",
         f"  committed total {format_bytes(stats.get('bytes_committed_total', 0))}",
         f"  parked waits {stats.get('parked_waits', 0)}",
         f"  rejected messages {stats.get('rejected_messages', 0)}",
@@ -196,7 +197,7 @@ def render_status(stats: dict[str, Any], *, address: str | None = None) -> Any:
                          ("blocks", "right"), ("stored total", "right"), ("served total", "right"), ("pid", "right")):
         units.add_column(col, justify=justify)  # type: ignore[arg-type]
     # unit_stats come from the units themselves; fall back to the controller's registry if absent.
-    unit_rows = stats.get("unit_stats") or stats.get("units", [])
+    unit_rows = sorted(stats.get("unit_stats") or stats.get("units", []), key=lambda u: u.get("unit_id", 0))
     for u in unit_rows:
         used = u.get("bytes_used")
         units.add_row(
@@ -212,7 +213,9 @@ def render_status(stats: dict[str, Any], *, address: str | None = None) -> Any:
     for col, justify in (("server", "left"), ("op", "left"), ("count", "right"), ("errors", "right"),
                          ("p50 ms", "right"), ("p99 ms", "right")):
         ops.add_column(col, justify=justify)  # type: ignore[arg-type]
-    servers = [("controller", stats.get("ops", {}))] + [(f"unit {u.get('unit_id')}", u.get("ops", {})) for u in stats.get("unit_stats", [])]
+    servers = [("controller", stats.get("ops", {}))] + [
+        (f"unit {u.get('unit_id')}", u.get("ops", {})) for u in sorted(stats.get("unit_stats", []), key=lambda u: u.get("unit_id", 0))
+    ]
     for server, table in servers:
         for op, st in sorted(table.items()):
             ops.add_row(server, op, str(st.get("count", 0)), str(st.get("errors", 0)),
@@ -342,27 +345,31 @@ def _run_foreground(proc: subprocess.Popen, state_file: str) -> int:
 def cmd_stop(args: argparse.Namespace) -> int:
     """Shut a controller down (RPC, else SIGTERM to the recorded pid), wait for it, remove the state file."""
     from .client import TQClient
+    from .errors import TQConnectionError
 
     address, state, state_file = _resolve_target(args)
     pid = state.get("pid") if state else None
     alive = pid_alive(pid)
     try:
-        client = TQClient(address, secret=_secret(args), timeout=STATUS_TIMEOUT_S)
-        try:
-            client.shutdown_service()
-        finally:
-            client.close()
-        reached = True
+        client = TQClient(address, secret=_secret(args), timeout=SHUTDOWN_RPC_TIMEOUT_S)
     except TQError as exc:
-        reached = False
         if not alive:
             if state:
                 _remove(state_file)
             raise CLIError(f"no TQ controller is running at {address} ({exc})"
                            + (f"; removed the stale state file {state_file}" if state else "")) from None
+        # Alive here but not answering us (wrong secret, wedged): the recorded pid is ours to stop.
+        _kill_tree(pid, signal.SIGTERM)
+    else:
+        try:
+            client.shutdown_service()
+        except TQConnectionError:
+            # The controller stops right after handling shutdown and may close its socket before the
+            # reply leaves; the pid wait below is what tells whether it really went away.
+            pass
+        finally:
+            client.close()
     if alive:
-        if not reached:
-            _kill_tree(pid, signal.SIGTERM)  # unreachable (e.g. wrong secret) but alive here: terminate it
         if not _wait_pid_exit(pid, STOP_TIMEOUT_S):
             _kill_tree(pid, signal.SIGTERM)
             if not _wait_pid_exit(pid, 5.0):
@@ -386,7 +393,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         finally:
             client.close()
     except TQError as exc:
-        raise CLIError(f"TQ controller at {address} is not reachable: {exc}") from None
+        hint = "" if _secret(args) else " (if the service uses a secret, pass --secret or set TQ_SECRET)"
+        raise CLIError(f"TQ controller at {address} is not reachable: {exc}{hint}") from None
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True, default=str), flush=True)
     else:

@@ -18,11 +18,11 @@ import torch
 from . import protocol
 from .arena import Arena, align_up, host_identity
 from .bufferpool import HostBufferPool
-from .columns import EncodedColumn, encode_column, pad_bits, to_tensor, unpack_objects, write_chunks
-from .errors import DuplicateKeyError, InvalidRequestError, TQError
+from .columns import EncodedColumn, encode_column, pad_bits, to_tensor, unpack_objects
+from .errors import DuplicateKeyError, InvalidRequestError, MalformedMessageError, TQError
 from .jagged import JaggedTensor
 from .meta import KVBatchMeta
-from .rowcopy import copy_rows
+from .rowcopy import copy_rows, write_chunks
 from .rpc import RpcChannel
 from .schema import JAGGED, OBJECT, FieldSchema
 
@@ -38,6 +38,28 @@ def mint_keys(uids: Sequence[str], group_size: int) -> list[str]:
     if group_size < 1:
         raise InvalidRequestError(f"group_size must be >= 1, got {group_size}")
     return [f"{uid}_g{i}" for uid in uids for i in range(group_size)]
+
+
+def _frames_of(chunks: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Regroup byte chunks into frames of about ``protocol.TCP_FRAME_BYTES`` (views where possible)."""
+    frames: list[np.ndarray] = []
+    small: list[np.ndarray] = []
+    small_bytes = 0
+    for c in chunks:
+        if c.size >= protocol.TCP_FRAME_BYTES:
+            if small:
+                frames.append(np.concatenate(small))
+                small, small_bytes = [], 0
+            frames.extend(c[i : i + protocol.TCP_FRAME_BYTES] for i in range(0, c.size, protocol.TCP_FRAME_BYTES))
+            continue
+        small.append(c)
+        small_bytes += c.size
+        if small_bytes >= protocol.TCP_FRAME_BYTES:
+            frames.append(np.concatenate(small))
+            small, small_bytes = [], 0
+    if small or not frames:
+        frames.append(np.concatenate(small) if small else np.empty(0, np.uint8))
+    return frames
 
 
 class _Fetched:
@@ -86,7 +108,11 @@ class TQClient:
         self._arenas: dict[int, Arena] = {}
         self._host = host_identity()
         self._rr = itertools.count()
-        self._refresh_units()
+        try:
+            self._refresh_units()
+        except BaseException:
+            self.close()  # do not leak the sockets of a client that never connected
+            raise
 
     # ------------------------------------------------------------------ connections
     def _refresh_units(self) -> None:
@@ -239,10 +265,9 @@ class TQClient:
             args: dict[str, Any] = {"n_rows": len(keys), "fields": fields, "alloc": alloc["alloc"]}
         else:
             for name, col in encoded.items():
-                data = col.chunks[0] if len(col.chunks) == 1 else (np.concatenate(col.chunks) if col.chunks else np.empty(0, np.uint8))
                 fields[name] = {"schema": col.schema.to_wire(),
                                 "row_offsets": protocol.pack_array(col.row_offsets, buffers),
-                                "data": protocol.pack_array(data, buffers)}
+                                "data": [protocol.pack_array(c, buffers) for c in _frames_of(col.chunks)]}
             args = {"n_rows": len(keys), "fields": fields}
         stored, _ = chan.call("store", args, buffers)
         cbufs: list[Any] = []
@@ -299,10 +324,16 @@ class TQClient:
                 if mode == "shm":
                     fx.sources.append(self._arena(unit).view)
                     fx.starts[sel] = protocol.unpack_array(entry["starts"], msg.buffers, dtype="<i8")
-                else:
-                    fx.sources.append(protocol.unpack_array(entry["data"], msg.buffers, dtype="|u1"))
-                    fx.starts[sel] = np.cumsum(sizes) - sizes
-                fx.src[sel] = len(fx.sources) - 1
+                    fx.src[sel] = len(fx.sources) - 1
+                else:  # frames of whole rows, back to back
+                    frame_rows = protocol.unpack_array(entry["frame_rows"], msg.buffers, dtype="<i8")
+                    if frame_rows.sum() != sel.size or len(entry["frames"]) != frame_rows.size:
+                        raise MalformedMessageError(f"fetch reply for {f!r} frames {frame_rows.sum()} rows, expected {sel.size}")
+                    frame_idx = np.repeat(np.arange(frame_rows.size), frame_rows)
+                    rel = np.cumsum(sizes) - sizes
+                    fx.starts[sel] = rel - rel[np.cumsum(frame_rows) - frame_rows][frame_idx] if sel.size else rel
+                    fx.src[sel] = len(fx.sources) + frame_idx
+                    fx.sources.extend(protocol.unpack_array(r, msg.buffers, dtype="|u1") for r in entry["frames"])
                 fx.sizes[sel] = sizes
         return out
 

@@ -11,7 +11,6 @@ import torch
 
 from .errors import InvalidRequestError, SchemaConflictError
 from .jagged import JaggedTensor
-from .rowcopy import copy_rows
 from .schema import DTYPES, JAGGED, OBJECT, TENSOR, FieldSchema
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -110,16 +109,6 @@ def encode_column(field: str, value: Any, n_rows: int) -> EncodedColumn:
         raise InvalidRequestError(f"field {field!r}: values must be tensors or msgpack-able Python objects ({exc})") from None
     sizes = np.fromiter((len(b) for b in blobs), dtype=np.int64, count=n_rows)
     return EncodedColumn(FieldSchema(OBJECT, "object"), _offsets(sizes, 1), [np.frombuffer(b, dtype=np.uint8) for b in blobs])
-
-
-def write_chunks(dst: np.ndarray, chunks: Sequence[np.ndarray]) -> None:
-    """Copy chunks back to back into ``dst`` (a uint8 view of exactly their total size)."""
-    if len(chunks) == 1:
-        dst[:] = chunks[0]
-        return
-    sizes = np.fromiter((c.size for c in chunks), dtype=np.int64, count=len(chunks))
-    n = sizes.size
-    copy_rows(dst, np.cumsum(sizes) - sizes, chunks, np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64), sizes)
 
 
 def pad_bits(schema: FieldSchema, pad_value: float | int | bool) -> Any:

@@ -481,6 +481,17 @@ class Controller(RpcServer):
         }
 
 
+def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child before exec
+    """Ask Linux to SIGTERM a storage unit when its controller dies (even by SIGKILL), so no unit and
+    no shared-memory arena outlives the controller that started it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: a graceful controller shutdown still stops its units
+
+
 def serve(
     bind: str,
     *,
@@ -513,6 +524,7 @@ def serve(
             [sys.executable, "-m", "tq.storage", "--unit-id", str(i), "--bind", f"tcp://{host}:0",
              "--controller", ctrl.address, "--capacity", str(capacity // max(storage_units, 1)), "--shm-dir", shm_dir],
             env=env,
+            preexec_fn=_die_with_parent,
         )
         for i in range(storage_units)
     ]

@@ -35,6 +35,8 @@ from .errors import (
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 64 << 20
 DEFAULT_MAX_MESSAGE_BYTES = 8 << 30
+# Bulk bytes crossing TCP are cut into frames of about this size (see StorageUnit._gather_frames).
+TCP_FRAME_BYTES = 8 << 20
 # Index arrays and raw-byte views may only use these dtypes; anything else in a ref is rejected.
 ARRAY_DTYPES = frozenset({"<i8", "<i4", "<i2", "|i1", "|u1", "<u2", "<f4", "<f8", "|b1", "<f2"})
 

@@ -46,3 +46,13 @@ def copy_rows(
         if pattern is not None and z < row_span:
             tail = dst[d + z : d + row_span]
             tail[:] = np.resize(pattern, tail.size)
+
+
+def write_chunks(dst: np.ndarray, chunks: Sequence[np.ndarray]) -> None:
+    """Copy chunks back to back into ``dst`` (a uint8 view of exactly their total size)."""
+    if len(chunks) == 1:
+        dst[:] = chunks[0]
+        return
+    sizes = np.fromiter((c.size for c in chunks), dtype=np.int64, count=len(chunks))
+    n = sizes.size
+    copy_rows(dst, np.cumsum(sizes) - sizes, chunks, np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64), sizes)

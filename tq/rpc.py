@@ -20,7 +20,7 @@ import numpy as np
 import zmq
 
 from . import protocol
-from .errors import MalformedMessageError, TQConnectionError, TQError, UnknownOperationError
+from .errors import AuthenticationError, MalformedMessageError, TQConnectionError, TQError, UnknownOperationError
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +93,10 @@ class RpcServer:
         self._poller.register(sock, zmq.POLLIN)
 
     # -- replies
-    def reply(self, call: Call, result: Any, buffers: Sequence[Any] = (), *, copy: bool = True) -> None:
+    def reply(self, call: Call, result: Any, buffers: Sequence[Any] = ()) -> None:
         frames = protocol.reply_ok(call.rid, result, buffers, self.secret)
-        self.sock.send_multipart([call.identity, *frames], copy=copy)
+        # Zero-copy: reply buffers are owned by the reply (pyzmq still copies frames under 64 KiB).
+        self.sock.send_multipart([call.identity, *frames], copy=False)
         self._record(call, ok=True)
 
     def reply_error(self, call: Call, exc: BaseException) -> None:
@@ -221,8 +222,19 @@ class RpcChannel:
                     "server down, unreachable or overloaded"
                 )
             frames = sock.recv_multipart(copy=False)
-            msg = protocol.decode(frames, self.secret)
-            if msg.header.get("rid") != rid:
+            try:
+                msg = protocol.decode(frames, self.secret)
+            except AuthenticationError:
+                raise AuthenticationError(
+                    f"reply from {self.name} at {self.address} to {op!r} is not signed with this client's secret "
+                    "(wrong secret? the server rejects requests it cannot verify)"
+                ) from None
+            reply_rid = msg.header.get("rid")
+            if reply_rid is None and msg.header.get("ok") is False:
+                # The server could not decode one of our requests (e.g. unauthenticated), so it could
+                # not echo its id; requests on this socket are sequential, so it answers this one.
+                protocol.raise_for_reply(msg)
+            if reply_rid != rid:
                 continue  # a late reply to a request that timed out earlier
             return protocol.raise_for_reply(msg), msg
 

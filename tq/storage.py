@@ -23,7 +23,8 @@ import numpy as np
 from . import protocol
 from .arena import Arena, RangeAllocator, check_shm_room, host_identity
 from .errors import CapacityError, InvalidRequestError, StorageUnitError
-from .rowcopy import copy_rows
+from .bufferpool import HostBufferPool
+from .rowcopy import copy_rows, write_chunks
 from .rpc import Call, RpcChannel, RpcServer
 from .schema import JAGGED, OBJECT, TENSOR, FieldSchema
 
@@ -86,6 +87,7 @@ class StorageUnit(RpcServer):
         self.alloc_lease_s = alloc_lease_s
         self._next_id = 1
         self.bytes_stored = 0
+        self.pool = HostBufferPool(max_cached_bytes=256 << 20)
         self.bytes_served = 0
         self.handlers.update(
             ping=lambda a, b, c: {"unit_id": unit_id},
@@ -151,10 +153,12 @@ class StorageUnit(RpcServer):
             validate_layout(schema, ro, name)
             nbytes = int(ro[-1])
             data = None
-            if "data" in spec:
-                data = protocol.unpack_array(spec["data"], buffers, name=f"{name}.data", dtype="|u1")
-                if data.size != nbytes:
-                    raise InvalidRequestError(f"field {name!r}: {data.size} data bytes, row offsets say {nbytes}")
+            if "data" in spec:  # one or more chunks, back to back
+                refs = spec["data"] if isinstance(spec["data"], list) else [spec["data"]]
+                data = [protocol.unpack_array(r, buffers, name=f"{name}.data", dtype="|u1") for r in refs]
+                got = sum(d.size for d in data)
+                if got != nbytes:
+                    raise InvalidRequestError(f"field {name!r}: {got} data bytes, row offsets say {nbytes}")
                 offset = rel
             else:
                 offset = spec.get("offset")
@@ -177,8 +181,8 @@ class StorageUnit(RpcServer):
                 raise InvalidRequestError("store without an allocation needs a data frame for every field")
             size = rel
             start = self.alloc.allocate(size)
-            for _, _, offset, ro, data in layouts:
-                self.arena.view[start + offset : start + offset + data.size] = data
+            for _, _, offset, _, chunks in layouts:
+                write_chunks(self.arena.view[start + offset : start + offset + sum(c.size for c in chunks)], chunks)
         block = Block(
             start,
             size,
@@ -237,17 +241,26 @@ class StorageUnit(RpcServer):
             if mode == "shm":
                 entry["starts"] = protocol.pack_array(starts, frames)
             else:
-                entry["data"] = protocol.pack_array(self._gather(starts, sizes, total), frames)
+                entry.update(self._gather_frames(starts, sizes, total, frames))
             self.bytes_served += total
             out[name] = entry
         return out, frames
 
-    def _gather(self, starts: np.ndarray, sizes: np.ndarray, total: int) -> np.ndarray:
-        """Copy rows back to back into one new buffer (the frame a TCP reader receives)."""
-        data = np.empty(total, dtype=np.uint8)
+    def _gather_frames(self, starts: np.ndarray, sizes: np.ndarray, total: int, frames: list) -> dict[str, Any]:
+        """Copy rows back to back into one pooled buffer and cut it into frames of whole rows.
+
+        Frames of at most ~``TCP_FRAME_BYTES`` (plus one row) let the receiver's allocator reuse warm
+        memory instead of faulting in a fresh mapping per message; they go out zero-copy.
+        """
+        data = self.pool.empty(total)
         n = sizes.size
-        copy_rows(data, np.cumsum(sizes) - sizes, [self.arena.view], np.zeros(n, dtype=np.int64), starts, sizes)
-        return data
+        rel = np.cumsum(sizes) - sizes
+        copy_rows(data, rel, [self.arena.view], np.zeros(n, dtype=np.int64), starts, sizes)
+        frame_of_row = rel // protocol.TCP_FRAME_BYTES
+        firsts = np.flatnonzero(np.diff(frame_of_row, prepend=-1)) if n else np.empty(0, np.int64)
+        bounds = np.append(rel[firsts], total).tolist() if n else [0]
+        refs = [protocol.pack_array(data[a:b], frames) for a, b in zip(bounds[:-1], bounds[1:])]
+        return {"frames": refs, "frame_rows": protocol.pack_array(np.diff(np.append(firsts, n)), frames)}
 
     def _free_block(self, bid: int) -> None:
         block = self.blocks.pop(bid, None)

@@ -1,0 +1,219 @@
+"""Multi-node placement of TQ storage units with Ray: one unit per node, next to the data's producers.
+
+The controller runs anywhere (started with ``storage_units=0``, e.g. ``TQServer(storage_units=0)`` or
+``tq-controller start --storage-units 0``); :func:`start_storage_units_on_ray_nodes` then pins one small
+Ray actor to every alive node. Each actor starts ``python -m tq.storage`` as its child process, bound
+to the node's IP, and the unit registers itself with the controller. A child process rather than a
+thread in the actor: the unit gets its own interpreter (no GIL shared with the actor), and it handles
+SIGTERM, cleaning its shared-memory arena up, whichever way the actor ends.
+
+Ray is imported inside the functions only: ``tq`` itself never needs Ray.
+
+Clients: create :class:`~tq.TQClient` objects *after* this function returned. A client learns the
+unit list from the controller when it connects; one created while no unit was registered yet has an
+empty list and cannot put (it refreshes the list only when a ``get`` sees a newer one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Sequence
+
+from .errors import AuthenticationError, TQConnectionError
+from .server import _is_loopback
+
+DEFAULT_START_TIMEOUT_S = 60.0
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child before exec
+    """Ask Linux to SIGTERM the unit when its actor process dies (ray.kill, node failure, crash)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass  # not Linux: stop_storage_units (or the controller's shutdown) still stops the unit
+
+
+class _StorageUnitHost:
+    """The Ray actor body: owns one storage-unit child process on its node."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.info: dict[str, Any] | None = None
+
+    def start(self, controller_address: str, unit_index: int, capacity: int, shm_dir: str,
+              secret: str | None, timeout: float) -> dict[str, Any]:
+        """Start the unit on this node's IP (port 0) and wait until it registered; returns its description."""
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        if not secret and not _is_loopback(ip):
+            raise AuthenticationError(
+                f"refusing to start a storage unit on {ip} without an auth secret: pass secret= (or set TQ_SECRET)"
+            )
+        fd, ready = tempfile.mkstemp(prefix="tq-unit-ready-", suffix=".json")
+        os.close(fd)
+        os.unlink(ready)
+        env = dict(os.environ)
+        if secret:
+            env["TQ_SECRET"] = secret  # by environment: argv is visible to every user in ps
+        # The unit must import this package even from a source checkout that is not installed.
+        pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tq.storage", "--unit-id", str(unit_index), "--bind", f"tcp://{ip}:0",
+             "--controller", controller_address, "--capacity", str(capacity), "--shm-dir", shm_dir,
+             "--ready-file", ready],
+            env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while not os.path.exists(ready):
+                if self.proc.poll() is not None:
+                    raise TQConnectionError(
+                        f"storage unit on {ip} exited with code {self.proc.returncode} before registering with "
+                        f"{controller_address} (see the actor's log)"
+                    )
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise TQConnectionError(f"storage unit on {ip} did not register with {controller_address} within {timeout:.0f}s")
+                time.sleep(0.05)
+            with open(ready) as f:
+                self.info = {**json.load(f), "node_ip": ip, "node_id": ray.get_runtime_context().get_node_id()}
+        finally:
+            for path in (ready, ready + ".tmp"):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+        return self.info
+
+    def describe(self) -> dict[str, Any] | None:
+        """The unit's registration info (None before :meth:`start`)."""
+        return self.info
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM the unit (it frees its arena), SIGKILL after ``timeout``; returns its exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def _alive_node_ids(nodes: Sequence[Any] | None) -> list[tuple[str, str]]:
+    """(node id, node IP) of the requested nodes (default: every alive node)."""
+    import ray
+
+    alive = {n["NodeID"]: n.get("NodeManagerAddress", "") for n in ray.nodes() if n.get("Alive")}
+    if nodes is None:
+        return sorted(alive.items(), key=lambda kv: kv[1])
+    out = []
+    for n in nodes:
+        node_id = n["NodeID"] if isinstance(n, dict) else str(n)
+        if node_id not in alive:
+            raise ValueError(f"Ray node {node_id} is not alive (alive nodes: {sorted(alive)})")
+        out.append((node_id, alive[node_id]))
+    return out
+
+
+def start_storage_units_on_ray_nodes(
+    controller_address: str,
+    *,
+    capacity_per_unit: int,
+    shm_dir: str = "/dev/shm",
+    secret: str | None = None,
+    nodes: Sequence[Any] | None = None,
+    timeout: float = DEFAULT_START_TIMEOUT_S,
+) -> list[Any]:
+    """Start one storage unit per Ray node and return once every unit registered with the controller.
+
+    Args:
+        controller_address: the controller's address; it must be reachable from every node (bind it
+            to a non-loopback address, with a secret, for a multi-node cluster).
+        capacity_per_unit: arena bytes of each unit.
+        shm_dir: the tmpfs directory holding each unit's arena on its node.
+        secret: the service's shared secret (default ``$TQ_SECRET``); required whenever a node's IP
+            is not a loopback address, because the unit binds that IP.
+        nodes: Ray node ids (hex strings or ``ray.nodes()`` entries); default every alive node.
+        timeout: seconds to wait for all units to register.
+
+    Returns:
+        The actor handles (``ray.actor.ActorHandle``), one per node; pass them to
+        :func:`stop_storage_units`. ``ray.get(handle.describe.remote())`` gives a unit's registration.
+
+    The actors reserve no CPU (``num_cpus=0``), so they are placed even on a fully busy cluster, and
+    are pinned with a hard ``NodeAffinitySchedulingStrategy``. Ray must already be initialised.
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if not ray.is_initialized():
+        raise RuntimeError("start_storage_units_on_ray_nodes needs ray.init() first")
+    if capacity_per_unit <= 0:
+        raise ValueError(f"capacity_per_unit must be positive, got {capacity_per_unit}")
+    secret = secret if secret is not None else os.environ.get("TQ_SECRET") or None
+    targets = _alive_node_ids(nodes)
+    if not targets:
+        raise RuntimeError("no alive Ray node to place storage units on")
+    # Check every node before starting any unit, so a missing secret never leaves half the units up.
+    exposed = [ip for _, ip in targets if ip and not _is_loopback(ip)]
+    if exposed and not secret:
+        raise AuthenticationError(
+            f"storage units would bind non-loopback node IPs {exposed} without an auth secret: "
+            "pass secret= (or set TQ_SECRET) and start the controller with the same secret"
+        )
+
+    actor_cls = ray.remote(num_cpus=0, max_restarts=0)(_StorageUnitHost)
+    handles = [
+        actor_cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+        for node_id, _ in targets
+    ]
+    refs = [h.start.remote(controller_address, i, int(capacity_per_unit), shm_dir, secret, timeout)
+            for i, h in enumerate(handles)]
+    try:
+        # Bounded: the actors' own wait is ``timeout``; allow time for the actor processes to start.
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout + 60.0)
+        if pending:
+            raise TQConnectionError(f"{len(pending)} of {len(refs)} storage units did not start within {timeout + 60.0:.0f}s")
+        ray.get(ready)
+    except BaseException:
+        stop_storage_units(handles)
+        raise
+    return handles
+
+
+def stop_storage_units(handles: Sequence[Any], timeout: float = 15.0) -> None:
+    """Stop the units (SIGTERM, which frees their arenas) and kill their actors. Bounded by ``timeout``.
+
+    Units left registered with a running controller are then unreachable: stop them after the
+    controller's users finished (or shut the controller down, which also stops its units).
+    """
+    import ray
+
+    if not handles:
+        return
+    refs = [h.stop.remote() for h in handles]
+    ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    for h in handles:
+        try:
+            ray.kill(h)
+        except Exception:  # already dead: nothing left to stop
+            pass

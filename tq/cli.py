@@ -281,8 +281,13 @@ def cmd_start(args: argparse.Namespace) -> int:
     try:
         address = _await_service(proc, ready_file, args.storage_units, secret, log_path)
     except BaseException:
-        _kill_tree(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+        # SIGTERM first: units that did start then remove their shared-memory arenas.
+        _kill_tree(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc.pid, signal.SIGKILL)
+            proc.wait(5)
         raise
     finally:
         _remove(ready_file)
@@ -296,34 +301,65 @@ def cmd_start(args: argparse.Namespace) -> int:
 
 def _await_service(proc: subprocess.Popen, ready_file: str, units: int, secret: str | None, log_path: str) -> str:
     """Wait (bounded) until the controller wrote its ready file and all its storage units registered."""
-    from .client import TQClient
+    from .rpc import RpcChannel
 
     see_log = f" (see {log_path})" if log_path else ""
+
+    def failed(message: str) -> CLIError:
+        last = _last_log_line(log_path)
+        return CLIError(f"{message}{see_log}" + (f"; last log line: {last}" if last else ""))
+
     deadline = time.monotonic() + START_TIMEOUT_S
     while not os.path.exists(ready_file):
         if proc.poll() is not None:
-            raise CLIError(f"the TQ controller exited with code {proc.returncode} before it was ready{see_log}")
+            raise failed(f"the TQ controller exited with code {proc.returncode} before it was ready")
         if time.monotonic() > deadline:
-            raise CLIError(f"the TQ controller was not ready within {START_TIMEOUT_S:.0f}s{see_log}")
+            raise failed(f"the TQ controller was not ready within {START_TIMEOUT_S:.0f}s")
         time.sleep(0.05)
     with open(ready_file) as f:
         address = json.load(f)["address"]
-    # hello is parked by the controller until every unit registered (or its timeout passes), so this
-    # one call both checks the service answers and waits for the units.
-    left = max(1.0, deadline - time.monotonic())
-    client = TQClient(address, secret=secret, timeout=left)
+    # Poll until every unit registered; a unit that died meanwhile (e.g. no room in --shm-dir) fails
+    # the start at once, instead of after the whole timeout.
+    import psutil
+
+    # The controller's own stats op, not a TQClient: a client's hello is parked until the units
+    # registered, which is what this loop watches for.
+    chan = RpcChannel(address, secret=secret.encode() if secret else None, timeout=5.0, name="controller")
     try:
-        registered = len(client.stats()["units"])
+        while True:
+            registered = len(chan.call("stats", {})[0]["units"])
+            if registered >= units:
+                return address
+            try:
+                running = [c for c in psutil.Process(proc.pid).children() if pid_alive(c.pid, controller_only=False)]
+            except psutil.NoSuchProcess:
+                running = []
+            if proc.poll() is not None or len(running) < units:
+                raise failed(f"a storage unit exited before registering ({registered} of {units} registered)")
+            if time.monotonic() > deadline:
+                raise failed(f"only {registered} of {units} storage units registered within {START_TIMEOUT_S:.0f}s")
+            time.sleep(0.1)
     finally:
-        client.close()
-    if registered < units:
-        raise CLIError(f"only {registered} of {units} storage units registered within {START_TIMEOUT_S:.0f}s{see_log}")
-    return address
+        chan.close()
+
+
+def _last_log_line(log_path: str, max_bytes: int = 8192) -> str:
+    """The last non-empty line of the log (usually the error that ended a process), or ''."""
+    if not log_path:
+        return ""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, os.path.getsize(log_path) - max_bytes))
+            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
 
 
 def _run_foreground(proc: subprocess.Popen, state_file: str) -> int:
     """Wait on the controller; on SIGTERM/Ctrl-C stop it (bounded) and remove the state file."""
     signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
+    code: int | None = None
     try:
         while True:
             try:
@@ -339,7 +375,7 @@ def _run_foreground(proc: subprocess.Popen, state_file: str) -> int:
                 _kill_tree(proc.pid, signal.SIGKILL)
                 proc.wait()
         _remove(state_file)
-    return 0 if code in (0, -signal.SIGTERM, -signal.SIGINT) else EXIT_FAILED
+    return 0 if code in (0, -signal.SIGTERM, -signal.SIGINT) else EXIT_FAILED  # a signal we sent: a clean stop
 
 
 def cmd_stop(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import random
 from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
@@ -107,7 +108,7 @@ class TQClient:
         self._unit_chans: dict[int, RpcChannel] = {}
         self._arenas: dict[int, Arena] = {}
         self._host = host_identity()
-        self._rr = itertools.count()
+        self._rr = itertools.count(random.randrange(1 << 16))  # spread one-shot writers over units
         try:
             self._refresh_units()
         except BaseException:
@@ -116,7 +117,9 @@ class TQClient:
 
     # ------------------------------------------------------------------ connections
     def _refresh_units(self) -> None:
-        info, _ = self._ctrl.call("hello", {"timeout": self.timeout})
+        # The controller parks hello until the expected units registered; ask it to answer (with the
+        # units it has) well before this client's own timeout fires.
+        info, _ = self._ctrl.call("hello", {"timeout": 0.8 * self.timeout})
         self._units = list(info["units"])
         for u in self._units:
             if u["unit_id"] not in self._unit_chans:
@@ -136,6 +139,8 @@ class TQClient:
         return arena
 
     def _pick_unit(self) -> int:
+        if not self._units:
+            self._refresh_units()  # units placed on Ray nodes may register after this client connected
         if not self._units:
             raise TQError("the TQ service has no storage units")
         local = [u["unit_id"] for u in self._units if self._is_local(u["unit_id"])]
@@ -410,6 +415,8 @@ class TQClient:
     def stats(self) -> dict[str, Any]:
         """Controller stats (partitions, op counts and latencies) plus every storage unit's."""
         stats = self._call("stats", {})
+        if len(stats["units"]) != len(self._units):
+            self._refresh_units()
         stats["unit_stats"] = [self._unit_chans[u["unit_id"]].call("stats", {})[0] for u in self._units]
         return stats
 

@@ -2,10 +2,10 @@
 
 The controller runs anywhere (started with ``storage_units=0``, e.g. ``TQServer(storage_units=0)`` or
 ``tq-controller start --storage-units 0``); :func:`start_storage_units_on_ray_nodes` then pins one small
-Ray actor to every alive node. Each actor starts ``python -m tq.storage`` as its child process, bound
-to the node's IP, and the unit registers itself with the controller. A child process rather than a
-thread in the actor: the unit gets its own interpreter (no GIL shared with the actor), and it handles
-SIGTERM, cleaning its shared-memory arena up, whichever way the actor ends.
+Ray actor to every alive node. Each actor starts a ``python -m tq.storage`` process bound to the
+node's IP, and the unit registers itself with the controller. A process rather than a thread in the
+actor: the unit gets its own interpreter (no GIL shared with the actor), and it shuts down gracefully,
+removing its shared-memory arena, whichever way the actor ends (see :class:`_StorageUnitHost`).
 
 Ray is imported inside the functions only: ``tq`` itself never needs Ray.
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -30,25 +31,22 @@ from .server import _is_loopback
 
 DEFAULT_START_TIMEOUT_S = 60.0
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child before exec
-    """Ask Linux to SIGTERM the unit when its actor process dies (ray.kill, node failure, crash)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass  # not Linux: stop_storage_units (or the controller's shutdown) still stops the unit
-
 
 class _StorageUnitHost:
-    """The Ray actor body: owns one storage-unit child process on its node."""
+    """The Ray actor body: owns one storage-unit process on its node.
+
+    The unit is started *detached* (double fork through ``sh``, new session) rather than as a plain
+    child: when an actor dies, Ray SIGKILLs the worker's child processes, which would leave the unit's
+    shared-memory arena behind in ``/dev/shm`` (pages that stay allocated until reboot). Its lifetime
+    is tied to the actor instead by a pipe: the unit watches the read end (``--watch-fd``) and stops
+    gracefully, unlinking its arena, as soon as the actor's write end closes - on :meth:`stop`, on
+    ``ray.kill``, on a crash or when the driver exits.
+    """
 
     def __init__(self) -> None:
-        self.proc: subprocess.Popen | None = None
+        self.pid: int | None = None
         self.info: dict[str, Any] | None = None
+        self._watch_w: int | None = None
 
     def start(self, controller_address: str, unit_index: int, capacity: int, shm_dir: str,
               secret: str | None, timeout: float) -> dict[str, Any]:
@@ -69,19 +67,25 @@ class _StorageUnitHost:
         # The unit must import this package even from a source checkout that is not installed.
         pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tq.storage", "--unit-id", str(unit_index), "--bind", f"tcp://{ip}:0",
-             "--controller", controller_address, "--capacity", str(capacity), "--shm-dir", shm_dir,
-             "--ready-file", ready],
-            env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
-        )
+        watch_r, self._watch_w = os.pipe()  # both close-on-exec; only watch_r is passed on, explicitly
+        cmd = [sys.executable, "-m", "tq.storage", "--unit-id", str(unit_index), "--bind", f"tcp://{ip}:0",
+               "--controller", controller_address, "--capacity", str(capacity), "--shm-dir", shm_dir,
+               "--ready-file", ready, "--watch-fd", str(watch_r)]
+        try:
+            # The unit's output goes to the actor's stderr (Ray's worker log); sh prints the unit's pid.
+            sh = subprocess.run(["/bin/sh", "-c", f"{shlex.join(cmd)} 1>&2 & echo $!"], env=env, pass_fds=(watch_r,),
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True,
+                                timeout=30, check=True, text=True)
+        finally:
+            os.close(watch_r)
+        self.pid = int(sh.stdout.split()[-1])
         deadline = time.monotonic() + timeout
         try:
             while not os.path.exists(ready):
-                if self.proc.poll() is not None:
+                if not _pid_running(self.pid):
                     raise TQConnectionError(
-                        f"storage unit on {ip} exited with code {self.proc.returncode} before registering with "
-                        f"{controller_address} (see the actor's log)"
+                        f"storage unit on {ip} exited before registering with {controller_address} "
+                        "(its error is in this actor's Ray worker log)"
                     )
                 if time.monotonic() > deadline:
                     self.stop()
@@ -102,20 +106,33 @@ class _StorageUnitHost:
         return self.info
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        """Whether the unit process still runs."""
+        return self.pid is not None and _pid_running(self.pid)
 
-    def stop(self, timeout: float = 10.0) -> int | None:
-        """SIGTERM the unit (it frees its arena), SIGKILL after ``timeout``; returns its exit code."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Stop the unit (it frees its arena); SIGKILL after ``timeout``. Returns whether it exited."""
+        if self._watch_w is not None:
+            os.close(self._watch_w)  # EOF on the unit's watch pipe: it stops serving and cleans up
+            self._watch_w = None
+        if self.pid is None:
+            return True
+        deadline = time.monotonic() + timeout
+        while _pid_running(self.pid):
+            if time.monotonic() > deadline:
+                os.kill(self.pid, signal.SIGKILL)
+                return False
+            time.sleep(0.05)
+        return True
+
+
+def _pid_running(pid: int) -> bool:
+    """Whether ``pid`` runs; a zombie (exited, not yet reaped by init) counts as exited."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _alive_node_ids(nodes: Sequence[Any] | None) -> list[tuple[str, str]]:
@@ -181,6 +198,15 @@ def start_storage_units_on_ray_nodes(
             "pass secret= (or set TQ_SECRET) and start the controller with the same secret"
         )
 
+    ctrl_host = controller_address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    here = ray.util.get_node_ip_address()
+    remote = sorted({ip for _, ip in targets if ip and ip != here})
+    if _is_loopback(ctrl_host) and remote:
+        raise ValueError(
+            f"the controller at {controller_address} listens on loopback, which nodes {remote} cannot reach: "
+            "start it on a routable address (with a secret)"
+        )
+
     actor_cls = ray.remote(num_cpus=0, max_restarts=0)(_StorageUnitHost)
     handles = [
         actor_cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
@@ -201,7 +227,7 @@ def start_storage_units_on_ray_nodes(
 
 
 def stop_storage_units(handles: Sequence[Any], timeout: float = 15.0) -> None:
-    """Stop the units (SIGTERM, which frees their arenas) and kill their actors. Bounded by ``timeout``.
+    """Stop the units gracefully (each frees its arena) and kill their actors. Bounded by ``timeout``.
 
     Units left registered with a running controller are then unreachable: stop them after the
     controller's users finished (or shut the controller down, which also stops its units).

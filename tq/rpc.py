@@ -127,7 +127,7 @@ class RpcServer:
         self.close()
 
     def close(self) -> None:
-        self.sock.close(0)
+        self.sock.close(linger=1000)  # let the last replies (e.g. to "shutdown") go out
         for s in self._extra_sockets:
             s.close(0)
 

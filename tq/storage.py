@@ -13,6 +13,7 @@ import argparse
 import logging
 import os
 import signal
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -332,13 +333,30 @@ def run_storage_unit(
     max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
     register_timeout: float = 30.0,
     ready_file: str | None = None,
+    watch_fd: int | None = None,
 ) -> None:
     """Start a unit, register it with the controller at ``controller`` and serve until shut down.
 
     Once registered, the unit's description (with the ``unit_id`` the controller assigned) is written
     as JSON to ``ready_file`` when given, so a launcher (e.g. a Ray actor) knows it is serving.
+    With ``watch_fd`` (the read end of a pipe whose write end the launcher holds) the unit also stops,
+    cleaning its arena up, when that pipe reaches EOF: the launcher closed it or died, however it died.
     """
     unit = StorageUnit(unit_id, bind, capacity=capacity, shm_dir=shm_dir, secret=secret, max_message_bytes=max_message_bytes)
+    served = threading.Event()
+    if watch_fd is not None:
+        def watch() -> None:
+            try:
+                while os.read(watch_fd, 4096):
+                    pass
+            except OSError:
+                pass
+            # Repeat: a stop() issued before serve_forever() starts would be overwritten by it.
+            while not served.is_set():
+                unit.stop()
+                served.wait(0.1)
+
+        threading.Thread(target=watch, name="tq-unit-watch", daemon=True).start()
     try:
         chan = RpcChannel(controller, secret=secret, timeout=register_timeout, name="controller")
         registered, _ = chan.call("register_unit", unit.describe())
@@ -355,6 +373,8 @@ def run_storage_unit(
     except BaseException:
         unit.close()
         raise
+    finally:
+        served.set()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -366,12 +386,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shm-dir", default="/dev/shm")
     p.add_argument("--max-message-bytes", type=int, default=protocol.DEFAULT_MAX_MESSAGE_BYTES)
     p.add_argument("--ready-file", help="write the registered unit's description here as JSON once serving")
+    p.add_argument("--watch-fd", type=int, help="stop when this inherited file descriptor (a pipe) reaches EOF")
     a = p.parse_args(argv)
     secret = os.environ.get("TQ_SECRET")
     logging.basicConfig(level=os.environ.get("TQ_LOG_LEVEL", "WARNING"))
     run_storage_unit(
         a.unit_id, a.bind, a.controller, capacity=a.capacity, shm_dir=a.shm_dir,
         secret=secret.encode() if secret else None, max_message_bytes=a.max_message_bytes, ready_file=a.ready_file,
+        watch_fd=a.watch_fd,
     )
 
 

@@ -24,9 +24,7 @@ def client(tq_server):
     c.close()
 
 
-@pytest.fixture()
-def partition(client):
-    """A fresh partition id, dropped after the test."""
+def _fresh_partition(client: TQClient):
     pid = f"p-{uuid.uuid4().hex[:8]}"
     client.register_partition(pid)
     yield pid
@@ -34,3 +32,26 @@ def partition(client):
         client.drop_partition(pid)
     except Exception:
         pass
+
+
+@pytest.fixture()
+def partition(client):
+    """A fresh partition id, dropped after the test."""
+    yield from _fresh_partition(client)
+
+
+TRANSPORTS = ("auto", "tcp")
+
+
+@pytest.fixture(params=TRANSPORTS)
+def tclient(request, tq_server):
+    """A client over each transport: shared-memory ("auto") and forced TCP."""
+    c = TQClient(tq_server.address, timeout=15.0, transport=request.param)
+    yield c
+    c.close()
+
+
+@pytest.fixture()
+def part(tclient):
+    """A fresh partition id on ``tclient``, dropped after the test."""
+    yield from _fresh_partition(tclient)

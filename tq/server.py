@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from .errors import AuthenticationError, TQConnectionError
+from .rpc import RpcChannel
 
 
 def _is_loopback(host: str) -> bool:
@@ -71,6 +72,18 @@ class TQServer:
             stdout=subprocess.DEVNULL,
         )
         self.address = self._await_ready(start_timeout)["address"]
+        self._await_units(storage_units, start_timeout)
+
+    def _await_units(self, expected: int, timeout: float) -> None:
+        """Return once every storage unit registered, so a client connecting next sees them all."""
+        chan = RpcChannel(self.address, secret=self.secret.encode() if self.secret else None, timeout=timeout, name="controller")
+        try:
+            info, _ = chan.call("hello", {"timeout": 0.9 * timeout})
+        finally:
+            chan.close()
+        if len(info["units"]) < expected:
+            self.shutdown()
+            raise TQConnectionError(f"only {len(info['units'])} of {expected} storage units registered within {timeout:.0f}s")
 
     def _await_ready(self, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout

@@ -357,10 +357,15 @@ def run_storage_unit(
                 served.wait(0.1)
 
         threading.Thread(target=watch, name="tq-unit-watch", daemon=True).start()
+    def exit_now(*_: Any) -> None:
+        raise SystemExit(0)  # before serving: unwind through the cleanup below, removing the arena
+
+    signal.signal(signal.SIGTERM, exit_now)
     try:
         chan = RpcChannel(controller, secret=secret, timeout=register_timeout, name="controller")
         registered, _ = chan.call("register_unit", unit.describe())
         chan.close()
+        unit.unit_id = registered["unit_id"]  # the controller numbers units in registration order
         if ready_file:
             import json
 

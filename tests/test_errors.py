@@ -1,0 +1,688 @@
+"""Error paths of the TQ service: precise exception types, messages that name the offending thing,
+and a service that keeps serving - with its stored data intact - after every error.
+
+Real controller and storage-unit processes and real sockets throughout; hostile messages are sent
+with a plain ZMQ DEALER socket.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from tq import JaggedTensor, KVBatchMeta, TQClient, TQServer, protocol
+from tq.errors import (
+    AuthenticationError,
+    CapacityError,
+    DuplicateKeyError,
+    FieldNotProducedError,
+    InvalidRequestError,
+    KeyNotFoundError,
+    MalformedMessageError,
+    MessageTooLargeError,
+    PartitionExistsError,
+    PartitionNotFoundError,
+    ProtocolVersionError,
+    SchemaConflictError,
+    TQConnectionError,
+    TQError,
+    UnknownOperationError,
+)
+
+TRANSPORTS = ["auto", "tcp"]
+
+
+# ----------------------------------------------------------------------------- helpers
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]) if t.is_floating_point() else t
+
+
+def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape)
+    assert torch.equal(bits(got), bits(want))
+
+
+def new_keys(n: int, prefix: str = "k") -> list[str]:
+    tag = uuid.uuid4().hex[:6]
+    return [f"{prefix}{tag}-{i}" for i in range(n)]
+
+
+def wait_until(pred, timeout: float = 5.0, interval: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+# ----------------------------------------------------------------------------- reference data
+class Reference:
+    """Batches stored at the start of the module (on both units, over both transports) and re-read
+    bit-exactly after every error: an error must never disturb data that is already stored."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.clients = {t: TQClient(address, timeout=15.0, transport=t) for t in TRANSPORTS}
+        self.pid = f"ref-{uuid.uuid4().hex[:6]}"
+        self.clients["auto"].register_partition(self.pid)
+        self.batches = []
+        g = torch.Generator().manual_seed(0)
+        for i, transport in enumerate(TRANSPORTS * 2):  # two puts per client: round-robin over both units
+            lengths = [3, 0, 5, 2]
+            ids = [torch.randint(0, 50_000, (L,), generator=g) for L in lengths]
+            lp = JaggedTensor.from_list([torch.randn(L, generator=g).to(torch.bfloat16) for L in lengths])
+            lp.values[0:1].view(torch.int16).fill_(0x7FC1)  # a NaN with a payload
+            reward = torch.randn(4, generator=g, dtype=torch.float64)
+            msgs = [[{"role": "user", "content": f"q{i}-{j}"}] for j in range(4)]
+            meta = self.clients[transport].put(self.pid, new_keys(4, f"ref{i}-"),
+                                               {"ids": ids, "lp": lp, "reward": reward, "msgs": msgs})
+            self.batches.append((meta, ids, lp, reward, msgs))
+
+    def check(self) -> None:
+        """Every stored batch reads back bit-exactly over both transports; every unit answers."""
+        for transport, c in self.clients.items():
+            for meta, ids, lp, reward, msgs in self.batches:
+                got = c.get(meta, layout="list")
+                assert len(got["ids"]) == len(ids)
+                for g_, w in zip(got["ids"], ids):
+                    assert_same(g_, w)
+                for g_, w in zip(got["lp"], lp.unbind()):
+                    assert_same(g_, w)
+                assert_same(got["reward"], reward)
+                assert got["msgs"] == msgs
+        stats = self.clients["tcp"].stats()
+        assert len(stats["unit_stats"]) == 2
+
+    def close(self) -> None:
+        try:
+            self.clients["auto"].drop_partition(self.pid)
+        finally:
+            for c in self.clients.values():
+                c.close()
+
+
+@pytest.fixture(scope="module")
+def ref(tq_server):
+    r = Reference(tq_server.address)
+    yield r
+    r.close()
+
+
+# ----------------------------------------------------------------------------- partitions
+def test_unknown_partition(tclient, ref):
+    ghost = f"ghost-{uuid.uuid4().hex[:6]}"
+    meta = KVBatchMeta(ghost, ("a", "b"), ("x",))
+    for call in (
+        lambda: tclient.get(meta),
+        lambda: tclient.put(ghost, ["a", "b"], {"x": torch.zeros(2)}),
+        lambda: tclient.write_back(meta, {"y": torch.zeros(2)}),
+        lambda: tclient.wait(meta, timeout=1),
+        lambda: tclient.discard(meta),
+        lambda: tclient.get_meta(ghost),
+        lambda: tclient.mint_keys(ghost, ["u"], 2),
+        lambda: tclient.clear_partition(ghost),
+        lambda: tclient.drop_partition(ghost),
+    ):
+        with pytest.raises(PartitionNotFoundError, match=ghost):
+            call()
+    assert all(p["partition"] != ghost for p in tclient.list_partitions())
+    ref.check()
+
+
+def test_register_existing_partition_without_reuse(tclient, part, ref):
+    meta = tclient.put(part, new_keys(2), {"x": torch.tensor([1.5, -2.0])})
+    with pytest.raises(PartitionExistsError, match=rf"'{part}'.*reuse"):
+        tclient.register_partition(part)
+    assert_same(tclient.get(meta)["x"], torch.tensor([1.5, -2.0]))  # nothing was cleared
+    with pytest.raises(PartitionExistsError, match=ref.pid):
+        tclient.register_partition(ref.pid)
+    ref.check()
+
+
+# ----------------------------------------------------------------------------- keys
+def test_unknown_key(tclient, part, ref):
+    meta = tclient.put(part, new_keys(3), {"x": torch.arange(3)})
+    bad = KVBatchMeta(part, (meta.keys[0], "no-such-key", meta.keys[2]), ("x",))
+    with pytest.raises(KeyNotFoundError, match=r"'no-such-key'.*" + part):
+        tclient.get(bad)
+    with pytest.raises(KeyNotFoundError, match="no-such-key"):
+        tclient.write_back(bad, {"y": torch.zeros(3)})
+    with pytest.raises(KeyNotFoundError, match="no-such-key"):
+        tclient.discard(bad)
+    with pytest.raises(KeyNotFoundError, match="no-such-key"):
+        tclient.get_meta(part, ["no-such-key"])
+    # none of the failed calls changed anything: no field y, no key discarded
+    assert tclient.get_meta(part).keys == meta.keys
+    assert tclient.discard(meta) == 3
+    ref.check()
+
+
+def test_duplicate_keys_in_one_put(tclient, part, ref):
+    with pytest.raises(DuplicateKeyError, match="'dup'"):
+        tclient.put(part, ["a", "dup", "b", "dup"], {"x": torch.zeros(4)})
+    with pytest.raises(DuplicateKeyError, match="'m_g0'"):
+        tclient.mint_keys(part, ["m", "m"], 1)
+    # the controller checks too, whatever the client does
+    with pytest.raises(DuplicateKeyError, match="'z'"):
+        tclient._call("discard", {"partition": part, "keys": ["z", "z"]})
+    assert tclient.get_meta(part).keys == ()
+    ref.check()
+
+
+def test_put_of_key_that_already_holds_data(tclient, part, ref):
+    uid = f"u{uuid.uuid4().hex[:6]}"
+    keys = [f"{uid}_g{i}" for i in range(3)]
+    meta = tclient.put(part, keys, {"x": torch.tensor([1, 2, 3], dtype=torch.int32)})
+    with pytest.raises(DuplicateKeyError, match=rf"'{keys[1]}'.*already holds data"):
+        tclient.put(part, [new_keys(1)[0], keys[1]], {"x": torch.tensor([7, 8], dtype=torch.int32)})
+    with pytest.raises(DuplicateKeyError, match=rf"'{keys[0]}'.*already exists"):
+        tclient.mint_keys(part, [uid], 3)
+    assert tclient.get_meta(part).keys == tuple(keys)  # the new key of the failed put was not added
+    assert_same(tclient.get(meta)["x"], torch.tensor([1, 2, 3], dtype=torch.int32))
+    ref.check()
+
+
+# ----------------------------------------------------------------------------- fields and schemas
+def test_field_never_produced_or_produced_for_some_keys(tclient, part, ref):
+    meta = tclient.put(part, new_keys(4), {"x": torch.arange(4.0)})
+    with pytest.raises(FieldNotProducedError, match=rf"'never'.*never produced.*'{part}'"):
+        tclient.get(meta, ["x", "never"])
+    tclient.write_back(meta.select([0, 1]), {"half": torch.ones(2)})
+    with pytest.raises(FieldNotProducedError, match=rf"'half'.*2 of 4 keys.*'{meta.keys[2]}'"):
+        tclient.get(meta, ["half"])
+    assert_same(tclient.get(meta.select([1, 0]), ["half"])["half"], torch.ones(2))
+    ref.check()
+
+
+def test_dtype_conflict_on_write_back(tclient, part, ref):
+    meta = tclient.put(part, new_keys(4), {"ids": [torch.arange(L) for L in (2, 3, 1, 4)]})
+    lp = [torch.randn(L) for L in (2, 3)]
+    tclient.write_back(meta.select([0, 1]), {"lp": lp})
+    with pytest.raises(SchemaConflictError, match=r"'lp'.*float32.*int64|'lp'.*jagged float32.*jagged int64"):
+        tclient.write_back(meta.select([2, 3]), {"lp": [torch.arange(L) for L in (1, 4)]})
+    with pytest.raises(SchemaConflictError, match="'ids'"):  # a new put must match the schema too
+        tclient.put(part, new_keys(1), {"ids": [torch.arange(3, dtype=torch.int32)]})
+    got = tclient.get(meta.select([0, 1]), ["lp"], layout="list")["lp"]
+    for g, w in zip(got, lp):
+        assert_same(g, w)
+    with pytest.raises(FieldNotProducedError, match="'lp'"):  # the rejected write left nothing behind
+        tclient.get(meta.select([2]), ["lp"])
+    ref.check()
+
+
+def test_shape_and_kind_conflicts_on_write_back(tclient, part, ref):
+    meta = tclient.put(part, new_keys(4), {"x": torch.zeros(4)})
+    emb = torch.randn(2, 3)
+    tclient.write_back(meta.select([0, 1]), {"emb": emb})
+    with pytest.raises(SchemaConflictError, match=r"'emb'.*\[3\].*\[4\]"):
+        tclient.write_back(meta.select([2, 3]), {"emb": torch.randn(2, 4)})
+    with pytest.raises(SchemaConflictError, match=r"'emb'.*tensor.*jagged"):
+        tclient.write_back(meta.select([2, 3]), {"emb": [torch.randn(1, 3), torch.randn(2, 3)]})
+    with pytest.raises(SchemaConflictError, match=r"'emb'.*object"):
+        tclient.write_back(meta.select([2, 3]), {"emb": ["a", "b"]})
+    assert_same(tclient.get(meta.select([0, 1]), ["emb"])["emb"], emb)
+    ref.check()
+
+
+def test_writing_a_field_twice(tclient, part, ref):
+    meta = tclient.put(part, new_keys(3), {"x": torch.zeros(3)})
+    adv = torch.tensor([0.5, -1.0, 2.0])
+    tclient.write_back(meta, {"adv": adv})
+    with pytest.raises(SchemaConflictError, match=rf"'adv'.*already produced.*'{meta.keys[1]}'"):
+        tclient.write_back(meta.select([1]), {"adv": torch.tensor([9.0])})
+    with pytest.raises(SchemaConflictError, match="'x'"):
+        tclient.write_back(meta, {"x": torch.ones(3)})
+    assert_same(tclient.get(meta, ["adv"])["adv"], adv)
+    assert_same(tclient.get(meta, ["x"])["x"], torch.zeros(3))
+    ref.check()
+
+
+# ----------------------------------------------------------------------------- invalid requests
+def test_wrong_row_count(tclient, part, ref):
+    keys = new_keys(4)
+    cases = {
+        "t": torch.zeros(3),
+        "fixed": torch.zeros(5, 2),
+        "lst": [torch.zeros(2)] * 3,
+        "obj": ["a", "b"],
+        "jt": JaggedTensor.from_list([torch.zeros(1), torch.zeros(2)]),
+        "scalar0d": torch.tensor(1.0),
+    }
+    for name, value in cases.items():
+        with pytest.raises(InvalidRequestError, match=rf"'{name}'.*(3|5|2|shape \(\)).*4"):
+            tclient.put(part, keys, {"ok": torch.zeros(4), name: value})
+    with pytest.raises(InvalidRequestError, match="at least one key"):
+        tclient.put(part, [], {"x": torch.zeros(0)})
+    with pytest.raises(InvalidRequestError, match="at least one column"):
+        tclient.put(part, keys, {})
+    assert tclient.get_meta(part).keys == ()  # nothing half-written
+    ref.check()
+
+
+def test_unsupported_dtype(tclient, part, ref):
+    keys = new_keys(2)
+    with pytest.raises(InvalidRequestError, match=r"'cplx'.*complex64"):
+        tclient.put(part, keys, {"cplx": torch.zeros(2, dtype=torch.complex64)})
+    with pytest.raises(InvalidRequestError, match=r"'jag'.*complex128"):
+        tclient.put(part, keys, {"jag": [torch.zeros(1, dtype=torch.complex128)] * 2})
+    with pytest.raises(InvalidRequestError, match=r"'u16'.*uint16"):
+        tclient.put(part, keys, {"u16": torch.zeros(2, dtype=torch.uint16)})
+    assert tclient.get_meta(part).keys == ()
+    ref.check()
+
+
+def test_unsupported_column_type(tclient, part, ref):
+    keys = new_keys(2)
+    for name, value, what in [
+        ("d", {"a": 1}, "dict"),
+        ("i", 5, "int"),
+        ("s", "ab", "str"),
+        ("objs", [object(), object()], "msgpack"),
+        ("sets", [{1}, {2}], "msgpack"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=rf"'{name}'.*{what}"):
+            tclient.put(part, keys, {name: value})
+    with pytest.raises(SchemaConflictError, match=r"'mixed'.*row 1"):  # rows of one column must agree
+        tclient.put(part, keys, {"mixed": [torch.zeros(2), torch.zeros(2, dtype=torch.int64)]})
+    with pytest.raises(InvalidRequestError, match="transport"):
+        TQClient(tclient.address, transport="udp")
+    assert tclient.get_meta(part).keys == ()
+    ref.check()
+
+
+# ----------------------------------------------------------------------------- hostile raw messages
+def _hdr(**kv) -> bytes:
+    return msgpack.packb(kv, use_bin_type=True)
+
+
+def _bad_ref_fetch() -> list:
+    return [_hdr(v=1, rid=5, op="fetch", bs=[8], args={"mode": "tcp", "fields": {
+        "x": {"blocks": {"b": 9, "d": "<i8", "s": [1]}, "rows": {"b": 0, "d": "<i8", "s": [1]}}}}), b"", b"\0" * 8]
+
+
+def _bad_dtype_ref_commit(pid: str) -> list:
+    return [_hdr(v=1, rid=5, op="commit", bs=[8], args={
+        "partition": pid, "keys": ["a"], "mode": "put", "unit": 0, "block": 1,
+        "fields": {"f": {"schema": ["tensor", "float32", []], "row_nbytes": {"b": 0, "d": "|O", "s": [1]}}}}), b"", b"\0" * 8]
+
+
+HOSTILE = {
+    # id: (frames, expected error type or None for "no reply required", message pattern)
+    "not-msgpack": ([b"\xc1\xc1\xc1", b""], MalformedMessageError, "not valid msgpack"),
+    "empty-header": ([b"", b""], MalformedMessageError, "not valid msgpack"),
+    "bad-utf8": ([b"\xa2\xff\xfe", b""], MalformedMessageError, "not valid msgpack"),
+    "header-is-list": ([msgpack.packb([1, "op", {}]), b""], MalformedMessageError, "must be a map, got list"),
+    "missing-op": ([_hdr(v=1, rid=3, args={}, bs=[]), b""], MalformedMessageError, "'op'"),
+    "args-not-map": ([_hdr(v=1, rid=3, op="stats", args=[1, 2], bs=[]), b""], MalformedMessageError, "'args'"),
+    "unknown-op": ([_hdr(v=1, rid=3, op="frobnicate", args={}, bs=[]), b""], UnknownOperationError, "'frobnicate'"),
+    "wrong-version": ([_hdr(v=99, rid=3, op="stats", args={}, bs=[]), b""], ProtocolVersionError, "99"),
+    "no-version": ([_hdr(rid=3, op="stats", args={}, bs=[]), b""], ProtocolVersionError, "None"),
+    "size-mismatch": ([_hdr(v=1, rid=3, op="stats", args={}, bs=[10]), b"", b"12345"], MalformedMessageError, "declared 10, got 5"),
+    "truncated": ([_hdr(v=1, rid=3, op="stats", args={}, bs=[4, 4]), b"", b"1234"], MalformedMessageError, r"\[4, 4\].*1 buffer"),
+    "extra-frame": ([_hdr(v=1, rid=3, op="stats", args={}, bs=[]), b"", b"xx"], MalformedMessageError, r"\[\].*1 buffer"),
+    "sizes-not-list": ([_hdr(v=1, rid=3, op="stats", args={}, bs="4"), b"", b"1234"], MalformedMessageError, "buffer sizes"),
+    "single-frame": ([_hdr(v=1, rid=3, op="stats", args={}, bs=[])], None, "1 frame"),
+    "bad-array-ref": (_bad_ref_fetch(), None, None),  # per target below
+}
+
+
+def _raw_exchange(address: str, frames: list, *, secret: bytes | None = None, timeout: float = 5.0):
+    """Send raw frames from a fresh DEALER; return the decoded reply (or None if none came)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(address)
+        sock.send_multipart(frames)
+        if not sock.poll(timeout * 1e3, zmq.POLLIN):
+            return None
+        return protocol.decode(sock.recv_multipart(), secret)
+    finally:
+        sock.close(0)
+
+
+def _target_address(tq_server_client: TQClient, target: str) -> str:
+    if target == "controller":
+        return tq_server_client.address
+    return tq_server_client._units[int(target[-1])]["address"]
+
+
+@pytest.mark.parametrize("target", ["controller", "unit0", "unit1"])
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_hostile_message_gets_error_reply_and_server_keeps_serving(ref, target, case):
+    c = ref.clients["tcp"]
+    address = _target_address(c, target)
+    frames, exc_type, pattern = HOSTILE[case]
+    if case == "bad-array-ref":
+        if target == "controller":
+            frames, exc_type, pattern = _bad_dtype_ref_commit(ref.pid), MalformedMessageError, r"row_nbytes.*'\|O'"
+        else:
+            frames, exc_type, pattern = _bad_ref_fetch(), MalformedMessageError, "buffer index 9 out of range"
+
+    def rejected() -> int:
+        s = c.stats()
+        return s["rejected_messages"] if target == "controller" else s["unit_stats"][int(target[-1])]["rejected_messages"]
+
+    rejected_before = rejected()
+    reply = _raw_exchange(address, frames)
+    if exc_type is None:  # the server may drop a message it cannot even frame; it must keep serving
+        if reply is not None:
+            with pytest.raises(MalformedMessageError, match=pattern):
+                protocol.raise_for_reply(reply)
+    else:
+        assert reply is not None, f"{target} sent no reply to a {case} message"
+        with pytest.raises(exc_type, match=pattern):
+            protocol.raise_for_reply(reply)
+        if case == "unknown-op":
+            assert reply.header["rid"] == 3  # the request id is echoed
+    if case != "bad-array-ref":  # well-framed requests with bad arguments are not "rejected messages"
+        assert rejected() == rejected_before + 1
+    ref.check()  # the service keeps serving and nothing stored was disturbed
+
+
+def test_decode_rejects_oversized_messages_and_headers():
+    frames = protocol.encode({"op": "x", "rid": 1, "args": {}}, [b"\0" * 64], None)
+    assert protocol.decode(frames, None, max_message_bytes=64).buffers[0].nbytes == 64
+    with pytest.raises(MessageTooLargeError, match=r"65 bytes exceeds the limit of 64"):
+        protocol.decode(protocol.encode({"op": "x", "rid": 1, "args": {}}, [b"\0" * 65], None), None, max_message_bytes=64)
+    big_header = b"\0" * (protocol.MAX_HEADER_BYTES + 1)
+    with pytest.raises(MessageTooLargeError, match=str(protocol.MAX_HEADER_BYTES)):
+        protocol.decode([big_header, b""], None)
+    with pytest.raises(MalformedMessageError, match="0 frame"):
+        protocol.decode([], None)
+
+
+def test_decode_rejects_bad_array_refs():
+    bufs = [memoryview(b"\0" * 16)]
+    ok = protocol.unpack_array({"b": 0, "d": "<i8", "s": [2]}, bufs)
+    assert ok.tolist() == [0, 0]
+    for ref_, pattern in [
+        ({"b": 0, "d": "|O", "s": [2]}, "dtype"),
+        ({"b": 0, "d": "<i8", "s": [3]}, "needs 24"),
+        ({"b": 1, "d": "<i8", "s": [2]}, "out of range"),
+        ({"b": 0, "d": "<i8", "s": [-2]}, "invalid shape"),
+        ({"b": 0, "d": "<i8", "s": [1] * 9}, "invalid shape"),
+        ({"b": "0", "d": "<i8", "s": [2]}, "array ref"),
+        ([0, "<i8", [2]], "array ref"),
+    ]:
+        with pytest.raises(MalformedMessageError, match=pattern):
+            protocol.unpack_array(ref_, bufs, name="arr")
+    with pytest.raises(MalformedMessageError, match="dtype"):
+        protocol.unpack_array({"b": 0, "d": "<f8", "s": [2]}, bufs, dtype="<i8")
+
+
+def test_storage_unit_enforces_its_message_size_limit():
+    """A storage unit run standalone with a 4 KiB limit: larger messages get MessageTooLargeError."""
+    ctx = zmq.Context.instance()
+    fake_ctrl = ctx.socket(zmq.ROUTER)  # stands in for the controller the unit registers with
+    fake_ctrl.setsockopt(zmq.LINGER, 0)
+    port = fake_ctrl.bind_to_random_port("tcp://127.0.0.1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tq.storage", "--unit-id", "0", "--bind", "tcp://127.0.0.1:0",
+         "--controller", f"tcp://127.0.0.1:{port}", "--capacity", str(1 << 20), "--max-message-bytes", "4096"],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        assert fake_ctrl.poll(60_000), "the storage unit never registered"
+        ident, *frames = fake_ctrl.recv_multipart()
+        msg = protocol.decode(frames, None)
+        assert msg.header["op"] == "register_unit"
+        info = msg.header["args"]
+        fake_ctrl.send_multipart([ident, *protocol.reply_ok(msg.header["rid"], {"unit_id": 0}, [], None)])
+
+        def store(nbytes: int):
+            bufs: list = []
+            data = np.arange(nbytes, dtype=np.int64).astype(np.uint8)
+            ro = np.array([0, nbytes], dtype=np.int64)
+            args = {"n_rows": 1, "fields": {"f": {"schema": ["jagged", "uint8", []],
+                                                  "row_offsets": protocol.pack_array(ro, bufs),
+                                                  "data": protocol.pack_array(data, bufs)}}}
+            return _raw_exchange(info["address"], protocol.request("store", 1, args, bufs, None)), data
+
+        reply, _ = store(8192)
+        with pytest.raises(MessageTooLargeError, match=r"8208 bytes exceeds the limit of 4096"):
+            protocol.raise_for_reply(reply)
+        reply, data = store(1000)  # it keeps serving
+        block = protocol.raise_for_reply(reply)["block"]
+        bufs = []
+        req = {"mode": "shm", "fields": {"f": {"blocks": protocol.pack_array(np.array([block]), bufs),
+                                               "rows": protocol.pack_array(np.array([0]), bufs)}}}
+        reply = _raw_exchange(info["address"], protocol.request("fetch", 2, req, bufs, None))
+        out = protocol.raise_for_reply(reply)
+        start = int(protocol.unpack_array(out["f"]["starts"], reply.buffers)[0])
+        size = int(protocol.unpack_array(out["f"]["sizes"], reply.buffers)[0])
+        with open(info["arena_path"], "rb") as f:  # the bytes, read where the unit says they are
+            f.seek(start)
+            got = np.frombuffer(f.read(size), dtype=np.uint8)
+        assert np.array_equal(got, data)
+        assert protocol.raise_for_reply(_raw_exchange(info["address"], protocol.request("shutdown", 3, {}, [], None)))["stopping"]
+        proc.wait(30)
+        assert not os.path.exists(info["arena_path"])  # a unit that stops removes its arena
+    finally:
+        if proc.poll() is None:
+            proc.terminate()  # SIGTERM: the unit stops and removes its arena
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        fake_ctrl.close(0)
+
+
+# ----------------------------------------------------------------------------- unreachable servers
+def test_client_to_a_port_nobody_listens_on():
+    address = f"tcp://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(TQConnectionError, match=address):
+        TQClient(address, timeout=1.0)
+    assert time.monotonic() - t0 < 5.0  # a bound on hanging, not a speed test
+
+
+def test_controller_killed_mid_session():
+    server = TQServer(storage_units=1, capacity=16 << 20)
+    unit_pids: list[int] = []
+    try:
+        with TQClient(server.address, timeout=30.0):  # returns once the storage unit has registered
+            pass
+        c = TQClient(server.address, timeout=1.0)
+        unit_pids = [u["pid"] for u in c._units]
+        arenas = [u["arena_path"] for u in c._units]
+        assert unit_pids and all(os.path.exists(a) for a in arenas)
+        c.register_partition("p")
+        meta = c.put("p", ["a", "b"], {"x": torch.tensor([1, 2])})
+        assert_same(c.get(meta)["x"], torch.tensor([1, 2]))
+        server.proc.kill()
+        server.proc.wait(10)
+        for call in (c.list_partitions, lambda: c.get(meta), lambda: c.put("p", ["c"], {"x": torch.tensor([3])})):
+            t0 = time.monotonic()
+            with pytest.raises(TQConnectionError, match=r"(controller|storage unit 0) at tcp://"):
+                call()  # a put talks to the storage unit first: it may be the one found gone
+            assert time.monotonic() - t0 < 5.0
+        c.close()
+        # Storage units notice that their controller is gone and exit (nothing is left behind).
+        assert wait_until(lambda: not any(pid_alive(p) for p in unit_pids), timeout=15.0), "storage units outlived the controller"
+        assert wait_until(lambda: not any(os.path.exists(a) for a in arenas)), "a storage unit left its arena behind"
+    finally:
+        server.shutdown()
+        for p in unit_pids:  # only if the test failed: stop orphaned units (SIGTERM lets them clean up)
+            if pid_alive(p):
+                os.kill(p, signal.SIGTERM)
+        for p in unit_pids:
+            if not wait_until(lambda: not pid_alive(p), timeout=10.0):
+                os.kill(p, signal.SIGKILL)
+
+
+# ----------------------------------------------------------------------------- authentication
+@pytest.fixture(scope="module")
+def secure_server():
+    with TQServer(storage_units=1, capacity=16 << 20, secret="s3cret") as server:
+        yield server
+
+
+def test_right_secret_works(secure_server, monkeypatch):
+    monkeypatch.delenv("TQ_SECRET", raising=False)
+    for transport in TRANSPORTS:
+        with TQClient(secure_server.address, secret="s3cret", timeout=5.0, transport=transport) as c:
+            pid = f"sec-{uuid.uuid4().hex[:6]}"
+            c.register_partition(pid)
+            meta = c.put(pid, ["a", "b"], {"x": torch.tensor([1.0, 2.0]), "o": ["s", None]})
+            got = c.get(meta)
+            assert_same(got["x"], torch.tensor([1.0, 2.0]))
+            assert got["o"] == ["s", None]
+            c.drop_partition(pid)
+    monkeypatch.setenv("TQ_SECRET", "s3cret")  # the environment supplies the secret by default
+    with TQClient(secure_server.address, timeout=5.0) as c:
+        assert isinstance(c.list_partitions(), list)
+
+
+@pytest.mark.parametrize("secret", ["wrong", None], ids=["wrong-secret", "no-secret"])
+def test_wrong_or_missing_secret_is_rejected(secure_server, monkeypatch, secret):
+    monkeypatch.delenv("TQ_SECRET", raising=False)
+    with TQClient(secure_server.address, secret="s3cret", timeout=5.0) as good:
+        pid = f"sec-{uuid.uuid4().hex[:6]}"
+        good.register_partition(pid)
+        meta = good.put(pid, ["a", "b", "c"], {"x": torch.tensor([3, 1, 2], dtype=torch.int8)})
+        rejected_before = good.stats()["rejected_messages"]
+        t0 = time.monotonic()
+        with pytest.raises(AuthenticationError, match="secret"):
+            TQClient(secure_server.address, secret=secret, timeout=5.0)
+        assert time.monotonic() - t0 < 5.0  # answered at once, not timed out
+        assert good.stats()["rejected_messages"] == rejected_before + 1
+        # raw requests with a bad signature, to the controller and to the storage unit
+        for address in (secure_server.address, good._units[0]["address"]):
+            frames = protocol.request("stats", 1, {}, [], secret.encode() if secret else None)
+            reply = _raw_exchange(address, frames, secret=b"s3cret")  # replies are signed by the server
+            with pytest.raises(AuthenticationError, match="signature"):
+                protocol.raise_for_reply(reply)
+            with pytest.raises(AuthenticationError):  # a client without the right secret cannot trust it
+                protocol.decode(protocol.reply_ok(1, {}, [], b"s3cret"), b"wrong")
+        # the server keeps serving the good client, data intact
+        assert_same(good.get(meta)["x"], torch.tensor([3, 1, 2], dtype=torch.int8))
+        good.drop_partition(pid)
+
+
+def test_non_loopback_bind_needs_a_secret():
+    t0 = time.monotonic()
+    with pytest.raises(AuthenticationError, match=r"0\.0\.0\.0.*secret"):
+        TQServer(host="0.0.0.0")
+    assert time.monotonic() - t0 < 5.0  # refused before starting anything
+
+
+# ----------------------------------------------------------------------------- capacity
+@pytest.fixture(scope="module")
+def small_server():
+    with TQServer(storage_units=1, capacity=1 << 20) as server:  # one unit, 1 MiB
+        yield server
+
+
+@pytest.fixture(params=TRANSPORTS)
+def small(request, small_server):
+    c = TQClient(small_server.address, timeout=15.0, transport=request.param)
+    pid = f"cap-{uuid.uuid4().hex[:6]}"
+    c.register_partition(pid)
+    yield c, pid
+    c.drop_partition(pid)
+    c.close()
+
+
+def _unit(c: TQClient) -> dict:
+    return c.stats()["unit_stats"][0]
+
+
+def _settled_used(c: TQClient) -> int:
+    """Bytes in use once no fire-and-forget free is in flight (two equal readings in a row)."""
+    last = None
+    for _ in range(50):
+        used = _unit(c)["bytes_used"]
+        if used == last:
+            return used
+        last = used
+        time.sleep(0.05)
+    return last
+
+
+def test_put_larger_than_capacity(small):
+    c, pid = small
+    assert wait_until(lambda: _unit(c)["bytes_used"] == 0)
+    big = torch.zeros(2 << 20, dtype=torch.uint8)  # 2 MiB into a 1 MiB unit
+    with pytest.raises(CapacityError, match=r"2097152 bytes.*1048576"):
+        c.put(pid, ["big"], {"x": big.reshape(1, -1)})
+    u = _unit(c)
+    assert u["bytes_used"] == 0 and u["blocks"] == 0 and u["pending_allocs"] == 0  # nothing left allocated
+    assert c.get_meta(pid).keys == ()
+    meta = c.put(pid, ["small"], {"x": torch.arange(16, dtype=torch.uint8).reshape(1, -1)})  # still serving
+    assert_same(c.get(meta)["x"], torch.arange(16, dtype=torch.uint8).reshape(1, -1))
+
+
+def test_put_larger_than_free_space(small):
+    c, pid = small
+    assert wait_until(lambda: _unit(c)["bytes_used"] == 0)
+    first = torch.randint(0, 255, (1, 600 << 10), dtype=torch.uint8)
+    meta = c.put(pid, ["first"], {"x": first})
+    used = _unit(c)["bytes_used"]
+    assert used >= 600 << 10
+    with pytest.raises(CapacityError, match=rf"614400 bytes.*{used} of 1048576"):
+        c.put(pid, ["second"], {"x": first.clone()})
+    u = _unit(c)
+    assert u["bytes_used"] == used and u["pending_allocs"] == 0
+    assert_same(c.get(meta)["x"], first)
+    c.discard(meta)
+    assert wait_until(lambda: _unit(c)["bytes_used"] == 0)
+    meta2 = c.put(pid, ["second"], {"x": first.flip(1)})  # room again after the discard
+    assert_same(c.get(meta2)["x"], first.flip(1))
+
+
+def test_rejected_commits_leave_nothing_allocated(small):
+    c, pid = small
+    meta = c.put(pid, ["a", "b"], {"x": torch.randn(2, 1000), "lp": [torch.randn(5), torch.randn(0)]})
+    used = _settled_used(c)
+    with pytest.raises(DuplicateKeyError, match="'a'"):
+        c.put(pid, ["a"], {"x": torch.randn(1, 1000)})
+    with pytest.raises(PartitionNotFoundError, match="'no-such-partition'"):
+        c.put("no-such-partition", ["z"], {"x": torch.randn(1, 1000)})
+    with pytest.raises(SchemaConflictError, match="'x'"):
+        c.write_back(meta, {"x": torch.randn(2, 1000)})
+    with pytest.raises(KeyNotFoundError, match="'ghost'"):
+        c.write_back(KVBatchMeta(pid, ("ghost",)), {"y": torch.randn(1)})
+    u = _unit(c)
+    assert u["bytes_used"] == used and u["pending_allocs"] == 0
+    got = c.get(meta, layout="list")
+    assert got["lp"][0].shape == (5,) and got["lp"][1].shape == (0,)
+
+
+def test_errors_are_tq_errors():
+    """Every error type the wire can carry is a TQError and round-trips through a reply by name."""
+    for name, cls in protocol.ERROR_TYPES.items():
+        assert issubclass(cls, TQError)
+        frames = protocol.reply_error(9, cls(f"boom {name}"), None)
+        with pytest.raises(cls, match=f"boom {name}"):
+            protocol.raise_for_reply(protocol.decode(frames, None))
+    frames = protocol.reply_error(9, RuntimeError("internal"), None)  # a non-TQ error stays generic
+    with pytest.raises(TQError, match="RuntimeError: internal"):
+        protocol.raise_for_reply(protocol.decode(frames, None))

@@ -323,8 +323,8 @@ def _hdr(**kv) -> bytes:
 
 
 def _bad_ref_fetch() -> list:
-    return [_hdr(v=1, rid=5, op="fetch", bs=[8], args={"mode": "tcp", "fields": {
-        "x": {"blocks": {"b": 9, "d": "<i8", "s": [1]}, "rows": {"b": 0, "d": "<i8", "s": [1]}}}}), b"", b"\0" * 8]
+    return [_hdr(v=1, rid=5, op="fetch", bs=[8], args={"mode": "tcp", "fields": ["x"],
+                                                       "entries": {"b": 9, "d": "<i8", "s": [1, 3]}}), b"", b"\0" * 8]
 
 
 def _bad_dtype_ref_commit(pid: str) -> list:
@@ -471,12 +471,10 @@ def test_storage_unit_enforces_its_message_size_limit():
         reply, data = store(1000)  # it keeps serving
         block = protocol.raise_for_reply(reply)["block"]
         bufs = []
-        req = {"mode": "shm", "fields": {"f": {"blocks": protocol.pack_array(np.array([block]), bufs),
-                                               "rows": protocol.pack_array(np.array([0]), bufs)}}}
+        req = {"mode": "shm", "fields": ["f"], "entries": protocol.pack_array(np.array([[0, block, 0]]), bufs)}
         reply = _raw_exchange(info["address"], protocol.request("fetch", 2, req, bufs, None))
         out = protocol.raise_for_reply(reply)
-        start = int(protocol.unpack_array(out["f"]["starts"], reply.buffers)[0])
-        size = int(protocol.unpack_array(out["f"]["sizes"], reply.buffers)[0])
+        start, size = (int(v) for v in protocol.unpack_array(out["ranges"], reply.buffers)[0])
         with open(info["arena_path"], "rb") as f:  # the bytes, read where the unit says they are
             f.seek(start)
             got = np.frombuffer(f.read(size), dtype=np.uint8)

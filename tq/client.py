@@ -28,7 +28,7 @@ from .rpc import RpcChannel
 from .schema import JAGGED, OBJECT, FieldSchema
 
 Layout = Literal["padded", "jagged", "list"]
-UNIT, BLOCK, ROW = 0, 1, 2
+UNIT, BLOCK, ROW = 0, 1, 2  # columns of a location record (see tq.controller)
 _FIELD_ALIGN = 64
 
 _default_pool = HostBufferPool()
@@ -302,44 +302,52 @@ class TQClient:
                    timeout=timeout + self.timeout)
 
     def _fetch(self, meta: KVBatchMeta, fields: list[str]) -> dict[str, _Fetched]:
+        """Locate the rows (one controller round trip), then fetch them from every unit in parallel."""
         located, lmsg = self._ctrl.call("locate", {"partition": meta.partition_id, "keys": list(meta.keys), "fields": fields})
         if located["units_version"] != len(self._units):
             self._refresh_units()
         n = len(meta.keys)
-        recs = {f: protocol.unpack_array(spec["loc"], lmsg.buffers, name=f"{f}.loc") for f, spec in located["fields"].items()}
-        out = {f: _Fetched(FieldSchema.from_wire(spec["schema"]), n) for f, spec in located["fields"].items()}
-        units = sorted(set(np.concatenate([r[:, UNIT] for r in recs.values()]).tolist())) if n else []
+        loc = protocol.unpack_array(located["loc"], lmsg.buffers, name="loc", dtype="<i8")
+        if loc.shape != (len(fields), n, 4):
+            raise MalformedMessageError(f"locate reply has shape {loc.shape}, expected {(len(fields), n, 4)}")
+        out = {f: _Fetched(FieldSchema.from_wire(located["schemas"][f]), n) for f in fields}
         pending = []
-        for unit in units:  # send every unit its request first, then collect: the units work in parallel
+        for unit in np.unique(loc[:, :, UNIT]).tolist():  # send every unit its request, then collect
+            where = np.argwhere(loc[:, :, UNIT] == unit)  # [field index, key index], grouped by field
+            rec = loc[where[:, 0], where[:, 1]]
             bufs: list[Any] = []
-            req = {}
-            for f, rec in recs.items():
-                sel = rec[:, UNIT] == unit
-                if sel.any():
-                    req[f] = {"blocks": protocol.pack_array(rec[sel, BLOCK], bufs), "rows": protocol.pack_array(rec[sel, ROW], bufs)}
+            entries = protocol.pack_array(np.stack([where[:, 0], rec[:, BLOCK], rec[:, ROW]], axis=1), bufs)
             mode = "shm" if self._is_local(unit) else "tcp"
             chan = self._unit_chans[unit]
-            pending.append((unit, mode, chan, chan.send("fetch", {"fields": req, "mode": mode}, bufs)))
-        for unit, mode, chan, rid in pending:
+            pending.append((unit, mode, where, chan, chan.send("fetch", {"fields": fields, "mode": mode, "entries": entries}, bufs)))
+        for unit, mode, where, chan, rid in pending:
             reply, msg = chan.recv(rid, "fetch")
-            for f, entry in reply.items():
-                sel = np.flatnonzero(recs[f][:, UNIT] == unit)
-                fx = out[f]
-                sizes = protocol.unpack_array(entry["sizes"], msg.buffers, dtype="<i8")
-                if mode == "shm":
-                    fx.sources.append(self._arena(unit).view)
-                    fx.starts[sel] = protocol.unpack_array(entry["starts"], msg.buffers, dtype="<i8")
-                    fx.src[sel] = len(fx.sources) - 1
-                else:  # frames of whole rows, back to back
-                    frame_rows = protocol.unpack_array(entry["frame_rows"], msg.buffers, dtype="<i8")
-                    if frame_rows.sum() != sel.size or len(entry["frames"]) != frame_rows.size:
-                        raise MalformedMessageError(f"fetch reply for {f!r} frames {frame_rows.sum()} rows, expected {sel.size}")
-                    frame_idx = np.repeat(np.arange(frame_rows.size), frame_rows)
-                    rel = np.cumsum(sizes) - sizes
-                    fx.starts[sel] = rel - rel[np.cumsum(frame_rows) - frame_rows][frame_idx] if sel.size else rel
-                    fx.src[sel] = len(fx.sources) + frame_idx
-                    fx.sources.extend(protocol.unpack_array(r, msg.buffers, dtype="|u1") for r in entry["frames"])
-                fx.sizes[sel] = sizes
+            m = where.shape[0]
+            if mode == "shm":
+                ranges = protocol.unpack_array(reply["ranges"], msg.buffers, name="ranges", dtype="<i8")
+                if ranges.shape != (m, 2):
+                    raise MalformedMessageError(f"fetch reply from unit {unit} has {ranges.shape[0]} ranges for {m} rows")
+                starts, sizes = ranges[:, 0], ranges[:, 1]
+                sources = [self._arena(unit).view]
+                src = np.zeros(m, dtype=np.int64)
+            else:  # frames of whole rows, back to back
+                sizes = protocol.unpack_array(reply["sizes"], msg.buffers, name="sizes", dtype="<i8")
+                frame_rows = protocol.unpack_array(reply["frame_rows"], msg.buffers, name="frame_rows", dtype="<i8")
+                if sizes.shape != (m,) or frame_rows.sum() != m or len(reply["frames"]) != frame_rows.size:
+                    raise MalformedMessageError(f"fetch reply from unit {unit} does not frame the {m} rows asked for")
+                src = np.repeat(np.arange(frame_rows.size), frame_rows)
+                rel = np.cumsum(sizes) - sizes
+                starts = rel - rel[np.cumsum(frame_rows) - frame_rows][src] if m else rel
+                sources = [protocol.unpack_array(r, msg.buffers, dtype="|u1") for r in reply["frames"]]
+            for f, name in enumerate(fields):
+                sel = np.flatnonzero(where[:, 0] == f)
+                if not sel.size:
+                    continue
+                fx, keys_idx = out[name], where[sel, 1]
+                fx.src[keys_idx] = src[sel] + len(fx.sources)
+                fx.starts[keys_idx] = starts[sel]
+                fx.sizes[keys_idx] = sizes[sel]
+                fx.sources.extend(sources)
         return out
 
     def get(

@@ -367,24 +367,25 @@ class Controller(RpcServer):
         return missing, first
 
     def op_locate(self, args: dict, buffers: list, call: Call) -> tuple[dict, list]:
+        """Where (unit, block, row, bytes) each (field, key) lives: one int64 [fields, keys, 4] array."""
         part = self._partition(args)
         keys = self._str_list(args, "keys")
         fields = self._str_list(args, "fields")
         slots = part.slots_of(keys)
-        out: dict[str, Any] = {}
-        frames: list[Any] = []
-        for name in fields:
+        loc = np.empty((len(fields), len(keys), 4), dtype=np.int64)
+        for f, name in enumerate(fields):
             if name not in part.schemas:
                 raise FieldNotProducedError(f"field {name!r} was never produced in partition {part.pid!r}")
-            rec = part.locs[name][slots]
-            absent = np.flatnonzero(rec[:, UNIT] < 0)
+            loc[f] = part.locs[name][slots]
+            absent = np.flatnonzero(loc[f, :, UNIT] < 0)
             if absent.size:
                 raise FieldNotProducedError(
                     f"field {name!r} is not produced for {absent.size} of {len(keys)} keys "
                     f"in partition {part.pid!r} (first: {keys[int(absent[0])]!r})"
                 )
-            out[name] = {"schema": part.schemas[name].to_wire(), "loc": protocol.pack_array(rec, frames)}
-        return {"fields": out, "units_version": len(self.units)}, frames
+        frames: list[Any] = []
+        schemas = {name: part.schemas[name].to_wire() for name in fields}
+        return {"schemas": schemas, "loc": protocol.pack_array(loc, frames), "units_version": len(self.units)}, frames
 
     def op_wait(self, args: dict, buffers: list, call: Call) -> Any:
         part = self._partition(args)

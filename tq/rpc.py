@@ -202,11 +202,15 @@ class RpcChannel:
         sock = self._socket()
         rid = next(self._rids)
         timeout = self.timeout if timeout is None else timeout
-        if not sock.poll(timeout * 1e3, zmq.POLLOUT):
-            raise TQConnectionError(
-                f"cannot reach {self.name} at {self.address} within {timeout:.1f}s (op {op!r}): server down or unreachable"
-            )
-        sock.send_multipart(protocol.request(op, rid, args, buffers, self.secret), copy=False)
+        frames = protocol.request(op, rid, args, buffers, self.secret)
+        try:  # the common case: connected, so the send is queued at once without an extra poll
+            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # IMMEDIATE: no connection yet - wait for one, up to the timeout
+            if not sock.poll(timeout * 1e3, zmq.POLLOUT):
+                raise TQConnectionError(
+                    f"cannot reach {self.name} at {self.address} within {timeout:.1f}s (op {op!r}): server down or unreachable"
+                ) from None
+            sock.send_multipart(frames, copy=False)
         return rid
 
     def recv(self, rid: int, op: str, *, timeout: float | None = None) -> tuple[Any, protocol.Message]:

@@ -208,17 +208,21 @@ class StorageUnit(RpcServer):
             raise InvalidRequestError(f"{name}: blocks and rows must be 1-d arrays of one length")
         return blocks, rows
 
-    def _locate(self, field: str, blocks: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Absolute arena offsets and byte sizes of the given rows of one field (vectorised per block)."""
-        starts = np.empty(blocks.size, dtype=np.int64)
-        sizes = np.empty(blocks.size, dtype=np.int64)
-        for bid in np.unique(blocks).tolist():
+    def _locate(self, fields: list[str], entries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Absolute arena offsets and byte sizes of ``entries`` ([field index, block, row] rows),
+        vectorised per (field, block) group."""
+        starts = np.empty(entries.shape[0], dtype=np.int64)
+        sizes = np.empty(entries.shape[0], dtype=np.int64)
+        group = entries[:, 0] * (1 << 40) + entries[:, 1]
+        for g in np.unique(group).tolist():
+            f, bid = divmod(g, 1 << 40)
+            field = fields[f]
             block = self.blocks.get(bid)
             if block is None or field not in block.fields:
                 raise StorageUnitError(f"storage unit {self.unit_id} holds no field {field!r} in block {bid} (freed or never stored)")
-            sel = np.flatnonzero(blocks == bid)
-            r = rows[sel]
-            if r.size and (r.min() < 0 or r.max() >= block.live.size):
+            sel = np.flatnonzero(group == g)
+            r = entries[sel, 2]
+            if r.min() < 0 or r.max() >= block.live.size:
                 raise StorageUnitError(f"block {bid} has {block.live.size} rows; asked for row {int(r.max())}")
             if not block.live[r].all():
                 raise StorageUnitError(f"rows of block {bid} were already freed")
@@ -228,24 +232,23 @@ class StorageUnit(RpcServer):
         return starts, sizes
 
     def op_fetch(self, args: dict, buffers: list, call: Call) -> tuple[dict, list]:
-        """Serve rows of fields: as arena byte ranges (``shm``) or gathered into one frame per field."""
+        """Serve ``entries`` ([field index, block, row]) as arena byte ranges (``shm``: one [start,
+        size] row each) or gathered back to back into frames of whole rows (``tcp``)."""
         fields, mode = args.get("fields"), args.get("mode")
-        if not isinstance(fields, dict) or mode not in ("shm", "tcp"):
-            raise InvalidRequestError("fetch needs a map of fields and mode 'shm' or 'tcp'")
-        out: dict[str, Any] = {}
+        if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields) or mode not in ("shm", "tcp"):
+            raise InvalidRequestError("fetch needs a list of field names and mode 'shm' or 'tcp'")
+        entries = protocol.unpack_array(args.get("entries"), buffers, name="entries", dtype="<i8")
+        if entries.ndim != 2 or entries.shape[1] != 3:
+            raise InvalidRequestError("fetch entries must be an [n, 3] array of (field index, block, row)")
+        if entries.size and (entries[:, 0].min() < 0 or entries[:, 0].max() >= len(fields)):
+            raise InvalidRequestError("fetch entries name a field index out of range")
+        starts, sizes = self._locate(fields, entries)
+        total = int(sizes.sum())
+        self.bytes_served += total
         frames: list[Any] = []
-        for name, spec in fields.items():
-            blocks, rows = self._rows_of(spec, buffers, str(name))
-            starts, sizes = self._locate(name, blocks, rows)
-            entry = {"sizes": protocol.pack_array(sizes, frames)}
-            total = int(sizes.sum())
-            if mode == "shm":
-                entry["starts"] = protocol.pack_array(starts, frames)
-            else:
-                entry.update(self._gather_frames(starts, sizes, total, frames))
-            self.bytes_served += total
-            out[name] = entry
-        return out, frames
+        if mode == "shm":
+            return {"ranges": protocol.pack_array(np.stack([starts, sizes], axis=1), frames)}, frames
+        return {"sizes": protocol.pack_array(sizes, frames), **self._gather_frames(starts, sizes, total, frames)}, frames
 
     def _gather_frames(self, starts: np.ndarray, sizes: np.ndarray, total: int, frames: list) -> dict[str, Any]:
         """Copy rows back to back into one pooled buffer and cut it into frames of whole rows.

@@ -60,13 +60,13 @@ class HostBufferPool:
             if self._cached + size <= self.max_cached_bytes:
                 bisect.insort(self._free, (size, next(self._seq), mm))
                 self._cached += size
-                return
-        mm.close()
+        # Over budget: drop the mapping. It is unmapped once the dying array releases its export
+        # (weakref callbacks run before that, so closing it here would fail).
 
     def clear(self) -> None:
         """Unmap every idle buffer."""
         with self._lock:
             for _, _, mm in self._free:
-                mm.close()
+                mm.close()  # idle: no array views it
             self._free.clear()
             self._cached = 0

@@ -1,0 +1,1 @@
+"""Models, DP training workers, the legacy and TQ policies, losses and micro-batching."""

@@ -1,0 +1,27 @@
+"""Column names and conventions shared by the legacy and TQ paths (rollout, policy and trainers).
+
+Per-sample columns, as stored in TQ under each key (and as the legacy ``BatchedDataDict`` holds them,
+padded to a common length):
+
+- ``input_ids``: int64, jagged ``[len]`` - the whole conversation (prompt, responses, observations).
+- ``input_lengths``: int64 scalar - ``len``.
+- ``generation_logprobs``: float32, jagged ``[len]`` - log-prob the generator gave token ``t`` at
+  position ``t`` (0 where the token was not generated).
+- ``token_mask``: bool, jagged ``[len]`` - True for tokens the policy generated (trained on).
+- ``sample_mask``: float32 scalar - loss multiplier of the sample (0 drops it from the loss).
+- ``prev_logprobs`` / ``reference_policy_logprobs``: float32, jagged ``[len]`` - written back by the
+  DP workers; ``lp[t] = log p(input_ids[t] | input_ids[:t])`` and ``lp[0] = 0``.
+- ``advantages``: float32 scalar - written by the driver; workers broadcast it over the tokens.
+"""
+
+DP_TRAIN_FIELDS = (
+    "input_ids",
+    "input_lengths",
+    "generation_logprobs",
+    "prev_logprobs",
+    "reference_policy_logprobs",
+    "advantages",
+    "token_mask",
+    "sample_mask",
+)
+LP_SEED_FIELDS = ("input_ids", "input_lengths", "token_mask", "sample_mask")

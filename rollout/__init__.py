@@ -1,0 +1,1 @@
+"""Generation backends, environments, rollouts, rollout actors and collectors."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import random
 from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
@@ -108,7 +107,7 @@ class TQClient:
         self._unit_chans: dict[int, RpcChannel] = {}
         self._arenas: dict[int, Arena] = {}
         self._host = host_identity()
-        self._rr = itertools.count(random.randrange(1 << 16))  # spread one-shot writers over units
+        self._rr = itertools.count(int.from_bytes(os.urandom(2), "little"))  # spread one-shot writers over units
         try:
             self._refresh_units()
         except BaseException:

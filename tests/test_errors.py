@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -654,6 +655,34 @@ def test_put_larger_than_free_space(small):
     assert wait_until(lambda: _unit(c)["bytes_used"] == 0)
     meta2 = c.put(pid, ["second"], {"x": first.flip(1)})  # room again after the discard
     assert_same(c.get(meta2)["x"], first.flip(1))
+
+
+def test_full_storage_applies_backpressure_until_room_frees(small, small_server):
+    """With capacity_wait_s a write into a full unit waits for frees (never evicts), or fails when the
+    wait runs out; nothing stored is touched either way."""
+    c, pid = small
+    assert wait_until(lambda: _unit(c)["bytes_used"] == 0)
+    first = torch.randint(0, 255, (1, 600 << 10), dtype=torch.uint8)
+    meta = c.put(pid, ["first"], {"x": first})
+    patient = TQClient(small_server.address, timeout=15.0, transport=c.transport, capacity_wait_s=0.5)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(CapacityError, match=r"waited 0.5s"):
+            patient.put(pid, ["second"], {"x": first.flip(1)})
+        assert time.monotonic() - t0 >= 0.5
+        assert_same(c.get(meta)["x"], first)  # the stored batch was not evicted
+
+        patient.capacity_wait_s = 10.0
+        done: dict = {}
+        writer = threading.Thread(target=lambda: done.setdefault("meta", patient.put(pid, ["second"], {"x": first.flip(1)})))
+        writer.start()
+        time.sleep(0.3)
+        assert "meta" not in done and _unit(c)["parked_writes"] == 1  # waiting, not failed, not evicting
+        c.discard(meta)  # room frees: the parked write goes through
+        writer.join(10)
+        assert_same(c.get(done["meta"])["x"], first.flip(1))
+    finally:
+        patient.close()
 
 
 def test_rejected_commits_leave_nothing_allocated(small):

@@ -85,6 +85,9 @@ class TQClient:
         secret: the service's shared secret (default: ``$TQ_SECRET``).
         timeout: seconds every request may take before :class:`~tq.errors.TQConnectionError`.
         transport: ``"auto"`` maps same-host storage arenas; ``"tcp"`` always streams bytes.
+        capacity_wait_s: a write that finds its storage unit full waits up to this long for room
+            (backpressure) before :class:`~tq.errors.CapacityError`; 0 fails at once. Nothing stored is
+            ever evicted to make room.
     """
 
     def __init__(
@@ -95,11 +98,13 @@ class TQClient:
         timeout: float = 30.0,
         transport: Literal["auto", "tcp"] = "auto",
         buffer_pool: HostBufferPool | None = None,
+        capacity_wait_s: float = 0.0,
     ) -> None:
         if transport not in ("auto", "tcp"):
             raise InvalidRequestError(f"transport must be 'auto' or 'tcp', got {transport!r}")
         secret = secret if secret is not None else os.environ.get("TQ_SECRET")
         self.address, self.timeout, self.transport = address, timeout, transport
+        self.capacity_wait_s = capacity_wait_s
         self._secret = secret.encode() if secret else None
         self._pool = buffer_pool or _default_pool
         self._ctrl = RpcChannel(address, secret=self._secret, timeout=timeout, name="controller")
@@ -259,7 +264,7 @@ class TQClient:
             for name, col in encoded.items():
                 offsets[name] = pos
                 pos = align_up(pos + col.nbytes, _FIELD_ALIGN)
-            alloc, _ = chan.call("alloc", {"nbytes": pos})
+            alloc, _ = chan.call("alloc", {"nbytes": pos, "wait_s": self.capacity_wait_s}, timeout=self.timeout + self.capacity_wait_s)
             view = self._arena(unit).view
             base = alloc["offset"]
             for name, col in encoded.items():
@@ -272,8 +277,8 @@ class TQClient:
                 fields[name] = {"schema": col.schema.to_wire(),
                                 "row_offsets": protocol.pack_array(col.row_offsets, buffers),
                                 "data": [protocol.pack_array(c, buffers) for c in _frames_of(col.chunks)]}
-            args = {"n_rows": len(keys), "fields": fields}
-        stored, _ = chan.call("store", args, buffers)
+            args = {"n_rows": len(keys), "fields": fields, "wait_s": self.capacity_wait_s}
+        stored, _ = chan.call("store", args, buffers, timeout=self.timeout + self.capacity_wait_s)
         cbufs: list[Any] = []
         commit = {
             "partition": partition_id, "keys": keys, "mode": mode, "unit": unit, "block": stored["block"],

@@ -26,7 +26,7 @@ from .arena import Arena, RangeAllocator, check_shm_room, host_identity
 from .errors import CapacityError, InvalidRequestError, StorageUnitError
 from .bufferpool import HostBufferPool
 from .rowcopy import copy_rows, write_chunks
-from .rpc import Call, RpcChannel, RpcServer
+from .rpc import DEFERRED, Call, RpcChannel, RpcServer
 from .schema import JAGGED, OBJECT, TENSOR, FieldSchema
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,7 @@ class StorageUnit(RpcServer):
         self.alloc = RangeAllocator(capacity)
         self.blocks: dict[int, Block] = {}
         self.pending: dict[int, tuple[int, int, float]] = {}  # alloc id -> (start, size, expiry)
+        self.parked: list[tuple[Any, dict, list, Call, float]] = []  # writes waiting for room
         self.alloc_lease_s = alloc_lease_s
         self._next_id = 1
         self.bytes_stored = 0
@@ -92,8 +93,8 @@ class StorageUnit(RpcServer):
         self.bytes_served = 0
         self.handlers.update(
             ping=lambda a, b, c: {"unit_id": unit_id},
-            alloc=self.op_alloc,
-            store=self.op_store,
+            alloc=self._waiting_for_room(self.op_alloc),
+            store=self._waiting_for_room(self.op_store),
             fetch=self.op_fetch,
             free_rows=self.op_free_rows,
             free_blocks=self.op_free_blocks,
@@ -118,7 +119,8 @@ class StorageUnit(RpcServer):
         return self._next_id - 1
 
     def next_deadline(self) -> float | None:
-        return min((exp for _, _, exp in self.pending.values()), default=None)
+        times = [exp for _, _, exp in self.pending.values()] + [p[4] for p in self.parked]
+        return min(times, default=None)
 
     def on_tick(self, now: float) -> None:
         for aid, (start, size, exp) in list(self.pending.items()):
@@ -126,12 +128,54 @@ class StorageUnit(RpcServer):
                 log.warning("storage unit %d reclaims expired allocation %d (%d bytes)", self.unit_id, aid, size)
                 del self.pending[aid]
                 self.alloc.free(start, size)
+        self._retry_parked(now)
+
+    def _check_fits_at_all(self, nbytes: int) -> None:
+        if nbytes > self.arena.size:
+            exc = CapacityError(f"a write of {nbytes} bytes can never fit storage unit {self.unit_id}'s {self.arena.size}-byte arena")
+            exc.retryable = False  # type: ignore[attr-defined] - waiting for frees cannot help
+            raise exc
+
+    # -- backpressure: a write that does not fit may wait (``wait_s``) for frees instead of failing
+    def _waiting_for_room(self, handler: Any) -> Any:
+        def serve(args: dict, buffers: list, call: Call) -> Any:
+            try:
+                return handler(args, buffers, call)
+            except CapacityError as exc:
+                wait_s = args.get("wait_s", 0)
+                if not isinstance(wait_s, (int, float)) or wait_s <= 0 or not getattr(exc, "retryable", True):
+                    raise
+                self.parked.append((handler, args, buffers, call, time.monotonic() + float(wait_s)))
+                return DEFERRED
+
+        return serve
+
+    def _retry_parked(self, now: float) -> None:
+        """Serve parked writes in arrival order while they fit; fail those whose wait ran out."""
+        while self.parked:
+            handler, args, buffers, call, deadline = self.parked[0]
+            try:
+                out = handler(args, buffers, call)
+            except CapacityError as exc:
+                if deadline > now:
+                    return  # first in line still does not fit: later ones wait behind it
+                self.parked.pop(0)
+                self.reply_error(call, CapacityError(f"{exc} (waited {args.get('wait_s')}s for room)"))
+                continue
+            except Exception as exc:  # anything else: answer it, keep serving the queue
+                self.parked.pop(0)
+                self.reply_error(call, exc)
+                continue
+            self.parked.pop(0)
+            result, bufs = out if isinstance(out, tuple) else (out, ())
+            self.reply(call, result, bufs)
 
     # -- ops
     def op_alloc(self, args: dict, buffers: list, call: Call) -> dict:
         nbytes = args.get("nbytes")
-        if not isinstance(nbytes, int) or nbytes < 0 or nbytes > self.arena.size:
-            raise CapacityError(f"cannot allocate {nbytes!r} bytes in an arena of {self.arena.size}")
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise InvalidRequestError(f"alloc needs nbytes >= 0, got {nbytes!r}")
+        self._check_fits_at_all(nbytes)
         start = self.alloc.allocate(nbytes)
         aid = self._new_id()
         self.pending[aid] = (start, nbytes, time.monotonic() + self.alloc_lease_s)
@@ -181,6 +225,7 @@ class StorageUnit(RpcServer):
             if any(d is None for *_, d in layouts):
                 raise InvalidRequestError("store without an allocation needs a data frame for every field")
             size = rel
+            self._check_fits_at_all(size)
             start = self.alloc.allocate(size)
             for _, _, offset, _, chunks in layouts:
                 write_chunks(self.arena.view[start + offset : start + offset + sum(c.size for c in chunks)], chunks)
@@ -270,6 +315,7 @@ class StorageUnit(RpcServer):
         block = self.blocks.pop(bid, None)
         if block is not None:
             self.alloc.free(block.start, block.size)
+            self._retry_parked(time.monotonic())
 
     def op_free_rows(self, args: dict, buffers: list, call: Call) -> dict:
         blocks, rows = self._rows_of(args, buffers, "free_rows")
@@ -318,6 +364,7 @@ class StorageUnit(RpcServer):
             "bytes_stored_total": self.bytes_stored,
             "bytes_served_total": self.bytes_served,
             "pending_allocs": len(self.pending),
+            "parked_writes": len(self.parked),
         }
 
     def close(self) -> None:

@@ -24,6 +24,7 @@ import zmq
 
 from tq import JaggedTensor, KVBatchMeta, TQClient, TQServer, protocol
 from tq.errors import (
+    StorageUnitError,
     AuthenticationError,
     CapacityError,
     DuplicateKeyError,
@@ -713,3 +714,34 @@ def test_errors_are_tq_errors():
     frames = protocol.reply_error(9, RuntimeError("internal"), None)  # a non-TQ error stays generic
     with pytest.raises(TQError, match="RuntimeError: internal"):
         protocol.raise_for_reply(protocol.decode(frames, None))
+
+
+def _unit_of(c: TQClient, meta: KVBatchMeta, field: str) -> int:
+    """The storage unit holding ``field`` of the meta's first key (asked of the controller)."""
+    located, msg = c._ctrl.call("locate", {"partition": meta.partition_id, "keys": [meta.keys[0]], "fields": [field]})
+    return int(protocol.unpack_array(located["loc"], msg.buffers)[0, 0, 0])
+
+
+def test_killed_storage_unit_fails_reads_fast_naming_unit_and_key():
+    """SIGKILL one of two units: reads of its keys fail at once with StorageUnitError naming the unit
+    and a key (not after the client timeout); keys on the other unit stay readable; its arena is removed."""
+    with TQServer(storage_units=2, capacity=64 << 20) as server:
+        c = TQClient(server.address, timeout=20.0)
+        try:
+            c.register_partition("p")
+            metas = [c.put("p", [f"u{i}_{j}" for j in range(3)], {"x": torch.full((3, 4), float(i))}) for i in range(2)]
+            units = [_unit_of(c, m, "x") for m in metas]
+            assert sorted(units) == [0, 1]  # consecutive puts of one client go round-robin over the units
+            victim = 0
+            info = next(u for u in c._units if u["unit_id"] == victim)
+            os.kill(info["pid"], signal.SIGKILL)
+            assert wait_until(lambda: not os.path.exists(info["arena_path"]), timeout=10)
+            lost, kept = metas[units.index(victim)], metas[units.index(1 - victim)]
+            t0 = time.monotonic()
+            with pytest.raises(StorageUnitError, match=rf"storage unit {victim} .* is down.*key '{lost.keys[0]}'"):
+                c.get(lost)
+            assert time.monotonic() - t0 < 5  # well inside the 20 s client timeout
+            assert torch.equal(c.get(kept)["x"], torch.full((3, 4), float(units.index(1 - victim))))
+            assert [u["alive"] for u in c.stats()["units"]] == [False, True]
+        finally:
+            c.close()

@@ -429,7 +429,10 @@ class TQClient:
         stats = self._call("stats", {})
         if len(stats["units"]) != len(self._units):
             self._refresh_units()
-        stats["unit_stats"] = [self._unit_chans[u["unit_id"]].call("stats", {})[0] for u in self._units]
+        stats["unit_stats"] = [  # a unit the controller reports down is not asked (it would time out)
+            self._unit_chans[u["unit_id"]].call("stats", {})[0] if u.get("alive", True) else {**u, "alive": False}
+            for u in stats["units"]
+        ]
         return stats
 
     def trim(self) -> int:

@@ -27,6 +27,7 @@ from .errors import (
     PartitionExistsError,
     PartitionNotFoundError,
     SchemaConflictError,
+    StorageUnitError,
     TQTimeoutError,
 )
 from .rpc import DEFERRED, Call, RpcServer
@@ -35,6 +36,8 @@ from .schema import FieldSchema
 log = logging.getLogger(__name__)
 
 TAG_TYPES = (type(None), bool, int, float, str)
+HEARTBEAT_S = 1.0  # the controller pings every storage unit this often
+UNIT_TIMEOUT_S = 3.0  # a unit silent for longer is reported down and reads of its keys fail fast
 # Columns of a location record: storage unit, block, row, bytes.
 UNIT, BLOCK, ROW, NBYTES = range(4)
 
@@ -116,6 +119,9 @@ class Controller(RpcServer):
         self.unit_socks: dict[int, Any] = {}
         self.expected_units = expected_units
         self.waiters: list[Waiter] = []
+        self.unit_seen: dict[int, float] = {}  # last time each storage unit answered
+        self._next_heartbeat = 0.0
+        self.children: list[Any] = []  # storage-unit processes this controller started (serve())
         self.hello_waiters: list[tuple[Call, float]] = []
         self.bytes_committed = 0
         self.recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)
@@ -183,15 +189,44 @@ class Controller(RpcServer):
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(info["address"])
         self.unit_socks[info["unit_id"]] = sock
-        self.add_socket(sock, self._on_unit_reply)
+        uid = info["unit_id"]
+        self.add_socket(sock, lambda frames: self._on_unit_reply(uid, frames))
+        self.unit_seen[uid] = time.monotonic()
         self.units.append(info)
         return {"unit_id": info["unit_id"]}
 
-    def _on_unit_reply(self, frames: list) -> None:
+    def _on_unit_reply(self, unit: int, frames: list) -> None:
+        self.unit_seen[unit] = time.monotonic()  # any reply is a heartbeat
         try:
             protocol.raise_for_reply(protocol.decode(frames, self.secret))
         except Exception as exc:
-            log.warning("a storage unit refused a free request: %s", exc)
+            log.warning("storage unit %d refused a request: %s", unit, exc)
+
+    def _unit_down_for(self, unit: int, now: float) -> float:
+        """Seconds since the unit last answered, if that is past ``UNIT_TIMEOUT_S``; else 0."""
+        age = now - self.unit_seen.get(unit, now)
+        return min(age, 1e9) if age > UNIT_TIMEOUT_S else 0.0
+
+    def _reap_children(self) -> None:
+        """Storage units this controller started that died (e.g. SIGKILL): report them down at once
+        and remove the shared-memory arena they could not clean up."""
+        for proc in [p for p in self.children if p.poll() is not None]:
+            self.children.remove(proc)
+            for u in self.units:
+                if u.get("pid") == proc.pid:
+                    log.error("storage unit %d (pid %d) exited with code %s", u["unit_id"], proc.pid, proc.returncode)
+                    self.unit_seen[u["unit_id"]] = float("-inf")
+                    try:
+                        os.unlink(u["arena_path"])
+                    except (OSError, TypeError):
+                        pass
+
+    def _heartbeat(self, now: float) -> None:
+        if now < self._next_heartbeat:
+            return
+        self._next_heartbeat = now + HEARTBEAT_S
+        for unit in self.unit_socks:
+            self._send_to_unit(unit, "ping", {}, [])
 
     def _send_to_unit(self, unit: int, op: str, args: dict, buffers: list) -> None:
         sock = self.unit_socks.get(unit)
@@ -383,6 +418,16 @@ class Controller(RpcServer):
                     f"field {name!r} is not produced for {absent.size} of {len(keys)} keys "
                     f"in partition {part.pid!r} (first: {keys[int(absent[0])]!r})"
                 )
+        now = time.monotonic()
+        for unit in np.unique(loc[:, :, UNIT]).tolist():  # fail fast, naming the unit, if it is down
+            age = self._unit_down_for(unit, now)
+            if age:
+                hit = np.argwhere(loc[:, :, UNIT] == unit)
+                raise StorageUnitError(
+                    f"storage unit {unit} at {self.units[unit]['address']} is down (no answer for {age:.1f}s): "
+                    f"{len(hit)} of the requested (key, field) pairs live there, first "
+                    f"{fields[int(hit[0, 0])]!r} of key {keys[int(hit[0, 1])]!r}"
+                )
         frames: list[Any] = []
         schemas = {name: part.schemas[name].to_wire() for name in fields}
         return {"schemas": schemas, "loc": protocol.pack_array(loc, frames), "units_version": len(self.units)}, frames
@@ -408,9 +453,13 @@ class Controller(RpcServer):
 
     def next_deadline(self) -> float | None:
         times = [w.deadline for w in self.waiters] + [d for _, d in self.hello_waiters]
+        if self.unit_socks:
+            times.append(self._next_heartbeat)
         return min(times, default=None)
 
     def on_tick(self, now: float) -> None:
+        self._heartbeat(now)
+        self._reap_children()
         for w in [w for w in self.waiters if w.deadline <= now]:
             self.waiters.remove(w)
             part = self.partitions.get(w.pid)
@@ -471,6 +520,8 @@ class Controller(RpcServer):
 
     def stats(self) -> dict[str, Any]:
         now = time.monotonic()
+        for u in self.units:
+            u["alive"] = not self._unit_down_for(u["unit_id"], now)
         window = [(t, b) for t, b in self.recent if now - t <= 60.0]
         return {
             **self.server_stats(),
@@ -529,6 +580,7 @@ def serve(
         )
         for i in range(storage_units)
     ]
+    ctrl.children = procs
     signal.signal(signal.SIGTERM, lambda *_: ctrl.stop())
     signal.signal(signal.SIGINT, lambda *_: ctrl.stop())
     if ready_file:

@@ -717,31 +717,86 @@ def test_errors_are_tq_errors():
 
 
 def _unit_of(c: TQClient, meta: KVBatchMeta, field: str) -> int:
-    """The storage unit holding ``field`` of the meta's first key (asked of the controller)."""
-    located, msg = c._ctrl.call("locate", {"partition": meta.partition_id, "keys": [meta.keys[0]], "fields": [field]})
+    """The storage unit holding ``field`` of the meta's last key (asked of the controller)."""
+    located, msg = c._ctrl.call("locate", {"partition": meta.partition_id, "keys": [meta.keys[-1]], "fields": [field]})
     return int(protocol.unpack_array(located["loc"], msg.buffers)[0, 0, 0])
 
 
-def test_killed_storage_unit_fails_reads_fast_naming_unit_and_key():
-    """SIGKILL one of two units: reads of its keys fail at once with StorageUnitError naming the unit
-    and a key (not after the client timeout); keys on the other unit stay readable; its arena is removed."""
+def test_hung_storage_unit_fails_reads_fast_naming_unit_and_key():
+    """A unit that stops answering (SIGSTOP): once the heartbeat misses, reads of its keys fail at once
+    with StorageUnitError naming the unit and a key, not after the client timeout; a read already
+    waiting on it is abandoned too; other units' keys stay readable; it serves again after SIGCONT."""
     with TQServer(storage_units=2, capacity=64 << 20) as server:
-        c = TQClient(server.address, timeout=20.0)
+        c = TQClient(server.address, timeout=30.0)
         try:
             c.register_partition("p")
-            metas = [c.put("p", [f"u{i}_{j}" for j in range(3)], {"x": torch.full((3, 4), float(i))}) for i in range(2)]
+            metas = [c.put("p", [f"h{i}_{j}" for j in range(2)], {"x": torch.full((2, 3), float(i))}) for i in range(2)]
             units = [_unit_of(c, m, "x") for m in metas]
-            assert sorted(units) == [0, 1]  # consecutive puts of one client go round-robin over the units
-            victim = 0
-            info = next(u for u in c._units if u["unit_id"] == victim)
-            os.kill(info["pid"], signal.SIGKILL)
-            assert wait_until(lambda: not os.path.exists(info["arena_path"]), timeout=10)
-            lost, kept = metas[units.index(victim)], metas[units.index(1 - victim)]
-            t0 = time.monotonic()
-            with pytest.raises(StorageUnitError, match=rf"storage unit {victim} .* is down.*key '{lost.keys[0]}'"):
-                c.get(lost)
-            assert time.monotonic() - t0 < 5  # well inside the 20 s client timeout
-            assert torch.equal(c.get(kept)["x"], torch.full((3, 4), float(units.index(1 - victim))))
-            assert [u["alive"] for u in c.stats()["units"]] == [False, True]
+            assert sorted(units) == [0, 1]
+            info = next(u for u in c._units if u["unit_id"] == units[0])
+            os.kill(info["pid"], signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(StorageUnitError, match=rf"storage unit {units[0]} .* is down"):
+                    c.get(metas[0])  # in flight before the heartbeat misses: abandoned once it does
+                assert time.monotonic() - t0 < 8
+                with pytest.raises(StorageUnitError, match=rf"storage unit {units[0]} .* is down.*key '{metas[0].keys[0]}'"):
+                    c.get(metas[0])  # known down: refused by the controller at once
+                assert torch.equal(c.get(metas[1])["x"], torch.full((2, 3), 1.0))
+            finally:
+                os.kill(info["pid"], signal.SIGCONT)
+            assert wait_until(lambda: all(u["alive"] for u in c.stats()["units"]), timeout=10)
+            assert torch.equal(c.get(metas[0])["x"], torch.full((2, 3), 0.0))
         finally:
             c.close()
+
+
+def test_killed_storage_unit_is_restarted_and_recovers_its_data():
+    """SIGKILL one of two units mid-run: reads of its keys fail fast (or already succeed) instead of
+    hanging; the controller restarts it on its shared-memory arena, it replays its journal, and every
+    key written before the kill - over both transports, partial frees included - reads back bit-exactly."""
+    with TQServer(storage_units=2, capacity=64 << 20) as server:
+        c = TQClient(server.address, timeout=20.0)
+        tcp = TQClient(server.address, timeout=20.0, transport="tcp")
+        try:
+            c.register_partition("p")
+            data = [torch.randn(3, 4) + i for i in range(4)]
+            metas = [(c if i % 2 else tcp).put("p", [f"u{i}_{j}" for j in range(3)], {"x": d, "lp": [d[j, : j + 1] for j in range(3)]})
+                     for i, d in enumerate(data)]
+            c.discard(metas[3].select([0]))  # a partial free before the crash must survive recovery too
+            units = [_unit_of(c, m, "x") for m in metas]
+            assert set(units) == {0, 1}
+            victim = units[0]
+            info = next(u for u in c._units if u["unit_id"] == victim)
+            os.kill(info["pid"], signal.SIGKILL)
+            t0 = time.monotonic()
+            try:  # fails fast while it is down, or reads recovered data if it is already back
+                assert torch.equal(c.get(metas[0])["x"], data[0])
+            except StorageUnitError as exc:
+                assert f"storage unit {victim}" in str(exc) and "down" in str(exc)
+            assert time.monotonic() - t0 < 5  # well inside the 20 s client timeout
+            kept = next(i for i, u in enumerate(units) if u != victim)
+            assert torch.equal(c.get(metas[kept])["x"], data[kept])
+
+            def recovered() -> bool:
+                try:
+                    c.get(metas[0])
+                    return True
+                except (StorageUnitError, TQConnectionError):
+                    return False
+
+            assert wait_until(recovered, timeout=20)
+            new = next(u for u in c.stats()["units"] if u["unit_id"] == victim)
+            assert new["pid"] != info["pid"] and new["arena_path"] == info["arena_path"] and new["alive"]
+            for i, m in enumerate(metas):
+                m = m.select(range(1, 3)) if i == 3 else m
+                want = data[i][1:] if i == 3 else data[i]
+                for client in (c, tcp):
+                    got = client.get(m, layout="list")
+                    assert torch.equal(torch.stack(list(got["x"])), want)
+                    assert all(torch.equal(a, b) for a, b in zip(got["lp"], [want[j, : j + 1 + (i == 3)] for j in range(len(want))]))
+            c.clear_partition("p")  # and frees after recovery work: the store empties
+            assert wait_until(lambda: all(u.get("bytes_used") == 0 for u in c.stats()["unit_stats"]), timeout=10), [(u["unit_id"], u["bytes_used"], u["blocks"], u["pending_allocs"], u["pid"]) for u in c.stats()["unit_stats"]]
+        finally:
+            c.close()
+            tcp.close()

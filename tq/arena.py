@@ -50,6 +50,22 @@ class RangeAllocator:
             f"(largest free range {max(self._sizes, default=0)} bytes)"
         )
 
+    def reserve(self, start: int, nbytes: int) -> None:
+        """Mark ``[start, start + nbytes)`` (aligned as by :meth:`allocate`) used - for recovery."""
+        size = align_up(max(nbytes, 1))
+        i = bisect.bisect_right(self._starts, start) - 1
+        if i < 0 or self._starts[i] + self._sizes[i] < start + size:
+            raise ValueError(f"range [{start}, {start + size}) is not free")
+        fs, fz = self._starts[i], self._sizes[i]
+        del self._starts[i], self._sizes[i]
+        if start + size < fs + fz:  # right remainder
+            self._starts.insert(i, start + size)
+            self._sizes.insert(i, fs + fz - start - size)
+        if start > fs:  # left remainder
+            self._starts.insert(i, fs)
+            self._sizes.insert(i, start - fs)
+        self.used += size
+
     def free(self, start: int, nbytes: int) -> None:
         """Return a range obtained from :meth:`allocate` (same ``nbytes``)."""
         size = align_up(max(nbytes, 1))

@@ -19,7 +19,7 @@ from . import protocol
 from .arena import Arena, align_up, host_identity
 from .bufferpool import HostBufferPool
 from .columns import EncodedColumn, encode_column, pad_bits, to_tensor, unpack_objects
-from .errors import DuplicateKeyError, InvalidRequestError, MalformedMessageError, TQError
+from .errors import DuplicateKeyError, InvalidRequestError, MalformedMessageError, StorageUnitError, TQError
 from .jagged import JaggedTensor
 from .meta import KVBatchMeta
 from .rowcopy import copy_rows, write_chunks
@@ -60,6 +60,10 @@ def _frames_of(chunks: Sequence[np.ndarray]) -> list[np.ndarray]:
     if small or not frames:
         frames.append(np.concatenate(small) if small else np.empty(0, np.uint8))
     return frames
+
+
+class _UnitRestarted(Exception):
+    """A storage unit came back at a new address while a request to its old one was pending."""
 
 
 class _Fetched:
@@ -125,8 +129,12 @@ class TQClient:
         # units it has) well before this client's own timeout fires.
         info, _ = self._ctrl.call("hello", {"timeout": 0.8 * self.timeout})
         self._units = list(info["units"])
+        self._units_version = info["units_version"]
         for u in self._units:
-            if u["unit_id"] not in self._unit_chans:
+            chan = self._unit_chans.get(u["unit_id"])
+            if chan is None or chan.address != u["address"]:  # new, or restarted at a new address
+                if chan is not None:
+                    chan.close()
                 self._unit_chans[u["unit_id"]] = RpcChannel(
                     u["address"], secret=self._secret, timeout=self.timeout, name=f"storage unit {u['unit_id']}"
                 )
@@ -134,6 +142,19 @@ class TQClient:
     def _is_local(self, unit: int) -> bool:
         u = self._units[unit]
         return self.transport == "auto" and u["host"] == self._host and os.path.exists(u["arena_path"])
+
+    def _unit_check(self, unit: int) -> Any:
+        """A liveness check for long waits on ``unit``: raises StorageUnitError once the controller
+        reports it down, so a read or write does not sit out the whole timeout."""
+
+        def check() -> None:
+            st = self._call("unit_status", {"unit": unit}, timeout=min(self.timeout, 5.0))
+            if not st["alive"]:
+                raise StorageUnitError(f"storage unit {unit} at {st['address']} is down (no answer for {st['down_for_s']:.1f}s)")
+            if st["address"] != self._unit_chans[unit].address:
+                raise _UnitRestarted(unit)
+
+        return check
 
     def _arena(self, unit: int) -> Arena:
         arena = self._arenas.get(unit)
@@ -264,7 +285,8 @@ class TQClient:
             for name, col in encoded.items():
                 offsets[name] = pos
                 pos = align_up(pos + col.nbytes, _FIELD_ALIGN)
-            alloc, _ = chan.call("alloc", {"nbytes": pos, "wait_s": self.capacity_wait_s}, timeout=self.timeout + self.capacity_wait_s)
+            alloc, _ = chan.call("alloc", {"nbytes": pos, "wait_s": self.capacity_wait_s},
+                                 timeout=self.timeout + self.capacity_wait_s, check=self._unit_check(unit))
             view = self._arena(unit).view
             base = alloc["offset"]
             for name, col in encoded.items():
@@ -278,7 +300,7 @@ class TQClient:
                                 "row_offsets": protocol.pack_array(col.row_offsets, buffers),
                                 "data": [protocol.pack_array(c, buffers) for c in _frames_of(col.chunks)]}
             args = {"n_rows": len(keys), "fields": fields, "wait_s": self.capacity_wait_s}
-        stored, _ = chan.call("store", args, buffers, timeout=self.timeout + self.capacity_wait_s)
+        stored, _ = chan.call("store", args, buffers, timeout=self.timeout + self.capacity_wait_s, check=self._unit_check(unit))
         cbufs: list[Any] = []
         commit = {
             "partition": partition_id, "keys": keys, "mode": mode, "unit": unit, "block": stored["block"],
@@ -308,7 +330,7 @@ class TQClient:
     def _fetch(self, meta: KVBatchMeta, fields: list[str]) -> dict[str, _Fetched]:
         """Locate the rows (one controller round trip), then fetch them from every unit in parallel."""
         located, lmsg = self._ctrl.call("locate", {"partition": meta.partition_id, "keys": list(meta.keys), "fields": fields})
-        if located["units_version"] != len(self._units):
+        if located["units_version"] != self._units_version:
             self._refresh_units()
         n = len(meta.keys)
         loc = protocol.unpack_array(located["loc"], lmsg.buffers, name="loc", dtype="<i8")
@@ -323,9 +345,11 @@ class TQClient:
             entries = protocol.pack_array(np.stack([where[:, 0], rec[:, BLOCK], rec[:, ROW]], axis=1), bufs)
             mode = "shm" if self._is_local(unit) else "tcp"
             chan = self._unit_chans[unit]
-            pending.append((unit, mode, where, chan, chan.send("fetch", {"fields": fields, "mode": mode, "entries": entries}, bufs)))
+            check = self._unit_check(unit)
+            rid = chan.send("fetch", {"fields": fields, "mode": mode, "entries": entries}, bufs, check=check)
+            pending.append((unit, mode, where, chan, rid))
         for unit, mode, where, chan, rid in pending:
-            reply, msg = chan.recv(rid, "fetch")
+            reply, msg = chan.recv(rid, "fetch", check=self._unit_check(unit))
             m = where.shape[0]
             if mode == "shm":
                 ranges = protocol.unpack_array(reply["ranges"], msg.buffers, name="ranges", dtype="<i8")
@@ -380,7 +404,11 @@ class TQClient:
             raise InvalidRequestError("get needs at least one field (the meta names none)")
         if wait_timeout is not None:
             self.wait(meta, fields, wait_timeout)
-        fetched = self._fetch(meta, fields)
+        try:
+            fetched = self._fetch(meta, fields)
+        except _UnitRestarted:  # it recovered its data at a new address: ask again, once
+            self._refresh_units()
+            fetched = self._fetch(meta, fields)
         return {f: self._assemble(f, fetched[f], meta, layout, pad_to, pad_value) for f in fields}
 
     def _assemble(self, name: str, fx: _Fetched, meta: KVBatchMeta, layout: Layout, pad_to: int | None, pad_value: Any) -> Any:
@@ -427,7 +455,7 @@ class TQClient:
     def stats(self) -> dict[str, Any]:
         """Controller stats (partitions, op counts and latencies) plus every storage unit's."""
         stats = self._call("stats", {})
-        if len(stats["units"]) != len(self._units):
+        if stats.get("units_version") != self._units_version:
             self._refresh_units()
         stats["unit_stats"] = [  # a unit the controller reports down is not asked (it would time out)
             self._unit_chans[u["unit_id"]].call("stats", {})[0] if u.get("alive", True) else {**u, "alive": False}

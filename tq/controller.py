@@ -120,6 +120,9 @@ class Controller(RpcServer):
         self.expected_units = expected_units
         self.waiters: list[Waiter] = []
         self.unit_seen: dict[int, float] = {}  # last time each storage unit answered
+        self.units_version = 0  # bumped whenever a unit registers or rejoins (clients refresh on change)
+        self.restart_unit: Any = None  # set by serve(): restarts a crashed unit of this controller
+        self._restarts: dict[int, list[float]] = {}
         self._next_heartbeat = 0.0
         self.children: list[Any] = []  # storage-unit processes this controller started (serve())
         self.hello_waiters: list[tuple[Call, float]] = []
@@ -139,6 +142,7 @@ class Controller(RpcServer):
             discard=self.op_discard,
             get_meta=self.op_get_meta,
             set_tags=self.op_set_tags,
+            unit_status=self.op_unit_status,
             stats=lambda a, b, c: self.stats(),
             shutdown=self.op_shutdown,
         )
@@ -168,7 +172,7 @@ class Controller(RpcServer):
             raise DuplicateKeyError(f"key {dup!r} appears more than once in the request")
 
     def _units_info(self) -> dict[str, Any]:
-        return {"units": self.units, "units_version": len(self.units)}
+        return {"units": self.units, "units_version": self.units_version}
 
     # -- units
     def op_hello(self, args: dict, buffers: list, call: Call) -> Any:
@@ -179,21 +183,54 @@ class Controller(RpcServer):
         return DEFERRED
 
     def op_register_unit(self, args: dict, buffers: list, call: Call) -> dict:
+        """Register a new storage unit, or (``rejoin``) a restarted one taking over its old id."""
         import zmq
 
         info = {k: args.get(k) for k in ("unit_id", "address", "host", "arena_path", "arena_size", "pid")}
         if not isinstance(info["address"], str) or not isinstance(info["arena_size"], int):
             raise InvalidRequestError("register_unit needs an address and an arena_size")
-        info["unit_id"] = len(self.units)  # the controller numbers units in registration order
+        rejoin = args.get("rejoin")
+        if rejoin is not None and not (isinstance(rejoin, int) and 0 <= rejoin < len(self.units)):
+            raise InvalidRequestError(f"register_unit: no unit {rejoin!r} to rejoin")
+        uid = len(self.units) if rejoin is None else rejoin  # new units are numbered in registration order
+        info["unit_id"] = uid
+        old = self.unit_socks.pop(uid, None)
+        if old is not None:
+            self.remove_socket(old)
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(info["address"])
-        self.unit_socks[info["unit_id"]] = sock
-        uid = info["unit_id"]
+        self.unit_socks[uid] = sock
         self.add_socket(sock, lambda frames: self._on_unit_reply(uid, frames))
         self.unit_seen[uid] = time.monotonic()
-        self.units.append(info)
-        return {"unit_id": info["unit_id"]}
+        if rejoin is None:
+            self.units.append(info)
+        else:  # keep what it recovered that we still reference; it frees the rest
+            self.units[uid] = info
+            rows = self._rows_on(uid)
+            bufs: list[Any] = []
+            args = {"blocks": protocol.pack_array(rows[:, 0], bufs), "rows": protocol.pack_array(rows[:, 1], bufs)}
+            self._send_to_unit(uid, "retain", args, bufs)
+            log.warning("storage unit %d rejoined at %s", uid, info["address"])
+        self.units_version += 1
+        return {"unit_id": uid}
+
+    def op_unit_status(self, args: dict, buffers: list, call: Call) -> dict:
+        unit = args.get("unit")
+        if not isinstance(unit, int) or not 0 <= unit < len(self.units):
+            raise InvalidRequestError(f"no storage unit {unit!r}")
+        down = self._unit_down_for(unit, time.monotonic())
+        return {"alive": not down, "down_for_s": down, "address": self.units[unit]["address"]}
+
+    def _rows_on(self, unit: int) -> np.ndarray:
+        """(block, row) pairs of ``unit`` that live keys still reference, int64 ``[n, 2]``."""
+        found = [np.empty((0, 2), dtype=np.int64)]
+        for part in self.partitions.values():
+            live = part.live_slots()
+            for loc in part.locs.values():
+                rec = loc[live]
+                found.append(rec[rec[:, UNIT] == unit][:, [BLOCK, ROW]])
+        return np.unique(np.concatenate(found), axis=0)
 
     def _on_unit_reply(self, unit: int, frames: list) -> None:
         self.unit_seen[unit] = time.monotonic()  # any reply is a heartbeat
@@ -208,18 +245,28 @@ class Controller(RpcServer):
         return min(age, 1e9) if age > UNIT_TIMEOUT_S else 0.0
 
     def _reap_children(self) -> None:
-        """Storage units this controller started that died (e.g. SIGKILL): report them down at once
-        and remove the shared-memory arena they could not clean up."""
+        """Storage units this controller started that died (e.g. SIGKILL): report them down at once and
+        restart them on their arena so they recover what they held; after 3 crashes within a minute,
+        give up and remove the arena."""
+        now = time.monotonic()
         for proc in [p for p in self.children if p.poll() is not None]:
             self.children.remove(proc)
-            for u in self.units:
-                if u.get("pid") == proc.pid:
-                    log.error("storage unit %d (pid %d) exited with code %s", u["unit_id"], proc.pid, proc.returncode)
-                    self.unit_seen[u["unit_id"]] = float("-inf")
-                    try:
-                        os.unlink(u["arena_path"])
-                    except (OSError, TypeError):
-                        pass
+            unit = next((u for u in self.units if u.get("pid") == proc.pid), None)
+            if unit is None:
+                continue  # died before registering; nothing to recover
+            uid = unit["unit_id"]
+            log.error("storage unit %d (pid %d) exited with code %s", uid, proc.pid, proc.returncode)
+            self.unit_seen[uid] = float("-inf")
+            recent = [t for t in self._restarts.get(uid, []) if now - t < 60.0]
+            if self.restart_unit is not None and len(recent) < 3 and os.path.exists(unit["arena_path"]):
+                self._restarts[uid] = [*recent, now]
+                self.children.append(self.restart_unit(uid, unit["arena_path"]))
+                continue
+            for path in (unit["arena_path"], f"{unit['arena_path']}.journal"):
+                try:
+                    os.unlink(path)
+                except (OSError, TypeError):
+                    pass
 
     def _heartbeat(self, now: float) -> None:
         if now < self._next_heartbeat:
@@ -430,7 +477,7 @@ class Controller(RpcServer):
                 )
         frames: list[Any] = []
         schemas = {name: part.schemas[name].to_wire() for name in fields}
-        return {"schemas": schemas, "loc": protocol.pack_array(loc, frames), "units_version": len(self.units)}, frames
+        return {"schemas": schemas, "loc": protocol.pack_array(loc, frames), "units_version": self.units_version}, frames
 
     def op_wait(self, args: dict, buffers: list, call: Call) -> Any:
         part = self._partition(args)
@@ -527,6 +574,7 @@ class Controller(RpcServer):
             **self.server_stats(),
             "partitions": [self._partition_summary(p) for p in self.partitions.values()],
             "units": self.units,
+            "units_version": self.units_version,
             "bytes_committed_total": self.bytes_committed,
             "put_bytes_per_s_60s": sum(b for _, b in window) / 60.0,
             "parked_waits": len(self.waiters),
@@ -571,15 +619,17 @@ def serve(
     env = dict(os.environ)
     if secret:
         env["TQ_SECRET"] = secret.decode()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tq.storage", "--unit-id", str(i), "--bind", f"tcp://{host}:0",
-             "--controller", ctrl.address, "--capacity", str(capacity // max(storage_units, 1)), "--shm-dir", shm_dir],
-            env=env,
-            preexec_fn=_die_with_parent,
-        )
-        for i in range(storage_units)
-    ]
+    per_unit = capacity // max(storage_units, 1)
+
+    def spawn(unit_id: int, recover_arena: str | None = None) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "tq.storage", "--unit-id", str(unit_id), "--bind", f"tcp://{host}:0",
+               "--controller", ctrl.address, "--capacity", str(per_unit), "--shm-dir", shm_dir]
+        if recover_arena is not None:
+            cmd += ["--recover-arena", recover_arena, "--rejoin", str(unit_id)]
+        return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+
+    procs = [spawn(i) for i in range(storage_units)]
+    ctrl.restart_unit = spawn
     ctrl.children = procs
     signal.signal(signal.SIGTERM, lambda *_: ctrl.stop())
     signal.signal(signal.SIGINT, lambda *_: ctrl.stop())

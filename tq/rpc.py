@@ -87,6 +87,12 @@ class RpcServer:
     def on_tick(self, now: float) -> None:
         """Called after every loop iteration (expire parked waits, flush work)."""
 
+    def remove_socket(self, sock: zmq.Socket) -> None:
+        """Stop polling and close a socket added with :meth:`add_socket`."""
+        self._poller.unregister(sock)
+        self._extra_sockets.pop(sock, None)
+        sock.close(0)
+
     def add_socket(self, sock: zmq.Socket, on_message: Callable[[list], None]) -> None:
         """Poll another socket (e.g. a DEALER to a storage unit) in the same loop."""
         self._extra_sockets[sock] = on_message
@@ -197,8 +203,14 @@ class RpcChannel:
                 self._sockets.append(sock)
         return sock
 
-    def send(self, op: str, args: dict[str, Any], buffers: Sequence[Any] = (), *, timeout: float | None = None) -> int:
-        """Send a request and return its id; waits at most ``timeout`` for the connection."""
+    def send(
+        self, op: str, args: dict[str, Any], buffers: Sequence[Any] = (), *, timeout: float | None = None,
+        check: Callable[[], None] | None = None,
+    ) -> int:
+        """Send a request and return its id; waits at most ``timeout`` for the connection.
+
+        ``check`` is called about every second while waiting; it may raise to abandon the wait early
+        (e.g. once the controller reports this server down)."""
         sock = self._socket()
         rid = next(self._rids)
         timeout = self.timeout if timeout is None else timeout
@@ -206,21 +218,36 @@ class RpcChannel:
         try:  # the common case: connected, so the send is queued at once without an extra poll
             sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:  # IMMEDIATE: no connection yet - wait for one, up to the timeout
-            if not sock.poll(timeout * 1e3, zmq.POLLOUT):
+            if not self._wait(sock, zmq.POLLOUT, timeout, check):
                 raise TQConnectionError(
                     f"cannot reach {self.name} at {self.address} within {timeout:.1f}s (op {op!r}): server down or unreachable"
                 ) from None
             sock.send_multipart(frames, copy=False)
         return rid
 
-    def recv(self, rid: int, op: str, *, timeout: float | None = None) -> tuple[Any, protocol.Message]:
-        """Wait for the reply to request ``rid``; raise its error, or TQConnectionError on silence."""
+    @staticmethod
+    def _wait(sock: zmq.Socket, event: int, timeout: float, check: Callable[[], None] | None) -> bool:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if sock.poll(min(left, 1.0 if check else left) * 1e3, event):
+                return True
+            if check is not None:
+                check()
+
+    def recv(
+        self, rid: int, op: str, *, timeout: float | None = None, check: Callable[[], None] | None = None
+    ) -> tuple[Any, protocol.Message]:
+        """Wait for the reply to request ``rid``; raise its error, or TQConnectionError on silence
+        (``check`` as in :meth:`send`)."""
         sock = self._socket()
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(left * 1e3, zmq.POLLIN):
+            if left <= 0 or not self._wait(sock, zmq.POLLIN, left, check):
                 raise TQConnectionError(
                     f"no reply from {self.name} at {self.address} to {op!r} within {timeout:.1f}s: "
                     "server down, unreachable or overloaded"
@@ -242,10 +269,13 @@ class RpcChannel:
                 continue  # a late reply to a request that timed out earlier
             return protocol.raise_for_reply(msg), msg
 
-    def call(self, op: str, args: dict[str, Any], buffers: Sequence[Any] = (), *, timeout: float | None = None) -> tuple[Any, protocol.Message]:
+    def call(
+        self, op: str, args: dict[str, Any], buffers: Sequence[Any] = (), *, timeout: float | None = None,
+        check: Callable[[], None] | None = None,
+    ) -> tuple[Any, protocol.Message]:
         """Send a request and wait for its reply."""
-        rid = self.send(op, args, buffers, timeout=timeout)
-        return self.recv(rid, op, timeout=timeout)
+        rid = self.send(op, args, buffers, timeout=timeout, check=check)
+        return self.recv(rid, op, timeout=timeout, check=check)
 
     def close(self) -> None:
         with self._lock:

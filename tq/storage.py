@@ -23,6 +23,7 @@ import numpy as np
 
 from . import protocol
 from .arena import Arena, RangeAllocator, check_shm_room, host_identity
+from .journal import Journal
 from .errors import CapacityError, InvalidRequestError, StorageUnitError
 from .bufferpool import HostBufferPool
 from .rowcopy import copy_rows, write_chunks
@@ -77,17 +78,24 @@ class StorageUnit(RpcServer):
         secret: bytes | None = None,
         max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
         alloc_lease_s: float = DEFAULT_ALLOC_LEASE_S,
+        recover_arena: str | None = None,
     ) -> None:
         super().__init__(f"storage unit {unit_id}", bind, secret=secret, max_message_bytes=max_message_bytes)
         self.unit_id = unit_id
-        check_shm_room(shm_dir, capacity)
-        self.arena = Arena(os.path.join(shm_dir, f"tq-{uuid.uuid4().hex[:12]}-unit{unit_id}.arena"), capacity, create=True)
-        self.alloc = RangeAllocator(capacity)
         self.blocks: dict[int, Block] = {}
+        self._next_id = 1
+        if recover_arena is None:
+            check_shm_room(shm_dir, capacity)
+            self.arena = Arena(os.path.join(shm_dir, f"tq-{uuid.uuid4().hex[:12]}-unit{unit_id}.arena"), capacity, create=True)
+            self.alloc = RangeAllocator(capacity)
+        else:  # a restart after a crash: the arena file outlived the process; replay what it held
+            self.arena = Arena(recover_arena, os.path.getsize(recover_arena), create=False)
+            self.alloc = RangeAllocator(self.arena.size)
+            self._replay(recover_arena + ".journal")
+        self.journal = Journal(self.arena.path + ".journal")
         self.pending: dict[int, tuple[int, int, float]] = {}  # alloc id -> (start, size, expiry)
         self.parked: list[tuple[Any, dict, list, Call, float]] = []  # writes waiting for room
         self.alloc_lease_s = alloc_lease_s
-        self._next_id = 1
         self.bytes_stored = 0
         self.pool = HostBufferPool(max_cached_bytes=256 << 20)
         self.bytes_served = 0
@@ -98,6 +106,7 @@ class StorageUnit(RpcServer):
             fetch=self.op_fetch,
             free_rows=self.op_free_rows,
             free_blocks=self.op_free_blocks,
+            retain=self.op_retain,
             trim=self.op_trim,
             stats=lambda a, b, c: self.stats(),
             shutdown=self.op_shutdown,
@@ -241,6 +250,7 @@ class StorageUnit(RpcServer):
             self.alloc.free(start, size)
         else:
             self.blocks[bid] = block
+            self.journal.append(self._store_record(bid, block))
         self.bytes_stored += rel
         return {"block": bid, "nbytes": {n: int(ro[-1]) for n, _, _, ro, _ in layouts}}
 
@@ -315,7 +325,60 @@ class StorageUnit(RpcServer):
         block = self.blocks.pop(bid, None)
         if block is not None:
             self.alloc.free(block.start, block.size)
+            self.journal.append(["F", bid])
+            self._maybe_compact()
             self._retry_parked(time.monotonic())
+
+    # -- crash recovery: every stored block and every free is journaled next to the arena
+    @staticmethod
+    def _store_record(bid: int, block: Block) -> list:
+        fields = [[n, lay.schema.to_wire(), lay.start, lay.row_offsets.tobytes()] for n, lay in block.fields.items()]
+        dead = np.flatnonzero(~block.live).astype(np.int64).tobytes()
+        return ["S", bid, block.start, block.size, int(block.live.size), fields, dead]
+
+    def _replay(self, path: str) -> None:
+        for rec in Journal.replay(path):
+            kind, bid = rec[0], rec[1]
+            if kind == "S":
+                _, _, start, size, n_rows, fields, dead = rec
+                live = np.ones(n_rows, dtype=bool)
+                live[np.frombuffer(dead, dtype=np.int64)] = False
+                lays = {n: FieldLayout(FieldSchema.from_wire(w), fs, np.frombuffer(ro, dtype=np.int64).copy()) for n, w, fs, ro in fields}
+                self.blocks[bid] = Block(start, size, lays, live, int(live.sum()))
+            elif kind == "F":
+                self.blocks.pop(bid, None)
+            elif kind == "R" and bid in self.blocks:
+                b = self.blocks[bid]
+                b.live[np.frombuffer(rec[2], dtype=np.int64)] = False
+                b.n_live = int(b.live.sum())
+            self._next_id = max(self._next_id, bid + 1)
+        for b in self.blocks.values():
+            self.alloc.reserve(b.start, b.size)
+        log.warning("storage unit %d recovered %d blocks from %s", self.unit_id, len(self.blocks), path)
+
+    def _maybe_compact(self) -> None:
+        if self.journal.appended > 4 * len(self.blocks) + 1024:
+            self.journal.rewrite(self._store_record(bid, b) for bid, b in self.blocks.items())
+
+    def op_retain(self, args: dict, buffers: list, call: Call) -> dict:
+        """Keep only the listed (block, row) pairs: after a restart the controller lists what it still
+        references, and anything freed while this unit was down is freed here too."""
+        blocks, rows = self._rows_of(args, buffers, "retain")
+        freed = 0
+        for bid in list(self.blocks):
+            block = self.blocks[bid]
+            keep = np.zeros(block.live.size, dtype=bool)
+            r = rows[blocks == bid]
+            keep[r[(r >= 0) & (r < keep.size)]] = True
+            if not (block.live & keep).any():
+                self._free_block(bid)
+                freed += 1
+            elif (block.live & ~keep).any():
+                dropped = np.flatnonzero(block.live & ~keep)
+                block.live[dropped] = False
+                block.n_live = int(block.live.sum())
+                self.journal.append(["R", bid, dropped.astype(np.int64).tobytes()])
+        return {"blocks_freed": freed}
 
     def op_free_rows(self, args: dict, buffers: list, call: Call) -> dict:
         blocks, rows = self._rows_of(args, buffers, "free_rows")
@@ -331,6 +394,8 @@ class StorageUnit(RpcServer):
             if block.n_live == 0:
                 self._free_block(bid)
                 freed += 1
+            else:
+                self.journal.append(["R", bid, r.astype(np.int64).tobytes()])
         return {"blocks_freed": freed}
 
     def op_free_blocks(self, args: dict, buffers: list, call: Call) -> dict:
@@ -369,6 +434,7 @@ class StorageUnit(RpcServer):
 
     def close(self) -> None:
         super().close()
+        self.journal.close(unlink=True)
         self.arena.close(unlink=True)
 
 
@@ -384,6 +450,8 @@ def run_storage_unit(
     register_timeout: float = 30.0,
     ready_file: str | None = None,
     watch_fd: int | None = None,
+    recover_arena: str | None = None,
+    rejoin: int | None = None,
 ) -> None:
     """Start a unit, register it with the controller at ``controller`` and serve until shut down.
 
@@ -392,7 +460,8 @@ def run_storage_unit(
     With ``watch_fd`` (the read end of a pipe whose write end the launcher holds) the unit also stops,
     cleaning its arena up, when that pipe reaches EOF: the launcher closed it or died, however it died.
     """
-    unit = StorageUnit(unit_id, bind, capacity=capacity, shm_dir=shm_dir, secret=secret, max_message_bytes=max_message_bytes)
+    unit = StorageUnit(unit_id, bind, capacity=capacity, shm_dir=shm_dir, secret=secret,
+                       max_message_bytes=max_message_bytes, recover_arena=recover_arena)
     served = threading.Event()
     if watch_fd is not None:
         def watch() -> None:
@@ -413,7 +482,7 @@ def run_storage_unit(
     signal.signal(signal.SIGTERM, exit_now)
     try:
         chan = RpcChannel(controller, secret=secret, timeout=register_timeout, name="controller")
-        registered, _ = chan.call("register_unit", unit.describe())
+        registered, _ = chan.call("register_unit", {**unit.describe(), "rejoin": rejoin})
         chan.close()
         unit.unit_id = registered["unit_id"]  # the controller numbers units in registration order
         if ready_file:
@@ -442,13 +511,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-message-bytes", type=int, default=protocol.DEFAULT_MAX_MESSAGE_BYTES)
     p.add_argument("--ready-file", help="write the registered unit's description here as JSON once serving")
     p.add_argument("--watch-fd", type=int, help="stop when this inherited file descriptor (a pipe) reaches EOF")
+    p.add_argument("--recover-arena", help="restart after a crash: reopen this arena and replay its journal")
+    p.add_argument("--rejoin", type=int, help="take over this unit id at the controller (with --recover-arena)")
     a = p.parse_args(argv)
     secret = os.environ.get("TQ_SECRET")
     logging.basicConfig(level=os.environ.get("TQ_LOG_LEVEL", "WARNING"))
     run_storage_unit(
         a.unit_id, a.bind, a.controller, capacity=a.capacity, shm_dir=a.shm_dir,
         secret=secret.encode() if secret else None, max_message_bytes=a.max_message_bytes, ready_file=a.ready_file,
-        watch_fd=a.watch_fd,
+        watch_fd=a.watch_fd, recover_arena=a.recover_arena, rejoin=a.rejoin,
     )
 
 

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 TINY_MODEL = "tiny-random"
-PAD, EOS, IM_START, IM_END = "<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+PAD, EOS, IM_START, IM_END, UNK = "<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -30,15 +30,15 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerBase:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    specials = [PAD, EOS, IM_START, IM_END]
+    specials = [PAD, EOS, IM_START, IM_END, UNK]
     chars = sorted(set(string.printable) - set("\r\x0b\x0c\t"))
     vocab = {tok: i for i, tok in enumerate(specials + chars)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=" "))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")  # one token per character
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(specials)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token=PAD, eos_token=EOS, bos_token=None, unk_token=" ",
+        tokenizer_object=tok, pad_token=PAD, eos_token=EOS, bos_token=None, unk_token=UNK,
         additional_special_tokens=[IM_START, IM_END],
     )
     fast.chat_template = CHATML_TEMPLATE

@@ -1,0 +1,205 @@
+"""Environments: math-verify rewards (in process and on Ray actors), the built-in task, two turns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from policy.models import TINY_MODEL, build_tiny_tokenizer, load_model
+from rollout.data import PromptDataset
+from rollout.environments import (
+    BUILTIN_TASK_NAME,
+    BuiltinTaskEnvironment,
+    MathEnvironment,
+    TwoTurnGuessEnvironment,
+    builtin_task_dataset,
+    builtin_task_processor_config,
+    builtin_task_table,
+    make_environment,
+    reward_metrics,
+    score_builtin_answer,
+    two_turn_guess_dataset,
+    verify_math_answer,
+)
+
+
+def convo(response, prompt: str = "Solve it.") -> list[dict]:
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+# ------------------------------------------------------------------------------------------ math
+@pytest.mark.parametrize(
+    "response, truth, reward, answer",
+    [
+        ("The answer is \\boxed{4}", "4", 1.0, "4"),
+        ("so x = 1/2", "\\frac{1}{2}", 1.0, "1/2"),
+        ("Final: \\boxed{0.5}", "1/2", 1.0, None),  # (math-verify normalises the extracted text here)
+        ("\\boxed{(x+1)^2}", "x^2+2x+1", 1.0, "(x+1)^2"),
+        ("The answer is \\boxed{5}", "4", 0.0, "5"),
+        ("", "4", 0.0, None),
+        ("asdf{{{ \\frac{ }}$$\\boxed{", "4", 0.0, None),
+        ("\\boxed{4}", "", 0.0, None),
+    ],
+)
+def test_verify_math_answer_hand_examples(response, truth, reward, answer):
+    got_reward, got_answer = verify_math_answer(response, truth)
+    assert got_reward == reward
+    if answer is not None:
+        assert got_answer == answer
+
+
+def test_verify_never_raises_on_junk():
+    junk = ["\x00\x01\x02", "\\" * 5000, "}{" * 3000 + "\\boxed{", "$" * 999, "1/0", "\\boxed{\\frac{1}{0}}"]
+    for j in junk:
+        r, _ = verify_math_answer(j, "4")
+        assert r == 0.0
+    assert verify_math_answer(None, "4") == (0.0, None)  # type: ignore[arg-type]
+
+
+BATCH = [
+    (convo("\\boxed{4}"), {"ground_truth": "4"}, 1.0),
+    (convo("I think 7"), {"ground_truth": "6"}, 0.0),
+    (convo("so x = 1/2"), {"ground_truth": "0.5"}, 1.0),
+    ([{"role": "user", "content": "no reply yet"}], {"ground_truth": "1"}, 0.0),  # no assistant turn
+    (convo(None), {"ground_truth": "1"}, 0.0),  # content is not text
+    (convo("\\boxed{3}"), {}, 0.0),  # no ground truth
+    (convo("\\boxed{10}"), {"ground_truth": 10}, 1.0),  # numeric ground truth
+]
+
+
+def test_math_environment_in_process():
+    env = MathEnvironment(num_workers=0)
+    logs, meta, expected = zip(*BATCH)
+    ret = env.step(list(logs), list(meta))
+    assert ret.rewards.dtype == torch.float32 and ret.rewards.tolist() == list(expected)
+    assert ret.terminateds.dtype == torch.bool and ret.terminateds.all()
+    assert ret.answers[0] == "4" and ret.answers[3] is None
+    assert [o["role"] for o in ret.observations] == ["environment"] * len(BATCH)
+    assert ret.next_stop_strings == [None] * len(BATCH)
+    assert ret.metadata == [dict(m) for m in meta] and ret.metadata[0] is not meta[0]
+    with pytest.raises(ValueError, match="metadata"):
+        env.step(list(logs), list(meta)[:2])
+
+
+def test_math_environment_splits_batch_over_ray_workers(ray_session):
+    env = MathEnvironment(num_workers=2, batch_timeout_s=60)
+    try:
+        logs, meta, expected = zip(*BATCH)
+        ret = env.step(list(logs), list(meta))
+        assert ret.rewards.tolist() == list(expected)  # reassembled in order
+        assert ret.answers == MathEnvironment(num_workers=0).step(list(logs), list(meta)).answers
+        counts = [s["num_verified"] for s in ray_session.get([w.stats.remote() for w in env.workers], timeout=30)]
+        assert counts == [4, 3]  # contiguous chunks, one per worker
+
+        # A dead worker costs its chunk (scored 0), is replaced, and the next step is whole again.
+        ray_session.kill(env.workers[0])
+        ret = env.step(list(logs), list(meta))
+        assert ret.rewards.tolist() == [0.0] * 4 + list(expected[4:])
+        ret = env.step(list(logs), list(meta))
+        assert ret.rewards.tolist() == list(expected)
+    finally:
+        env.shutdown()
+
+
+def test_reward_metrics_and_post_process():
+    env = MathEnvironment(num_workers=0)
+    batch = {"rewards": torch.tensor([1.0, 0.0, 1.0, 1.0]), "is_end": [True, True, False, True], "prompt_ids": [0, 0, 1, 1]}
+    out, m = env.global_post_process_and_metrics(batch)
+    assert out["rewards"].tolist() == [1.0, 0.0, 0.0, 1.0]  # the unended correct answer earns nothing
+    assert m["accuracy"] == 0.5 and m["fraction_of_samples_properly_ended"] == 0.75
+    assert m["pass_at_samples_per_prompt"] == 1.0 and m["num_problems"] == 2
+    out, m = reward_metrics({"rewards": [1.0, 0.0], "truncated": [True, False]}, zero_unended=False)
+    assert out["rewards"].tolist() == [1.0, 0.0] and m["accuracy"] == 0.5
+    with pytest.raises(KeyError):
+        reward_metrics({})
+
+
+# ------------------------------------------------------------------------------------ built-in task
+def test_builtin_task_has_prompt_dependent_answers():
+    table = builtin_task_table()
+    prompts = [p for p, _ in table]
+    assert len(set(prompts)) == len(prompts) >= 20
+    for p, a in table:  # the answer is the sum: a function of the prompt, and correct arithmetic
+        x, y = p.rstrip("=").split("+")
+        assert a == str(int(x) + int(y))
+    assert len({a for _, a in table}) >= 5
+    records = builtin_task_dataset(60, seed=1)
+    assert records == builtin_task_dataset(60, seed=1) and records != builtin_task_dataset(60, seed=2)
+    counts = {}
+    for r in records:
+        counts[r["prompt"]] = counts.get(r["prompt"], 0) + 1
+        assert r["task_name"] == BUILTIN_TASK_NAME and dict(table)[r["prompt"]] == r["ground_truth"]
+    assert len(counts) == 25 and max(counts.values()) - min(counts.values()) <= 1  # balanced
+
+
+def test_builtin_task_records_process_into_short_prompts():
+    tok = build_tiny_tokenizer()
+    ds = PromptDataset(builtin_task_dataset(30, seed=0), tok, builtin_task_processor_config())
+    d = ds[0]
+    assert d["length"] == 4 and d["loss_multiplier"] == 1.0 and d["task_name"] == BUILTIN_TASK_NAME
+    assert tok.decode(d["message_log"][0]["token_ids"]) == ds.records[0]["prompt"]
+    assert d["extra_env_info"] == {"ground_truth": ds.records[0]["ground_truth"]}
+
+
+def test_builtin_reward_on_hand_examples():
+    assert score_builtin_answer("7", "7") == (1.0, "7")
+    assert score_builtin_answer("  7 apples", "7") == (1.0, "7")
+    assert score_builtin_answer("7<|im_end|>", "7") == (1.0, "7")
+    assert score_builtin_answer("72", "7") == (0.0, "72")
+    assert score_builtin_answer("x7", "7") == (0.0, None)
+    assert score_builtin_answer("", "7") == (0.0, None)
+    assert score_builtin_answer("3", "7", format_reward=0.1) == (0.1, "3")
+    env = BuiltinTaskEnvironment()
+    ret = env.step([convo("5"), convo("4"), [], convo("8")], [{"ground_truth": "5"}, {"ground_truth": "5"}, {"ground_truth": "1"}, {}])
+    assert ret.rewards.tolist() == [1.0, 0.0, 0.0, 0.0] and ret.terminateds.all()
+    assert ret.answers == ["5", "4", None, "8"]
+    _, m = env.global_post_process_and_metrics({"rewards": ret.rewards, "truncated": [True, False, False, False]})
+    assert m["accuracy"] == 0.25  # truncation does not cost the built-in task its reward
+
+
+def test_builtin_task_reward_is_reachable_from_random_init():
+    """Learnability check without training: the random tiny model puts enough mass on the answers
+    that a GRPO step of 32 prompts x 8 samples expects at least one rewarded sample."""
+    tok = build_tiny_tokenizer()
+    model = load_model(TINY_MODEL, tokenizer=tok, seed=0)
+    probs = []
+    for prompt, answer in builtin_task_table():
+        ids = torch.tensor([tok(prompt)["input_ids"]])
+        with torch.no_grad():
+            p = torch.softmax(model(ids).logits[0, -1].float(), -1)
+        probs.append(p[tok.convert_tokens_to_ids(answer)].item())
+    assert 32 * 8 * (sum(probs) / len(probs)) >= 1.0
+
+
+# ------------------------------------------------------------------------------------ two turns
+def test_two_turn_environment_hints_then_scores():
+    env = make_environment("two_turn_guess")
+    assert isinstance(env, TwoTurnGuessEnvironment)
+    records = two_turn_guess_dataset(5, seed=0)
+    assert records == two_turn_guess_dataset(5, seed=0) and len({r["ground_truth"] for r in records}) > 1
+    meta = [{"ground_truth": "7"}, {"ground_truth": "3"}]
+    logs = [convo("1"), convo("2")]
+    first = env.step(logs, meta)
+    assert first.rewards.tolist() == [0.0, 0.0] and not first.terminateds.any()
+    assert "7" in first.observations[0]["content"] and "3" in first.observations[1]["content"]
+    assert [m["turn"] for m in first.metadata] == [1, 1] and first.metadata[0]["first_guess"] == "1"
+    assert "turn" not in meta[0]  # the caller's metadata is not mutated
+    logs = [log + [first.observations[i], {"role": "assistant", "content": g}] for i, (log, g) in enumerate(zip(logs, ["7", "4"]))]
+    second = env.step(logs, first.metadata)
+    assert second.rewards.tolist() == [1.0, 0.0] and second.terminateds.all()
+    assert second.answers == ["7", "4"]
+
+
+def test_make_environment_rejects_unknown():
+    assert isinstance(make_environment(BUILTIN_TASK_NAME), BuiltinTaskEnvironment)
+    with pytest.raises(ValueError, match="unknown environment"):
+        make_environment("chess")

@@ -25,3 +25,11 @@ DP_TRAIN_FIELDS = (
     "sample_mask",
 )
 LP_SEED_FIELDS = ("input_ids", "input_lengths", "token_mask", "sample_mask")
+
+# Per-token columns a per-sample reduction reads, and the per-sample columns it writes
+# (workers compute them on the TQ path so the driver reads per-sample columns only).
+REDUCTION_INPUT_FIELDS = ("prev_logprobs", "generation_logprobs", "token_mask")
+PER_SAMPLE_REDUCTION_FIELDS = ("seq_logprob_error", "seq_mult_prob_error", "num_valid_tokens")
+
+# Token-aligned (jagged) columns: bulk data the TQ driver must not read.
+TOKEN_FIELDS = ("input_ids", "generation_logprobs", "token_mask", "prev_logprobs", "reference_policy_logprobs")

@@ -1,0 +1,117 @@
+"""PolicyConfig: the policy's settings (model, optimizer, schedule, DP, batching), validated up front.
+
+Invalid settings fail at construction with a message naming the offending key (pydantic puts the key
+path in every error; cross-field checks below name theirs explicitly). Unknown keys are rejected.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .models import DTYPES, TINY_MODEL
+
+__all__ = ["PolicyConfig", "DynamicBatchingConfig", "SequencePackingConfig"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DynamicBatchingConfig(_Strict):
+    """Micro-batches cut to a padded-token budget (``samples * longest`` per micro-batch)."""
+
+    enabled: bool = False
+    train_mb_tokens: int | None = Field(None, gt=0)
+    logprob_mb_tokens: int | None = Field(None, gt=0)
+    sequence_length_round: int = Field(1, ge=1)
+
+
+class SequencePackingConfig(_Strict):
+    """Sequences packed into one row per micro-batch, first-fit-decreasing up to a token budget."""
+
+    enabled: bool = False
+    train_mb_tokens: int | None = Field(None, gt=0)
+    logprob_mb_tokens: int | None = Field(None, gt=0)
+    algorithm: Literal["first_fit_decreasing"] = "first_fit_decreasing"
+    sequence_length_round: int = Field(1, ge=1)
+
+
+class PolicyConfig(_Strict):
+    """Settings of :class:`~policy.policy.Policy` / :class:`~policy.policy.TQPolicy` and their workers.
+
+    Batch sizes count samples across all DP ranks: ``train_global_batch_size`` samples per optimizer
+    step; ``train_micro_batch_size`` / ``logprob_batch_size`` samples per forward on one rank when
+    neither dynamic batching nor sequence packing is on (those use token budgets instead).
+    """
+
+    model_name: str = TINY_MODEL
+    tokenizer_name: str | None = None  # default: model_name
+    dtype: Literal[tuple(DTYPES)] = "float32"  # type: ignore[valid-type]  # compute dtype (weights stay float32)
+    tiny_overrides: dict[str, Any] | None = None  # config overrides of the built-in tiny model
+
+    dp_size: int = Field(1, ge=1)
+    seed: int = 0
+
+    learning_rate: float = Field(1e-5, gt=0.0)
+    weight_decay: float = Field(0.01, ge=0.0)
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = Field(1e-8, gt=0.0)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    max_steps: int | None = Field(None, gt=0)  # optimizer steps; the cosine schedule's horizon
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    max_grad_norm: float | None = Field(1.0, gt=0.0)
+
+    train_global_batch_size: int = Field(32, ge=1)
+    train_micro_batch_size: int = Field(4, ge=1)
+    logprob_batch_size: int = Field(8, ge=1)
+    dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
+    sequence_packing: SequencePackingConfig = Field(default_factory=SequencePackingConfig)
+
+    reference_model_on_cpu: bool = True
+    # Deterministic kernels (torch.use_deterministic_algorithms): on CUDA, atomics in backward passes
+    # otherwise make two identical training steps differ in the last bits. Slower; CPU is deterministic anyway.
+    deterministic: bool = False
+    num_cpus_per_worker: float = Field(0.5, ge=0.0)
+    num_gpus_per_worker: float = Field(0.0, ge=0.0)
+    torch_num_threads: int | None = Field(None, ge=1)  # default: max(1, int(num_cpus_per_worker))
+    dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    dist_timeout_s: float = Field(300.0, gt=0.0)
+    ray_timeout_s: float = Field(600.0, gt=0.0)  # bound on every wait for a worker call
+    tq_timeout_s: float = Field(60.0, gt=0.0)  # TQ request timeout, and the wait for fields to exist
+
+    @model_validator(mode="after")
+    def _check(self) -> "PolicyConfig":
+        if self.dynamic_batching.enabled and self.sequence_packing.enabled:
+            raise ValueError("policy.dynamic_batching.enabled and policy.sequence_packing.enabled cannot both be "
+                             "true: enable at most one")
+        for name in ("dynamic_batching", "sequence_packing"):
+            sub = getattr(self, name)
+            if sub.enabled:
+                for key in ("train_mb_tokens", "logprob_mb_tokens"):
+                    if getattr(sub, key) is None:
+                        raise ValueError(f"policy.{name}.{key} must be set when policy.{name}.enabled is true")
+        if self.train_global_batch_size < self.dp_size:
+            raise ValueError(f"policy.train_global_batch_size ({self.train_global_batch_size}) must be >= "
+                             f"policy.dp_size ({self.dp_size}): every rank needs a sample")
+        if self.lr_schedule == "cosine" and self.max_steps is None:
+            raise ValueError("policy.max_steps must be set when policy.lr_schedule is 'cosine'")
+        if self.lr_schedule == "cosine" and self.max_steps is not None and self.max_steps <= self.warmup_steps:
+            raise ValueError(f"policy.max_steps ({self.max_steps}) must exceed policy.warmup_steps ({self.warmup_steps})")
+        if self.dist_backend == "nccl" and self.num_gpus_per_worker == 0:
+            raise ValueError("policy.dist_backend 'nccl' needs policy.num_gpus_per_worker > 0")
+        return self
+
+    @property
+    def device(self) -> str:
+        """``"cuda"`` when workers get GPUs, else ``"cpu"``."""
+        return "cuda" if self.num_gpus_per_worker > 0 else "cpu"
+
+    @property
+    def backend(self) -> str:
+        """The torch.distributed backend: NCCL on GPU, gloo on CPU (unless set)."""
+        if self.dist_backend != "auto":
+            return self.dist_backend
+        return "nccl" if self.device == "cuda" else "gloo"

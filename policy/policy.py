@@ -1,0 +1,262 @@
+"""The driver-side policies: ``Policy`` (legacy, batches through Ray) and ``TQPolicy`` (handles only).
+
+Both start the same :class:`~policy.worker.DPPolicyWorker` actors (one per DP rank) and shard with the
+same function (:func:`policy.dispatch.shard_for_dp`), so for the same weights and batch they compute
+bit-identical log-probs and updates. They differ only in how data reaches the workers:
+
+- :class:`Policy` holds the batch on the driver as a :class:`BatchedDataDict`, ships each rank its
+  shard through Ray and gathers log-probs back (NeMo-RL's data flow);
+- :class:`TQPolicy` passes :class:`~tq.KVBatchMeta` shards; workers fetch their shard's columns from
+  the TransferQueue and write results back; only small dicts come back through Ray.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from tq.meta import KVBatchMeta
+
+from .batched_data_dict import BatchedDataDict
+from .config import DynamicBatchingConfig, PolicyConfig, SequencePackingConfig
+from .dispatch import global_batches, index_meta, pad_multiple, shard_for_dp, shard_rows, stamp_pad_seqlen
+from .fields import TOKEN_FIELDS
+from .worker import DPPolicyWorker
+
+__all__ = ["Policy", "TQPolicy", "PolicyConfig", "DynamicBatchingConfig", "SequencePackingConfig"]
+
+TRAIN_PARTITION = "train"
+VAL_PARTITION = "val"
+
+
+class _WorkerGroup:
+    """Starts the DP worker actors, forms their process group, and bounds every wait on them."""
+
+    def __init__(self, config: PolicyConfig | Mapping[str, Any]) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            raise RuntimeError("call ray.init() before creating a policy")
+        self.config = config if isinstance(config, PolicyConfig) else PolicyConfig(**config)
+        cfg = self.config
+        actor_cls = ray.remote(DPPolicyWorker).options(num_cpus=cfg.num_cpus_per_worker, num_gpus=cfg.num_gpus_per_worker)
+        cfg_dict = cfg.model_dump()
+        self.workers = [actor_cls.remote(cfg_dict, r, cfg.dp_size) for r in range(cfg.dp_size)]
+        try:
+            addr, port = self._get(self.workers[0].master_address.remote(), "master_address")
+            # All ranks must enter init_process_group together: launch all, then wait.
+            self.worker_info = self._get([w.init_distributed.remote(addr, port) for w in self.workers], "init_distributed")
+        except BaseException:
+            self._kill()
+            raise
+
+    def _get(self, refs: Any, what: str) -> Any:
+        import ray
+        from ray.exceptions import GetTimeoutError
+
+        try:
+            return ray.get(refs, timeout=self.config.ray_timeout_s)
+        except GetTimeoutError:
+            raise TimeoutError(
+                f"DP workers did not finish {what} within policy.ray_timeout_s={self.config.ray_timeout_s}s "
+                "(not enough resources for the actors, or a rank stuck in a collective)"
+            ) from None
+
+    def _kill(self) -> None:
+        import ray
+
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        self.workers = []
+
+    def shutdown(self) -> None:
+        """Leave the process group on every rank and kill the actors (idempotent)."""
+        if not self.workers:
+            return
+        try:
+            self._get([w.shutdown.remote() for w in self.workers], "shutdown")
+        finally:
+            self._kill()
+
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        """Rank 0's state dict (CPU tensors), e.g. for refitting generation workers."""
+        return self._get(self.workers[0].get_weights.remote(), "get_weights")
+
+    def save_checkpoint(self, path: str) -> None:
+        """Save model, optimizer and scheduler state under directory ``path`` (written by rank 0)."""
+        self._get([w.save_checkpoint.remote(path) for w in self.workers], "save_checkpoint")
+
+    def load_checkpoint(self, path: str) -> int:
+        """Load a :meth:`save_checkpoint` directory on every rank; returns the optimizer step it holds."""
+        return self._get([w.load_checkpoint.remote(path) for w in self.workers], "load_checkpoint")[0]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+
+class Policy(_WorkerGroup):
+    """Legacy policy: the driver holds the batch and ships shards through Ray (NeMo-RL's ``Policy``)."""
+
+    def _shards(self, data: BatchedDataDict, purpose: str) -> list[tuple[list[int], dict[str, Any]]]:
+        lengths = data["input_lengths"].tolist()
+        return [(shard_rows(s), dict(s.extra_info)) for s in shard_for_dp(index_meta(lengths), self.config, purpose)]
+
+    def _logprobs(self, data: BatchedDataDict, reference: bool) -> torch.Tensor:
+        data = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
+        shards = self._shards(data, "logprob")
+        results = self._get([w.get_logprobs.remote(data.select_indices(rows), info, reference)
+                             for w, (rows, info) in zip(self.workers, shards)], "get_logprobs")
+        out = torch.zeros(data["input_ids"].shape, dtype=torch.float32)
+        for (rows, _), res in zip(shards, results):  # back to the batch's order
+            lp = res["logprobs"]
+            out[torch.as_tensor(rows), : lp.shape[1]] = lp
+        return out
+
+    def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
+        """``{"logprobs": [n, L]}`` of the current policy (``input_ids`` + ``input_lengths`` are read)."""
+        return BatchedDataDict(logprobs=self._logprobs(data, reference=False))
+
+    def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
+        """``{"reference_logprobs": [n, L]}`` of the frozen reference model."""
+        return BatchedDataDict(reference_logprobs=self._logprobs(data, reference=True))
+
+    def train(self, data: BatchedDataDict, loss_fn: Any) -> dict[str, Any]:
+        """One optimizer step per ``train_global_batch_size`` samples of ``data``; returns metrics.
+
+        ``data`` holds the columns ``loss_fn.input_fields`` names (``DP_TRAIN_FIELDS`` for
+        :class:`~policy.loss.ClippedPGLossFn`), padded ``[n, L]`` for token-aligned ones.
+        """
+        fields = list(dict.fromkeys(("input_ids", "input_lengths", *getattr(loss_fn, "input_fields", ()))))
+        data = data.select_columns(fields)
+        meta = index_meta(data["input_lengths"].tolist())
+        per_rank: list[list[tuple[BatchedDataDict, dict[str, Any]]]] = [[] for _ in self.workers]
+        for gb in global_batches(meta, self.config.train_global_batch_size):
+            for r, shard in enumerate(shard_for_dp(gb, self.config, "train")):
+                per_rank[r].append((data.select_indices(shard_rows(shard)), dict(shard.extra_info)))
+        results = self._get([w.train.remote(p, loss_fn) for w, p in zip(self.workers, per_rank)], "train")
+        return results[0]
+
+
+class TQPolicy(_WorkerGroup):
+    """TQ policy: the driver passes ``KVBatchMeta`` shards; workers move the data themselves.
+
+    Args:
+        config: the policy config.
+        tq_address: the TQ controller's address (workers and this driver connect to it).
+    """
+
+    def __init__(self, config: PolicyConfig | Mapping[str, Any], tq_address: str) -> None:
+        from tq import TQClient
+
+        super().__init__(config)
+        self.tq_address = tq_address
+        try:
+            self.client = TQClient(tq_address, timeout=self.config.tq_timeout_s)
+        except BaseException:
+            super().shutdown()
+            raise
+        self.train_partition = TRAIN_PARTITION
+        self.step_size: tuple[int, int] | None = None
+
+    def shutdown(self) -> None:
+        """Shut the workers down and close the driver's TQ client."""
+        try:
+            super().shutdown()
+        finally:
+            if getattr(self, "client", None) is not None:
+                self.client.close()
+                self.client = None
+
+    # ------------------------------------------------------------------ partitions and keys
+    def prepare_step(self, num_samples: int, group_size: int) -> str:
+        """Register the ``"train"`` partition, or clear and reuse it; returns its id.
+
+        ``num_samples`` (prompts * ``group_size``) is checked against the DP size and kept for the step.
+        """
+        if group_size < 1 or num_samples < 1 or num_samples % group_size:
+            raise ValueError(f"num_samples={num_samples} must be a positive multiple of group_size={group_size}")
+        if num_samples < self.config.dp_size:
+            raise ValueError(f"num_samples={num_samples} is fewer than policy.dp_size={self.config.dp_size}")
+        self.client.register_partition(self.train_partition, reuse=True)
+        self.step_size = (num_samples, group_size)
+        return self.train_partition
+
+    def prepare_val_partition(self) -> str:
+        """Register (or clear and reuse) the ``"val"`` partition; returns its id."""
+        self.client.register_partition(VAL_PARTITION, reuse=True)
+        return VAL_PARTITION
+
+    def discard_samples(self, meta_or_keys: KVBatchMeta | Sequence[str]) -> int:
+        """Free samples dropped by the driver (e.g. dynamic sampling); keys default to the train partition."""
+        meta = meta_or_keys if isinstance(meta_or_keys, KVBatchMeta) else KVBatchMeta(self.train_partition, tuple(meta_or_keys))
+        return self.client.discard(meta) if len(meta) else 0
+
+    def finish_step(self, meta: KVBatchMeta | None = None, *, clear_partition: bool = True) -> int:
+        """Free the step's keys (``meta``'s, then - by default - anything left in its partition)."""
+        freed = self.client.discard(meta) if meta is not None and len(meta) else 0
+        if clear_partition:
+            freed += self.client.clear_partition(meta.partition_id if meta is not None else self.train_partition)
+        return freed
+
+    # ------------------------------------------------------------------ driver reads and writes
+    def read_from_dataplane(self, meta: KVBatchMeta, fields: Sequence[str], *, allow_token_fields: bool = False) -> dict[str, Any]:
+        """Read per-sample columns (rewards, masks, reductions) for the meta's keys, in key order.
+
+        Token-aligned columns (``TOKEN_FIELDS``) are refused unless ``allow_token_fields``: the driver's
+        traffic must grow with the number of samples, never with sequence length.
+        """
+        bulky = [f for f in fields if f in TOKEN_FIELDS]
+        if bulky and not allow_token_fields:
+            raise ValueError(f"read_from_dataplane refuses token-aligned fields {bulky} on the driver "
+                             "(workers reduce them; pass allow_token_fields=True to override)")
+        return self.client.get(meta, list(fields), wait_timeout=self.config.tq_timeout_s)
+
+    def write_to_dataplane(self, meta: KVBatchMeta, columns: Mapping[str, Any]) -> KVBatchMeta:
+        """Write columns (e.g. ``advantages``, ``sample_mask``) for the meta's keys; returns the meta with them."""
+        return self.client.write_back(meta, columns)
+
+    # ------------------------------------------------------------------ worker passes
+    def _with_lengths(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """The meta with sequence lengths (read as a per-sample column if missing) and the pad length stamped."""
+        if meta.sequence_lengths is None:
+            lengths = self.client.get(meta, ["input_lengths"], wait_timeout=self.config.tq_timeout_s)["input_lengths"]
+            meta = KVBatchMeta(meta.partition_id, meta.keys, meta.fields, tuple(lengths.tolist()), meta.tags, meta.extra_info)
+        return stamp_pad_seqlen(meta, pad_multiple(self.config))
+
+    def _logprob_pass(self, meta: KVBatchMeta, reference: bool) -> KVBatchMeta:
+        meta = self._with_lengths(meta)
+        shards = shard_for_dp(meta, self.config, "logprob")
+        self._get([w.get_logprobs_from_meta.remote(s, self.tq_address, reference) for w, s in zip(self.workers, shards)],
+                  "get_logprobs_from_meta")
+        return meta.add_fields(["reference_policy_logprobs" if reference else "prev_logprobs"])
+
+    def get_logprobs_from_meta(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """Workers compute ``prev_logprobs`` for their shard and write them back; returns the updated meta."""
+        return self._logprob_pass(meta, reference=False)
+
+    def get_reference_policy_logprobs_from_meta(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """Workers compute ``reference_policy_logprobs`` with the reference model and write them back."""
+        return self._logprob_pass(meta, reference=True)
+
+    def compute_per_token_reductions(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """Workers write ``PER_SAMPLE_REDUCTION_FIELDS`` (per-sequence log-prob error, token counts)."""
+        meta = self._with_lengths(meta)
+        results = self._get([w.compute_per_token_reductions.remote(s, self.tq_address)
+                             for w, s in zip(self.workers, shard_for_dp(meta, self.config, "logprob"))],
+                            "compute_per_token_reductions")
+        return meta.add_fields(results[0]["fields"])
+
+    def train_from_meta(self, meta: KVBatchMeta, loss_fn: Any) -> dict[str, Any]:
+        """One optimizer step per ``train_global_batch_size`` samples; workers fetch and train; returns metrics."""
+        meta = self._with_lengths(meta)
+        per_rank: list[list[KVBatchMeta]] = [[] for _ in self.workers]
+        for gb in global_batches(meta, self.config.train_global_batch_size):
+            for r, shard in enumerate(shard_for_dp(gb, self.config, "train")):
+                per_rank[r].append(shard)
+        results = self._get([w.train_from_meta.remote(p, self.tq_address, loss_fn) for w, p in zip(self.workers, per_rank)],
+                            "train_from_meta")
+        return results[0]

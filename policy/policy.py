@@ -215,9 +215,10 @@ class TQPolicy(_WorkerGroup):
                              "(workers reduce them; pass allow_token_fields=True to override)")
         return self.client.get(meta, list(fields), wait_timeout=self.config.tq_timeout_s)
 
-    def write_to_dataplane(self, meta: KVBatchMeta, columns: Mapping[str, Any]) -> KVBatchMeta:
-        """Write columns (e.g. ``advantages``, ``sample_mask``) for the meta's keys; returns the meta with them."""
-        return self.client.write_back(meta, columns)
+    def write_to_dataplane(self, meta: KVBatchMeta, columns: Mapping[str, Any], *, overwrite: bool = False) -> KVBatchMeta:
+        """Write columns (e.g. ``advantages``, ``sample_mask``) for the meta's keys; returns the meta with
+        them. ``overwrite`` replaces columns the keys already have (the rollout wrote ``sample_mask``)."""
+        return self.client.write_back(meta, columns, overwrite=overwrite)
 
     # ------------------------------------------------------------------ worker passes
     def _with_lengths(self, meta: KVBatchMeta) -> KVBatchMeta:

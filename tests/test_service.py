@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from tq.errors import SchemaConflictError
 from tq import JaggedTensor, KVBatchMeta, TQClient, TQServer
 from tq.errors import InvalidRequestError, KeyNotFoundError, PartitionNotFoundError, TQTimeoutError
 
@@ -686,3 +687,19 @@ def test_stats_count_ops_and_report_latency_percentiles(tclient, part):
             assert 0 <= entry["p50_ms"] <= entry["p99_ms"]
     assert any(p["partition"] == part and p["keys"] == 16 for p in stats["partitions"])
     assert stats["bytes_committed_total"] > 0
+
+
+def test_write_back_overwrite_replaces_a_field_and_frees_what_only_it_held(tclient, part):
+    """overwrite=True replaces a produced field (same schema); without it the write is refused. Rows
+    that only the old value held are freed; rows shared with other fields of the key are kept."""
+    meta = tclient.put(part, ["a", "b"], {"sample_mask": torch.ones(2), "ids": [torch.arange(3), torch.arange(2)]})
+    with pytest.raises(SchemaConflictError, match="overwrite=True"):
+        tclient.write_back(meta, {"sample_mask": torch.zeros(2)})
+    tclient.write_back(meta, {"sample_mask": torch.tensor([0.0, 1.0])}, overwrite=True)  # shared block row: kept
+    tclient.write_back(meta, {"sample_mask": torch.tensor([1.0, 0.0])}, overwrite=True)  # frees the previous one
+    got = tclient.get(meta, ["sample_mask", "ids"], layout="list")
+    assert torch.equal(torch.stack(list(got["sample_mask"])) if isinstance(got["sample_mask"], list) else got["sample_mask"], torch.tensor([1.0, 0.0]))
+    assert torch.equal(got["ids"][0], torch.arange(3))
+    with pytest.raises(SchemaConflictError, match="sample_mask"):
+        tclient.write_back(meta, {"sample_mask": torch.zeros(2, dtype=torch.int64)}, overwrite=True)
+    tclient.discard(meta)

@@ -255,10 +255,14 @@ class TQClient:
             {k: tuple(v) for k, v in (tags or {}).items()},
         )
 
-    def write_back(self, meta: KVBatchMeta, columns: Mapping[str, Any]) -> KVBatchMeta:
-        """Store new fields for the meta's existing keys; returns the meta with the fields added."""
+    def write_back(self, meta: KVBatchMeta, columns: Mapping[str, Any], *, overwrite: bool = False) -> KVBatchMeta:
+        """Store new fields for the meta's existing keys; returns the meta with the fields added.
+
+        Writing a field a key already has is a :class:`~tq.errors.SchemaConflictError` unless
+        ``overwrite`` (e.g. the driver updating ``sample_mask``); the schema must match either way.
+        """
         keys = list(meta.keys)
-        self._store_and_commit(meta.partition_id, keys, self._encode(keys, columns), "write_back", None, None)
+        self._store_and_commit(meta.partition_id, keys, self._encode(keys, columns), "write_back", None, None, overwrite)
         return meta.add_fields(tuple(columns))
 
     def _encode(self, keys: list[str], columns: Mapping[str, Any]) -> dict[str, EncodedColumn]:
@@ -274,7 +278,7 @@ class TQClient:
 
     def _store_and_commit(
         self, partition_id: str, keys: list[str], encoded: dict[str, EncodedColumn], mode: str,
-        tags: Mapping[str, Sequence[Any]] | None, sequence_lengths: Sequence[int] | None,
+        tags: Mapping[str, Sequence[Any]] | None, sequence_lengths: Sequence[int] | None, overwrite: bool = False,
     ) -> None:
         unit = self._pick_unit()
         chan = self._unit_chans[unit]
@@ -307,6 +311,8 @@ class TQClient:
             "fields": {n: {"schema": c.schema.to_wire(), "row_nbytes": protocol.pack_array(np.diff(c.row_offsets), cbufs)}
                        for n, c in encoded.items()},
         }
+        if overwrite:
+            commit["overwrite"] = True
         if tags:
             commit["tags"] = {k: list(v) for k, v in tags.items()}
         if sequence_lengths is not None:

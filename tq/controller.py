@@ -389,15 +389,19 @@ class Controller(RpcServer):
             part.slots_of(keys)  # raises on unknown keys
             new = []
             for name in schemas:
-                if name in part.locs:
+                if name in part.locs and not args.get("overwrite", False):
                     loc = part.locs[name]
                     slots = part.slots_of(keys)
                     taken = np.flatnonzero(loc[slots, UNIT] >= 0)
                     if taken.size:
-                        raise SchemaConflictError(f"field {name!r} was already produced for key {keys[int(taken[0])]!r}")
+                        raise SchemaConflictError(
+                            f"field {name!r} was already produced for key {keys[int(taken[0])]!r} (pass overwrite=True to replace it)"
+                        )
         if new:
             part.add_keys(new)
         slots = part.slots_of(keys)
+        if args.get("overwrite", False):
+            self._release_overwritten(part, slots, list(schemas))
         for name, schema in schemas.items():
             part.schemas[name] = schema
             loc = part.loc(name)
@@ -417,6 +421,26 @@ class Controller(RpcServer):
         self.recent.append((time.monotonic(), total))
         self._check_waiters(part.pid)
         return {"keys": len(keys)}
+
+    def _release_overwritten(self, part: Partition, slots: np.ndarray, fields: list[str]) -> None:
+        """Free the rows that the overwritten fields of ``slots`` held, unless another field of the same
+        key still lives in the same block row (a block row is freed as a whole)."""
+        old = [part.locs[f][slots] for f in fields if f in part.locs]
+        if not old:
+            return
+        others = [loc[slots] for f, loc in part.locs.items() if f not in fields]
+        free = []
+        for rec in old:
+            held = rec[:, UNIT] >= 0
+            for o in others:
+                held &= ~((o[:, UNIT] == rec[:, UNIT]) & (o[:, BLOCK] == rec[:, BLOCK]))
+            free.append(rec[held])
+        rows = np.unique(np.concatenate(free), axis=0) if free else np.empty((0, 4), np.int64)
+        for unit in np.unique(rows[:, UNIT]).tolist():
+            sel = rows[rows[:, UNIT] == unit]
+            bufs: list[Any] = []
+            self._send_to_unit(unit, "free_rows", {"blocks": protocol.pack_array(sel[:, BLOCK], bufs),
+                                                   "rows": protocol.pack_array(sel[:, ROW], bufs)}, bufs)
 
     def _tags(self, tags: Any, n: int) -> dict[str, list[Any]]:
         if tags is None:

@@ -81,7 +81,7 @@ class DataConfig(_Strict):
 
 
 class EnvConfig(_Strict):
-    name: Literal["builtin", "math", "two_turn"] = "builtin"
+    name: Literal["builtin_add", "math", "two_turn_guess"] = "builtin_add"  # also the task name records carry
     num_workers: int = Field(0, ge=0)  # math: verifier actors (0 = in process)
 
 

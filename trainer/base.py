@@ -1,0 +1,192 @@
+"""The GRPO training loop both trainers run: steps, validation schedule, refit, checkpoints, logging.
+
+Subclasses (``trainer.grpo`` - driver-side batches, ``trainer.grpo_sync`` - the TQ path) supply only
+how a step's data moves (:meth:`GRPOTrainerBase.train_step`, :meth:`GRPOTrainerBase.validate`); the
+loop, the per-sample algorithm (``trainer.common``) and everything around it are shared.
+"""
+
+from __future__ import annotations
+
+import pickle
+import signal
+import sys
+import time
+from abc import ABC, abstractmethod
+from typing import Any, Sequence
+
+import ray
+import torch
+
+from policy.loss import ClippedPGLossFn
+from rollout.actors import SyncRolloutActor
+
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .common import build_dataloader, build_datasets, init_ray, run_name
+from .config import ConfigError, MasterConfig, parse_cli
+from .logger import MetricsLogger
+
+
+def nbytes_of(obj: Any) -> int:
+    """Bytes an object took to reach the driver: its pickled size (what Ray moves), tensors included."""
+    return len(pickle.dumps(obj, protocol=5))
+
+
+class GRPOTrainerBase(ABC):
+    """One run of GRPO. ``fit()`` trains ``grpo.max_num_steps`` steps (resuming from a checkpoint)."""
+
+    name = "grpo"
+
+    def __init__(self, cfg: MasterConfig) -> None:
+        self.cfg = cfg
+        torch.manual_seed(cfg.grpo.seed)
+        init_ray(cfg)
+        train_ds, self.val_dataset = build_datasets(cfg)
+        self.loader = build_dataloader(cfg, train_ds)
+        self.loss_fn = ClippedPGLossFn(cfg.loss)
+        self.driver_bytes_received = 0  # instrumented: everything the driver pulls from Ray and TQ
+        self.step = 0
+        self.policy = self.build_policy()
+        self.rollout = SyncRolloutActor.remote(
+            generation=cfg.generation.model_dump(),
+            environments={cfg.env.name: {"name": cfg.env.name, **({"num_workers": cfg.env.num_workers} if cfg.env.name == "math" else {})}},
+            limits={"max_seq_len": cfg.data.processor.max_seq_length + cfg.grpo.max_rollout_turns * cfg.grpo.max_new_tokens,
+                    "max_new_tokens": cfg.grpo.max_new_tokens, "max_rollout_turns": cfg.grpo.max_rollout_turns},
+            seed=cfg.grpo.seed,
+            **self.rollout_kwargs(),
+        )
+        self.get(self.rollout.ready.remote(), "rollout actor start-up")
+        self.logger = MetricsLogger(cfg.logger, run_name(cfg, self.name), cfg.model_dump(mode="json"))
+        self._maybe_resume()
+
+    # ------------------------------------------------------------------ what the two paths implement
+    @abstractmethod
+    def build_policy(self) -> Any:
+        """The policy (legacy ``Policy`` or ``TQPolicy``)."""
+
+    def rollout_kwargs(self) -> dict[str, Any]:
+        """Extra constructor arguments of the rollout actor (the TQ path passes the TQ address)."""
+        return {}
+
+    @abstractmethod
+    def train_step(self, batches: "BatchSource") -> dict[str, float]:
+        """Roll out, compute advantages, log-probs, and train on one step's prompts; return metrics."""
+
+    @abstractmethod
+    def validate(self) -> dict[str, float]:
+        """Greedy rollouts of the validation prompts; accuracy (and pass@k)."""
+
+    # ------------------------------------------------------------------ shared machinery
+    def get(self, refs: Any, what: str) -> Any:
+        """``ray.get`` bounded by the policy's Ray timeout, counting what reaches the driver."""
+        try:
+            out = ray.get(refs, timeout=self.cfg.policy.ray_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"{what} did not finish within policy.ray_timeout_s={self.cfg.policy.ray_timeout_s}s") from None
+        except ray.exceptions.RayActorError as exc:
+            raise RuntimeError(f"{what} failed: an actor died ({exc.__class__.__name__}); the last checkpoint stays loadable") from None
+        self.driver_bytes_received += nbytes_of(out)
+        return out
+
+    def refit_generation(self) -> None:
+        """Push the policy's weights to the generator: rank 0 -> object store -> rollout actor. The
+        driver only passes the object reference, never the weights."""
+        weights = self.policy.workers[0].get_weights.remote()
+        self.get(self.rollout.update_weights.remote(weights, self.step), "generation refit")
+
+    def _maybe_resume(self) -> None:
+        ck = self.cfg.checkpointing
+        if not (ck.enabled and ck.resume):
+            return
+        path = latest_checkpoint(ck.checkpoint_dir)
+        if path is None:
+            return
+        state = load_checkpoint(path, self.policy)
+        self.step = int(state["step"])
+        self.loader.load_state_dict(state["dataloader"])
+        self.refit_generation()
+        print(f"resumed from {path} at step {self.step}", flush=True)
+
+    def _checkpoint(self) -> None:
+        save_checkpoint(self.cfg.checkpointing.checkpoint_dir, self.step, self.policy, {"dataloader": self.loader.state_dict()})
+
+    def fit(self) -> list[dict[str, Any]]:
+        """Train to ``grpo.max_num_steps``; returns the per-step training metrics."""
+        g, ck = self.cfg.grpo, self.cfg.checkpointing
+        history = []
+        try:
+            if g.val_period and g.val_at_start and self.step == 0 and self.val_dataset is not None:
+                self.logger.log(0, self.validate(), prefix="val")
+            while self.step < g.max_num_steps:
+                t0 = time.perf_counter()
+                before = self.driver_bytes_received
+                metrics = self.train_step(BatchSource(self.loader))
+                self.step += 1
+                t1 = time.perf_counter()
+                self.refit_generation()
+                metrics["timing/refit"] = time.perf_counter() - t1
+                metrics["step_time_s"] = time.perf_counter() - t0
+                metrics["driver_bytes_received"] = self.driver_bytes_received - before
+                self.logger.log(self.step, metrics)
+                self.logger.progress(self.step, g.max_num_steps, metrics)
+                history.append(metrics)
+                if g.val_period and self.step % g.val_period == 0 and self.val_dataset is not None:
+                    val = self.validate()
+                    self.logger.log(self.step, val, prefix="val")
+                    print(f"validation at step {self.step}: " + ", ".join(f"{k} {v:.3f}" for k, v in val.items()), flush=True)
+                if ck.enabled and self.step % ck.save_period == 0:
+                    self._checkpoint()
+            if ck.enabled and self.step % ck.save_period:
+                self._checkpoint()
+        finally:
+            plot = self.logger.plot()
+            self.logger.close()
+            if plot is not None:
+                print(f"curves: {plot}; metrics: {self.logger.run_dir / 'metrics.jsonl'}", flush=True)
+        return history
+
+    def shutdown(self) -> None:
+        """Stop the policy workers, the rollout actor and (if started here) the TQ service."""
+        try:
+            self.policy.shutdown()
+        finally:
+            ray.kill(self.rollout)
+
+
+class BatchSource:
+    """Prompt batches for one step (dynamic sampling may ask for several)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.drawn = 0
+
+    def next(self) -> Any:
+        self.drawn += 1
+        return self.loader.next_batch()
+
+
+def run(trainer_cls: type[GRPOTrainerBase], argv: Sequence[str] | None = None) -> int:
+    """Command-line entry: parse the config, train, shut down cleanly (also on Ctrl-C)."""
+    try:
+        cfg = parse_cli(sys.argv[1:] if argv is None else argv)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    trainer = None
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        trainer = trainer_cls(cfg)
+        history = trainer.fit()
+        if history:
+            first, last = history[0]["reward"], sum(h["reward"] for h in history[-5:]) / min(5, len(history))
+            print(f"done: {len(history)} steps, reward {first:.3f} -> {last:.3f} (mean of the last 5 steps)", flush=True)
+        return 0
+    except KeyboardInterrupt:
+        print("interrupted: stopping workers; the last checkpoint stays loadable", file=sys.stderr)
+        return 130
+    except (FileNotFoundError, TimeoutError, ConnectionError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if trainer is not None:
+            trainer.shutdown()
+        ray.shutdown()

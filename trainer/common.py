@@ -1,0 +1,131 @@
+"""What the legacy and the TQ trainer share: set-up, and the driver-side algorithm on per-sample scalars.
+
+Keeping the algorithm here (one function both trainers call on the same per-sample tensors) is what
+makes the two paths produce the same numbers; they differ only in where bulk data lives.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from policy.models import load_tokenizer
+from rollout.data import PromptDataset, StatefulDataLoader, collate_datums
+from rollout.environments import builtin_task_dataset, make_environment
+
+from . import algorithms as A
+from .config import GRPOConfig, MasterConfig
+
+
+def init_ray(cfg: MasterConfig) -> None:
+    """Connect to the configured Ray cluster, or start a local one (fractional actors fit 2 cores)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if cfg.cluster.ray_address:
+        ray.init(address=cfg.cluster.ray_address, log_to_driver=True)
+    else:
+        ray.init(num_cpus=cfg.cluster.num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True)
+
+
+def run_name(cfg: MasterConfig, trainer: str) -> str:
+    return cfg.logger.run_name or f"{trainer}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def build_datasets(cfg: MasterConfig) -> tuple[PromptDataset, PromptDataset | None]:
+    """The training prompts and (when validation is on) the validation prompts."""
+    tok = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
+    if cfg.data.dataset == "builtin":
+        train = PromptDataset(builtin_task_dataset(cfg.data.num_builtin_prompts, seed=cfg.grpo.seed), tok, cfg.data.processor)
+        val_records = builtin_task_dataset(cfg.grpo.max_val_samples, seed=cfg.grpo.seed + 1) if cfg.grpo.val_period else None
+        val = PromptDataset(val_records, tok, cfg.data.processor) if val_records else None
+        return train, val
+    if not os.path.exists(cfg.data.dataset):
+        raise FileNotFoundError(f"data.dataset {cfg.data.dataset!r} does not exist")
+    train = PromptDataset.from_path(cfg.data.dataset, tok, cfg.data.processor, split=cfg.data.split)
+    val = None
+    if cfg.grpo.val_period and cfg.data.val_dataset:
+        if not os.path.exists(cfg.data.val_dataset):
+            raise FileNotFoundError(f"data.val_dataset {cfg.data.val_dataset!r} does not exist")
+        val = PromptDataset.from_path(cfg.data.val_dataset, tok, cfg.data.processor)
+    return train, val
+
+
+def build_dataloader(cfg: MasterConfig, dataset: PromptDataset) -> StatefulDataLoader:
+    return StatefulDataLoader(dataset, cfg.grpo.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=cfg.grpo.seed)
+
+
+def build_task_to_env(cfg: MasterConfig) -> dict[str, Any]:
+    kwargs = {"num_workers": cfg.env.num_workers} if cfg.env.name == "math" else {}
+    return {cfg.env.name: make_environment(cfg.env.name, **kwargs)}
+
+
+@dataclass
+class StepTargets:
+    """The driver's per-sample outputs for one step."""
+
+    advantages: torch.Tensor  # float32 [n]
+    sample_mask: torch.Tensor  # float32 [n]
+    metrics: dict[str, float]
+
+
+def compute_step_targets(
+    grpo: GRPOConfig,
+    *,
+    rewards: torch.Tensor,
+    prompt_ids: torch.Tensor,
+    response_lengths: torch.Tensor,
+    truncated: torch.Tensor,
+    loss_multiplier: torch.Tensor,
+) -> StepTargets:
+    """Reward scaling and overlong shaping, group baselines, advantages and the sample mask.
+
+    Everything here is per sample (one scalar each), so the TQ trainer runs it without any token data.
+    """
+    r = rewards.to(torch.float32)
+    raw_mean = float(r.mean()) if r.numel() else 0.0
+    if grpo.reward_scaling.enabled:
+        rs = grpo.reward_scaling
+        r = A.scale_rewards(r, source_min=rs.source_min, source_max=rs.source_max, target_min=rs.target_min, target_max=rs.target_max)
+    if grpo.overlong_reward_shaping.enabled:
+        o = grpo.overlong_reward_shaping
+        r = A.overlong_reward_shaping(r, response_lengths, max_response_length=o.max_response_length, buffer_length=o.buffer_length, penalty=o.penalty)
+    mask = loss_multiplier.to(torch.float32).clone()
+    if grpo.overlong_filtering:
+        mask = mask * (~truncated.to(torch.bool)).to(torch.float32)
+    baseline, std = A.calculate_baseline_and_std_per_prompt(prompt_ids, r, mask > 0, leave_one_out=grpo.use_leave_one_out_baseline)
+    adv = A.compute_advantages(r, baseline, std, normalize_by_std=grpo.normalize_rewards, clip=grpo.advantage_clip)
+    metrics = {
+        "reward": raw_mean,
+        "shaped_reward": float(r.mean()) if r.numel() else 0.0,
+        "advantage_abs_mean": float(adv.abs().mean()) if adv.numel() else 0.0,
+        "zero_std_group_fraction": float((std == 0).float().mean()) if std.numel() else 0.0,
+        "truncated_fraction": float(truncated.float().mean()) if truncated.numel() else 0.0,
+        "mean_response_length": float(response_lengths.float().mean()) if response_lengths.numel() else 0.0,
+        "masked_fraction": float((mask == 0).float().mean()) if mask.numel() else 0.0,
+    }
+    return StepTargets(adv, mask, metrics)
+
+
+def dynamic_sampling_keep(grpo: GRPOConfig, rewards: torch.Tensor, prompt_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Samples to keep under dynamic sampling (all, when it is off): groups whose rewards differ."""
+    if not grpo.use_dynamic_sampling:
+        return torch.ones_like(rewards, dtype=torch.bool)
+    _, std = A.calculate_baseline_and_std_per_prompt(prompt_ids, rewards.to(torch.float32), mask > 0, leave_one_out=False)
+    return A.dynamic_sampling_keep(std)
+
+
+def summarize_train_metrics(train: Mapping[str, Any]) -> dict[str, float]:
+    """Scalars of the policy's training metrics (tensors reduced to floats)."""
+    out = {}
+    for k, v in train.items():
+        try:
+            out[k] = float(v)
+        except (TypeError, ValueError):
+            continue
+    return out

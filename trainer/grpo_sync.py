@@ -1,0 +1,164 @@
+"""``python -m trainer.grpo_sync``: synchronous GRPO on the TQ path.
+
+Bulk data never reaches the driver. Per step (DESIGN.md's lifecycle): the rollout actor writes the
+samples' columns to TQ and returns a ``KVBatchMeta`` plus per-sample scalars; the driver computes
+advantages on those scalars; DP workers fetch their shards to compute log-probs, per-sample
+reductions and the update; the driver writes back per-sample ``advantages`` / ``sample_mask`` and
+clears the step's keys at the end (the store is empty between steps).
+
+    python -m trainer.grpo_sync                                   # the offline CPU default
+    python -m trainer.grpo_sync grpo.max_num_steps=10 data_plane.address=tcp://host:5555
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import torch
+
+from policy.policy import TQPolicy
+from tq import KVBatchMeta, TQClient, TQServer
+
+from . import algorithms as A
+from .base import BatchSource, GRPOTrainerBase, run
+from .common import compute_step_targets, dynamic_sampling_keep
+from .config import MasterConfig
+
+
+class GRPOSyncTrainer(GRPOTrainerBase):
+    """GRPO whose data plane is TQ (see module docstring)."""
+
+    name = "grpo_sync"
+
+    def __init__(self, cfg: MasterConfig) -> None:
+        dp = cfg.data_plane
+        self.tq_server: TQServer | None = None
+        if dp.address is None:  # bootstrap a controller and its storage units on the driver's host
+            self.tq_server = TQServer(storage_units=dp.storage_units, capacity=dp.capacity_bytes, secret=dp.secret)
+            self.tq_address = self.tq_server.address
+        else:  # a running tq-controller: fail fast, naming it, if it does not answer
+            self.tq_address = dp.address
+            TQClient(dp.address, secret=dp.secret, timeout=min(dp.timeout_s, 10.0)).close()
+        try:
+            super().__init__(cfg)
+        except BaseException:
+            if self.tq_server is not None:
+                self.tq_server.shutdown()
+            raise
+
+    def build_policy(self) -> TQPolicy:
+        return TQPolicy(self.cfg.policy, self.tq_address)
+
+    def rollout_kwargs(self) -> dict[str, Any]:
+        return {"tq_address": self.tq_address, "tq_secret": self.cfg.data_plane.secret, "tq_timeout_s": self.cfg.data_plane.timeout_s}
+
+    def _read(self, meta: KVBatchMeta, fields: list[str]) -> dict[str, Any]:
+        out = self.policy.read_from_dataplane(meta, fields)
+        self.driver_bytes_received += sum(v.numel() * v.element_size() for v in out.values() if isinstance(v, torch.Tensor))
+        return out
+
+    def _rollout(self, batches: BatchSource) -> tuple[KVBatchMeta, dict[str, Any], dict[str, float]]:
+        """Roll out until enough groups survive dynamic sampling; dropped keys leave the store at once."""
+        g = self.cfg.grpo
+        want = g.num_prompts_per_step * g.num_generations_per_prompt
+        metas: list[KVBatchMeta] = []
+        carries: list[dict[str, Any]] = []
+        metrics: dict[str, float] = {}
+        kept = 0
+        while kept < want:
+            if batches.drawn >= g.dynamic_sampling_max_gen_batches:
+                raise RuntimeError(
+                    f"dynamic sampling kept {kept} of {want} samples after {batches.drawn} generation batches "
+                    f"(grpo.dynamic_sampling_max_gen_batches={g.dynamic_sampling_max_gen_batches}): rewards do not vary enough"
+                )
+            meta, carry, rmetrics, gmetrics = self.get(
+                self.rollout.rollout_to_tq.remote(batches.next(), self.policy.train_partition, g.num_generations_per_prompt),
+                "rollout_to_tq",
+            )
+            metrics = {**{f"rollout/{k}": v for k, v in rmetrics.items()}, **{f"generation/{k}": v for k, v in gmetrics.items()}}
+            keep = dynamic_sampling_keep(g, carry["total_reward"], carry["prompt_ids"] + 1_000_000 * len(metas), carry["loss_multiplier"])
+            if not bool(keep.all()):
+                self.policy.discard_samples(meta.select((~keep).numpy()))
+                meta = meta.select(keep.numpy())
+                carry = {k: (v[keep] if isinstance(v, torch.Tensor) else [x for x, k_ in zip(v, keep.tolist()) if k_]) for k, v in carry.items()}
+            carry["prompt_ids"] = carry["prompt_ids"] + 1_000_000 * len(metas)  # groups never span batches
+            metas.append(meta)
+            carries.append(carry)
+            kept += len(meta)
+        meta = KVBatchMeta.concat(metas) if len(metas) > 1 else metas[0]
+        carry = {k: (torch.cat([c[k] for c in carries]) if isinstance(carries[0][k], torch.Tensor) else sum((list(c[k]) for c in carries), []))
+                 for k in carries[0]}
+        if len(meta) > want:  # whole groups came back: drop the surplus past the step's size
+            self.policy.discard_samples(meta.slice(want, len(meta)))
+            meta = meta.slice(0, want)
+            carry = {k: v[:want] for k, v in carry.items()}
+        metrics["generation_batches"] = float(batches.drawn)
+        return meta, carry, metrics
+
+    def train_step(self, batches: BatchSource) -> dict[str, float]:
+        g, timing = self.cfg.grpo, {}
+        t = time.perf_counter()
+        self.policy.prepare_step(g.num_prompts_per_step * g.num_generations_per_prompt, g.num_generations_per_prompt)
+        meta, carry, metrics = self._rollout(batches)
+        timing["generation"] = time.perf_counter() - t
+
+        targets = compute_step_targets(
+            g, rewards=carry["total_reward"], prompt_ids=carry["prompt_ids"], response_lengths=carry["response_lengths"],
+            truncated=carry["truncated"], loss_multiplier=carry["loss_multiplier"],
+        )
+        t = time.perf_counter()
+        meta = self.policy.get_logprobs_from_meta(meta)
+        if self.cfg.loss.reference_policy_kl_penalty > 0:
+            meta = self.policy.get_reference_policy_logprobs_from_meta(meta)
+        meta = self.policy.compute_per_token_reductions(meta)  # per-token work stays on the workers
+        timing["logprobs"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        red = self._read(meta, ["seq_logprob_error", "seq_mult_prob_error"])
+        sample_mask = targets.sample_mask * A.seq_logprob_error_mask(red["seq_logprob_error"], g.seq_logprob_error_threshold)
+        meta = self.policy.write_to_dataplane(meta, {"advantages": targets.advantages}, overwrite=False)
+        meta = self.policy.write_to_dataplane(meta, {"sample_mask": sample_mask}, overwrite=True)
+        timing["data_movement"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        train = self.policy.train_from_meta(meta, self.loss_fn)
+        timing["training"] = time.perf_counter() - t
+        self.policy.finish_step(meta)
+        out = {**targets.metrics, **metrics, **{k: float(v) for k, v in train.items() if isinstance(v, (int, float))}}
+        out["seq_logprob_error"] = float(red["seq_logprob_error"].mean())
+        out["seq_mult_prob_error"] = float(red["seq_mult_prob_error"].mean())
+        out.update({f"timing/{k}": v for k, v in timing.items()})
+        return out
+
+    def validate(self) -> dict[str, float]:
+        g = self.cfg.grpo
+        part = self.policy.prepare_val_partition()
+        records = [self.val_dataset[i] for i in range(min(len(self.val_dataset), g.max_val_samples))]
+        meta, carry, _, _ = self.get(
+            self.rollout.rollout_to_tq.remote(records, part, g.val_num_generations, validation=True, greedy=g.val_num_generations == 1),
+            "validation rollout",
+        )
+        self.get(self.rollout.finish_generation.remote(), "finish_generation")
+        self.policy.discard_samples(meta)
+        correct = (carry["total_reward"] >= 1.0).to(torch.float32)
+        out = {"accuracy": float(correct.mean()), "reward": float(carry["total_reward"].mean())}
+        if g.val_num_generations > 1:
+            out[f"pass@{g.val_num_generations}"] = A.pass_at_k(correct, carry["prompt_ids"], g.val_num_generations)
+        return out
+
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()
+        finally:
+            if self.tq_server is not None:
+                self.tq_server.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(GRPOSyncTrainer, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

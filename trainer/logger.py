@@ -1,0 +1,110 @@
+"""Run logging: a live progress line per step, JSONL metrics, TensorBoard, wandb (when installed and
+enabled) and a PNG of the reward and loss curves at the end of a run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+from .config import LoggerConfig
+
+
+def _scalar(v: Any) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+class MetricsLogger:
+    """Writes every step's metrics to ``<log_dir>/<run>/metrics.jsonl`` (+ TensorBoard, wandb)."""
+
+    def __init__(self, cfg: LoggerConfig, run_name: str, config_dump: Mapping[str, Any] | None = None) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(cfg.log_dir) / run_name
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        self.history: list[dict[str, Any]] = []
+        self._tb = None
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self._wandb = None
+        if cfg.wandb:
+            try:
+                import wandb
+            except ImportError:
+                print("logger.wandb is enabled but wandb is not installed (pip install wandb); skipping it", file=sys.stderr)
+            else:
+                self._wandb = wandb.init(project=cfg.wandb_project, name=run_name, config=dict(config_dump or {}))
+        if config_dump is not None:
+            (self.run_dir / "config.json").write_text(json.dumps(config_dump, indent=1, default=str))
+
+    def log(self, step: int, metrics: Mapping[str, Any], prefix: str = "train") -> None:
+        """Record ``metrics`` (non-scalars are kept in the JSONL only) for ``step``."""
+        row = {"step": step, "split": prefix, "time": time.time(), **{k: v for k, v in metrics.items()}}
+        self.history.append(row)
+        self._jsonl.write(json.dumps(row, default=lambda o: _scalar(o)) + "\n")
+        scalars = {f"{prefix}/{k}": s for k, v in metrics.items() if (s := _scalar(v)) is not None}
+        if self._tb is not None:
+            for k, s in scalars.items():
+                self._tb.add_scalar(k, s, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+
+    def progress(self, step: int, total: int, metrics: Mapping[str, Any]) -> None:
+        """One live line per step: reward, loss, step time and the timing breakdown."""
+        if not self.cfg.progress:
+            return
+        parts = [f"step {step}/{total}"]
+        for key, label in (("reward", "reward"), ("loss", "loss"), ("step_time_s", "time")):
+            if (s := _scalar(metrics.get(key))) is not None:
+                parts.append(f"{label} {s:.4f}" if label != "time" else f"{label} {s:.1f}s")
+        timing = [f"{k.removeprefix('timing/')} {float(v):.1f}s" for k, v in metrics.items() if k.startswith("timing/")]
+        if timing:
+            parts.append("(" + ", ".join(timing) + ")")
+        print(" | ".join(parts), flush=True)
+
+    def plot(self) -> Path | None:
+        """reward and loss against step, as ``curves.png`` in the run directory."""
+        if not self.cfg.plot:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        train = [r for r in self.history if r["split"] == "train"]
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+        for ax, key in zip(axes, ("reward", "loss")):
+            pts = [(r["step"], _scalar(r.get(key))) for r in train]
+            pts = [(s, v) for s, v in pts if v is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", markersize=3)
+            ax.set_xlabel("step")
+            ax.set_title(key)
+            ax.grid(alpha=0.3)
+        val = [(r["step"], _scalar(r.get("accuracy"))) for r in self.history if r["split"] == "val"]
+        val = [(s, v) for s, v in val if v is not None]
+        if val:
+            axes[0].plot(*zip(*val), marker="s", label="validation accuracy")
+            axes[0].legend()
+        fig.tight_layout()
+        out = self.run_dir / "curves.png"
+        fig.savefig(out, dpi=100)
+        plt.close(fig)
+        return out
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()

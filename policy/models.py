@@ -53,7 +53,13 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     """
     if name_or_path == TINY_MODEL:
         return build_tiny_tokenizer()
-    tok = AutoTokenizer.from_pretrained(name_or_path)
+    try:
+        tok = AutoTokenizer.from_pretrained(name_or_path)
+    except (OSError, ValueError) as exc:
+        raise FileNotFoundError(
+            f"cannot load tokenizer {name_or_path!r}: not a local directory with tokenizer files and not "
+            f"reachable on the Hugging Face Hub ({exc.__class__.__name__}); use '{TINY_MODEL}' offline"
+        ) from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     if not getattr(tok, "chat_template", None):

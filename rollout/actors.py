@@ -141,6 +141,17 @@ class SyncRolloutImpl:
         self.generation.update_weights(state_dict, weight_version)
         return self.generation.weight_version
 
+    def generation_state(self) -> dict[str, Any] | None:
+        """The backend's sampling position for checkpoints (None if it has none)."""
+        fn = getattr(self.generation, "sampling_state", None)
+        return fn() if fn is not None else None
+
+    def load_generation_state(self, state: Mapping[str, Any] | None) -> None:
+        """Restore :meth:`generation_state`, so a resumed run samples as the uninterrupted one would."""
+        fn = getattr(self.generation, "load_sampling_state", None)
+        if state is not None and fn is not None:
+            fn(state)
+
     def weight_version(self) -> int:
         """Version of the weights generation runs with."""
         return self.generation.weight_version

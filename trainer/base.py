@@ -103,11 +103,14 @@ class GRPOTrainerBase(ABC):
         state = load_checkpoint(path, self.policy)
         self.step = int(state["step"])
         self.loader.load_state_dict(state["dataloader"])
+        self.get(self.rollout.load_generation_state.remote(state.get("generation")), "restore generation state")
         self.refit_generation()
         print(f"resumed from {path} at step {self.step}", flush=True)
 
     def _checkpoint(self) -> None:
-        save_checkpoint(self.cfg.checkpointing.checkpoint_dir, self.step, self.policy, {"dataloader": self.loader.state_dict()})
+        generation = self.get(self.rollout.generation_state.remote(), "generation state")
+        save_checkpoint(self.cfg.checkpointing.checkpoint_dir, self.step, self.policy,
+                        {"dataloader": self.loader.state_dict(), "generation": generation})
 
     def fit(self) -> list[dict[str, Any]]:
         """Train to ``grpo.max_num_steps``; returns the per-step training metrics."""

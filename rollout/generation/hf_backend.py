@@ -265,6 +265,14 @@ class HFGenerationBackend(GenerationInterface):
         return ids_out, lps_out, reasons
 
     # ------------------------------------------------------------------ weights
+    def sampling_state(self) -> dict[str, int]:
+        """The sampling RNG position (calls made), for checkpoints: a restored backend draws the same."""
+        return {"seed": self._seeds.seed, "calls": self._seeds.calls}
+
+    def load_sampling_state(self, state: Mapping[str, int]) -> None:
+        """Resume sampling where :meth:`sampling_state` was taken."""
+        self._seeds.seed, self._seeds.calls = int(state["seed"]), int(state["calls"])
+
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], weight_version: int) -> None:
         """Copy ``state_dict`` into the model in place (refit) and record ``weight_version``.
 

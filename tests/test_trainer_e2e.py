@@ -99,9 +99,46 @@ def test_validation_reports_accuracy(tmp_path):
         (["data.dataset=/no/such/data.jsonl"], "/no/such/data.jsonl"),
         (["data_plane.address=tcp://127.0.0.1:9", "data_plane.timeout_s=1"], "tcp://127.0.0.1:9"),
         (["grpo.bogus=1"], "grpo.bogus"),
+        (["grpo.message_advantage_penalties={environment: 0.1}"], "grpo.message_advantage_penalties.environment"),
     ],
 )
 def test_bad_input_fails_fast_with_a_clear_message(tmp_path, capsys, override, message):
     code = run(GRPOSyncTrainer, [f"logger.log_dir={tmp_path}", "cluster.num_cpus=2", *override])
     assert code != 0
     assert message in capsys.readouterr().err
+
+
+def test_ctrl_c_stops_cleanly_without_orphans(tmp_path):
+    """SIGINT mid-run: exit code 130 with a message, the last checkpoint loadable, no TQ process left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from trainer.checkpoint import latest_checkpoint
+
+    ck = tmp_path / "ck"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer.grpo_sync", "grpo.max_num_steps=100000", "grpo.num_prompts_per_step=4",
+         "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=16", "checkpointing.enabled=true",
+         "checkpointing.save_period=2", f"checkpointing.checkpoint_dir={ck}", f"logger.log_dir={tmp_path}/logs",
+         "logger.tensorboard=false", "logger.plot=false", "cluster.num_cpus=2"],
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while latest_checkpoint(ck) is None and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+        assert latest_checkpoint(ck) is not None, "no checkpoint written"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130 and "interrupted" in err
+    assert latest_checkpoint(ck) is not None
+    time.sleep(1)
+    leftovers = subprocess.run(["pgrep", "-f", f"tq.storage.*|tq.controller.*"], capture_output=True, text=True).stdout.split()
+    mine = [p for p in leftovers if os.path.exists(f"/proc/{p}") and os.getsid(int(p)) == proc.pid]
+    assert not mine, f"orphaned TQ processes: {mine}"

@@ -186,7 +186,7 @@ def run(trainer_cls: type[GRPOTrainerBase], argv: Sequence[str] | None = None) -
     except KeyboardInterrupt:
         print("interrupted: stopping workers; the last checkpoint stays loadable", file=sys.stderr)
         return 130
-    except (FileNotFoundError, TimeoutError, ConnectionError, RuntimeError) as exc:
+    except (FileNotFoundError, TimeoutError, ConnectionError, RuntimeError, NotImplementedError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:

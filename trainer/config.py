@@ -64,6 +64,9 @@ class GRPOConfig(_Strict):
     use_dynamic_sampling: bool = False  # drop zero-std groups, refill from more generation batches
     dynamic_sampling_max_gen_batches: int = Field(4, ge=1)
     seq_logprob_error_threshold: float | None = Field(None, gt=0.0)
+    # Per-message advantage penalties: role -> amount subtracted from a sample's advantage for each
+    # message of that role in its conversation (e.g. {"environment": 0.05} favours fewer turns).
+    message_advantage_penalties: dict[str, float] = Field(default_factory=dict)
     val_period: int = Field(0, ge=0)  # 0: no validation
     val_at_start: bool = False
     max_val_samples: int = Field(32, ge=1)

@@ -82,6 +82,10 @@ class GRPOTrainer(GRPOTrainerBase):
         timing["logprobs"] = time.perf_counter() - t
 
         t = time.perf_counter()
+        if g.message_advantage_penalties:  # needs each sample's message log: the legacy driver has it
+            roles = [[m["role"] for m in log] for log in data["message_log"]]
+            penalty = torch.tensor([sum(g.message_advantage_penalties.get(r, 0.0) for r in rs) for rs in roles])
+            targets.advantages = targets.advantages - penalty
         train_data["advantages"] = targets.advantages
         train_data["sample_mask"] = targets.sample_mask * A.seq_logprob_error_mask(red["seq_logprob_error"], g.seq_logprob_error_threshold)
         timing["data_movement"] = time.perf_counter() - t

@@ -33,6 +33,12 @@ class GRPOSyncTrainer(GRPOTrainerBase):
     name = "grpo_sync"
 
     def __init__(self, cfg: MasterConfig) -> None:
+        if cfg.grpo.message_advantage_penalties:
+            keys = ", ".join(f"grpo.message_advantage_penalties.{k}" for k in cfg.grpo.message_advantage_penalties)
+            raise NotImplementedError(
+                f"{keys}: message-level advantage penalties are not implemented on the TQ trainer (they need each "
+                "sample's message log on the driver); use trainer.grpo or remove them"
+            )
         dp = cfg.data_plane
         self.tq_server: TQServer | None = None
         if dp.address is None:  # bootstrap a controller and its storage units on the driver's host

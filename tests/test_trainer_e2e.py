@@ -142,3 +142,23 @@ def test_ctrl_c_stops_cleanly_without_orphans(tmp_path):
     leftovers = subprocess.run(["pgrep", "-f", f"tq.storage.*|tq.controller.*"], capture_output=True, text=True).stdout.split()
     mine = [p for p in leftovers if os.path.exists(f"/proc/{p}") and os.getsid(int(p)) == proc.pid]
     assert not mine, f"orphaned TQ processes: {mine}"
+
+
+@pytest.mark.parametrize("cls", [GRPOTrainer, GRPOSyncTrainer])
+def test_dynamic_sampling_gives_up_after_max_generation_batches(tmp_path, cls):
+    """A random model's groups nearly all score 0 (zero std): dynamic sampling drops them, draws more
+    batches up to dynamic_sampling_max_gen_batches, then raises naming the setting; on the TQ path the
+    dropped keys were discarded from the store at once."""
+    with TQServer(storage_units=1, capacity=128 << 20) as server:
+        cfg = _cfg(tmp_path, "grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_gen_batches=2",
+                   f"data_plane.address={server.address}")
+        trainer = cls(cfg)
+        try:
+            with pytest.raises(RuntimeError, match="dynamic_sampling_max_gen_batches=2"):
+                trainer.fit()
+            if cls is GRPOSyncTrainer:
+                with TQClient(server.address) as client:
+                    kept = {p["partition"]: p["keys"] for p in client.list_partitions()}.get("train", 0)
+                assert kept < 2 * 64  # the zero-std groups of both batches left the store
+        finally:
+            trainer.shutdown()

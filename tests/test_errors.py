@@ -800,3 +800,60 @@ def test_killed_storage_unit_is_restarted_and_recovers_its_data():
         finally:
             c.close()
             tcp.close()
+
+
+def test_controller_killed_and_restarted_recovers_its_state(tmp_path):
+    """SIGKILL the controller of a service started with a state dir; start it again on the same
+    address and dir: partitions, keys, tags, field status and placement come back from its journal,
+    its storage units (still running) are taken back, and the same client object keeps working
+    without any manual step."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    state = str(tmp_path / "state")
+    first = TQServer(port=port, storage_units=2, capacity=64 << 20, state_dir=state)
+    c = TQClient(first.address, timeout=10.0)
+    second = None
+    try:
+        c.register_partition("p")
+        a = c.put("p", [f"a{i}" for i in range(4)], {"x": torch.randn(4, 3), "ids": [torch.arange(i + 1) for i in range(4)]},
+                  tags={"group": [0, 0, 1, 1]})
+        b = c.put("p", ["b0", "b1"], {"x": torch.randn(2, 3), "ids": [torch.arange(5), torch.arange(2)]})
+        a = c.write_back(a, {"lp": [torch.randn(i + 1) for i in range(4)]})
+        c.discard(b.select([1]))
+        c.mint_keys("p", ["later"], 1)
+        before = {"a": c.get(a, layout="list"), "b": c.get(b.select([0]), layout="list")}
+        unit_pids = [u["pid"] for u in c.stats()["units"]]
+        os.kill(first.proc.pid, signal.SIGKILL)
+        first.proc.wait(10)
+        assert all(os.path.exists(f"/proc/{p}") for p in unit_pids)  # the units outlive it
+
+        second = TQServer(port=port, storage_units=2, capacity=64 << 20, state_dir=state)
+        meta = c.get_meta("p", a.keys)
+        assert meta.tags["group"] == (0, 0, 1, 1) and set(meta.fields) == {"x", "ids", "lp"}
+        after = c.get(a, layout="list")
+        for f in ("x", "ids", "lp"):
+            assert all(torch.equal(p, q) for p, q in zip(before["a"][f], after[f]))
+        assert torch.equal(c.get(b.select([0]), layout="list")["ids"][0], before["b"]["ids"][0])
+        with pytest.raises(KeyNotFoundError, match="'b1'"):
+            c.get(b.select([1]))
+        late = c.put("p", ["later_g0"], {"x": torch.ones(1, 3), "ids": [torch.arange(3)]})  # into the minted key
+        assert torch.equal(c.get(late)["x"], torch.ones(1, 3))
+        assert sorted(u["pid"] for u in c.stats()["units"]) == sorted(unit_pids)  # the same units
+        c.clear_partition("p")
+        assert wait_until(lambda: all(u.get("bytes_used") == 0 for u in c.stats()["unit_stats"]))
+    finally:
+        c.close()
+        for server in (second, first):
+            if server is not None:
+                server.shutdown()
+    assert wait_until(lambda: not any(_running(p) for p in unit_pids), timeout=10)  # stopped with the new controller
+
+
+def _running(pid: int) -> bool:
+    """Whether a process exists and is not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()
+    except FileNotFoundError:
+        return False

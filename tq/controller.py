@@ -30,12 +30,16 @@ from .errors import (
     StorageUnitError,
     TQTimeoutError,
 )
+from .journal import Journal
 from .rpc import DEFERRED, Call, RpcServer
 from .schema import FieldSchema
 
 log = logging.getLogger(__name__)
 
 TAG_TYPES = (type(None), bool, int, float, str)
+JOURNALED_OPS = frozenset({"create_partition", "clear_partition", "drop_partition", "mint", "commit", "discard",
+                           "set_tags", "register_unit"})
+COMPACT_AFTER = 2000  # journal records before it is rewritten as one snapshot
 HEARTBEAT_S = 1.0  # the controller pings every storage unit this often
 UNIT_TIMEOUT_S = 3.0  # a unit silent for longer is reported down and reads of its keys fail fast
 # Columns of a location record: storage unit, block, row, bytes.
@@ -112,8 +116,12 @@ class Controller(RpcServer):
         secret: bytes | None = None,
         expected_units: int = 0,
         max_message_bytes: int = 256 << 20,
+        state_dir: str | None = None,
     ) -> None:
         super().__init__("controller", bind, secret=secret, max_message_bytes=max_message_bytes)
+        self.journal: Journal | None = None
+        self._replaying = False
+        self.stop_units_on_close = False
         self.partitions: dict[str, Partition] = {}
         self.units: list[dict[str, Any]] = []
         self.unit_socks: dict[int, Any] = {}
@@ -146,6 +154,12 @@ class Controller(RpcServer):
             stats=lambda a, b, c: self.stats(),
             shutdown=self.op_shutdown,
         )
+        if state_dir is not None:  # crash recovery: replay what was journaled, then keep journaling
+            os.makedirs(state_dir, exist_ok=True)
+            path = os.path.join(state_dir, "controller.journal")
+            self._replay(path)
+            self.journal = Journal(path)
+            self.expected_units = max(self.expected_units, len(self.units))
 
     # -- small helpers
     def _partition(self, args: dict) -> Partition:
@@ -194,15 +208,7 @@ class Controller(RpcServer):
             raise InvalidRequestError(f"register_unit: no unit {rejoin!r} to rejoin")
         uid = len(self.units) if rejoin is None else rejoin  # new units are numbered in registration order
         info["unit_id"] = uid
-        old = self.unit_socks.pop(uid, None)
-        if old is not None:
-            self.remove_socket(old)
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(info["address"])
-        self.unit_socks[uid] = sock
-        self.add_socket(sock, lambda frames: self._on_unit_reply(uid, frames))
-        self.unit_seen[uid] = time.monotonic()
+        self._connect_unit(uid, info["address"])
         if rejoin is None:
             self.units.append(info)
         else:  # keep what it recovered that we still reference; it frees the rest
@@ -221,6 +227,82 @@ class Controller(RpcServer):
             raise InvalidRequestError(f"no storage unit {unit!r}")
         down = self._unit_down_for(unit, time.monotonic())
         return {"alive": not down, "down_for_s": down, "address": self.units[unit]["address"]}
+
+    def close(self) -> None:
+        import zmq
+
+        if self.stop_units_on_close:
+            for sock in list(self.unit_socks.values()):
+                try:
+                    sock.send_multipart(protocol.request("shutdown", 0, {}, [], self.secret), flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+                self._extra_sockets.pop(sock, None)
+                sock.close(linger=1000)  # let the shutdown request go out
+        super().close()
+
+    def _connect_unit(self, uid: int, address: str) -> None:
+        import zmq
+
+        old = self.unit_socks.pop(uid, None)
+        if old is not None:
+            self.remove_socket(old)
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        self.unit_socks[uid] = sock
+        self.add_socket(sock, lambda frames: self._on_unit_reply(uid, frames))
+        self.unit_seen[uid] = time.monotonic()
+
+    # -- crash recovery: every state change is journaled; a restarted controller replays the journal
+    def on_applied(self, op: str, args: dict, buffers: list) -> None:
+        if self.journal is None or op not in JOURNALED_OPS:
+            return
+        self.journal.append([op, args, [bytes(b) for b in buffers]])
+        if op in ("clear_partition", "drop_partition", "create_partition") and self.journal.appended > COMPACT_AFTER:
+            self.journal.rewrite([["__snapshot__", self._snapshot()]])
+
+    def _replay(self, path: str) -> None:
+        self._replaying = True  # rebuild state only: nothing is sent to the units
+        try:
+            n = 0
+            for op, args, bufs in Journal.replay(path):
+                if op == "__snapshot__":
+                    self._restore(args)
+                else:
+                    self.handlers[op](args, [memoryview(b) for b in bufs], Call(b"", None, op, 0.0))
+                n += 1
+        finally:
+            self._replaying = False
+        if n:
+            log.warning("controller recovered %d partitions and %d storage units from %s", len(self.partitions), len(self.units), path)
+
+    def _snapshot(self) -> dict[str, Any]:
+        return {
+            "units": self.units, "units_version": self.units_version,
+            "partitions": {
+                pid: {"slot_keys": p.slot_keys, "seq_lens": p.seq_lens, "tags": p.tags,
+                      "schemas": {f: s.to_wire() for f, s in p.schemas.items()},
+                      "locs": {f: [list(loc.shape), loc.tobytes()] for f, loc in p.locs.items()}}
+                for pid, p in self.partitions.items()
+            },
+        }
+
+    def _restore(self, snap: dict[str, Any]) -> None:
+        self.units = list(snap["units"])
+        self.units_version = int(snap["units_version"])
+        for u in self.units:
+            self._connect_unit(u["unit_id"], u["address"])
+        self.partitions = {}
+        for pid, d in snap["partitions"].items():
+            p = Partition(pid)
+            p.slot_keys = list(d["slot_keys"])
+            p.index = {k: i for i, k in enumerate(p.slot_keys) if k is not None}
+            p.seq_lens = list(d["seq_lens"])
+            p.tags = {k: list(v) for k, v in d["tags"].items()}
+            p.schemas = {f: FieldSchema.from_wire(w) for f, w in d["schemas"].items()}
+            p.locs = {f: np.frombuffer(b, dtype=np.int64).reshape(shape).copy() for f, (shape, b) in d["locs"].items()}
+            self.partitions[pid] = p
 
     def _rows_on(self, unit: int) -> np.ndarray:
         """(block, row) pairs of ``unit`` that live keys still reference, int64 ``[n, 2]``."""
@@ -276,6 +358,8 @@ class Controller(RpcServer):
             self._send_to_unit(unit, "ping", {}, [])
 
     def _send_to_unit(self, unit: int, op: str, args: dict, buffers: list) -> None:
+        if self._replaying:
+            return
         sock = self.unit_socks.get(unit)
         if sock is not None:
             sock.send_multipart(protocol.request(op, 0, args, buffers, self.secret))
@@ -625,11 +709,18 @@ def serve(
     unit_host: str | None = None,
     secret: bytes | None = None,
     ready_file: str | None = None,
+    state_dir: str | None = None,
+    orphan_timeout_s: float = 60.0,
 ) -> None:
     """Run a controller and ``storage_units`` local storage-unit processes until shut down.
 
     The units split ``capacity`` evenly. Once bound, the controller writes its address as JSON to
     ``ready_file`` (and prints ``TQ_READY <address>``), so launchers never guess ports.
+
+    With ``state_dir`` the controller journals its state there and survives its own crash: restarted
+    on the same address and ``state_dir`` it replays the journal and takes its running storage units
+    back (they outlive it for up to ``orphan_timeout_s`` without its heartbeat, then clean up and exit).
+    Without it the units die with the controller.
     """
     import json
     import subprocess
@@ -638,7 +729,9 @@ def serve(
     from .server import check_bind_allowed
 
     check_bind_allowed(bind, secret)
-    ctrl = Controller(bind, secret=secret, expected_units=storage_units)
+    ctrl = Controller(bind, secret=secret, expected_units=storage_units, state_dir=state_dir)
+    recovered = bool(ctrl.units)
+    ctrl.stop_units_on_close = state_dir is not None  # they do not die with us: stop them on a clean exit
     host = unit_host or bind.split("://", 1)[1].rsplit(":", 1)[0]
     env = dict(os.environ)
     if secret:
@@ -650,9 +743,11 @@ def serve(
                "--controller", ctrl.address, "--capacity", str(per_unit), "--shm-dir", shm_dir]
         if recover_arena is not None:
             cmd += ["--recover-arena", recover_arena, "--rejoin", str(unit_id)]
+        if state_dir is not None:  # outlive a crashed controller until it comes back (or time runs out)
+            return subprocess.Popen(cmd + ["--orphan-timeout", str(orphan_timeout_s)], env=env)
         return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
 
-    procs = [spawn(i) for i in range(storage_units)]
+    procs = [] if recovered else [spawn(i) for i in range(storage_units)]
     ctrl.restart_unit = spawn
     ctrl.children = procs
     signal.signal(signal.SIGTERM, lambda *_: ctrl.stop())
@@ -666,6 +761,7 @@ def serve(
     try:
         ctrl.serve_forever()
     finally:
+        procs = ctrl.children
         for p in procs:
             if p.poll() is None:
                 p.terminate()
@@ -684,12 +780,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--capacity", type=int, default=4 << 30)
     p.add_argument("--shm-dir", default="/dev/shm")
     p.add_argument("--ready-file")
+    p.add_argument("--state-dir", help="journal state here; a restart on the same address and dir recovers it")
     a = p.parse_args(argv)
     logging.basicConfig(level=os.environ.get("TQ_LOG_LEVEL", "WARNING"))
     secret = os.environ.get("TQ_SECRET")
     serve(
         f"tcp://{a.host}:{a.port}", storage_units=a.storage_units, capacity=a.capacity, shm_dir=a.shm_dir,
-        secret=secret.encode() if secret else None, ready_file=a.ready_file,
+        secret=secret.encode() if secret else None, ready_file=a.ready_file, state_dir=a.state_dir,
     )
 
 

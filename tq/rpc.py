@@ -93,6 +93,9 @@ class RpcServer:
         self._extra_sockets.pop(sock, None)
         sock.close(0)
 
+    def on_applied(self, op: str, args: dict, buffers: list) -> None:
+        """Called after a request was served successfully (before the reply goes out)."""
+
     def add_socket(self, sock: zmq.Socket, on_message: Callable[[list], None]) -> None:
         """Poll another socket (e.g. a DEALER to a storage unit) in the same loop."""
         self._extra_sockets[sock] = on_message
@@ -153,6 +156,7 @@ class RpcServer:
                 raise UnknownOperationError(f"{self.name} has no operation {op!r}")
             call.op = op
             out = handler(args, msg.buffers, call)
+            self.on_applied(op, args, msg.buffers)  # e.g. journal it - before the caller hears it is done
             if out is DEFERRED:
                 return
             result, buffers = out if isinstance(out, tuple) else (out, ())

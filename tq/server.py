@@ -55,6 +55,7 @@ class TQServer:
         shm_dir: str = "/dev/shm",
         secret: str | None = None,
         start_timeout: float = 60.0,
+        state_dir: str | None = None,
     ) -> None:
         check_bind_allowed(f"tcp://{host}:{port}", secret.encode() if secret else None)
         self.secret = secret
@@ -67,7 +68,7 @@ class TQServer:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tq.controller", "--host", host, "--port", str(port),
              "--storage-units", str(storage_units), "--capacity", str(capacity), "--shm-dir", shm_dir,
-             "--ready-file", self._ready_file],
+             "--ready-file", self._ready_file, *(["--state-dir", state_dir] if state_dir else [])],
             env=env,
             stdout=subprocess.DEVNULL,
         )

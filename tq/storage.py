@@ -79,8 +79,11 @@ class StorageUnit(RpcServer):
         max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
         alloc_lease_s: float = DEFAULT_ALLOC_LEASE_S,
         recover_arena: str | None = None,
+        orphan_timeout_s: float | None = None,
     ) -> None:
         super().__init__(f"storage unit {unit_id}", bind, secret=secret, max_message_bytes=max_message_bytes)
+        self.orphan_timeout_s = orphan_timeout_s  # stop after this long without a controller heartbeat
+        self._last_ping = time.monotonic()
         self.unit_id = unit_id
         self.blocks: dict[int, Block] = {}
         self._next_id = 1
@@ -100,7 +103,7 @@ class StorageUnit(RpcServer):
         self.pool = HostBufferPool(max_cached_bytes=256 << 20)
         self.bytes_served = 0
         self.handlers.update(
-            ping=lambda a, b, c: {"unit_id": unit_id},
+            ping=self.op_ping,
             alloc=self._waiting_for_room(self.op_alloc),
             store=self._waiting_for_room(self.op_store),
             fetch=self.op_fetch,
@@ -127,11 +130,20 @@ class StorageUnit(RpcServer):
         self._next_id += 1
         return self._next_id - 1
 
+    def op_ping(self, args: dict, buffers: list, call: Call) -> dict:
+        self._last_ping = time.monotonic()  # only the controller pings: its heartbeat
+        return {"unit_id": self.unit_id}
+
     def next_deadline(self) -> float | None:
         times = [exp for _, _, exp in self.pending.values()] + [p[4] for p in self.parked]
+        if self.orphan_timeout_s is not None:
+            times.append(self._last_ping + self.orphan_timeout_s)
         return min(times, default=None)
 
     def on_tick(self, now: float) -> None:
+        if self.orphan_timeout_s is not None and now - self._last_ping > self.orphan_timeout_s:
+            log.error("storage unit %d heard no controller for %.0fs: stopping", self.unit_id, now - self._last_ping)
+            self.stop()
         for aid, (start, size, exp) in list(self.pending.items()):
             if exp <= now:  # a writer that allocated and never stored (crashed): reclaim
                 log.warning("storage unit %d reclaims expired allocation %d (%d bytes)", self.unit_id, aid, size)
@@ -452,6 +464,7 @@ def run_storage_unit(
     watch_fd: int | None = None,
     recover_arena: str | None = None,
     rejoin: int | None = None,
+    orphan_timeout_s: float | None = None,
 ) -> None:
     """Start a unit, register it with the controller at ``controller`` and serve until shut down.
 
@@ -461,7 +474,7 @@ def run_storage_unit(
     cleaning its arena up, when that pipe reaches EOF: the launcher closed it or died, however it died.
     """
     unit = StorageUnit(unit_id, bind, capacity=capacity, shm_dir=shm_dir, secret=secret,
-                       max_message_bytes=max_message_bytes, recover_arena=recover_arena)
+                       max_message_bytes=max_message_bytes, recover_arena=recover_arena, orphan_timeout_s=orphan_timeout_s)
     served = threading.Event()
     if watch_fd is not None:
         def watch() -> None:
@@ -513,13 +526,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--watch-fd", type=int, help="stop when this inherited file descriptor (a pipe) reaches EOF")
     p.add_argument("--recover-arena", help="restart after a crash: reopen this arena and replay its journal")
     p.add_argument("--rejoin", type=int, help="take over this unit id at the controller (with --recover-arena)")
+    p.add_argument("--orphan-timeout", type=float, help="stop after this many seconds without a controller heartbeat")
     a = p.parse_args(argv)
     secret = os.environ.get("TQ_SECRET")
     logging.basicConfig(level=os.environ.get("TQ_LOG_LEVEL", "WARNING"))
     run_storage_unit(
         a.unit_id, a.bind, a.controller, capacity=a.capacity, shm_dir=a.shm_dir,
         secret=secret.encode() if secret else None, max_message_bytes=a.max_message_bytes, ready_file=a.ready_file,
-        watch_fd=a.watch_fd, recover_arena=a.recover_arena, rejoin=a.rejoin,
+        watch_fd=a.watch_fd, recover_arena=a.recover_arena, rejoin=a.rejoin, orphan_timeout_s=a.orphan_timeout,
     )
 
 

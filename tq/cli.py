@@ -2,7 +2,7 @@
 
 ::
 
-    tq-controller start [--host 127.0.0.1] [--port 0] [--storage-units 1] [--capacity 4G] [--foreground]
+    tq-controller start [--host 127.0.0.1] [--port 0] [--storage-units 1] [--capacity 4G] [--journal-dir DIR] [--foreground]
     tq-controller status [--json]
     tq-controller stop
 
@@ -265,6 +265,8 @@ def cmd_start(args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "tq.controller", "--host", args.host, "--port", str(args.port),
            "--storage-units", str(args.storage_units), "--capacity", str(args.capacity),
            "--shm-dir", args.shm_dir, "--ready-file", ready_file]
+    if args.journal_dir:
+        cmd += ["--state-dir", args.journal_dir]
     # Children must find this package even when it is not installed (run from a source checkout).
     pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
@@ -455,6 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--capacity", type=parse_size, default=4 << 30, help="total bytes over all units, e.g. 4G or 512M")
     s.add_argument("--shm-dir", default="/dev/shm", help="directory (tmpfs) holding the storage arenas")
     s.add_argument("--foreground", action="store_true", help="stay attached and stop the service on Ctrl-C")
+    s.add_argument("--journal-dir", help="journal the controller's state here: started again on the same --port and "
+                   "--journal-dir after a crash, it recovers partitions and keys and takes its storage units back")
     common(s)
     s.set_defaults(func=cmd_start)
 

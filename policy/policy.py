@@ -74,8 +74,12 @@ class _WorkerGroup:
         """Leave the process group on every rank and kill the actors (idempotent)."""
         if not self.workers:
             return
+        from ray.exceptions import RayActorError
+
         try:
             self._get([w.shutdown.remote() for w in self.workers], "shutdown")
+        except RayActorError:
+            pass  # a rank already died (that is often why we are shutting down): kill the rest
         finally:
             self._kill()
 

@@ -162,3 +162,48 @@ def test_dynamic_sampling_gives_up_after_max_generation_batches(tmp_path, cls):
                 assert kept < 2 * 64  # the zero-std groups of both batches left the store
         finally:
             trainer.shutdown()
+
+
+@pytest.mark.parametrize("victim", ["policy worker", "rollout actor"])
+def test_actor_dying_mid_run_stops_with_a_clear_error(tmp_path, victim):
+    """A DP worker or the rollout actor killed mid-run: fit() stops with an error saying an actor died,
+    the last checkpoint stays loadable, and shutdown leaves no TQ process behind."""
+    import threading
+    import time
+
+    from trainer.checkpoint import latest_checkpoint, load_checkpoint
+
+    ck = tmp_path / "ck"
+    cfg = _cfg(tmp_path, "grpo.max_num_steps=1000", "checkpointing.enabled=true", "checkpointing.save_period=1",
+               f"checkpointing.checkpoint_dir={ck}")
+    trainer = GRPOSyncTrainer(cfg)
+    tq_pid = trainer.tq_server.proc.pid
+    try:
+        def kill_after_first_checkpoint() -> None:
+            deadline = time.monotonic() + 120
+            while latest_checkpoint(ck) is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            ray.kill(trainer.policy.workers[1] if victim == "policy worker" else trainer.rollout)
+
+        killer = threading.Thread(target=kill_after_first_checkpoint)
+        killer.start()
+        with pytest.raises(RuntimeError, match="an actor died"):
+            trainer.fit()
+        killer.join()
+    finally:
+        trainer.shutdown()
+    assert latest_checkpoint(ck) is not None
+    state = load_checkpoint(latest_checkpoint(ck), _Reader())
+    assert state["step"] >= 1
+    time.sleep(1)
+    import os
+    assert not os.path.exists(f"/proc/{tq_pid}") or "State:\tZ" in open(f"/proc/{tq_pid}/status").read()
+
+
+class _Reader:
+    """Stands in for a policy when only the trainer-side state of a checkpoint is read back."""
+
+    def load_checkpoint(self, path: str) -> None:
+        import os
+
+        assert os.path.isdir(path) and os.listdir(path), f"policy checkpoint {path} is empty"

@@ -122,10 +122,16 @@ class GRPOTrainerBase(ABC):
             while self.step < g.max_num_steps:
                 t0 = time.perf_counter()
                 before = self.driver_bytes_received
-                metrics = self.train_step(BatchSource(self.loader))
-                self.step += 1
-                t1 = time.perf_counter()
-                self.refit_generation()
+                try:
+                    metrics = self.train_step(BatchSource(self.loader))
+                    self.step += 1
+                    t1 = time.perf_counter()
+                    self.refit_generation()
+                except ray.exceptions.RayActorError as exc:  # raised inside the policy's own waits too
+                    raise RuntimeError(
+                        f"step {self.step + 1} failed: an actor died ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
+                        "the last checkpoint stays loadable"
+                    ) from None
                 metrics["timing/refit"] = time.perf_counter() - t1
                 metrics["step_time_s"] = time.perf_counter() - t0
                 metrics["driver_bytes_received"] = self.driver_bytes_received - before

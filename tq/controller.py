@@ -198,8 +198,6 @@ class Controller(RpcServer):
 
     def op_register_unit(self, args: dict, buffers: list, call: Call) -> dict:
         """Register a new storage unit, or (``rejoin``) a restarted one taking over its old id."""
-        import zmq
-
         info = {k: args.get(k) for k in ("unit_id", "address", "host", "arena_path", "arena_size", "pid")}
         if not isinstance(info["address"], str) or not isinstance(info["arena_size"], int):
             raise InvalidRequestError("register_unit needs an address and an arena_size")

@@ -28,7 +28,7 @@ from .errors import CapacityError, InvalidRequestError, StorageUnitError
 from .bufferpool import HostBufferPool
 from .rowcopy import copy_rows, write_chunks
 from .rpc import DEFERRED, Call, RpcChannel, RpcServer
-from .schema import JAGGED, OBJECT, TENSOR, FieldSchema
+from .schema import JAGGED, TENSOR, FieldSchema
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import torch
 
 from policy.models import load_tokenizer
-from rollout.data import PromptDataset, StatefulDataLoader, collate_datums
+from rollout.data import PromptDataset, StatefulDataLoader
 from rollout.environments import builtin_task_dataset, make_environment
 
 from . import algorithms as A

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
 
 import torch
 

@@ -114,6 +114,15 @@ class GRPOSyncTrainer(GRPOTrainerBase):
             g, rewards=carry["total_reward"], prompt_ids=carry["prompt_ids"], response_lengths=carry["response_lengths"],
             truncated=carry["truncated"], loss_multiplier=carry["loss_multiplier"],
         )
+        out, meta = self.learn_from_meta(meta, targets, timing)
+        self.policy.finish_step(meta)
+        out.update(metrics)
+        return out
+
+    def learn_from_meta(self, meta: KVBatchMeta, targets: Any, timing: dict[str, float]) -> tuple[dict[str, float], KVBatchMeta]:
+        """Log-probs and per-sample reductions on the workers, advantages and the sample mask written
+        back, one training pass; returns the step's metrics and the meta (not yet cleared)."""
+        g = self.cfg.grpo
         t = time.perf_counter()
         meta = self.policy.get_logprobs_from_meta(meta)
         if self.cfg.loss.reference_policy_kl_penalty > 0:
@@ -131,12 +140,11 @@ class GRPOSyncTrainer(GRPOTrainerBase):
         t = time.perf_counter()
         train = self.policy.train_from_meta(meta, self.loss_fn)
         timing["training"] = time.perf_counter() - t
-        self.policy.finish_step(meta)
-        out = {**targets.metrics, **metrics, **{k: float(v) for k, v in train.items() if isinstance(v, (int, float))}}
+        out = {**targets.metrics, **{k: float(v) for k, v in train.items() if isinstance(v, (int, float))}}
         out["seq_logprob_error"] = float(red["seq_logprob_error"].mean())
         out["seq_mult_prob_error"] = float(red["seq_mult_prob_error"].mean())
         out.update({f"timing/{k}": v for k, v in timing.items()})
-        return out
+        return out, meta
 
     def validate(self) -> dict[str, float]:
         g = self.cfg.grpo

@@ -1,0 +1,204 @@
+"""``python -m trainer.grpo_async``: asynchronous GRPO on the TQ path.
+
+An :class:`~trainer.async_collector.AsyncTrajectoryCollector` (a Ray actor) generates prompt groups
+ahead of training, on weights at most ``async_grpo.max_trajectory_age_steps`` versions old, and writes
+them to a TQ partition tagged ``weight_version`` / ``target_step``. Each step ``t`` the driver:
+
+1. waits (bounded) for every group targeted at ``t`` and takes their ``KVBatchMeta`` from TQ;
+2. reads per-sample scalars only (rewards, lengths, masks) and computes advantages (``trainer.common``);
+3. has the DP workers compute ``prev_logprobs`` (and reference log-probs) from TQ, and trains with
+   importance-sampling correction against ``generation_logprobs`` (required: the config refuses
+   async mode without ``loss.use_importance_sampling_correction``);
+4. frees the step's keys and tells the collector the step is consumed;
+5. waits for step ``t + 1``'s groups, then refits: ``prepare_for_refit`` (in-flight generations
+   finish) -> weights from DP rank 0 to the collector as an object ref (never through the driver) ->
+   ``resume_after_refit``; the weight version becomes ``t + 1``.
+
+Checkpoints (at the refit point, the collector quiesced) save the policy, the step and the collector's
+``get_dataloader_state``: the loader position plus, per unconsumed target step, the dataset indices of
+its prompts. TQ contents are not saved: a resumed run regenerates those prompts for the same target
+steps on the restored weights, so no prompt is lost or trained twice (the trajectories are new samples).
+
+    python -m trainer.grpo_async                                  # the offline CPU recipe, async
+    python -m trainer.grpo_async grpo.max_num_steps=10 async_grpo.max_trajectory_age_steps=2
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Sequence
+
+import ray
+import torch
+
+from rollout.collector import TQReplayBuffer
+from tq import KVBatchMeta
+
+from .async_collector import AsyncTrajectoryCollector
+from .base import BatchSource, run
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .common import compute_step_targets
+from .config import CONFIG_DIR, ConfigError, MasterConfig, parse_cli, validate_async
+from .grpo_sync import GRPOSyncTrainer
+
+ASYNC_CONFIG = CONFIG_DIR / "grpo_async_cpu.yaml"
+PER_SAMPLE_FIELDS = ["total_reward", "truncated", "loss_multiplier", "response_lengths"]
+
+
+class GRPOAsyncTrainer(GRPOSyncTrainer):
+    """GRPO with generation overlapping training (see module docstring).
+
+    Reuses the sync TQ trainer's set-up (TQ service, ``TQPolicy``, validation on the sync rollout
+    actor); replaces how a step gets its samples and how the generator is refit.
+    """
+
+    name = "grpo_async"
+
+    def __init__(self, cfg: MasterConfig) -> None:
+        try:
+            validate_async(cfg)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        self._resume_state: dict[str, Any] | None = None
+        self.collector: Any = None
+        super().__init__(cfg)
+        try:
+            self._start_collector()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ------------------------------------------------------------------ collector
+    def _start_collector(self) -> None:
+        cfg, a = self.cfg, self.cfg.async_grpo
+        buffer = TQReplayBuffer(
+            self.tq_address, partition_id=a.partition_id, tq_secret=cfg.data_plane.secret, tq_timeout_s=cfg.data_plane.timeout_s,
+            capacity=(a.max_buffered_groups or (a.max_trajectory_age_steps + 1) * cfg.grpo.num_prompts_per_step)
+            * cfg.grpo.num_generations_per_prompt,
+        )
+        env = {"name": cfg.env.name, **({"num_workers": cfg.env.num_workers} if cfg.env.name == "math" else {})}
+        self.collector = AsyncTrajectoryCollector.options(num_cpus=a.collector_num_cpus).remote(
+            cfg.generation.model_dump(), cfg.policy.tokenizer_name, {cfg.env.name: env}, cfg.model_dump(), buffer, self.step,
+        )
+        # The generator starts on the policy's weights at version = the start step (a resumed run's too).
+        self._refit_collector(self.step, state=(self._resume_state or {}).get("collector"), first=True)
+
+    def _refit_collector(self, version: int, state: dict[str, Any] | None = None, first: bool = False) -> None:
+        c = self.collector
+        self.get(c.prepare_for_refit.remote(), "collector prepare_for_refit")
+        weights = self.policy.workers[0].get_weights.remote()  # an object ref: the weights skip the driver
+        self.get(c.update_weights.remote(weights, version), "collector update_weights")
+        if first:
+            self.get(c.start_collection.remote(state), "collector start_collection")
+        self.get(c.resume_after_refit.remote(), "collector resume_after_refit")
+
+    def refit_generation(self) -> None:
+        """Wait for the next step's groups (version ``step`` can no longer target it), then refit."""
+        if self.collector is None or self.step >= self.cfg.grpo.max_num_steps:  # nothing left to generate for
+            return
+        self.get(self.collector.wait_for_target.remote(self.step), f"trajectories of step {self.step}")
+        self._refit_collector(self.step)
+
+    def _maybe_resume(self) -> None:
+        ck = self.cfg.checkpointing
+        path = latest_checkpoint(ck.checkpoint_dir) if ck.enabled and ck.resume else None
+        if path is None:
+            return
+        state = load_checkpoint(path, self.policy)
+        self.step = int(state["step"])
+        self._resume_state = state
+        print(f"resumed from {path} at step {self.step}", flush=True)
+
+    def _checkpoint(self) -> None:
+        c = self.collector
+        self.get(c.prepare_for_refit.remote(), "collector quiesce for checkpoint")
+        try:
+            collector_state = self.get(c.get_dataloader_state.remote(), "collector state")
+            save_checkpoint(self.cfg.checkpointing.checkpoint_dir, self.step, self.policy, {"collector": collector_state})
+        finally:
+            self.get(c.resume_after_refit.remote(), "collector resume")
+
+    # ------------------------------------------------------------------ a step
+    def _take_step_meta(self, step: int) -> tuple[KVBatchMeta, dict[str, Any]]:
+        stats = self.get(self.collector.wait_for_target.remote(step), f"trajectories of step {step}")
+        meta = self.policy.client.get_meta(self.cfg.async_grpo.partition_id)
+        tags = meta.tags.get("target_step", ())
+        meta = meta.select([i for i, t in enumerate(tags) if t == step])
+        g = self.cfg.grpo
+        want = g.num_prompts_per_step * g.num_generations_per_prompt
+        if len(meta) != want:
+            raise RuntimeError(f"step {step}: TQ holds {len(meta)} samples targeted at it, expected {want}")
+        ages = [step - v for v in meta.tags["weight_version"]]
+        if max(ages) > self.cfg.async_grpo.max_trajectory_age_steps or min(ages) < 0:
+            raise RuntimeError(f"step {step}: trajectory ages {sorted(set(ages))} break async_grpo.max_trajectory_age_steps")
+        return meta, stats
+
+    def train_step(self, batches: BatchSource) -> dict[str, float]:
+        g, timing, step = self.cfg.grpo, {}, self.step
+        t = time.perf_counter()
+        meta, stats = self._take_step_meta(step)
+        timing["wait_for_trajectories"] = time.perf_counter() - t
+
+        cols = self._read(meta, PER_SAMPLE_FIELDS)
+        uid_ids: dict[str, int] = {}
+        prompt_ids = torch.tensor([uid_ids.setdefault(u, len(uid_ids)) for u in meta.tags["uid"]], dtype=torch.int64)
+        targets = compute_step_targets(
+            g, rewards=cols["total_reward"], prompt_ids=prompt_ids, response_lengths=cols["response_lengths"],
+            truncated=cols["truncated"], loss_multiplier=cols["loss_multiplier"],
+        )
+        out, meta = self.learn_from_meta(meta, targets, timing)
+        self.policy.finish_step(meta, clear_partition=False)  # later steps' groups share the partition
+        self.get(self.collector.release_target.remote(step), "collector release_target")
+
+        ages = torch.tensor([step - v for v in meta.tags["weight_version"]], dtype=torch.float32)
+        out.update({"async/trajectory_age_mean": float(ages.mean()), "async/trajectory_age_max": float(ages.max()),
+                    "async/buffered_groups": float(stats["held_groups"]), "async/failed_generations": float(stats["failed_generations"])})
+        return out
+
+    def fit(self) -> list[dict[str, Any]]:
+        """Train (``GRPOTrainerBase.fit``), then stop generation and free the groups generated ahead for
+        steps beyond the run (after the last checkpoint recorded their prompts), so TQ ends empty."""
+        history = super().fit()
+        self.get(self.collector.prepare_for_refit.remote(), "collector quiesce at the end")
+        freed = self.policy.client.clear_partition(self.cfg.async_grpo.partition_id)
+        if history:
+            history[-1]["async/unused_samples_freed"] = float(freed)
+        return history
+
+    def validate(self) -> dict[str, float]:
+        """Greedy validation on the sync rollout actor, refit first with the current weights."""
+        weights = self.policy.workers[0].get_weights.remote()
+        self.get(self.rollout.update_weights.remote(weights, self.step), "validation refit")
+        return super().validate()
+
+    def shutdown(self) -> None:
+        """Stop the collector (bounded), then the policy, the rollout actor and the TQ service."""
+        try:
+            if self.collector is not None:
+                try:
+                    ray.get(self.collector.shutdown.remote(), timeout=60)
+                except Exception as exc:  # still kill it below; the error is reported, not hidden
+                    print(f"warning: collector shutdown: {exc!r}", file=sys.stderr)
+                ray.kill(self.collector)
+                self.collector = None
+        finally:
+            super().shutdown()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry; without ``--config`` the async CPU recipe is the base config."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--config" not in argv:
+        argv = ["--config", str(ASYNC_CONFIG), *argv]
+    try:
+        cfg = parse_cli(argv)
+        validate_async(cfg)
+    except (ConfigError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return run(GRPOAsyncTrainer, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

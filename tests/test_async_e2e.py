@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+
+pytestmark = pytest.mark.slow  # full async runs on Ray + TQ: run with `pytest -m slow`
 import ray
 
 from tq import TQClient

@@ -108,6 +108,7 @@ def test_bad_input_fails_fast_with_a_clear_message(tmp_path, capsys, override, m
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_cleanly_without_orphans(tmp_path):
     """SIGINT mid-run: exit code 130 with a message, the last checkpoint loadable, no TQ process left."""
     import os
@@ -144,6 +145,7 @@ def test_ctrl_c_stops_cleanly_without_orphans(tmp_path):
     assert not mine, f"orphaned TQ processes: {mine}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", [GRPOTrainer, GRPOSyncTrainer])
 def test_dynamic_sampling_gives_up_after_max_generation_batches(tmp_path, cls):
     """A random model's groups nearly all score 0 (zero std): dynamic sampling drops them, draws more
@@ -164,6 +166,7 @@ def test_dynamic_sampling_gives_up_after_max_generation_batches(tmp_path, cls):
             trainer.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", ["policy worker", "rollout actor"])
 def test_actor_dying_mid_run_stops_with_a_clear_error(tmp_path, victim):
     """A DP worker or the rollout actor killed mid-run: fit() stops with an error saying an actor died,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import collections
 import logging
+import math
 import os
 import signal
 import time
@@ -39,7 +40,8 @@ log = logging.getLogger(__name__)
 TAG_TYPES = (type(None), bool, int, float, str)
 JOURNALED_OPS = frozenset({"create_partition", "clear_partition", "drop_partition", "mint", "commit", "discard",
                            "set_tags", "register_unit"})
-COMPACT_AFTER = 2000  # journal records before it is rewritten as one snapshot
+COMPACT_AFTER = 2000
+MAX_BLOCK_ID = 1 << 40  # storage units number blocks from 1 and never get near this  # journal records before it is rewritten as one snapshot
 HEARTBEAT_S = 1.0  # the controller pings every storage unit this often
 UNIT_TIMEOUT_S = 3.0  # a unit silent for longer is reported down and reads of its keys fail fast
 # Columns of a location record: storage unit, block, row, bytes.
@@ -193,6 +195,8 @@ class Controller(RpcServer):
         if len(self.units) >= self.expected_units:
             return self._units_info()
         timeout = args.get("timeout", 30.0)
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not math.isfinite(timeout) or timeout < 0:
+            raise InvalidRequestError(f"hello needs a finite timeout >= 0 (seconds), got {timeout!r}")
         self.hello_waiters.append((call, time.monotonic() + float(timeout)))
         return DEFERRED
 
@@ -242,12 +246,16 @@ class Controller(RpcServer):
     def _connect_unit(self, uid: int, address: str) -> None:
         import zmq
 
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(address)  # first: a bad address must not cost the unit its current socket
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            raise InvalidRequestError(f"cannot connect to storage unit address {address!r}: {exc}") from None
         old = self.unit_socks.pop(uid, None)
         if old is not None:
             self.remove_socket(old)
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(address)
         self.unit_socks[uid] = sock
         self.add_socket(sock, lambda frames: self._on_unit_reply(uid, frames))
         self.unit_seen[uid] = time.monotonic()
@@ -437,8 +445,10 @@ class Controller(RpcServer):
         mode, unit, block = args.get("mode"), args.get("unit"), args.get("block")
         if mode not in ("put", "write_back"):
             raise InvalidRequestError("commit mode must be 'put' or 'write_back'")
-        if not isinstance(unit, int) or not 0 <= unit < len(self.units) or not isinstance(block, int):
+        if not isinstance(unit, int) or not 0 <= unit < len(self.units):
             raise InvalidRequestError(f"commit names unknown storage unit {unit!r}")
+        if not isinstance(block, int) or not 0 <= block < MAX_BLOCK_ID:
+            raise InvalidRequestError(f"commit names an invalid block id {block!r}")
         fields = args.get("fields")
         if not isinstance(fields, dict) or not fields:
             raise InvalidRequestError("commit needs a non-empty map of fields")
@@ -590,8 +600,8 @@ class Controller(RpcServer):
         keys = self._str_list(args, "keys")
         fields = self._str_list(args, "fields")
         timeout = args.get("timeout")
-        if not isinstance(timeout, (int, float)) or timeout < 0:
-            raise InvalidRequestError("wait needs a timeout >= 0 (seconds)")
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not math.isfinite(timeout) or timeout < 0:
+            raise InvalidRequestError(f"wait needs a finite timeout >= 0 (seconds), got {timeout!r}")
         missing, first = self._missing(part, keys, fields)
         if not missing:
             return {"ready": True}

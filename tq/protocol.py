@@ -16,6 +16,7 @@ so it is never copied through msgpack and can be sent and received zero-copy.
 from __future__ import annotations
 
 import hmac
+import math
 from dataclasses import dataclass, field
 from hashlib import sha256
 from typing import Any, Sequence
@@ -157,7 +158,7 @@ def unpack_array(ref: Any, buffers: Sequence[memoryview], *, name: str = "array"
     if len(shape) > 8 or any(not isinstance(d, int) or d < 0 for d in shape):
         raise MalformedMessageError(f"{name}: invalid shape {shape!r}")
     npdt = np.dtype(dt)
-    expected = int(np.prod(shape, dtype=np.int64)) * npdt.itemsize
+    expected = math.prod(shape) * npdt.itemsize  # Python ints: a huge shape cannot wrap around
     buf = buffers[index]
     if buf.nbytes != expected:
         raise MalformedMessageError(f"{name}: buffer holds {buf.nbytes} bytes, shape {shape} of {dt} needs {expected}")

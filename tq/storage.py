@@ -309,6 +309,8 @@ class StorageUnit(RpcServer):
             raise InvalidRequestError("fetch entries must be an [n, 3] array of (field index, block, row)")
         if entries.size and (entries[:, 0].min() < 0 or entries[:, 0].max() >= len(fields)):
             raise InvalidRequestError("fetch entries name a field index out of range")
+        if entries.size and (entries[:, 1].min() < 0 or entries[:, 1].max() >= 1 << 40):
+            raise InvalidRequestError("fetch entries name a block id out of range")
         starts, sizes = self._locate(fields, entries)
         total = int(sizes.sum())
         self.bytes_served += total

@@ -30,9 +30,6 @@ def test_short_soak_loses_nothing_and_leaks_nothing():
 
 
 # ----------------------------------------------------------------------------- findings
-@pytest.mark.xfail(strict=True, reason="KNOWN BUG discard-keeps-slots: a discarded key's slot (key list entry, "
-                                       "sequence length, tags, one location row per field) is never reused or "
-                                       "freed until the partition is cleared")
 def test_finding_discard_releases_controller_memory():
     """A long-lived partition that is only ever discarded from (the async trainer's replay buffer) must
     not grow the controller: 160k keys put and discarded, none live, should cost no memory."""

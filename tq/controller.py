@@ -59,6 +59,7 @@ class Partition:
     tags: dict[str, list[Any]] = field(default_factory=dict)
     schemas: dict[str, FieldSchema] = field(default_factory=dict)
     locs: dict[str, np.ndarray] = field(default_factory=dict)  # field -> int64 [capacity, 4]
+    free_slots: list[int] = field(default_factory=list)  # slots of discarded keys, reused first
     created_at: float = field(default_factory=time.time)
 
     @property
@@ -71,7 +72,19 @@ class Partition:
         except KeyError as exc:
             raise KeyNotFoundError(f"key {exc.args[0]!r} is not in partition {self.pid!r}") from None
 
-    def add_keys(self, keys: list[str]) -> np.ndarray:
+    def add_keys(self, keys: list[str]) -> None:
+        # Slots of discarded keys are reused first, so a long-lived partition that keeps discarding
+        # (a replay buffer) does not grow without bound between clears.
+        reuse = min(len(keys), len(self.free_slots))
+        for k, s in zip(keys[:reuse], self.free_slots[-reuse:] if reuse else []):
+            self.index[k] = s
+            self.slot_keys[s] = k
+            self.seq_lens[s] = -1
+            for values in self.tags.values():
+                values[s] = None
+        if reuse:
+            del self.free_slots[-reuse:]
+        keys = keys[reuse:]
         start = len(self.slot_keys)
         for i, k in enumerate(keys):
             self.index[k] = start + i
@@ -84,7 +97,6 @@ class Partition:
                 grown = np.full((max(2 * loc.shape[0], len(self.slot_keys)), 4), -1, dtype=np.int64)
                 grown[: loc.shape[0]] = loc
                 self.locs[name] = grown
-        return np.arange(start, start + len(keys), dtype=np.int64)
 
     def loc(self, name: str) -> np.ndarray:
         if name not in self.locs:
@@ -304,6 +316,7 @@ class Controller(RpcServer):
             p = Partition(pid)
             p.slot_keys = list(d["slot_keys"])
             p.index = {k: i for i, k in enumerate(p.slot_keys) if k is not None}
+            p.free_slots = [i for i, k in enumerate(p.slot_keys) if k is None]
             p.seq_lens = list(d["seq_lens"])
             p.tags = {k: list(v) for k, v in d["tags"].items()}
             p.schemas = {f: FieldSchema.from_wire(w) for f, w in d["schemas"].items()}
@@ -648,6 +661,7 @@ class Controller(RpcServer):
             part.slot_keys[s] = None
         for loc in part.locs.values():
             loc[slots] = -1
+        part.free_slots.extend(slots.tolist())
         return {"discarded": len(keys)}
 
     def op_get_meta(self, args: dict, buffers: list, call: Call) -> dict:

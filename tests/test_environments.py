@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -101,7 +103,15 @@ def test_math_environment_splits_batch_over_ray_workers(ray_session):
         assert counts == [4, 3]  # contiguous chunks, one per worker
 
         # A dead worker costs its chunk (scored 0), is replaced, and the next step is whole again.
-        ray_session.kill(env.workers[0])
+        dead = env.workers[0]
+        ray_session.kill(dead)
+        deadline = time.monotonic() + 30  # ray.kill is asynchronous: make sure it is dead before the step
+        while time.monotonic() < deadline:
+            try:
+                ray_session.get(dead.stats.remote(), timeout=5)
+            except Exception:
+                break
+            time.sleep(0.1)
         ret = env.step(list(logs), list(meta))
         assert ret.rewards.tolist() == [0.0] * 4 + list(expected[4:])
         ret = env.step(list(logs), list(meta))

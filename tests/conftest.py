@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -55,3 +56,19 @@ def tclient(request, tq_server):
 def part(tclient):
     """A fresh partition id on ``tclient``, dropped after the test."""
     yield from _fresh_partition(tclient)
+
+
+def unique_keys(n: int, prefix: str = "k") -> list[str]:
+    """``n`` keys no other test uses."""
+    tag = uuid.uuid4().hex[:6]
+    return [f"{prefix}{tag}-{i}" for i in range(n)]
+
+
+def wait_until(pred, timeout: float = 5.0, interval: float = 0.02):
+    """Poll ``pred`` until it returns truthy (a bounded wait for fire-and-forget effects)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)

@@ -22,6 +22,7 @@ import pytest
 import torch
 import zmq
 
+from conftest import unique_keys, wait_until
 from tq import JaggedTensor, KVBatchMeta, TQClient, TQServer, protocol
 from tq.errors import (
     StorageUnitError,
@@ -55,18 +56,7 @@ def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
     assert torch.equal(bits(got), bits(want))
 
 
-def new_keys(n: int, prefix: str = "k") -> list[str]:
-    tag = uuid.uuid4().hex[:6]
-    return [f"{prefix}{tag}-{i}" for i in range(n)]
-
-
-def wait_until(pred, timeout: float = 5.0, interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval)
+new_keys = unique_keys
 
 
 def free_port() -> int:

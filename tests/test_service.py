@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tq.errors import SchemaConflictError
+from conftest import unique_keys, wait_until
 from tq import JaggedTensor, KVBatchMeta, TQClient, TQServer
 from tq.errors import InvalidRequestError, KeyNotFoundError, PartitionNotFoundError, TQTimeoutError
 
@@ -101,19 +102,7 @@ def jrows(lengths, dtype, seed, trailing=()):
     return [rand((L, *trailing), dtype, seed * 1000 + i) for i, L in enumerate(lengths)]
 
 
-def keys_for(n: int, prefix: str = "k") -> list[str]:
-    tag = uuid.uuid4().hex[:6]
-    return [f"{prefix}{tag}-{i}" for i in range(n)]
-
-
-def wait_until(pred, timeout: float = 5.0, interval: float = 0.02):
-    """Poll ``pred`` until it returns truthy (a bounded wait for fire-and-forget effects)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval)
+keys_for = unique_keys
 
 
 # ----------------------------------------------------------------------------- fixtures

@@ -461,15 +461,15 @@ def test_storage_unit_enforces_its_message_size_limit():
         with pytest.raises(MessageTooLargeError, match=r"8208 bytes exceeds the limit of 4096"):
             protocol.raise_for_reply(reply)
         reply, data = store(1000)  # it keeps serving
-        block = protocol.raise_for_reply(reply)["block"]
+        stored = protocol.raise_for_reply(reply)
         bufs = []
-        req = {"mode": "shm", "fields": ["f"], "entries": protocol.pack_array(np.array([[0, block, 0]]), bufs)}
+        req = {"fields": ["f"], "entries": protocol.pack_array(np.array([[0, stored["block"], 0]]), bufs)}
         reply = _raw_exchange(info["address"], protocol.request("fetch", 2, req, bufs, None))
         out = protocol.raise_for_reply(reply)
-        start, size = (int(v) for v in protocol.unpack_array(out["ranges"], reply.buffers)[0])
-        with open(info["arena_path"], "rb") as f:  # the bytes, read where the unit says they are
-            f.seek(start)
-            got = np.frombuffer(f.read(size), dtype=np.uint8)
+        assert np.array_equal(protocol.unpack_array(out["frames"][0], reply.buffers), data)
+        with open(info["arena_path"], "rb") as f:  # the bytes, where the unit says the field starts
+            f.seek(stored["starts"]["f"])
+            got = np.frombuffer(f.read(data.size), dtype=np.uint8)
         assert np.array_equal(got, data)
         assert protocol.raise_for_reply(_raw_exchange(info["address"], protocol.request("shutdown", 3, {}, [], None)))["stopping"]
         proc.wait(30)
@@ -715,9 +715,12 @@ def _unit_of(c: TQClient, meta: KVBatchMeta, field: str) -> int:
 def test_hung_storage_unit_fails_reads_fast_naming_unit_and_key():
     """A unit that stops answering (SIGSTOP): once the heartbeat misses, reads of its keys fail at once
     with StorageUnitError naming the unit and a key, not after the client timeout; a read already
-    waiting on it is abandoned too; other units' keys stay readable; it serves again after SIGCONT."""
+    waiting on it is abandoned too; other units' keys stay readable; it serves again after SIGCONT.
+    Until the heartbeat misses, a same-host read needs no answer from the unit (it copies out of the
+    arena at the offsets the controller located)."""
     with TQServer(storage_units=2, capacity=64 << 20) as server:
         c = TQClient(server.address, timeout=30.0)
+        tcp = TQClient(server.address, timeout=30.0, transport="tcp")
         try:
             c.register_partition("p")
             metas = [c.put("p", [f"h{i}_{j}" for j in range(2)], {"x": torch.full((2, 3), float(i))}) for i in range(2)]
@@ -726,9 +729,10 @@ def test_hung_storage_unit_fails_reads_fast_naming_unit_and_key():
             info = next(u for u in c._units if u["unit_id"] == units[0])
             os.kill(info["pid"], signal.SIGSTOP)
             try:
+                assert torch.equal(c.get(metas[0])["x"], torch.full((2, 3), 0.0))  # no request to the unit
                 t0 = time.monotonic()
                 with pytest.raises(StorageUnitError, match=rf"storage unit {units[0]} .* is down"):
-                    c.get(metas[0])  # in flight before the heartbeat misses: abandoned once it does
+                    tcp.get(metas[0])  # in flight before the heartbeat misses: abandoned once it does
                 assert time.monotonic() - t0 < 8
                 with pytest.raises(StorageUnitError, match=rf"storage unit {units[0]} .* is down.*key '{metas[0].keys[0]}'"):
                     c.get(metas[0])  # known down: refused by the controller at once
@@ -736,9 +740,10 @@ def test_hung_storage_unit_fails_reads_fast_naming_unit_and_key():
             finally:
                 os.kill(info["pid"], signal.SIGCONT)
             assert wait_until(lambda: all(u["alive"] for u in c.stats()["units"]), timeout=10)
-            assert torch.equal(c.get(metas[0])["x"], torch.full((2, 3), 0.0))
+            assert torch.equal(tcp.get(metas[0])["x"], torch.full((2, 3), 0.0))
         finally:
             c.close()
+            tcp.close()
 
 
 def test_killed_storage_unit_is_restarted_and_recovers_its_data():

@@ -45,6 +45,7 @@ from test_errors import _raw_exchange, wait_until
 from tq import TQClient, TQServer, protocol
 from tq.errors import (
     InvalidRequestError,
+    MalformedMessageError,
     MessageTooLargeError,
     StorageUnitError,
     TQError,
@@ -267,7 +268,9 @@ def _controller_args(data, op: str, env: FuzzEnv, bufs: Bufs) -> Any:
         fields = {}
         for name in data.draw(st.lists(NAMES, min_size=1, max_size=2)):
             row_nbytes = _ints(data, data.draw(st.sampled_from([n] * 5 + [n + 1])), -4, 64)
-            fields[name] = maybe(data, st.just({"schema": draw_schema(data), "row_nbytes": bufs.ref(row_nbytes)}))
+            offsets = _ints(data, data.draw(st.sampled_from([n] * 5 + [n + 1])), -4, 1 << 40)
+            fields[name] = maybe(data, st.just({"schema": draw_schema(data), "row_nbytes": bufs.ref(row_nbytes),
+                                                "arena_offsets": bufs.ref(offsets)}))
         args = {
             "partition": part, "keys": keys,
             "mode": maybe(data, st.sampled_from(["put", "write_back"])),
@@ -621,8 +624,9 @@ def test_finding_commit_with_overflowing_block_changes_nothing(env):
         meta = c.write_back(meta, {"adv": torch.tensor([0.5, -1.0])})
         bufs: list = []
         nb = protocol.pack_array(np.array([4, 4], dtype=np.int64), bufs)
+        offsets = protocol.pack_array(np.array([0, 4], dtype=np.int64), bufs)
         base = {"partition": pid, "unit": 0, "block": 2**63,
-                "fields": {"adv": {"schema": ["tensor", "float32", []], "row_nbytes": nb}}}
+                "fields": {"adv": {"schema": ["tensor", "float32", []], "row_nbytes": nb, "arena_offsets": offsets}}}
         put = _call_raw(env.address, "commit", {**base, "keys": ["new1", "new2"], "mode": "put"}, bufs)
         over = _call_raw(env.address, "commit", {**base, "keys": ["a", "b"], "mode": "write_back", "overwrite": True}, bufs)
         problems = []
@@ -643,6 +647,26 @@ def test_finding_commit_with_overflowing_block_changes_nothing(env):
         except StorageUnitError as exc:
             problems.append(f"the failed overwrite commit freed the old rows: {exc}")
         assert not problems, problems
+    finally:
+        c.drop_partition(pid)
+
+
+def test_commit_locating_rows_outside_the_arena_fails_reads_naming_the_key(env):
+    """Same-host reads copy at the arena offsets a commit recorded: offsets past the arena's end give a
+    clear error naming the field and key (never a read outside the mapping), and nothing else breaks."""
+    c = env.ref.clients["auto"]
+    pid = f"fz-offsets-{uuid.uuid4().hex[:6]}"
+    c.register_partition(pid)
+    try:
+        bufs: list = []
+        fields = {"x": {"schema": ["tensor", "float32", []], "row_nbytes": protocol.pack_array(np.array([4], dtype=np.int64), bufs),
+                        "arena_offsets": protocol.pack_array(np.array([1 << 40], dtype=np.int64), bufs)}}
+        protocol.raise_for_reply(_call_raw(env.address, "commit", {"partition": pid, "keys": ["far"], "mode": "put", "unit": 0,
+                                                                    "block": 1, "fields": fields}, bufs))
+        with pytest.raises(MalformedMessageError, match=r"field 'x' of key 'far' is located outside storage unit 0's arena"):
+            c.get(c.get_meta(pid), ["x"])
+        ok = c.put(pid, ["near"], {"x": torch.tensor([2.5])})
+        assert torch.equal(c.get(ok, ["x"])["x"], torch.tensor([2.5]))
     finally:
         c.drop_partition(pid)
 

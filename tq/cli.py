@@ -166,7 +166,7 @@ def render_status(stats: dict[str, Any], *, address: str | None = None) -> Any:
     """A rich renderable of a service's stats (as returned by :meth:`tq.TQClient.stats`).
 
     Sections: a summary line (uptime, throughput), partitions (keys, fields, bytes held), storage units
-    (address, used / arena size, blocks, bytes stored / served) and per-operation counts with p50/p99
+    (address, used / arena size, blocks, bytes stored / read) and per-operation counts with p50/p99
     latency for the controller and every unit.
     """
     from rich.console import Group
@@ -194,7 +194,7 @@ def render_status(stats: dict[str, Any], *, address: str | None = None) -> Any:
 
     units = Table(title="Storage units", title_justify="left", expand=False)
     for col, justify in (("unit", "right"), ("address", "left"), ("host", "left"), ("used / arena", "right"),
-                         ("blocks", "right"), ("stored total", "right"), ("served total", "right"), ("pid", "right")):
+                         ("blocks", "right"), ("stored total", "right"), ("read total", "right"), ("pid", "right")):
         units.add_column(col, justify=justify)  # type: ignore[arg-type]
     # unit_stats come from the units themselves; fall back to the controller's registry if absent.
     unit_rows = sorted(stats.get("unit_stats") or stats.get("units", []), key=lambda u: u.get("unit_id", 0))
@@ -203,7 +203,8 @@ def render_status(stats: dict[str, Any], *, address: str | None = None) -> Any:
         units.add_row(
             str(u.get("unit_id")), str(u.get("address")), str(u.get("host", "")).split("/", 1)[0],
             f"{format_bytes(used)} / {format_bytes(u.get('arena_size', 0))}" if used is not None else f"? / {format_bytes(u.get('arena_size', 0))}",
-            str(u.get("blocks", "?")), format_bytes(u.get("bytes_stored_total", 0)), format_bytes(u.get("bytes_served_total", 0)),
+            str(u.get("blocks", "?")), format_bytes(u.get("bytes_stored_total", 0)),
+            format_bytes(stats.get("bytes_read_total", {}).get(str(u.get("unit_id")), 0)),  # counted by the controller
             str(u.get("pid", "")),
         )
     if not unit_rows:

@@ -1,9 +1,10 @@
 """The TQ client: put, write back, get, wait, discard - from any process, by the service's address.
 
 Data never passes through the controller: the client asks the controller where (key, field) pairs
-live (one round trip), then moves bytes straight to or from the storage units (one round trip per
-unit, issued in parallel). On the same host it reads and writes a unit's shared-memory arena directly,
-so a get costs one memory copy into the result; elsewhere bytes stream over TCP as raw frames.
+live, then moves bytes straight to or from the storage units. On the same host it writes into a
+unit's shared-memory arena and reads rows at the arena offsets the controller located, so a get is one
+round trip (to the controller) plus one memory copy into the result; elsewhere bytes stream over TCP
+as raw frames (one round trip per unit, all units asked in parallel).
 """
 
 from __future__ import annotations
@@ -22,12 +23,17 @@ from .columns import EncodedColumn, encode_column, pad_bits, to_tensor, unpack_o
 from .errors import DuplicateKeyError, InvalidRequestError, MalformedMessageError, StorageUnitError, TQError
 from .jagged import JaggedTensor
 from .meta import KVBatchMeta
+from .protocol import LOC_BLOCK as BLOCK
+from .protocol import LOC_COLUMNS
+from .protocol import LOC_NBYTES as NBYTES
+from .protocol import LOC_OFFSET as OFFSET
+from .protocol import LOC_ROW as ROW
+from .protocol import LOC_UNIT as UNIT
 from .rowcopy import copy_rows, write_chunks
 from .rpc import RpcChannel
 from .schema import JAGGED, OBJECT, FieldSchema
 
 Layout = Literal["padded", "jagged", "list"]
-UNIT, BLOCK, ROW = 0, 1, 2  # columns of a location record (see tq.controller)
 _FIELD_ALIGN = 64
 
 _default_pool = HostBufferPool()
@@ -79,6 +85,22 @@ class _Fetched:
     def copy_into(self, dst: np.ndarray, dst_starts: np.ndarray, row_span: int = 0, pad: bytes = b"") -> None:
         """Copy row i to ``dst[dst_starts[i]:]``; with ``row_span`` pad each row's rest with ``pad``."""
         copy_rows(dst, dst_starts, self.sources, self.src, self.starts, self.sizes, row_span, pad)
+
+
+def _place(
+    out: dict[str, _Fetched], fields: list[str], where: np.ndarray, sources: list[np.ndarray], src: np.ndarray,
+    starts: np.ndarray, sizes: np.ndarray,
+) -> None:
+    """Record where the rows ``where`` ([field index, key index]) of one unit can be copied from."""
+    for f, name in enumerate(fields):
+        sel = np.flatnonzero(where[:, 0] == f)
+        if not sel.size:
+            continue
+        fx, keys_idx = out[name], where[sel, 1]
+        fx.src[keys_idx] = src[sel] + len(fx.sources)
+        fx.starts[keys_idx] = starts[sel]
+        fx.sizes[keys_idx] = sizes[sel]
+        fx.sources.extend(sources)
 
 
 class TQClient:
@@ -308,7 +330,8 @@ class TQClient:
         cbufs: list[Any] = []
         commit = {
             "partition": partition_id, "keys": keys, "mode": mode, "unit": unit, "block": stored["block"],
-            "fields": {n: {"schema": c.schema.to_wire(), "row_nbytes": protocol.pack_array(np.diff(c.row_offsets), cbufs)}
+            "fields": {n: {"schema": c.schema.to_wire(), "row_nbytes": protocol.pack_array(np.diff(c.row_offsets), cbufs),
+                           "arena_offsets": protocol.pack_array(stored["starts"][n] + c.row_offsets[:-1], cbufs)}
                        for n, c in encoded.items()},
         }
         if overwrite:
@@ -334,54 +357,48 @@ class TQClient:
                    timeout=timeout + self.timeout)
 
     def _fetch(self, meta: KVBatchMeta, fields: list[str]) -> dict[str, _Fetched]:
-        """Locate the rows (one controller round trip), then fetch them from every unit in parallel."""
+        """Locate the rows (one controller round trip). Rows on a unit of this host are then read
+        straight out of its mapped arena at the offsets located; the others are fetched as frames from
+        their units, every unit asked before any reply is awaited."""
         located, lmsg = self._ctrl.call("locate", {"partition": meta.partition_id, "keys": list(meta.keys), "fields": fields})
         if located["units_version"] != self._units_version:
             self._refresh_units()
         n = len(meta.keys)
         loc = protocol.unpack_array(located["loc"], lmsg.buffers, name="loc", dtype="<i8")
-        if loc.shape != (len(fields), n, 4):
-            raise MalformedMessageError(f"locate reply has shape {loc.shape}, expected {(len(fields), n, 4)}")
+        if loc.shape != (len(fields), n, LOC_COLUMNS):
+            raise MalformedMessageError(f"locate reply has shape {loc.shape}, expected {(len(fields), n, LOC_COLUMNS)}")
         out = {f: _Fetched(FieldSchema.from_wire(located["schemas"][f]), n) for f in fields}
         pending = []
-        for unit in np.unique(loc[:, :, UNIT]).tolist():  # send every unit its request, then collect
+        for unit in np.unique(loc[:, :, UNIT]).tolist():
             where = np.argwhere(loc[:, :, UNIT] == unit)  # [field index, key index], grouped by field
             rec = loc[where[:, 0], where[:, 1]]
+            if self._is_local(unit):
+                view = self._arena(unit).view
+                bad = np.flatnonzero((rec[:, OFFSET] < 0) | (rec[:, NBYTES] < 0) | (rec[:, OFFSET] + rec[:, NBYTES] > view.size))
+                if bad.size:
+                    f, k = where[bad[0]]
+                    raise MalformedMessageError(
+                        f"field {fields[f]!r} of key {meta.keys[k]!r} is located outside storage unit {unit}'s arena "
+                        f"(offset {rec[bad[0], OFFSET]}, {rec[bad[0], NBYTES]} bytes; arena {view.size} bytes)")
+                _place(out, fields, where, [view], np.zeros(where.shape[0], np.int64), rec[:, OFFSET], rec[:, NBYTES])
+                continue
             bufs: list[Any] = []
             entries = protocol.pack_array(np.stack([where[:, 0], rec[:, BLOCK], rec[:, ROW]], axis=1), bufs)
-            mode = "shm" if self._is_local(unit) else "tcp"
             chan = self._unit_chans[unit]
-            check = self._unit_check(unit)
-            rid = chan.send("fetch", {"fields": fields, "mode": mode, "entries": entries}, bufs, check=check)
-            pending.append((unit, mode, where, chan, rid))
-        for unit, mode, where, chan, rid in pending:
+            rid = chan.send("fetch", {"fields": fields, "entries": entries}, bufs, check=self._unit_check(unit))
+            pending.append((unit, where, chan, rid))
+        for unit, where, chan, rid in pending:  # frames of whole rows, back to back
             reply, msg = chan.recv(rid, "fetch", check=self._unit_check(unit))
             m = where.shape[0]
-            if mode == "shm":
-                ranges = protocol.unpack_array(reply["ranges"], msg.buffers, name="ranges", dtype="<i8")
-                if ranges.shape != (m, 2):
-                    raise MalformedMessageError(f"fetch reply from unit {unit} has {ranges.shape[0]} ranges for {m} rows")
-                starts, sizes = ranges[:, 0], ranges[:, 1]
-                sources = [self._arena(unit).view]
-                src = np.zeros(m, dtype=np.int64)
-            else:  # frames of whole rows, back to back
-                sizes = protocol.unpack_array(reply["sizes"], msg.buffers, name="sizes", dtype="<i8")
-                frame_rows = protocol.unpack_array(reply["frame_rows"], msg.buffers, name="frame_rows", dtype="<i8")
-                if sizes.shape != (m,) or frame_rows.sum() != m or len(reply["frames"]) != frame_rows.size:
-                    raise MalformedMessageError(f"fetch reply from unit {unit} does not frame the {m} rows asked for")
-                src = np.repeat(np.arange(frame_rows.size), frame_rows)
-                rel = np.cumsum(sizes) - sizes
-                starts = rel - rel[np.cumsum(frame_rows) - frame_rows][src] if m else rel
-                sources = [protocol.unpack_array(r, msg.buffers, dtype="|u1") for r in reply["frames"]]
-            for f, name in enumerate(fields):
-                sel = np.flatnonzero(where[:, 0] == f)
-                if not sel.size:
-                    continue
-                fx, keys_idx = out[name], where[sel, 1]
-                fx.src[keys_idx] = src[sel] + len(fx.sources)
-                fx.starts[keys_idx] = starts[sel]
-                fx.sizes[keys_idx] = sizes[sel]
-                fx.sources.extend(sources)
+            sizes = protocol.unpack_array(reply["sizes"], msg.buffers, name="sizes", dtype="<i8")
+            frame_rows = protocol.unpack_array(reply["frame_rows"], msg.buffers, name="frame_rows", dtype="<i8")
+            if sizes.shape != (m,) or frame_rows.sum() != m or len(reply["frames"]) != frame_rows.size:
+                raise MalformedMessageError(f"fetch reply from unit {unit} does not frame the {m} rows asked for")
+            src = np.repeat(np.arange(frame_rows.size), frame_rows)
+            rel = np.cumsum(sizes) - sizes
+            starts = rel - rel[np.cumsum(frame_rows) - frame_rows][src] if m else rel
+            sources = [protocol.unpack_array(r, msg.buffers, dtype="|u1") for r in reply["frames"]]
+            _place(out, fields, where, sources, src, starts, sizes)
         return out
 
     def get(

@@ -32,6 +32,12 @@ from .errors import (
     TQTimeoutError,
 )
 from .journal import Journal
+from .protocol import LOC_BLOCK as BLOCK
+from .protocol import LOC_COLUMNS
+from .protocol import LOC_NBYTES as NBYTES
+from .protocol import LOC_OFFSET as OFFSET
+from .protocol import LOC_ROW as ROW
+from .protocol import LOC_UNIT as UNIT
 from .rpc import DEFERRED, Call, RpcServer
 from .schema import FieldSchema
 
@@ -40,12 +46,10 @@ log = logging.getLogger(__name__)
 TAG_TYPES = (type(None), bool, int, float, str)
 JOURNALED_OPS = frozenset({"create_partition", "clear_partition", "drop_partition", "mint", "commit", "discard",
                            "set_tags", "register_unit"})
-COMPACT_AFTER = 2000
-MAX_BLOCK_ID = 1 << 40  # storage units number blocks from 1 and never get near this  # journal records before it is rewritten as one snapshot
+COMPACT_AFTER = 2000  # journal records before it is rewritten as one snapshot
+MAX_BLOCK_ID = 1 << 40  # storage units number blocks from 1 and never get near this
 HEARTBEAT_S = 1.0  # the controller pings every storage unit this often
 UNIT_TIMEOUT_S = 3.0  # a unit silent for longer is reported down and reads of its keys fail fast
-# Columns of a location record: storage unit, block, row, bytes.
-UNIT, BLOCK, ROW, NBYTES = range(4)
 
 
 @dataclass
@@ -58,7 +62,7 @@ class Partition:
     seq_lens: list[int] = field(default_factory=list)  # -1: unknown
     tags: dict[str, list[Any]] = field(default_factory=dict)
     schemas: dict[str, FieldSchema] = field(default_factory=dict)
-    locs: dict[str, np.ndarray] = field(default_factory=dict)  # field -> int64 [capacity, 4]
+    locs: dict[str, np.ndarray] = field(default_factory=dict)  # field -> int64 [capacity, LOC_COLUMNS]
     free_slots: list[int] = field(default_factory=list)  # slots of discarded keys, reused first
     created_at: float = field(default_factory=time.time)
 
@@ -94,13 +98,13 @@ class Partition:
             values.extend([None] * len(keys))
         for name, loc in self.locs.items():
             if loc.shape[0] < len(self.slot_keys):
-                grown = np.full((max(2 * loc.shape[0], len(self.slot_keys)), 4), -1, dtype=np.int64)
+                grown = np.full((max(2 * loc.shape[0], len(self.slot_keys)), LOC_COLUMNS), -1, dtype=np.int64)
                 grown[: loc.shape[0]] = loc
                 self.locs[name] = grown
 
     def loc(self, name: str) -> np.ndarray:
         if name not in self.locs:
-            self.locs[name] = np.full((max(len(self.slot_keys), 16), 4), -1, dtype=np.int64)
+            self.locs[name] = np.full((max(len(self.slot_keys), 16), LOC_COLUMNS), -1, dtype=np.int64)
         return self.locs[name]
 
     def live_slots(self) -> np.ndarray:
@@ -149,6 +153,7 @@ class Controller(RpcServer):
         self.children: list[Any] = []  # storage-unit processes this controller started (serve())
         self.hello_waiters: list[tuple[Call, float]] = []
         self.bytes_committed = 0
+        self.bytes_read: dict[int, int] = {}  # per storage unit, counted at locate
         self.recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)
         self.handlers.update(
             hello=self.op_hello,
@@ -387,7 +392,7 @@ class Controller(RpcServer):
         """Tell every unit to free the rows these slots hold (fire and forget)."""
         if not slots.size:
             return
-        rows = np.concatenate([loc[slots] for loc in part.locs.values()]) if part.locs else np.empty((0, 4), np.int64)
+        rows = np.concatenate([loc[slots] for loc in part.locs.values()]) if part.locs else np.empty((0, LOC_COLUMNS), np.int64)
         rows = rows[rows[:, UNIT] >= 0]
         for unit in np.unique(rows[:, UNIT]).tolist():
             sel = rows[rows[:, UNIT] == unit]
@@ -469,9 +474,14 @@ class Controller(RpcServer):
         if len(schemas) != len(fields):
             raise InvalidRequestError("commit: every field needs a spec map")
         nbytes = {n: protocol.unpack_array(fields[n].get("row_nbytes"), buffers, name=f"{n}.row_nbytes", dtype="<i8") for n in schemas}
+        offsets = {n: protocol.unpack_array(fields[n].get("arena_offsets"), buffers, name=f"{n}.arena_offsets", dtype="<i8")
+                   for n in schemas}
         for name, nb in nbytes.items():
-            if nb.shape != (len(keys),):
-                raise InvalidRequestError(f"field {name!r}: {nb.size} row sizes for {len(keys)} keys")
+            if nb.shape != (len(keys),) or offsets[name].shape != (len(keys),):
+                raise InvalidRequestError(
+                    f"field {name!r}: {nb.size} row sizes and {offsets[name].size} arena offsets for {len(keys)} keys")
+            if nb.size and (nb.min() < 0 or offsets[name].min() < 0):
+                raise InvalidRequestError(f"field {name!r}: row sizes and arena offsets must be >= 0")
         for name, schema in schemas.items():
             known = part.schemas.get(name)
             if known is not None and known != schema:
@@ -514,6 +524,7 @@ class Controller(RpcServer):
             loc[slots, BLOCK] = block
             loc[slots, ROW] = np.arange(len(keys))
             loc[slots, NBYTES] = nbytes[name]
+            loc[slots, OFFSET] = offsets[name]
         for tname, values in tags.items():
             column = part.tags.setdefault(tname, [None] * part.capacity)
             for s, v in zip(slots.tolist(), values):
@@ -540,7 +551,8 @@ class Controller(RpcServer):
             for o in others:
                 held &= ~((o[:, UNIT] == rec[:, UNIT]) & (o[:, BLOCK] == rec[:, BLOCK]))
             free.append(rec[held])
-        rows = np.unique(np.concatenate(free), axis=0) if free else np.empty((0, 4), np.int64)
+        # one (unit, block, row) per freed row, whichever fields pointed at it
+        rows = np.unique(np.concatenate(free)[:, : ROW + 1], axis=0) if free else np.empty((0, ROW + 1), np.int64)
         for unit in np.unique(rows[:, UNIT]).tolist():
             sel = rows[rows[:, UNIT] == unit]
             bufs: list[Any] = []
@@ -578,12 +590,13 @@ class Controller(RpcServer):
         return missing, first
 
     def op_locate(self, args: dict, buffers: list, call: Call) -> tuple[dict, list]:
-        """Where (unit, block, row, bytes) each (field, key) lives: one int64 [fields, keys, 4] array."""
+        """Where each (field, key) lives: one int64 ``[fields, keys, LOC_COLUMNS]`` array of location
+        records (unit, block, row, bytes, arena offset; see :mod:`tq.protocol`)."""
         part = self._partition(args)
         keys = self._str_list(args, "keys")
         fields = self._str_list(args, "fields")
         slots = part.slots_of(keys)
-        loc = np.empty((len(fields), len(keys), 4), dtype=np.int64)
+        loc = np.empty((len(fields), len(keys), LOC_COLUMNS), dtype=np.int64)
         for f, name in enumerate(fields):
             if name not in part.schemas:
                 raise FieldNotProducedError(f"field {name!r} was never produced in partition {part.pid!r}")
@@ -604,6 +617,10 @@ class Controller(RpcServer):
                     f"{len(hit)} of the requested (key, field) pairs live there, first "
                     f"{fields[int(hit[0, 0])]!r} of key {keys[int(hit[0, 1])]!r}"
                 )
+        # Same-host clients copy straight out of the arenas, so reads are counted here, not by the units.
+        units_read = np.bincount(loc[:, :, UNIT].ravel(), weights=loc[:, :, NBYTES].ravel(), minlength=len(self.units))
+        for unit, nb in enumerate(units_read.tolist()):
+            self.bytes_read[unit] = self.bytes_read.get(unit, 0) + int(nb)
         frames: list[Any] = []
         schemas = {name: part.schemas[name].to_wire() for name in fields}
         return {"schemas": schemas, "loc": protocol.pack_array(loc, frames), "units_version": self.units_version}, frames
@@ -706,6 +723,7 @@ class Controller(RpcServer):
             "units": self.units,
             "units_version": self.units_version,
             "bytes_committed_total": self.bytes_committed,
+            "bytes_read_total": {str(u): b for u, b in self.bytes_read.items()},
             "put_bytes_per_s_60s": sum(b for _, b in window) / 60.0,
             "parked_waits": len(self.waiters),
         }

@@ -38,6 +38,12 @@ MAX_HEADER_BYTES = 64 << 20
 DEFAULT_MAX_MESSAGE_BYTES = 8 << 30
 # Bulk bytes crossing TCP are cut into frames of about this size (see StorageUnit._gather_frames).
 TCP_FRAME_BYTES = 8 << 20
+# Columns of a location record (the ``locate`` reply and the controller's tables): where one
+# (key, field) row lives - storage unit, block, row in the block, byte size and absolute byte offset in
+# the unit's arena. The offset lets a client on the unit's host copy the row straight out of the
+# mapped arena with no request to the unit.
+LOC_UNIT, LOC_BLOCK, LOC_ROW, LOC_NBYTES, LOC_OFFSET = range(5)
+LOC_COLUMNS = 5
 # Index arrays and raw-byte views may only use these dtypes; anything else in a ref is rejected.
 ARRAY_DTYPES = frozenset({"<i8", "<i4", "<i2", "|i1", "|u1", "<u2", "<f4", "<f8", "|b1", "<f2"})
 

@@ -3,8 +3,9 @@
 The unit knows nothing of keys or partitions - the controller maps (key, field) to (unit, block, row).
 A *block* is what one put or write-back stored: one arena range holding each of its fields as one
 contiguous buffer (values back to back, per-row byte offsets beside), never one object per sample.
-Same-host clients write blocks straight into the arena (``alloc`` then ``store``) and read them by
-byte range (``fetch`` in ``shm`` mode); other clients send and receive the bytes as frames.
+Same-host clients write blocks straight into the arena (``alloc`` then ``store``) and read rows at the
+arena offsets the controller hands out with their locations, without a request to the unit; other
+clients send the bytes as frames and ``fetch`` them back as frames.
 """
 
 from __future__ import annotations
@@ -264,7 +265,8 @@ class StorageUnit(RpcServer):
             self.blocks[bid] = block
             self.journal.append(self._store_record(bid, block))
         self.bytes_stored += rel
-        return {"block": bid, "nbytes": {n: int(ro[-1]) for n, _, _, ro, _ in layouts}}
+        return {"block": bid, "nbytes": {n: int(ro[-1]) for n, _, _, ro, _ in layouts},
+                "starts": {n: start + off for n, _, off, _, _ in layouts}}  # where each field begins in the arena
 
     def _rows_of(self, spec: Any, buffers: list, name: str) -> tuple[np.ndarray, np.ndarray]:
         if not isinstance(spec, dict):
@@ -299,11 +301,10 @@ class StorageUnit(RpcServer):
         return starts, sizes
 
     def op_fetch(self, args: dict, buffers: list, call: Call) -> tuple[dict, list]:
-        """Serve ``entries`` ([field index, block, row]) as arena byte ranges (``shm``: one [start,
-        size] row each) or gathered back to back into frames of whole rows (``tcp``)."""
-        fields, mode = args.get("fields"), args.get("mode")
-        if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields) or mode not in ("shm", "tcp"):
-            raise InvalidRequestError("fetch needs a list of field names and mode 'shm' or 'tcp'")
+        """Serve ``entries`` ([field index, block, row]) gathered back to back into frames of whole rows."""
+        fields = args.get("fields")
+        if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
+            raise InvalidRequestError("fetch needs a list of field names")
         entries = protocol.unpack_array(args.get("entries"), buffers, name="entries", dtype="<i8")
         if entries.ndim != 2 or entries.shape[1] != 3:
             raise InvalidRequestError("fetch entries must be an [n, 3] array of (field index, block, row)")
@@ -315,8 +316,6 @@ class StorageUnit(RpcServer):
         total = int(sizes.sum())
         self.bytes_served += total
         frames: list[Any] = []
-        if mode == "shm":
-            return {"ranges": protocol.pack_array(np.stack([starts, sizes], axis=1), frames)}, frames
         return {"sizes": protocol.pack_array(sizes, frames), **self._gather_frames(starts, sizes, total, frames)}, frames
 
     def _gather_frames(self, starts: np.ndarray, sizes: np.ndarray, total: int, frames: list) -> dict[str, Any]:

@@ -225,6 +225,8 @@ class SyncRolloutImpl:
         uids: Sequence[Any] | None = None,
         greedy: bool | None = None,
         keep_warm: bool = False,
+        extra_tags: Mapping[str, Any] | None = None,
+        carry_columns: Sequence[str] = (),
     ) -> tuple[Any, dict[str, Any], dict[str, float], dict[str, float]]:
         """Roll a prompt batch out ``group_size`` times per prompt and write the samples to TQ.
 
@@ -240,6 +242,13 @@ class SyncRolloutImpl:
                 record or its ``extra_env_info`` (e.g. ``"ground_truth"``).
             uids: per-prompt ids keys are minted from (default: the dataset ``idx``).
             greedy: override ``limits.greedy``.
+            keep_warm: keep the engine up after the batch (a caller generating batch after batch).
+            extra_tags: more per-sample tags to write with the keys (e.g. the async collector's
+                ``target_step``): each value is one scalar for every sample or a sequence of one per
+                sample (in key order). They may not replace ``uid``, ``group_id`` or ``weight_version``.
+            carry_columns: ``driver_carry`` entries to write to TQ as per-sample columns too (e.g.
+                ``"response_lengths"``, ``"loss_multiplier"``), for consumers that read from TQ
+                instead of receiving the carry.
 
         Returns:
             ``(meta, driver_carry, rollout_metrics, generation_metrics)``. ``meta`` (a ``KVBatchMeta``)
@@ -250,9 +259,11 @@ class SyncRolloutImpl:
             ``driver_carry`` holds per-sample scalars in key order: ``keys``, ``uids``, ``prompt_ids``
             (int64, groups a prompt's samples), ``task_name``, ``total_reward``, ``loss_multiplier``,
             ``truncated``, ``terminated``, ``env_error``, ``input_lengths``, ``response_lengths``,
-            ``num_turns``, ``weight_version``, ``env_answer``, plus ``carry_keys``.
+            ``num_turns``, ``weight_version``, ``env_answer``, plus ``carry_keys``; ``meta`` also
+            names the ``carry_columns`` and carries the ``extra_tags``.
         """
         partition_id = partition_id or (VAL_PARTITION if validation else TRAIN_PARTITION)
+        _check_extras(extra_tags, carry_columns, carry_keys)  # before generating: a bad argument costs no rollout
         client = self._client_or_raise()
         records, uids, prompt_ids, completions, rollout_metrics, generation_metrics = self._run(
             batch, group_size, greedy, uids, validation, keep_warm
@@ -262,6 +273,15 @@ class SyncRolloutImpl:
 
         columns = completions_to_columns(completions)
         tags = {"uid": carry["uids"], "group_id": carry["prompt_ids"].tolist(), "weight_version": carry["weight_version"].tolist()}
+        n = len(carry["keys"])
+        columns.update({name: carry[name] for name in carry_columns})
+        for name, value in (extra_tags or {}).items():
+            if isinstance(value, (list, tuple)):
+                if len(value) != n:
+                    raise ValueError(f"extra_tags[{name!r}] has {len(value)} values for {n} samples")
+                tags[name] = list(value)
+            else:
+                tags[name] = [value] * n
         self._ensure_partition(client, partition_id)
         try:
             meta = client.put(partition_id, carry["keys"], columns, tags=tags)
@@ -308,6 +328,25 @@ class SyncRolloutImpl:
         out = BatchedDataDict(carry)
         out.update(padded_columns(completions, self.tokenizer.pad_token_id))
         return out, rollout_metrics, generation_metrics
+
+
+_RESERVED_TAGS = ("uid", "group_id", "weight_version")
+
+
+def _check_extras(extra_tags: Mapping[str, Any] | None, carry_columns: Sequence[str], carry_keys: Sequence[str]) -> None:
+    """Reject extra tags / carry columns that would replace what ``rollout_to_tq`` writes itself, and
+    carry columns that name no ``driver_carry`` entry."""
+    clash = [k for k in (extra_tags or {}) if k in _RESERVED_TAGS]
+    if clash:
+        raise ValueError(f"extra_tags {clash} would replace tags rollout_to_tq writes ({', '.join(_RESERVED_TAGS)})")
+    bulk = set(completions_to_columns([]))
+    clash = [k for k in carry_columns if k in bulk]
+    if clash:
+        raise ValueError(f"carry_columns {clash} would replace bulk columns of that name ({sorted(bulk)})")
+    known = {"keys", "uids", "prompt_ids", "task_name", *completion_scalars([]), *carry_keys}
+    unknown = [k for k in carry_columns if k not in known]
+    if unknown:
+        raise ValueError(f"carry_columns {unknown} are not driver_carry entries (known: {sorted(known)})")
 
 
 def _make_actor_class() -> Any:

@@ -40,6 +40,46 @@ def test_idles_when_all_targets_generated_and_refit_ordering():
         s.consume(2)  # out of order
 
 
+def test_staged_refit_switches_at_the_next_boundary_and_never_strands():
+    s = TrajectoryScheduler(groups_per_step=1, max_age=1, start_step=0)
+    r0 = s.start()
+    assert r0.target == 0 and s.start().target == 1  # the initial version targets [0, 1]
+    with pytest.raises(SchedulingError, match=r"cannot target steps \[0, 1\]"):
+        s.stage_weight_version(1)  # version 1 targets [2] only: steps 0 and 1 (in flight) would be stranded
+    s.finish(r0, ok=True)
+    r1 = next(iter(s.in_flight.values()))
+    s.finish(r1, ok=True)
+    s.consume(0)
+    s.stage_weight_version(1)  # step 1 is generated: stage without pausing anything
+    assert s.weight_version == 0 and s.staged_version == 1
+    r2 = s.start()  # nothing left for version 0: only the staged weights may go on ...
+    assert r2 is None and s.apply_staged() == 1 and s.weight_version == 1
+    r2 = s.start()
+    assert (r2.target, r2.weight_version) == (2, 1)
+    with pytest.raises(SchedulingError, match="backwards"):
+        s.stage_weight_version(0)
+    assert s.apply_staged() is None  # nothing staged
+
+
+def test_staged_weights_wait_for_the_generation_in_flight():
+    s = TrajectoryScheduler(groups_per_step=1, max_age=3, start_step=0)
+    done = [s.start() for _ in range(2)]
+    for r in done:
+        s.finish(r, ok=True)
+    s.consume(0)
+    flying = s.start()  # target 2 on version 0
+    s.stage_weight_version(1)
+    assert s.apply_staged() is None and s.weight_version == 0  # a generation is in flight on the old weights
+    s.finish(flying, ok=True)
+    assert s.apply_staged() == 1
+    s.prepare_for_refit()
+    s.stage_weight_version(2)
+    assert s.apply_staged() is None  # a quiescent refit is in charge now
+    s.set_weight_version(3)  # ... and supersedes the staged version
+    s.resume_after_refit()
+    assert s.staged_version is None and s.weight_version == 3
+
+
 def test_failed_generation_is_retried_not_lost():
     s = TrajectoryScheduler(groups_per_step=2, max_age=1, start_step=0, chunk_groups=2)
     r = s.start()
@@ -60,10 +100,10 @@ def test_backpressure_capacity():
 def test_async_config_requires_importance_sampling():
     with pytest.raises(ConfigError, match="loss.use_importance_sampling_correction"):
         load_config(CONFIG_DIR / "grpo_async_cpu.yaml", ["loss.use_importance_sampling_correction=false"])
-    assert load_config(CONFIG_DIR / "grpo_async_cpu.yaml").async_grpo.max_trajectory_age_steps == 4
+    assert load_config(CONFIG_DIR / "grpo_async_cpu.yaml").async_grpo.max_trajectory_age_steps == 1  # the recipe (README)
 
 
-ACTIONS = st.lists(st.tuples(st.sampled_from(["start", "finish", "fail", "train", "pause", "resume", "refit"]),
+ACTIONS = st.lists(st.tuples(st.sampled_from(["start", "finish", "fail", "train", "pause", "resume", "refit", "boundary"]),
                              st.integers(0, 7)), max_size=200)
 
 
@@ -71,10 +111,12 @@ ACTIONS = st.lists(st.tuples(st.sampled_from(["start", "finish", "fail", "train"
 @given(actions=ACTIONS, groups=st.integers(1, 3), age=st.integers(1, 4), chunk=st.integers(1, 3),
        extra_capacity=st.integers(0, 4), start=st.integers(0, 5))
 def test_random_interleavings_keep_invariants(actions, groups, age, chunk, extra_capacity, start):
-    """The trainer's protocol (train step t, wait for t + 1, prepare_for_refit, wait in flight,
-    set_weight_version, resume) interleaved at random with generation starts/finishes/failures and
-    pause/resume: every generated group is trained exactly once, never beyond the age bound, no
-    weight change happens with generations in flight, and nothing starts while paused or refitting."""
+    """The trainer's protocol (train step t, wait for t + 1, then refit: quiescent - prepare_for_refit,
+    wait in flight, set_weight_version, resume - or staged - stage_weight_version, applied at a later
+    generation boundary) interleaved at random with generation starts/finishes/failures and
+    pause/resume: every generated group is trained exactly once, never beyond the age bound, the
+    trainer never waits for a step no version can reach, weights never go backwards or change with
+    generations in flight, and nothing starts while paused or refitting."""
     s = TrajectoryScheduler(groups_per_step=groups, max_age=age, start_step=start,
                             capacity_groups=2 * groups + extra_capacity, chunk_groups=chunk)
     in_flight = []
@@ -88,7 +130,15 @@ def test_random_interleavings_keep_invariants(actions, groups, age, chunk, extra
             s.finish(r, ok=True)
             generated += r.num_groups
 
-    def train_and_refit():
+    versions_seen = [s.weight_version]
+
+    def boundary():  # what the collector loop does between generation calls
+        v = s.apply_staged()
+        if v is not None:
+            assert not in_flight and v >= versions_seen[-1]
+            versions_seen.append(v)
+
+    def train_and_refit(staged: bool):
         nonlocal step, trained, generated
         versions = s.consume(step)
         assert sum(n for _, n in versions) == groups
@@ -99,6 +149,7 @@ def test_random_interleavings_keep_invariants(actions, groups, age, chunk, extra
         for _ in range(100):
             if s.ready(step):
                 break
+            boundary()
             r = s.start()
             if r is None:
                 assert s.paused or in_flight, f"step {step} unreachable: {s.blocked_reason()}"
@@ -109,10 +160,14 @@ def test_random_interleavings_keep_invariants(actions, groups, age, chunk, extra
             s.finish(r, ok=True)
             generated += r.num_groups
         assert s.ready(step)
+        if staged:  # in-flight generations go on; the switch waits for a boundary
+            s.stage_weight_version(step)
+            return
         s.prepare_for_refit()
         assert s.start() is None
         drain()
         s.set_weight_version(step)
+        versions_seen.append(step)
         s.resume_after_refit()
 
     for kind, arg in actions:
@@ -129,7 +184,9 @@ def test_random_interleavings_keep_invariants(actions, groups, age, chunk, extra
             s.finish(r, ok=kind == "finish")
             generated += r.num_groups if kind == "finish" else 0
         elif kind == "train" and s.ready(step):
-            train_and_refit()
+            train_and_refit(staged=arg % 2 == 1)
+        elif kind == "boundary" and not in_flight:
+            boundary()
         elif kind == "pause":
             s.pause()
         elif kind == "resume":

@@ -167,3 +167,27 @@ def test_ray_actor_with_an_existing_generation_actor(ray_session, tq_server, cli
     finally:
         ray.kill(actor)
         ray.kill(worker)
+
+
+def test_extra_tags_and_carry_columns_reach_tq(tq_server, client, partition, dataset):
+    r = impl(tq_server)
+    meta, carry, _, _ = r.rollout_to_tq(
+        batch_of(dataset, [1, 4]), partition, 2, extra_tags={"target_step": 7, "shard": [3, 2, 1, 0]},
+        carry_columns=("response_lengths", "loss_multiplier"),
+    )
+    assert meta.tags["target_step"] == (7,) * 4 and meta.tags["shard"] == (3, 2, 1, 0)
+    assert meta.tags["weight_version"] == (0,) * 4  # the tags rollout_to_tq writes itself are still there
+    got = client.get(meta, ["response_lengths", "loss_multiplier"])
+    assert torch.equal(got["response_lengths"], carry["response_lengths"])
+    assert torch.equal(got["loss_multiplier"], carry["loss_multiplier"])
+    assert client.get_meta(partition).tags["target_step"] == (7,) * 4  # stored by the controller, not just echoed
+
+    for kwargs, match in [({"extra_tags": {"weight_version": 3}}, "would replace tags"),
+                          ({"carry_columns": ["total_reward"]}, "would replace bulk columns"),
+                          ({"carry_columns": ["no_such"]}, "not driver_carry entries"),
+                          ({"extra_tags": {"target_step": [1, 2]}}, "2 values for 4 samples")]:
+        with pytest.raises(ValueError, match=match):
+            r.rollout_to_tq(batch_of(dataset, [2, 6]), partition, 2, **kwargs)
+    assert client.get_meta(partition).keys == meta.keys  # nothing written by the refused calls
+    assert r.get_counters()["batches"] == 2  # only the length mismatch got as far as generating
+    r.shutdown()

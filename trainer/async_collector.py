@@ -11,10 +11,15 @@ weights ``v`` may target ``_calculate_target_weights(v)``:
 
 So a trajectory trained at step ``t`` is at most ``age`` versions old. The generator fills the first
 target still missing groups; once every target of its version is generated (or the buffer is full)
-it idles until the next weight update. Refit ordering: ``prepare_for_refit`` stops new generations and
-waits for in-flight ones, weights and version change only then, and ``resume_after_refit`` restarts
-generation. The trainer waits for step ``t + 1``'s groups before refitting to version ``t + 1``
-(which can no longer target ``t + 1``), so no target is ever stranded.
+it idles until the next weight update. The trainer waits for step ``t + 1``'s groups before refitting
+to version ``t + 1`` (which can no longer target ``t + 1``), so no target is ever stranded.
+
+Two ways to refit. Quiescent (start-up, checkpoints): ``prepare_for_refit`` stops new generations and
+waits for in-flight ones, ``update_weights`` changes weights and version, ``resume_after_refit``
+restarts generation. Staged (every training step): ``stage_weights`` returns at once; the generation
+call in flight finishes on the old weights (its groups keep the old version tag) and the next call
+starts on the new ones. The trainer never waits for a generation to finish just to refit - with the
+quiescent refit every step did, which serialised generation and training again.
 
 :class:`TrajectoryScheduler` holds all of that as pure bookkeeping (no Ray, no threads, no I/O) so it
 can be property-tested; :class:`AsyncTrajectoryCollectorImpl` drives it from a background thread and
@@ -88,6 +93,7 @@ class TrajectoryScheduler:
         self.targets: dict[int, _Target] = {}
         self.paused = False
         self.refitting = False
+        self.staged_version: int | None = None  # weights that arrived during generation, not yet applied
         self._rids = itertools.count()
         self.in_flight: dict[int, Reservation] = {}
 
@@ -191,6 +197,30 @@ class TrajectoryScheduler:
         if version < self.weight_version:
             raise SchedulingError(f"weight version moved backwards: {self.weight_version} -> {version}")
         self.weight_version = version
+        if self.staged_version is not None and self.staged_version <= version:
+            self.staged_version = None  # superseded
+
+    def stage_weight_version(self, version: int) -> None:
+        """New weights arrived without a pause: generations in flight finish on the old ones and the
+        switch happens at the next generation boundary (:meth:`apply_staged`), so a refit never waits
+        for generation. Refused if it would strand a target: every step up to ``version`` that
+        ``version`` may not target must already be fully generated (the trainer waits for it)."""
+        current = self.weight_version if self.staged_version is None else self.staged_version
+        if version < current:
+            raise SchedulingError(f"weight version moved backwards: {current} -> {version}")
+        allowed = self.target_weights(version)
+        stranded = [t for t in range(self.next_train_step, version + 1) if t not in allowed and not self.ready(t)]
+        if stranded:
+            raise SchedulingError(f"weights {version} cannot target steps {stranded}, which are not fully generated yet")
+        self.staged_version = version
+
+    def apply_staged(self) -> int | None:
+        """At a generation boundary (nothing in flight, no quiescent refit): switch to the staged
+        version. Returns it, or None when there is nothing to switch to now."""
+        if self.staged_version is None or self.in_flight or self.refitting:
+            return None
+        self.weight_version, self.staged_version = self.staged_version, None
+        return self.weight_version
 
     def resume_after_refit(self) -> None:
         self.refitting = False
@@ -243,6 +273,7 @@ class AsyncTrajectoryCollectorImpl:
                                          start_step=start_step, capacity_groups=capacity, chunk_groups=a.groups_per_generation)
         self.rollout = SyncRolloutImpl(
             generation=generation, tokenizer_name=tokenizer_name, environments=task_to_env, seed=g.seed,
+            tq_address=replay_buffer.tq_address, tq_secret=cfg.data_plane.secret, tq_timeout_s=cfg.data_plane.timeout_s,
             limits={"max_seq_len": cfg.data.processor.max_seq_length + g.max_rollout_turns * g.max_new_tokens,
                     "max_new_tokens": g.max_new_tokens, "max_rollout_turns": g.max_rollout_turns},
         )
@@ -262,7 +293,10 @@ class AsyncTrajectoryCollectorImpl:
         self._error: BaseException | None = None
         self.failed_generations = 0
         self._last_failure: BaseException | None = None
-        self.counters = {"generation_calls": 0, "groups": 0, "samples": 0, "idle_waits": 0}
+        self._staged_weights: Mapping[str, torch.Tensor] | None = None
+        self.counters = {"generation_calls": 0, "groups": 0, "samples": 0, "idle_waits": 0, "staged_refits": 0}
+        # When each generation call ran and what it targeted (monotonic seconds; for overlap profiles).
+        self.timeline: deque[tuple[float, float, int, int]] = deque(maxlen=10_000)
         self.timeout_s = a.wait_timeout_s
 
     # ------------------------------------------------------------------ weight versions
@@ -290,8 +324,29 @@ class AsyncTrajectoryCollectorImpl:
                 raise SchedulingError("update_weights needs prepare_for_refit first (and no generation in flight)")
             self.rollout.update_weights(state_dict, version)
             self.sched.set_weight_version(version)
+            if self.sched.staged_version is None:
+                self._staged_weights = None
             self._cond.notify_all()
             return version
+
+    def stage_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
+        """Refit without pausing generation: the call in flight finishes on the old weights, the next
+        one starts on these (``TrajectoryScheduler.stage_weight_version``); returns at once. A newer
+        staged version replaces an older one not yet applied."""
+        with self._cond:
+            self.sched.stage_weight_version(version)
+            self._staged_weights = state_dict
+            self._cond.notify_all()
+            return version
+
+    def _apply_staged_weights(self) -> None:
+        """At a generation boundary (``self._cond`` held): load staged weights, if any."""
+        if self._staged_weights is None or self.sched.in_flight or self.sched.refitting:
+            return
+        self.rollout.update_weights(self._staged_weights, self.sched.staged_version)
+        self.sched.apply_staged()
+        self._staged_weights = None
+        self.counters["staged_refits"] += 1
 
     # ------------------------------------------------------------------ lifecycle
     def start_collection(self, state: Mapping[str, Any] | None = None) -> None:
@@ -360,6 +415,12 @@ class AsyncTrajectoryCollectorImpl:
         return {**self.counters, "failed_generations": self.failed_generations, "weight_version": self.sched.weight_version,
                 "held_groups": self.sched.held_groups()}
 
+    def get_timeline(self) -> list[tuple[float, float, int, int]]:
+        """``(start, end, target_step, weight_version)`` of recent generation calls, ``time.monotonic``
+        seconds (one clock per host: comparable with the trainer's when on the same machine)."""
+        with self._cond:
+            return list(self.timeline)
+
     def get_dataloader_state(self) -> dict[str, Any]:
         """For checkpoints; only while paused or refitting with nothing in flight (so it is exact).
 
@@ -401,13 +462,18 @@ class AsyncTrajectoryCollectorImpl:
         try:
             while True:
                 with self._cond:
-                    while not self._stop and (r := self.sched.start()) is None:
+                    while True:
+                        if self._stop:
+                            return
+                        self._apply_staged_weights()  # a boundary: nothing of this loop is in flight
+                        if (r := self.sched.start()) is not None:
+                            break
                         self.counters["idle_waits"] += 1
-                        self._cond.wait(0.5)  # idle: woken by resume / refit / a consumed step
-                    if self._stop:
-                        return
+                        self._cond.wait(0.5)  # idle: woken by resume / refit / staged weights / a consumed step
                     records = self._prompts_for(r)
+                t0 = time.monotonic()
                 ok = self._generate(r, records)
+                self.timeline.append((t0, time.monotonic(), r.target, r.weight_version))
                 with self._cond:
                     self.sched.finish(r, ok)
                     if ok:
@@ -427,24 +493,21 @@ class AsyncTrajectoryCollectorImpl:
 
     def _generate(self, r: Reservation, records: list[dict[str, Any]]) -> bool:
         """Roll ``records`` out and write their groups to TQ in one put; False if it failed."""
-        from rollout.multi_turn import completions_to_columns
-
         try:
             uids = [f"t{r.target}-{int(x['idx'])}-{next(self._serial)}" for x in records]  # unique across epochs
-            recs, uids, prompt_ids, completions, _, _ = self.rollout._run(records, self.group_size, None, uids, False, True)
-            carry = self.rollout._carry(recs, uids, prompt_ids, completions, self.group_size, ())
-            columns = completions_to_columns(completions)
-            columns["response_lengths"] = carry["response_lengths"]
-            columns["loss_multiplier"] = carry["loss_multiplier"]
-            n = len(carry["keys"])
-            tags = {"uid": carry["uids"], "group_id": carry["prompt_ids"].tolist(),
-                    "weight_version": carry["weight_version"].tolist(), "target_step": [r.target] * n}
-            self.buffer.client.put(self.buffer.partition_id, carry["keys"], columns, tags=tags)
+            meta, _, _, _ = self.rollout.rollout_to_tq(
+                records, self.buffer.partition_id, self.group_size, uids=uids, keep_warm=True,
+                extra_tags={"target_step": r.target}, carry_columns=("response_lengths", "loss_multiplier"),
+            )
         except Exception as exc:  # counted against the budget, logged, retried; never swallowed silently
             log.warning("generation for step %d failed (%d so far): %r", r.target, self.failed_generations + 1, exc)
             self.failed_generations += 1
             self._last_failure = exc
             return False
+        n = len(meta)
+        if any(v != r.weight_version for v in meta.tags["weight_version"]):  # the age bound relies on it: stop the loop
+            raise SchedulingError(f"step {r.target}: generated on weights {sorted(set(meta.tags['weight_version']))}, "
+                                  f"reserved on {r.weight_version}")
         self.counters["generation_calls"] += 1
         self.counters["groups"] += r.num_groups
         self.counters["samples"] += n

@@ -10,9 +10,9 @@ them to a TQ partition tagged ``weight_version`` / ``target_step``. Each step ``
    importance-sampling correction against ``generation_logprobs`` (required: the config refuses
    async mode without ``loss.use_importance_sampling_correction``);
 4. frees the step's keys and tells the collector the step is consumed;
-5. waits for step ``t + 1``'s groups, then refits: ``prepare_for_refit`` (in-flight generations
-   finish) -> weights from DP rank 0 to the collector as an object ref (never through the driver) ->
-   ``resume_after_refit``; the weight version becomes ``t + 1``.
+5. waits for step ``t + 1``'s groups, then stages the new weights on the collector (from DP rank 0
+   as an object ref, never through the driver) without pausing it: the generation in flight
+   finishes on the old weights and the next one runs on version ``t + 1``.
 
 Checkpoints (at the refit point, the collector quiesced) save the policy, the step and the collector's
 ``get_dataloader_state``: the loader position plus, per unconsumed target step, the dataset indices of
@@ -94,11 +94,13 @@ class GRPOAsyncTrainer(GRPOSyncTrainer):
         self.get(c.resume_after_refit.remote(), "collector resume_after_refit")
 
     def refit_generation(self) -> None:
-        """Wait for the next step's groups (version ``step`` can no longer target it), then refit."""
+        """Wait for the next step's groups (version ``step`` can no longer target it), then stage the
+        new weights: generation keeps running, the collector switches at its next call."""
         if self.collector is None or self.step >= self.cfg.grpo.max_num_steps:  # nothing left to generate for
             return
         self.get(self.collector.wait_for_target.remote(self.step), f"trajectories of step {self.step}")
-        self._refit_collector(self.step)
+        weights = self.policy.workers[0].get_weights.remote()  # an object ref: the weights skip the driver
+        self.get(self.collector.stage_weights.remote(weights, self.step), "collector stage_weights")
 
     def _maybe_resume(self) -> None:
         ck = self.cfg.checkpointing

@@ -29,6 +29,11 @@ import torch
 
 MiB = 1 << 20
 MAX_LEN = 4096
+# The issue's bars: ratios of warm medians measured in the same run (at every batch size), and the
+# p99 of every small control operation.
+TARGETS = {"get_vs_transferqueue": 5.0, "get_vs_ray": 2.0, "get_vs_memcpy": 0.4, "put_vs_transferqueue": 3.0,
+           "tcp_get_vs_transferqueue": 2.0}
+CONTROL_P99_MS = 2.0
 FIELDS = ("input_ids", "generation_logprobs", "prev_logprobs", "token_mask")
 BYTES_PER_TOKEN = 8 + 4 + 4 + 1
 
@@ -59,8 +64,10 @@ def make_batch(nbytes: int, seed: int) -> dict[str, Any]:
     }
 
 
-def payload_bytes(batch: dict[str, Any]) -> int:
-    return sum(batch[f].numel() * batch[f].element_size() for f in (*FIELDS, "rewards"))
+def payload_bytes(nbytes: int, seed: int) -> int:
+    """Unpadded bytes of ``make_batch(nbytes, seed)`` (every token's fields plus a float32 reward each)."""
+    lengths = batch_lengths(nbytes, seed)
+    return int(lengths.sum()) * BYTES_PER_TOKEN + 4 * lengths.size
 
 
 def padded(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -116,8 +123,8 @@ def bench_tq(sizes: list[int], iters: int, transport: str) -> dict[int, dict[str
                     t0 = time.perf_counter()
                     got = client.get(meta, [*FIELDS, "rewards"])
                     get_s = time.perf_counter() - t0
-                    nbytes = payload_bytes(make_batch(size, seed)) if it == 0 else res["bytes"]
-                    res["bytes"] = nbytes
+                    nbytes = payload_bytes(size, seed)
+                    res.setdefault("bytes", nbytes)  # the table's payload column: the first batch
                     res["put"].append(nbytes / put_s)
                     res["get"].append(nbytes / get_s)
                     if it == 0:
@@ -174,8 +181,8 @@ def bench_ray(sizes: list[int], iters: int) -> dict[int, dict[str, list[float]]]
                     obj = ray.get(ref)
                     got = obj if form == "padded" else padded(obj)
                     get_s = time.perf_counter() - t0
-                    nbytes = payload_bytes(make_batch(size, seed)) if it == 0 else res["bytes"]
-                    res["bytes"] = nbytes
+                    nbytes = payload_bytes(size, seed)
+                    res.setdefault("bytes", nbytes)
                     if it == 0:
                         _check(got, make_batch(size, seed))
                     puts.append(nbytes / put_s)
@@ -236,8 +243,8 @@ def bench_transferqueue(sizes: list[int], iters: int) -> dict[int, dict[str, lis
                 # It hands rows back as nested tensors; a trainer needs them dense.
                 got = {f: td[f].to_padded_tensor(0) if td[f].is_nested else td[f] for f in (*FIELDS, "rewards")}
                 get_s = time.perf_counter() - t0
-                nbytes = payload_bytes(make_batch(size, seed)) if it == 0 else res["bytes"]
-                res["bytes"] = nbytes
+                nbytes = payload_bytes(size, seed)
+                res.setdefault("bytes", nbytes)
                 if it == 0:
                     _check(got, make_batch(size, seed))
                 res["put"].append(nbytes / put_s)
@@ -254,19 +261,24 @@ def bench_transferqueue(sizes: list[int], iters: int) -> dict[int, dict[str, lis
 
 # ----------------------------------------------------------------------------- memcpy and control ops
 def bench_memcpy(sizes: list[int], iters: int) -> dict[int, dict[str, list[float]]]:
-    """A plain copy of the payload bytes into a warm destination (the ceiling)."""
+    """A plain copy of the payload bytes into a warm destination (the ceiling).
+
+    Each iteration copies a freshly built batch, as every system's get reads a batch a producer has
+    just written (copying one source over and over would measure the CPU caches, not memory)."""
     results = {}
     for size in sizes:
-        b = make_batch(size, 7)
-        src = np.concatenate([b[f].numpy().view(np.uint8).reshape(-1) for f in (*FIELDS, "rewards")])
-        dst = np.empty_like(src)
-        dst[:] = 0
-        rates = []
-        for _ in range(max(iters, 3)):
+        rates, dst, nbytes = [], None, 0
+        for it in range(iters):
+            b = make_batch(size, size // MiB * 1000 + it)
+            src = np.concatenate([b[f].numpy().view(np.uint8).reshape(-1) for f in (*FIELDS, "rewards")])
+            if dst is None:  # warm pages, room for any batch of this size
+                dst = np.zeros(2 * src.nbytes, dtype=np.uint8)
+            out = dst[: src.nbytes]
             t0 = time.perf_counter()
-            np.copyto(dst, src)
+            np.copyto(out, src)
             rates.append(src.nbytes / (time.perf_counter() - t0))
-        results[size] = {"copy": rates, "bytes": src.nbytes}
+            nbytes = nbytes or src.nbytes
+        results[size] = {"copy": rates, "bytes": nbytes}
     return results
 
 
@@ -348,7 +360,16 @@ def report(all_res: dict[str, Any], sizes: list[int]) -> str:
     lines += ["", "Control operations (TQ, same host):", "", "| operation | p50 ms | p99 ms |", "|---|---|---|"]
     for name, v in all_res["control_ops"].items():
         lines.append(f"| {name} | {v['p50_ms']:.3f} | {v['p99_ms']:.3f} |")
-    all_res["ratios"] = ratios
+    targets = {}
+    for key, bar in TARGETS.items():
+        got = [r[key] for r in ratios if key in r]
+        if got:
+            targets[key] = {"target": bar, "worst": min(got), "met": min(got) >= bar}
+    p99 = max((v["p99_ms"] for v in all_res["control_ops"].values()), default=0.0)
+    targets["control_p99_ms"] = {"target": CONTROL_P99_MS, "worst": p99, "met": p99 < CONTROL_P99_MS}
+    lines += ["", "Targets (worst batch size): " + "; ".join(
+        f"{k} {v['worst']:.2f} vs {v['target']} - {'met' if v['met'] else 'NOT met'}" for k, v in targets.items())]
+    all_res["ratios"], all_res["targets"] = ratios, targets
     return "\n".join(lines)
 
 

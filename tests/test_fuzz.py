@@ -257,7 +257,7 @@ def _controller_args(data, op: str, env: FuzzEnv, bufs: Bufs) -> Any:
     if op in ("locate", "wait", "get_meta"):
         keys = _keys(data, True, env)
         args = {"partition": part, "keys": keys, "fields": maybe(data, st.lists(NAMES, max_size=3))}
-        if op == "wait":
+        if op == "wait" or (op == "locate" and data.draw(st.booleans())):
             args["timeout"] = maybe(data, st.floats(-1.0, MAX_WAIT_S))
         if op == "get_meta" and data.draw(st.booleans()):
             args["keys"] = None

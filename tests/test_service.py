@@ -406,6 +406,24 @@ def test_get_with_wait_timeout_blocks_until_written(tclient, part):
         t.join(30)
 
 
+def test_get_that_waits_is_one_controller_round_trip_and_times_out_naming_the_field(tclient, part):
+    """The wait rides on the locate request (parked on the controller), so a DP worker's fetch of a
+    field another rank is still writing costs one round trip, not a wait plus a locate."""
+    meta = tclient.put(part, keys_for(2), {"x": rand((2,), torch.float32, 122)})
+    ops = lambda: tclient.stats()["ops"]  # noqa: E731
+    before = ops()
+    assert_same(tclient.get(meta, ["x"], wait_timeout=5)["x"], rand((2,), torch.float32, 122))
+    after = ops()
+    assert after["locate"]["count"] == before.get("locate", {"count": 0})["count"] + 1
+    assert after.get("wait", {"count": 0})["count"] == before.get("wait", {"count": 0})["count"]
+    t0 = time.monotonic()
+    with pytest.raises(TQTimeoutError, match=rf"field 'late' of key '{meta.keys[0]}'"):
+        tclient.get(meta, ["x", "late"], wait_timeout=0.3)
+    assert time.monotonic() - t0 < 5
+    tclient.write_back(meta, {"late": torch.ones(2)})  # the parked locate is gone; the service still serves
+    assert_same(tclient.get(meta, ["late"], wait_timeout=5)["late"], torch.ones(2))
+
+
 def test_wait_times_out_naming_the_missing_field(tclient, part):
     meta = tclient.put(part, keys_for(3), {"x": rand((3,), torch.float32, 130)})
     tclient.write_back(meta.select([0]), {"half": torch.zeros(1)})

@@ -356,11 +356,15 @@ class TQClient:
         self._call("wait", {"partition": meta.partition_id, "keys": list(meta.keys), "fields": fields, "timeout": timeout},
                    timeout=timeout + self.timeout)
 
-    def _fetch(self, meta: KVBatchMeta, fields: list[str]) -> dict[str, _Fetched]:
-        """Locate the rows (one controller round trip). Rows on a unit of this host are then read
-        straight out of its mapped arena at the offsets located; the others are fetched as frames from
-        their units, every unit asked before any reply is awaited."""
-        located, lmsg = self._ctrl.call("locate", {"partition": meta.partition_id, "keys": list(meta.keys), "fields": fields})
+    def _fetch(self, meta: KVBatchMeta, fields: list[str], wait_timeout: float | None) -> dict[str, _Fetched]:
+        """Locate the rows (one controller round trip, parked there up to ``wait_timeout`` until they
+        are produced). Rows on a unit of this host are then read straight out of its mapped arena at
+        the offsets located; the others are fetched as frames from their units, every unit asked
+        before any reply is awaited."""
+        args: dict[str, Any] = {"partition": meta.partition_id, "keys": list(meta.keys), "fields": fields}
+        if wait_timeout is not None:
+            args["timeout"] = wait_timeout
+        located, lmsg = self._ctrl.call("locate", args, timeout=self.timeout + (wait_timeout or 0.0))
         if located["units_version"] != self._units_version:
             self._refresh_units()
         n = len(meta.keys)
@@ -418,20 +422,19 @@ class TQClient:
         else ``meta.extra_info["global_forward_pad_seqlen"]``, else the longest row, rounded up to
         ``extra_info["pad_to_multiple"]`` when set, filled with ``pad_value`` (a scalar or a per-field
         map); ``"jagged"`` - a :class:`JaggedTensor`; ``"list"`` - one tensor per sample.
-        ``wait_timeout`` first waits for the fields to be produced.
+        ``wait_timeout`` first waits up to that long for the fields to be produced (parked on the
+        controller within the same round trip; :class:`~tq.errors.TQTimeoutError` if they are not).
         """
         if layout not in ("padded", "jagged", "list"):
             raise InvalidRequestError(f"layout must be 'padded', 'jagged' or 'list', got {layout!r}")
         fields = list(fields if fields is not None else meta.fields)
         if not fields:
             raise InvalidRequestError("get needs at least one field (the meta names none)")
-        if wait_timeout is not None:
-            self.wait(meta, fields, wait_timeout)
         try:
-            fetched = self._fetch(meta, fields)
+            fetched = self._fetch(meta, fields, wait_timeout)
         except _UnitRestarted:  # it recovered its data at a new address: ask again, once
             self._refresh_units()
-            fetched = self._fetch(meta, fields)
+            fetched = self._fetch(meta, fields, None)
         return {f: self._assemble(f, fetched[f], meta, layout, pad_to, pad_value) for f in fields}
 
     def _assemble(self, name: str, fx: _Fetched, meta: KVBatchMeta, layout: Layout, pad_to: int | None, pad_value: Any) -> Any:

@@ -15,7 +15,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -29,6 +29,7 @@ from .errors import (
     PartitionNotFoundError,
     SchemaConflictError,
     StorageUnitError,
+    TQError,
     TQTimeoutError,
 )
 from .journal import Journal
@@ -122,6 +123,8 @@ class Waiter:
     keys: list[str]
     fields: list[str]
     deadline: float
+    # what to answer once every (key, field) is produced: a result and its buffers
+    answer: Callable[[], tuple[Any, list[Any]]] = lambda: ({"ready": True}, [])
 
 
 class Controller(RpcServer):
@@ -589,12 +592,24 @@ class Controller(RpcServer):
                     first = f"field {name!r} of key {part.slot_keys[int(known[int(absent[0])])]!r}"
         return missing, first
 
-    def op_locate(self, args: dict, buffers: list, call: Call) -> tuple[dict, list]:
+    def op_locate(self, args: dict, buffers: list, call: Call) -> Any:
         """Where each (field, key) lives: one int64 ``[fields, keys, LOC_COLUMNS]`` array of location
-        records (unit, block, row, bytes, arena offset; see :mod:`tq.protocol`)."""
+        records (unit, block, row, bytes, arena offset; see :mod:`tq.protocol`). With ``timeout`` it
+        first waits (parked, like ``wait``) until every pair is produced - a get that must wait for
+        its fields still costs one round trip."""
         part = self._partition(args)
         keys = self._str_list(args, "keys")
         fields = self._str_list(args, "fields")
+        timeout = args.get("timeout")
+        if timeout is not None:
+            self._check_timeout(timeout, "locate")
+            if self._missing(part, keys, fields)[0]:
+                self.waiters.append(Waiter(call, part.pid, keys, fields, time.monotonic() + float(timeout),
+                                           lambda: self._locate(self.partitions[part.pid], keys, fields)))
+                return DEFERRED
+        return self._locate(part, keys, fields)
+
+    def _locate(self, part: Partition, keys: list[str], fields: list[str]) -> tuple[dict, list]:
         slots = part.slots_of(keys)
         loc = np.empty((len(fields), len(keys), LOC_COLUMNS), dtype=np.int64)
         for f, name in enumerate(fields):
@@ -630,19 +645,28 @@ class Controller(RpcServer):
         keys = self._str_list(args, "keys")
         fields = self._str_list(args, "fields")
         timeout = args.get("timeout")
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not math.isfinite(timeout) or timeout < 0:
-            raise InvalidRequestError(f"wait needs a finite timeout >= 0 (seconds), got {timeout!r}")
+        self._check_timeout(timeout, "wait")
         missing, first = self._missing(part, keys, fields)
         if not missing:
             return {"ready": True}
         self.waiters.append(Waiter(call, part.pid, keys, fields, time.monotonic() + float(timeout)))
         return DEFERRED
 
+    @staticmethod
+    def _check_timeout(timeout: Any, op: str) -> None:
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not math.isfinite(timeout) or timeout < 0:
+            raise InvalidRequestError(f"{op} needs a finite timeout >= 0 (seconds), got {timeout!r}")
+
     def _check_waiters(self, pid: str) -> None:
         for w in [w for w in self.waiters if w.pid == pid]:
             if not self._missing(self.partitions[pid], w.keys, w.fields)[0]:
                 self.waiters.remove(w)
-                self.reply(w.call, {"ready": True})
+                try:
+                    result, frames = w.answer()
+                except TQError as exc:  # e.g. a unit went down meanwhile
+                    self.reply_error(w.call, exc)
+                else:
+                    self.reply(w.call, result, frames)
 
     def next_deadline(self) -> float | None:
         times = [w.deadline for w in self.waiters] + [d for _, d in self.hello_waiters]

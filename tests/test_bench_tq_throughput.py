@@ -1,0 +1,32 @@
+"""The throughput benchmark's pure parts: batch shapes, payload accounting and the ratio table."""
+
+from __future__ import annotations
+
+from benchmarks.tq_throughput import FIELDS, MiB, make_batch, payload_bytes, report
+
+
+def test_payload_bytes_counts_exactly_the_batch_bytes():
+    for size, seed in ((MiB, 1), (2 * MiB, 7)):
+        b = make_batch(size, seed)
+        assert payload_bytes(size, seed) == sum(b[f].numel() * b[f].element_size() for f in (*FIELDS, "rewards"))
+
+
+def test_report_computes_ratios_against_baselines_of_the_same_run():
+    size = 8 * MiB
+
+    def sys(put: float, get: float) -> dict:
+        return {size: {"put": [1.0, put], "get": [1.0, get], "bytes": 8_000_000}}
+
+    res = {"memcpy": {size: {"copy": [1.0, 20e9], "bytes": 8_000_000}}, "tq": sys(4e9, 10e9), "tq_tcp": sys(1e9, 2e9),
+           "ray": sys(0.5e9, 2.5e9), "transferqueue": sys(0.5e9, 0.2e9), "control_ops": {"op": {"p50_ms": 0.1, "p99_ms": 0.2}}}
+    table = report(res, [size])
+    r = res["ratios"][0]
+    assert (r["get_vs_memcpy"], r["get_vs_ray"], r["get_vs_transferqueue"]) == (0.5, 4.0, 50.0)
+    assert (r["put_vs_transferqueue"], r["tcp_get_vs_transferqueue"]) == (8.0, 10.0)
+    assert "| 8 MiB | 0.50x | 4.00x | 50.00x | 8.00x | 10.00x |" in table
+    assert res["targets"]["get_vs_ray"] == {"target": 2.0, "worst": 4.0, "met": True}
+    assert res["targets"]["get_vs_memcpy"]["met"] and res["targets"]["control_p99_ms"]["met"]
+    res["tq"][size]["get"][1] = 3e9  # 1.2x Ray, 0.15x memcpy: both bars missed
+    report(res, [size])
+    assert not res["targets"]["get_vs_ray"]["met"] and not res["targets"]["get_vs_memcpy"]["met"]
+    assert res["targets"]["get_vs_transferqueue"]["met"]

@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--generations", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--dp-sizes", type=int, nargs="+", default=[1, 2], help="DP worker layouts, each run on both sides")
+    p.add_argument("--max-age", type=int, default=None,
+                   help="async_grpo.max_trajectory_age_steps (default: the async recipe's)")
     p.add_argument("--num-cpus", type=float, default=2)
     p.add_argument("--rounds", type=int, default=2, help="each (layout, side) this many times, interleaved")
     p.add_argument("--json", default=None, help="also write the results here")
@@ -100,12 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.grpo_async import ASYNC_CONFIG, GRPOAsyncTrainer
     from trainer.grpo_sync import GRPOSyncTrainer
 
+    age = [] if args.max_age is None else [f"async_grpo.max_trajectory_age_steps={args.max_age}"]
     runs: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for dp in args.dp_sizes:
                 for side, cls, base in (("sync", GRPOSyncTrainer, ["loss.use_importance_sampling_correction=true"]),
-                                        ("async", GRPOAsyncTrainer, ["--config", str(ASYNC_CONFIG)])):
+                                        ("async", GRPOAsyncTrainer, ["--config", str(ASYNC_CONFIG), *age])):
                     name = f"{side}_dp{dp}"
                     res = _measure(cls, parse_cli([*base, *_overrides(args, tmp, dp)]))
                     runs.setdefault(name, []).append(res)
@@ -117,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, rs in runs.items():  # pooled over rounds: total timed steps / total timed seconds
         rate[name] = 60.0 * sum(x["timed_steps"] for x in rs) / sum(x["timed_steps"] * x["mean_step_s"] for x in rs)
     results: dict[str, Any] = {"machine": _machine(), "config": vars(args), "steps_per_min": rate, "runs": runs}
+    results["config"]["max_age"] = parse_cli(["--config", str(ASYNC_CONFIG), *age]).async_grpo.max_trajectory_age_steps
     results["ratio_same_layout"] = {f"dp{dp}": rate[f"async_dp{dp}"] / rate[f"sync_dp{dp}"] for dp in args.dp_sizes}
     best_sync = max((k for k in rate if k.startswith("sync")), key=rate.get)
     best_async = max((k for k in rate if k.startswith("async")), key=rate.get)

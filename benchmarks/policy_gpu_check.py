@@ -17,6 +17,11 @@ import time
 
 import torch
 
+# The ~113M-parameter decoder both GPU benchmarks use: the built-in tiny Qwen2 config scaled up
+# (``policy.tiny_overrides`` / ``generation.tiny_overrides``; random init, character vocabulary).
+MODEL_113M = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                  num_key_value_heads=12, max_position_embeddings=4096)
+
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -40,8 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     say = lambda msg: print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)  # noqa: E731
     ray.init(num_cpus=os.cpu_count(), num_gpus=gpus, include_dashboard=False, log_to_driver=True)
     say(f"ray up, {gpus} GPU worker(s)")
-    tiny = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-                num_key_value_heads=12, max_position_embeddings=4096)
+    tiny = MODEL_113M
     # Both policies live at once, one worker per GPU each: half a GPU per worker so Ray can place them.
     cfg = PolicyConfig(dp_size=gpus, dtype=a.dtype, tiny_overrides=tiny, num_gpus_per_worker=0.5, num_cpus_per_worker=1,
                        train_global_batch_size=a.samples, train_micro_batch_size=16, logprob_batch_size=32,

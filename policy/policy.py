@@ -12,8 +12,14 @@ bit-identical log-probs and updates. They differ only in how data reaches the wo
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import contextlib
+import io
+import pickle
+import time
+from collections import defaultdict
+from typing import Any, Iterator, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from tq.meta import KVBatchMeta
@@ -30,6 +36,59 @@ TRAIN_PARTITION = "train"
 VAL_PARTITION = "val"
 
 
+def _tensor_stub(shape: tuple[int, ...], dtype: str) -> None:  # pragma: no cover - never unpickled
+    """Stands in for a tensor in :func:`payload_nbytes`' pickle stream (its bytes are counted apart)."""
+
+
+class _ByteCounter(io.RawIOBase):
+    def __init__(self) -> None:
+        self.n = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        size = memoryview(b).nbytes
+        self.n += size
+        return size
+
+
+class _SizingPickler(pickle.Pickler):
+    """Pickles to a byte counter; tensors and arrays are counted by their storage, not copied."""
+
+    def __init__(self, sink: _ByteCounter) -> None:
+        super().__init__(sink, protocol=5)
+        self.data_bytes = 0
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            # What torch pickles: the whole storage (a view ships its base), not just the view.
+            self.data_bytes += obj.untyped_storage().nbytes()
+            return _tensor_stub, (tuple(obj.shape), str(obj.dtype))
+        if isinstance(obj, np.ndarray):
+            self.data_bytes += obj.nbytes
+            return _tensor_stub, (obj.shape, str(obj.dtype))
+        return NotImplemented
+
+
+def payload_nbytes(obj: Any) -> int:
+    """Bytes ``obj`` takes pickled (what Ray moves for a call's arguments or result).
+
+    The pickle stream is produced and counted without being kept; each tensor counts its storage's
+    bytes (torch pickles the whole storage, so a view counts its base) and each array its buffer,
+    without copying them. Objects plain pickle refuses fall back to Ray's cloudpickle.
+    """
+    sink = _ByteCounter()
+    pickler = _SizingPickler(sink)
+    try:
+        pickler.dump(obj)
+    except Exception:  # e.g. a lambda or a locally defined class: what Ray would use
+        import ray.cloudpickle
+
+        return len(ray.cloudpickle.dumps(obj))
+    return sink.n + pickler.data_bytes
+
+
 class _WorkerGroup:
     """Starts the DP worker actors, forms their process group, and bounds every wait on them."""
 
@@ -42,6 +101,12 @@ class _WorkerGroup:
         cfg = self.config
         actor_cls = ray.remote(DPPolicyWorker).options(num_cpus=cfg.num_cpus_per_worker, num_gpus=cfg.num_gpus_per_worker)
         cfg_dict = cfg.model_dump()
+        # Instrumentation of the driver's data traffic (the trainers log per-step deltas): bytes of
+        # the arguments of worker calls and of driver TQ writes (sent), of worker results and driver
+        # TQ reads (received), and seconds spent sending, unpacking results and in driver TQ calls.
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.timing: dict[str, float] = defaultdict(float)
         self.workers = [actor_cls.remote(cfg_dict, r, cfg.dp_size) for r in range(cfg.dp_size)]
         try:
             addr, port = self._get(self.workers[0].master_address.remote(), "master_address")
@@ -51,17 +116,52 @@ class _WorkerGroup:
             self._kill()
             raise
 
-    def _get(self, refs: Any, what: str) -> Any:
+    def _get(self, refs: Any, what: str, *, count: bool = True) -> Any:
+        """``ray.get`` bounded by ``ray_timeout_s``. The results are waited for first, then fetched, so
+        ``timing["driver_get_s"]`` is the time to bring finished results to the driver (not the
+        compute); with ``count`` their pickled size adds to ``bytes_received``."""
         import ray
         from ray.exceptions import GetTimeoutError
 
         try:
-            return ray.get(refs, timeout=self.config.ray_timeout_s)
+            waited = refs if isinstance(refs, list) else [refs]
+            _, pending = ray.wait(waited, num_returns=len(waited), timeout=self.config.ray_timeout_s, fetch_local=False)
+            if pending:
+                raise GetTimeoutError()
+            t = time.perf_counter()
+            out = ray.get(refs, timeout=self.config.ray_timeout_s)
+            self.timing["driver_get_s"] += time.perf_counter() - t
         except GetTimeoutError:
             raise TimeoutError(
                 f"DP workers did not finish {what} within policy.ray_timeout_s={self.config.ray_timeout_s}s "
                 "(not enough resources for the actors, or a rank stuck in a collective)"
             ) from None
+        if count:
+            self.bytes_received += payload_nbytes(out)
+        return out
+
+    def _call(self, worker: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``worker.<method>.remote(*args, sent_at=<now>, **kwargs)``, counting the arguments' bytes in
+        ``bytes_sent`` and the time the call takes to leave the driver (serialization) in
+        ``timing["driver_send_s"]``; ``sent_at`` lets the worker time its shard's arrival."""
+        self.bytes_sent += payload_nbytes((args, kwargs))
+        t = time.perf_counter()
+        ref = getattr(worker, method).remote(*args, sent_at=time.time(), **kwargs)
+        self.timing["driver_send_s"] += time.perf_counter() - t
+        return ref
+
+    def worker_timings(self) -> list[dict[str, Any]]:
+        """Each rank's seconds since the last call (and resets them; see ``DPPolicyWorker.pop_timings``):
+        ``fetch_s`` (getting its shards: Ray delivering them on the legacy path, TQ gets on the TQ
+        path), ``dispatch_s``, ``tq_get_s``, ``write_back_s``, ``compute_s``; instrumentation, not counted."""
+        return self._get([w.pop_timings.remote() for w in self.workers], "pop_timings", count=False)
+
+    def pop_driver_counters(self) -> dict[str, float]:
+        """``bytes_sent`` / ``bytes_received`` and the ``timing`` seconds since the last call (reset)."""
+        out = {"bytes_sent": float(self.bytes_sent), "bytes_received": float(self.bytes_received), **self.timing}
+        self.bytes_sent = self.bytes_received = 0
+        self.timing = defaultdict(float)
+        return out
 
     def _kill(self) -> None:
         import ray
@@ -112,7 +212,7 @@ class Policy(_WorkerGroup):
     def _logprobs(self, data: BatchedDataDict, reference: bool) -> torch.Tensor:
         data = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
         shards = self._shards(data, "logprob")
-        results = self._get([w.get_logprobs.remote(data.select_indices(rows), info, reference)
+        results = self._get([self._call(w, "get_logprobs", data.select_indices(rows), info, reference)
                              for w, (rows, info) in zip(self.workers, shards)], "get_logprobs")
         out = torch.zeros(data["input_ids"].shape, dtype=torch.float32)
         for (rows, _), res in zip(shards, results):  # back to the batch's order
@@ -141,7 +241,7 @@ class Policy(_WorkerGroup):
         for gb in global_batches(meta, self.config.train_global_batch_size):
             for r, shard in enumerate(shard_for_dp(gb, self.config, "train")):
                 per_rank[r].append((data.select_indices(shard_rows(shard)), dict(shard.extra_info)))
-        results = self._get([w.train.remote(p, loss_fn) for w, p in zip(self.workers, per_rank)], "train")
+        results = self._get([self._call(w, "train", p, loss_fn) for w, p in zip(self.workers, per_rank)], "train")
         return results[0]
 
 
@@ -185,7 +285,8 @@ class TQPolicy(_WorkerGroup):
             raise ValueError(f"num_samples={num_samples} must be a positive multiple of group_size={group_size}")
         if num_samples < self.config.dp_size:
             raise ValueError(f"num_samples={num_samples} is fewer than policy.dp_size={self.config.dp_size}")
-        self.client.register_partition(self.train_partition, reuse=True)
+        with self._driver_tq():
+            self.client.register_partition(self.train_partition, reuse=True)
         self.step_size = (num_samples, group_size)
         return self.train_partition
 
@@ -197,14 +298,33 @@ class TQPolicy(_WorkerGroup):
     def discard_samples(self, meta_or_keys: KVBatchMeta | Sequence[str]) -> int:
         """Free samples dropped by the driver (e.g. dynamic sampling); keys default to the train partition."""
         meta = meta_or_keys if isinstance(meta_or_keys, KVBatchMeta) else KVBatchMeta(self.train_partition, tuple(meta_or_keys))
-        return self.client.discard(meta) if len(meta) else 0
+        if not len(meta):
+            return 0
+        with self._driver_tq(sent=meta):
+            return self.client.discard(meta)
 
     def finish_step(self, meta: KVBatchMeta | None = None, *, clear_partition: bool = True) -> int:
         """Free the step's keys (``meta``'s, then - by default - anything left in its partition)."""
-        freed = self.client.discard(meta) if meta is not None and len(meta) else 0
-        if clear_partition:
-            freed += self.client.clear_partition(meta.partition_id if meta is not None else self.train_partition)
-        return freed
+        partition = meta.partition_id if meta is not None else self.train_partition
+        if not clear_partition:
+            return self.discard_samples(meta) if meta is not None else 0
+        with self._driver_tq():  # clearing frees the meta's keys too: one call, no discard first
+            return self.client.clear_partition(partition)
+
+    def store_bytes(self) -> int:
+        """Bytes the TQ service holds right now (all partitions; instrumentation, not counted)."""
+        return int(sum(p["bytes"] for p in self.client.list_partitions()))
+
+    @contextlib.contextmanager
+    def _driver_tq(self, sent: Any = None) -> Iterator[None]:
+        """Times a driver TQ call into ``timing["driver_tq_s"]``, counting ``sent``'s bytes as sent."""
+        if sent is not None:
+            self.bytes_sent += payload_nbytes(sent)
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timing["driver_tq_s"] += time.perf_counter() - t
 
     # ------------------------------------------------------------------ driver reads and writes
     def read_from_dataplane(self, meta: KVBatchMeta, fields: Sequence[str], *, allow_token_fields: bool = False) -> dict[str, Any]:
@@ -217,31 +337,44 @@ class TQPolicy(_WorkerGroup):
         if bulky and not allow_token_fields:
             raise ValueError(f"read_from_dataplane refuses token-aligned fields {bulky} on the driver "
                              "(workers reduce them; pass allow_token_fields=True to override)")
-        return self.client.get(meta, list(fields), wait_timeout=self.config.tq_timeout_s)
+        with self._driver_tq(sent=meta):
+            out = self.client.get(meta, list(fields), wait_timeout=self.config.tq_timeout_s)
+        self.bytes_received += payload_nbytes(out)
+        return out
 
     def write_to_dataplane(self, meta: KVBatchMeta, columns: Mapping[str, Any], *, overwrite: bool = False) -> KVBatchMeta:
         """Write columns (e.g. ``advantages``, ``sample_mask``) for the meta's keys; returns the meta with
         them. ``overwrite`` replaces columns the keys already have (the rollout wrote ``sample_mask``)."""
-        return self.client.write_back(meta, columns, overwrite=overwrite)
+        with self._driver_tq(sent=(meta, dict(columns))):
+            return self.client.write_back(meta, columns, overwrite=overwrite)
 
     # ------------------------------------------------------------------ worker passes
     def _with_lengths(self, meta: KVBatchMeta) -> KVBatchMeta:
         """The meta with sequence lengths (read as a per-sample column if missing) and the pad length stamped."""
         if meta.sequence_lengths is None:
-            lengths = self.client.get(meta, ["input_lengths"], wait_timeout=self.config.tq_timeout_s)["input_lengths"]
+            lengths = self.read_from_dataplane(meta, ["input_lengths"])["input_lengths"]
             meta = KVBatchMeta(meta.partition_id, meta.keys, meta.fields, tuple(lengths.tolist()), meta.tags, meta.extra_info)
         return stamp_pad_seqlen(meta, pad_multiple(self.config))
 
-    def _logprob_pass(self, meta: KVBatchMeta, reference: bool) -> KVBatchMeta:
-        meta = self._with_lengths(meta)
-        shards = shard_for_dp(meta, self.config, "logprob")
-        self._get([w.get_logprobs_from_meta.remote(s, self.tq_address, reference) for w, s in zip(self.workers, shards)],
-                  "get_logprobs_from_meta")
-        return meta.add_fields(["reference_policy_logprobs" if reference else "prev_logprobs"])
+    def _worker_shards(self, meta: KVBatchMeta, purpose: str) -> list[KVBatchMeta]:
+        """``shard_for_dp`` shards without their tags: workers read keys, lengths and the micro-batch
+        plan only, so the per-sample tags (uids, groups, versions) need not travel with every call."""
+        return [KVBatchMeta(s.partition_id, s.keys, s.fields, s.sequence_lengths, {}, s.extra_info)
+                for s in shard_for_dp(meta, self.config, purpose)]
 
-    def get_logprobs_from_meta(self, meta: KVBatchMeta) -> KVBatchMeta:
-        """Workers compute ``prev_logprobs`` for their shard and write them back; returns the updated meta."""
-        return self._logprob_pass(meta, reference=False)
+    def _logprob_pass(self, meta: KVBatchMeta, reference: bool, reductions: bool = False) -> KVBatchMeta:
+        meta = self._with_lengths(meta)
+        shards = self._worker_shards(meta, "logprob")
+        results = self._get([self._call(w, "get_logprobs_from_meta", s, self.tq_address, reference, reductions=reductions)
+                             for w, s in zip(self.workers, shards)], "get_logprobs_from_meta")
+        return meta.add_fields(results[0]["fields"])
+
+    def get_logprobs_from_meta(self, meta: KVBatchMeta, *, with_reductions: bool = False) -> KVBatchMeta:
+        """Workers compute ``prev_logprobs`` for their shard and write them back; returns the updated meta.
+
+        ``with_reductions`` also writes ``PER_SAMPLE_REDUCTION_FIELDS`` in the same pass (one worker
+        round trip instead of a separate :meth:`compute_per_token_reductions`; same values)."""
+        return self._logprob_pass(meta, reference=False, reductions=with_reductions)
 
     def get_reference_policy_logprobs_from_meta(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Workers compute ``reference_policy_logprobs`` with the reference model and write them back."""
@@ -250,8 +383,8 @@ class TQPolicy(_WorkerGroup):
     def compute_per_token_reductions(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Workers write ``PER_SAMPLE_REDUCTION_FIELDS`` (per-sequence log-prob error, token counts)."""
         meta = self._with_lengths(meta)
-        results = self._get([w.compute_per_token_reductions.remote(s, self.tq_address)
-                             for w, s in zip(self.workers, shard_for_dp(meta, self.config, "logprob"))],
+        results = self._get([self._call(w, "compute_per_token_reductions", s, self.tq_address)
+                             for w, s in zip(self.workers, self._worker_shards(meta, "logprob"))],
                             "compute_per_token_reductions")
         return meta.add_fields(results[0]["fields"])
 
@@ -260,8 +393,8 @@ class TQPolicy(_WorkerGroup):
         meta = self._with_lengths(meta)
         per_rank: list[list[KVBatchMeta]] = [[] for _ in self.workers]
         for gb in global_batches(meta, self.config.train_global_batch_size):
-            for r, shard in enumerate(shard_for_dp(gb, self.config, "train")):
+            for r, shard in enumerate(self._worker_shards(gb, "train")):
                 per_rank[r].append(shard)
-        results = self._get([w.train_from_meta.remote(p, self.tq_address, loss_fn) for w, p in zip(self.workers, per_rank)],
+        results = self._get([self._call(w, "train_from_meta", p, self.tq_address, loss_fn) for w, p in zip(self.workers, per_rank)],
                             "train_from_meta")
         return results[0]

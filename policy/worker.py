@@ -12,6 +12,10 @@ Two entry points per operation, with one implementation behind them:
 - TQ: the driver ships a :class:`~tq.KVBatchMeta` shard; the worker fetches only the fields it needs
   from the data plane, writes its results back under the same keys and returns a small dict.
 
+Every data-carrying entry point takes ``sent_at`` (the driver's ``time.time()`` when it sent the call)
+and accumulates per-rank seconds - the call's arguments arriving (``dispatch_s``), TQ gets and
+write-backs, compute - which :meth:`DPPolicyWorker.pop_timings` returns (benchmarks, per-step metrics).
+
 The only collectives are per optimizer step (valid-count and gradient all-reduces, metrics), never per
 micro-batch, so the empty micro-batches that equalize plans across ranks are skipped safely.
 """
@@ -21,6 +25,8 @@ from __future__ import annotations
 import copy
 import os
 import socket
+import time
+from collections import defaultdict
 from datetime import timedelta
 from typing import Any, Mapping, Sequence
 
@@ -80,6 +86,7 @@ class DPPolicyWorker:
         self.step = 0  # optimizer steps taken
         self._clients: dict[str, Any] = {}
         self._dist = False
+        self._timings: dict[str, float] = defaultdict(float)
 
     # ------------------------------------------------------------------ setup
     def master_address(self) -> tuple[str, int]:
@@ -116,6 +123,28 @@ class DPPolicyWorker:
             dist.destroy_process_group()
             self._dist = False
         return True
+
+    # ------------------------------------------------------------------ data-movement timings
+    def _arrived(self, sent_at: float | None, shard_in_args: bool) -> None:
+        """Account the time from the driver sending this call to it starting here (``dispatch_s``): Ray
+        moving and unpickling its arguments - the whole shard on the legacy path (``shard_in_args``:
+        it is also this rank's fetch), a KVBatchMeta on the TQ path (the fetch is the TQ get after it)."""
+        self._timings["calls"] += 1
+        if sent_at is not None:
+            waited = max(0.0, time.time() - sent_at)
+            self._timings["dispatch_s"] += waited
+            if shard_in_args:
+                self._timings["fetch_s"] += waited
+
+    def pop_timings(self) -> dict[str, Any]:
+        """This rank's seconds since the last call, then reset: ``fetch_s`` (getting its shards: Ray
+        delivering the call's arguments on the legacy path, TQ gets on the TQ path), ``dispatch_s``
+        (every call's arrival), ``tq_get_s``, ``write_back_s`` (TQ), ``compute_s`` (forward, backward
+        and optimizer passes and reductions, collectives included) and ``calls``."""
+        t, self._timings = self._timings, defaultdict(float)
+        out = {k: float(t.get(k, 0.0)) for k in ("fetch_s", "dispatch_s", "tq_get_s", "write_back_s", "compute_s", "calls")}
+        out["rank"] = self.rank
+        return out
 
     def _client(self, address: str):
         from tq import TQClient
@@ -181,15 +210,18 @@ class DPPolicyWorker:
         dev = next(model.parameters()).device
         was_training = model.training
         model.eval()
+        t = time.perf_counter()
         try:
             with self._autocast(dev):
                 return logprobs_for_plan(model, data["input_ids"].to(dev), data["input_lengths"].to(dev), plan,
                                          self.pad_token_id)
         finally:
             model.train(was_training)
+            self._timings["compute_s"] += time.perf_counter() - t
 
     def _train(self, steps: Sequence[tuple[BatchedDataDict, MicroBatchPlan]], loss_fn: Any) -> dict[str, Any]:
         """One optimizer step per (shard of a global batch, plan); returns metrics reduced over ranks."""
+        t0 = time.perf_counter()
         self.model.train()
         per_step = []
         for data, plan in steps:
@@ -219,6 +251,7 @@ class DPPolicyWorker:
             out[k] = min(vals) if red == "min" else max(vals) if red == "max" else sum(vals) / len(vals)
         out["num_optimizer_steps"] = len(per_step)
         out["step"] = self.step
+        self._timings["compute_s"] += time.perf_counter() - t0
         return out
 
     def _plan(self, extra_info: Mapping[str, Any], n: int, purpose: str) -> MicroBatchPlan:
@@ -226,54 +259,84 @@ class DPPolicyWorker:
         return plan_from_extra_info(extra_info, n, size)
 
     # ------------------------------------------------------------------ legacy path
-    def get_logprobs(self, data: BatchedDataDict, extra_info: Mapping[str, Any], reference: bool = False) -> BatchedDataDict:
+    def get_logprobs(self, data: BatchedDataDict, extra_info: Mapping[str, Any], reference: bool = False,
+                     sent_at: float | None = None) -> BatchedDataDict:
         """Log-probs ``[n, L]`` (float32, CPU) of a shard; ``reference`` uses the frozen reference model."""
+        self._arrived(sent_at, shard_in_args=True)
         lp = self._logprobs(data, self._plan(extra_info, data.size, "logprob"), reference)
         return BatchedDataDict(logprobs=lp.cpu())
 
-    def train(self, shards: Sequence[tuple[BatchedDataDict, Mapping[str, Any]]], loss_fn: Any) -> dict[str, Any]:
+    def train(self, shards: Sequence[tuple[BatchedDataDict, Mapping[str, Any]]], loss_fn: Any,
+              sent_at: float | None = None) -> dict[str, Any]:
         """One optimizer step per ``(shard of a global batch, its extra_info)``; returns metrics."""
+        self._arrived(sent_at, shard_in_args=True)
         return self._train([(d, self._plan(info, d.size, "train")) for d, info in shards], loss_fn)
 
     # ------------------------------------------------------------------ TQ path
     def _fetch(self, meta: KVBatchMeta, tq_address: str, fields: Sequence[str]) -> BatchedDataDict:
         client = self._client(tq_address)
+        t = time.perf_counter()
         cols = client.get(meta, list(fields), layout="padded", pad_value={"input_ids": self.pad_token_id},
                           wait_timeout=self.cfg.tq_timeout_s)
+        waited = time.perf_counter() - t
+        self._timings["tq_get_s"] += waited
+        self._timings["fetch_s"] += waited
         return BatchedDataDict(cols)
 
+    def _write_back(self, meta: KVBatchMeta, tq_address: str, columns: Mapping[str, Any]) -> None:
+        t = time.perf_counter()
+        self._client(tq_address).write_back(meta, columns)
+        self._timings["write_back_s"] += time.perf_counter() - t
+
     def get_logprobs_from_meta(self, meta: KVBatchMeta, tq_address: str, reference: bool = False,
-                               output_field: str | None = None) -> dict[str, Any]:
+                               output_field: str | None = None, sent_at: float | None = None,
+                               reductions: bool = False) -> dict[str, Any]:
         """Fetch the shard's inputs, compute log-probs, write them back as ``output_field`` (jagged).
 
         ``output_field`` defaults to ``prev_logprobs`` (``reference_policy_logprobs`` with ``reference``).
-        Returns only a small dict (samples and tokens processed).
+        With ``reductions`` the same pass also fetches ``generation_logprobs`` / ``token_mask`` and writes
+        the per-sample reductions of the new log-probs (what :meth:`compute_per_token_reductions` would
+        write, bit for bit) in the same write-back, saving that pass's round trip and re-fetch.
+        Returns only a small dict (samples and tokens processed, fields written).
         """
         from tq import JaggedTensor
 
+        self._arrived(sent_at, shard_in_args=False)
         field = output_field or ("reference_policy_logprobs" if reference else "prev_logprobs")
-        data = self._fetch(meta, tq_address, LOGPROB_INPUT_FIELDS)
+        extra = tuple(f for f in REDUCTION_INPUT_FIELDS if f != "prev_logprobs") if reductions else ()
+        data = self._fetch(meta, tq_address, (*LOGPROB_INPUT_FIELDS, *extra))
         lp = self._logprobs(data, self._plan(meta.extra_info, len(meta), "logprob"), reference).cpu()
         lengths = data["input_lengths"].cpu()
-        self._client(tq_address).write_back(meta, {field: JaggedTensor.from_padded(lp, lengths)})
-        return {"rank": self.rank, "samples": len(meta), "tokens": int(lengths.sum()), "field": field}
+        cols: dict[str, Any] = {field: JaggedTensor.from_padded(lp, lengths)}
+        if reductions:
+            t = time.perf_counter()
+            cols.update(per_sample_reductions({"prev_logprobs": lp, **{f: data[f] for f in extra}}))
+            self._timings["compute_s"] += time.perf_counter() - t
+        self._write_back(meta, tq_address, cols)
+        return {"rank": self.rank, "samples": len(meta), "tokens": int(lengths.sum()), "field": field,
+                "fields": sorted(cols)}
 
-    def train_from_meta(self, metas: Sequence[KVBatchMeta], tq_address: str, loss_fn: Any) -> dict[str, Any]:
+    def train_from_meta(self, metas: Sequence[KVBatchMeta], tq_address: str, loss_fn: Any,
+                        sent_at: float | None = None) -> dict[str, Any]:
         """One optimizer step per meta (this rank's shard of each global batch); returns metrics only."""
+        self._arrived(sent_at, shard_in_args=False)
         fields = list(dict.fromkeys(("input_ids", "input_lengths", *getattr(loss_fn, "input_fields", ()))))
         steps = [(self._fetch(m, tq_address, fields), self._plan(m.extra_info, len(m), "train")) for m in metas]
         return self._train(steps, loss_fn)
 
-    def compute_per_token_reductions(self, meta: KVBatchMeta, tq_address: str) -> dict[str, Any]:
+    def compute_per_token_reductions(self, meta: KVBatchMeta, tq_address: str, sent_at: float | None = None) -> dict[str, Any]:
         """Write per-sample reductions of the shard's per-token columns back to the data plane.
 
         Columns written: ``seq_logprob_error`` (mean ``|prev_logprobs - generation_logprobs|`` over
         ``token_mask``), ``seq_mult_prob_error`` (mean ``exp`` of it, NeMo-RL's filter statistic) and
         ``num_valid_tokens`` (``token_mask`` count), so the driver never reads per-token columns.
         """
+        self._arrived(sent_at, shard_in_args=False)
         data = self._fetch(meta, tq_address, REDUCTION_INPUT_FIELDS)
+        t = time.perf_counter()
         cols = per_sample_reductions(data)
-        self._client(tq_address).write_back(meta, cols)
+        self._timings["compute_s"] += time.perf_counter() - t
+        self._write_back(meta, tq_address, cols)
         return {"rank": self.rank, "samples": len(meta), "fields": sorted(cols)}
 
     # ------------------------------------------------------------------ weights and checkpoints

@@ -17,6 +17,7 @@ same algorithm for the legacy trainer and returns the same columns as a driver-s
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -283,12 +284,14 @@ class SyncRolloutImpl:
             else:
                 tags[name] = [value] * n
         self._ensure_partition(client, partition_id)
+        t_put = time.perf_counter()
         try:
             meta = client.put(partition_id, carry["keys"], columns, tags=tags)
         except PartitionNotFoundError:  # dropped since this actor last wrote to it: make it again
             self._known_partitions.discard(partition_id)
             self._ensure_partition(client, partition_id)
             meta = client.put(partition_id, carry["keys"], columns, tags=tags)
+        rollout_metrics["tq_put_seconds"] = time.perf_counter() - t_put
         return meta, carry, rollout_metrics, generation_metrics
 
     def _ensure_partition(self, client: Any, partition_id: str) -> None:

@@ -7,17 +7,19 @@ loop, the per-sample algorithm (``trainer.common``) and everything around it are
 
 from __future__ import annotations
 
-import pickle
+import resource
 import signal
 import sys
 import time
 from abc import ABC, abstractmethod
+from collections import defaultdict
 from typing import Any, Sequence
 
 import ray
 import torch
 
 from policy.loss import ClippedPGLossFn
+from policy.policy import payload_nbytes
 from rollout.actors import SyncRolloutActor
 
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -27,8 +29,23 @@ from .logger import MetricsLogger
 
 
 def nbytes_of(obj: Any) -> int:
-    """Bytes an object took to reach the driver: its pickled size (what Ray moves), tensors included."""
-    return len(pickle.dumps(obj, protocol=5))
+    """Bytes an object takes to move through Ray: its pickled size, tensors included (counted without
+    copying them; see :func:`policy.policy.payload_nbytes`)."""
+    return payload_nbytes(obj)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far: ``VmHWM`` on Linux (``getrusage``'s ``ru_maxrss``
+    would start from the parent's RSS at fork), else ``ru_maxrss``."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) * (1 if sys.platform == "darwin" else 1024)
 
 
 class GRPOTrainerBase(ABC):
@@ -43,7 +60,11 @@ class GRPOTrainerBase(ABC):
         train_ds, self.val_dataset = build_datasets(cfg)
         self.loader = build_dataloader(cfg, train_ds)
         self.loss_fn = ClippedPGLossFn(cfg.loss)
-        self.driver_bytes_received = 0  # instrumented: everything the driver pulls from Ray and TQ
+        # Instrumented driver traffic (the policy counts its own worker calls and TQ reads/writes):
+        # bytes of everything the driver pulls from Ray and TQ, and of the arguments it sends.
+        self.driver_bytes_received = 0
+        self.driver_bytes_sent = 0
+        self.driver_timing: dict[str, float] = defaultdict(float)
         self.step = 0
         self.policy = self.build_policy()
         self.rollout = SyncRolloutActor.remote(
@@ -55,6 +76,7 @@ class GRPOTrainerBase(ABC):
             **self.rollout_kwargs(),
         )
         self.get(self.rollout.ready.remote(), "rollout actor start-up")
+        self._pop_driver_counters()
         self.logger = MetricsLogger(cfg.logger, run_name(cfg, self.name), cfg.model_dump(mode="json"))
         self._maybe_resume()
 
@@ -76,10 +98,26 @@ class GRPOTrainerBase(ABC):
         """Greedy rollouts of the validation prompts; accuracy (and pass@k)."""
 
     # ------------------------------------------------------------------ shared machinery
+    def send(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        """``method.remote(*args, **kwargs)`` (an actor method), counting the arguments' pickled bytes
+        as sent by the driver and the call's time to leave it."""
+        self.driver_bytes_sent += nbytes_of((args, kwargs))
+        t = time.perf_counter()
+        ref = method.remote(*args, **kwargs)
+        self.driver_timing["driver_send_s"] += time.perf_counter() - t
+        return ref
+
     def get(self, refs: Any, what: str) -> Any:
-        """``ray.get`` bounded by the policy's Ray timeout, counting what reaches the driver."""
+        """``ray.get`` bounded by the policy's Ray timeout, counting what reaches the driver (and the
+        time to fetch and unpickle it once ready, apart from the wait for the remote work)."""
         try:
+            waited = refs if isinstance(refs, list) else [refs]
+            _, pending = ray.wait(waited, num_returns=len(waited), timeout=self.cfg.policy.ray_timeout_s, fetch_local=False)
+            if pending:
+                raise ray.exceptions.GetTimeoutError()
+            t = time.perf_counter()
             out = ray.get(refs, timeout=self.cfg.policy.ray_timeout_s)
+            self.driver_timing["driver_get_s"] += time.perf_counter() - t
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(f"{what} did not finish within policy.ray_timeout_s={self.cfg.policy.ray_timeout_s}s") from None
         except ray.exceptions.RayActorError as exc:
@@ -91,7 +129,37 @@ class GRPOTrainerBase(ABC):
         """Push the policy's weights to the generator: rank 0 -> object store -> rollout actor. The
         driver only passes the object reference, never the weights."""
         weights = self.policy.workers[0].get_weights.remote()
-        self.get(self.rollout.update_weights.remote(weights, self.step), "generation refit")
+        self.get(self.send(self.rollout.update_weights, weights, self.step), "generation refit")
+
+    def _pop_driver_counters(self) -> dict[str, float]:
+        """The driver's traffic since the last call (trainer and policy together), then reset."""
+        out = defaultdict(float, self.driver_timing)
+        out["bytes_sent"], out["bytes_received"] = float(self.driver_bytes_sent), float(self.driver_bytes_received)
+        pop = getattr(self.policy, "pop_driver_counters", None)
+        for k, v in (pop() if pop is not None else {}).items():
+            out[k] += v
+        self.driver_bytes_sent = self.driver_bytes_received = 0
+        self.driver_timing = defaultdict(float)
+        return dict(out)
+
+    def _data_movement_metrics(self) -> dict[str, float]:
+        """A step's data-movement metrics: the driver's bytes received / sent, its seconds sending,
+        unpacking results and in TQ calls, its peak RSS, each DP rank's fetch seconds, and the slowest
+        rank's dispatch / TQ get / write-back / compute seconds."""
+        c = self._pop_driver_counters()
+        out = {
+            "driver_bytes_received": c["bytes_received"], "driver_bytes_sent": c["bytes_sent"],
+            "driver_peak_rss_bytes": float(peak_rss_bytes()),
+            **{f"timing/{k[:-2]}": c.get(k, 0.0) for k in ("driver_send_s", "driver_get_s", "driver_tq_s")},
+        }
+        timings = getattr(self.policy, "worker_timings", None)
+        if timings is not None:
+            ranks = timings()
+            for r in ranks:
+                out[f"fetch/rank{r['rank']}_s"] = r["fetch_s"]
+            for k in ("fetch_s", "dispatch_s", "tq_get_s", "write_back_s", "compute_s"):
+                out[f"timing/worker_{k[:-2]}"] = max(r[k] for r in ranks)  # the slowest rank
+        return out
 
     def _maybe_resume(self) -> None:
         ck = self.cfg.checkpointing
@@ -120,8 +188,8 @@ class GRPOTrainerBase(ABC):
             if g.val_period and g.val_at_start and self.step == 0 and self.val_dataset is not None:
                 self.logger.log(0, self.validate(), prefix="val")
             while self.step < g.max_num_steps:
+                self._pop_driver_counters()  # start the step's traffic count at zero
                 t0 = time.perf_counter()
-                before = self.driver_bytes_received
                 try:
                     metrics = self.train_step(BatchSource(self.loader))
                     self.step += 1
@@ -134,7 +202,7 @@ class GRPOTrainerBase(ABC):
                     ) from None
                 metrics["timing/refit"] = time.perf_counter() - t1
                 metrics["step_time_s"] = time.perf_counter() - t0
-                metrics["driver_bytes_received"] = self.driver_bytes_received - before
+                metrics.update(self._data_movement_metrics())  # after the clock: instrumentation only
                 self.logger.log(self.step, metrics)
                 self.logger.progress(self.step, g.max_num_steps, metrics)
                 history.append(metrics)

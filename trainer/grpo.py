@@ -47,7 +47,7 @@ class GRPOTrainer(GRPOTrainerBase):
                     f"(grpo.dynamic_sampling_max_gen_batches={g.dynamic_sampling_max_gen_batches}): rewards do not vary enough"
                 )
             data, rmetrics, gmetrics = self.get(
-                self.rollout.rollout.remote(batches.next(), g.num_generations_per_prompt), "rollout"
+                self.send(self.rollout.rollout, batches.next(), g.num_generations_per_prompt), "rollout"
             )
             metrics = {**{f"rollout/{k}": v for k, v in rmetrics.items()}, **{f"generation/{k}": v for k, v in gmetrics.items()}}
             keep = dynamic_sampling_keep(g, data["total_reward"], data["prompt_ids"], data["loss_multiplier"])
@@ -102,7 +102,7 @@ class GRPOTrainer(GRPOTrainerBase):
         g = self.cfg.grpo
         records = [self.val_dataset[i] for i in range(min(len(self.val_dataset), g.max_val_samples))]
         data, _, _ = self.get(
-            self.rollout.rollout.remote(records, g.val_num_generations, validation=True, greedy=g.val_num_generations == 1),
+            self.send(self.rollout.rollout, records, g.val_num_generations, validation=True, greedy=g.val_num_generations == 1),
             "validation rollout",
         )
         self.get(self.rollout.finish_generation.remote(), "finish_generation")

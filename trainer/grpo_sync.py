@@ -61,9 +61,7 @@ class GRPOSyncTrainer(GRPOTrainerBase):
         return {"tq_address": self.tq_address, "tq_secret": self.cfg.data_plane.secret, "tq_timeout_s": self.cfg.data_plane.timeout_s}
 
     def _read(self, meta: KVBatchMeta, fields: list[str]) -> dict[str, Any]:
-        out = self.policy.read_from_dataplane(meta, fields)
-        self.driver_bytes_received += sum(v.numel() * v.element_size() for v in out.values() if isinstance(v, torch.Tensor))
-        return out
+        return self.policy.read_from_dataplane(meta, fields)  # the policy counts the bytes received
 
     def _rollout(self, batches: BatchSource) -> tuple[KVBatchMeta, dict[str, Any], dict[str, float]]:
         """Roll out until enough groups survive dynamic sampling; dropped keys leave the store at once."""
@@ -80,7 +78,7 @@ class GRPOSyncTrainer(GRPOTrainerBase):
                     f"(grpo.dynamic_sampling_max_gen_batches={g.dynamic_sampling_max_gen_batches}): rewards do not vary enough"
                 )
             meta, carry, rmetrics, gmetrics = self.get(
-                self.rollout.rollout_to_tq.remote(batches.next(), self.policy.train_partition, g.num_generations_per_prompt),
+                self.send(self.rollout.rollout_to_tq, batches.next(), self.policy.train_partition, g.num_generations_per_prompt),
                 "rollout_to_tq",
             )
             metrics = {**{f"rollout/{k}": v for k, v in rmetrics.items()}, **{f"generation/{k}": v for k, v in gmetrics.items()}}
@@ -115,6 +113,7 @@ class GRPOSyncTrainer(GRPOTrainerBase):
             truncated=carry["truncated"], loss_multiplier=carry["loss_multiplier"],
         )
         out, meta = self.learn_from_meta(meta, targets, timing)
+        out["store_bytes"] = float(self.policy.store_bytes())  # the step's peak: every column written
         self.policy.finish_step(meta)
         out.update(metrics)
         return out
@@ -124,10 +123,10 @@ class GRPOSyncTrainer(GRPOTrainerBase):
         back, one training pass; returns the step's metrics and the meta (not yet cleared)."""
         g = self.cfg.grpo
         t = time.perf_counter()
-        meta = self.policy.get_logprobs_from_meta(meta)
+        # Per-token work stays on the workers: the log-prob pass also writes the per-sample reductions.
+        meta = self.policy.get_logprobs_from_meta(meta, with_reductions=True)
         if self.cfg.loss.reference_policy_kl_penalty > 0:
             meta = self.policy.get_reference_policy_logprobs_from_meta(meta)
-        meta = self.policy.compute_per_token_reductions(meta)  # per-token work stays on the workers
         timing["logprobs"] = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -151,7 +150,7 @@ class GRPOSyncTrainer(GRPOTrainerBase):
         part = self.policy.prepare_val_partition()
         records = [self.val_dataset[i] for i in range(min(len(self.val_dataset), g.max_val_samples))]
         meta, carry, _, _ = self.get(
-            self.rollout.rollout_to_tq.remote(records, part, g.val_num_generations, validation=True, greedy=g.val_num_generations == 1),
+            self.send(self.rollout.rollout_to_tq, records, part, g.val_num_generations, validation=True, greedy=g.val_num_generations == 1),
             "validation rollout",
         )
         self.get(self.rollout.finish_generation.remote(), "finish_generation")

@@ -2,6 +2,8 @@
 
 - ``HFGenerationBackend``: transformers ``generate`` on CPU or GPU (the offline default).
 - ``VllmGenerationBackend``: vLLM on GPU (optional extra; imported only when selected).
+- ``SyntheticGenerationBackend``: random token sequences of configurable length at negligible compute
+  (no model; refit is a no-op) - isolates data movement in benchmarks.
 - ``RayGenerationPool``: either of them in Ray worker processes, refitted through the object store.
 
 ``make_generation_backend(config)`` picks one from a ``GenerationBackendConfig``.
@@ -25,7 +27,7 @@ def make_generation_backend(
 ) -> GenerationInterface:
     """Build the backend ``config`` selects.
 
-    ``backend`` picks "hf" (transformers) or "vllm"; ``ray_workers > 0`` puts that many copies in Ray
+    ``backend`` picks "hf" (transformers), "vllm" or "synthetic"; ``ray_workers > 0`` puts that many copies in Ray
     actors behind a ``RayGenerationPool`` (needs ``ray.init``). ``hf_kwargs`` (``model=``,
     ``tokenizer=``) go to an in-process transformers backend, e.g. to share a colocated policy's model.
     """
@@ -45,6 +47,13 @@ def make_generation_backend(
         from rollout.generation.vllm_backend import VllmGenerationBackend
 
         return VllmGenerationBackend(config)
+    if config.backend == "synthetic":
+        unknown = sorted(set(hf_kwargs) - {"tokenizer"})
+        if unknown:
+            raise ValueError(f"the synthetic backend takes no {unknown}")
+        from rollout.generation.synthetic import SyntheticGenerationBackend
+
+        return SyntheticGenerationBackend(config, **hf_kwargs)
     from rollout.generation.hf_backend import HFGenerationBackend
 
     return HFGenerationBackend(config, **hf_kwargs)
@@ -60,6 +69,10 @@ def __getattr__(name: str) -> Any:
         from rollout.generation import ray_worker
 
         return getattr(ray_worker, name)
+    if name == "SyntheticGenerationBackend":
+        from rollout.generation.synthetic import SyntheticGenerationBackend
+
+        return SyntheticGenerationBackend
     if name in ("VllmGenerationBackend", "VllmWeightSyncExtension"):
         from rollout.generation import vllm_backend
 
@@ -72,6 +85,7 @@ __all__ = [
     "HFGenerationBackend",
     "RayGenerationPool",
     "RayGenerationWorker",
+    "SyntheticGenerationBackend",
     "VllmGenerationBackend",
     "make_generation_backend",
 ]

@@ -22,7 +22,7 @@ class GenerationBackendConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    backend: Literal["hf", "vllm"] = "hf"
+    backend: Literal["hf", "vllm", "synthetic"] = "hf"  # synthetic: random tokens, no model (benchmarks)
     model_name: str = TINY_MODEL
     tokenizer_name: str | None = None  # default: model_name
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -39,6 +39,9 @@ class GenerationBackendConfig(BaseModel):
     stop_strings: list[str] | None = None  # applied to every prompt, on top of per-prompt ones
     logprobs_mode: Literal["processed", "raw"] = "processed"
     max_batch_size: int | None = Field(default=None, ge=1)  # transformers: split larger batches
+    # Synthetic backend: response lengths uniform in [synthetic_min_new_tokens, max_new_tokens of the
+    # call] (None: always max_new_tokens).
+    synthetic_min_new_tokens: int | None = Field(default=None, ge=1)
 
     # Ray placement: 0 runs the backend in this process; N > 0 runs N Ray actors (RayGenerationPool).
     ray_workers: int = Field(default=0, ge=0)

@@ -42,3 +42,19 @@ def test_bad_command_lines():
         parse_cli(["grpo.num_prompts_per_step"])
     with pytest.raises(ConfigError, match="unknown option"):
         parse_cli(["--fast"])
+
+
+def test_progress_line_shows_the_step_phases_not_the_driver_and_worker_breakdowns(tmp_path, capsys):
+    """The live line stays readable: the phases of a step with 2 decimals; the instrumented
+    driver_*/worker_* breakdowns go to metrics.jsonl only."""
+    from trainer.config import LoggerConfig
+    from trainer.logger import MetricsLogger
+
+    log = MetricsLogger(LoggerConfig(log_dir=str(tmp_path), tensorboard=False, plot=False), "run")
+    try:
+        log.progress(3, 10, {"reward": 0.5, "step_time_s": 0.123, "timing/generation": 0.061, "timing/training": 0.04,
+                             "timing/driver_get": 0.002, "timing/worker_fetch": 0.001})
+    finally:
+        log.close()
+    line = capsys.readouterr().out.strip()
+    assert line == "step 3/10 | reward 0.5000 | time 0.12s | (generation 0.06s, training 0.04s)"

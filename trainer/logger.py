@@ -65,8 +65,10 @@ class MetricsLogger:
         parts = [f"step {step}/{total}"]
         for key, label in (("reward", "reward"), ("loss", "loss"), ("step_time_s", "time")):
             if (s := _scalar(metrics.get(key))) is not None:
-                parts.append(f"{label} {s:.4f}" if label != "time" else f"{label} {s:.1f}s")
-        timing = [f"{k.removeprefix('timing/')} {float(v):.1f}s" for k, v in metrics.items() if k.startswith("timing/")]
+                parts.append(f"{label} {s:.4f}" if label != "time" else f"{label} {s:.2f}s")
+        # The step's phases only; the driver_*/worker_* breakdowns stay in metrics.jsonl and TensorBoard.
+        timing = [f"{k.removeprefix('timing/')} {float(v):.2f}s" for k, v in metrics.items()
+                  if k.startswith("timing/") and not k.startswith(("timing/driver_", "timing/worker_"))]
         if timing:
             parts.append("(" + ", ".join(timing) + ")")
         print(" | ".join(parts), flush=True)

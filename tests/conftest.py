@@ -72,3 +72,14 @@ def wait_until(pred, timeout: float = 5.0, interval: float = 0.02):
         if value or time.monotonic() > deadline:
             return value
         time.sleep(interval)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """A local Ray instance for one test module: 2 logical CPUs (actors ask for fractions of one),
+    shut down when the module is done."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    yield ray
+    ray.shutdown()

@@ -29,15 +29,6 @@ def convo(response, prompt: str = "Solve it.") -> list[dict]:
     return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 # ------------------------------------------------------------------------------------------ math
 @pytest.mark.parametrize(
     "response, truth, reward, answer",

@@ -221,15 +221,6 @@ def test_factory_selects_backend(tok):
         GenerationBackendConfig(backend="tgi")
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def test_ray_pool_generates_and_refits_through_object_store(ray_session, model, tok):
     from rollout.generation.ray_worker import RayGenerationPool
 

@@ -33,13 +33,6 @@ def _cfg(**kw) -> PolicyConfig:
     return PolicyConfig(**{**base, **kw})
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
-    yield
-    ray.shutdown()
-
-
 @pytest.fixture()
 def batch() -> BatchedDataDict:
     return synthetic_batch(16, min_len=5, max_len=40, seed=5)
@@ -72,7 +65,7 @@ def _weights_equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_policy_and_tqpolicy_are_bit_identical(ray_cluster, tq_server, batch):
+def test_policy_and_tqpolicy_are_bit_identical(ray_session, tq_server, batch):
     """Same weights, batch and sharding: same log-probs, metrics and updated weights, to the bit."""
     cfg = _cfg(**PACKED)
     with Policy(cfg) as legacy, TQPolicy(cfg, tq_server.address) as tqp:
@@ -93,7 +86,7 @@ def test_policy_and_tqpolicy_are_bit_identical(ray_cluster, tq_server, batch):
         tqp.finish_step(meta)
 
 
-def test_dp2_update_matches_dp1(ray_cluster, batch):
+def test_dp2_update_matches_dp1(ray_session, batch):
     """The same global batch on 1 or 2 ranks gives the same update (global normalization + SUM all-reduce)."""
     data = batch.slice(0, 8)
     out = {}
@@ -128,7 +121,7 @@ def _small(obj) -> int:
     return len(pickle.dumps(obj))
 
 
-def test_tq_path_returns_only_small_dicts_and_leaves_store_empty(ray_cluster, tq_server, batch):
+def test_tq_path_returns_only_small_dicts_and_leaves_store_empty(ray_session, tq_server, batch):
     with TQPolicy(_cfg(**DYNAMIC), tq_server.address) as tqp:
         ws, addr = tqp.workers, tqp.tq_address
         meta = stamp_pad_seqlen(_put(tqp, batch), 4)
@@ -178,7 +171,7 @@ def _assert_store_empty(client, timeout: float = 15.0) -> None:
         time.sleep(0.05)
 
 
-def test_checkpoint_round_trip_and_errors(ray_cluster, batch, tmp_path):
+def test_checkpoint_round_trip_and_errors(ray_session, batch, tmp_path):
     with Policy(_cfg(dp_size=1, lr_schedule="cosine", warmup_steps=1, max_steps=10)) as policy:
         data = batch.slice(0, 8)
         _legacy_step(policy, data)

@@ -20,13 +20,6 @@ SECRET = "ray-placement-test-secret"
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def controller():
     # A secret: the single local node's IP is usually not loopback, and units bind that IP.
     server = TQServer(storage_units=0, secret=SECRET)
@@ -34,7 +27,7 @@ def controller():
     server.shutdown()
 
 
-def test_missing_secret_refused_before_any_unit_starts(ray_cluster, controller):
+def test_missing_secret_refused_before_any_unit_starts(ray_session, controller):
     node_ip = ray.util.get_node_ip_address()
     if node_ip.startswith("127."):
         pytest.skip("the Ray node is on loopback, where no secret is required")
@@ -44,7 +37,7 @@ def test_missing_secret_refused_before_any_unit_starts(ray_cluster, controller):
         assert client.stats()["units"] == []
 
 
-def test_units_on_ray_nodes_round_trip(ray_cluster, controller):
+def test_units_on_ray_nodes_round_trip(ray_session, controller):
     node_ips = {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
     t0 = time.monotonic()
     handles = start_storage_units_on_ray_nodes(controller.address, capacity_per_unit=64 << 20, secret=SECRET)
@@ -98,7 +91,7 @@ def _assert_gone(info: dict, timeout: float = 15.0) -> None:
     assert not os.path.exists(info["arena_path"]), "arena file left in shared memory"
 
 
-def test_unit_dies_with_its_actor(ray_cluster, controller):
+def test_unit_dies_with_its_actor(ray_session, controller):
     """Killing the actor (no stop call) must not orphan the unit: it gets SIGTERM and cleans up."""
     handles = start_storage_units_on_ray_nodes(controller.address, capacity_per_unit=16 << 20, secret=SECRET)
     info = ray.get(handles[0].describe.remote(), timeout=30)

@@ -25,15 +25,6 @@ BULK = ("input_ids", "input_lengths", "generation_logprobs", "token_mask", "samp
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def dataset():
     return PromptDataset(two_turn_guess_dataset(8, seed=3), build_tiny_tokenizer())
 

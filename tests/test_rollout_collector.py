@@ -20,15 +20,6 @@ LIMITS = {"max_seq_len": 16, "max_new_tokens": 2}
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def tok():
     return build_tiny_tokenizer()
 

@@ -240,6 +240,15 @@ class BatchSource:
         self.drawn += 1
         return self.loader.next_batch()
 
+    def check_budget(self, kept: int, want: int, max_batches: int) -> None:
+        """Dynamic sampling draws batches until ``want`` samples are kept; give up, naming the limit,
+        once ``max_batches`` were drawn (``grpo.dynamic_sampling_max_gen_batches``)."""
+        if self.drawn >= max_batches:
+            raise RuntimeError(
+                f"dynamic sampling kept {kept} of {want} samples after {self.drawn} generation batches "
+                f"(grpo.dynamic_sampling_max_gen_batches={max_batches}): rewards do not vary enough"
+            )
+
 
 def run(trainer_cls: type[GRPOTrainerBase], argv: Sequence[str] | None = None) -> int:
     """Command-line entry: parse the config, train, shut down cleanly (also on Ctrl-C)."""

@@ -41,11 +41,7 @@ class GRPOTrainer(GRPOTrainerBase):
         metrics: dict[str, float] = {}
         kept = 0
         while kept < want:
-            if batches.drawn >= g.dynamic_sampling_max_gen_batches:
-                raise RuntimeError(
-                    f"dynamic sampling kept {kept} of {want} samples after {batches.drawn} generation batches "
-                    f"(grpo.dynamic_sampling_max_gen_batches={g.dynamic_sampling_max_gen_batches}): rewards do not vary enough"
-                )
+            batches.check_budget(kept, want, g.dynamic_sampling_max_gen_batches)
             data, rmetrics, gmetrics = self.get(
                 self.send(self.rollout.rollout, batches.next(), g.num_generations_per_prompt), "rollout"
             )

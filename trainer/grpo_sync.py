@@ -72,11 +72,7 @@ class GRPOSyncTrainer(GRPOTrainerBase):
         metrics: dict[str, float] = {}
         kept = 0
         while kept < want:
-            if batches.drawn >= g.dynamic_sampling_max_gen_batches:
-                raise RuntimeError(
-                    f"dynamic sampling kept {kept} of {want} samples after {batches.drawn} generation batches "
-                    f"(grpo.dynamic_sampling_max_gen_batches={g.dynamic_sampling_max_gen_batches}): rewards do not vary enough"
-                )
+            batches.check_budget(kept, want, g.dynamic_sampling_max_gen_batches)
             meta, carry, rmetrics, gmetrics = self.get(
                 self.send(self.rollout.rollout_to_tq, batches.next(), self.policy.train_partition, g.num_generations_per_prompt),
                 "rollout_to_tq",

@@ -671,6 +671,24 @@ def test_commit_locating_rows_outside_the_arena_fails_reads_naming_the_key(env):
         c.drop_partition(pid)
 
 
+@pytest.mark.parametrize("bad", ["n_rows", "offset"])
+def test_finding_store_with_a_boolean_count_is_refused_and_changes_nothing(env, bad):
+    """msgpack's ``false`` is a Python bool, which passes ``isinstance(v, int)``: a store whose row count
+    or field offset was ``false`` got an allocation and then failed with a TypeError, leaving it behind."""
+    before = _state(env, "unit", 0)
+    bufs: list = []
+    rows = [0] if bad == "n_rows" else [0, 1]  # n_rows=false reads as 0 rows: one row offset
+    spec = {"schema": ["tensor", "uint8", []], "row_offsets": protocol.pack_array(np.array(rows, dtype=np.int64), bufs),
+            **({"data": protocol.pack_array(np.zeros(0, dtype=np.uint8), bufs)} if bad == "n_rows" else {"offset": False})}
+    args = {"n_rows": False if bad == "n_rows" else 1, "fields": {"f": spec}}
+    if bad == "offset":
+        args["alloc"] = protocol.raise_for_reply(_call_raw(env.unit_addresses[0], "alloc", {"nbytes": 64}))["alloc"]
+        before = _state(env, "unit", 0)
+    with pytest.raises(InvalidRequestError):
+        protocol.raise_for_reply(_call_raw(env.unit_addresses[0], "store", args, bufs))
+    assert _state(env, "unit", 0) == before
+
+
 def test_finding_fetch_with_out_of_range_block_is_refused(env):
     block = env.ref_blocks[0][0]
     bufs: list = []

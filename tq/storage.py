@@ -52,6 +52,11 @@ class Block:
     n_live: int
 
 
+def _is_count(value: Any) -> bool:
+    """An int >= 0 that is not a bool (msgpack turns a hostile ``false`` into one that passes isinstance)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def validate_layout(schema: FieldSchema, row_offsets: np.ndarray, name: str) -> None:
     """Check that per-row byte offsets fit the field's kind, dtype and shape."""
     if row_offsets.ndim != 1 or row_offsets.size < 1 or row_offsets[0] != 0:
@@ -195,7 +200,7 @@ class StorageUnit(RpcServer):
     # -- ops
     def op_alloc(self, args: dict, buffers: list, call: Call) -> dict:
         nbytes = args.get("nbytes")
-        if not isinstance(nbytes, int) or nbytes < 0:
+        if not _is_count(nbytes):
             raise InvalidRequestError(f"alloc needs nbytes >= 0, got {nbytes!r}")
         self._check_fits_at_all(nbytes)
         start = self.alloc.allocate(nbytes)
@@ -206,7 +211,7 @@ class StorageUnit(RpcServer):
     def op_store(self, args: dict, buffers: list, call: Call) -> dict:
         """Register a block: either an earlier ``alloc`` the client filled, or bytes sent as frames."""
         n_rows, fields = args.get("n_rows"), args.get("fields")
-        if not isinstance(n_rows, int) or n_rows < 0 or not isinstance(fields, dict) or not fields:
+        if not _is_count(n_rows) or not isinstance(fields, dict) or not fields:
             raise InvalidRequestError("store needs n_rows >= 0 and a non-empty map of fields")
         layouts: list[tuple[str, FieldSchema, int, np.ndarray, Any]] = []
         rel = 0
@@ -229,7 +234,7 @@ class StorageUnit(RpcServer):
                 offset = rel
             else:
                 offset = spec.get("offset")
-                if not isinstance(offset, int) or offset < rel:
+                if not _is_count(offset) or offset < rel:
                     raise InvalidRequestError(f"field {name!r}: offset {offset!r} overlaps the previous field")
             layouts.append((name, schema, offset, np.array(ro, dtype=np.int64), data))
             rel = offset + nbytes

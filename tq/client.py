@@ -23,12 +23,8 @@ from .columns import EncodedColumn, encode_column, pad_bits, to_tensor, unpack_o
 from .errors import DuplicateKeyError, InvalidRequestError, MalformedMessageError, StorageUnitError, TQError
 from .jagged import JaggedTensor
 from .meta import KVBatchMeta
-from .protocol import LOC_BLOCK as BLOCK
-from .protocol import LOC_COLUMNS
-from .protocol import LOC_NBYTES as NBYTES
-from .protocol import LOC_OFFSET as OFFSET
-from .protocol import LOC_ROW as ROW
-from .protocol import LOC_UNIT as UNIT
+from .protocol import LOC_BLOCK as BLOCK, LOC_COLUMNS, LOC_NBYTES as NBYTES, LOC_OFFSET as OFFSET  # location
+from .protocol import LOC_ROW as ROW, LOC_UNIT as UNIT  # record columns
 from .rowcopy import copy_rows, write_chunks
 from .rpc import RpcChannel
 from .schema import JAGGED, OBJECT, FieldSchema

@@ -33,12 +33,8 @@ from .errors import (
     TQTimeoutError,
 )
 from .journal import Journal
-from .protocol import LOC_BLOCK as BLOCK
-from .protocol import LOC_COLUMNS
-from .protocol import LOC_NBYTES as NBYTES
-from .protocol import LOC_OFFSET as OFFSET
-from .protocol import LOC_ROW as ROW
-from .protocol import LOC_UNIT as UNIT
+from .protocol import LOC_BLOCK as BLOCK, LOC_COLUMNS, LOC_NBYTES as NBYTES, LOC_OFFSET as OFFSET  # location
+from .protocol import LOC_ROW as ROW, LOC_UNIT as UNIT  # record columns
 from .rpc import DEFERRED, Call, RpcServer
 from .schema import FieldSchema
 

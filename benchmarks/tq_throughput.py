@@ -39,6 +39,12 @@ BYTES_PER_TOKEN = 8 + 4 + 4 + 1
 
 
 # ----------------------------------------------------------------------------- the batch
+def _iters(size: int, iters: int) -> int:
+    """Iterations at one batch size: three times ``iters`` up to 32 MiB, where one call takes a few
+    milliseconds and a median of few samples would be at the mercy of scheduler noise."""
+    return 3 * iters if size <= 32 * MiB else iters
+
+
 def batch_lengths(nbytes: int, seed: int) -> np.ndarray:
     """Response lengths (uniform in [MAX_LEN/4, MAX_LEN]) until the batch holds ~``nbytes``."""
     rng = np.random.default_rng(seed)
@@ -115,7 +121,7 @@ def bench_tq(sizes: list[int], iters: int, transport: str) -> dict[int, dict[str
         try:
             for size in sizes:
                 res = results.setdefault(size, {"put": [], "get": []})
-                for it in range(iters):
+                for it in range(_iters(size, iters)):
                     seed = size // MiB * 1000 + it
                     parent.send((size, seed, partition))
                     put_s, meta_d = parent.recv()
@@ -174,7 +180,7 @@ def bench_ray(sizes: list[int], iters: int) -> dict[int, dict[str, list[float]]]
             best: dict[str, list[float]] = {}
             for form in ("jagged", "padded"):
                 puts, gets = [], []
-                for it in range(iters):
+                for it in range(_iters(size, iters)):
                     seed = size // MiB * 1000 + it
                     put_s, [ref] = ray.get(prod.put.remote(size, seed, form))
                     t0 = time.perf_counter()
@@ -234,7 +240,7 @@ def bench_transferqueue(sizes: list[int], iters: int) -> dict[int, dict[str, lis
         prod = Producer.remote()
         for size in sizes:
             res = results.setdefault(size, {"put": [], "get": []})
-            for it in range(iters):
+            for it in range(_iters(size, iters)):
                 seed = size // MiB * 1000 + it
                 partition = f"p{seed}"
                 put_s, keys = ray.get(prod.put.remote(size, seed, partition))
@@ -260,25 +266,55 @@ def bench_transferqueue(sizes: list[int], iters: int) -> dict[int, dict[str, lis
 
 
 # ----------------------------------------------------------------------------- memcpy and control ops
+def _memcpy_producer(name: str, conn: Any) -> None:
+    """Writes each requested batch's bytes into the shared-memory buffer ``name``; reports their size."""
+    from multiprocessing import shared_memory
+
+    shm = shared_memory.SharedMemory(name=name)
+    try:
+        while (msg := conn.recv()) is not None:
+            b, pos = make_batch(*msg), 0
+            for f in (*FIELDS, "rewards"):
+                raw = b[f].numpy().view(np.uint8).reshape(-1)
+                shm.buf[pos : pos + raw.size] = raw
+                pos += raw.size
+            conn.send(pos)
+    finally:
+        shm.close()
+
+
 def bench_memcpy(sizes: list[int], iters: int) -> dict[int, dict[str, list[float]]]:
     """A plain copy of the payload bytes into a warm destination (the ceiling).
 
-    Each iteration copies a freshly built batch, as every system's get reads a batch a producer has
-    just written (copying one source over and over would measure the CPU caches, not memory)."""
+    The bytes are in the state every system's get finds them: a producer process has just built the
+    batch and written it into shared memory. (Copying a batch this process built itself would read it
+    from this core's caches; copying one source over and over would measure the caches alone.)"""
+    from multiprocessing import shared_memory
+
     results = {}
-    for size in sizes:
-        rates, dst, nbytes = [], None, 0
-        for it in range(iters):
-            b = make_batch(size, size // MiB * 1000 + it)
-            src = np.concatenate([b[f].numpy().view(np.uint8).reshape(-1) for f in (*FIELDS, "rewards")])
-            if dst is None:  # room for any batch of this size; its first iteration pays the page faults
-                dst = np.empty(2 * src.nbytes, dtype=np.uint8)
-            out = dst[: src.nbytes]
-            t0 = time.perf_counter()
-            np.copyto(out, src)
-            rates.append(src.nbytes / (time.perf_counter() - t0))
-            nbytes = nbytes or src.nbytes
-        results[size] = {"copy": rates, "bytes": nbytes}
+    shm = shared_memory.SharedMemory(create=True, size=2 * max(sizes))
+    parent, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=_memcpy_producer, args=(shm.name, child), daemon=True)
+    proc.start()
+    try:
+        src = np.ndarray((shm.size,), dtype=np.uint8, buffer=shm.buf)
+        for size in sizes:
+            rates, nbytes = [], 0
+            dst = np.empty(2 * size, dtype=np.uint8)  # room for any batch of this size; its first iteration pays the page faults
+            for it in range(_iters(size, iters)):
+                parent.send((size, size // MiB * 1000 + it))
+                n = parent.recv()
+                t0 = time.perf_counter()
+                np.copyto(dst[:n], src[:n])
+                rates.append(n / (time.perf_counter() - t0))
+                nbytes = nbytes or n
+            results[size] = {"copy": rates, "bytes": nbytes}
+        del src
+    finally:
+        parent.send(None)
+        proc.join(30)
+        shm.close()
+        shm.unlink()
     return results
 
 

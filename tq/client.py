@@ -19,7 +19,7 @@ import torch
 from . import protocol
 from .arena import Arena, align_up, host_identity
 from .bufferpool import HostBufferPool
-from .columns import EncodedColumn, encode_column, pad_bits, to_tensor, unpack_objects
+from .columns import EncodedColumn, encode_column, pad_bytes, to_tensor, unpack_objects
 from .errors import DuplicateKeyError, InvalidRequestError, MalformedMessageError, StorageUnitError, TQError
 from .jagged import JaggedTensor
 from .meta import KVBatchMeta
@@ -368,18 +368,22 @@ class TQClient:
         if loc.shape != (len(fields), n, LOC_COLUMNS):
             raise MalformedMessageError(f"locate reply has shape {loc.shape}, expected {(len(fields), n, LOC_COLUMNS)}")
         out = {f: _Fetched(FieldSchema.from_wire(located["schemas"][f]), n) for f in fields}
+        units = loc[:, :, UNIT]
+        first = int(units.flat[0]) if units.size else 0
+        if units.size and (units == first).all() and self._is_local(first):
+            # The common case (every row on this host's unit): rows are read where they lie.
+            view = self._local_view(first, loc, fields, meta)
+            starts, sizes = np.ascontiguousarray(loc[:, :, OFFSET]), np.ascontiguousarray(loc[:, :, NBYTES])
+            for f, name in enumerate(fields):
+                fx = out[name]
+                fx.sources, fx.starts, fx.sizes = [view], starts[f], sizes[f]
+            return out
         pending = []
-        for unit in np.unique(loc[:, :, UNIT]).tolist():
-            where = np.argwhere(loc[:, :, UNIT] == unit)  # [field index, key index], grouped by field
+        for unit in np.unique(units).tolist():
+            where = np.argwhere(units == unit)  # [field index, key index], grouped by field
             rec = loc[where[:, 0], where[:, 1]]
             if self._is_local(unit):
-                view = self._arena(unit).view
-                bad = np.flatnonzero((rec[:, OFFSET] < 0) | (rec[:, NBYTES] < 0) | (rec[:, OFFSET] + rec[:, NBYTES] > view.size))
-                if bad.size:
-                    f, k = where[bad[0]]
-                    raise MalformedMessageError(
-                        f"field {fields[f]!r} of key {meta.keys[k]!r} is located outside storage unit {unit}'s arena "
-                        f"(offset {rec[bad[0], OFFSET]}, {rec[bad[0], NBYTES]} bytes; arena {view.size} bytes)")
+                view = self._local_view(unit, rec[None], [fields[f] for f in where[:, 0]], meta, where[:, 1])
                 _place(out, fields, where, [view], np.zeros(where.shape[0], np.int64), rec[:, OFFSET], rec[:, NBYTES])
                 continue
             bufs: list[Any] = []
@@ -400,6 +404,21 @@ class TQClient:
             sources = [protocol.unpack_array(r, msg.buffers, dtype="|u1") for r in reply["frames"]]
             _place(out, fields, where, sources, src, starts, sizes)
         return out
+
+    def _local_view(self, unit: int, rec: np.ndarray, fields: list[str], meta: KVBatchMeta,
+                    key_idx: np.ndarray | None = None) -> np.ndarray:
+        """The mapped arena of ``unit``, after checking that every located row ``rec[f, i]`` lies in it
+        (the offsets come from another process; a bad one must fail, naming the row, not read astray)."""
+        view = self._arena(unit).view
+        off, nb = rec[..., OFFSET], rec[..., NBYTES]
+        if off.size and (off.min() < 0 or nb.min() < 0 or (off + nb).max() > view.size):
+            f, i = np.argwhere((off < 0) | (nb < 0) | (off + nb > view.size))[0]
+            k = int(key_idx[i]) if key_idx is not None else int(i)
+            field = fields[i] if key_idx is not None else fields[f]
+            raise MalformedMessageError(
+                f"field {field!r} of key {meta.keys[k]!r} is located outside storage unit {unit}'s arena "
+                f"(offset {off[f, i]}, {nb[f, i]} bytes; arena {view.size} bytes)")
+        return view
 
     def get(
         self,
@@ -435,7 +454,7 @@ class TQClient:
 
     def _assemble(self, name: str, fx: _Fetched, meta: KVBatchMeta, layout: Layout, pad_to: int | None, pad_value: Any) -> Any:
         schema, n = fx.schema, fx.sizes.size
-        dst_starts = np.cumsum(fx.sizes) - fx.sizes
+        dst_starts = np.cumsum(fx.sizes) - fx.sizes if schema.kind != JAGGED or layout != "padded" else None
         if schema.kind == OBJECT:
             raw = np.empty(int(fx.sizes.sum()), dtype=np.uint8)
             fx.copy_into(raw, dst_starts)
@@ -466,7 +485,7 @@ class TQClient:
         raw = self._pool.empty(n * target * row_bytes)
         fill = pad_value.get(name, 0) if isinstance(pad_value, Mapping) else pad_value
         span = target * row_bytes
-        fx.copy_into(raw, np.arange(n, dtype=np.int64) * span, span, pad_bits(schema, fill).tobytes())
+        fx.copy_into(raw, np.arange(n, dtype=np.int64) * span, span, pad_bytes(schema, fill))
         return to_tensor(raw, schema, (n, target, *schema.shape))
 
     # ------------------------------------------------------------------ deletes and stats

@@ -104,8 +104,7 @@ class RpcServer:
     # -- replies
     def reply(self, call: Call, result: Any, buffers: Sequence[Any] = ()) -> None:
         frames = protocol.reply_ok(call.rid, result, buffers, self.secret)
-        # Zero-copy: reply buffers are owned by the reply (pyzmq still copies frames under 64 KiB).
-        self.sock.send_multipart([call.identity, *frames], copy=False)
+        self.sock.send_multipart([call.identity, *frames], copy=not _zero_copy(frames))
         self._record(call, ok=True)
 
     def reply_error(self, call: Call, exc: BaseException) -> None:
@@ -178,6 +177,12 @@ class RpcServer:
         }
 
 
+def _zero_copy(frames: Sequence[Any]) -> bool:
+    """Whether to send ``frames`` zero-copy: only when one is big. pyzmq copies frames under
+    ``zmq.COPY_THRESHOLD`` anyway, and its zero-copy path costs about twice as much per small message."""
+    return any(memoryview(f).nbytes >= zmq.COPY_THRESHOLD for f in frames)
+
+
 class RpcChannel:
     """Request/reply to one server, safe to use from many threads (one DEALER socket per thread)."""
 
@@ -220,13 +225,13 @@ class RpcChannel:
         timeout = self.timeout if timeout is None else timeout
         frames = protocol.request(op, rid, args, buffers, self.secret)
         try:  # the common case: connected, so the send is queued at once without an extra poll
-            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=not _zero_copy(frames))
         except zmq.Again:  # IMMEDIATE: no connection yet - wait for one, up to the timeout
             if not self._wait(sock, zmq.POLLOUT, timeout, check):
                 raise TQConnectionError(
                     f"cannot reach {self.name} at {self.address} within {timeout:.1f}s (op {op!r}): server down or unreachable"
                 ) from None
-            sock.send_multipart(frames, copy=False)
+            sock.send_multipart(frames, copy=not _zero_copy(frames))
         return rid
 
     @staticmethod

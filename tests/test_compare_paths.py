@@ -62,6 +62,28 @@ def test_synthetic_backend_is_deterministic_for_a_seed_and_refit_records_the_ver
         SyntheticGenerationBackend(GenerationBackendConfig(backend="hf"))
 
 
+def test_refits_ship_no_weights_to_a_backend_that_loads_none():
+    """The trainer ships rank 0's weights only to a backend with a model; the synthetic one gets an
+    empty mapping (its step time then holds no weight transfer the generator would ignore)."""
+    from types import SimpleNamespace
+
+    from trainer.base import GRPOTrainerBase
+    from trainer.config import MasterConfig
+
+    class Rank0:
+        class get_weights:  # noqa: N801 - stands in for a Ray actor method handle
+            @staticmethod
+            def remote() -> str:
+                return "weights-ref"
+
+    def trainer(backend: str) -> SimpleNamespace:
+        cfg = MasterConfig.model_validate({"generation": {"backend": backend}})
+        return SimpleNamespace(cfg=cfg, policy=SimpleNamespace(workers=[Rank0()]))
+
+    assert GRPOTrainerBase.refit_weights(trainer("synthetic")) == {}
+    assert GRPOTrainerBase.refit_weights(trainer("hf")) == "weights-ref"
+
+
 # ----------------------------------------------------------------------------- instrumentation
 def test_payload_nbytes_counts_pickled_bytes_and_whole_storages():
     x = {"a": torch.zeros(1000), "b": [torch.ones(10, dtype=torch.int64), "text"], "c": 3}

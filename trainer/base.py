@@ -125,11 +125,18 @@ class GRPOTrainerBase(ABC):
         self.driver_bytes_received += nbytes_of(out)
         return out
 
+    def refit_weights(self) -> Any:
+        """What a refit ships: rank 0's weights as an object reference (they skip the driver), or an
+        empty mapping when the generation backend loads none (synthetic), so that benchmarks on it
+        measure data movement rather than a weight transfer the generator ignores."""
+        if not self.cfg.generation.loads_weights:
+            return {}
+        return self.policy.workers[0].get_weights.remote()
+
     def refit_generation(self) -> None:
         """Push the policy's weights to the generator: rank 0 -> object store -> rollout actor. The
         driver only passes the object reference, never the weights."""
-        weights = self.policy.workers[0].get_weights.remote()
-        self.get(self.send(self.rollout.update_weights, weights, self.step), "generation refit")
+        self.get(self.send(self.rollout.update_weights, self.refit_weights(), self.step), "generation refit")
 
     def _pop_driver_counters(self) -> dict[str, float]:
         """The driver's traffic since the last call (trainer and policy together), then reset."""

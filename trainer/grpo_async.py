@@ -87,7 +87,7 @@ class GRPOAsyncTrainer(GRPOSyncTrainer):
     def _refit_collector(self, version: int, state: dict[str, Any] | None = None, first: bool = False) -> None:
         c = self.collector
         self.get(c.prepare_for_refit.remote(), "collector prepare_for_refit")
-        weights = self.policy.workers[0].get_weights.remote()  # an object ref: the weights skip the driver
+        weights = self.refit_weights()
         self.get(c.update_weights.remote(weights, version), "collector update_weights")
         if first:
             self.get(c.start_collection.remote(state), "collector start_collection")
@@ -99,7 +99,7 @@ class GRPOAsyncTrainer(GRPOSyncTrainer):
         if self.collector is None or self.step >= self.cfg.grpo.max_num_steps:  # nothing left to generate for
             return
         self.get(self.collector.wait_for_target.remote(self.step), f"trajectories of step {self.step}")
-        weights = self.policy.workers[0].get_weights.remote()  # an object ref: the weights skip the driver
+        weights = self.refit_weights()
         self.get(self.collector.stage_weights.remote(weights, self.step), "collector stage_weights")
 
     def _maybe_resume(self) -> None:
@@ -170,8 +170,7 @@ class GRPOAsyncTrainer(GRPOSyncTrainer):
 
     def validate(self) -> dict[str, float]:
         """Greedy validation on the sync rollout actor, refit first with the current weights."""
-        weights = self.policy.workers[0].get_weights.remote()
-        self.get(self.rollout.update_weights.remote(weights, self.step), "validation refit")
+        self.get(self.rollout.update_weights.remote(self.refit_weights(), self.step), "validation refit")
         return super().validate()
 
     def shutdown(self) -> None:

@@ -59,6 +59,11 @@ class GenerationBackendConfig(BaseModel):
     vllm_extra_kwargs: dict[str, Any] = Field(default_factory=dict)
 
     @property
+    def loads_weights(self) -> bool:
+        """Whether a refit must ship the policy's weights (the synthetic backend has no model to load them into)."""
+        return self.backend != "synthetic"
+
+    @property
     def greedy_by_default(self) -> bool:
         """True when the configured temperature means greedy decoding."""
         return self.temperature == 0.0

@@ -658,14 +658,19 @@ def test_commit_locating_rows_outside_the_arena_fails_reads_naming_the_key(env):
     pid = f"fz-offsets-{uuid.uuid4().hex[:6]}"
     c.register_partition(pid)
     try:
+        ok = c.put(pid, ["near"], {"x": torch.tensor([2.5])})
+        located, msg = c._ctrl.call("locate", {"partition": pid, "keys": ["near"], "fields": ["x"]})
+        far_unit = 1 - int(protocol.unpack_array(located["loc"], msg.buffers)[0, 0, 0])  # the other unit
         bufs: list = []
         fields = {"x": {"schema": ["tensor", "float32", []], "row_nbytes": protocol.pack_array(np.array([4], dtype=np.int64), bufs),
                         "arena_offsets": protocol.pack_array(np.array([1 << 40], dtype=np.int64), bufs)}}
-        protocol.raise_for_reply(_call_raw(env.address, "commit", {"partition": pid, "keys": ["far"], "mode": "put", "unit": 0,
+        protocol.raise_for_reply(_call_raw(env.address, "commit", {"partition": pid, "keys": ["far"], "mode": "put", "unit": far_unit,
                                                                     "block": 1, "fields": fields}, bufs))
-        with pytest.raises(MalformedMessageError, match=r"field 'x' of key 'far' is located outside storage unit 0's arena"):
-            c.get(c.get_meta(pid), ["x"])
-        ok = c.put(pid, ["near"], {"x": torch.tensor([2.5])})
+        bad = rf"field 'x' of key 'far' is located outside storage unit {far_unit}'s arena"
+        with pytest.raises(MalformedMessageError, match=bad):  # every row on one unit
+            c.get(c.get_meta(pid, ["far"]), ["x"])
+        with pytest.raises(MalformedMessageError, match=bad):  # rows on both units
+            c.get(c.get_meta(pid, ["near", "far"]), ["x"])
         assert torch.equal(c.get(ok, ["x"])["x"], torch.tensor([2.5]))
     finally:
         c.drop_partition(pid)

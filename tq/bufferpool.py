@@ -42,8 +42,9 @@ class HostBufferPool:
             return np.empty(nbytes, dtype=np.uint8)
         size = -(-nbytes // POOL_GRANULE) * POOL_GRANULE
         mm = None
-        with self._lock:  # best fit: the smallest idle buffer that holds the request, if not over 2x
-            i = bisect.bisect_left(self._free, (size, -1))
+        with self._lock:  # best fit: the smallest idle buffer that holds the request, if not over 2x;
+            # among equal sizes the most recently released (its lines are likeliest still cached)
+            i = bisect.bisect_left(self._free, (size, -(1 << 62)))
             if i < len(self._free) and self._free[i][0] <= 2 * size:
                 size, _, mm = self._free.pop(i)
                 self._cached -= size
@@ -58,7 +59,7 @@ class HostBufferPool:
     def _release(self, mm: mmap.mmap, size: int) -> None:
         with self._lock:
             if self._cached + size <= self.max_cached_bytes:
-                bisect.insort(self._free, (size, next(self._seq), mm))
+                bisect.insort(self._free, (size, -next(self._seq), mm))
                 self._cached += size
         # Over budget: drop the mapping. It is unmapped once the dying array releases its export
         # (weakref callbacks run before that, so closing it here would fail).

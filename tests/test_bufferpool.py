@@ -1,0 +1,73 @@
+"""The client's pool of host buffers for get results: reuse, safety while a tensor still views a
+buffer, best fit, most-recently-released first, and the idle-bytes budget."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import torch
+
+from tq.bufferpool import POOL_GRANULE, HostBufferPool
+
+MiB = 1 << 20
+
+
+def _addr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def test_a_released_buffer_is_reused_and_a_live_one_never_is():
+    pool = HostBufferPool(max_cached_bytes=64 * MiB)
+    a = pool.empty(3 * MiB)
+    t = torch.from_numpy(a)  # a tensor viewing the buffer keeps it alive after the array is dropped
+    first = _addr(a)
+    del a
+    gc.collect()
+    b = pool.empty(3 * MiB)
+    assert _addr(b) != first and pool.cached_bytes == 0  # still viewed by t: not handed out again
+    b[:] = 7
+    assert not (t.numpy() == 7).any()
+    del t
+    gc.collect()
+    assert pool.cached_bytes == 4 * MiB  # rounded up to the 2 MiB granule
+    c = pool.empty(3 * MiB)
+    assert _addr(c) == first and pool.cached_bytes == 0
+
+
+def test_most_recently_released_buffer_of_a_size_comes_back_first():
+    pool = HostBufferPool(max_cached_bytes=64 * MiB)
+    b0, b1, b2 = (pool.empty(2 * MiB) for _ in range(3))
+    addrs = [_addr(b) for b in (b0, b1, b2)]
+    del b0  # released in order 0, 1, 2
+    gc.collect()
+    del b1
+    gc.collect()
+    del b2
+    gc.collect()
+    x, y = pool.empty(2 * MiB), pool.empty(2 * MiB)
+    assert (_addr(x), _addr(y)) == (addrs[2], addrs[1])
+
+
+def test_best_fit_never_hands_out_a_buffer_over_twice_the_request():
+    pool = HostBufferPool(max_cached_bytes=64 * MiB)
+    big = pool.empty(16 * MiB)
+    big_addr = _addr(big)
+    del big
+    gc.collect()
+    small = pool.empty(2 * MiB)  # 16 MiB idle, but more than 2x: a new mapping
+    assert _addr(small) != big_addr and pool.cached_bytes == 16 * MiB
+    fits = pool.empty(9 * MiB)  # rounded to 10 MiB; 16 <= 20: reused
+    assert _addr(fits) == big_addr and fits.size == 9 * MiB
+
+
+def test_idle_bytes_stay_within_the_budget_and_small_requests_are_not_pooled():
+    pool = HostBufferPool(max_cached_bytes=4 * MiB)
+    bufs = [pool.empty(POOL_GRANULE) for _ in range(4)]
+    del bufs
+    gc.collect()
+    assert pool.cached_bytes == 4 * MiB  # two of the four kept, the rest unmapped
+    tiny = pool.empty(1000)
+    assert tiny.size == 1000 and pool.cached_bytes == 4 * MiB
+    pool.clear()
+    assert pool.cached_bytes == 0

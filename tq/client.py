@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -372,8 +372,8 @@ class TQClient:
         first = int(units.flat[0]) if units.size else 0
         if units.size and (units == first).all() and self._is_local(first):
             # The common case (every row on this host's unit): rows are read where they lie.
-            view = self._local_view(first, loc, fields, meta)
             starts, sizes = np.ascontiguousarray(loc[:, :, OFFSET]), np.ascontiguousarray(loc[:, :, NBYTES])
+            view = self._arena_view(first, starts.ravel(), sizes.ravel(), lambda i: (fields[i // n], meta.keys[i % n]))
             for f, name in enumerate(fields):
                 fx = out[name]
                 fx.sources, fx.starts, fx.sizes = [view], starts[f], sizes[f]
@@ -383,7 +383,8 @@ class TQClient:
             where = np.argwhere(units == unit)  # [field index, key index], grouped by field
             rec = loc[where[:, 0], where[:, 1]]
             if self._is_local(unit):
-                view = self._local_view(unit, rec[None], [fields[f] for f in where[:, 0]], meta, where[:, 1])
+                view = self._arena_view(unit, rec[:, OFFSET], rec[:, NBYTES],
+                                        lambda i: (fields[where[i, 0]], meta.keys[where[i, 1]]))  # noqa: B023
                 _place(out, fields, where, [view], np.zeros(where.shape[0], np.int64), rec[:, OFFSET], rec[:, NBYTES])
                 continue
             bufs: list[Any] = []
@@ -405,19 +406,17 @@ class TQClient:
             _place(out, fields, where, sources, src, starts, sizes)
         return out
 
-    def _local_view(self, unit: int, rec: np.ndarray, fields: list[str], meta: KVBatchMeta,
-                    key_idx: np.ndarray | None = None) -> np.ndarray:
-        """The mapped arena of ``unit``, after checking that every located row ``rec[f, i]`` lies in it
-        (the offsets come from another process; a bad one must fail, naming the row, not read astray)."""
+    def _arena_view(self, unit: int, offsets: np.ndarray, nbytes: np.ndarray, row: Callable[[int], tuple[str, str]]) -> np.ndarray:
+        """The mapped arena of ``unit``, once every located row ``[offsets[i], offsets[i] + nbytes[i])``
+        is checked to lie in it: the offsets come from another process, and a bad one must fail naming
+        its (field, key) = ``row(i)``, never read outside the mapping."""
         view = self._arena(unit).view
-        off, nb = rec[..., OFFSET], rec[..., NBYTES]
-        if off.size and (off.min() < 0 or nb.min() < 0 or (off + nb).max() > view.size):
-            f, i = np.argwhere((off < 0) | (nb < 0) | (off + nb > view.size))[0]
-            k = int(key_idx[i]) if key_idx is not None else int(i)
-            field = fields[i] if key_idx is not None else fields[f]
+        if offsets.size and (offsets.min() < 0 or nbytes.min() < 0 or (offsets + nbytes).max() > view.size):
+            i = int(np.flatnonzero((offsets < 0) | (nbytes < 0) | (offsets + nbytes > view.size))[0])
+            field, key = row(i)
             raise MalformedMessageError(
-                f"field {field!r} of key {meta.keys[k]!r} is located outside storage unit {unit}'s arena "
-                f"(offset {off[f, i]}, {nb[f, i]} bytes; arena {view.size} bytes)")
+                f"field {field!r} of key {key!r} is located outside storage unit {unit}'s arena "
+                f"(offset {offsets[i]}, {nbytes[i]} bytes; arena {view.size} bytes)")
         return view
 
     def get(

@@ -4,8 +4,11 @@ buffer, best fit, most-recently-released first, and the idle-bytes budget."""
 from __future__ import annotations
 
 import gc
+import os
+import re
 
 import numpy as np
+import pytest
 import torch
 
 from tq.bufferpool import POOL_GRANULE, HostBufferPool
@@ -71,3 +74,20 @@ def test_idle_bytes_stay_within_the_budget_and_small_requests_are_not_pooled():
     assert tiny.size == 1000 and pool.cached_bytes == 4 * MiB
     pool.clear()
     assert pool.cached_bytes == 0
+
+
+def test_buffers_are_private_anonymous_memory():
+    """Not shared anonymous memory (shmem), which gets no transparent huge pages where shmem THP is off:
+    each buffer's mapping in /proc/self/smaps is private ("rw-p")."""
+    if not os.path.exists("/proc/self/smaps"):
+        pytest.skip("needs /proc/self/smaps (Linux)")
+    pool = HostBufferPool(max_cached_bytes=64 * MiB)
+    a = pool.empty(4 * MiB)
+    addr = _addr(a)
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            m = re.match(r"([0-9a-f]+)-([0-9a-f]+) (\S+)", line)
+            if m and int(m.group(1), 16) <= addr < int(m.group(2), 16):
+                assert m.group(3) == "rw-p", line
+                return
+    raise AssertionError("the buffer's mapping is not in /proc/self/smaps")

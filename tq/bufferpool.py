@@ -49,7 +49,9 @@ class HostBufferPool:
                 size, _, mm = self._free.pop(i)
                 self._cached -= size
         if mm is None:
-            mm = mmap.mmap(-1, size)
+            # Private, not mmap's default shared anonymous memory: that is shmem, which gets no
+            # transparent huge pages where shmem THP is off (the common default).
+            mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             if hasattr(mmap, "MADV_HUGEPAGE"):
                 mm.madvise(mmap.MADV_HUGEPAGE)
         arr = np.frombuffer(mm, dtype=np.uint8, count=nbytes)

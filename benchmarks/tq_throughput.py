@@ -313,11 +313,16 @@ def bench_memcpy(sizes: list[int], iters: int) -> dict[int, dict[str, list[float
             rates, nbytes = [], 0
             dst = _huge_page_buffer(2 * size)  # room for any batch of this size; its first iteration pays the page faults
             for it in range(_iters(size, iters)):
-                parent.send((size, size // MiB * 1000 + it))
+                seed = size // MiB * 1000 + it
+                parent.send((size, seed))
                 n = parent.recv()
                 t0 = time.perf_counter()
                 np.copyto(dst[:n], src[:n])
                 rates.append(n / (time.perf_counter() - t0))
+                if it == 0:  # verified like every system's first read
+                    b = make_batch(size, seed)
+                    if not np.array_equal(dst[:n], np.concatenate([b[f].numpy().view(np.uint8).reshape(-1) for f in (*FIELDS, "rewards")])):
+                        raise AssertionError("the memcpy ceiling copied other bytes than the producer's batch")
                 nbytes = nbytes or n
             results[size] = {"copy": rates, "bytes": nbytes}
         del src

@@ -63,25 +63,17 @@ def test_synthetic_backend_is_deterministic_for_a_seed_and_refit_records_the_ver
 
 
 def test_refits_ship_no_weights_to_a_backend_that_loads_none():
-    """The trainer ships rank 0's weights only to a backend with a model; the synthetic one gets an
-    empty mapping (its step time then holds no weight transfer the generator would ignore)."""
+    """Only backends with a model load weights; for the synthetic one the trainer's refit payload is an
+    empty mapping, built without asking the policy for anything (its step time then holds no weight
+    transfer the generator would ignore). The weight-shipping path runs in every end-to-end trainer test."""
     from types import SimpleNamespace
 
     from trainer.base import GRPOTrainerBase
     from trainer.config import MasterConfig
 
-    class Rank0:
-        class get_weights:  # noqa: N801 - stands in for a Ray actor method handle
-            @staticmethod
-            def remote() -> str:
-                return "weights-ref"
-
-    def trainer(backend: str) -> SimpleNamespace:
-        cfg = MasterConfig.model_validate({"generation": {"backend": backend}})
-        return SimpleNamespace(cfg=cfg, policy=SimpleNamespace(workers=[Rank0()]))
-
-    assert GRPOTrainerBase.refit_weights(trainer("synthetic")) == {}
-    assert GRPOTrainerBase.refit_weights(trainer("hf")) == "weights-ref"
+    assert [GenerationBackendConfig(backend=b).loads_weights for b in ("hf", "vllm", "synthetic")] == [True, True, False]
+    cfg = MasterConfig.model_validate({"generation": {"backend": "synthetic"}})
+    assert GRPOTrainerBase.refit_weights(SimpleNamespace(cfg=cfg, policy=None)) == {}
 
 
 # ----------------------------------------------------------------------------- instrumentation

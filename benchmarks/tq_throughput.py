@@ -5,8 +5,10 @@ Every system moves the same GRPO-shaped batch (jagged ``input_ids`` int64, ``gen
 ``prev_logprobs`` float32, ``token_mask`` bool, per-sample ``rewards``): a producer in another process
 writes it, the benchmark process reads it back as padded dense torch tensors (what a training worker
 needs). Throughput counts the batch's unpadded bytes over the wall time of the call. Each size runs
-``--iters`` times with fresh data and keys; the table shows the median of the warm iterations (all but
-the first) and, in parentheses, the first (cold) one, where fresh pages are faulted in.
+``--iters`` times with fresh data and keys (3x up to 32 MiB); the table shows the median of the warm
+iterations (all but the first) and, in parentheses, the first (cold) one, where fresh pages are faulted
+in. Every system runs ``--rounds`` times in turn (default 2) and the rounds' warm iterations are
+pooled, so a slow phase of a shared machine does not land on one system only.
 
     python -m benchmarks.tq_throughput                 # 8 MiB .. 512 MiB, all systems
     python -m benchmarks.tq_throughput --quick         # 8 and 32 MiB, fewer iterations
@@ -362,6 +364,22 @@ def bench_control_ops(n: int) -> dict[str, dict[str, float]]:
 
 
 # ----------------------------------------------------------------------------- report
+def merge_rounds(rounds: list[dict[int, dict[str, Any]]]) -> dict[int, dict[str, Any]]:
+    """One result per size from several rounds of a system: the first round's first (cold) iteration,
+    then the warm iterations of every round (each round's first one pays fresh set-up, so it is left out)."""
+    out: dict[int, dict[str, Any]] = {}
+    for size, first in rounds[0].items():
+        merged = dict(first)
+        for key, value in first.items():
+            if isinstance(value, list):
+                merged[key] = value[:1] + [x for r in rounds for x in r[size][key][1:]]
+        forms = sorted({r[size]["form"] for r in rounds if "form" in r[size]})
+        if forms:
+            merged["form"] = "/".join(forms)
+        out[size] = merged
+    return out
+
+
 def _warm(x: list[float]) -> float:
     """Median over the warm iterations (all but the first)."""
     return statistics.median(x[1:] if len(x) > 1 else x)
@@ -376,7 +394,8 @@ def report(all_res: dict[str, Any], sizes: list[int]) -> str:
         f"Machine: {platform.node()} - {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, "
         f"Python {platform.python_version()}, torch {torch.__version__}",
         "",
-        "GB/s of unpadded payload: median of warm iterations (first, cold iteration in parentheses).",
+        f"GB/s of unpadded payload: median of warm iterations, pooled over {all_res.get('rounds', 1)} round(s) of every system "
+        "run in turn (first, cold iteration in parentheses).",
         "",
         "| batch | payload MB | memcpy | TQ put | TQ get | TQ tcp put | TQ tcp get | Ray put | Ray get | transferqueue put | transferqueue get |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -429,20 +448,38 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes-mib", type=int, nargs="+", default=[8, 32, 128, 512])
     p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--quick", action="store_true", help="8 and 32 MiB, 4 iterations")
+    p.add_argument("--quick", action="store_true", help="8 and 32 MiB, 4 iterations, 1 round")
     p.add_argument("--skip", nargs="*", default=[], choices=["ray", "transferqueue", "tcp"])
+    p.add_argument("--rounds", type=int, default=2,
+                   help="run every system this many times in turn and pool their warm iterations (default 2; --quick 1)")
     p.add_argument("--out", default="results/tq_throughput")
     a = p.parse_args(argv)
     if a.quick:
-        a.sizes_mib, a.iters = [8, 32], 4
+        a.sizes_mib, a.iters, a.rounds = [8, 32], 4, 1
+    if a.rounds < 1:
+        p.error("--rounds must be >= 1")
     sizes = [s * MiB for s in a.sizes_mib]
-    res: dict[str, Any] = {"sizes": sizes}
+    res: dict[str, Any] = {"sizes": sizes, "rounds": a.rounds}
     t0 = time.time()
-    res["memcpy"] = bench_memcpy(sizes, a.iters)
-    res["tq"] = bench_tq(sizes, a.iters, "auto")
-    res["tq_tcp"] = bench_tq(sizes, a.iters, "tcp") if "tcp" not in a.skip else res["tq"]
-    res["ray"] = bench_ray(sizes, a.iters) if "ray" not in a.skip else res["tq"]
-    res["transferqueue"] = bench_transferqueue(sizes, a.iters) if "transferqueue" not in a.skip else None
+    systems: dict[str, Callable[[], Any]] = {
+        "memcpy": lambda: bench_memcpy(sizes, a.iters),
+        "tq": lambda: bench_tq(sizes, a.iters, "auto"),
+    }
+    if "tcp" not in a.skip:
+        systems["tq_tcp"] = lambda: bench_tq(sizes, a.iters, "tcp")
+    if "ray" not in a.skip:
+        systems["ray"] = lambda: bench_ray(sizes, a.iters)
+    if "transferqueue" not in a.skip:
+        systems["transferqueue"] = lambda: bench_transferqueue(sizes, a.iters)
+    runs: dict[str, list[Any]] = {name: [] for name in systems}
+    for _ in range(a.rounds):  # in turn, so a slow phase of a shared machine does not land on one system
+        for name, run in systems.items():
+            runs[name].append(run())
+    for name, got in runs.items():
+        res[name] = merge_rounds(got) if got[0] is not None else None
+    res.setdefault("tq_tcp", res["tq"])
+    res.setdefault("ray", res["tq"])
+    res.setdefault("transferqueue", None)
     res["control_ops"] = bench_control_ops(2000)
     table = report(res, sizes)
     res["wall_s"] = time.time() - t0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.tq_throughput import FIELDS, MiB, make_batch, payload_bytes, report
+from benchmarks.tq_throughput import FIELDS, MiB, make_batch, merge_rounds, payload_bytes, report
 
 
 def test_payload_bytes_counts_exactly_the_batch_bytes():
@@ -40,3 +40,13 @@ def test_memcpy_ceiling_copies_every_byte_of_the_batch_a_producer_process_wrote(
     res = bench_memcpy([MiB], 1)[MiB]
     assert res["bytes"] == payload_bytes(MiB, 1000)
     assert len(res["copy"]) == 3 and all(r > 0 for r in res["copy"])
+
+
+def test_rounds_pool_every_rounds_warm_iterations_behind_the_first_cold_one():
+    size = 8 * MiB
+    r1 = {size: {"put": [1.0, 10.0, 11.0], "get": [2.0, 20.0, 21.0], "bytes": 5, "form": "padded"}}
+    r2 = {size: {"put": [3.0, 12.0, 13.0], "get": [4.0, 22.0, 23.0], "bytes": 5, "form": "jagged"}}
+    m = merge_rounds([r1, r2])[size]
+    assert m["put"] == [1.0, 10.0, 11.0, 12.0, 13.0]  # round 2's cold 3.0 is left out
+    assert m["get"] == [2.0, 20.0, 21.0, 22.0, 23.0] and m["bytes"] == 5 and m["form"] == "jagged/padded"
+    assert merge_rounds([r1]) == r1

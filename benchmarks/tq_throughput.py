@@ -72,6 +72,11 @@ def make_batch(nbytes: int, seed: int) -> dict[str, Any]:
     }
 
 
+def batch_bytes(batch: dict[str, Any]) -> list[np.ndarray]:
+    """The payload of a batch as raw bytes, field by field (``FIELDS``, then ``rewards``)."""
+    return [batch[f].numpy().view(np.uint8).reshape(-1) for f in (*FIELDS, "rewards")]
+
+
 def payload_bytes(nbytes: int, seed: int) -> int:
     """Unpadded bytes of ``make_batch(nbytes, seed)`` (every token's fields plus a float32 reward each)."""
     lengths = batch_lengths(nbytes, seed)
@@ -275,25 +280,13 @@ def _memcpy_producer(name: str, conn: Any) -> None:
     shm = shared_memory.SharedMemory(name=name)
     try:
         while (msg := conn.recv()) is not None:
-            b, pos = make_batch(*msg), 0
-            for f in (*FIELDS, "rewards"):
-                raw = b[f].numpy().view(np.uint8).reshape(-1)
+            pos = 0
+            for raw in batch_bytes(make_batch(*msg)):
                 shm.buf[pos : pos + raw.size] = raw
                 pos += raw.size
             conn.send(pos)
     finally:
         shm.close()
-
-
-def _huge_page_buffer(nbytes: int) -> np.ndarray:
-    """A destination backed by transparent huge pages where the kernel allows them - the kind of
-    memory TQ's result buffers use, so the ceiling is not handicapped by 4 KiB pages."""
-    import mmap
-
-    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        mm.madvise(mmap.MADV_HUGEPAGE)
-    return np.frombuffer(mm, dtype=np.uint8)
 
 
 def bench_memcpy(sizes: list[int], iters: int) -> dict[int, dict[str, list[float]]]:
@@ -304,6 +297,8 @@ def bench_memcpy(sizes: list[int], iters: int) -> dict[int, dict[str, list[float
     from this core's caches; copying one source over and over would measure the caches alone.)"""
     from multiprocessing import shared_memory
 
+    from tq.bufferpool import huge_page_mapping
+
     results = {}
     shm = shared_memory.SharedMemory(create=True, size=2 * max(sizes))
     parent, child = mp.get_context("spawn").Pipe()
@@ -313,7 +308,9 @@ def bench_memcpy(sizes: list[int], iters: int) -> dict[int, dict[str, list[float
         src = np.ndarray((shm.size,), dtype=np.uint8, buffer=shm.buf)
         for size in sizes:
             rates, nbytes = [], 0
-            dst = _huge_page_buffer(2 * size)  # room for any batch of this size; its first iteration pays the page faults
+            # Room for any batch of this size, in the kind of memory TQ's result buffers use (huge
+            # pages where allowed); its first iteration pays the page faults.
+            dst = np.frombuffer(huge_page_mapping(2 * size), dtype=np.uint8)
             for it in range(_iters(size, iters)):
                 seed = size // MiB * 1000 + it
                 parent.send((size, seed))
@@ -321,10 +318,8 @@ def bench_memcpy(sizes: list[int], iters: int) -> dict[int, dict[str, list[float
                 t0 = time.perf_counter()
                 np.copyto(dst[:n], src[:n])
                 rates.append(n / (time.perf_counter() - t0))
-                if it == 0:  # verified like every system's first read
-                    b = make_batch(size, seed)
-                    if not np.array_equal(dst[:n], np.concatenate([b[f].numpy().view(np.uint8).reshape(-1) for f in (*FIELDS, "rewards")])):
-                        raise AssertionError("the memcpy ceiling copied other bytes than the producer's batch")
+                if it == 0 and not np.array_equal(dst[:n], np.concatenate(batch_bytes(make_batch(size, seed)))):
+                    raise AssertionError("the memcpy ceiling copied other bytes than the producer's batch")  # checked like every first read
                 nbytes = nbytes or n
             results[size] = {"copy": rates, "bytes": nbytes}
         del src

@@ -89,6 +89,53 @@ def payload_nbytes(obj: Any) -> int:
     return sink.n + pickler.data_bytes
 
 
+class DriverTraffic:
+    """What the driver moves through Ray - the pickled bytes of the arguments it sends and of the
+    results it fetches - and the seconds it spends sending calls, fetching finished results and in its
+    own TQ calls (``timing``). The trainer and the policy each keep one; the trainer pops both per step."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.timing: dict[str, float] = defaultdict(float)
+
+    def send(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        """``method.remote(*args, **kwargs)`` (an actor method), counting the arguments' bytes and the
+        time the call takes to leave the driver (serialization) as ``driver_send_s``."""
+        self.bytes_sent += payload_nbytes((args, kwargs))
+        t = time.perf_counter()
+        ref = method.remote(*args, **kwargs)
+        self.timing["driver_send_s"] += time.perf_counter() - t
+        return ref
+
+    def get(self, refs: Any, timeout: float, *, count: bool = True) -> Any:
+        """``ray.get`` of ``refs`` once all are finished (``ray.exceptions.GetTimeoutError`` after
+        ``timeout`` s): the wait fetches nothing, so ``driver_get_s`` is the time to bring the results
+        to the driver, not the remote work. With ``count`` their pickled size adds to ``bytes_received``."""
+        import ray
+        from ray.exceptions import GetTimeoutError
+
+        waited = refs if isinstance(refs, list) else [refs]
+        _, pending = ray.wait(waited, num_returns=len(waited), timeout=timeout, fetch_local=False)
+        if pending:
+            raise GetTimeoutError()
+        t = time.perf_counter()
+        out = ray.get(refs, timeout=timeout)
+        self.timing["driver_get_s"] += time.perf_counter() - t
+        if count:
+            self.bytes_received += payload_nbytes(out)
+        return out
+
+    def pop(self) -> dict[str, float]:
+        """``bytes_sent``, ``bytes_received`` and the ``timing`` seconds since the last pop, then reset."""
+        out = {"bytes_sent": float(self.bytes_sent), "bytes_received": float(self.bytes_received), **self.timing}
+        self._reset()
+        return out
+
+
 class _WorkerGroup:
     """Starts the DP worker actors, forms their process group, and bounds every wait on them."""
 
@@ -101,12 +148,8 @@ class _WorkerGroup:
         cfg = self.config
         actor_cls = ray.remote(DPPolicyWorker).options(num_cpus=cfg.num_cpus_per_worker, num_gpus=cfg.num_gpus_per_worker)
         cfg_dict = cfg.model_dump()
-        # Instrumentation of the driver's data traffic (the trainers log per-step deltas): bytes of
-        # the arguments of worker calls and of driver TQ writes (sent), of worker results and driver
-        # TQ reads (received), and seconds spent sending, unpacking results and in driver TQ calls.
-        self.bytes_sent = 0
-        self.bytes_received = 0
-        self.timing: dict[str, float] = defaultdict(float)
+        # The driver's traffic for worker calls and its own TQ reads and writes (trainers log it per step).
+        self.traffic = DriverTraffic()
         self.workers = [actor_cls.remote(cfg_dict, r, cfg.dp_size) for r in range(cfg.dp_size)]
         try:
             addr, port = self._get(self.workers[0].master_address.remote(), "master_address")
@@ -117,38 +160,21 @@ class _WorkerGroup:
             raise
 
     def _get(self, refs: Any, what: str, *, count: bool = True) -> Any:
-        """``ray.get`` bounded by ``ray_timeout_s``. The results are waited for first, then fetched, so
-        ``timing["driver_get_s"]`` is the time to bring finished results to the driver (not the
-        compute); with ``count`` their pickled size adds to ``bytes_received``."""
-        import ray
+        """:meth:`DriverTraffic.get` bounded by ``ray_timeout_s``, with an error naming ``what``."""
         from ray.exceptions import GetTimeoutError
 
         try:
-            waited = refs if isinstance(refs, list) else [refs]
-            _, pending = ray.wait(waited, num_returns=len(waited), timeout=self.config.ray_timeout_s, fetch_local=False)
-            if pending:
-                raise GetTimeoutError()
-            t = time.perf_counter()
-            out = ray.get(refs, timeout=self.config.ray_timeout_s)
-            self.timing["driver_get_s"] += time.perf_counter() - t
+            return self.traffic.get(refs, self.config.ray_timeout_s, count=count)
         except GetTimeoutError:
             raise TimeoutError(
                 f"DP workers did not finish {what} within policy.ray_timeout_s={self.config.ray_timeout_s}s "
                 "(not enough resources for the actors, or a rank stuck in a collective)"
             ) from None
-        if count:
-            self.bytes_received += payload_nbytes(out)
-        return out
 
     def _call(self, worker: Any, method: str, *args: Any, **kwargs: Any) -> Any:
-        """``worker.<method>.remote(*args, sent_at=<now>, **kwargs)``, counting the arguments' bytes in
-        ``bytes_sent`` and the time the call takes to leave the driver (serialization) in
-        ``timing["driver_send_s"]``; ``sent_at`` lets the worker time its shard's arrival."""
-        self.bytes_sent += payload_nbytes((args, kwargs))
-        t = time.perf_counter()
-        ref = getattr(worker, method).remote(*args, sent_at=time.time(), **kwargs)
-        self.timing["driver_send_s"] += time.perf_counter() - t
-        return ref
+        """``worker.<method>.remote(*args, sent_at=<now>, **kwargs)``, counted by :meth:`DriverTraffic.send`;
+        ``sent_at`` lets the worker time its shard's arrival."""
+        return self.traffic.send(getattr(worker, method), *args, sent_at=time.time(), **kwargs)
 
     def worker_timings(self) -> list[dict[str, Any]]:
         """Each rank's seconds since the last call (and resets them; see ``DPPolicyWorker.pop_timings``):
@@ -157,11 +183,8 @@ class _WorkerGroup:
         return self._get([w.pop_timings.remote() for w in self.workers], "pop_timings", count=False)
 
     def pop_driver_counters(self) -> dict[str, float]:
-        """``bytes_sent`` / ``bytes_received`` and the ``timing`` seconds since the last call (reset)."""
-        out = {"bytes_sent": float(self.bytes_sent), "bytes_received": float(self.bytes_received), **self.timing}
-        self.bytes_sent = self.bytes_received = 0
-        self.timing = defaultdict(float)
-        return out
+        """The driver's traffic for this policy since the last call (see :meth:`DriverTraffic.pop`)."""
+        return self.traffic.pop()
 
     def _kill(self) -> None:
         import ray
@@ -319,12 +342,12 @@ class TQPolicy(_WorkerGroup):
     def _driver_tq(self, sent: Any = None) -> Iterator[None]:
         """Times a driver TQ call into ``timing["driver_tq_s"]``, counting ``sent``'s bytes as sent."""
         if sent is not None:
-            self.bytes_sent += payload_nbytes(sent)
+            self.traffic.bytes_sent += payload_nbytes(sent)
         t = time.perf_counter()
         try:
             yield
         finally:
-            self.timing["driver_tq_s"] += time.perf_counter() - t
+            self.traffic.timing["driver_tq_s"] += time.perf_counter() - t
 
     # ------------------------------------------------------------------ driver reads and writes
     def read_from_dataplane(self, meta: KVBatchMeta, fields: Sequence[str], *, allow_token_fields: bool = False) -> dict[str, Any]:
@@ -339,7 +362,7 @@ class TQPolicy(_WorkerGroup):
                              "(workers reduce them; pass allow_token_fields=True to override)")
         with self._driver_tq(sent=meta):
             out = self.client.get(meta, list(fields), wait_timeout=self.config.tq_timeout_s)
-        self.bytes_received += payload_nbytes(out)
+        self.traffic.bytes_received += payload_nbytes(out)
         return out
 
     def write_to_dataplane(self, meta: KVBatchMeta, columns: Mapping[str, Any], *, overwrite: bool = False) -> KVBatchMeta:

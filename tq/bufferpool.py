@@ -20,6 +20,16 @@ import numpy as np
 POOL_GRANULE = 2 << 20  # huge-page size: buffers are rounded up to it and reused by size class
 
 
+def huge_page_mapping(nbytes: int) -> mmap.mmap:
+    """``nbytes`` of private anonymous memory advised for transparent huge pages. Private, not mmap's
+    default shared anonymous memory: that is shmem, which gets no huge pages where shmem THP is off
+    (the common default)."""
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    return mm
+
+
 class HostBufferPool:
     """Hands out uint8 numpy arrays backed by reusable anonymous mappings (see module docstring)."""
 
@@ -49,11 +59,7 @@ class HostBufferPool:
                 size, _, mm = self._free.pop(i)
                 self._cached -= size
         if mm is None:
-            # Private, not mmap's default shared anonymous memory: that is shmem, which gets no
-            # transparent huge pages where shmem THP is off (the common default).
-            mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            if hasattr(mmap, "MADV_HUGEPAGE"):
-                mm.madvise(mmap.MADV_HUGEPAGE)
+            mm = huge_page_mapping(size)
         arr = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
         weakref.finalize(arr, self._release, mm, size)
         return arr

@@ -224,14 +224,15 @@ class RpcChannel:
         rid = next(self._rids)
         timeout = self.timeout if timeout is None else timeout
         frames = protocol.request(op, rid, args, buffers, self.secret)
+        copy = not _zero_copy(frames)
         try:  # the common case: connected, so the send is queued at once without an extra poll
-            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=not _zero_copy(frames))
+            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
         except zmq.Again:  # IMMEDIATE: no connection yet - wait for one, up to the timeout
             if not self._wait(sock, zmq.POLLOUT, timeout, check):
                 raise TQConnectionError(
                     f"cannot reach {self.name} at {self.address} within {timeout:.1f}s (op {op!r}): server down or unreachable"
                 ) from None
-            sock.send_multipart(frames, copy=not _zero_copy(frames))
+            sock.send_multipart(frames, copy=copy)
         return rid
 
     @staticmethod

@@ -19,19 +19,13 @@ import ray
 import torch
 
 from policy.loss import ClippedPGLossFn
-from policy.policy import payload_nbytes
+from policy.policy import DriverTraffic
 from rollout.actors import SyncRolloutActor
 
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .common import build_dataloader, build_datasets, init_ray, run_name
 from .config import ConfigError, MasterConfig, parse_cli
 from .logger import MetricsLogger
-
-
-def nbytes_of(obj: Any) -> int:
-    """Bytes an object takes to move through Ray: its pickled size, tensors included (counted without
-    copying them; see :func:`policy.policy.payload_nbytes`)."""
-    return payload_nbytes(obj)
 
 
 def peak_rss_bytes() -> int:
@@ -60,11 +54,8 @@ class GRPOTrainerBase(ABC):
         train_ds, self.val_dataset = build_datasets(cfg)
         self.loader = build_dataloader(cfg, train_ds)
         self.loss_fn = ClippedPGLossFn(cfg.loss)
-        # Instrumented driver traffic (the policy counts its own worker calls and TQ reads/writes):
-        # bytes of everything the driver pulls from Ray and TQ, and of the arguments it sends.
-        self.driver_bytes_received = 0
-        self.driver_bytes_sent = 0
-        self.driver_timing: dict[str, float] = defaultdict(float)
+        # The driver's own Ray traffic (the policy counts its worker calls and TQ reads/writes apart).
+        self.traffic = DriverTraffic()
         self.step = 0
         self.policy = self.build_policy()
         self.rollout = SyncRolloutActor.remote(
@@ -99,31 +90,17 @@ class GRPOTrainerBase(ABC):
 
     # ------------------------------------------------------------------ shared machinery
     def send(self, method: Any, *args: Any, **kwargs: Any) -> Any:
-        """``method.remote(*args, **kwargs)`` (an actor method), counting the arguments' pickled bytes
-        as sent by the driver and the call's time to leave it."""
-        self.driver_bytes_sent += nbytes_of((args, kwargs))
-        t = time.perf_counter()
-        ref = method.remote(*args, **kwargs)
-        self.driver_timing["driver_send_s"] += time.perf_counter() - t
-        return ref
+        """``method.remote(*args, **kwargs)`` (an actor method), counted in the driver's traffic."""
+        return self.traffic.send(method, *args, **kwargs)
 
     def get(self, refs: Any, what: str) -> Any:
-        """``ray.get`` bounded by the policy's Ray timeout, counting what reaches the driver (and the
-        time to fetch and unpickle it once ready, apart from the wait for the remote work)."""
+        """``ray.get`` bounded by the policy's Ray timeout, counted in the driver's traffic."""
         try:
-            waited = refs if isinstance(refs, list) else [refs]
-            _, pending = ray.wait(waited, num_returns=len(waited), timeout=self.cfg.policy.ray_timeout_s, fetch_local=False)
-            if pending:
-                raise ray.exceptions.GetTimeoutError()
-            t = time.perf_counter()
-            out = ray.get(refs, timeout=self.cfg.policy.ray_timeout_s)
-            self.driver_timing["driver_get_s"] += time.perf_counter() - t
+            return self.traffic.get(refs, self.cfg.policy.ray_timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(f"{what} did not finish within policy.ray_timeout_s={self.cfg.policy.ray_timeout_s}s") from None
         except ray.exceptions.RayActorError as exc:
             raise RuntimeError(f"{what} failed: an actor died ({exc.__class__.__name__}); the last checkpoint stays loadable") from None
-        self.driver_bytes_received += nbytes_of(out)
-        return out
 
     def refit_weights(self) -> Any:
         """What a refit ships: rank 0's weights as an object reference (they skip the driver), or an
@@ -140,13 +117,10 @@ class GRPOTrainerBase(ABC):
 
     def _pop_driver_counters(self) -> dict[str, float]:
         """The driver's traffic since the last call (trainer and policy together), then reset."""
-        out = defaultdict(float, self.driver_timing)
-        out["bytes_sent"], out["bytes_received"] = float(self.driver_bytes_sent), float(self.driver_bytes_received)
+        out = defaultdict(float, self.traffic.pop())
         pop = getattr(self.policy, "pop_driver_counters", None)
         for k, v in (pop() if pop is not None else {}).items():
             out[k] += v
-        self.driver_bytes_sent = self.driver_bytes_received = 0
-        self.driver_timing = defaultdict(float)
         return dict(out)
 
     def _data_movement_metrics(self) -> dict[str, float]:

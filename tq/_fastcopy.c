@@ -5,11 +5,24 @@
  *   when row_span > 0, the rest of the row up to row_span bytes is filled with the byte pattern `pad`.
  * Every range is bounds-checked first (offsets may come from another process), so bad offsets raise
  * ValueError instead of touching memory they do not own. A pure-numpy fallback lives in tq/rowcopy.py.
+ *
+ * A destination of STREAM_BYTES or more is written with non-temporal (streaming) stores on x86-64:
+ * a padded batch of megabytes will not be read back from the cache before it is evicted, and plain
+ * stores would first read every destination line (read-for-ownership) and evict what the caller's
+ * next steps need.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <emmintrin.h>
+#define HAVE_STREAM 1
+#else
+#define HAVE_STREAM 0
+#endif
+
+#define STREAM_BYTES ((Py_ssize_t)4 << 20)
 
 static int get_i64(PyObject *obj, Py_buffer *view, const char *name) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS) < 0) return -1;
@@ -34,6 +47,47 @@ static void fill_pattern(char *p, Py_ssize_t n, const char *pat, Py_ssize_t plen
         done += step;
     }
 }
+
+/* n bytes of the repeating pattern `pat` (plen bytes), starting `phase` bytes into it. */
+static void fill_phase(char *p, size_t n, const char *pat, size_t plen, size_t phase) {
+    for (size_t k = 0; k < n; k++) p[k] = pat[(phase + k) % plen];
+}
+
+#if HAVE_STREAM
+static void stream_copy(char *d, const char *s, size_t n) {
+    size_t head = (16 - ((uintptr_t)d & 15)) & 15;
+    if (head > n) head = n;
+    memcpy(d, s, head);
+    d += head; s += head; n -= head;
+    for (; n >= 64; n -= 64, d += 64, s += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)s), b = _mm_loadu_si128((const __m128i *)(s + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + 32)), e = _mm_loadu_si128((const __m128i *)(s + 48));
+        _mm_stream_si128((__m128i *)d, a);
+        _mm_stream_si128((__m128i *)(d + 16), b);
+        _mm_stream_si128((__m128i *)(d + 32), c);
+        _mm_stream_si128((__m128i *)(d + 48), e);
+    }
+    memcpy(d, s, n);
+}
+
+static void stream_fill(char *p, size_t n, const char *pat, size_t plen) {
+    if (16 % plen != 0) { fill_phase(p, n, pat, plen, 0); return; }
+    size_t head = (16 - ((uintptr_t)p & 15)) & 15;
+    if (head > n) head = n;
+    fill_phase(p, head, pat, plen, 0);
+    char v[16];
+    fill_phase(v, 16, pat, plen, head % plen);
+    __m128i x = _mm_loadu_si128((const __m128i *)v);
+    size_t k = head;
+    for (; k + 64 <= n; k += 64) {
+        _mm_stream_si128((__m128i *)(p + k), x);
+        _mm_stream_si128((__m128i *)(p + k + 16), x);
+        _mm_stream_si128((__m128i *)(p + k + 32), x);
+        _mm_stream_si128((__m128i *)(p + k + 48), x);
+    }
+    fill_phase(p + k, n - k, pat, plen, k % plen);
+}
+#endif
 
 static PyObject *copy_rows(PyObject *self, PyObject *args) {
     PyObject *dst_o, *dst_starts_o, *sources_o, *src_idx_o, *src_starts_o, *sizes_o;
@@ -78,8 +132,19 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
             goto done_srcs;
         }
     }
+    Py_ssize_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) total += row_span > 0 ? row_span : sz[i];
     Py_BEGIN_ALLOW_THREADS
     char *d = dst.buf;
+#if HAVE_STREAM
+    if (total >= STREAM_BYTES) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            stream_copy(d + ds[i], (const char *)srcs[si[i]].buf + ss[i], (size_t)sz[i]);
+            if (row_span > 0) stream_fill(d + ds[i] + sz[i], (size_t)(row_span - sz[i]), pad.buf, (size_t)pad.len);
+        }
+        _mm_sfence();  /* streaming stores are weakly ordered: publish them before returning */
+    } else
+#endif
     for (Py_ssize_t i = 0; i < n; i++) {
         memcpy(d + ds[i], (const char *)srcs[si[i]].buf + ss[i], (size_t)sz[i]);
         if (row_span > 0) fill_pattern(d + ds[i] + sz[i], row_span - sz[i], pad.buf, pad.len);
@@ -114,4 +179,11 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fastcopy", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__fastcopy(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__fastcopy(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "STREAM_BYTES", HAVE_STREAM ? (long)STREAM_BYTES : -1) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections import abc
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 import numpy as np
@@ -71,16 +72,38 @@ class _UnitRestarted(Exception):
 class _Fetched:
     """Where each requested row of one field lives after a fetch: a source buffer and a byte range."""
 
-    def __init__(self, schema: FieldSchema, n: int) -> None:
-        self.schema = schema
-        self.sources: list[np.ndarray] = []
-        self.src = np.zeros(n, dtype=np.int64)
-        self.starts = np.zeros(n, dtype=np.int64)
-        self.sizes = np.zeros(n, dtype=np.int64)
+    __slots__ = ("schema", "sources", "src", "starts", "sizes")
+
+    def __init__(self, schema: FieldSchema, sources: list[np.ndarray], src: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> None:
+        self.schema, self.sources, self.src, self.starts, self.sizes = schema, sources, src, starts, sizes
+
+    @classmethod
+    def empty(cls, schema: FieldSchema, n: int) -> "_Fetched":
+        """Rows to be placed by :func:`_place` (several units, or frames)."""
+        return cls(schema, [], np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
 
     def copy_into(self, dst: np.ndarray, dst_starts: np.ndarray, row_span: int = 0, pad: bytes = b"") -> None:
         """Copy row i to ``dst[dst_starts[i]:]``; with ``row_span`` pad each row's rest with ``pad``."""
         copy_rows(dst, dst_starts, self.sources, self.src, self.starts, self.sizes, row_span, pad)
+
+
+class _Output:
+    """One field of a get, planned before any byte moves: its result buffer, where each row goes in
+    it, and the value handed back. Planning every field first and then running the copies back to
+    back keeps the bookkeeping out of the caches' way: a copy of megabytes evicts them."""
+
+    __slots__ = ("fx", "dst", "dst_starts", "span", "pad", "value", "finish")
+
+    def __init__(self, fx: _Fetched, dst: np.ndarray, dst_starts: np.ndarray, value: Any = None,
+                 finish: Callable[[], Any] | None = None, span: int = 0, pad: bytes = b"") -> None:
+        self.fx, self.dst, self.dst_starts, self.span, self.pad = fx, dst, dst_starts, span, pad
+        self.value, self.finish = value, finish
+
+    def copy(self) -> None:
+        self.fx.copy_into(self.dst, self.dst_starts, self.span, self.pad)
+
+    def result(self) -> Any:
+        return self.finish() if self.finish is not None else self.value
 
 
 def _place(
@@ -367,17 +390,16 @@ class TQClient:
         loc = protocol.unpack_array(located["loc"], lmsg.buffers, name="loc", dtype="<i8")
         if loc.shape != (len(fields), n, LOC_COLUMNS):
             raise MalformedMessageError(f"locate reply has shape {loc.shape}, expected {(len(fields), n, LOC_COLUMNS)}")
-        out = {f: _Fetched(FieldSchema.from_wire(located["schemas"][f]), n) for f in fields}
+        schemas = [FieldSchema.from_wire(located["schemas"][f]) for f in fields]
         units = loc[:, :, UNIT]
         first = int(units.flat[0]) if units.size else 0
         if units.size and (units == first).all() and self._is_local(first):
             # The common case (every row on this host's unit): rows are read where they lie.
             starts, sizes = np.ascontiguousarray(loc[:, :, OFFSET]), np.ascontiguousarray(loc[:, :, NBYTES])
             view = self._arena_view(first, starts.ravel(), sizes.ravel(), lambda i: (fields[i // n], meta.keys[i % n]))
-            for f, name in enumerate(fields):
-                fx = out[name]
-                fx.sources, fx.starts, fx.sizes = [view], starts[f], sizes[f]
-            return out
+            src = np.zeros(n, dtype=np.int64)
+            return {name: _Fetched(schemas[f], [view], src, starts[f], sizes[f]) for f, name in enumerate(fields)}
+        out = {name: _Fetched.empty(schemas[f], n) for f, name in enumerate(fields)}
         pending = []
         for unit in np.unique(units).tolist():
             where = np.argwhere(units == unit)  # [field index, key index], grouped by field
@@ -449,29 +471,28 @@ class TQClient:
         except _UnitRestarted:  # it recovered its data at a new address: ask again, once
             self._refresh_units()
             fetched = self._fetch(meta, fields, None)
-        return {f: self._assemble(f, fetched[f], meta, layout, pad_to, pad_value) for f in fields}
+        outputs = [self._plan(f, fetched[f], meta, layout, pad_to, pad_value) for f in fields]
+        for out in outputs:  # the copies, back to back
+            out.copy()
+        return {f: out.result() for f, out in zip(fields, outputs)}
 
-    def _assemble(self, name: str, fx: _Fetched, meta: KVBatchMeta, layout: Layout, pad_to: int | None, pad_value: Any) -> Any:
+    def _plan(self, name: str, fx: _Fetched, meta: KVBatchMeta, layout: Layout, pad_to: int | None, pad_value: Any) -> _Output:
+        """Allocate one field's result and say where its rows go (the copy runs later)."""
         schema, n = fx.schema, fx.sizes.size
-        dst_starts = np.cumsum(fx.sizes) - fx.sizes if schema.kind != JAGGED or layout != "padded" else None
         if schema.kind == OBJECT:
             raw = np.empty(int(fx.sizes.sum()), dtype=np.uint8)
-            fx.copy_into(raw, dst_starts)
-            return unpack_objects(raw, fx.sizes)
+            return _Output(fx, raw, np.cumsum(fx.sizes) - fx.sizes, finish=lambda: unpack_objects(raw, fx.sizes))
         row_bytes = schema.itemsize * schema.row_elems
         if schema.kind != JAGGED:
             raw = self._pool.empty(int(fx.sizes.sum()))
-            fx.copy_into(raw, dst_starts)
-            return to_tensor(raw, schema, (n, *schema.shape))
+            return _Output(fx, raw, np.cumsum(fx.sizes) - fx.sizes, to_tensor(raw, schema, (n, *schema.shape)))
         lengths = fx.sizes // max(row_bytes, 1)
         if layout in ("jagged", "list"):
             raw = self._pool.empty(int(fx.sizes.sum()))
-            fx.copy_into(raw, dst_starts)
-            values = to_tensor(raw, schema, (int(lengths.sum()), *schema.shape))
             offsets = torch.zeros(n + 1, dtype=torch.int64)
             torch.cumsum(torch.from_numpy(lengths), 0, out=offsets[1:])
-            jt = JaggedTensor(values, offsets)
-            return jt if layout == "jagged" else jt.unbind()
+            jt = JaggedTensor(to_tensor(raw, schema, (int(offsets[-1]), *schema.shape)), offsets)
+            return _Output(fx, raw, np.cumsum(fx.sizes) - fx.sizes, jt, None if layout == "jagged" else jt.unbind)
         longest = int(lengths.max()) if n else 0
         target = pad_to if pad_to is not None else meta.extra_info.get("global_forward_pad_seqlen", longest)
         multiple = meta.extra_info.get("pad_to_multiple")
@@ -481,11 +502,11 @@ class TQClient:
             raise InvalidRequestError(
                 f"field {name!r}: key {meta.keys[int(np.argmax(lengths))]!r} has {longest} tokens, more than the pad length {target}"
             )
-        raw = self._pool.empty(n * target * row_bytes)
-        fill = pad_value.get(name, 0) if isinstance(pad_value, Mapping) else pad_value
         span = target * row_bytes
-        fx.copy_into(raw, np.arange(n, dtype=np.int64) * span, span, pad_bytes(schema, fill))
-        return to_tensor(raw, schema, (n, target, *schema.shape))
+        raw = self._pool.empty(n * span)
+        fill = pad_value.get(name, 0) if isinstance(pad_value, abc.Mapping) else pad_value
+        return _Output(fx, raw, np.arange(n, dtype=np.int64) * span, to_tensor(raw, schema, (n, target, *schema.shape)),
+                       span=span, pad=pad_bytes(schema, fill))
 
     # ------------------------------------------------------------------ deletes and stats
     def discard(self, meta: KVBatchMeta) -> int:

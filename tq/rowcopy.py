@@ -1,7 +1,8 @@
 """Copying byte rows between buffers - the one hot loop of the data plane.
 
-``copy_rows`` uses the C helper ``tq._fastcopy`` (built at install, GIL released, bounds-checked) and
-falls back to numpy slicing (same results, more Python overhead per row) where it was not built.
+``copy_rows`` uses the C helper ``tq._fastcopy`` (built at install, GIL released, bounds-checked; streaming
+stores for destinations of ``STREAM_BYTES`` or more) and falls back to numpy slicing (same results, more
+Python overhead per row) where it was not built.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from typing import Sequence
 import numpy as np
 
 try:
+    from ._fastcopy import STREAM_BYTES
     from ._fastcopy import copy_rows as _c_copy_rows
 except ImportError:  # no compiler at install time
-    _c_copy_rows = None
+    _c_copy_rows, STREAM_BYTES = None, -1
 
 HAVE_FASTCOPY = _c_copy_rows is not None
 
@@ -34,6 +36,20 @@ def copy_rows(
         _c_copy_rows(dst, dst_starts.astype(np.int64, copy=False), list(sources), src_idx.astype(np.int64, copy=False),
                      src_starts.astype(np.int64, copy=False), sizes.astype(np.int64, copy=False), row_span, pad)
         return
+    copy_rows_numpy(dst, dst_starts, sources, src_idx, src_starts, sizes, row_span, pad)
+
+
+def copy_rows_numpy(
+    dst: np.ndarray,
+    dst_starts: np.ndarray,
+    sources: Sequence[np.ndarray],
+    src_idx: np.ndarray,
+    src_starts: np.ndarray,
+    sizes: np.ndarray,
+    row_span: int = 0,
+    pad: bytes = b"",
+) -> None:
+    """:func:`copy_rows` in numpy (where the C helper was not built)."""
     n = sizes.size
     if n and ((src_starts < 0).any() or (dst_starts < 0).any() or (sizes < 0).any()
               or (row_span > 0 and (sizes > row_span).any())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,7 +66,7 @@ class FieldSchema:
     @property
     def row_elems(self) -> int:
         """Elements per unit of the leading dim (per sample for TENSOR, per token for JAGGED)."""
-        return int(np.prod(self.shape, dtype=np.int64)) if self.kind != OBJECT else 1
+        return math.prod(self.shape) if self.kind != OBJECT else 1
 
     def to_wire(self) -> list[Any]:
         return [self.kind, self.dtype, list(self.shape)]
@@ -76,10 +78,22 @@ class FieldSchema:
         kind, dtype, shape = value
         if not isinstance(kind, str) or not isinstance(dtype, str) or not isinstance(shape, (list, tuple)):
             raise InvalidRequestError(f"field schema must be [kind, dtype, shape], got {value!r}")
-        return cls(kind, dtype, tuple(shape))
+        try:
+            shape = tuple(shape)
+            return _schema(cls, kind, dtype, shape, tuple(map(type, shape)))
+        except TypeError:  # an unhashable shape entry: let the constructor name it
+            return cls(kind, dtype, tuple(shape))
 
     def describe(self) -> str:
         if self.kind == OBJECT:
             return "object"
         dims = ", ".join(str(d) for d in self.shape)
         return f"{self.kind} {self.dtype}[{'*, ' if self.kind == JAGGED else ''}{dims}]".replace(", ]", "]")
+
+
+@functools.lru_cache(maxsize=1024)
+def _schema(cls: type[FieldSchema], kind: str, dtype: str, shape: tuple[Any, ...], types: tuple[type, ...]) -> FieldSchema:
+    """Schemas are immutable and every read decodes the same few: build (and validate) each once.
+    ``types`` (of the shape's entries) is part of the key, so ``(2,)`` never answers for ``(2.0,)``
+    or ``(True,)``, which the constructor rejects."""
+    return cls(kind, dtype, shape)

@@ -22,6 +22,7 @@ import multiprocessing as mp
 import os
 import platform
 import statistics
+import sys
 import time
 import uuid
 from typing import Any, Callable
@@ -467,8 +468,9 @@ def main(argv: list[str] | None = None) -> None:
     if "transferqueue" not in a.skip:
         systems["transferqueue"] = lambda: bench_transferqueue(sizes, a.iters)
     runs: dict[str, list[Any]] = {name: [] for name in systems}
-    for _ in range(a.rounds):  # in turn, so a slow phase of a shared machine does not land on one system
+    for r in range(a.rounds):  # in turn, so a slow phase of a shared machine does not land on one system
         for name, run in systems.items():
+            print(f"[{time.time() - t0:5.0f}s] {name}, round {r + 1}/{a.rounds}", file=sys.stderr, flush=True)
             runs[name].append(run())
     for name, got in runs.items():
         res[name] = merge_rounds(got) if got[0] is not None else None

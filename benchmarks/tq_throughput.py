@@ -386,9 +386,11 @@ def _gbps(x: list[float]) -> str:
 
 
 def report(all_res: dict[str, Any], sizes: list[int]) -> str:
+    machine = all_res.setdefault(  # kept in the JSON, so a table rebuilt elsewhere names the machine that ran it
+        "machine", f"{platform.node()} - {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, "
+        f"Python {platform.python_version()}, torch {torch.__version__}")
     lines = [
-        f"Machine: {platform.node()} - {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, "
-        f"Python {platform.python_version()}, torch {torch.__version__}",
+        f"Machine: {machine}",
         "",
         f"GB/s of unpadded payload: median of warm iterations, pooled over {all_res.get('rounds', 1)} round(s) of every system "
         "run in turn (first, cold iteration in parentheses).",
@@ -399,22 +401,21 @@ def report(all_res: dict[str, Any], sizes: list[int]) -> str:
     ratios = []
     for size in sizes:
         mc = all_res["memcpy"][size]
-        tq, tcp, ray_ = all_res["tq"][size], all_res["tq_tcp"][size], all_res["ray"][size]
-        ptq = (all_res.get("transferqueue") or {}).get(size)
+        tq = all_res["tq"][size]
+        tcp, ray_, ptq = ((all_res.get(k) or {}).get(size) for k in ("tq_tcp", "ray", "transferqueue"))  # None: skipped
         row = [f"{size // MiB} MiB", f"{tq['bytes'] / 1e6:.0f}", _gbps(mc["copy"]), _gbps(tq["put"]), _gbps(tq["get"]),
-               _gbps(tcp["put"]), _gbps(tcp["get"]), _gbps(ray_["put"]) + f" [{ray_.get('form', '-')}]", _gbps(ray_["get"]),
+               _gbps(tcp["put"]) if tcp else "n/a", _gbps(tcp["get"]) if tcp else "n/a",
+               _gbps(ray_["put"]) + f" [{ray_.get('form', '-')}]" if ray_ else "n/a", _gbps(ray_["get"]) if ray_ else "n/a",
                _gbps(ptq["put"]) if ptq else "n/a", _gbps(ptq["get"]) if ptq else "n/a"]
         lines.append("| " + " | ".join(row) + " |")
         med = lambda r, k: _warm(r[k])  # noqa: E731
-        r = {
-            "size": f"{size // MiB} MiB",
-            "get_vs_memcpy": med(tq, "get") / med(mc, "copy"),
-            "get_vs_ray": med(tq, "get") / med(ray_, "get"),
-            "tcp_get_vs_ray": med(tcp, "get") / med(ray_, "get"),
-        }
+        r = {"size": f"{size // MiB} MiB", "get_vs_memcpy": med(tq, "get") / med(mc, "copy")}
+        if ray_:
+            r["get_vs_ray"] = med(tq, "get") / med(ray_, "get")
         if ptq:
-            r.update(get_vs_transferqueue=med(tq, "get") / med(ptq, "get"), put_vs_transferqueue=med(tq, "put") / med(ptq, "put"),
-                     tcp_get_vs_transferqueue=med(tcp, "get") / med(ptq, "get"))
+            r.update(get_vs_transferqueue=med(tq, "get") / med(ptq, "get"), put_vs_transferqueue=med(tq, "put") / med(ptq, "put"))
+        if ptq and tcp:
+            r["tcp_get_vs_transferqueue"] = med(tcp, "get") / med(ptq, "get")
         ratios.append(r)
     lines += ["", "Ratios (warm medians; targets: get >= 5x transferqueue, >= 2x Ray, >= 0.4x memcpy; put >= 3x transferqueue; "
               "TCP get >= 2x transferqueue):", "",
@@ -474,9 +475,8 @@ def main(argv: list[str] | None = None) -> None:
             runs[name].append(run())
     for name, got in runs.items():
         res[name] = merge_rounds(got) if got[0] is not None else None
-    res.setdefault("tq_tcp", res["tq"])
-    res.setdefault("ray", res["tq"])
-    res.setdefault("transferqueue", None)
+    for skipped in ("tq_tcp", "ray", "transferqueue"):
+        res.setdefault(skipped, None)
     res["control_ops"] = bench_control_ops(2000)
     table = report(res, sizes)
     res["wall_s"] = time.time() - t0

@@ -123,7 +123,19 @@ class DriverTraffic:
         if pending:
             raise GetTimeoutError()
         t = time.perf_counter()
-        out = ray.get(refs, timeout=timeout)
+        try:
+            out = ray.get(refs, timeout=timeout)
+        except ray.exceptions.RayError:
+            # When an actor dies its peers fail too (a rank blocked in a collective with it sees the
+            # connection close), and ray.get raises whichever failed ref comes first: name the death.
+            for ref in waited:
+                try:
+                    ray.get(ref, timeout=0)
+                except ray.exceptions.RayActorError:
+                    raise
+                except Exception:  # noqa: BLE001 - a symptom; the first error is raised below
+                    pass
+            raise
         self.timing["driver_get_s"] += time.perf_counter() - t
         if count:
             self.bytes_received += payload_nbytes(out)

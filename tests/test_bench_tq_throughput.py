@@ -32,6 +32,16 @@ def test_report_computes_ratios_against_baselines_of_the_same_run():
     assert res["targets"]["get_vs_transferqueue"]["met"]
 
 
+def test_a_skipped_system_reads_n_a_and_sets_no_target():
+    size = 8 * MiB
+    run = {size: {"put": [1.0, 4e9], "get": [1.0, 10e9], "bytes": 8_000_000}}
+    res = {"memcpy": {size: {"copy": [1.0, 20e9], "bytes": 8_000_000}}, "tq": run, "tq_tcp": None, "ray": None,
+           "transferqueue": None, "control_ops": {}}
+    table = report(res, [size])
+    assert "| 8 MiB | 0.50x | n/a | n/a | n/a | n/a |" in table
+    assert set(res["targets"]) == {"get_vs_memcpy", "control_p99_ms"}  # never TQ measured against itself
+
+
 def test_memcpy_ceiling_copies_every_byte_of_the_batch_a_producer_process_wrote():
     """The ceiling's first copy is checked against the batch (it raises otherwise), covers the whole
     payload, and small sizes run 3x the iterations."""

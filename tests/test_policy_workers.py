@@ -209,3 +209,27 @@ def test_bf16_worker_keeps_float32_master_weights(batch):
     after = worker.get_weights()
     assert all(v.dtype == torch.float32 for v in after.values())
     assert max((after[k] - before[k]).abs().max().item() for k in before) > 5e-7  # ~lr: not lost to bf16 rounding
+
+
+def test_a_dead_actor_is_named_even_when_a_peer_failed_first(ray_session):
+    """When a rank dies its peers fail too (one blocked in a collective with it sees the connection
+    close), and ray.get raises whichever failed ref comes first. DriverTraffic.get raises the death,
+    which the trainer reports as "an actor died"."""
+    import ray
+
+    from policy.policy import DriverTraffic
+
+    @ray.remote(num_cpus=0.1)
+    class Rank:
+        def fail(self) -> None:
+            raise ConnectionError("peer closed the connection")  # what the surviving rank sees
+
+        def sleep(self, s: float) -> None:
+            time.sleep(s)
+
+    alive, doomed = Rank.remote(), Rank.remote()
+    ray.get([alive.sleep.remote(0), doomed.sleep.remote(0)])
+    dead = doomed.sleep.remote(60)
+    ray.kill(doomed)
+    with pytest.raises(ray.exceptions.RayActorError):
+        DriverTraffic().get([alive.fail.remote(), dead], timeout=30)

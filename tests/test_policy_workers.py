@@ -233,3 +233,4 @@ def test_a_dead_actor_is_named_even_when_a_peer_failed_first(ray_session):
     ray.kill(doomed)
     with pytest.raises(ray.exceptions.RayActorError):
         DriverTraffic().get([alive.fail.remote(), dead], timeout=30)
+

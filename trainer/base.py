@@ -171,16 +171,10 @@ class GRPOTrainerBase(ABC):
             while self.step < g.max_num_steps:
                 self._pop_driver_counters()  # start the step's traffic count at zero
                 t0 = time.perf_counter()
-                try:
-                    metrics = self.train_step(BatchSource(self.loader))
-                    self.step += 1
-                    t1 = time.perf_counter()
-                    self.refit_generation()
-                except ray.exceptions.RayActorError as exc:  # raised inside the policy's own waits too
-                    raise RuntimeError(
-                        f"step {self.step + 1} failed: an actor died ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
-                        "the last checkpoint stays loadable"
-                    ) from None
+                metrics = self.train_step(BatchSource(self.loader))
+                self.step += 1
+                t1 = time.perf_counter()
+                self.refit_generation()
                 metrics["timing/refit"] = time.perf_counter() - t1
                 metrics["step_time_s"] = time.perf_counter() - t0
                 metrics.update(self._data_movement_metrics())  # after the clock: instrumentation only
@@ -195,6 +189,11 @@ class GRPOTrainerBase(ABC):
                     self._checkpoint()
             if ck.enabled and self.step % ck.save_period:
                 self._checkpoint()
+        except ray.exceptions.RayActorError as exc:  # from any wait on an actor: a step, metrics, validation, a checkpoint
+            raise RuntimeError(
+                f"training stopped after {self.step} completed steps: an actor died "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0]}); the last checkpoint stays loadable"
+            ) from None
         finally:
             plot = self.logger.plot()
             self.logger.close()

@@ -94,6 +94,6 @@ class FieldSchema:
 @functools.lru_cache(maxsize=1024)
 def _schema(cls: type[FieldSchema], kind: str, dtype: str, shape: tuple[Any, ...], types: tuple[type, ...]) -> FieldSchema:
     """Schemas are immutable and every read decodes the same few: build (and validate) each once.
-    ``types`` (of the shape's entries) is part of the key, so ``(2,)`` never answers for ``(2.0,)``
-    or ``(True,)``, which the constructor rejects."""
+    ``types`` (of the shape's entries) is part of the key, so ``(2,)`` never answers for ``(2.0,)``,
+    which the constructor rejects."""
     return cls(kind, dtype, shape)

@@ -403,10 +403,10 @@ def report(all_res: dict[str, Any], sizes: list[int]) -> str:
         mc = all_res["memcpy"][size]
         tq = all_res["tq"][size]
         tcp, ray_, ptq = ((all_res.get(k) or {}).get(size) for k in ("tq_tcp", "ray", "transferqueue"))  # None: skipped
-        row = [f"{size // MiB} MiB", f"{tq['bytes'] / 1e6:.0f}", _gbps(mc["copy"]), _gbps(tq["put"]), _gbps(tq["get"]),
-               _gbps(tcp["put"]) if tcp else "n/a", _gbps(tcp["get"]) if tcp else "n/a",
-               _gbps(ray_["put"]) + f" [{ray_.get('form', '-')}]" if ray_ else "n/a", _gbps(ray_["get"]) if ray_ else "n/a",
-               _gbps(ptq["put"]) if ptq else "n/a", _gbps(ptq["get"]) if ptq else "n/a"]
+        cell = lambda r, k: _gbps(r[k]) if r else "n/a"  # noqa: E731
+        row = [f"{size // MiB} MiB", f"{tq['bytes'] / 1e6:.0f}", cell(mc, "copy"), cell(tq, "put"), cell(tq, "get"),
+               cell(tcp, "put"), cell(tcp, "get"), cell(ray_, "put") + (f" [{ray_.get('form', '-')}]" if ray_ else ""),
+               cell(ray_, "get"), cell(ptq, "put"), cell(ptq, "get")]
         lines.append("| " + " | ".join(row) + " |")
         med = lambda r, k: _warm(r[k])  # noqa: E731
         r = {"size": f"{size // MiB} MiB", "get_vs_memcpy": med(tq, "get") / med(mc, "copy")}

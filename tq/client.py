@@ -479,20 +479,21 @@ class TQClient:
     def _plan(self, name: str, fx: _Fetched, meta: KVBatchMeta, layout: Layout, pad_to: int | None, pad_value: Any) -> _Output:
         """Allocate one field's result and say where its rows go (the copy runs later)."""
         schema, n = fx.schema, fx.sizes.size
+        packed = np.cumsum(fx.sizes) - fx.sizes  # row targets when rows go back to back (all but padded)
         if schema.kind == OBJECT:
             raw = np.empty(int(fx.sizes.sum()), dtype=np.uint8)
-            return _Output(fx, raw, np.cumsum(fx.sizes) - fx.sizes, finish=lambda: unpack_objects(raw, fx.sizes))
+            return _Output(fx, raw, packed, finish=lambda: unpack_objects(raw, fx.sizes))
         row_bytes = schema.itemsize * schema.row_elems
         if schema.kind != JAGGED:
             raw = self._pool.empty(int(fx.sizes.sum()))
-            return _Output(fx, raw, np.cumsum(fx.sizes) - fx.sizes, to_tensor(raw, schema, (n, *schema.shape)))
+            return _Output(fx, raw, packed, to_tensor(raw, schema, (n, *schema.shape)))
         lengths = fx.sizes // max(row_bytes, 1)
         if layout in ("jagged", "list"):
             raw = self._pool.empty(int(fx.sizes.sum()))
             offsets = torch.zeros(n + 1, dtype=torch.int64)
             torch.cumsum(torch.from_numpy(lengths), 0, out=offsets[1:])
             jt = JaggedTensor(to_tensor(raw, schema, (int(offsets[-1]), *schema.shape)), offsets)
-            return _Output(fx, raw, np.cumsum(fx.sizes) - fx.sizes, jt, None if layout == "jagged" else jt.unbind)
+            return _Output(fx, raw, packed, jt, None if layout == "jagged" else jt.unbind)
         longest = int(lengths.max()) if n else 0
         target = pad_to if pad_to is not None else meta.extra_info.get("global_forward_pad_seqlen", longest)
         multiple = meta.extra_info.get("pad_to_multiple")

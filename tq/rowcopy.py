@@ -32,24 +32,14 @@ def copy_rows(
 ) -> None:
     """For each row i copy ``sizes[i]`` bytes from ``sources[src_idx[i]][src_starts[i]:]`` to
     ``dst[dst_starts[i]:]``; with ``row_span > 0`` fill the rest of each row's span with ``pad``."""
-    if _c_copy_rows is not None:
-        _c_copy_rows(dst, dst_starts.astype(np.int64, copy=False), list(sources), src_idx.astype(np.int64, copy=False),
-                     src_starts.astype(np.int64, copy=False), sizes.astype(np.int64, copy=False), row_span, pad)
-        return
-    copy_rows_numpy(dst, dst_starts, sources, src_idx, src_starts, sizes, row_span, pad)
+    as64 = lambda a: a.astype(np.int64, copy=False)  # noqa: E731
+    (_c_copy_rows or copy_rows_numpy)(dst, as64(dst_starts), list(sources), as64(src_idx), as64(src_starts), as64(sizes),
+                                      row_span, pad)
 
 
-def copy_rows_numpy(
-    dst: np.ndarray,
-    dst_starts: np.ndarray,
-    sources: Sequence[np.ndarray],
-    src_idx: np.ndarray,
-    src_starts: np.ndarray,
-    sizes: np.ndarray,
-    row_span: int = 0,
-    pad: bytes = b"",
-) -> None:
-    """:func:`copy_rows` in numpy (where the C helper was not built)."""
+def copy_rows_numpy(dst: np.ndarray, dst_starts: np.ndarray, sources: list[np.ndarray], src_idx: np.ndarray,
+                    src_starts: np.ndarray, sizes: np.ndarray, row_span: int, pad: bytes) -> None:
+    """:func:`copy_rows` in numpy, on int64 index arrays (where the C helper was not built)."""
     n = sizes.size
     if n and ((src_starts < 0).any() or (dst_starts < 0).any() or (sizes < 0).any()
               or (row_span > 0 and (sizes > row_span).any())
@@ -57,7 +47,7 @@ def copy_rows_numpy(
               or any((src_starts[src_idx == k] + sizes[src_idx == k] > s.size).any() for k, s in enumerate(sources))):
         raise ValueError("copy out of bounds")
     pattern = np.frombuffer(pad, dtype=np.uint8) if row_span > 0 else None
-    for i, (k, s, d, z) in enumerate(zip(src_idx.tolist(), src_starts.tolist(), dst_starts.tolist(), sizes.tolist())):
+    for k, s, d, z in zip(src_idx.tolist(), src_starts.tolist(), dst_starts.tolist(), sizes.tolist()):
         dst[d : d + z] = sources[k][s : s + z]
         if pattern is not None and z < row_span:
             tail = dst[d + z : d + row_span]

@@ -680,7 +680,8 @@ def test_stats_count_ops_and_report_latency_percentiles(tclient, part):
         tclient.get(m)
     stats, ctrl1, units1 = snapshot()
     assert ctrl1["commit"] >= ctrl0["commit"] + 3
-    assert ctrl1["locate"] >= ctrl0["locate"] + 3
+    # same host: after the first get the rows are located in the controller's shared table, no locate
+    assert ctrl1["locate"] >= ctrl0["locate"] + 3 if tclient.transport == "tcp" else ctrl1["locate"] == ctrl0["locate"]
     assert ctrl1["stats"] >= ctrl0.get("stats", 0) + 1
     assert sum(u.get("store", 0) for u in units1) >= sum(u.get("store", 0) for u in units0) + 3
     fetches = sum(u.get("fetch", 0) for u in units1) - sum(u.get("fetch", 0) for u in units0)
@@ -688,7 +689,7 @@ def test_stats_count_ops_and_report_latency_percentiles(tclient, part):
     assert fetches >= 3 if tclient.transport == "tcp" else fetches == 0
     read0 = sum(snapshot()[0]["bytes_read_total"].values())
     tclient.get(m)
-    assert sum(tclient.stats()["bytes_read_total"].values()) == read0 + 4 * 8 * 4  # counted at locate
+    assert sum(tclient.stats()["bytes_read_total"].values()) == read0 + 4 * 8 * 4  # counted at locate, or reported by the reader
     for op in ("commit", "locate"):
         entry = stats["ops"][op]
         assert {"count", "errors", "p50_ms", "p99_ms"} <= set(entry)

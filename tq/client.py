@@ -4,13 +4,17 @@ Data never passes through the controller: the client asks the controller where (
 live, then moves bytes straight to or from the storage units. On the same host it writes into a
 unit's shared-memory arena and reads rows at the arena offsets the controller located, so a get is one
 round trip (to the controller) plus one memory copy into the result; elsewhere bytes stream over TCP
-as raw frames (one round trip per unit, all units asked in parallel).
+as raw frames (one round trip per unit, all units asked in parallel). On the controller's host a get
+of a meta the service handed out needs no round trip at all: the client reads the locations from the
+controller's shared location table (:mod:`tq.locations`) and falls back to asking whenever it cannot
+trust what it read.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import threading
 from collections import abc
 from typing import Any, Callable, Literal, Mapping, Sequence
 
@@ -23,6 +27,7 @@ from .bufferpool import HostBufferPool
 from .columns import EncodedColumn, encode_column, pad_bytes, to_tensor, unpack_objects
 from .errors import DuplicateKeyError, InvalidRequestError, MalformedMessageError, StorageUnitError, TQError
 from .jagged import JaggedTensor
+from .locations import SUPPORTED as LOCAL_TABLES_SUPPORTED, LocationView
 from .meta import KVBatchMeta
 from .protocol import LOC_BLOCK as BLOCK, LOC_COLUMNS, LOC_NBYTES as NBYTES, LOC_OFFSET as OFFSET  # location
 from .protocol import LOC_ROW as ROW, LOC_UNIT as UNIT  # record columns
@@ -157,6 +162,11 @@ class TQClient:
         self._unit_chans: dict[int, RpcChannel] = {}
         self._arenas: dict[int, Arena] = {}
         self._host = host_identity()
+        self._ctrl_host: str | None = None
+        # partition -> (its location table mapped here, the incarnation and schemas last located there)
+        self._tables: dict[str, tuple[LocationView, int, dict[str, FieldSchema]]] = {}
+        self._tables_lock = threading.Lock()
+        self._reads: dict[int, int] = {}  # bytes read through the tables, reported with the next request
         self._rr = itertools.count(int.from_bytes(os.urandom(2), "little"))  # spread one-shot writers over units
         try:
             self._refresh_units()
@@ -171,6 +181,7 @@ class TQClient:
         info, _ = self._ctrl.call("hello", {"timeout": 0.8 * self.timeout})
         self._units = list(info["units"])
         self._units_version = info["units_version"]
+        self._ctrl_host = info.get("host")
         for u in self._units:
             chan = self._unit_chans.get(u["unit_id"])
             if chan is None or chan.address != u["address"]:  # new, or restarted at a new address
@@ -221,6 +232,9 @@ class TQClient:
         for arena in self._arenas.values():
             arena.close()
         self._arenas.clear()
+        for view, _, _ in self._tables.values():
+            view.close()
+        self._tables.clear()
 
     def __enter__(self) -> "TQClient":
         return self
@@ -251,8 +265,8 @@ class TQClient:
     def mint_keys(self, partition_id: str, uids: Sequence[str], group_size: int) -> KVBatchMeta:
         """Register ``"{uid}_g{i}"`` keys with no data yet (a later put fills them)."""
         keys = mint_keys(uids, group_size)
-        self._call("mint", {"partition": partition_id, "keys": keys})
-        return KVBatchMeta(partition_id, tuple(keys))
+        r = self._call("mint", {"partition": partition_id, "keys": keys})
+        return KVBatchMeta(partition_id, tuple(keys), slot_table=r.get("slot_table"), slots=r.get("slots"))
 
     def get_meta(self, partition_id: str, keys: Sequence[str] | None = None) -> KVBatchMeta:
         """A meta for the given keys (default: every key), with their tags, lengths and common fields."""
@@ -261,6 +275,7 @@ class TQClient:
             partition_id, tuple(r["keys"]), tuple(r["fields"]),
             tuple(r["sequence_lengths"]) if r["sequence_lengths"] is not None else None,
             {k: tuple(v) for k, v in r["tags"].items()},
+            slot_table=r.get("slot_table"), slots=r.get("slots"),
         )
 
     def set_tags(self, meta: KVBatchMeta) -> None:
@@ -289,11 +304,12 @@ class TQClient:
         encoded = self._encode(keys, columns)
         if sequence_lengths is None:
             sequence_lengths = next((c.lengths.tolist() for c in encoded.values() if c.lengths is not None), None)
-        self._store_and_commit(partition_id, keys, encoded, "put", tags, sequence_lengths)
+        r = self._store_and_commit(partition_id, keys, encoded, "put", tags, sequence_lengths)
         return KVBatchMeta(
             partition_id, tuple(keys), tuple(columns),
             tuple(int(s) for s in sequence_lengths) if sequence_lengths is not None else None,
             {k: tuple(v) for k, v in (tags or {}).items()},
+            slot_table=r.get("slot_table"), slots=r.get("slots"),
         )
 
     def write_back(self, meta: KVBatchMeta, columns: Mapping[str, Any], *, overwrite: bool = False) -> KVBatchMeta:
@@ -320,7 +336,7 @@ class TQClient:
     def _store_and_commit(
         self, partition_id: str, keys: list[str], encoded: dict[str, EncodedColumn], mode: str,
         tags: Mapping[str, Sequence[Any]] | None, sequence_lengths: Sequence[int] | None, overwrite: bool = False,
-    ) -> None:
+    ) -> dict[str, Any]:
         unit = self._pick_unit()
         chan = self._unit_chans[unit]
         buffers: list[Any] = []
@@ -360,7 +376,7 @@ class TQClient:
         if sequence_lengths is not None:
             commit["sequence_lengths"] = [int(s) for s in sequence_lengths]
         try:
-            self._call("commit", commit, cbufs)
+            return self._call("commit", commit, cbufs)
         except TQError:
             try:  # the data never became visible: give its space back
                 chan.call("free_blocks", {"blocks": [stored["block"]]})
@@ -375,6 +391,68 @@ class TQClient:
         self._call("wait", {"partition": meta.partition_id, "keys": list(meta.keys), "fields": fields, "timeout": timeout},
                    timeout=timeout + self.timeout)
 
+    def _with_reads(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Add the bytes read through location tables since the last report (the controller counts
+        reads at ``locate``; these reads never asked it)."""
+        if self._reads:
+            with self._tables_lock:
+                reads, self._reads = self._reads, {}
+            args["reads"] = {str(u): b for u, b in reads.items()}
+        return args
+
+    def _remember_table(self, partition_id: str, desc: Any, schemas: dict[str, FieldSchema]) -> None:
+        """Map the partition's location table named in a locate reply (same host only)."""
+        if not (isinstance(desc, dict) and LOCAL_TABLES_SUPPORTED and self.transport == "auto" and self._ctrl_host == self._host):
+            return
+        path, incarnation, columns = desc.get("path"), desc.get("incarnation"), desc.get("columns")
+        if not (isinstance(path, str) and isinstance(incarnation, int) and isinstance(columns, dict)):
+            raise MalformedMessageError("locate reply names its location table badly")
+        with self._tables_lock:
+            entry = self._tables.get(partition_id)
+            if entry is not None and entry[0].path == path and entry[1] == incarnation:
+                entry[0].add_columns(columns)
+                entry[2].update(schemas)
+                return
+            try:
+                view = LocationView(path, columns)
+            except (OSError, ValueError):  # gone already (replaced meanwhile): the next locate names the new one
+                return
+            # The old view is dropped, not closed: another thread may be reading it.
+            self._tables[partition_id] = (view, incarnation, dict(schemas))
+
+    def _locate_here(self, meta: KVBatchMeta, fields: list[str]) -> tuple[dict[str, _Fetched], Callable[[], bool]] | None:
+        """Locate the rows in the partition's shared location table, with no round trip: only for a
+        meta with slots, every row on this host's unit, and a table that can be trusted right now.
+        Also returns the check to run after copying (no bytes were freed meanwhile)."""
+        entry = self._tables.get(meta.partition_id) if meta.slots is not None and meta.keys else None
+        if entry is None:
+            return None
+        view, incarnation, schemas = entry
+        if meta.slot_table != incarnation or not view.usable(incarnation, self._units_version):
+            return None
+        if any(f not in schemas for f in fields):
+            return None
+        got = view.read(fields, np.array(meta.slots, dtype=np.int64))
+        if got is None:
+            return None
+        loc, frees = got
+        unit = int(loc[0, 0, UNIT])
+        if not (unit < len(self._units) and (loc[:, :, UNIT] == unit).all() and self._is_local(unit)):
+            return None
+        fetched = self._on_unit_here(unit, loc, [schemas[f] for f in fields], fields, meta)
+        with self._tables_lock:
+            self._reads[unit] = self._reads.get(unit, 0) + int(loc[:, :, NBYTES].sum())
+        return fetched, lambda: view.unchanged(frees)
+
+    def _on_unit_here(self, unit: int, loc: np.ndarray, schemas: list[FieldSchema], fields: list[str],
+                      meta: KVBatchMeta) -> dict[str, _Fetched]:
+        """Every row on ``unit``, a unit of this host: rows are read where they lie in its arena."""
+        n = len(meta.keys)
+        starts, sizes = np.ascontiguousarray(loc[:, :, OFFSET]), np.ascontiguousarray(loc[:, :, NBYTES])
+        view = self._arena_view(unit, starts.ravel(), sizes.ravel(), lambda i: (fields[i // n], meta.keys[i % n]))
+        src = np.zeros(n, dtype=np.int64)
+        return {name: _Fetched(schemas[f], [view], src, starts[f], sizes[f]) for f, name in enumerate(fields)}
+
     def _fetch(self, meta: KVBatchMeta, fields: list[str], wait_timeout: float | None) -> dict[str, _Fetched]:
         """Locate the rows (one controller round trip, parked there up to ``wait_timeout`` until they
         are produced). Rows on a unit of this host are then read straight out of its mapped arena at
@@ -383,7 +461,7 @@ class TQClient:
         args: dict[str, Any] = {"partition": meta.partition_id, "keys": list(meta.keys), "fields": fields}
         if wait_timeout is not None:
             args["timeout"] = wait_timeout
-        located, lmsg = self._ctrl.call("locate", args, timeout=self.timeout + (wait_timeout or 0.0))
+        located, lmsg = self._ctrl.call("locate", self._with_reads(args), timeout=self.timeout + (wait_timeout or 0.0))
         if located["units_version"] != self._units_version:
             self._refresh_units()
         n = len(meta.keys)
@@ -391,14 +469,11 @@ class TQClient:
         if loc.shape != (len(fields), n, LOC_COLUMNS):
             raise MalformedMessageError(f"locate reply has shape {loc.shape}, expected {(len(fields), n, LOC_COLUMNS)}")
         schemas = [FieldSchema.from_wire(located["schemas"][f]) for f in fields]
+        self._remember_table(meta.partition_id, located.get("table"), dict(zip(fields, schemas)))
         units = loc[:, :, UNIT]
         first = int(units.flat[0]) if units.size else 0
         if units.size and (units == first).all() and self._is_local(first):
-            # The common case (every row on this host's unit): rows are read where they lie.
-            starts, sizes = np.ascontiguousarray(loc[:, :, OFFSET]), np.ascontiguousarray(loc[:, :, NBYTES])
-            view = self._arena_view(first, starts.ravel(), sizes.ravel(), lambda i: (fields[i // n], meta.keys[i % n]))
-            src = np.zeros(n, dtype=np.int64)
-            return {name: _Fetched(schemas[f], [view], src, starts[f], sizes[f]) for f, name in enumerate(fields)}
+            return self._on_unit_here(first, loc, schemas, fields, meta)  # the common case
         out = {name: _Fetched.empty(schemas[f], n) for f, name in enumerate(fields)}
         pending = []
         for unit in np.unique(units).tolist():
@@ -466,15 +541,26 @@ class TQClient:
         fields = list(fields if fields is not None else meta.fields)
         if not fields:
             raise InvalidRequestError("get needs at least one field (the meta names none)")
+        here = self._locate_here(meta, fields)
+        if here is not None:
+            outputs = self._copy_out(here[0], fields, meta, layout, pad_to, pad_value)
+            if here[1]():
+                return {f: out.result() for f, out in zip(fields, outputs)}
+            # Bytes were freed while we copied (maybe ours, maybe another key's): ask the controller.
         try:
             fetched = self._fetch(meta, fields, wait_timeout)
         except _UnitRestarted:  # it recovered its data at a new address: ask again, once
             self._refresh_units()
             fetched = self._fetch(meta, fields, None)
+        outputs = self._copy_out(fetched, fields, meta, layout, pad_to, pad_value)
+        return {f: out.result() for f, out in zip(fields, outputs)}
+
+    def _copy_out(self, fetched: dict[str, _Fetched], fields: list[str], meta: KVBatchMeta, layout: Layout,
+                  pad_to: int | None, pad_value: Any) -> list[_Output]:
         outputs = [self._plan(f, fetched[f], meta, layout, pad_to, pad_value) for f in fields]
         for out in outputs:  # the copies, back to back
             out.copy()
-        return {f: out.result() for f, out in zip(fields, outputs)}
+        return outputs
 
     def _plan(self, name: str, fx: _Fetched, meta: KVBatchMeta, layout: Layout, pad_to: int | None, pad_value: Any) -> _Output:
         """Allocate one field's result and say where its rows go (the copy runs later)."""
@@ -512,11 +598,11 @@ class TQClient:
     # ------------------------------------------------------------------ deletes and stats
     def discard(self, meta: KVBatchMeta) -> int:
         """Free the meta's keys (all their fields) and unregister them; returns keys discarded."""
-        return self._call("discard", {"partition": meta.partition_id, "keys": list(meta.keys)})["discarded"]
+        return self._call("discard", self._with_reads({"partition": meta.partition_id, "keys": list(meta.keys)}))["discarded"]
 
     def stats(self) -> dict[str, Any]:
         """Controller stats (partitions, op counts and latencies) plus every storage unit's."""
-        stats = self._call("stats", {})
+        stats = self._call("stats", self._with_reads({}))
         if stats.get("units_version") != self._units_version:
             self._refresh_units()
         stats["unit_stats"] = [  # a unit the controller reports down is not asked (it would time out)

@@ -33,7 +33,9 @@ from .errors import (
     TQError,
     TQTimeoutError,
 )
+from .arena import host_identity
 from .journal import Journal
+from .locations import ALIVE_S, LocationTable
 from .protocol import LOC_BLOCK as BLOCK, LOC_COLUMNS, LOC_NBYTES as NBYTES, LOC_OFFSET as OFFSET  # location
 from .protocol import LOC_ROW as ROW, LOC_UNIT as UNIT  # record columns
 from .rpc import DEFERRED, Call, RpcServer
@@ -52,21 +54,27 @@ UNIT_TIMEOUT_S = 3.0  # a unit silent for longer is reported down and reads of i
 
 @dataclass
 class Partition:
-    """Keys of one partition; per field a location table indexed by key slot (-1: not produced)."""
+    """Keys of one partition; per field a location table indexed by key slot (-1: not produced),
+    kept in ``table`` (shared with same-host readers, see :mod:`tq.locations`)."""
 
     pid: str
+    table: LocationTable
     index: dict[str, int] = field(default_factory=dict)  # key -> slot
     slot_keys: list[str | None] = field(default_factory=list)
     seq_lens: list[int] = field(default_factory=list)  # -1: unknown
     tags: dict[str, list[Any]] = field(default_factory=dict)
     schemas: dict[str, FieldSchema] = field(default_factory=dict)
-    locs: dict[str, np.ndarray] = field(default_factory=dict)  # field -> int64 [capacity, LOC_COLUMNS]
     free_slots: list[int] = field(default_factory=list)  # slots of discarded keys, reused first
     created_at: float = field(default_factory=time.time)
 
     @property
     def capacity(self) -> int:
         return len(self.slot_keys)
+
+    @property
+    def locs(self) -> dict[str, np.ndarray]:
+        """field -> int64 ``[table capacity, LOC_COLUMNS]`` records (the fields produced so far)."""
+        return self.table.views
 
     def slots_of(self, keys: list[str]) -> np.ndarray:
         try:
@@ -80,6 +88,8 @@ class Partition:
         # Slots of discarded keys are reused first, so a long-lived partition that keeps discarding
         # (a replay buffer) does not grow without bound between clears.
         reuse = min(len(keys), len(self.free_slots))
+        if reuse:  # a slot must never name two keys within one incarnation (see tq.locations)
+            self.table.new_incarnation()
         for k, s in zip(keys[:reuse], self.free_slots[-reuse:] if reuse else []):
             self.index[k] = s
             self.slot_keys[s] = k
@@ -96,16 +106,10 @@ class Partition:
         self.seq_lens.extend([-1] * len(keys))
         for values in self.tags.values():
             values.extend([None] * len(keys))
-        for name, loc in self.locs.items():
-            if loc.shape[0] < len(self.slot_keys):
-                grown = np.full((max(2 * loc.shape[0], len(self.slot_keys)), LOC_COLUMNS), -1, dtype=np.int64)
-                grown[: loc.shape[0]] = loc
-                self.locs[name] = grown
+        self.table.grow(len(self.slot_keys))
 
     def loc(self, name: str) -> np.ndarray:
-        if name not in self.locs:
-            self.locs[name] = np.full((max(len(self.slot_keys), 16), LOC_COLUMNS), -1, dtype=np.int64)
-        return self.locs[name]
+        return self.table.loc(name)
 
     def live_slots(self) -> np.ndarray:
         return np.fromiter(self.index.values(), dtype=np.int64, count=len(self.index))
@@ -137,8 +141,13 @@ class Controller(RpcServer):
         expected_units: int = 0,
         max_message_bytes: int = 256 << 20,
         state_dir: str | None = None,
+        shm_dir: str | None = "/dev/shm",
     ) -> None:
         super().__init__("controller", bind, secret=secret, max_message_bytes=max_message_bytes)
+        # Location tables go to shared memory when there is a tmpfs to hold them (see tq.locations).
+        self.shm_dir = shm_dir if shm_dir is not None and os.access(shm_dir, os.W_OK | os.X_OK) else None
+        self.host = host_identity()
+        self._published_down = 0
         self.journal: Journal | None = None
         self._replaying = False
         self.stop_units_on_close = False
@@ -172,7 +181,7 @@ class Controller(RpcServer):
             get_meta=self.op_get_meta,
             set_tags=self.op_set_tags,
             unit_status=self.op_unit_status,
-            stats=lambda a, b, c: self.stats(),
+            stats=lambda a, b, c: self._count_reads(a) or self.stats(),
             shutdown=self.op_shutdown,
         )
         if state_dir is not None:  # crash recovery: replay what was journaled, then keep journaling
@@ -208,7 +217,28 @@ class Controller(RpcServer):
             raise DuplicateKeyError(f"key {dup!r} appears more than once in the request")
 
     def _units_info(self) -> dict[str, Any]:
-        return {"units": self.units, "units_version": self.units_version}
+        return {"units": self.units, "units_version": self.units_version, "host": self.host}
+
+    def _new_partition(self, pid: str, table: LocationTable | None = None) -> Partition:
+        part = Partition(pid, table or LocationTable(self.shm_dir))
+        self._publish_status(part.table)
+        return part
+
+    def _down_units(self) -> int:
+        """Units reported down, as a bit mask (units from 62 on share the last bit)."""
+        now = time.monotonic()
+        down = 0
+        for unit in range(len(self.units)):
+            if self._unit_down_for(unit, now):
+                down |= 1 << min(unit, 62)
+        return down
+
+    def _publish_status(self, *tables: LocationTable) -> None:
+        """Tell same-host readers of the location tables which units are down and that we are alive."""
+        self._published_down = down = self._down_units()
+        alive_until = time.monotonic_ns() + int(ALIVE_S * 1e9)
+        for table in tables or [p.table for p in self.partitions.values()]:
+            table.set_status(self.units_version, down, alive_until)
 
     # -- units
     def op_hello(self, args: dict, buffers: list, call: Call) -> Any:
@@ -241,6 +271,7 @@ class Controller(RpcServer):
             self._send_to_unit(uid, "retain", args, bufs)
             log.warning("storage unit %d rejoined at %s", uid, info["address"])
         self.units_version += 1
+        self._publish_status()
         return {"unit_id": uid}
 
     def op_unit_status(self, args: dict, buffers: list, call: Call) -> dict:
@@ -248,6 +279,8 @@ class Controller(RpcServer):
         if not isinstance(unit, int) or not 0 <= unit < len(self.units):
             raise InvalidRequestError(f"no storage unit {unit!r}")
         down = self._unit_down_for(unit, time.monotonic())
+        if bool(down) != bool(self._published_down >> min(unit, 62) & 1):
+            self._publish_status()  # a reader told "down" here must not read that unit through a table
         return {"alive": not down, "down_for_s": down, "address": self.units[unit]["address"]}
 
     def close(self) -> None:
@@ -261,6 +294,8 @@ class Controller(RpcServer):
                     pass
                 self._extra_sockets.pop(sock, None)
                 sock.close(linger=1000)  # let the shutdown request go out
+        for part in self.partitions.values():
+            part.table.close()
         super().close()
 
     def _connect_unit(self, uid: int, address: str) -> None:
@@ -319,16 +354,20 @@ class Controller(RpcServer):
         self.units_version = int(snap["units_version"])
         for u in self.units:
             self._connect_unit(u["unit_id"], u["address"])
+        for part in self.partitions.values():
+            part.table.close()
         self.partitions = {}
         for pid, d in snap["partitions"].items():
-            p = Partition(pid)
+            p = self._new_partition(pid)
             p.slot_keys = list(d["slot_keys"])
             p.index = {k: i for i, k in enumerate(p.slot_keys) if k is not None}
             p.free_slots = [i for i, k in enumerate(p.slot_keys) if k is None]
             p.seq_lens = list(d["seq_lens"])
             p.tags = {k: list(v) for k, v in d["tags"].items()}
             p.schemas = {f: FieldSchema.from_wire(w) for f, w in d["schemas"].items()}
-            p.locs = {f: np.frombuffer(b, dtype=np.int64).reshape(shape).copy() for f, (shape, b) in d["locs"].items()}
+            p.table.grow(max((shape[0] for shape, _ in d["locs"].values()), default=0))
+            for f, (shape, b) in d["locs"].items():
+                p.loc(f)[: shape[0]] = np.frombuffer(b, dtype=np.int64).reshape(shape)
             self.partitions[pid] = p
 
     def _rows_on(self, unit: int) -> np.ndarray:
@@ -366,6 +405,7 @@ class Controller(RpcServer):
             uid = unit["unit_id"]
             log.error("storage unit %d (pid %d) exited with code %s", uid, proc.pid, proc.returncode)
             self.unit_seen[uid] = float("-inf")
+            self._publish_status()
             recent = [t for t in self._restarts.get(uid, []) if now - t < 60.0]
             if self.restart_unit is not None and len(recent) < 3 and os.path.exists(unit["arena_path"]):
                 self._restarts[uid] = [*recent, now]
@@ -383,6 +423,7 @@ class Controller(RpcServer):
         self._next_heartbeat = now + HEARTBEAT_S
         for unit in self.unit_socks:
             self._send_to_unit(unit, "ping", {}, [])
+        self._publish_status()  # renews the location tables' lease too
 
     def _send_to_unit(self, unit: int, op: str, args: dict, buffers: list) -> None:
         if self._replaying:
@@ -391,12 +432,18 @@ class Controller(RpcServer):
         if sock is not None:
             sock.send_multipart(protocol.request(op, 0, args, buffers, self.secret))
 
-    def _free_locations(self, part: Partition, slots: np.ndarray) -> None:
-        """Tell every unit to free the rows these slots hold (fire and forget)."""
-        if not slots.size:
-            return
-        rows = np.concatenate([loc[slots] for loc in part.locs.values()]) if part.locs else np.empty((0, LOC_COLUMNS), np.int64)
-        rows = rows[rows[:, UNIT] >= 0]
+    @staticmethod
+    def _held_rows(part: Partition, slots: np.ndarray) -> np.ndarray:
+        """The location records that these slots hold, over all fields."""
+        if not slots.size or not part.locs:
+            return np.empty((0, LOC_COLUMNS), np.int64)
+        rows = np.concatenate([loc[slots] for loc in part.locs.values()])
+        return rows[rows[:, UNIT] >= 0]
+
+    def _free_rows(self, part: Partition, rows: np.ndarray) -> None:
+        """Tell every unit to free these rows (fire and forget). Their records must be gone from the
+        location table already: ``freed`` tells same-host readers that copied them to copy again."""
+        part.table.freed()
         for unit in np.unique(rows[:, UNIT]).tolist():
             sel = rows[rows[:, UNIT] == unit]
             bufs: list[Any] = []
@@ -413,13 +460,18 @@ class Controller(RpcServer):
                 raise PartitionExistsError(f"partition {pid!r} already exists (pass reuse=True to clear and reuse it)")
             self._clear(self.partitions[pid])
             return {"partition": pid, "reused": True}
-        self.partitions[pid] = Partition(pid)
+        self.partitions[pid] = self._new_partition(pid)
         return {"partition": pid, "reused": False}
 
-    def _clear(self, part: Partition) -> int:
+    def _clear(self, part: Partition, *, drop: bool = False) -> int:
         n = len(part.index)
-        self._free_locations(part, part.live_slots())
-        self.partitions[part.pid] = Partition(part.pid)
+        rows = self._held_rows(part, part.live_slots())
+        if drop:
+            part.table.close()
+        else:
+            part.table.reset()
+            self.partitions[part.pid] = Partition(part.pid, part.table)
+        self._free_rows(part, rows)
         return n
 
     def op_clear_partition(self, args: dict, buffers: list, call: Call) -> dict:
@@ -427,7 +479,7 @@ class Controller(RpcServer):
 
     def op_drop_partition(self, args: dict, buffers: list, call: Call) -> dict:
         part = self._partition(args)
-        n = self._clear(part)
+        n = self._clear(part, drop=True)
         del self.partitions[part.pid]
         for w in [w for w in self.waiters if w.pid == part.pid]:
             self.waiters.remove(w)
@@ -456,7 +508,12 @@ class Controller(RpcServer):
         if clash is not None:
             raise DuplicateKeyError(f"key {clash!r} already exists in partition {part.pid!r}")
         part.add_keys(keys)
-        return {"minted": len(keys)}
+        return {"minted": len(keys), **self._slot_refs(part, keys)}
+
+    @staticmethod
+    def _slot_refs(part: Partition, keys: list[str]) -> dict[str, Any]:
+        """What a meta carries so a same-host reader can find its keys' records (KVBatchMeta.slots)."""
+        return {"slot_table": part.table.incarnation, "slots": part.slots_of(keys).tolist()}
 
     def op_commit(self, args: dict, buffers: list, call: Call) -> dict:
         """Make a stored block visible: new keys (``mode='put'``) or new fields of existing keys."""
@@ -518,16 +575,20 @@ class Controller(RpcServer):
         if new:
             part.add_keys(new)
         slots = part.slots_of(keys)
-        if args.get("overwrite", False):
-            self._release_overwritten(part, slots, list(schemas))
-        for name, schema in schemas.items():
-            part.schemas[name] = schema
-            loc = part.loc(name)
-            loc[slots, UNIT] = unit
-            loc[slots, BLOCK] = block
-            loc[slots, ROW] = np.arange(len(keys))
-            loc[slots, NBYTES] = nbytes[name]
-            loc[slots, OFFSET] = offsets[name]
+        released = self._overwritten_rows(part, slots, list(schemas)) if args.get("overwrite", False) else None
+        for name in schemas:
+            part.loc(name)  # a new field's column (may remap the table): before the records are written
+        with part.table.writing():
+            for name, schema in schemas.items():
+                part.schemas[name] = schema
+                loc = part.locs[name]
+                loc[slots, UNIT] = unit
+                loc[slots, BLOCK] = block
+                loc[slots, ROW] = np.arange(len(keys))
+                loc[slots, NBYTES] = nbytes[name]
+                loc[slots, OFFSET] = offsets[name]
+        if released is not None:
+            self._free_rows(part, released)
         for tname, values in tags.items():
             column = part.tags.setdefault(tname, [None] * part.capacity)
             for s, v in zip(slots.tolist(), values):
@@ -539,14 +600,14 @@ class Controller(RpcServer):
         self.bytes_committed += total
         self.recent.append((time.monotonic(), total))
         self._check_waiters(part.pid)
-        return {"keys": len(keys)}
+        return {"keys": len(keys), **self._slot_refs(part, keys)}
 
-    def _release_overwritten(self, part: Partition, slots: np.ndarray, fields: list[str]) -> None:
-        """Free the rows that the overwritten fields of ``slots`` held, unless another field of the same
-        key still lives in the same block row (a block row is freed as a whole)."""
+    def _overwritten_rows(self, part: Partition, slots: np.ndarray, fields: list[str]) -> np.ndarray:
+        """The rows that the overwritten fields of ``slots`` hold and that become free, unless another
+        field of the same key still lives in the same block row (a block row is freed as a whole)."""
         old = [part.locs[f][slots] for f in fields if f in part.locs]
         if not old:
-            return
+            return np.empty((0, LOC_COLUMNS), np.int64)
         others = [loc[slots] for f, loc in part.locs.items() if f not in fields]
         free = []
         for rec in old:
@@ -555,12 +616,7 @@ class Controller(RpcServer):
                 held &= ~((o[:, UNIT] == rec[:, UNIT]) & (o[:, BLOCK] == rec[:, BLOCK]))
             free.append(rec[held])
         # one (unit, block, row) per freed row, whichever fields pointed at it
-        rows = np.unique(np.concatenate(free)[:, : ROW + 1], axis=0) if free else np.empty((0, ROW + 1), np.int64)
-        for unit in np.unique(rows[:, UNIT]).tolist():
-            sel = rows[rows[:, UNIT] == unit]
-            bufs: list[Any] = []
-            self._send_to_unit(unit, "free_rows", {"blocks": protocol.pack_array(sel[:, BLOCK], bufs),
-                                                   "rows": protocol.pack_array(sel[:, ROW], bufs)}, bufs)
+        return np.unique(np.concatenate(free)[:, : ROW + 1], axis=0)
 
     def _tags(self, tags: Any, n: int) -> dict[str, list[Any]]:
         if tags is None:
@@ -597,6 +653,7 @@ class Controller(RpcServer):
         records (unit, block, row, bytes, arena offset; see :mod:`tq.protocol`). With ``timeout`` it
         first waits (parked, like ``wait``) until every pair is produced - a get that must wait for
         its fields still costs one round trip."""
+        self._count_reads(args)
         part = self._partition(args)
         keys = self._str_list(args, "keys")
         fields = self._str_list(args, "fields")
@@ -642,7 +699,8 @@ class Controller(RpcServer):
                 self.bytes_read[unit] = self.bytes_read.get(unit, 0) + int(nb)
         frames: list[Any] = []
         schemas = {name: part.schemas[name].to_wire() for name in fields}
-        return {"schemas": schemas, "loc": protocol.pack_array(loc, frames), "units_version": self.units_version}, frames
+        return {"schemas": schemas, "loc": protocol.pack_array(loc, frames), "units_version": self.units_version,
+                "table": part.table.descriptor()}, frames
 
     def op_wait(self, args: dict, buffers: list, call: Call) -> Any:
         part = self._partition(args)
@@ -681,6 +739,8 @@ class Controller(RpcServer):
     def on_tick(self, now: float) -> None:
         self._heartbeat(now)
         self._reap_children()
+        if self.units and self._down_units() != self._published_down:
+            self._publish_status()
         for w in [w for w in self.waiters if w.deadline <= now]:
             self.waiters.remove(w)
             part = self.partitions.get(w.pid)
@@ -694,19 +754,33 @@ class Controller(RpcServer):
                 self.reply(c, self._units_info())
             self.hello_waiters.clear()
 
+    def _count_reads(self, args: dict) -> None:
+        """Bytes a client read through the location tables since its last request (see tq.locations)."""
+        reads = args.get("reads")
+        if reads is None or self._replaying:
+            return
+        if not isinstance(reads, dict) or not all(isinstance(u, str) and u.isdigit() and isinstance(b, int) and b >= 0
+                                                   for u, b in reads.items()):
+            raise InvalidRequestError("'reads' must map storage unit ids to byte counts")
+        for u, b in reads.items():
+            self.bytes_read[int(u)] = self.bytes_read.get(int(u), 0) + b
+
     def op_discard(self, args: dict, buffers: list, call: Call) -> dict:
+        self._count_reads(args)
         part = self._partition(args)
         keys = self._str_list(args, "keys")
         self._unique(keys)
         slots = part.slots_of(keys)
-        self._free_locations(part, slots)
+        rows = self._held_rows(part, slots)
         for k in keys:
             del part.index[k]
         for s in slots.tolist():
             part.slot_keys[s] = None
-        for loc in part.locs.values():
-            loc[slots] = -1
+        with part.table.writing():
+            for loc in part.locs.values():
+                loc[slots] = -1
         part.free_slots.extend(slots.tolist())
+        self._free_rows(part, rows)
         return {"discarded": len(keys)}
 
     def op_get_meta(self, args: dict, buffers: list, call: Call) -> dict:
@@ -719,6 +793,7 @@ class Controller(RpcServer):
         seq = [part.seq_lens[s] for s in sl]
         return {
             "keys": keys,
+            **self._slot_refs(part, keys),
             "fields": produced,
             "sequence_lengths": None if any(v < 0 for v in seq) else seq,
             "tags": {name: [col[s] for s in sl] for name, col in part.tags.items()},

@@ -124,6 +124,12 @@ class KVBatchMeta:
         extra_info: batch-level dict propagated unchanged to every derived
             meta (``select``, ``chunk``, shards, ...), e.g.
             ``global_forward_pad_seqlen`` or micro-batch plans.
+        slot_table, slots: opaque storage handles set by the service on the
+            metas it returns (the partition's slot-table incarnation and each
+            key's slot), or ``None``. They follow the keys through every
+            operation and let a reader on the service's host locate the rows
+            without asking the controller; metas built by hand simply go the
+            usual way. Not part of equality.
 
     Lists and numpy arrays passed to the constructor are normalised to tuples,
     dicts are copied, and everything is validated (``ValueError`` for wrong
@@ -138,6 +144,8 @@ class KVBatchMeta:
     sequence_lengths: tuple[int, ...] | None = None
     tags: Mapping[str, tuple] = field(default_factory=dict)
     extra_info: Mapping[str, Any] = field(default_factory=dict)
+    slot_table: int | None = field(default=None, compare=False)
+    slots: tuple[int, ...] | None = field(default=None, compare=False)
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -198,6 +206,18 @@ class KVBatchMeta:
             raise TypeError(f"extra_info must be a mapping, got {type(self.extra_info).__name__}")
         set_(self, "extra_info", dict(self.extra_info))
 
+        if (self.slots is None) != (self.slot_table is None):
+            raise ValueError("slots and slot_table are set together or not at all")
+        if self.slots is not None:
+            if type(self.slot_table) is not int:
+                raise TypeError(f"slot_table must be an int, got {type(self.slot_table).__name__}")
+            slots = _as_tuple(self.slots, "slots")
+            if len(slots) != n:
+                raise ValueError(f"slots has {len(slots)} values for {n} keys")
+            if not set(map(type, slots)) <= {int} or (slots and min(slots) < 0):
+                raise TypeError("slots must be ints >= 0")
+            set_(self, "slots", slots)
+
     # ------------------------------------------------------------ basic info
     @property
     def size(self) -> int:
@@ -226,6 +246,8 @@ class KVBatchMeta:
             sequence_lengths=None if lens is None else tuple([lens[i] for i in idx]),
             tags={name: tuple([vals[i] for i in idx]) for name, vals in self.tags.items()},
             extra_info=self.extra_info,
+            slot_table=self.slot_table,
+            slots=None if self.slots is None else tuple([self.slots[i] for i in idx]),
         )
 
     def select(self, indices: Sequence[int] | Sequence[bool] | np.ndarray) -> KVBatchMeta:
@@ -270,6 +292,8 @@ class KVBatchMeta:
             sequence_lengths=None if lens is None else lens[s],
             tags={name: vals[s] for name, vals in self.tags.items()},
             extra_info=self.extra_info,
+            slot_table=self.slot_table,
+            slots=None if self.slots is None else self.slots[s],
         )
 
     def drop(self, keys: Iterable[str]) -> KVBatchMeta:
@@ -343,6 +367,8 @@ class KVBatchMeta:
         else:
             lens = tuple(v for m in metas for v in m.sequence_lengths)  # type: ignore[union-attr]
         tags = {name: tuple(v for m in metas for v in m.tags[name]) for name in first.tags}
+        # slots only mean something within one slot-table incarnation
+        same_table = first.slots is not None and all(m.slot_table == first.slot_table and m.slots is not None for m in metas)
         return KVBatchMeta(
             partition_id=first.partition_id,
             keys=keys,
@@ -350,6 +376,8 @@ class KVBatchMeta:
             sequence_lengths=lens,
             tags=tags,
             extra_info=first.extra_info,
+            slot_table=first.slot_table if same_table else None,
+            slots=tuple(s for m in metas for s in m.slots) if same_table else None,  # type: ignore[union-attr]
         )
 
     # ------------------------------------------------------ field / tag edits
@@ -361,6 +389,8 @@ class KVBatchMeta:
             "sequence_lengths": self.sequence_lengths,
             "tags": self.tags,
             "extra_info": self.extra_info,
+            "slot_table": self.slot_table,
+            "slots": self.slots,
         }
         values.update(changes)
         return KVBatchMeta(**values)
@@ -409,6 +439,7 @@ class KVBatchMeta:
             "sequence_lengths": None if self.sequence_lengths is None else list(self.sequence_lengths),
             "tags": {name: list(vals) for name, vals in self.tags.items()},
             "extra_info": dict(self.extra_info),
+            **({} if self.slots is None else {"slot_table": self.slot_table, "slots": list(self.slots)}),
         }
 
     @classmethod
@@ -424,6 +455,8 @@ class KVBatchMeta:
             sequence_lengths=d.get("sequence_lengths"),
             tags=d.get("tags") or {},
             extra_info=d.get("extra_info") or {},
+            slot_table=d.get("slot_table"),
+            slots=d.get("slots"),
         )
 
     def to_msgpack(self) -> bytes:

@@ -1,0 +1,263 @@
+"""Location tables: where every (key, field) row of a partition lives, shared with same-host readers.
+
+The controller keeps one :class:`LocationTable` per partition: for each field an int64
+``[capacity, LOC_COLUMNS]`` array of location records indexed by key slot (-1: not produced). The
+table lives in a shared-memory file, so a client on the controller's host can map it read-only
+(:class:`LocationView`) and locate a meta's rows itself - a same-host get then costs no round trip to
+the controller, only the copy out of the storage arena. The controller stays the only writer and
+the only authority: a reader that finds anything unexpected simply asks it (``locate``).
+
+File layout (little-endian int64 words)::
+
+    header[HEADER_WORDS]                    see the H_* indices below
+    locs[columns, capacity, LOC_COLUMNS]    one location table per field column
+
+Readers identify keys by slot, which a meta carries next to its keys (``KVBatchMeta.slots``) with
+the table's ``incarnation``. A slot is never handed to another key within one incarnation: reusing
+the slots of discarded keys, or clearing the partition, starts a new (random) incarnation, so a meta
+from before can only miss the fast path, never read another key's rows.
+
+Consistency is a seqlock in two counters, both written only by the single-threaded controller:
+- ``seq`` is odd while records are being written. A reader reads it, copies the records it needs,
+  and keeps them only if ``seq`` was even and unchanged.
+- ``frees`` is bumped after records are invalidated and *before* the storage units are told to free
+  their bytes, so bytes can only be reused after the bump. A reader notes ``frees`` before it reads
+  the records and checks it again after copying the rows out of the arena; if it moved, the copy
+  may have raced a reuse and the read is redone through the controller.
+A table that is replaced (grown, dropped, or its controller gone) is marked ``retired``; a dead
+controller is noticed by ``alive_until``, which it renews with every heartbeat. The protocol relies on
+the host's stores becoming visible in order (x86-64's total store order), so same-host readers use
+the tables only there (:data:`SUPPORTED`).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import secrets
+import time
+import uuid
+from contextlib import contextmanager
+from typing import Iterator
+
+import numpy as np
+
+from .protocol import LOC_COLUMNS, LOC_UNIT
+
+MAGIC = 0x5451_4C4F_4354_0001  # "TQLOCT" v1
+H_MAGIC, H_CAPACITY, H_COLUMNS, H_SEQ, H_FREES, H_INCARNATION, H_RETIRED, H_UNITS_VERSION, H_DOWN_UNITS, \
+    H_ALIVE_UNTIL = range(10)
+HEADER_WORDS = 16
+ALIVE_S = 5.0  # a table whose controller has not renewed it for this long is not trusted
+#: Same-host readers use the tables only where stores are seen in program order (see module docstring).
+SUPPORTED = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def _nbytes(capacity: int, columns: int) -> int:
+    return 8 * (HEADER_WORDS + columns * capacity * LOC_COLUMNS)
+
+
+def new_incarnation() -> int:
+    """A random positive 63-bit id: stale metas match a new incarnation with probability 2**-63."""
+    return secrets.randbits(63) or 1
+
+
+class LocationTable:
+    """The controller's side: per-field location records of one partition, in shared memory when
+    ``directory`` is given (else private memory, and no reader can map it)."""
+
+    def __init__(self, directory: str | None, capacity: int = 16, columns: int = 4) -> None:
+        self.directory = directory
+        self.columns: dict[str, int] = {}  # field -> column; kept across clears (fields tend to return)
+        self.views: dict[str, np.ndarray] = {}  # fields in use -> their [capacity, LOC_COLUMNS] records
+        self.path: str | None = None
+        self._mm: mmap.mmap | None = None
+        self.header = np.zeros(HEADER_WORDS, dtype=np.int64)
+        self._allocate(capacity, columns, incarnation=new_incarnation())
+
+    # -- storage
+    def _allocate(self, capacity: int, columns: int, incarnation: int) -> None:
+        """Map a fresh table (all records -1), copy the current records into it, retire the old one."""
+        size = _nbytes(capacity, columns)
+        path, mm = None, None
+        if self.directory is not None:
+            path = os.path.join(self.directory, f"tq-loc-{uuid.uuid4().hex[:16]}")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, size)
+                mm = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+            words = np.frombuffer(mm, dtype=np.int64)
+        else:
+            words = np.empty(size // 8, dtype=np.int64)
+        header, locs = words[:HEADER_WORDS], words[HEADER_WORDS:].reshape(columns, capacity, LOC_COLUMNS)
+        locs.fill(-1)
+        old = self.header
+        header[:] = old
+        header[H_CAPACITY], header[H_COLUMNS], header[H_INCARNATION] = capacity, columns, incarnation
+        header[H_SEQ] = header[H_SEQ] + (header[H_SEQ] & 1)  # even: not being written
+        header[H_RETIRED] = 0
+        for name, col in self.columns.items():
+            if name in self.views:
+                n = min(capacity, self.views[name].shape[0])
+                locs[col, :n] = self.views[name][:n]
+        header[H_MAGIC] = MAGIC  # last: a reader that sees the magic sees a complete table
+        in_use = list(self.views)
+        self._retire_storage()
+        self.header, self._locs, self.path, self._mm = header, locs, path, mm
+        self.views = {name: locs[self.columns[name]] for name in in_use}
+
+    def _retire_storage(self) -> None:
+        if self._mm is None and self.path is None:
+            return
+        self.header[H_RETIRED] = 1
+        self.header[H_FREES] += 1
+        self.views, self.header = {}, self.header.copy()  # drop views into the old mapping
+        self._locs = None  # type: ignore[assignment]
+        if self.path is not None:
+            try:
+                os.unlink(self.path)  # readers that mapped it keep their mapping until they drop it
+            except FileNotFoundError:
+                pass
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:  # a view is still referenced somewhere; the mapping dies with it
+                pass
+
+    @property
+    def capacity(self) -> int:
+        return int(self.header[H_CAPACITY])
+
+    @property
+    def incarnation(self) -> int:
+        return int(self.header[H_INCARNATION])
+
+    def grow(self, capacity: int) -> None:
+        """Make room for ``capacity`` slots (at least doubling, so growth stays amortised)."""
+        if capacity > self.capacity:
+            self._allocate(max(capacity, 2 * self.capacity), int(self.header[H_COLUMNS]), self.incarnation)
+
+    def loc(self, name: str) -> np.ndarray:
+        """The records of field ``name`` (a new field starts all -1)."""
+        view = self.views.get(name)
+        if view is None:
+            col = self.columns.get(name)
+            if col is None:
+                col = self.columns[name] = len(self.columns)
+                if col >= int(self.header[H_COLUMNS]):
+                    self._allocate(self.capacity, 2 * col, self.incarnation)
+            view = self.views[name] = self._locs[col]  # all -1: fresh, or reset with the partition
+        return view
+
+    # -- the seqlock (see module docstring)
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """Bracket a change of records: readers that overlap it discard what they read."""
+        self.header[H_SEQ] += 1
+        try:
+            yield
+        finally:
+            self.header[H_SEQ] += 1
+
+    def freed(self) -> None:
+        """Call after invalidating records and before telling units to free their bytes."""
+        self.header[H_FREES] += 1
+
+    def new_incarnation(self) -> None:
+        """Slots are about to be reused: metas minted before can no longer use this table."""
+        self.header[H_INCARNATION] = new_incarnation()
+
+    def reset(self) -> None:
+        """Clear every record (partition cleared); the field columns stay assigned."""
+        with self.writing():
+            self._locs.fill(-1)
+            self.views = {}
+            self.new_incarnation()
+        self.freed()
+
+    def set_status(self, units_version: int, down_units: int, alive_until_ns: int) -> None:
+        """What a reader must check about the service: units' version, down units (bit mask), liveness."""
+        h = self.header
+        h[H_UNITS_VERSION], h[H_DOWN_UNITS], h[H_ALIVE_UNTIL] = units_version, down_units, alive_until_ns
+
+    def descriptor(self) -> dict | None:
+        """What a same-host reader needs to map this table (None when it is not shared)."""
+        if self.path is None:
+            return None
+        return {"path": self.path, "incarnation": self.incarnation, "columns": {n: self.columns[n] for n in self.views}}
+
+    def close(self) -> None:
+        """Retire and unlink the table (partition dropped or controller closing)."""
+        self._retire_storage()
+        self.path = None
+        self._mm = None
+
+
+class LocationView:
+    """A reader's read-only mapping of one :class:`LocationTable` file."""
+
+    def __init__(self, path: str, columns: dict[str, int]) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            if size < 8 * HEADER_WORDS:
+                raise ValueError(f"location table {path} is truncated ({size} bytes)")
+            self._mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        words = np.frombuffer(self._mm, dtype=np.int64)
+        self.header = words[:HEADER_WORDS]
+        capacity, ncols = int(self.header[H_CAPACITY]), int(self.header[H_COLUMNS])
+        if self.header[H_MAGIC] != MAGIC or capacity < 0 or ncols < 0 or _nbytes(capacity, ncols) != size:
+            raise ValueError(f"{path} is not a location table of this version")
+        self.path, self.capacity = path, capacity
+        self.locs = words[HEADER_WORDS:].reshape(ncols, capacity, LOC_COLUMNS)
+        self.columns: dict[str, int] = {}
+        self.add_columns(columns)
+
+    def add_columns(self, columns: dict[str, int]) -> None:
+        """Learn where more fields' records are (from a later locate reply)."""
+        ncols = self.locs.shape[0]
+        self.columns.update({f: c for f, c in columns.items() if isinstance(c, int) and 0 <= c < ncols})
+
+    def usable(self, incarnation: int, units_version: int) -> bool:
+        """Whether this table may be read for metas of ``incarnation`` by a client that knows the
+        units at ``units_version`` (also: not retired, its controller alive)."""
+        h = self.header
+        return (not h[H_RETIRED] and h[H_INCARNATION] == incarnation and h[H_UNITS_VERSION] == units_version
+                and time.monotonic_ns() < h[H_ALIVE_UNTIL])
+
+    def read(self, fields: list[str], slots: np.ndarray) -> tuple[np.ndarray, int] | None:
+        """The ``[fields, keys, LOC_COLUMNS]`` records of ``slots`` and the ``frees`` count they were
+        read under - or None when they cannot be trusted (being written, not produced, a unit down)."""
+        cols = [self.columns.get(f) for f in fields]
+        if None in cols or (slots.size and (slots.min() < 0 or slots.max() >= self.capacity)):
+            return None
+        h = self.header
+        seq, frees = int(h[H_SEQ]), int(h[H_FREES])
+        if seq & 1:
+            return None
+        rec = self.locs[np.asarray(cols)[:, None], slots[None, :]]
+        if int(h[H_SEQ]) != seq:
+            return None
+        units = rec[:, :, LOC_UNIT]
+        if units.size and units.min() < 0:
+            return None  # not produced (yet): the controller waits or names what is missing
+        down = int(h[H_DOWN_UNITS])
+        if down and (down >> np.minimum(units, 62) & 1).any():
+            return None  # the controller reports that unit down
+        return rec, frees
+
+    def unchanged(self, frees: int) -> bool:
+        """No bytes were freed since ``frees`` was read, so rows copied since are intact."""
+        return int(self.header[H_FREES]) == frees and not self.header[H_RETIRED]
+
+    def close(self) -> None:
+        self.header = self.locs = None  # type: ignore[assignment]
+        try:
+            self._mm.close()
+        except BufferError:
+            pass

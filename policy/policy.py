@@ -13,6 +13,7 @@ bit-identical log-probs and updates. They differ only in how data reaches the wo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import pickle
 import time
@@ -388,14 +389,13 @@ class TQPolicy(_WorkerGroup):
         """The meta with sequence lengths (read as a per-sample column if missing) and the pad length stamped."""
         if meta.sequence_lengths is None:
             lengths = self.read_from_dataplane(meta, ["input_lengths"])["input_lengths"]
-            meta = KVBatchMeta(meta.partition_id, meta.keys, meta.fields, tuple(lengths.tolist()), meta.tags, meta.extra_info)
+            meta = dataclasses.replace(meta, sequence_lengths=tuple(lengths.tolist()))
         return stamp_pad_seqlen(meta, pad_multiple(self.config))
 
     def _worker_shards(self, meta: KVBatchMeta, purpose: str) -> list[KVBatchMeta]:
         """``shard_for_dp`` shards without their tags: workers read keys, lengths and the micro-batch
         plan only, so the per-sample tags (uids, groups, versions) need not travel with every call."""
-        return [KVBatchMeta(s.partition_id, s.keys, s.fields, s.sequence_lengths, {}, s.extra_info)
-                for s in shard_for_dp(meta, self.config, purpose)]
+        return [dataclasses.replace(s, tags={}) for s in shard_for_dp(meta, self.config, purpose)]
 
     def _logprob_pass(self, meta: KVBatchMeta, reference: bool, reductions: bool = False) -> KVBatchMeta:
         meta = self._with_lengths(meta)

@@ -384,3 +384,38 @@ def test_construction_of_large_meta_is_cheap():
         {"g": list(range(n)), "s": ["x"] * n, "f": [0.5] * n},
     )
     assert len(m.chunk(8)) == 8 and m.total_tokens == n * (n - 1) // 2
+
+
+# ----------------------------------------------------------------------------- storage slots
+def test_slots_follow_the_keys_through_every_operation():
+    m = KVBatchMeta("p", ["a", "b", "c", "d"], ["x"], [1, 2, 3, 4], slot_table=99, slots=[10, 11, 12, 13])
+    assert m.select([2, 0]).slots == (12, 10)
+    assert m.slice(1, 3).slots == (11, 12)
+    assert m.drop(["b"]).slots == (10, 12, 13)
+    assert [c.slots for c in m.chunk(2)] == [(10, 11), (12, 13)]
+    assert KVBatchMeta.concat(m.chunk(2)).slots == m.slots
+    assert m.with_fields(["y"]).stamp_tags(w=1).slots == m.slots
+    back = KVBatchMeta.from_msgpack(m.to_msgpack())
+    assert (back.slot_table, back.slots) == (99, m.slots)
+    assert m == KVBatchMeta("p", ["a", "b", "c", "d"], ["x"], [1, 2, 3, 4])  # not part of equality
+
+
+def test_concat_across_slot_tables_drops_the_slots():
+    a = KVBatchMeta("p", ["a"], slot_table=1, slots=[0])
+    b = KVBatchMeta("p", ["b"], slot_table=2, slots=[0])
+    c = KVBatchMeta("p", ["c"])
+    assert KVBatchMeta.concat([a, b]).slots is None and KVBatchMeta.concat([a, c]).slot_table is None
+    assert KVBatchMeta.concat([a, KVBatchMeta("p", ["d"], slot_table=1, slots=[5])]).slots == (0, 5)
+
+
+@pytest.mark.parametrize("kwargs, err", [
+    ({"slots": [0, 1]}, ValueError),  # no slot_table
+    ({"slot_table": 1}, ValueError),  # no slots
+    ({"slot_table": 1, "slots": [0]}, ValueError),  # one slot for two keys
+    ({"slot_table": 1, "slots": [0, -1]}, TypeError),
+    ({"slot_table": 1, "slots": [0, 1.0]}, TypeError),
+    ({"slot_table": "1", "slots": [0, 1]}, TypeError),
+])
+def test_bad_slots_are_rejected(kwargs, err):
+    with pytest.raises(err):
+        KVBatchMeta("p", ["a", "b"], **kwargs)

@@ -163,7 +163,7 @@ class TQClient:
         self._arenas: dict[int, Arena] = {}
         self._host = host_identity()
         self._ctrl_host: str | None = None
-        # partition -> (its location table mapped here, the incarnation and schemas last located there)
+        # partition -> (its location table mapped here, its clears count and the schemas located then)
         self._tables: dict[str, tuple[LocationView, int, dict[str, FieldSchema]]] = {}
         self._tables_lock = threading.Lock()
         self._reads: dict[int, int] = {}  # bytes read through the tables, reported with the next request
@@ -404,12 +404,12 @@ class TQClient:
         """Map the partition's location table named in a locate reply (same host only)."""
         if not (isinstance(desc, dict) and LOCAL_TABLES_SUPPORTED and self.transport == "auto" and self._ctrl_host == self._host):
             return
-        path, incarnation, columns = desc.get("path"), desc.get("incarnation"), desc.get("columns")
-        if not (isinstance(path, str) and isinstance(incarnation, int) and isinstance(columns, dict)):
+        path, clears, columns = desc.get("path"), desc.get("clears"), desc.get("columns")
+        if not (isinstance(path, str) and isinstance(clears, int) and isinstance(columns, dict)):
             raise MalformedMessageError("locate reply names its location table badly")
         with self._tables_lock:
             entry = self._tables.get(partition_id)
-            if entry is not None and entry[0].path == path and entry[1] == incarnation:
+            if entry is not None and entry[0].path == path and entry[1] == clears:
                 entry[0].add_columns(columns)
                 entry[2].update(schemas)
                 return
@@ -418,7 +418,7 @@ class TQClient:
             except (OSError, ValueError):  # gone already (replaced meanwhile): the next locate names the new one
                 return
             # The old view is dropped, not closed: another thread may be reading it.
-            self._tables[partition_id] = (view, incarnation, dict(schemas))
+            self._tables[partition_id] = (view, clears, dict(schemas))
 
     def _locate_here(self, meta: KVBatchMeta, fields: list[str]) -> tuple[dict[str, _Fetched], Callable[[], bool]] | None:
         """Locate the rows in the partition's shared location table, with no round trip: only for a
@@ -427,8 +427,8 @@ class TQClient:
         entry = self._tables.get(meta.partition_id) if meta.slots is not None and meta.keys else None
         if entry is None:
             return None
-        view, incarnation, schemas = entry
-        if meta.slot_table != incarnation or not view.usable(incarnation, self._units_version):
+        view, clears, schemas = entry
+        if not view.usable(meta.slot_table, clears, self._units_version):  # type: ignore[arg-type]
             return None
         if any(f not in schemas for f in fields):
             return None

@@ -15,7 +15,9 @@ File layout (little-endian int64 words)::
 Readers identify keys by slot, which a meta carries next to its keys (``KVBatchMeta.slots``) with
 the table's ``incarnation``. A slot is never handed to another key within one incarnation: reusing
 the slots of discarded keys, or clearing the partition, starts a new (random) incarnation, so a meta
-from before can only miss the fast path, never read another key's rows.
+from before can only miss the fast path, never read another key's rows. Readers also need the fields'
+schemas, which they learn from a ``locate`` reply; a field's schema is fixed until the partition is
+cleared, which bumps ``clears``, so schemas learnt under another ``clears`` count are not used.
 
 Consistency is a seqlock in two counters, both written only by the single-threaded controller:
 - ``seq`` is odd while records are being written. A reader reads it, copies the records it needs,
@@ -47,7 +49,7 @@ from .protocol import LOC_COLUMNS, LOC_UNIT
 
 MAGIC = 0x5451_4C4F_4354_0001  # "TQLOCT" v1
 H_MAGIC, H_CAPACITY, H_COLUMNS, H_SEQ, H_FREES, H_INCARNATION, H_RETIRED, H_UNITS_VERSION, H_DOWN_UNITS, \
-    H_ALIVE_UNTIL = range(10)
+    H_ALIVE_UNTIL, H_CLEARS = range(11)
 HEADER_WORDS = 16
 ALIVE_S = 5.0  # a table whose controller has not renewed it for this long is not trusted
 #: Same-host readers use the tables only where stores are seen in program order (see module docstring).
@@ -176,6 +178,7 @@ class LocationTable:
             self._locs.fill(-1)
             self.views = {}
             self.new_incarnation()
+            self.header[H_CLEARS] += 1  # the fields' schemas may change from now on
         self.freed()
 
     def set_status(self, units_version: int, down_units: int, alive_until_ns: int) -> None:
@@ -187,7 +190,7 @@ class LocationTable:
         """What a same-host reader needs to map this table (None when it is not shared)."""
         if self.path is None:
             return None
-        return {"path": self.path, "incarnation": self.incarnation, "columns": {n: self.columns[n] for n in self.views}}
+        return {"path": self.path, "clears": int(self.header[H_CLEARS]), "columns": {n: self.columns[n] for n in self.views}}
 
     def close(self) -> None:
         """Retire and unlink the table (partition dropped or controller closing)."""
@@ -223,12 +226,13 @@ class LocationView:
         ncols = self.locs.shape[0]
         self.columns.update({f: c for f, c in columns.items() if isinstance(c, int) and 0 <= c < ncols})
 
-    def usable(self, incarnation: int, units_version: int) -> bool:
-        """Whether this table may be read for metas of ``incarnation`` by a client that knows the
-        units at ``units_version`` (also: not retired, its controller alive)."""
+    def usable(self, incarnation: int, clears: int, units_version: int) -> bool:
+        """Whether this table may be read for metas of ``incarnation``, with schemas learnt after
+        ``clears`` clears, by a client that knows the units at ``units_version`` (and whether it is
+        not retired and its controller alive)."""
         h = self.header
-        return (not h[H_RETIRED] and h[H_INCARNATION] == incarnation and h[H_UNITS_VERSION] == units_version
-                and time.monotonic_ns() < h[H_ALIVE_UNTIL])
+        return (not h[H_RETIRED] and h[H_INCARNATION] == incarnation and h[H_CLEARS] == clears
+                and h[H_UNITS_VERSION] == units_version and time.monotonic_ns() < h[H_ALIVE_UNTIL])
 
     def read(self, fields: list[str], slots: np.ndarray) -> tuple[np.ndarray, int] | None:
         """The ``[fields, keys, LOC_COLUMNS]`` records of ``slots`` and the ``frees`` count they were

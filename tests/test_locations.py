@@ -1,0 +1,242 @@
+"""Same-host gets through the controller's shared location tables (tq/locations.py).
+
+The table itself is tested directly (its seqlock, incarnations, retirement, lease); the service tests
+run a real controller and storage units and check that a same-host get of a meta the service handed
+out skips the controller, and that every way the table can go stale - discarded keys whose slots are
+reused, a cleared partition whose field changed dtype, an overwritten field, a free racing the copy -
+falls back to asking it instead of returning wrong bytes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tq import KVBatchMeta, TQClient
+from tq.errors import KeyNotFoundError
+from tq.locations import (
+    H_ALIVE_UNTIL,
+    H_CLEARS,
+    H_DOWN_UNITS,
+    H_INCARNATION,
+    H_RETIRED,
+    SUPPORTED,
+    LocationTable,
+    LocationView,
+)
+from tq.protocol import LOC_COLUMNS
+
+from conftest import unique_keys
+
+pytestmark = pytest.mark.skipif(not SUPPORTED, reason="same-host location tables are used on x86-64 only")
+
+
+# ----------------------------------------------------------------------------- the table itself
+@pytest.fixture()
+def table(tmp_path):
+    t = LocationTable(str(tmp_path), capacity=4, columns=2)
+    t.set_status(units_version=1, down_units=0, alive_until_ns=time.monotonic_ns() + 10**10)
+    yield t
+    t.close()
+
+
+def _record(unit: int, offset: int) -> list[int]:
+    return [unit, 7, 0, 16, offset]
+
+
+def _view(t: LocationTable) -> LocationView:
+    d = t.descriptor()
+    return LocationView(d["path"], d["columns"])
+
+
+def test_reader_sees_records_written_before_it_mapped_and_after(table):
+    table.loc("x")[0] = _record(0, 4096)
+    view = _view(table)
+    assert view.usable(table.incarnation, int(table.header[H_CLEARS]), 1)
+    rec, _ = view.read(["x"], np.array([0]))
+    assert rec.tolist() == [[_record(0, 4096)]]
+    with table.writing():
+        table.loc("x")[1] = _record(0, 8192)
+    rec, _ = view.read(["x"], np.array([1, 0]))
+    assert rec[0, :, 4].tolist() == [8192, 4096]
+
+
+def test_reader_refuses_records_being_written_unproduced_or_on_a_down_unit(table):
+    table.loc("x")[:2] = [_record(0, 0), _record(1, 64)]
+    view = _view(table)
+    with table.writing():  # seq is odd: whatever is read may be torn
+        assert view.read(["x"], np.array([0])) is None
+    assert view.read(["x"], np.array([0, 1])) is not None
+    assert view.read(["x"], np.array([2])) is None  # not produced
+    assert view.read(["x"], np.array([4])) is None  # beyond the table
+    assert view.read(["y"], np.array([0])) is None  # a field this view does not know
+    table.set_status(1, down_units=1 << 1, alive_until_ns=time.monotonic_ns() + 10**10)
+    assert view.read(["x"], np.array([0])) is not None  # unit 0 is fine
+    assert view.read(["x"], np.array([0, 1])) is None  # unit 1 is down
+
+
+def test_frees_invalidate_a_copy_in_flight(table):
+    table.loc("x")[0] = _record(0, 0)
+    view = _view(table)
+    _, frees = view.read(["x"], np.array([0]))
+    assert view.unchanged(frees)
+    with table.writing():
+        table.loc("x")[0] = -1
+    table.freed()
+    assert not view.unchanged(frees)
+
+
+def test_usable_only_for_the_current_incarnation_clears_units_and_a_live_controller(table):
+    view = _view(table)
+    inc, clears = table.incarnation, int(table.header[H_CLEARS])
+    assert view.usable(inc, clears, 1)
+    assert not view.usable(inc, clears, 2)  # the client knows other units
+    assert not view.usable(inc ^ 1, clears, 1)
+    table.new_incarnation()
+    assert not view.usable(inc, clears, 1)  # slots were reused: old metas go to the controller
+    inc = table.incarnation
+    table.reset()
+    assert view.header[H_INCARNATION] != inc and not view.usable(inc, clears, 1)
+    assert view.usable(table.incarnation, clears + 1, 1) and not view.usable(table.incarnation, clears, 1)
+    table.set_status(1, 0, alive_until_ns=time.monotonic_ns() - 1)  # the controller stopped renewing
+    assert not view.usable(table.incarnation, clears + 1, 1)
+
+
+def test_growing_copies_records_and_retires_the_old_file(table):
+    table.loc("x")[:3] = [_record(0, 64 * i) for i in range(3)]
+    old_path, old = table.path, _view(table)
+    table.grow(40)
+    table.loc("a"), table.loc("b")  # more fields than columns: remapped again
+    assert table.capacity >= 40 and table.path != old_path and not os.path.exists(old_path)
+    assert old.header[H_RETIRED] == 1 and not old.usable(table.incarnation, 0, 1)
+    new = _view(table)
+    rec, _ = new.read(["x"], np.array([2, 0, 1]))
+    assert rec[0, :, 4].tolist() == [128, 0, 64]
+    assert new.read(["a"], np.array([0])) is None  # new fields start unproduced
+    path = table.path
+    table.close()
+    assert not os.path.exists(path) and new.header[H_RETIRED] == 1
+
+
+def test_a_file_that_is_not_a_table_is_refused(tmp_path):
+    p = tmp_path / "junk"
+    p.write_bytes(b"\0" * 4096)
+    with pytest.raises(ValueError, match="not a location table"):
+        LocationView(str(p), {})
+
+
+def test_private_tables_have_no_descriptor():
+    t = LocationTable(None)
+    t.loc("x")[0] = [0] * LOC_COLUMNS
+    assert t.descriptor() is None
+
+
+# ----------------------------------------------------------------------------- through the service
+def _locates(c: TQClient) -> int:
+    return c.stats()["ops"].get("locate", {}).get("count", 0)
+
+
+def test_same_host_get_of_a_service_meta_skips_the_controller(tq_server, client, partition):
+    tcp = TQClient(tq_server.address, timeout=10.0, transport="tcp")
+    try:
+        keys = unique_keys(6)
+        x = torch.arange(6 * 5, dtype=torch.float32).reshape(6, 5)
+        meta = client.put(partition, keys, {"x": x, "ids": [torch.arange(i + 1) for i in range(6)]})
+        assert meta.slots is not None and meta.slot_table is not None
+        client.get(meta)  # learns the partition's table
+        n0 = _locates(client)
+        for m in (meta, meta.select([4, 1]), KVBatchMeta.from_msgpack(meta.to_msgpack()), *meta.chunk(2)):
+            got = client.get(m)
+            assert torch.equal(got["x"], x[[keys.index(k) for k in m.keys]])
+        assert _locates(client) == n0  # none of those asked the controller
+        assert torch.equal(tcp.get(meta)["x"], x)
+        assert _locates(client) == n0 + 1  # a tcp client always asks
+        assert torch.equal(client.get(KVBatchMeta(partition, meta.keys, ("x",)))["x"], x)  # no slots: asks
+        assert _locates(client) == n0 + 2
+    finally:
+        tcp.close()
+
+
+def test_slots_reused_after_discard_never_read_another_keys_rows(client, partition):
+    old = client.put(partition, unique_keys(4, "old"), {"x": torch.zeros(4, 3)})
+    client.get(old)
+    client.discard(old)
+    new = client.put(partition, unique_keys(4, "new"), {"x": torch.ones(4, 3)})
+    assert set(new.slots) == set(old.slots)  # the same slots, handed to new keys
+    with pytest.raises(KeyNotFoundError):
+        client.get(old)  # must ask the controller, which no longer knows the old keys
+    n0 = _locates(client)
+    assert torch.equal(client.get(new)["x"], torch.ones(4, 3))
+    assert _locates(client) == n0  # the new meta is current: no round trip
+
+
+def test_a_cleared_partition_whose_field_changed_dtype_is_read_with_the_new_schema(client, partition):
+    keys = unique_keys(3)
+    client.get(client.put(partition, keys, {"x": torch.full((3, 2), 1.5)}))  # float32, schema learnt
+    client.clear_partition(partition)
+    meta = client.put(partition, keys, {"x": torch.full((3, 2), 7, dtype=torch.int64)})
+    got = client.get(meta)["x"]
+    assert got.dtype == torch.int64 and torch.equal(got, torch.full((3, 2), 7, dtype=torch.int64))
+
+
+def test_an_overwritten_field_reads_back_new_values(client, partition):
+    meta = client.put(partition, unique_keys(4), {"x": torch.zeros(4, 8), "mask": torch.ones(4, dtype=torch.bool)})
+    client.get(meta)
+    meta = client.write_back(meta, {"mask": torch.tensor([True, False, True, False])}, overwrite=True)
+    assert client.get(meta, ["mask"])["mask"].tolist() == [True, False, True, False]
+    meta = client.write_back(meta, {"lp": torch.full((4, 2), 3.0)})  # a new field: learnt at its first get
+    assert torch.equal(client.get(meta, ["x", "lp"])["lp"], torch.full((4, 2), 3.0))
+
+
+def test_tables_are_unlinked_when_their_partition_is_dropped(client):
+    pid = f"p-{os.urandom(4).hex()}"
+    client.register_partition(pid)
+    client.get(client.put(pid, unique_keys(2), {"x": torch.zeros(2)}))
+    path = client._tables[pid][0].path
+    assert os.path.exists(path)
+    client.drop_partition(pid)
+    assert not os.path.exists(path)
+
+
+def _churn(address: str, partition: str, rounds: int, conn) -> None:
+    """Put a batch whose every value is its round number, hand its meta over, discard it, repeat:
+    the next put reuses the same slots and (first fit) the same arena bytes."""
+    c = TQClient(address, timeout=30.0)
+    keys = [f"churn-{i}" for i in range(16)]
+    for r in range(rounds):
+        meta = c.put(partition, [f"{k}-r{r}" for k in keys], {"x": torch.full((16, 16384), float(r))})
+        conn.send(meta.to_dict())
+        time.sleep(0.0005 * (r % 3))
+        c.discard(meta)
+    conn.send(None)
+    c.close()
+
+
+def test_frees_racing_a_copy_never_return_other_bytes(tq_server, client, partition):
+    """A writer keeps discarding what the reader is copying and putting new values into the same
+    bytes. Every get either returns its own round's values or fails with KeyNotFoundError (discarded
+    before it asked) - never a mix. Without the frees check after the copy this returns mixed rows."""
+    parent, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=_churn, args=(tq_server.address, partition, 400, child))
+    proc.start()
+    ok = gone = 0
+    try:
+        while (d := parent.recv()) is not None:
+            meta = KVBatchMeta.from_dict(d)
+            r = float(d["keys"][0].rsplit("-r", 1)[1])
+            try:
+                got = client.get(meta)["x"]
+            except KeyNotFoundError:
+                gone += 1
+                continue
+            bad = (got != r).any(dim=1).nonzero().flatten().tolist()
+            assert not bad, f"round {r}: rows {bad} hold other bytes"
+            ok += 1
+    finally:
+        proc.join(30)
+    assert proc.exitcode == 0 and ok > 0

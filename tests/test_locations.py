@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -28,6 +30,7 @@ from tq.locations import (
     SUPPORTED,
     LocationTable,
     LocationView,
+    remove_orphans,
 )
 from tq.protocol import LOC_COLUMNS
 
@@ -128,6 +131,24 @@ def test_a_file_that_is_not_a_table_is_refused(tmp_path):
     p.write_bytes(b"\0" * 4096)
     with pytest.raises(ValueError, match="not a location table"):
         LocationView(str(p), {})
+
+
+def test_tables_of_controllers_that_are_gone_are_removed_at_start(tmp_path):
+    from tq.controller import Controller
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan, mine, arena = (tmp_path / f"tq-loc-{dead.pid}-ab", tmp_path / f"tq-loc-{os.getpid()}-ab", tmp_path / "tq-x.arena")
+    for p in (orphan, mine, arena):
+        p.write_bytes(b"x")
+    assert remove_orphans(str(tmp_path)) == 1
+    assert not orphan.exists() and mine.exists() and arena.exists()
+    orphan.write_bytes(b"x")
+    ctrl = Controller("tcp://127.0.0.1:0", shm_dir=str(tmp_path))  # a controller sweeps when it starts
+    try:
+        assert not orphan.exists() and mine.exists()
+    finally:
+        ctrl.close()
 
 
 def test_private_tables_have_no_descriptor():

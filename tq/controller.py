@@ -35,7 +35,7 @@ from .errors import (
 )
 from .arena import host_identity
 from .journal import Journal
-from .locations import ALIVE_S, LocationTable
+from .locations import ALIVE_S, LocationTable, remove_orphans
 from .protocol import LOC_BLOCK as BLOCK, LOC_COLUMNS, LOC_NBYTES as NBYTES, LOC_OFFSET as OFFSET  # location
 from .protocol import LOC_ROW as ROW, LOC_UNIT as UNIT  # record columns
 from .rpc import DEFERRED, Call, RpcServer
@@ -146,6 +146,8 @@ class Controller(RpcServer):
         super().__init__("controller", bind, secret=secret, max_message_bytes=max_message_bytes)
         # Location tables go to shared memory when there is a tmpfs to hold them (see tq.locations).
         self.shm_dir = shm_dir if shm_dir is not None and os.access(shm_dir, os.W_OK | os.X_OK) else None
+        if self.shm_dir is not None and remove_orphans(self.shm_dir):
+            log.warning("removed location tables of controllers that are gone from %s", self.shm_dir)
         self.host = host_identity()
         self._published_down = 0
         self.journal: Journal | None = None

@@ -56,6 +56,33 @@ ALIVE_S = 5.0  # a table whose controller has not renewed it for this long is no
 SUPPORTED = platform.machine().lower() in ("x86_64", "amd64")
 
 
+PREFIX = "tq-loc-"  # table files are named tq-loc-<controller pid>-<random>
+
+
+def remove_orphans(directory: str) -> int:
+    """Unlink the tables of controllers that are gone (killed before they could unlink them); returns
+    how many. Harmless if a pid was reused or belongs to another pid namespace: readers that mapped a
+    table keep their mapping, and a reader that cannot open one asks the controller instead."""
+    removed = 0
+    for name in os.listdir(directory):
+        pid = name[len(PREFIX):].split("-", 1)[0]
+        if not (name.startswith(PREFIX) and pid.isdigit()):
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue
+        except ProcessLookupError:
+            pass
+        except PermissionError:  # alive, another user's
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
+
+
 def _nbytes(capacity: int, columns: int) -> int:
     return 8 * (HEADER_WORDS + columns * capacity * LOC_COLUMNS)
 
@@ -84,7 +111,7 @@ class LocationTable:
         size = _nbytes(capacity, columns)
         path, mm = None, None
         if self.directory is not None:
-            path = os.path.join(self.directory, f"tq-loc-{uuid.uuid4().hex[:16]}")
+            path = os.path.join(self.directory, f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:16]}")
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 os.ftruncate(fd, size)

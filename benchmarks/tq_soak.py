@@ -86,13 +86,15 @@ def rows_of(column: Any) -> list[Any]:
 # ----------------------------------------------------------------------------- one client process
 @dataclass
 class Batch:
-    """What one put stored (minus what was discarded since): keys, lengths, per-field digests, tags."""
+    """What one put stored (minus what was discarded since): keys, lengths, per-field digests, tags,
+    and the meta the put returned (its slots let same-host gets skip the controller)."""
 
     pid: str
     keys: list[str]
     lengths: list[int]
     sums: dict[str, list[str]]
     tags: dict[str, list[Any]]
+    meta: Any = None
 
 
 @dataclass
@@ -196,8 +198,12 @@ class SoakWorker:
         return sum(len(b.keys) for b in self.batches if pid is None or b.pid == pid)
 
     def _meta(self, b: Batch, idx: list[int] | None = None, fields: tuple[str, ...] = ()):
+        """Half the time the put's own meta (with slots: the location-table path on the same host,
+        stale once another process reuses slots), else one built from the keys (the controller path)."""
         from tq import KVBatchMeta
 
+        if b.meta is not None and self.rng.random() < 0.5:
+            return (b.meta if idx is None else b.meta.select(idx)).with_fields(fields)
         keys = b.keys if idx is None else [b.keys[i] for i in idx]
         return KVBatchMeta(b.pid, tuple(keys), fields)
 
@@ -242,9 +248,9 @@ class SoakWorker:
         keys = [f"w{self.idx}-{self.counter}-{j}" for j in range(n)]
         self.counter += 1
         tags = {"w": [self.idx] * n, "j": list(range(n)), "g": [f"g{self.counter}"] * n}
-        self._timed("put", lambda: self.client.put(pid, keys, cols, tags=tags))
+        meta = self._timed("put", lambda: self.client.put(pid, keys, cols, tags=tags))
         sums = {name: [digest(r) for r in rows_of(col)] for name, col in cols.items()}
-        self.batches.append(Batch(pid, keys, lengths, sums, tags))
+        self.batches.append(Batch(pid, keys, lengths, sums, tags, meta))
         self.t.samples_written += n
         self.t.bytes_written += sum(_nbytes(c) for c in cols.values())
 
@@ -297,7 +303,8 @@ class SoakWorker:
         if keep:
             self.batches[i] = Batch(b.pid, [b.keys[j] for j in keep], [b.lengths[j] for j in keep],
                                     {f: [s[j] for j in keep] for f, s in b.sums.items()},
-                                    {t: [v[j] for j in keep] for t, v in b.tags.items()})
+                                    {t: [v[j] for j in keep] for t, v in b.tags.items()},
+                                    None if b.meta is None else b.meta.select(keep))
         else:
             del self.batches[i]
         self.prev_get = None

@@ -432,12 +432,13 @@ class TQClient:
             return None
         if any(f not in schemas for f in fields):
             return None
-        got = view.read(fields, np.array(meta.slots, dtype=np.int64))
+        got = view.read(fields, np.fromiter(meta.slots, dtype=np.int64, count=len(meta.slots)))
         if got is None:
             return None
         loc, frees = got
         unit = int(loc[0, 0, UNIT])
-        if not (unit < len(self._units) and (loc[:, :, UNIT] == unit).all() and self._is_local(unit)):
+        # a unit whose arena this client mapped is local (no file-system check on the hot path)
+        if not (unit in self._arenas and (loc[:, :, UNIT] == unit).all()):
             return None
         fetched = self._on_unit_here(unit, loc, [schemas[f] for f in fields], fields, meta)
         with self._tables_lock:

@@ -52,6 +52,10 @@ def _record(unit: int, offset: int) -> list[int]:
     return [unit, 7, 0, 16, offset]
 
 
+def _ids(t: LocationTable) -> tuple[int, int]:
+    return t.incarnation, int(t.header[H_CLEARS])
+
+
 def _view(t: LocationTable) -> LocationView:
     d = t.descriptor()
     return LocationView(d["path"], d["columns"])
@@ -61,11 +65,11 @@ def test_reader_sees_records_written_before_it_mapped_and_after(table):
     table.loc("x")[0] = _record(0, 4096)
     view = _view(table)
     assert view.usable(table.incarnation, int(table.header[H_CLEARS]), 1)
-    rec, _ = view.read(["x"], np.array([0]))
+    rec, _ = view.read(["x"], np.array([0]), *_ids(table))
     assert rec.tolist() == [[_record(0, 4096)]]
     with table.writing():
         table.loc("x")[1] = _record(0, 8192)
-    rec, _ = view.read(["x"], np.array([1, 0]))
+    rec, _ = view.read(["x"], np.array([1, 0]), *_ids(table))
     assert rec[0, :, 4].tolist() == [8192, 4096]
 
 
@@ -73,20 +77,34 @@ def test_reader_refuses_records_being_written_unproduced_or_on_a_down_unit(table
     table.loc("x")[:2] = [_record(0, 0), _record(1, 64)]
     view = _view(table)
     with table.writing():  # seq is odd: whatever is read may be torn
-        assert view.read(["x"], np.array([0])) is None
-    assert view.read(["x"], np.array([0, 1])) is not None
-    assert view.read(["x"], np.array([2])) is None  # not produced
-    assert view.read(["x"], np.array([4])) is None  # beyond the table
-    assert view.read(["y"], np.array([0])) is None  # a field this view does not know
+        assert view.read(["x"], np.array([0]), *_ids(table)) is None
+    assert view.read(["x"], np.array([0, 1]), *_ids(table)) is not None
+    assert view.read(["x"], np.array([2]), *_ids(table)) is None  # not produced
+    assert view.read(["x"], np.array([4]), *_ids(table)) is None  # beyond the table
+    assert view.read(["y"], np.array([0]), *_ids(table)) is None  # a field this view does not know
     table.set_status(1, down_units=1 << 1, alive_until_ns=time.monotonic_ns() + 10**10)
-    assert view.read(["x"], np.array([0])) is not None  # unit 0 is fine
-    assert view.read(["x"], np.array([0, 1])) is None  # unit 1 is down
+    assert view.read(["x"], np.array([0]), *_ids(table)) is not None  # unit 0 is fine
+    assert view.read(["x"], np.array([0, 1]), *_ids(table)) is None  # unit 1 is down
+
+
+def test_records_of_reused_slots_are_refused(table):
+    """A meta's slots are reused for new keys (new incarnation) and their records written after its
+    reader checked the table: the records it then reads belong to other keys and must be refused."""
+    table.loc("x")[0] = _record(0, 0)
+    view = _view(table)
+    old = _ids(table)
+    assert view.read(["x"], np.array([0]), *old) is not None
+    table.new_incarnation()  # the slot goes to a new key...
+    with table.writing():
+        table.loc("x")[0] = _record(1, 4096)  # ...which gets its own records
+    assert view.read(["x"], np.array([0]), *old) is None
+    assert view.read(["x"], np.array([0]), *_ids(table))[0][0, 0, 4] == 4096
 
 
 def test_frees_invalidate_a_copy_in_flight(table):
     table.loc("x")[0] = _record(0, 0)
     view = _view(table)
-    _, frees = view.read(["x"], np.array([0]))
+    _, frees = view.read(["x"], np.array([0]), *_ids(table))
     assert view.unchanged(frees)
     with table.writing():
         table.loc("x")[0] = -1
@@ -118,9 +136,9 @@ def test_growing_copies_records_and_retires_the_old_file(table):
     assert table.capacity >= 40 and table.path != old_path and not os.path.exists(old_path)
     assert old.header[H_RETIRED] == 1 and not old.usable(table.incarnation, 0, 1)
     new = _view(table)
-    rec, _ = new.read(["x"], np.array([2, 0, 1]))
+    rec, _ = new.read(["x"], np.array([2, 0, 1]), *_ids(table))
     assert rec[0, :, 4].tolist() == [128, 0, 64]
-    assert new.read(["a"], np.array([0])) is None  # new fields start unproduced
+    assert new.read(["a"], np.array([0]), *_ids(table)) is None  # new fields start unproduced
     path = table.path
     table.close()
     assert not os.path.exists(path) and new.header[H_RETIRED] == 1
@@ -141,8 +159,13 @@ def test_tables_of_controllers_that_are_gone_are_removed_at_start(tmp_path):
     orphan, mine, arena = (tmp_path / f"tq-loc-{dead.pid}-ab", tmp_path / f"tq-loc-{os.getpid()}-ab", tmp_path / "tq-x.arena")
     for p in (orphan, mine, arena):
         p.write_bytes(b"x")
-    assert remove_orphans(str(tmp_path)) == 1
+    table = LocationTable(str(tmp_path))  # a real table, renamed as if its controller were gone
+    os.rename(table.path, tmp_path / f"tq-loc-{dead.pid}-cd")
+    view = LocationView(str(tmp_path / f"tq-loc-{dead.pid}-cd"), {})
+    assert not view.header[H_RETIRED]
+    assert remove_orphans(str(tmp_path)) == 2
     assert not orphan.exists() and mine.exists() and arena.exists()
+    assert view.header[H_RETIRED] == 1  # a reader still holding it stops trusting it at once
     orphan.write_bytes(b"x")
     ctrl = Controller("tcp://127.0.0.1:0", shm_dir=str(tmp_path))  # a controller sweeps when it starts
     try:
@@ -256,7 +279,7 @@ def test_frees_racing_a_copy_never_return_other_bytes(tq_server, client, partiti
                 gone += 1
                 continue
             bad = (got != r).any(dim=1).nonzero().flatten().tolist()
-            assert not bad, f"round {r}: rows {bad} hold other bytes"
+            assert not bad, f"round {r}: rows {bad} hold other bytes: {torch.unique(got)[:6].tolist()}"
             ok += 1
     finally:
         proc.join(30)

@@ -39,6 +39,8 @@ Layout = Literal["padded", "jagged", "list"]
 _FIELD_ALIGN = 64
 
 _default_pool = HostBufferPool()
+# Copies out of a shared arena that raced a free are redone this often before the units send the rows.
+SHM_READ_TRIES = 3
 
 
 def mint_keys(uids: Sequence[str], group_size: int) -> list[str]:
@@ -432,7 +434,7 @@ class TQClient:
             return None
         if any(f not in schemas for f in fields):
             return None
-        got = view.read(fields, np.fromiter(meta.slots, dtype=np.int64, count=len(meta.slots)))
+        got = view.read(fields, np.fromiter(meta.slots, dtype=np.int64, count=len(meta.slots)), meta.slot_table, clears)
         if got is None:
             return None
         loc, frees = got
@@ -454,11 +456,14 @@ class TQClient:
         src = np.zeros(n, dtype=np.int64)
         return {name: _Fetched(schemas[f], [view], src, starts[f], sizes[f]) for f, name in enumerate(fields)}
 
-    def _fetch(self, meta: KVBatchMeta, fields: list[str], wait_timeout: float | None) -> dict[str, _Fetched]:
+    def _fetch(self, meta: KVBatchMeta, fields: list[str], wait_timeout: float | None,
+               shm: bool = True) -> tuple[dict[str, _Fetched], Callable[[], bool] | None]:
         """Locate the rows (one controller round trip, parked there up to ``wait_timeout`` until they
         are produced). Rows on a unit of this host are then read straight out of its mapped arena at
-        the offsets located; the others are fetched as frames from their units, every unit asked
-        before any reply is awaited."""
+        the offsets located (unless not ``shm``); the others are fetched as frames from their units,
+        every unit asked before any reply is awaited. Also returns, when rows are read out of an
+        arena, the check to run after copying them: no bytes of the partition were freed meanwhile
+        (a unit serves a fetch between frees, so frames need no check)."""
         args: dict[str, Any] = {"partition": meta.partition_id, "keys": list(meta.keys), "fields": fields}
         if wait_timeout is not None:
             args["timeout"] = wait_timeout
@@ -471,16 +476,20 @@ class TQClient:
             raise MalformedMessageError(f"locate reply has shape {loc.shape}, expected {(len(fields), n, LOC_COLUMNS)}")
         schemas = [FieldSchema.from_wire(located["schemas"][f]) for f in fields]
         self._remember_table(meta.partition_id, located.get("table"), dict(zip(fields, schemas)))
+        entry, frees = self._tables.get(meta.partition_id), located.get("frees")
+        check = (lambda: entry[0].unchanged(frees)) if entry is not None and isinstance(frees, int) else None
+        is_local = self._is_local if shm else (lambda unit: False)
         units = loc[:, :, UNIT]
         first = int(units.flat[0]) if units.size else 0
-        if units.size and (units == first).all() and self._is_local(first):
-            return self._on_unit_here(first, loc, schemas, fields, meta)  # the common case
+        if units.size and (units == first).all() and is_local(first):
+            return self._on_unit_here(first, loc, schemas, fields, meta), check  # the common case
         out = {name: _Fetched.empty(schemas[f], n) for f, name in enumerate(fields)}
-        pending = []
+        pending, read_here = [], False
         for unit in np.unique(units).tolist():
             where = np.argwhere(units == unit)  # [field index, key index], grouped by field
             rec = loc[where[:, 0], where[:, 1]]
-            if self._is_local(unit):
+            if is_local(unit):
+                read_here = True
                 view = self._arena_view(unit, rec[:, OFFSET], rec[:, NBYTES],
                                         lambda i: (fields[where[i, 0]], meta.keys[where[i, 1]]))  # noqa: B023
                 _place(out, fields, where, [view], np.zeros(where.shape[0], np.int64), rec[:, OFFSET], rec[:, NBYTES])
@@ -502,7 +511,7 @@ class TQClient:
             starts = rel - rel[np.cumsum(frame_rows) - frame_rows][src] if m else rel
             sources = [protocol.unpack_array(r, msg.buffers, dtype="|u1") for r in reply["frames"]]
             _place(out, fields, where, sources, src, starts, sizes)
-        return out
+        return out, check if read_here else None
 
     def _arena_view(self, unit: int, offsets: np.ndarray, nbytes: np.ndarray, row: Callable[[int], tuple[str, str]]) -> np.ndarray:
         """The mapped arena of ``unit``, once every located row ``[offsets[i], offsets[i] + nbytes[i])``
@@ -542,19 +551,21 @@ class TQClient:
         fields = list(fields if fields is not None else meta.fields)
         if not fields:
             raise InvalidRequestError("get needs at least one field (the meta names none)")
-        here = self._locate_here(meta, fields)
-        if here is not None:
-            outputs = self._copy_out(here[0], fields, meta, layout, pad_to, pad_value)
-            if here[1]():
-                return {f: out.result() for f, out in zip(fields, outputs)}
-            # Bytes were freed while we copied (maybe ours, maybe another key's): ask the controller.
-        try:
-            fetched = self._fetch(meta, fields, wait_timeout)
-        except _UnitRestarted:  # it recovered its data at a new address: ask again, once
-            self._refresh_units()
-            fetched = self._fetch(meta, fields, None)
-        outputs = self._copy_out(fetched, fields, meta, layout, pad_to, pad_value)
-        return {f: out.result() for f, out in zip(fields, outputs)}
+        attempt = self._locate_here(meta, fields)
+        for tries_left in range(SHM_READ_TRIES, -1, -1):
+            if attempt is not None:
+                fetched, intact = attempt
+                outputs = self._copy_out(fetched, fields, meta, layout, pad_to, pad_value)
+                if intact is None or intact():
+                    return {f: out.result() for f, out in zip(fields, outputs)}
+            # Bytes of the partition were freed while we copied (ours or another key's): locate again.
+            # The last try has the units send the rows: a unit serves a fetch between frees.
+            try:
+                attempt = self._fetch(meta, fields, wait_timeout, shm=tries_left > 0)
+            except _UnitRestarted:  # it recovered its data at a new address: ask again, once
+                self._refresh_units()
+                attempt = self._fetch(meta, fields, None, shm=tries_left > 0)
+        raise AssertionError("unreachable: the last try reads no shared memory")  # pragma: no cover
 
     def _copy_out(self, fetched: dict[str, _Fetched], fields: list[str], meta: KVBatchMeta, layout: Layout,
                   pad_to: int | None, pad_value: Any) -> list[_Output]:

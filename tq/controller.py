@@ -702,7 +702,7 @@ class Controller(RpcServer):
         frames: list[Any] = []
         schemas = {name: part.schemas[name].to_wire() for name in fields}
         return {"schemas": schemas, "loc": protocol.pack_array(loc, frames), "units_version": self.units_version,
-                "table": part.table.descriptor()}, frames
+                "table": part.table.descriptor(), "frees": part.table.frees}, frames
 
     def op_wait(self, args: dict, buffers: list, call: Call) -> Any:
         part = self._partition(args)

@@ -51,7 +51,7 @@ MAGIC = 0x5451_4C4F_4354_0001  # "TQLOCT" v1
 H_MAGIC, H_CAPACITY, H_COLUMNS, H_SEQ, H_FREES, H_INCARNATION, H_RETIRED, H_UNITS_VERSION, H_DOWN_UNITS, \
     H_ALIVE_UNTIL, H_CLEARS = range(11)
 HEADER_WORDS = 16
-ALIVE_S = 5.0  # a table whose controller has not renewed it for this long is not trusted
+ALIVE_S = 3.0  # a table whose controller has not renewed it (every second) for this long is not trusted
 #: Same-host readers use the tables only where stores are seen in program order (see module docstring).
 SUPPORTED = platform.machine().lower() in ("x86_64", "amd64")
 
@@ -60,9 +60,11 @@ PREFIX = "tq-loc-"  # table files are named tq-loc-<controller pid>-<random>
 
 
 def remove_orphans(directory: str) -> int:
-    """Unlink the tables of controllers that are gone (killed before they could unlink them); returns
-    how many. Harmless if a pid was reused or belongs to another pid namespace: readers that mapped a
-    table keep their mapping, and a reader that cannot open one asks the controller instead."""
+    """Retire and unlink the tables of controllers that are gone (killed before they could); returns
+    how many. A controller restarted on the same state runs this before serving anything, so no reader
+    trusts its predecessor's table once the new one can free bytes. Harmless if a pid was reused or
+    belongs to another pid namespace: a reader that finds a table retired, or cannot open one, asks
+    the controller instead."""
     removed = 0
     for name in os.listdir(directory):
         pid = name[len(PREFIX):].split("-", 1)[0]
@@ -75,12 +77,31 @@ def remove_orphans(directory: str) -> int:
             pass
         except PermissionError:  # alive, another user's
             continue
+        path = os.path.join(directory, name)
         try:
-            os.unlink(os.path.join(directory, name))
+            _retire_file(path)
+            os.unlink(path)
             removed += 1
         except FileNotFoundError:
             pass
     return removed
+
+
+def _retire_file(path: str) -> None:
+    """Mark the table at ``path`` retired, as its controller would have (if it is one)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        if os.fstat(fd).st_size < 8 * HEADER_WORDS:
+            return
+        mm = mmap.mmap(fd, 8 * HEADER_WORDS)
+    finally:
+        os.close(fd)
+    header = np.frombuffer(mm, dtype=np.int64)
+    if header[H_MAGIC] == MAGIC:
+        header[H_RETIRED] = 1
+        header[H_FREES] += 1
+    del header
+    mm.close()
 
 
 def _nbytes(capacity: int, columns: int) -> int:
@@ -126,13 +147,13 @@ class LocationTable:
         old = self.header
         header[:] = old
         header[H_CAPACITY], header[H_COLUMNS], header[H_INCARNATION] = capacity, columns, incarnation
-        header[H_SEQ] = header[H_SEQ] + (header[H_SEQ] & 1)  # even: not being written
-        header[H_RETIRED] = 0
+        header[H_RETIRED], header[H_MAGIC] = 0, MAGIC
         for name, col in self.columns.items():
             if name in self.views:
                 n = min(capacity, self.views[name].shape[0])
                 locs[col, :n] = self.views[name][:n]
-        header[H_MAGIC] = MAGIC  # last: a reader that sees the magic sees a complete table
+        # Readers learn the new path only from a later locate reply, when it is complete. Never called
+        # inside writing(): the seq copied over is even.
         in_use = list(self.views)
         self._retire_storage()
         self.header, self._locs, self.path, self._mm = header, locs, path, mm
@@ -159,6 +180,11 @@ class LocationTable:
     @property
     def capacity(self) -> int:
         return int(self.header[H_CAPACITY])
+
+    @property
+    def frees(self) -> int:
+        """How many times records were invalidated before bytes were freed (see the seqlock above)."""
+        return int(self.header[H_FREES])
 
     @property
     def incarnation(self) -> int:
@@ -261,9 +287,10 @@ class LocationView:
         return (not h[H_RETIRED] and h[H_INCARNATION] == incarnation and h[H_CLEARS] == clears
                 and h[H_UNITS_VERSION] == units_version and time.monotonic_ns() < h[H_ALIVE_UNTIL])
 
-    def read(self, fields: list[str], slots: np.ndarray) -> tuple[np.ndarray, int] | None:
+    def read(self, fields: list[str], slots: np.ndarray, incarnation: int, clears: int) -> tuple[np.ndarray, int] | None:
         """The ``[fields, keys, LOC_COLUMNS]`` records of ``slots`` and the ``frees`` count they were
-        read under - or None when they cannot be trusted (being written, not produced, a unit down)."""
+        read under - or None when they cannot be trusted (being written, not produced, a unit down,
+        or the slots no longer those of ``incarnation``)."""
         cols = [self.columns.get(f) for f in fields]
         if None in cols or (slots.size and (slots.min() < 0 or slots.max() >= self.capacity)):
             return None
@@ -272,7 +299,9 @@ class LocationView:
         if seq & 1:
             return None
         rec = self.locs[np.asarray(cols)[:, None], slots[None, :]]
-        if int(h[H_SEQ]) != seq:
+        # The incarnation is checked after the records: slots are reused (new incarnation) before
+        # their new keys' records are written, so records read from reused slots fail this check.
+        if int(h[H_SEQ]) != seq or h[H_INCARNATION] != incarnation or h[H_CLEARS] != clears:
             return None
         units = rec[:, :, LOC_UNIT]
         if units.size and units.min() < 0:

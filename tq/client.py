@@ -553,18 +553,19 @@ class TQClient:
             raise InvalidRequestError("get needs at least one field (the meta names none)")
         attempt = self._locate_here(meta, fields)
         for tries_left in range(SHM_READ_TRIES, -1, -1):
-            if attempt is not None:
-                fetched, intact = attempt
-                outputs = self._copy_out(fetched, fields, meta, layout, pad_to, pad_value)
-                if intact is None or intact():
-                    return {f: out.result() for f, out in zip(fields, outputs)}
-            # Bytes of the partition were freed while we copied (ours or another key's): locate again.
-            # The last try has the units send the rows: a unit serves a fetch between frees.
-            try:
-                attempt = self._fetch(meta, fields, wait_timeout, shm=tries_left > 0)
-            except _UnitRestarted:  # it recovered its data at a new address: ask again, once
-                self._refresh_units()
-                attempt = self._fetch(meta, fields, None, shm=tries_left > 0)
+            if attempt is None:  # ask the controller; the last try has the units send the rows
+                try:
+                    attempt = self._fetch(meta, fields, wait_timeout, shm=tries_left > 0)
+                except _UnitRestarted:  # it recovered its data at a new address: ask again, once
+                    self._refresh_units()
+                    attempt = self._fetch(meta, fields, None, shm=tries_left > 0)
+            fetched, intact = attempt
+            outputs = self._copy_out(fetched, fields, meta, layout, pad_to, pad_value)
+            if intact is None or intact():
+                return {f: out.result() for f, out in zip(fields, outputs)}
+            # Bytes of the partition were freed while we copied (ours or another key's): again. A unit
+            # serves a fetch between frees, so the last try (frames, no shared memory) needs no check.
+            attempt = None
         raise AssertionError("unreachable: the last try reads no shared memory")  # pragma: no cover
 
     def _copy_out(self, fetched: dict[str, _Fetched], fields: list[str], meta: KVBatchMeta, layout: Layout,

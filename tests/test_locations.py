@@ -284,3 +284,31 @@ def test_frees_racing_a_copy_never_return_other_bytes(tq_server, client, partiti
     finally:
         proc.join(30)
     assert proc.exitcode == 0 and ok > 0
+
+
+def test_a_free_between_locate_and_copy_is_caught(tq_server, client, partition):
+    """The controller path: rows located, then discarded and their bytes rewritten by another client
+    before this one copies them. The copy must be redone (and find the keys gone), not returned."""
+    other = TQClient(tq_server.address, timeout=10.0)
+    try:
+        keys = unique_keys(4)
+        client.get(client.put(partition, unique_keys(1, "warm"), {"x": torch.zeros(1, 1024)}))  # table mapped
+        meta = client.put(partition, keys, {"x": torch.full((4, 1024), 1.0)})
+        hand_built = KVBatchMeta(partition, meta.keys, ("x",))  # no slots: goes through locate
+        fetch, raced = client._fetch, []
+
+        def fetch_then_race(*args, **kwargs):
+            got = fetch(*args, **kwargs)
+            if not raced:  # between this locate and the copy: free the rows and reuse their bytes
+                raced.append(True)
+                other.discard(meta)
+                for _ in range(4):
+                    other.put(partition, unique_keys(4, "new"), {"x": torch.full((4, 1024), 2.0)})
+            return got
+
+        client._fetch = fetch_then_race
+        with pytest.raises(KeyNotFoundError):
+            client.get(hand_built)
+        assert raced
+    finally:
+        other.close()

@@ -22,9 +22,7 @@ import torch
 from tq import KVBatchMeta, TQClient
 from tq.errors import KeyNotFoundError
 from tq.locations import (
-    H_ALIVE_UNTIL,
     H_CLEARS,
-    H_DOWN_UNITS,
     H_INCARNATION,
     H_RETIRED,
     SUPPORTED,

@@ -98,10 +98,15 @@ def _retire_file(path: str) -> None:
         os.close(fd)
     header = np.frombuffer(mm, dtype=np.int64)
     if header[H_MAGIC] == MAGIC:
-        header[H_RETIRED] = 1
-        header[H_FREES] += 1
+        _mark_retired(header)
     del header
     mm.close()
+
+
+def _mark_retired(header: np.ndarray) -> None:
+    """Readers of this table must stop trusting it, and any copy they have in flight."""
+    header[H_RETIRED] = 1
+    header[H_FREES] += 1
 
 
 def _nbytes(capacity: int, columns: int) -> int:
@@ -162,8 +167,7 @@ class LocationTable:
     def _retire_storage(self) -> None:
         if self._mm is None and self.path is None:
             return
-        self.header[H_RETIRED] = 1
-        self.header[H_FREES] += 1
+        _mark_retired(self.header)
         self.views, self.header = {}, self.header.copy()  # drop views into the old mapping
         self._locs = None  # type: ignore[assignment]
         if self.path is not None:

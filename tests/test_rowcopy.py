@@ -24,10 +24,11 @@ def _case(rng: np.random.Generator, n: int, max_row: int, row_span: int, offset:
     return sources, sizes, src_idx, src_starts, dst_starts, offset + n * span
 
 
+@pytest.mark.parametrize("isa", rowcopy.STREAM_ISAS)  # every streaming-store width this CPU has
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), padded=st.booleans(), pad_width=st.sampled_from([1, 2, 4, 8, 3]),
        offset=st.integers(0, 17), large=st.booleans())
-def test_c_helper_matches_numpy_on_both_store_paths(seed, padded, pad_width, offset, large):
+def test_c_helper_matches_numpy_on_both_store_paths(seed, padded, pad_width, offset, large, isa):
     rng = np.random.default_rng(seed)
     n, max_row = (64, rowcopy.STREAM_BYTES // 48) if large else (16, 300)
     row_span = max_row + int(rng.integers(0, 100)) if padded else 0
@@ -38,7 +39,11 @@ def test_c_helper_matches_numpy_on_both_store_paths(seed, padded, pad_width, off
     want = np.full(total + 32, 0xAB, dtype=np.uint8)
     got = want.copy()
     rowcopy.copy_rows_numpy(want, dst_starts, sources, src_idx, src_starts, sizes, row_span, pad)
-    rowcopy.copy_rows(got, dst_starts, sources, src_idx, src_starts, sizes, row_span, pad)
+    was = rowcopy.set_stream_isa(isa)
+    try:
+        rowcopy.copy_rows(got, dst_starts, sources, src_idx, src_starts, sizes, row_span, pad)
+    finally:
+        rowcopy.set_stream_isa(was)
     assert np.array_equal(got, want)
 
 

@@ -1,7 +1,8 @@
 """Copying byte rows between buffers - the one hot loop of the data plane.
 
 ``copy_rows`` uses the C helper ``tq._fastcopy`` (built at install, GIL released, bounds-checked; streaming
-stores for destinations of ``STREAM_BYTES`` or more) and falls back to numpy slicing (same results, more
+stores for destinations of ``STREAM_BYTES`` or more, of the widest vectors the CPU has: ``STREAM_ISAS``
+lists those it supports, ``set_stream_isa`` picks one) and falls back to numpy slicing (same results, more
 Python overhead per row) where it was not built.
 """
 
@@ -12,10 +13,10 @@ from typing import Sequence
 import numpy as np
 
 try:
-    from ._fastcopy import STREAM_BYTES
+    from ._fastcopy import STREAM_BYTES, STREAM_ISAS, set_stream_isa
     from ._fastcopy import copy_rows as _c_copy_rows
 except ImportError:  # no compiler at install time
-    _c_copy_rows, STREAM_BYTES = None, -1
+    _c_copy_rows, STREAM_BYTES, STREAM_ISAS, set_stream_isa = None, -1, (), None
 
 HAVE_FASTCOPY = _c_copy_rows is not None
 

@@ -50,8 +50,8 @@ def _record(unit: int, offset: int) -> list[int]:
     return [unit, 7, 0, 16, offset]
 
 
-def _ids(t: LocationTable) -> tuple[int, int]:
-    return t.incarnation, int(t.header[H_CLEARS])
+def _ids(t: LocationTable, units_version: int = 1) -> tuple[int, int, int]:
+    return t.incarnation, int(t.header[H_CLEARS]), units_version
 
 
 def _view(t: LocationTable) -> LocationView:
@@ -62,27 +62,35 @@ def _view(t: LocationTable) -> LocationView:
 def test_reader_sees_records_written_before_it_mapped_and_after(table):
     table.loc("x")[0] = _record(0, 4096)
     view = _view(table)
-    assert view.usable(table.incarnation, int(table.header[H_CLEARS]), 1)
-    rec, _ = view.read(["x"], np.array([0]), *_ids(table))
-    assert rec.tolist() == [[_record(0, 4096)]]
+    rows = view.read(["x"], [0], *_ids(table))
+    assert (rows.unit, rows.end, rows.total) == (0, 4096 + 16, 16)
+    assert rows.offsets.tolist() == [[4096]] and rows.sizes.tolist() == [[16]]
     with table.writing():
         table.loc("x")[1] = _record(0, 8192)
-    rec, _ = view.read(["x"], np.array([1, 0]), *_ids(table))
-    assert rec[0, :, 4].tolist() == [8192, 4096]
+        table.loc("y")[:2] = [[0, 7, 0, 24, 64], [0, 7, 0, 32, 96]]
+    view.add_columns(table.descriptor()["columns"])
+    rows = view.read(["x", "y"], (1, 0), *_ids(table))
+    assert rows.offsets.tolist() == [[8192, 4096], [96, 64]] and rows.sizes.tolist() == [[16, 16], [32, 24]]
+    assert (rows.end, rows.total) == (8192 + 16, 88)
 
 
 def test_reader_refuses_records_being_written_unproduced_or_on_a_down_unit(table):
-    table.loc("x")[:2] = [_record(0, 0), _record(1, 64)]
+    table.loc("x")[:3] = [_record(0, 0), _record(0, 64), _record(1, 64)]
     view = _view(table)
     with table.writing():  # seq is odd: whatever is read may be torn
-        assert view.read(["x"], np.array([0]), *_ids(table)) is None
-    assert view.read(["x"], np.array([0, 1]), *_ids(table)) is not None
-    assert view.read(["x"], np.array([2]), *_ids(table)) is None  # not produced
-    assert view.read(["x"], np.array([4]), *_ids(table)) is None  # beyond the table
-    assert view.read(["y"], np.array([0]), *_ids(table)) is None  # a field this view does not know
+        assert view.read(["x"], [0], *_ids(table)) is None
+    assert view.read(["x"], [0, 1], *_ids(table)) is not None
+    assert view.read(["x"], [0, 2], *_ids(table)) is None  # rows on two units: the controller's path
+    assert view.read(["x"], [3], *_ids(table)) is None  # not produced
+    assert view.read(["x"], [4], *_ids(table)) is None  # beyond the table
+    assert view.read(["x"], [-1], *_ids(table)) is None
+    assert view.read(["y"], [0], *_ids(table)) is None  # a field this view does not know
     table.set_status(1, down_units=1 << 1, alive_until_ns=time.monotonic_ns() + 10**10)
-    assert view.read(["x"], np.array([0]), *_ids(table)) is not None  # unit 0 is fine
-    assert view.read(["x"], np.array([0, 1]), *_ids(table)) is None  # unit 1 is down
+    assert view.read(["x"], [0], *_ids(table)) is not None  # unit 0 is fine
+    assert view.read(["x"], [2], *_ids(table)) is None  # unit 1 is down
+    table.loc("x")[3] = _record(70, 0)  # units from 62 on share the mask's last bit
+    table.set_status(1, down_units=1 << 62, alive_until_ns=time.monotonic_ns() + 10**10)
+    assert view.read(["x"], [3], *_ids(table)) is None and view.read(["x"], [0], *_ids(table)) is not None
 
 
 def test_records_of_reused_slots_are_refused(table):
@@ -91,18 +99,18 @@ def test_records_of_reused_slots_are_refused(table):
     table.loc("x")[0] = _record(0, 0)
     view = _view(table)
     old = _ids(table)
-    assert view.read(["x"], np.array([0]), *old) is not None
+    assert view.read(["x"], [0], *old) is not None
     table.new_incarnation()  # the slot goes to a new key...
     with table.writing():
         table.loc("x")[0] = _record(1, 4096)  # ...which gets its own records
-    assert view.read(["x"], np.array([0]), *old) is None
-    assert view.read(["x"], np.array([0]), *_ids(table))[0][0, 0, 4] == 4096
+    assert view.read(["x"], [0], *old) is None
+    assert view.read(["x"], [0], *_ids(table)).offsets.tolist() == [[4096]]
 
 
 def test_frees_invalidate_a_copy_in_flight(table):
     table.loc("x")[0] = _record(0, 0)
     view = _view(table)
-    _, frees = view.read(["x"], np.array([0]), *_ids(table))
+    frees = view.read(["x"], [0], *_ids(table)).frees
     assert view.unchanged(frees)
     with table.writing():
         table.loc("x")[0] = -1
@@ -110,20 +118,27 @@ def test_frees_invalidate_a_copy_in_flight(table):
     assert not view.unchanged(frees)
 
 
-def test_usable_only_for_the_current_incarnation_clears_units_and_a_live_controller(table):
+def test_read_only_for_the_current_incarnation_clears_units_and_a_live_controller(table):
+    table.loc("x")[0] = _record(0, 0)
     view = _view(table)
+
+    def usable(inc: int, clears: int, units_version: int) -> bool:
+        return view.read(["x"], [0], inc, clears, units_version) is not None
+
     inc, clears = table.incarnation, int(table.header[H_CLEARS])
-    assert view.usable(inc, clears, 1)
-    assert not view.usable(inc, clears, 2)  # the client knows other units
-    assert not view.usable(inc ^ 1, clears, 1)
+    assert usable(inc, clears, 1)
+    assert not usable(inc, clears, 2)  # the client knows other units
+    assert not usable(inc ^ 1, clears, 1)
     table.new_incarnation()
-    assert not view.usable(inc, clears, 1)  # slots were reused: old metas go to the controller
+    assert not usable(inc, clears, 1)  # slots were reused: old metas go to the controller
     inc = table.incarnation
     table.reset()
-    assert view.header[H_INCARNATION] != inc and not view.usable(inc, clears, 1)
-    assert view.usable(table.incarnation, clears + 1, 1) and not view.usable(table.incarnation, clears, 1)
+    with table.writing():
+        table.loc("x")[0] = _record(0, 0)
+    assert view.header[H_INCARNATION] != inc and not usable(inc, clears, 1)
+    assert usable(table.incarnation, clears + 1, 1) and not usable(table.incarnation, clears, 1)
     table.set_status(1, 0, alive_until_ns=time.monotonic_ns() - 1)  # the controller stopped renewing
-    assert not view.usable(table.incarnation, clears + 1, 1)
+    assert not usable(table.incarnation, clears + 1, 1)
 
 
 def test_growing_copies_records_and_retires_the_old_file(table):
@@ -132,11 +147,10 @@ def test_growing_copies_records_and_retires_the_old_file(table):
     table.grow(40)
     table.loc("a"), table.loc("b")  # more fields than columns: remapped again
     assert table.capacity >= 40 and table.path != old_path and not os.path.exists(old_path)
-    assert old.header[H_RETIRED] == 1 and not old.usable(table.incarnation, 0, 1)
+    assert old.header[H_RETIRED] == 1 and old.read(["x"], [0], *_ids(table)) is None
     new = _view(table)
-    rec, _ = new.read(["x"], np.array([2, 0, 1]), *_ids(table))
-    assert rec[0, :, 4].tolist() == [128, 0, 64]
-    assert new.read(["a"], np.array([0]), *_ids(table)) is None  # new fields start unproduced
+    assert new.read(["x"], [2, 0, 1], *_ids(table)).offsets.tolist() == [[128, 0, 64]]
+    assert new.read(["a"], [0], *_ids(table)) is None  # new fields start unproduced
     path = table.path
     table.close()
     assert not os.path.exists(path) and new.header[H_RETIRED] == 1

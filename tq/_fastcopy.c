@@ -18,6 +18,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 #if defined(__x86_64__) || defined(_M_X64)
 #include <emmintrin.h>
 #define HAVE_STREAM 1
@@ -200,6 +201,98 @@ done_pad:
     return ret;
 }
 
+/* ------------------------------------------------------------------ location tables
+ * read_locations(table, cols, slots, incarnation, clears, units_version, out)
+ *   A same-host reader's whole check-and-read of a partition's location table (tq/locations.py
+ *   documents the protocol; the layout constants below mirror it and tq/locations.py asserts they
+ *   match). Writes the offsets of the rows (cols x slots) to out[0:F*n] and their sizes to
+ *   out[F*n:2*F*n] (int64) and returns (unit, frees, end, total): the one storage unit holding
+ *   them, the frees count they were read under, the end of the furthest row and the bytes in all.
+ *   Returns None when the table cannot be trusted for them: retired, its controller's lease run out,
+ *   another incarnation, clears count or units version, being written (seqlock), a slot or column
+ *   out of range, a row not produced or on a down unit, or rows on several units. One C call, not a
+ *   dozen numpy ones: it runs right after megabyte copies have evicted the interpreter's caches. */
+enum { H_MAGIC, H_CAPACITY, H_COLUMNS, H_SEQ, H_FREES, H_INCARNATION, H_RETIRED, H_UNITS_VERSION,
+       H_DOWN_UNITS, H_ALIVE_UNTIL, H_CLEARS, HEADER_WORDS = 16 };
+enum { LOC_UNIT, LOC_BLOCK, LOC_ROW, LOC_NBYTES, LOC_OFFSET, LOC_COLUMNS };
+
+static inline int64_t load_word(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+
+static PyObject *read_locations(PyObject *self, PyObject *args) {
+    Py_buffer table, out;
+    PyObject *cols_o, *slots_o;
+    long long incarnation, clears, units_version;
+    if (!PyArg_ParseTuple(args, "y*OOLLLw*", &table, &cols_o, &slots_o, &incarnation, &clears, &units_version, &out))
+        return NULL;
+    PyObject *ret = NULL, *cols = NULL, *slots = NULL;
+    if (!(cols = PySequence_Fast(cols_o, "cols must be a sequence of ints"))) goto done;
+    if (!(slots = PySequence_Fast(slots_o, "slots must be a sequence of ints"))) goto done;
+    const int64_t *h = table.buf;
+    Py_ssize_t F = PySequence_Fast_GET_SIZE(cols), n = PySequence_Fast_GET_SIZE(slots);
+    if (table.len < HEADER_WORDS * 8) { PyErr_SetString(PyExc_ValueError, "not a location table"); goto done; }
+    int64_t capacity = h[H_CAPACITY], ncols = h[H_COLUMNS];
+    if (capacity < 0 || ncols < 0 || table.len / 8 - HEADER_WORDS < ncols * capacity * LOC_COLUMNS) {
+        PyErr_SetString(PyExc_ValueError, "location table is truncated");
+        goto done;
+    }
+    if (out.len < 2 * F * n * 8) { PyErr_SetString(PyExc_ValueError, "out holds fewer than 2 * cols * slots int64"); goto done; }
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);  /* the clock of Python's time.monotonic_ns on Linux */
+    int64_t seq = load_word(&h[H_SEQ]), frees = load_word(&h[H_FREES]);
+    if ((seq & 1) || load_word(&h[H_RETIRED]) || load_word(&h[H_INCARNATION]) != incarnation ||
+        load_word(&h[H_CLEARS]) != clears || load_word(&h[H_UNITS_VERSION]) != units_version ||
+        (int64_t)now.tv_sec * 1000000000 + now.tv_nsec >= load_word(&h[H_ALIVE_UNTIL]))
+        goto untrusted;
+    int64_t down = load_word(&h[H_DOWN_UNITS]), unit = -1, end = 0, total = 0;
+    int64_t *offsets = out.buf, *sizes = offsets + F * n;
+    const int64_t *locs = h + HEADER_WORDS;
+    for (Py_ssize_t f = 0; f < F; f++) {
+        long long c = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(cols, f));
+        if (c == -1 && PyErr_Occurred()) goto done;
+        if (c < 0 || c >= ncols) goto untrusted;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            long long slot = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(slots, i));
+            if (slot == -1 && PyErr_Occurred()) goto done;
+            if (slot < 0 || slot >= capacity) goto untrusted;
+            const int64_t *rec = locs + (c * capacity + slot) * LOC_COLUMNS;
+            int64_t u = rec[LOC_UNIT], off = rec[LOC_OFFSET], nb = rec[LOC_NBYTES];
+            if (u < 0 || (unit >= 0 && u != unit) || ((down >> (u < 62 ? u : 62)) & 1) || off < 0 || nb < 0)
+                goto untrusted;  /* not produced, on another or a down unit, or torn */
+            unit = u;
+            offsets[f * n + i] = off;
+            sizes[f * n + i] = nb;
+            if (off + nb > end) end = off + nb;
+            total += nb;
+        }
+    }
+    /* The incarnation and clears are checked again after the records: slots are reused (new
+     * incarnation) before their new keys' records are written. */
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    if (load_word(&h[H_SEQ]) != seq || load_word(&h[H_INCARNATION]) != incarnation || load_word(&h[H_CLEARS]) != clears)
+        goto untrusted;
+    ret = Py_BuildValue("(LLLL)", (long long)unit, (long long)frees, (long long)end, (long long)total);
+    goto done;
+untrusted:
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    Py_XDECREF(cols);
+    Py_XDECREF(slots);
+    PyBuffer_Release(&table);
+    PyBuffer_Release(&out);
+    return ret;
+}
+
+static PyObject *table_layout(PyObject *self, PyObject *unused) {
+    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}",
+                         "H_MAGIC", H_MAGIC, "H_CAPACITY", H_CAPACITY, "H_COLUMNS", H_COLUMNS, "H_SEQ", H_SEQ,
+                         "H_FREES", H_FREES, "H_INCARNATION", H_INCARNATION, "H_RETIRED", H_RETIRED,
+                         "H_UNITS_VERSION", H_UNITS_VERSION, "H_DOWN_UNITS", H_DOWN_UNITS, "H_ALIVE_UNTIL", H_ALIVE_UNTIL,
+                         "H_CLEARS", H_CLEARS, "HEADER_WORDS", HEADER_WORDS, "LOC_UNIT", LOC_UNIT,
+                         "LOC_NBYTES", LOC_NBYTES, "LOC_OFFSET", LOC_OFFSET, "LOC_COLUMNS", LOC_COLUMNS,
+                         "LOC_BLOCK", LOC_BLOCK);
+}
+
 static PyObject *set_stream_isa(PyObject *self, PyObject *arg) {
 #if HAVE_STREAM
     const char *name = PyUnicode_AsUTF8(arg);
@@ -216,6 +309,8 @@ static PyObject *set_stream_isa(PyObject *self, PyObject *arg) {
 
 static PyMethodDef methods[] = {
     {"copy_rows", copy_rows, METH_VARARGS, "Copy byte rows between buffers, optionally padding each row."},
+    {"read_locations", read_locations, METH_VARARGS, "Read a meta's rows out of a shared location table (see above)."},
+    {"table_layout", table_layout, METH_NOARGS, "The location-table layout this module was built for."},
     {"set_stream_isa", set_stream_isa, METH_O,
      "Use the streaming stores of the named instruction set (one of STREAM_ISAS); returns the previous one."},
     {NULL, NULL, 0, NULL},

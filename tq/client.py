@@ -424,28 +424,25 @@ class TQClient:
 
     def _locate_here(self, meta: KVBatchMeta, fields: list[str]) -> tuple[dict[str, _Fetched], Callable[[], bool]] | None:
         """Locate the rows in the partition's shared location table, with no round trip: only for a
-        meta with slots, every row on this host's unit, and a table that can be trusted right now.
-        Also returns the check to run after copying (no bytes were freed meanwhile)."""
+        meta with slots, every row on one unit of this host, and a table that can be trusted right
+        now. Also returns the check to run after copying (no bytes were freed meanwhile)."""
         entry = self._tables.get(meta.partition_id) if meta.slots is not None and meta.keys else None
         if entry is None:
             return None
         view, clears, schemas = entry
-        if not view.usable(meta.slot_table, clears, self._units_version):  # type: ignore[arg-type]
-            return None
         if any(f not in schemas for f in fields):
             return None
-        got = view.read(fields, np.fromiter(meta.slots, dtype=np.int64, count=len(meta.slots)), meta.slot_table, clears)
-        if got is None:
+        rows = view.read(fields, meta.slots, meta.slot_table, clears, self._units_version)  # type: ignore[arg-type]
+        # a unit whose arena this client mapped is local (no file-system check on the hot path); rows
+        # past its end are left to the controller's path, which names them
+        arena = self._arenas.get(rows.unit) if rows is not None else None
+        if arena is None or rows.end > arena.view.size:  # type: ignore[union-attr]
             return None
-        loc, frees = got
-        unit = int(loc[0, 0, UNIT])
-        # a unit whose arena this client mapped is local (no file-system check on the hot path)
-        if not (unit in self._arenas and (loc[:, :, UNIT] == unit).all()):
-            return None
-        fetched = self._on_unit_here(unit, loc, [schemas[f] for f in fields], fields, meta)
         with self._tables_lock:
-            self._reads[unit] = self._reads.get(unit, 0) + int(loc[:, :, NBYTES].sum())
-        return fetched, lambda: view.unchanged(frees)
+            self._reads[rows.unit] = self._reads.get(rows.unit, 0) + rows.total
+        src = np.zeros(len(meta.keys), dtype=np.int64)
+        fetched = {f: _Fetched(schemas[f], [arena.view], src, rows.offsets[i], rows.sizes[i]) for i, f in enumerate(fields)}
+        return fetched, lambda: view.unchanged(rows.frees)
 
     def _on_unit_here(self, unit: int, loc: np.ndarray, schemas: list[FieldSchema], fields: list[str],
                       meta: KVBatchMeta) -> dict[str, _Fetched]:

@@ -29,7 +29,8 @@ Consistency is a seqlock in two counters, both written only by the single-thread
 A table that is replaced (grown, dropped, or its controller gone) is marked ``retired``; a dead
 controller is noticed by ``alive_until``, which it renews with every heartbeat. The protocol relies on
 the host's stores becoming visible in order (x86-64's total store order), so same-host readers use
-the tables only there (:data:`SUPPORTED`).
+the tables only there (:data:`SUPPORTED`). The read itself is one call into the C helper
+(``tq._fastcopy.read_locations``); where it was not built, same-host gets ask the controller.
 """
 
 from __future__ import annotations
@@ -38,22 +39,48 @@ import mmap
 import os
 import platform
 import secrets
-import time
 import uuid
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from .protocol import LOC_COLUMNS, LOC_UNIT
+from .protocol import LOC_BLOCK, LOC_COLUMNS, LOC_NBYTES, LOC_OFFSET, LOC_UNIT
+
+try:
+    from ._fastcopy import read_locations as _read_locations
+    from ._fastcopy import table_layout as _c_table_layout
+except ImportError:  # no compiler at install time: every get asks the controller
+    _read_locations = _c_table_layout = None
 
 MAGIC = 0x5451_4C4F_4354_0001  # "TQLOCT" v1
 H_MAGIC, H_CAPACITY, H_COLUMNS, H_SEQ, H_FREES, H_INCARNATION, H_RETIRED, H_UNITS_VERSION, H_DOWN_UNITS, \
     H_ALIVE_UNTIL, H_CLEARS = range(11)
 HEADER_WORDS = 16
 ALIVE_S = 3.0  # a table whose controller has not renewed it (every second) for this long is not trusted
-#: Same-host readers use the tables only where stores are seen in program order (see module docstring).
-SUPPORTED = platform.machine().lower() in ("x86_64", "amd64")
+#: Same-host readers use the tables only where stores are seen in program order (see module
+#: docstring), and through the C reader (one call, right after copies that evicted the caches).
+SUPPORTED = platform.machine().lower() in ("x86_64", "amd64") and _read_locations is not None
+_LAYOUT = {"H_MAGIC": H_MAGIC, "H_CAPACITY": H_CAPACITY, "H_COLUMNS": H_COLUMNS, "H_SEQ": H_SEQ, "H_FREES": H_FREES,
+           "H_INCARNATION": H_INCARNATION, "H_RETIRED": H_RETIRED, "H_UNITS_VERSION": H_UNITS_VERSION,
+           "H_DOWN_UNITS": H_DOWN_UNITS, "H_ALIVE_UNTIL": H_ALIVE_UNTIL, "H_CLEARS": H_CLEARS, "HEADER_WORDS": HEADER_WORDS,
+           "LOC_UNIT": LOC_UNIT, "LOC_BLOCK": LOC_BLOCK, "LOC_NBYTES": LOC_NBYTES, "LOC_OFFSET": LOC_OFFSET,
+           "LOC_COLUMNS": LOC_COLUMNS}
+if _c_table_layout is not None and _c_table_layout() != _LAYOUT:  # the C reader hard-codes the layout
+    raise ImportError(f"tq._fastcopy was built for another location-table layout: {_c_table_layout()}")
+
+
+class LocatedRows(NamedTuple):
+    """A same-host read of a location table: the rows' storage unit, the ``frees`` count they were
+    read under, the end of the furthest row, their bytes in all, and ``[fields, keys]`` offsets and
+    sizes in the unit's arena."""
+
+    unit: int
+    frees: int
+    end: int
+    total: int
+    offsets: np.ndarray
+    sizes: np.ndarray
 
 
 PREFIX = "tq-loc-"  # table files are named tq-loc-<controller pid>-<random>
@@ -283,37 +310,22 @@ class LocationView:
         ncols = self.locs.shape[0]
         self.columns.update({f: c for f, c in columns.items() if isinstance(c, int) and 0 <= c < ncols})
 
-    def usable(self, incarnation: int, clears: int, units_version: int) -> bool:
-        """Whether this table may be read for metas of ``incarnation``, with schemas learnt after
-        ``clears`` clears, by a client that knows the units at ``units_version`` (and whether it is
-        not retired and its controller alive)."""
-        h = self.header
-        return (not h[H_RETIRED] and h[H_INCARNATION] == incarnation and h[H_CLEARS] == clears
-                and h[H_UNITS_VERSION] == units_version and time.monotonic_ns() < h[H_ALIVE_UNTIL])
-
-    def read(self, fields: list[str], slots: np.ndarray, incarnation: int, clears: int) -> tuple[np.ndarray, int] | None:
-        """The ``[fields, keys, LOC_COLUMNS]`` records of ``slots`` and the ``frees`` count they were
-        read under - or None when they cannot be trusted (being written, not produced, a unit down,
-        or the slots no longer those of ``incarnation``)."""
+    def read(self, fields: list[str], slots: Sequence[int], incarnation: int, clears: int,
+             units_version: int) -> LocatedRows | None:
+        """Where the rows (``fields`` x ``slots``) lie, when they are all on one storage unit and the
+        table can be trusted for them: not retired, its controller alive, ``incarnation`` and
+        ``clears`` (when the reader learnt the fields' schemas) still current, the units still at
+        ``units_version``, every row produced and its unit up, and no write overlapping the read.
+        None otherwise: the reader asks the controller."""
         cols = [self.columns.get(f) for f in fields]
-        if None in cols or (slots.size and (slots.min() < 0 or slots.max() >= self.capacity)):
+        if None in cols:
             return None
-        h = self.header
-        seq, frees = int(h[H_SEQ]), int(h[H_FREES])
-        if seq & 1:
+        planes = np.empty((2, len(cols), len(slots)), dtype=np.int64)
+        got = _read_locations(self._mm, cols, slots, incarnation, clears, units_version, planes)
+        if got is None:
             return None
-        rec = self.locs[np.asarray(cols)[:, None], slots[None, :]]
-        # The incarnation is checked after the records: slots are reused (new incarnation) before
-        # their new keys' records are written, so records read from reused slots fail this check.
-        if int(h[H_SEQ]) != seq or h[H_INCARNATION] != incarnation or h[H_CLEARS] != clears:
-            return None
-        units = rec[:, :, LOC_UNIT]
-        if units.size and units.min() < 0:
-            return None  # not produced (yet): the controller waits or names what is missing
-        down = int(h[H_DOWN_UNITS])
-        if down and (down >> np.minimum(units, 62) & 1).any():
-            return None  # the controller reports that unit down
-        return rec, frees
+        unit, frees, end, total = got
+        return LocatedRows(unit, frees, end, total, planes[0], planes[1])
 
     def unchanged(self, frees: int) -> bool:
         """No bytes were freed since ``frees`` was read, so rows copied since are intact."""

@@ -63,7 +63,7 @@ def test_reader_sees_records_written_before_it_mapped_and_after(table):
     table.loc("x")[0] = _record(0, 4096)
     view = _view(table)
     rows = view.read(["x"], [0], *_ids(table))
-    assert (rows.unit, rows.end, rows.total) == (0, 4096 + 16, 16)
+    assert (rows.unit, rows.end, rows.longest, rows.totals) == (0, 4096 + 16, (16,), (16,))
     assert rows.offsets.tolist() == [[4096]] and rows.sizes.tolist() == [[16]]
     with table.writing():
         table.loc("x")[1] = _record(0, 8192)
@@ -71,7 +71,7 @@ def test_reader_sees_records_written_before_it_mapped_and_after(table):
     view.add_columns(table.descriptor()["columns"])
     rows = view.read(["x", "y"], (1, 0), *_ids(table))
     assert rows.offsets.tolist() == [[8192, 4096], [96, 64]] and rows.sizes.tolist() == [[16, 16], [32, 24]]
-    assert (rows.end, rows.total) == (8192 + 16, 88)
+    assert (rows.end, rows.longest, rows.totals) == (8192 + 16, (16, 32), (32, 56))
 
 
 def test_reader_refuses_records_being_written_unproduced_or_on_a_down_unit(table):

@@ -59,3 +59,20 @@ def test_a_row_out_of_bounds_is_refused_before_any_byte_is_written(large):
     with pytest.raises(ValueError, match="row 7: copy out of bounds"):
         rowcopy.copy_rows(dst, starts, [src], np.zeros(n, dtype=np.int64), bad, sizes)
     assert not dst.any()
+
+
+@pytest.mark.parametrize("row_span", [0, 400])
+@pytest.mark.parametrize("large", [False, True])
+def test_no_dst_starts_puts_rows_back_to_back(row_span, large):
+    """``dst_starts=None``: row i at ``i * row_span`` when padded, else right after row i-1."""
+    rng = np.random.default_rng(row_span + large)
+    n = 4 * rowcopy.STREAM_BYTES // 300 if large else 16
+    sources, sizes, src_idx, src_starts, _, _ = _case(rng, n, 300, row_span, 0)
+    starts = np.arange(n, dtype=np.int64) * row_span if row_span else np.cumsum(sizes) - sizes
+    total = n * row_span if row_span else int(sizes.sum())
+    want, got = np.zeros(total, dtype=np.uint8), np.zeros(total, dtype=np.uint8)
+    rowcopy.copy_rows_numpy(want, starts, sources, src_idx, src_starts, sizes, row_span, b"\x07")
+    rowcopy.copy_rows(got, None, sources, src_idx, src_starts, sizes, row_span, b"\x07")
+    assert np.array_equal(got, want)
+    with pytest.raises(ValueError, match="out of bounds"):  # one byte short: refused, not overrun
+        rowcopy.copy_rows(got[:-1], None, sources, src_idx, src_starts, sizes, row_span, b"\x07")

@@ -3,6 +3,7 @@
  * copy_rows(dst, dst_starts, sources, src_idx, src_starts, sizes, row_span, pad)
  *   for every row i: memcpy(dst + dst_starts[i], sources[src_idx[i]] + src_starts[i], sizes[i]);
  *   when row_span > 0, the rest of the row up to row_span bytes is filled with the byte pattern `pad`.
+ *   dst_starts None: the rows go back to back (row i at i * row_span, or packed when row_span is 0).
  * Every range is bounds-checked first (offsets may come from another process), so bad offsets raise
  * ValueError instead of touching memory they do not own. A pure-numpy fallback lives in tq/rowcopy.py.
  *
@@ -128,16 +129,28 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
     PyObject *ret = NULL;
     Py_buffer dst = {0}, dst_starts = {0}, src_idx = {0}, src_starts = {0}, sizes = {0};
     Py_buffer *srcs = NULL;
+    int64_t *own_starts = NULL;
     Py_ssize_t nsrc = 0, got_src = 0;
     PyObject *seq = PySequence_Fast(sources_o, "sources must be a sequence of buffers");
     if (!seq) goto done_pad;
     nsrc = PySequence_Fast_GET_SIZE(seq);
     if (PyObject_GetBuffer(dst_o, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done_seq;
-    if (get_i64(dst_starts_o, &dst_starts, "dst_starts") < 0) goto done_dst;
+    if (dst_starts_o != Py_None && get_i64(dst_starts_o, &dst_starts, "dst_starts") < 0) goto done_dst;
     if (get_i64(src_idx_o, &src_idx, "src_idx") < 0) goto done_ds;
     if (get_i64(src_starts_o, &src_starts, "src_starts") < 0) goto done_si;
     if (get_i64(sizes_o, &sizes, "sizes") < 0) goto done_ss;
     Py_ssize_t n = sizes.len / 8;
+    if (dst_starts_o == Py_None) {  /* back to back; overflow is caught by the bounds check below */
+        if (!(own_starts = PyMem_Malloc((size_t)(n ? n : 1) * 8))) { PyErr_NoMemory(); goto done_sz; }
+        const int64_t *z = sizes.buf;
+        int64_t at = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            own_starts[i] = at;
+            at += row_span > 0 ? row_span : (z[i] > 0 ? z[i] : 0);
+        }
+        dst_starts.buf = own_starts;
+        dst_starts.len = n * 8;
+    }
     if (dst_starts.len / 8 != n || src_idx.len / 8 != n || src_starts.len / 8 != n) {
         PyErr_SetString(PyExc_ValueError, "dst_starts, src_idx, src_starts and sizes must have one length");
         goto done_sz;
@@ -191,7 +204,8 @@ done_ss:
 done_si:
     PyBuffer_Release(&src_idx);
 done_ds:
-    PyBuffer_Release(&dst_starts);
+    if (own_starts) PyMem_Free(own_starts);
+    else if (dst_starts_o != Py_None) PyBuffer_Release(&dst_starts);
 done_dst:
     PyBuffer_Release(&dst);
 done_seq:
@@ -206,8 +220,9 @@ done_pad:
  *   A same-host reader's whole check-and-read of a partition's location table (tq/locations.py
  *   documents the protocol; the layout constants below mirror it and tq/locations.py asserts they
  *   match). Writes the offsets of the rows (cols x slots) to out[0:F*n] and their sizes to
- *   out[F*n:2*F*n] (int64) and returns (unit, frees, end, total): the one storage unit holding
- *   them, the frees count they were read under, the end of the furthest row and the bytes in all.
+ *   out[F*n:2*F*n] (int64) and returns (unit, frees, end, longest, totals): the one storage unit
+ *   holding them, the frees count they were read under, the end of the furthest row, and per field
+ *   its longest row and its bytes in all (tuples) - what a get needs to size its results.
  *   Returns None when the table cannot be trusted for them: retired, its controller's lease run out,
  *   another incarnation, clears count or units version, being written (seqlock), a slot or column
  *   out of range, a row not produced or on a down unit, or rows on several units. One C call, not a
@@ -224,7 +239,7 @@ static PyObject *read_locations(PyObject *self, PyObject *args) {
     long long incarnation, clears, units_version;
     if (!PyArg_ParseTuple(args, "y*OOLLLw*", &table, &cols_o, &slots_o, &incarnation, &clears, &units_version, &out))
         return NULL;
-    PyObject *ret = NULL, *cols = NULL, *slots = NULL;
+    PyObject *ret = NULL, *cols = NULL, *slots = NULL, *longest = NULL, *totals = NULL;
     if (!(cols = PySequence_Fast(cols_o, "cols must be a sequence of ints"))) goto done;
     if (!(slots = PySequence_Fast(slots_o, "slots must be a sequence of ints"))) goto done;
     const int64_t *h = table.buf;
@@ -243,10 +258,12 @@ static PyObject *read_locations(PyObject *self, PyObject *args) {
         load_word(&h[H_CLEARS]) != clears || load_word(&h[H_UNITS_VERSION]) != units_version ||
         (int64_t)now.tv_sec * 1000000000 + now.tv_nsec >= load_word(&h[H_ALIVE_UNTIL]))
         goto untrusted;
-    int64_t down = load_word(&h[H_DOWN_UNITS]), unit = -1, end = 0, total = 0;
+    int64_t down = load_word(&h[H_DOWN_UNITS]), unit = -1, end = 0;
     int64_t *offsets = out.buf, *sizes = offsets + F * n;
     const int64_t *locs = h + HEADER_WORDS;
+    if (!(longest = PyTuple_New(F)) || !(totals = PyTuple_New(F))) goto done;
     for (Py_ssize_t f = 0; f < F; f++) {
+        int64_t most = 0, total = 0;
         long long c = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(cols, f));
         if (c == -1 && PyErr_Occurred()) goto done;
         if (c < 0 || c >= ncols) goto untrusted;
@@ -262,20 +279,27 @@ static PyObject *read_locations(PyObject *self, PyObject *args) {
             offsets[f * n + i] = off;
             sizes[f * n + i] = nb;
             if (off + nb > end) end = off + nb;
+            if (nb > most) most = nb;
             total += nb;
         }
+        PyObject *a = PyLong_FromLongLong(most), *b = PyLong_FromLongLong(total);
+        if (!a || !b) { Py_XDECREF(a); Py_XDECREF(b); goto done; }
+        PyTuple_SET_ITEM(longest, f, a);
+        PyTuple_SET_ITEM(totals, f, b);
     }
     /* The incarnation and clears are checked again after the records: slots are reused (new
      * incarnation) before their new keys' records are written. */
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
     if (load_word(&h[H_SEQ]) != seq || load_word(&h[H_INCARNATION]) != incarnation || load_word(&h[H_CLEARS]) != clears)
         goto untrusted;
-    ret = Py_BuildValue("(LLLL)", (long long)unit, (long long)frees, (long long)end, (long long)total);
+    ret = Py_BuildValue("(LLLOO)", (long long)unit, (long long)frees, (long long)end, longest, totals);
     goto done;
 untrusted:
     ret = Py_None;
     Py_INCREF(ret);
 done:
+    Py_XDECREF(longest);
+    Py_XDECREF(totals);
     Py_XDECREF(cols);
     Py_XDECREF(slots);
     PyBuffer_Release(&table);

@@ -79,18 +79,35 @@ class _UnitRestarted(Exception):
 class _Fetched:
     """Where each requested row of one field lives after a fetch: a source buffer and a byte range."""
 
-    __slots__ = ("schema", "sources", "src", "starts", "sizes")
+    __slots__ = ("schema", "sources", "src", "starts", "sizes", "_longest", "_total")
 
-    def __init__(self, schema: FieldSchema, sources: list[np.ndarray], src: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> None:
+    def __init__(self, schema: FieldSchema, sources: list[np.ndarray], src: np.ndarray, starts: np.ndarray, sizes: np.ndarray,
+                 longest: int | None = None, total: int | None = None) -> None:
         self.schema, self.sources, self.src, self.starts, self.sizes = schema, sources, src, starts, sizes
+        self._longest, self._total = longest, total  # known up front on the location-table path
+
+    @property
+    def longest(self) -> int:
+        """Bytes of the longest row."""
+        if self._longest is None:
+            self._longest = int(self.sizes.max()) if self.sizes.size else 0
+        return self._longest
+
+    @property
+    def total(self) -> int:
+        """Bytes of all rows."""
+        if self._total is None:
+            self._total = int(self.sizes.sum())
+        return self._total
 
     @classmethod
     def empty(cls, schema: FieldSchema, n: int) -> "_Fetched":
         """Rows to be placed by :func:`_place` (several units, or frames)."""
         return cls(schema, [], np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
 
-    def copy_into(self, dst: np.ndarray, dst_starts: np.ndarray, row_span: int = 0, pad: bytes = b"") -> None:
-        """Copy row i to ``dst[dst_starts[i]:]``; with ``row_span`` pad each row's rest with ``pad``."""
+    def copy_into(self, dst: np.ndarray, dst_starts: np.ndarray | None, row_span: int = 0, pad: bytes = b"") -> None:
+        """Copy row i to ``dst[dst_starts[i]:]`` (None: back to back); with ``row_span`` pad each
+        row's rest with ``pad``."""
         copy_rows(dst, dst_starts, self.sources, self.src, self.starts, self.sizes, row_span, pad)
 
 
@@ -101,7 +118,7 @@ class _Output:
 
     __slots__ = ("fx", "dst", "dst_starts", "span", "pad", "value", "finish")
 
-    def __init__(self, fx: _Fetched, dst: np.ndarray, dst_starts: np.ndarray, value: Any = None,
+    def __init__(self, fx: _Fetched, dst: np.ndarray, dst_starts: np.ndarray | None, value: Any = None,
                  finish: Callable[[], Any] | None = None, span: int = 0, pad: bytes = b"") -> None:
         self.fx, self.dst, self.dst_starts, self.span, self.pad = fx, dst, dst_starts, span, pad
         self.value, self.finish = value, finish
@@ -439,9 +456,10 @@ class TQClient:
         if arena is None or rows.end > arena.view.size:  # type: ignore[union-attr]
             return None
         with self._tables_lock:
-            self._reads[rows.unit] = self._reads.get(rows.unit, 0) + rows.total
+            self._reads[rows.unit] = self._reads.get(rows.unit, 0) + sum(rows.totals)
         src = np.zeros(len(meta.keys), dtype=np.int64)
-        fetched = {f: _Fetched(schemas[f], [arena.view], src, rows.offsets[i], rows.sizes[i]) for i, f in enumerate(fields)}
+        fetched = {f: _Fetched(schemas[f], [arena.view], src, rows.offsets[i], rows.sizes[i], rows.longest[i], rows.totals[i])
+                   for i, f in enumerate(fields)}
         return fetched, lambda: view.unchanged(rows.frees)
 
     def _on_unit_here(self, unit: int, loc: np.ndarray, schemas: list[FieldSchema], fields: list[str],
@@ -573,37 +591,35 @@ class TQClient:
         return outputs
 
     def _plan(self, name: str, fx: _Fetched, meta: KVBatchMeta, layout: Layout, pad_to: int | None, pad_value: Any) -> _Output:
-        """Allocate one field's result and say where its rows go (the copy runs later)."""
+        """Allocate one field's result and say where its rows go (the copy runs later). Kept to a few
+        calls: it runs right after the previous get's copies evicted the interpreter's caches."""
         schema, n = fx.schema, fx.sizes.size
-        packed = np.cumsum(fx.sizes) - fx.sizes  # row targets when rows go back to back (all but padded)
         if schema.kind == OBJECT:
-            raw = np.empty(int(fx.sizes.sum()), dtype=np.uint8)
-            return _Output(fx, raw, packed, finish=lambda: unpack_objects(raw, fx.sizes))
-        row_bytes = schema.itemsize * schema.row_elems
+            raw = np.empty(fx.total, dtype=np.uint8)
+            return _Output(fx, raw, None, finish=lambda: unpack_objects(raw, fx.sizes))
         if schema.kind != JAGGED:
-            raw = self._pool.empty(int(fx.sizes.sum()))
-            return _Output(fx, raw, packed, to_tensor(raw, schema, (n, *schema.shape)))
-        lengths = fx.sizes // max(row_bytes, 1)
+            raw = self._pool.empty(fx.total)
+            return _Output(fx, raw, None, to_tensor(raw, schema, (n, *schema.shape)))
+        row_bytes = max(schema.itemsize * schema.row_elems, 1)
         if layout in ("jagged", "list"):
-            raw = self._pool.empty(int(fx.sizes.sum()))
+            raw = self._pool.empty(fx.total)
             offsets = torch.zeros(n + 1, dtype=torch.int64)
-            torch.cumsum(torch.from_numpy(lengths), 0, out=offsets[1:])
-            jt = JaggedTensor(to_tensor(raw, schema, (int(offsets[-1]), *schema.shape)), offsets)
-            return _Output(fx, raw, packed, jt, None if layout == "jagged" else jt.unbind)
-        longest = int(lengths.max()) if n else 0
+            torch.cumsum(torch.from_numpy(fx.sizes // row_bytes), 0, out=offsets[1:])
+            jt = JaggedTensor(to_tensor(raw, schema, (fx.total // row_bytes, *schema.shape)), offsets)
+            return _Output(fx, raw, None, jt, None if layout == "jagged" else jt.unbind)
+        longest = fx.longest // row_bytes
         target = pad_to if pad_to is not None else meta.extra_info.get("global_forward_pad_seqlen", longest)
         multiple = meta.extra_info.get("pad_to_multiple")
         if multiple:
             target = -(-target // multiple) * multiple
         if target < longest:
             raise InvalidRequestError(
-                f"field {name!r}: key {meta.keys[int(np.argmax(lengths))]!r} has {longest} tokens, more than the pad length {target}"
+                f"field {name!r}: key {meta.keys[int(np.argmax(fx.sizes))]!r} has {longest} tokens, more than the pad length {target}"
             )
         span = target * row_bytes
         raw = self._pool.empty(n * span)
         fill = pad_value.get(name, 0) if isinstance(pad_value, abc.Mapping) else pad_value
-        return _Output(fx, raw, np.arange(n, dtype=np.int64) * span, to_tensor(raw, schema, (n, target, *schema.shape)),
-                       span=span, pad=pad_bytes(schema, fill))
+        return _Output(fx, raw, None, to_tensor(raw, schema, (n, target, *schema.shape)), span=span, pad=pad_bytes(schema, fill))
 
     # ------------------------------------------------------------------ deletes and stats
     def discard(self, meta: KVBatchMeta) -> int:

@@ -72,13 +72,14 @@ if _c_table_layout is not None and _c_table_layout() != _LAYOUT:  # the C reader
 
 class LocatedRows(NamedTuple):
     """A same-host read of a location table: the rows' storage unit, the ``frees`` count they were
-    read under, the end of the furthest row, their bytes in all, and ``[fields, keys]`` offsets and
-    sizes in the unit's arena."""
+    read under, the end of the furthest row, per field its longest row and its bytes in all, and
+    the ``[fields, keys]`` offsets and sizes of the rows in the unit's arena."""
 
     unit: int
     frees: int
     end: int
-    total: int
+    longest: tuple[int, ...]
+    totals: tuple[int, ...]
     offsets: np.ndarray
     sizes: np.ndarray
 
@@ -297,17 +298,17 @@ class LocationView:
             os.close(fd)
         words = np.frombuffer(self._mm, dtype=np.int64)
         self.header = words[:HEADER_WORDS]
+        self._words = memoryview(self._mm).cast("q")[:HEADER_WORDS]  # plain ints for the post-copy check
         capacity, ncols = int(self.header[H_CAPACITY]), int(self.header[H_COLUMNS])
         if self.header[H_MAGIC] != MAGIC or capacity < 0 or ncols < 0 or _nbytes(capacity, ncols) != size:
             raise ValueError(f"{path} is not a location table of this version")
-        self.path, self.capacity = path, capacity
-        self.locs = words[HEADER_WORDS:].reshape(ncols, capacity, LOC_COLUMNS)
+        self.path, self.capacity, self._ncols = path, capacity, ncols
         self.columns: dict[str, int] = {}
         self.add_columns(columns)
 
     def add_columns(self, columns: dict[str, int]) -> None:
         """Learn where more fields' records are (from a later locate reply)."""
-        ncols = self.locs.shape[0]
+        ncols = self._ncols
         self.columns.update({f: c for f, c in columns.items() if isinstance(c, int) and 0 <= c < ncols})
 
     def read(self, fields: list[str], slots: Sequence[int], incarnation: int, clears: int,
@@ -324,15 +325,15 @@ class LocationView:
         got = _read_locations(self._mm, cols, slots, incarnation, clears, units_version, planes)
         if got is None:
             return None
-        unit, frees, end, total = got
-        return LocatedRows(unit, frees, end, total, planes[0], planes[1])
+        return LocatedRows(*got, planes[0], planes[1])
 
     def unchanged(self, frees: int) -> bool:
         """No bytes were freed since ``frees`` was read, so rows copied since are intact."""
-        return int(self.header[H_FREES]) == frees and not self.header[H_RETIRED]
+        words = self._words
+        return words[H_FREES] == frees and not words[H_RETIRED]
 
     def close(self) -> None:
-        self.header = self.locs = None  # type: ignore[assignment]
+        self.header = self._words = None  # type: ignore[assignment]
         try:
             self._mm.close()
         except BufferError:

@@ -23,7 +23,7 @@ HAVE_FASTCOPY = _c_copy_rows is not None
 
 def copy_rows(
     dst: np.ndarray,
-    dst_starts: np.ndarray,
+    dst_starts: np.ndarray | None,
     sources: Sequence[np.ndarray],
     src_idx: np.ndarray,
     src_starts: np.ndarray,
@@ -32,10 +32,16 @@ def copy_rows(
     pad: bytes = b"",
 ) -> None:
     """For each row i copy ``sizes[i]`` bytes from ``sources[src_idx[i]][src_starts[i]:]`` to
-    ``dst[dst_starts[i]:]``; with ``row_span > 0`` fill the rest of each row's span with ``pad``."""
+    ``dst[dst_starts[i]:]`` (``dst_starts`` None: rows back to back, row i at ``i * row_span`` when
+    padded); with ``row_span > 0`` fill the rest of each row's span with ``pad``."""
     as64 = lambda a: a.astype(np.int64, copy=False)  # noqa: E731
-    (_c_copy_rows or copy_rows_numpy)(dst, as64(dst_starts), list(sources), as64(src_idx), as64(src_starts), as64(sizes),
-                                      row_span, pad)
+    if _c_copy_rows is not None:
+        _c_copy_rows(dst, None if dst_starts is None else as64(dst_starts), sources, as64(src_idx), as64(src_starts),
+                     as64(sizes), row_span, pad)
+        return
+    if dst_starts is None:
+        dst_starts = np.arange(sizes.size, dtype=np.int64) * row_span if row_span > 0 else np.cumsum(sizes) - sizes
+    copy_rows_numpy(dst, as64(dst_starts), list(sources), as64(src_idx), as64(src_starts), as64(sizes), row_span, pad)
 
 
 def copy_rows_numpy(dst: np.ndarray, dst_starts: np.ndarray, sources: list[np.ndarray], src_idx: np.ndarray,
@@ -62,4 +68,4 @@ def write_chunks(dst: np.ndarray, chunks: Sequence[np.ndarray]) -> None:
         return
     sizes = np.fromiter((c.size for c in chunks), dtype=np.int64, count=len(chunks))
     n = sizes.size
-    copy_rows(dst, np.cumsum(sizes) - sizes, chunks, np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64), sizes)
+    copy_rows(dst, None, chunks, np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64), sizes)

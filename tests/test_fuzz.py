@@ -276,7 +276,7 @@ def _controller_args(data, op: str, env: FuzzEnv, bufs: Bufs) -> Any:
             "mode": maybe(data, st.sampled_from(["put", "write_back"])),
             "unit": maybe(data, st.integers(-1, 3)),
             # block ids the fuzzer commits never name a real block (real ids are small positive ints)
-            "block": maybe(data, st.one_of(st.integers(max_value=-1), st.integers(10**9, 2**63 - 1))),
+            "block": maybe(data, st.one_of(st.integers(-(2**63), -1), st.integers(10**9, 2**63 - 1))),
             "fields": maybe(data, st.just(fields)),
         }
         if data.draw(st.booleans()):

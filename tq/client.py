@@ -105,10 +105,10 @@ class _Fetched:
         """Rows to be placed by :func:`_place` (several units, or frames)."""
         return cls(schema, [], np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
 
-    def copy_into(self, dst: np.ndarray, dst_starts: np.ndarray | None, row_span: int = 0, pad: bytes = b"") -> None:
-        """Copy row i to ``dst[dst_starts[i]:]`` (None: back to back); with ``row_span`` pad each
-        row's rest with ``pad``."""
-        copy_rows(dst, dst_starts, self.sources, self.src, self.starts, self.sizes, row_span, pad)
+    def copy_into(self, dst: np.ndarray, row_span: int = 0, pad: bytes = b"") -> None:
+        """Copy the rows back to back into ``dst``: packed, or row i at ``i * row_span`` with the rest
+        of its span filled with ``pad``."""
+        copy_rows(dst, None, self.sources, self.src, self.starts, self.sizes, row_span, pad)
 
 
 class _Output:
@@ -116,15 +116,15 @@ class _Output:
     it, and the value handed back. Planning every field first and then running the copies back to
     back keeps the bookkeeping out of the caches' way: a copy of megabytes evicts them."""
 
-    __slots__ = ("fx", "dst", "dst_starts", "span", "pad", "value", "finish")
+    __slots__ = ("fx", "dst", "span", "pad", "value", "finish")
 
-    def __init__(self, fx: _Fetched, dst: np.ndarray, dst_starts: np.ndarray | None, value: Any = None,
-                 finish: Callable[[], Any] | None = None, span: int = 0, pad: bytes = b"") -> None:
-        self.fx, self.dst, self.dst_starts, self.span, self.pad = fx, dst, dst_starts, span, pad
+    def __init__(self, fx: _Fetched, dst: np.ndarray, value: Any = None, finish: Callable[[], Any] | None = None,
+                 span: int = 0, pad: bytes = b"") -> None:
+        self.fx, self.dst, self.span, self.pad = fx, dst, span, pad
         self.value, self.finish = value, finish
 
     def copy(self) -> None:
-        self.fx.copy_into(self.dst, self.dst_starts, self.span, self.pad)
+        self.fx.copy_into(self.dst, self.span, self.pad)
 
     def result(self) -> Any:
         return self.finish() if self.finish is not None else self.value
@@ -596,17 +596,17 @@ class TQClient:
         schema, n = fx.schema, fx.sizes.size
         if schema.kind == OBJECT:
             raw = np.empty(fx.total, dtype=np.uint8)
-            return _Output(fx, raw, None, finish=lambda: unpack_objects(raw, fx.sizes))
+            return _Output(fx, raw, finish=lambda: unpack_objects(raw, fx.sizes))
         if schema.kind != JAGGED:
             raw = self._pool.empty(fx.total)
-            return _Output(fx, raw, None, to_tensor(raw, schema, (n, *schema.shape)))
+            return _Output(fx, raw, to_tensor(raw, schema, (n, *schema.shape)))
         row_bytes = max(schema.itemsize * schema.row_elems, 1)
         if layout in ("jagged", "list"):
             raw = self._pool.empty(fx.total)
             offsets = torch.zeros(n + 1, dtype=torch.int64)
             torch.cumsum(torch.from_numpy(fx.sizes // row_bytes), 0, out=offsets[1:])
             jt = JaggedTensor(to_tensor(raw, schema, (fx.total // row_bytes, *schema.shape)), offsets)
-            return _Output(fx, raw, None, jt, None if layout == "jagged" else jt.unbind)
+            return _Output(fx, raw, jt, None if layout == "jagged" else jt.unbind)
         longest = fx.longest // row_bytes
         target = pad_to if pad_to is not None else meta.extra_info.get("global_forward_pad_seqlen", longest)
         multiple = meta.extra_info.get("pad_to_multiple")
@@ -619,7 +619,7 @@ class TQClient:
         span = target * row_bytes
         raw = self._pool.empty(n * span)
         fill = pad_value.get(name, 0) if isinstance(pad_value, abc.Mapping) else pad_value
-        return _Output(fx, raw, None, to_tensor(raw, schema, (n, target, *schema.shape)), span=span, pad=pad_bytes(schema, fill))
+        return _Output(fx, raw, to_tensor(raw, schema, (n, target, *schema.shape)), span=span, pad=pad_bytes(schema, fill))
 
     # ------------------------------------------------------------------ deletes and stats
     def discard(self, meta: KVBatchMeta) -> int:

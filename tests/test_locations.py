@@ -22,15 +22,21 @@ import torch
 from tq import KVBatchMeta, TQClient
 from tq.errors import KeyNotFoundError
 from tq.locations import (
+    H_CAPACITY,
     H_CLEARS,
+    H_COLUMNS,
     H_INCARNATION,
     H_RETIRED,
+    HEADER_WORDS,
     SUPPORTED,
     LocationTable,
     LocationView,
     remove_orphans,
 )
 from tq.protocol import LOC_COLUMNS
+
+if SUPPORTED:
+    from tq._fastcopy import read_locations
 
 from conftest import unique_keys
 
@@ -161,6 +167,16 @@ def test_a_file_that_is_not_a_table_is_refused(tmp_path):
     p.write_bytes(b"\0" * 4096)
     with pytest.raises(ValueError, match="not a location table"):
         LocationView(str(p), {})
+
+
+@pytest.mark.parametrize("capacity", [2, 1 << 40, 1 << 62])
+def test_the_c_reader_refuses_a_header_claiming_more_records_than_the_buffer_holds(capacity):
+    """The C reader trusts no size in the header (no overflow either): it refuses, never reads past."""
+    header = np.zeros(HEADER_WORDS + LOC_COLUMNS, dtype=np.int64)  # room for one record only
+    header[H_CAPACITY], header[H_COLUMNS] = capacity, 1
+    out = np.empty((2, 1, 1), dtype=np.int64)
+    with pytest.raises(ValueError, match="truncated"):
+        read_locations(header.tobytes(), [0], [capacity - 1], 0, 0, 0, out)
 
 
 def test_tables_of_controllers_that_are_gone_are_removed_at_start(tmp_path):

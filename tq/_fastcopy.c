@@ -240,6 +240,7 @@ static PyObject *read_locations(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*OOLLLw*", &table, &cols_o, &slots_o, &incarnation, &clears, &units_version, &out))
         return NULL;
     PyObject *ret = NULL, *cols = NULL, *slots = NULL, *longest = NULL, *totals = NULL;
+    int64_t *slot_at = NULL;  /* the slots as C ints, converted once for all fields */
     if (!(cols = PySequence_Fast(cols_o, "cols must be a sequence of ints"))) goto done;
     if (!(slots = PySequence_Fast(slots_o, "slots must be a sequence of ints"))) goto done;
     const int64_t *h = table.buf;
@@ -262,16 +263,20 @@ static PyObject *read_locations(PyObject *self, PyObject *args) {
     int64_t *offsets = out.buf, *sizes = offsets + F * n;
     const int64_t *locs = h + HEADER_WORDS;
     if (!(longest = PyTuple_New(F)) || !(totals = PyTuple_New(F))) goto done;
+    if (!(slot_at = PyMem_Malloc((size_t)(n ? n : 1) * 8))) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long slot = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(slots, i));
+        if (slot == -1 && PyErr_Occurred()) goto done;
+        if (slot < 0 || slot >= capacity) goto untrusted;
+        slot_at[i] = slot;
+    }
     for (Py_ssize_t f = 0; f < F; f++) {
         int64_t most = 0, total = 0;
         long long c = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(cols, f));
         if (c == -1 && PyErr_Occurred()) goto done;
         if (c < 0 || c >= ncols) goto untrusted;
         for (Py_ssize_t i = 0; i < n; i++) {
-            long long slot = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(slots, i));
-            if (slot == -1 && PyErr_Occurred()) goto done;
-            if (slot < 0 || slot >= capacity) goto untrusted;
-            const int64_t *rec = locs + (c * capacity + slot) * LOC_COLUMNS;
+            const int64_t *rec = locs + (c * capacity + slot_at[i]) * LOC_COLUMNS;
             int64_t u = rec[LOC_UNIT], off = rec[LOC_OFFSET], nb = rec[LOC_NBYTES];
             if (u < 0 || (unit >= 0 && u != unit) || ((down >> (u < 62 ? u : 62)) & 1) || off < 0 || nb < 0)
                 goto untrusted;  /* not produced, on another or a down unit, or torn */
@@ -298,6 +303,7 @@ untrusted:
     ret = Py_None;
     Py_INCREF(ret);
 done:
+    PyMem_Free(slot_at);
     Py_XDECREF(longest);
     Py_XDECREF(totals);
     Py_XDECREF(cols);

@@ -146,6 +146,15 @@ def _place(
         fx.sources.extend(sources)
 
 
+def _in_arena(arena: np.ndarray, schemas: list[FieldSchema], fields: list[str], starts: np.ndarray, sizes: np.ndarray,
+              longest: Sequence[int] | None = None, totals: Sequence[int] | None = None) -> dict[str, _Fetched]:
+    """The rows ``[fields, keys]`` at ``starts`` / ``sizes`` of one mapped arena, read where they lie
+    (with each field's longest row and byte total where already known)."""
+    src = np.zeros(starts.shape[1], dtype=np.int64)
+    return {name: _Fetched(schemas[f], [arena], src, starts[f], sizes[f], None if longest is None else longest[f],
+                           None if totals is None else totals[f]) for f, name in enumerate(fields)}
+
+
 class TQClient:
     """A long-lived, thread-safe connection to a TQ service (controller + storage units).
 
@@ -457,9 +466,7 @@ class TQClient:
             return None
         with self._tables_lock:
             self._reads[rows.unit] = self._reads.get(rows.unit, 0) + sum(rows.totals)
-        src = np.zeros(len(meta.keys), dtype=np.int64)
-        fetched = {f: _Fetched(schemas[f], [arena.view], src, rows.offsets[i], rows.sizes[i], rows.longest[i], rows.totals[i])
-                   for i, f in enumerate(fields)}
+        fetched = _in_arena(arena.view, [schemas[f] for f in fields], fields, rows.offsets, rows.sizes, rows.longest, rows.totals)
         return fetched, lambda: view.unchanged(rows.frees)
 
     def _on_unit_here(self, unit: int, loc: np.ndarray, schemas: list[FieldSchema], fields: list[str],
@@ -468,8 +475,7 @@ class TQClient:
         n = len(meta.keys)
         starts, sizes = np.ascontiguousarray(loc[:, :, OFFSET]), np.ascontiguousarray(loc[:, :, NBYTES])
         view = self._arena_view(unit, starts.ravel(), sizes.ravel(), lambda i: (fields[i // n], meta.keys[i % n]))
-        src = np.zeros(n, dtype=np.int64)
-        return {name: _Fetched(schemas[f], [view], src, starts[f], sizes[f]) for f, name in enumerate(fields)}
+        return _in_arena(view, schemas, fields, starts, sizes)
 
     def _fetch(self, meta: KVBatchMeta, fields: list[str], wait_timeout: float | None,
                shm: bool = True) -> tuple[dict[str, _Fetched], Callable[[], bool] | None]:

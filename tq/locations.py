@@ -296,9 +296,7 @@ class LocationView:
             self._mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
-        words = np.frombuffer(self._mm, dtype=np.int64)
-        self.header = words[:HEADER_WORDS]
-        self._words = memoryview(self._mm).cast("q")[:HEADER_WORDS]  # plain ints for the post-copy check
+        self.header = memoryview(self._mm).cast("q")[:HEADER_WORDS]  # plain ints: cheap to check after a copy
         capacity, ncols = int(self.header[H_CAPACITY]), int(self.header[H_COLUMNS])
         if self.header[H_MAGIC] != MAGIC or capacity < 0 or ncols < 0 or _nbytes(capacity, ncols) != size:
             raise ValueError(f"{path} is not a location table of this version")
@@ -329,11 +327,10 @@ class LocationView:
 
     def unchanged(self, frees: int) -> bool:
         """No bytes were freed since ``frees`` was read, so rows copied since are intact."""
-        words = self._words
-        return words[H_FREES] == frees and not words[H_RETIRED]
+        return self.header[H_FREES] == frees and not self.header[H_RETIRED]
 
     def close(self) -> None:
-        self.header = self._words = None  # type: ignore[assignment]
+        self.header = None  # type: ignore[assignment]
         try:
             self._mm.close()
         except BufferError:

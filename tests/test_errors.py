@@ -322,7 +322,7 @@ def _bad_ref_fetch() -> list:
 
 def _bad_dtype_ref_commit(pid: str) -> list:
     return [_hdr(v=1, rid=5, op="commit", bs=[8], args={
-        "partition": pid, "keys": ["a"], "mode": "put", "unit": 0, "block": 1,
+        "partition": pid, "keys": ["a"], "mode": "put", "blocks": [[0, 10**9, 1]],  # no real block
         "fields": {"f": {"schema": ["tensor", "float32", []], "row_nbytes": {"b": 0, "d": "|O", "s": [1]}}}}), b"", b"\0" * 8]
 
 
@@ -702,8 +702,10 @@ def test_rejected_commits_leave_nothing_allocated(small):
         c.write_back(meta, {"x": torch.randn(2, 1000)})
     with pytest.raises(KeyNotFoundError, match="'ghost'"):
         c.write_back(KVBatchMeta(pid, ("ghost",)), {"y": torch.randn(1)})
+    # the controller fenced each refused block and had the unit free it (fire and forget)
+    assert wait_until(lambda: _unit(c)["bytes_used"] == used)
     u = _unit(c)
-    assert u["bytes_used"] == used and u["pending_allocs"] == 0
+    assert u["bytes_used"] == used and u["pending_allocs"] == 0 and u["tentative_blocks"] == 0
     got = c.get(meta, layout="list")
     assert got["lp"][0].shape == (5,) and got["lp"][1].shape == (0,)
 

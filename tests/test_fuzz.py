@@ -53,8 +53,9 @@ from tq.errors import (
 from tq.rpc import RpcChannel
 
 CONTROLLER_OPS = ("hello", "register_unit", "create_partition", "clear_partition", "drop_partition", "list_partitions",
-                  "mint", "commit", "locate", "wait", "discard", "get_meta", "set_tags", "unit_status", "stats", "shutdown")
-UNIT_OPS = ("ping", "alloc", "store", "fetch", "free_rows", "free_blocks", "retain", "trim", "stats", "shutdown")
+                  "mint", "commit", "abort_blocks", "locate", "wait", "discard", "get_meta", "set_tags", "unit_status", "stats",
+                  "shutdown")
+UNIT_OPS = ("ping", "alloc", "store", "fetch", "free_rows", "free_blocks", "retain", "claim", "trim", "stats", "shutdown")
 DESTRUCTIVE = frozenset({"shutdown", "drop_partition", "clear_partition", "discard", "free_rows", "free_blocks",
                          "retain", "register_unit"})
 DROP_WAIT_S = 0.5  # how long silence is waited for where dropping is allowed (an unreadable header)
@@ -271,12 +272,13 @@ def _controller_args(data, op: str, env: FuzzEnv, bufs: Bufs) -> Any:
             offsets = _ints(data, data.draw(st.sampled_from([n] * 5 + [n + 1])), -4, 1 << 40)
             fields[name] = maybe(data, st.just({"schema": draw_schema(data), "row_nbytes": bufs.ref(row_nbytes),
                                                 "arena_offsets": bufs.ref(offsets)}))
+        # block ids the fuzzer commits never name a real block (real ids are small positive ints)
+        block_ids = st.one_of(st.integers(-(2**63), -1), st.integers(10**9, 2**63 - 1))
+        part_rows = st.sampled_from([n] * 5 + [n + 1, 0, -1])
         args = {
             "partition": part, "keys": keys,
             "mode": maybe(data, st.sampled_from(["put", "write_back"])),
-            "unit": maybe(data, st.integers(-1, 3)),
-            # block ids the fuzzer commits never name a real block (real ids are small positive ints)
-            "block": maybe(data, st.one_of(st.integers(-(2**63), -1), st.integers(10**9, 2**63 - 1))),
+            "blocks": maybe(data, st.lists(st.tuples(st.integers(-1, 3), block_ids, part_rows).map(list), min_size=1, max_size=2)),
             "fields": maybe(data, st.just(fields)),
         }
         if data.draw(st.booleans()):
@@ -299,6 +301,8 @@ def _controller_args(data, op: str, env: FuzzEnv, bufs: Bufs) -> Any:
         return {"unit": maybe(data, st.integers(-2, 3))}
     if op == "hello":
         return {"timeout": maybe(data, st.floats(0, MAX_WAIT_S))}
+    if op == "abort_blocks":
+        return {"blocks": maybe(data, st.lists(st.tuples(st.integers(-1, 3), st.integers(-(2**63), 2**63 - 1)).map(list), max_size=3))}
     if op == "register_unit":
         return {"unit_id": data.draw(ANY), "address": data.draw(ANY), "host": data.draw(ANY), "arena_path": data.draw(ANY),
                 "arena_size": maybe(data, st.integers(0, 2**40)), "pid": data.draw(ANY),
@@ -353,6 +357,8 @@ def _unit_args(data, op: str, env: FuzzEnv, unit: int, bufs: Bufs) -> Any:
         return {"blocks": bufs.ref(_ints(data, m, -1, 20)), "rows": bufs.ref(_ints(data, m, -1, 5))}
     if op == "free_blocks":
         return {"blocks": maybe(data, st.lists(st.integers(-1, 200), max_size=3))}
+    if op == "claim":
+        return {"blocks": bufs.ref(_ints(data, data.draw(st.integers(0, 3)), -1, 200))}
     return {}  # ping, trim, stats, shutdown
 
 
@@ -386,11 +392,13 @@ def _defang(target: str, header: Any, env: FuzzEnv) -> bool:
             args["reuse"] = False
         if op not in ("locate", "wait", "get_meta") and isinstance(args.get("keys"), list):
             args["keys"] = [k for k in args["keys"] if k not in env.ref.keys]  # reference keys are only read
-        if op == "commit" and isinstance(args.get("block"), int):
-            if 0 <= args["block"] < 10**9:
-                args["block"] = -1 - args["block"]  # never point fuzz keys at a real block
-            elif args["block"] >= 2**63:
-                args["block"] = 2**63 - 1  # KNOWN BUG commit-block-overflow
+        if op in ("commit", "abort_blocks") and isinstance(args.get("blocks"), list):
+            for part in args["blocks"]:
+                if isinstance(part, list) and len(part) >= 2 and isinstance(part[1], int) and not isinstance(part[1], bool):
+                    if 0 <= part[1] < 10**9:
+                        part[1] = -1 - part[1]  # never point fuzz keys at (or fence) a real block
+                    elif part[1] >= 2**63:
+                        part[1] = 2**63 - 1  # KNOWN BUG commit-block-overflow
         if op == "wait":
             cap("timeout")
         if op == "hello":
@@ -625,7 +633,7 @@ def test_finding_commit_with_overflowing_block_changes_nothing(env):
         bufs: list = []
         nb = protocol.pack_array(np.array([4, 4], dtype=np.int64), bufs)
         offsets = protocol.pack_array(np.array([0, 4], dtype=np.int64), bufs)
-        base = {"partition": pid, "unit": 0, "block": 2**63,
+        base = {"partition": pid, "blocks": [[0, 2**63, 2]],
                 "fields": {"adv": {"schema": ["tensor", "float32", []], "row_nbytes": nb, "arena_offsets": offsets}}}
         put = _call_raw(env.address, "commit", {**base, "keys": ["new1", "new2"], "mode": "put"}, bufs)
         over = _call_raw(env.address, "commit", {**base, "keys": ["a", "b"], "mode": "write_back", "overwrite": True}, bufs)
@@ -661,11 +669,15 @@ def test_commit_locating_rows_outside_the_arena_fails_reads_naming_the_key(env):
         ok = c.put(pid, ["near"], {"x": torch.tensor([2.5])})
         located, msg = c._ctrl.call("locate", {"partition": pid, "keys": ["near"], "fields": ["x"]})
         far_unit = 1 - int(protocol.unpack_array(located["loc"], msg.buffers)[0, 0, 0])  # the other unit
-        bufs: list = []
+        bufs: list = []  # a real block of the other unit, stored as a client would
+        spec = {"schema": ["tensor", "float32", []], "row_offsets": protocol.pack_array(np.array([0, 4], dtype=np.int64), bufs),
+                "data": protocol.pack_array(np.frombuffer(np.float32(2.5).tobytes(), np.uint8), bufs)}
+        block = protocol.raise_for_reply(_call_raw(env.unit_addresses[far_unit], "store", {"n_rows": 1, "fields": {"x": spec}}, bufs))["block"]
+        bufs = []
         fields = {"x": {"schema": ["tensor", "float32", []], "row_nbytes": protocol.pack_array(np.array([4], dtype=np.int64), bufs),
                         "arena_offsets": protocol.pack_array(np.array([1 << 40], dtype=np.int64), bufs)}}
-        protocol.raise_for_reply(_call_raw(env.address, "commit", {"partition": pid, "keys": ["far"], "mode": "put", "unit": far_unit,
-                                                                    "block": 1, "fields": fields}, bufs))
+        protocol.raise_for_reply(_call_raw(env.address, "commit", {"partition": pid, "keys": ["far"], "mode": "put",
+                                                                    "blocks": [[far_unit, block, 1]], "fields": fields}, bufs))
         bad = rf"field 'x' of key 'far' is located outside storage unit {far_unit}'s arena"
         with pytest.raises(MalformedMessageError, match=bad):  # every row on one unit
             c.get(c.get_meta(pid, ["far"]), ["x"])

@@ -16,16 +16,24 @@ import itertools
 import os
 import threading
 from collections import abc
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
 from . import protocol
-from .arena import Arena, align_up, host_identity
+from .arena import ALIGN, Arena, align_up, host_identity
 from .bufferpool import HostBufferPool
 from .columns import EncodedColumn, encode_column, pad_bytes, to_tensor, unpack_objects
-from .errors import DuplicateKeyError, InvalidRequestError, MalformedMessageError, StorageUnitError, TQError
+from .errors import (
+    CapacityError,
+    DuplicateKeyError,
+    InvalidRequestError,
+    MalformedMessageError,
+    StorageUnitError,
+    TQConnectionError,
+    TQError,
+)
 from .jagged import JaggedTensor
 from .locations import SUPPORTED as LOCAL_TABLES_SUPPORTED, LocationView
 from .meta import KVBatchMeta
@@ -41,6 +49,7 @@ _FIELD_ALIGN = 64
 _default_pool = HostBufferPool()
 # Copies out of a shared arena that raced a free are redone this often before the units send the rows.
 SHM_READ_TRIES = 3
+UNIT_STATS_TIMEOUT_S = 2.0  # stats wait this long for each storage unit before showing it down
 
 
 def mint_keys(uids: Sequence[str], group_size: int) -> list[str]:
@@ -70,6 +79,30 @@ def _frames_of(chunks: Sequence[np.ndarray]) -> list[np.ndarray]:
     if small or not frames:
         frames.append(np.concatenate(small) if small else np.empty(0, np.uint8))
     return frames
+
+
+def _byte_range(chunks: Sequence[np.ndarray], start: int, stop: int) -> list[np.ndarray]:
+    """Views of bytes ``[start, stop)`` of the concatenation of ``chunks`` (no copy)."""
+    if start == 0 and stop == sum(c.size for c in chunks):
+        return list(chunks)
+    out, pos = [], 0
+    for c in chunks:
+        a, b = max(start - pos, 0), min(stop - pos, c.size)
+        if a < b:
+            out.append(c[a:b])
+        pos += c.size
+    return out
+
+
+class _StoredPart(NamedTuple):
+    """Rows ``[start, stop)`` of a write, stored as ``block`` of ``unit``; ``starts`` maps each field
+    to the arena offset where its bytes begin."""
+
+    unit: int
+    block: int
+    start: int
+    stop: int
+    starts: dict[str, int]
 
 
 class _UnitRestarted(Exception):
@@ -243,14 +276,19 @@ class TQClient:
             arena = self._arenas[unit] = Arena(u["arena_path"], u["arena_size"], create=False)
         return arena
 
-    def _pick_unit(self) -> int:
+    def _pick_unit(self, nbytes: int = 0) -> int:
+        """A unit for a write of ``nbytes``: round robin over this host's units (else all units) that
+        had room for it at their last report, else the one with the most room."""
         if not self._units:
             self._refresh_units()  # units placed on Ray nodes may register after this client connected
         if not self._units:
             raise TQError("the TQ service has no storage units")
         local = [u["unit_id"] for u in self._units if self._is_local(u["unit_id"])]
         pool = local or [u["unit_id"] for u in self._units]
-        return pool[next(self._rr) % len(pool)]
+        fits = [u for u in pool if self._free_bytes(u) >= nbytes]
+        if not fits:
+            return max(pool, key=self._free_bytes)
+        return fits[next(self._rr) % len(fits)]
 
     def close(self) -> None:
         """Close every connection and unmap every arena."""
@@ -365,36 +403,15 @@ class TQClient:
         self, partition_id: str, keys: list[str], encoded: dict[str, EncodedColumn], mode: str,
         tags: Mapping[str, Sequence[Any]] | None, sequence_lengths: Sequence[int] | None, overwrite: bool = False,
     ) -> dict[str, Any]:
-        unit = self._pick_unit()
-        chan = self._unit_chans[unit]
-        buffers: list[Any] = []
-        fields: dict[str, Any] = {}
-        if self._is_local(unit):
-            offsets, pos = {}, 0
-            for name, col in encoded.items():
-                offsets[name] = pos
-                pos = align_up(pos + col.nbytes, _FIELD_ALIGN)
-            alloc, _ = chan.call("alloc", {"nbytes": pos, "wait_s": self.capacity_wait_s},
-                                 timeout=self.timeout + self.capacity_wait_s, check=self._unit_check(unit))
-            view = self._arena(unit).view
-            base = alloc["offset"]
-            for name, col in encoded.items():
-                write_chunks(view[base + offsets[name] : base + offsets[name] + col.nbytes], col.chunks)
-                fields[name] = {"schema": col.schema.to_wire(), "offset": offsets[name],
-                                "row_offsets": protocol.pack_array(col.row_offsets, buffers)}
-            args: dict[str, Any] = {"n_rows": len(keys), "fields": fields, "alloc": alloc["alloc"]}
-        else:
-            for name, col in encoded.items():
-                fields[name] = {"schema": col.schema.to_wire(),
-                                "row_offsets": protocol.pack_array(col.row_offsets, buffers),
-                                "data": [protocol.pack_array(c, buffers) for c in _frames_of(col.chunks)]}
-            args = {"n_rows": len(keys), "fields": fields, "wait_s": self.capacity_wait_s}
-        stored, _ = chan.call("store", args, buffers, timeout=self.timeout + self.capacity_wait_s, check=self._unit_check(unit))
+        """Store the batch (on one unit, or split over several when none has room for all of it),
+        then make it visible with one commit - all keys at once."""
+        parts = self._store_parts(encoded, len(keys))
         cbufs: list[Any] = []
         commit = {
-            "partition": partition_id, "keys": keys, "mode": mode, "unit": unit, "block": stored["block"],
+            "partition": partition_id, "keys": keys, "mode": mode, "blocks": [[p.unit, p.block, p.stop - p.start] for p in parts],
             "fields": {n: {"schema": c.schema.to_wire(), "row_nbytes": protocol.pack_array(np.diff(c.row_offsets), cbufs),
-                           "arena_offsets": protocol.pack_array(stored["starts"][n] + c.row_offsets[:-1], cbufs)}
+                           "arena_offsets": protocol.pack_array(np.concatenate(
+                               [p.starts[n] + c.row_offsets[p.start : p.stop] - c.row_offsets[p.start] for p in parts]), cbufs)}
                        for n, c in encoded.items()},
         }
         if overwrite:
@@ -405,12 +422,111 @@ class TQClient:
             commit["sequence_lengths"] = [int(s) for s in sequence_lengths]
         try:
             return self._call("commit", commit, cbufs)
+        except TQConnectionError as exc:
+            # No reply: the commit may still be applied (a stalled controller) or may be lost (a
+            # restarted one). Ask: the controller fences blocks not committed, so the outcome is
+            # settled either way - never a key pointing at storage that is freed or reused.
+            try:
+                landed = self._call("abort_blocks", {"blocks": [[p.unit, p.block] for p in parts]})["committed"]
+            except TQConnectionError:
+                raise TQConnectionError(
+                    f"{exc}; the outcome of this {mode} is unknown: its keys are either absent or hold exactly "
+                    "this write's bytes (a commit that arrives late is applied; one that never does is reclaimed)") from None
+            if all(landed):  # it did land: answered again, idempotently
+                return self._call("commit", commit, cbufs)
+            raise TQConnectionError(f"{exc}; this {mode} did not land (its storage was reclaimed): write it again") from None
+
+    def _store_parts(self, encoded: dict[str, EncodedColumn], n: int) -> list[_StoredPart]:
+        """Store all rows on the unit picked for them; if it has no room (and ``capacity_wait_s``
+        ran out), on the unit with the most free space, or split in row ranges over units by free
+        space. A part stored before a later one failed is given back (fenced by the controller)."""
+        need = self._stored_bytes(encoded, 0, n)
+        try:
+            return [self._store(self._pick_unit(need), encoded, 0, n)]
+        except CapacityError as exc:
+            if not getattr(exc, "retryable", True) and len(self._units) < 2:
+                raise
+            self._refresh_units()  # fresh free-space figures (each unit reports them every heartbeat)
+            plan = self._split_plan(encoded, n)
+            if plan is None:
+                raise
+        parts: list[_StoredPart] = []
+        try:
+            for unit, start, stop in plan:
+                parts.append(self._store(unit, encoded, start, stop))
         except TQError:
-            try:  # the data never became visible: give its space back
-                chan.call("free_blocks", {"blocks": [stored["block"]]})
-            except TQError:
-                pass
+            self._abort_parts(parts)
             raise
+        return parts
+
+    def _abort_parts(self, parts: list[_StoredPart]) -> None:
+        if parts:
+            try:
+                self._call("abort_blocks", {"blocks": [[p.unit, p.block] for p in parts]})
+            except TQError:  # unanswered: the units ask the controller once the blocks' lease runs out
+                pass
+
+    @staticmethod
+    def _stored_bytes(encoded: dict[str, EncodedColumn], start: int, stop: int) -> int:
+        """Arena bytes rows ``[start, stop)`` take (fields aligned as :meth:`_store` lays them out)."""
+        pos = 0
+        for col in encoded.values():
+            pos = align_up(pos + int(col.row_offsets[stop] - col.row_offsets[start]), _FIELD_ALIGN)
+        return align_up(max(pos, 1), ALIGN)
+
+    def _free_bytes(self, unit: int) -> int:
+        free = self._units[unit].get("free_bytes")
+        return free if isinstance(free, int) else self._units[unit]["arena_size"]
+
+    def _split_plan(self, encoded: dict[str, EncodedColumn], n: int) -> list[tuple[int, int, int]] | None:
+        """Row ranges ``(unit, start, stop)`` that fit the units' free space, fullest fit first (the
+        units with most room, same-host ones before others at equal room); None if they cannot."""
+        down = {u["unit_id"] for u in self._units if u.get("alive") is False}
+        units = sorted((u["unit_id"] for u in self._units if u["unit_id"] not in down),
+                       key=lambda u: (-self._free_bytes(u), not self._is_local(u)))
+        row_bytes = sum(np.diff(c.row_offsets) for c in encoded.values())
+        cum = np.concatenate([[0], np.cumsum(row_bytes)])
+        overhead = len(encoded) * _FIELD_ALIGN + ALIGN  # per part: field alignment and the page it rounds to
+        plan, start = [], 0
+        for unit in units:
+            if start == n:
+                break
+            room = self._free_bytes(unit) - overhead
+            stop = int(np.searchsorted(cum, cum[start] + room, side="right")) - 1
+            if stop > start:
+                plan.append((unit, start, min(stop, n)))
+                start = min(stop, n)
+        return plan if start == n else None
+
+    def _store(self, unit: int, encoded: dict[str, EncodedColumn], start: int, stop: int) -> _StoredPart:
+        """Store rows ``[start, stop)`` of every column as one block of ``unit`` (tentative until the
+        controller commits it): written straight into its arena on this host, else sent as frames."""
+        chan = self._unit_chans[unit]
+        buffers: list[Any] = []
+        fields: dict[str, Any] = {}
+        cols = {name: (col, col.row_offsets[start : stop + 1] - col.row_offsets[start],
+                       _byte_range(col.chunks, int(col.row_offsets[start]), int(col.row_offsets[stop])))
+                for name, col in encoded.items()}
+        if self._is_local(unit):
+            offsets, pos = {}, 0
+            for name, (_, ro, _) in cols.items():
+                offsets[name] = pos
+                pos = align_up(pos + int(ro[-1]), _FIELD_ALIGN)
+            alloc, _ = chan.call("alloc", {"nbytes": pos, "wait_s": self.capacity_wait_s},
+                                 timeout=self.timeout + self.capacity_wait_s, check=self._unit_check(unit))
+            view = self._arena(unit).view
+            base = alloc["offset"]
+            for name, (col, ro, chunks) in cols.items():
+                write_chunks(view[base + offsets[name] : base + offsets[name] + int(ro[-1])], chunks)
+                fields[name] = {"schema": col.schema.to_wire(), "offset": offsets[name], "row_offsets": protocol.pack_array(ro, buffers)}
+            args: dict[str, Any] = {"n_rows": stop - start, "fields": fields, "alloc": alloc["alloc"]}
+        else:
+            for name, (col, ro, chunks) in cols.items():
+                fields[name] = {"schema": col.schema.to_wire(), "row_offsets": protocol.pack_array(ro, buffers),
+                                "data": [protocol.pack_array(c, buffers) for c in _frames_of(chunks)]}
+            args = {"n_rows": stop - start, "fields": fields, "wait_s": self.capacity_wait_s}
+        stored, _ = chan.call("store", args, buffers, timeout=self.timeout + self.capacity_wait_s, check=self._unit_check(unit))
+        return _StoredPart(unit, stored["block"], start, stop, stored["starts"])
 
     # ------------------------------------------------------------------ reads
     def wait(self, meta: KVBatchMeta, fields: Sequence[str] | None = None, timeout: float = 60.0) -> None:
@@ -637,10 +753,25 @@ class TQClient:
         stats = self._call("stats", self._with_reads({}))
         if stats.get("units_version") != self._units_version:
             self._refresh_units()
-        stats["unit_stats"] = [  # a unit the controller reports down is not asked (it would time out)
-            self._unit_chans[u["unit_id"]].call("stats", {})[0] if u.get("alive", True) else {**u, "alive": False}
-            for u in stats["units"]
-        ]
+        # Every unit asked before any answer is awaited, each for at most UNIT_STATS_TIMEOUT_S: one that
+        # just died (not yet reported down by the controller) shows as down instead of failing it all.
+        timeout = min(self.timeout, UNIT_STATS_TIMEOUT_S)
+        asked: list[tuple[dict, Any]] = []
+        for u in stats["units"]:
+            chan = self._unit_chans[u["unit_id"]]
+            try:
+                asked.append((u, chan.send("stats", {}, timeout=timeout) if u.get("alive", True) else None))
+            except TQConnectionError:
+                asked.append((u, None))
+        stats["unit_stats"] = []
+        for u, rid in asked:
+            try:
+                if rid is None:
+                    raise TQConnectionError("reported down")
+                stats["unit_stats"].append(self._unit_chans[u["unit_id"]].recv(rid, "stats", timeout=timeout)[0])
+            except TQConnectionError:
+                u["alive"] = False
+                stats["unit_stats"].append({**u, "alive": False})
         return stats
 
     def trim(self) -> int:

@@ -2,13 +2,23 @@
 
 It never touches column bytes and never blocks on a request: a ``wait`` (or a ``hello`` arriving before
 the storage units registered) is parked with a deadline and answered from the loop. Storage is freed by
-fire-and-forget messages to the units over DEALER sockets polled in the same loop.
+fire-and-forget messages to the units over DEALER sockets polled in the same loop; those sends never
+block either: work a unit cannot take now is not queued without bound but settled by a ``retain`` (the
+full list of what it must keep) once it answers again.
+
+Commits are idempotent and fenced. A storage unit keeps every block it stored *tentative* until this
+controller claims it (its commit was applied) or fences it (it never will be: the put was refused, or
+its writer gave up, or it waited past its lease for a commit). A fenced block is freed, and a commit
+naming it later - a stalled request, a retry - is refused, so a key can never come to point at
+storage that was freed or reused. Each unit reports a low-water mark (every block id below it is
+claimed or freed), which bounds what the controller remembers about blocks.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import logging
 import math
 import operator
@@ -19,10 +29,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
+import zmq
 
 from . import protocol
 from .errors import (
     DuplicateKeyError,
+    FencedCommitError,
     FieldNotProducedError,
     InvalidRequestError,
     KeyNotFoundError,
@@ -50,6 +62,48 @@ COMPACT_AFTER = 2000  # journal records before it is rewritten as one snapshot
 MAX_BLOCK_ID = 1 << 40  # storage units number blocks from 1 and never get near this
 HEARTBEAT_S = 1.0  # the controller pings every storage unit this often
 UNIT_TIMEOUT_S = 3.0  # a unit silent for longer is reported down and reads of its keys fail fast
+RECENT_COMMITS = 1 << 16  # commits remembered so that a client's retry is answered like the first try
+UNIT_SEND_HWM = 1000  # messages queued per storage unit before sends to it are dropped (then a retain)
+
+
+@dataclass
+class UnitLedger:
+    """What the controller knows of one storage unit's blocks that are not settled yet (ids at or
+    above the unit's reported ``low_water``): committed ones whose claim the unit has not confirmed,
+    fenced ones, claims to send, and whether the unit missed messages and needs a ``retain``."""
+
+    low_water: int = 0
+    pending: dict[int, tuple] = field(default_factory=dict)  # block -> commit digest, until settled
+    fenced: set[int] = field(default_factory=set)
+    claims: list[int] = field(default_factory=list)
+    resync: bool = False
+
+    def settled(self, block: int) -> bool:
+        """Claimed or freed long ago, or fenced: no commit of this block may be applied any more."""
+        return block < self.low_water or block in self.fenced
+
+
+def _process_alive(pid: Any) -> bool:
+    """Whether ``pid`` is a running (not zombie) storage-unit process - a check for units that are
+    not this controller's children (taken back after a restart), so it cannot wait on them."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no procfs here: fall back to "exists"
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+    return state not in (b"Z", b"X") and b"tq.storage" in cmdline  # a recycled pid is not our unit
 
 
 @dataclass
@@ -142,6 +196,7 @@ class Controller(RpcServer):
         max_message_bytes: int = 256 << 20,
         state_dir: str | None = None,
         shm_dir: str | None = "/dev/shm",
+        fsync: str = "never",
     ) -> None:
         super().__init__("controller", bind, secret=secret, max_message_bytes=max_message_bytes)
         # Location tables go to shared memory when there is a tmpfs to hold them (see tq.locations).
@@ -162,6 +217,10 @@ class Controller(RpcServer):
         self.units_version = 0  # bumped whenever a unit registers or rejoins (clients refresh on change)
         self.restart_unit: Any = None  # set by serve(): restarts a crashed unit of this controller
         self._restarts: dict[int, list[float]] = {}
+        self._restarting: dict[int, Any] = {}  # unit id -> the process restarted for it, until it rejoins
+        self.ledgers: dict[int, UnitLedger] = collections.defaultdict(UnitLedger)
+        # (unit, block) -> commit digest of recent commits: a retried commit gets the first one's answer
+        self.recent_commits: collections.OrderedDict[tuple[int, int], tuple] = collections.OrderedDict()
         self._next_heartbeat = 0.0
         self.children: list[Any] = []  # storage-unit processes this controller started (serve())
         self.hello_waiters: list[tuple[Call, float]] = []
@@ -177,6 +236,7 @@ class Controller(RpcServer):
             list_partitions=self.op_list_partitions,
             mint=self.op_mint,
             commit=self.op_commit,
+            abort_blocks=self.op_abort_blocks,
             locate=self.op_locate,
             wait=self.op_wait,
             discard=self.op_discard,
@@ -190,8 +250,12 @@ class Controller(RpcServer):
             os.makedirs(state_dir, exist_ok=True)
             path = os.path.join(state_dir, "controller.journal")
             self._replay(path)
-            self.journal = Journal(path)
+            self.journal = Journal(path, fsync=fsync)
+            if self.journal.truncated_bytes:
+                log.warning("controller journal %s: dropped a torn tail of %d bytes", path, self.journal.truncated_bytes)
             self.expected_units = max(self.expected_units, len(self.units))
+            for uid in range(len(self.units)):  # frees lost with the crash: settle them once each unit answers
+                self.ledgers[uid].resync = True
 
     # -- small helpers
     def _partition(self, args: dict) -> Partition:
@@ -255,6 +319,9 @@ class Controller(RpcServer):
     def op_register_unit(self, args: dict, buffers: list, call: Call) -> dict:
         """Register a new storage unit, or (``rejoin``) a restarted one taking over its old id."""
         info = {k: args.get(k) for k in ("unit_id", "address", "host", "arena_path", "arena_size", "pid")}
+        # a unit the controller started (``managed``) is supervised: restarted on its arena when it dies,
+        # also by a later incarnation of this controller that took it back from the journal
+        info["managed"] = args.get("managed") is True
         if not isinstance(info["address"], str) or not isinstance(info["arena_size"], int):
             raise InvalidRequestError("register_unit needs an address and an arena_size")
         rejoin = args.get("rejoin")
@@ -267,10 +334,8 @@ class Controller(RpcServer):
             self.units.append(info)
         else:  # keep what it recovered that we still reference; it frees the rest
             self.units[uid] = info
-            rows = self._rows_on(uid)
-            bufs: list[Any] = []
-            args = {"blocks": protocol.pack_array(rows[:, 0], bufs), "rows": protocol.pack_array(rows[:, 1], bufs)}
-            self._send_to_unit(uid, "retain", args, bufs)
+            self._restarting.pop(uid, None)
+            self._resync(uid)
             log.warning("storage unit %d rejoined at %s", uid, info["address"])
         self.units_version += 1
         self._publish_status()
@@ -286,8 +351,6 @@ class Controller(RpcServer):
         return {"alive": not down, "down_for_s": down, "address": self.units[unit]["address"]}
 
     def close(self) -> None:
-        import zmq
-
         if self.stop_units_on_close:
             for sock in list(self.unit_socks.values()):
                 try:
@@ -301,10 +364,10 @@ class Controller(RpcServer):
         super().close()
 
     def _connect_unit(self, uid: int, address: str) -> None:
-        import zmq
-
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, UNIT_SEND_HWM)  # bounded: past it, sends fail (never block) - see _send_to_unit
+        self.secure_client_socket(sock)  # a unit with a secret refuses connections without its credentials
         try:
             sock.connect(address)  # first: a bad address must not cost the unit its current socket
         except zmq.ZMQError as exc:
@@ -332,6 +395,10 @@ class Controller(RpcServer):
             for op, args, bufs in Journal.replay(path):
                 if op == "__snapshot__":
                     self._restore(args)
+                elif op == "__fence__":
+                    self.ledgers[args["unit"]].fenced.update(args["blocks"])
+                elif op == "__water__":
+                    self._raise_water(args["unit"], args["low_water"])
                 else:
                     self.handlers[op](args, [memoryview(b) for b in bufs], Call(b"", None, op, 0.0))
                 n += 1
@@ -343,6 +410,9 @@ class Controller(RpcServer):
     def _snapshot(self) -> dict[str, Any]:
         return {
             "units": self.units, "units_version": self.units_version,
+            "ledgers": {str(u): [led.low_water, [[b, list(d)] for b, d in led.pending.items()], sorted(led.fenced)]
+                        for u, led in self.ledgers.items()},
+            "recent_commits": [[u, b, list(d)] for (u, b), d in self.recent_commits.items()],
             "partitions": {
                 pid: {"slot_keys": p.slot_keys, "seq_lens": p.seq_lens, "tags": p.tags,
                       "schemas": {f: s.to_wire() for f, s in p.schemas.items()},
@@ -354,6 +424,10 @@ class Controller(RpcServer):
     def _restore(self, snap: dict[str, Any]) -> None:
         self.units = list(snap["units"])
         self.units_version = int(snap["units_version"])
+        self.ledgers.clear()
+        for u, (low_water, pending, fenced) in snap.get("ledgers", {}).items():
+            self.ledgers[int(u)] = UnitLedger(low_water, {b: tuple(d) for b, d in pending}, set(fenced))
+        self.recent_commits = collections.OrderedDict(((u, b), tuple(d)) for u, b, d in snap.get("recent_commits", []))
         for u in self.units:
             self._connect_unit(u["unit_id"], u["address"])
         for part in self.partitions.values():
@@ -385,9 +459,63 @@ class Controller(RpcServer):
     def _on_unit_reply(self, unit: int, frames: list) -> None:
         self.unit_seen[unit] = time.monotonic()  # any reply is a heartbeat
         try:
-            protocol.raise_for_reply(protocol.decode(frames, self.secret))
+            result = protocol.raise_for_reply(protocol.decode(frames, self.secret))
         except Exception as exc:
             log.warning("storage unit %d refused a request: %s", unit, exc)
+            return
+        if isinstance(result, dict) and isinstance(result.get("low_water"), int):  # a heartbeat's reply
+            self._on_unit_heartbeat(unit, result)
+        if self.ledgers[unit].resync:
+            self._resync(unit)
+
+    def _on_unit_heartbeat(self, unit: int, beat: dict) -> None:
+        """Settle what the unit reports: blocks below its low-water mark are settled (forget them);
+        tentative blocks past their lease are claimed if committed, else fenced and freed."""
+        if self._raise_water(unit, beat["low_water"]) and self.journal is not None:
+            self.journal.append(["__water__", {"unit": unit, "low_water": beat["low_water"]}, []])
+        if isinstance(beat.get("free_bytes"), int) and unit < len(self.units):
+            self.units[unit]["free_bytes"] = beat["free_bytes"]
+        expired = beat.get("expired")
+        if isinstance(expired, list) and expired:
+            led = self.ledgers[unit]
+            bids = [b for b in expired if isinstance(b, int) and 0 <= b < MAX_BLOCK_ID]
+            led.claims.extend(b for b in bids if b in led.pending)
+            refree = [b for b in bids if b in led.fenced]
+            if refree:  # fenced before, but the free did not reach it
+                self._send_to_unit(unit, "free_blocks", {"blocks": refree}, [])
+            self._fence(unit, [b for b in bids if b not in led.pending and b not in led.fenced])
+
+    def _raise_water(self, unit: int, low_water: int) -> bool:
+        led = self.ledgers[unit]
+        if low_water <= led.low_water:
+            return False
+        led.low_water = low_water
+        led.pending = {b: d for b, d in led.pending.items() if b >= low_water}
+        led.fenced = {b for b in led.fenced if b >= low_water}
+        return True
+
+    def _fence(self, unit: int, blocks: list[int]) -> None:
+        """Decide that these stored blocks of ``unit`` never become visible: remember it (journaled
+        first), then have the unit free them. A commit naming one later is refused."""
+        led = self.ledgers[unit]
+        blocks = [b for b in blocks if b not in led.pending and not led.settled(b)]
+        if not blocks or self._replaying:
+            return
+        led.fenced.update(blocks)
+        if self.journal is not None:
+            self.journal.append(["__fence__", {"unit": unit, "blocks": blocks}, []])
+        self._send_to_unit(unit, "free_blocks", {"blocks": blocks}, [])
+
+    def _resync(self, unit: int) -> None:
+        """Send the unit the whole list of what it must keep (and the blocks committed on it): covers
+        every free and claim it missed (down, restarted, or its queue was full)."""
+        rows = self._rows_on(unit)
+        led = self.ledgers[unit]
+        bufs: list[Any] = []
+        args = {"blocks": protocol.pack_array(rows[:, 0], bufs), "rows": protocol.pack_array(rows[:, 1], bufs),
+                "claimed": protocol.pack_array(np.array(sorted(led.pending), dtype=np.int64), bufs)}
+        led.resync = False
+        self._send_to_unit(unit, "retain", args, bufs)  # sets resync again if it could not go out
 
     def _unit_down_for(self, unit: int, now: float) -> float:
         """Seconds since the unit last answered, if that is past ``UNIT_TIMEOUT_S``; else 0."""
@@ -395,29 +523,44 @@ class Controller(RpcServer):
         return min(age, 1e9) if age > UNIT_TIMEOUT_S else 0.0
 
     def _reap_children(self) -> None:
-        """Storage units this controller started that died (e.g. SIGKILL): report them down at once and
-        restart them on their arena so they recover what they held; after 3 crashes within a minute,
-        give up and remove the arena."""
-        now = time.monotonic()
+        """Storage units this controller started that died (e.g. SIGKILL): see :meth:`_unit_died`."""
         for proc in [p for p in self.children if p.poll() is not None]:
             self.children.remove(proc)
             unit = next((u for u in self.units if u.get("pid") == proc.pid), None)
-            if unit is None:
-                continue  # died before registering; nothing to recover
+            if unit is not None:
+                self._unit_died(unit, f"(pid {proc.pid}) exited with code {proc.returncode}")
+
+    def _check_adopted_units(self) -> None:
+        """Units an earlier incarnation of this controller started (taken back from the journal) are
+        not our children, so their death is seen by polling their pid, once per heartbeat."""
+        children = {p.pid for p in self.children}
+        for unit in self.units:
             uid = unit["unit_id"]
-            log.error("storage unit %d (pid %d) exited with code %s", uid, proc.pid, proc.returncode)
-            self.unit_seen[uid] = float("-inf")
-            self._publish_status()
-            recent = [t for t in self._restarts.get(uid, []) if now - t < 60.0]
-            if self.restart_unit is not None and len(recent) < 3 and os.path.exists(unit["arena_path"]):
-                self._restarts[uid] = [*recent, now]
-                self.children.append(self.restart_unit(uid, unit["arena_path"]))
-                continue
-            for path in (unit["arena_path"], f"{unit['arena_path']}.journal"):
-                try:
-                    os.unlink(path)
-                except (OSError, TypeError):
-                    pass
+            if (unit.get("managed") and unit.get("host") == self.host and unit.get("pid") not in children
+                    and uid not in self._restarting and not _process_alive(unit.get("pid"))):
+                self._unit_died(unit, f"(pid {unit.get('pid')}) is gone")
+
+    def _unit_died(self, unit: dict, how: str) -> None:
+        """Report the unit down at once and restart it on its arena so it recovers what it held; after
+        3 crashes within a minute, give up and remove the arena."""
+        now = time.monotonic()
+        uid = unit["unit_id"]
+        log.error("storage unit %d %s", uid, how)
+        self.unit_seen[uid] = float("-inf")
+        self._publish_status()
+        recent = [t for t in self._restarts.get(uid, []) if now - t < 60.0]
+        if self.restart_unit is not None and len(recent) < 3 and os.path.exists(unit["arena_path"]):
+            self._restarts[uid] = [*recent, now]
+            proc = self.restart_unit(uid, unit["arena_path"])
+            self.children.append(proc)
+            self._restarting[uid] = proc
+            return
+        unit["managed"] = False  # given up: not restarted again
+        for path in (unit["arena_path"], f"{unit['arena_path']}.journal"):
+            try:
+                os.unlink(path)
+            except (OSError, TypeError):
+                pass
 
     def _heartbeat(self, now: float) -> None:
         if now < self._next_heartbeat:
@@ -425,14 +568,26 @@ class Controller(RpcServer):
         self._next_heartbeat = now + HEARTBEAT_S
         for unit in self.unit_socks:
             self._send_to_unit(unit, "ping", {}, [])
+        self._check_adopted_units()
+        for uid, proc in list(self._restarting.items()):
+            if proc.poll() is not None:  # died before it rejoined: the next check restarts it again
+                del self._restarting[uid]
         self._publish_status()  # renews the location tables' lease too
 
     def _send_to_unit(self, unit: int, op: str, args: dict, buffers: list) -> None:
+        """Fire and forget, never blocking: a unit that is gone or stalled must not stall this loop.
+        A dropped free or claim is not lost: the unit gets a ``retain`` once it answers again."""
         if self._replaying:
             return
         sock = self.unit_socks.get(unit)
-        if sock is not None:
-            sock.send_multipart(protocol.request(op, 0, args, buffers, self.secret))
+        if sock is None:
+            return
+        try:
+            sock.send_multipart(protocol.request(op, 0, args, buffers, self.secret), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            if op != "ping" and not self.ledgers[unit].resync:
+                log.warning("storage unit %d is not taking messages: its frees wait for it to answer again", unit)
+                self.ledgers[unit].resync = True
 
     @staticmethod
     def _held_rows(part: Partition, slots: np.ndarray) -> np.ndarray:
@@ -518,17 +673,98 @@ class Controller(RpcServer):
         return {"slot_table": part.table.incarnation, "slots": part.slots_of(keys).tolist()}
 
     def op_commit(self, args: dict, buffers: list, call: Call) -> dict:
-        """Make a stored block visible: new keys (``mode='put'``) or new fields of existing keys."""
-        part = self._partition(args)
+        """Make stored blocks visible: new keys (``mode='put'``) or new fields of existing keys.
+
+        ``blocks`` lists ``[unit, block, rows]`` parts covering the keys in order (one part unless the
+        put was split over units). Idempotent and fenced: a retry of an applied commit gets the first
+        answer again; a commit naming a block that was fenced or settled is refused with
+        :class:`FencedCommitError`; any other refusal fences the blocks (the unit frees them), so a
+        block is freed only on this controller's word and never while a key points at it."""
         keys = self._str_list(args, "keys")
+        parts = self._commit_parts(args, len(keys))
+        digest = self._commit_digest(args, keys)
+        known = [self._committed_as(u, b) for u, b, _ in parts]
+        if any(d is not None for d in known):
+            if all(d == digest for d in known):  # a retry of a commit already applied
+                return self._answer_again(args.get("partition"), keys)
+            raise InvalidRequestError("commit names a block already committed with other keys")
+        settled = [(u, b) for u, b, _ in parts if self.ledgers[u].settled(b)]
+        if settled:
+            raise FencedCommitError(
+                f"block {settled[0][1]} of storage unit {settled[0][0]} was reclaimed before this commit arrived "
+                "(its put timed out, was aborted or refused): nothing was made visible; put the data again")
+        try:
+            result = self._apply_commit(args, buffers, keys, parts)
+        except TQError:
+            for unit, block, _ in parts:  # this put will never land: its storage goes back now
+                self._fence(unit, [block])
+            raise
+        for unit, block, _ in parts:
+            self.ledgers[unit].pending[block] = digest
+            self.ledgers[unit].claims.append(block)
+            self.recent_commits[(unit, block)] = digest
+        while len(self.recent_commits) > RECENT_COMMITS:
+            self.recent_commits.popitem(last=False)
+        return result
+
+    def _commit_parts(self, args: dict, n_keys: int) -> list[tuple[int, int, int]]:
+        parts = args.get("blocks")
+        if not isinstance(parts, list) or not parts or not all(
+                isinstance(p, list) and len(p) == 3 and all(isinstance(v, int) and not isinstance(v, bool) for v in p) for p in parts):
+            raise InvalidRequestError("commit needs 'blocks': a non-empty list of [unit, block, rows]")
+        for unit, block, rows in parts:
+            if not 0 <= unit < len(self.units):
+                raise InvalidRequestError(f"commit names unknown storage unit {unit!r}")
+            if not 0 <= block < MAX_BLOCK_ID:
+                raise InvalidRequestError(f"commit names an invalid block id {block!r}")
+            if rows < 1:
+                raise InvalidRequestError(f"commit: block {block} holds {rows} rows")
+        if len({(u, b) for u, b, _ in parts}) != len(parts):
+            raise InvalidRequestError("commit names the same block twice")
+        if sum(r for _, _, r in parts) != n_keys:
+            raise InvalidRequestError(f"commit: the blocks hold {sum(r for _, _, r in parts)} rows for {n_keys} keys")
+        return [tuple(p) for p in parts]  # type: ignore[misc]
+
+    @staticmethod
+    def _commit_digest(args: dict, keys: list[str]) -> tuple:
+        """What identifies a commit across retries (stable across restarts: it is journaled)."""
+        h = hashlib.blake2b("\0".join(keys).encode(), digest_size=8).hexdigest()
+        return (str(args.get("partition")), str(args.get("mode")), h)
+
+    def _committed_as(self, unit: int, block: int) -> tuple | None:
+        return self.ledgers[unit].pending.get(block) or self.recent_commits.get((unit, block))
+
+    def _answer_again(self, pid: Any, keys: list[str]) -> dict:
+        part = self.partitions.get(pid) if isinstance(pid, str) else None
+        try:
+            refs = self._slot_refs(part, keys) if part is not None else {}
+        except KeyNotFoundError:  # discarded since: the commit did land, the keys are gone now
+            refs = {}
+        return {"keys": len(keys), "duplicate": True, **refs}
+
+    def op_abort_blocks(self, args: dict, buffers: list, call: Call) -> dict:
+        """A writer gives up on stored blocks (``[[unit, block], ...]``): each one not committed yet is
+        fenced and freed. Answers, per block, whether its commit had been applied - so a writer
+        whose commit reply was lost learns that its put did land."""
+        blocks = args.get("blocks")
+        if not isinstance(blocks, list) or not all(
+                isinstance(p, list) and len(p) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in p) for p in blocks):
+            raise InvalidRequestError("abort_blocks needs 'blocks': a list of [unit, block]")
+        committed = []
+        for unit, block in blocks:
+            if not (0 <= unit < len(self.units) and 0 <= block < MAX_BLOCK_ID):
+                raise InvalidRequestError(f"abort_blocks: no block {block!r} on storage unit {unit!r}")
+            committed.append(self._committed_as(unit, block) is not None)
+            if not committed[-1]:
+                self._fence(unit, [block])
+        return {"committed": committed}
+
+    def _apply_commit(self, args: dict, buffers: list, keys: list[str], parts: list[tuple[int, int, int]]) -> dict:
+        part = self._partition(args)
         self._unique(keys)
-        mode, unit, block = args.get("mode"), args.get("unit"), args.get("block")
+        mode = args.get("mode")
         if mode not in ("put", "write_back"):
             raise InvalidRequestError("commit mode must be 'put' or 'write_back'")
-        if not isinstance(unit, int) or not 0 <= unit < len(self.units):
-            raise InvalidRequestError(f"commit names unknown storage unit {unit!r}")
-        if not isinstance(block, int) or not 0 <= block < MAX_BLOCK_ID:
-            raise InvalidRequestError(f"commit names an invalid block id {block!r}")
         fields = args.get("fields")
         if not isinstance(fields, dict) or not fields:
             raise InvalidRequestError("commit needs a non-empty map of fields")
@@ -580,13 +816,21 @@ class Controller(RpcServer):
         released = self._overwritten_rows(part, slots, list(schemas)) if args.get("overwrite", False) else None
         for name in schemas:
             part.loc(name)  # a new field's column (may remap the table): before the records are written
+        if len(parts) == 1:
+            (unit, block, _), = parts
+            rows: Any = np.arange(len(keys))
+        else:
+            counts = [r for _, _, r in parts]
+            unit = np.repeat([u for u, _, _ in parts], counts)
+            block = np.repeat([b for _, b, _ in parts], counts)
+            rows = np.concatenate([np.arange(r) for r in counts])
         with part.table.writing():
             for name, schema in schemas.items():
                 part.schemas[name] = schema
                 loc = part.locs[name]
                 loc[slots, UNIT] = unit
                 loc[slots, BLOCK] = block
-                loc[slots, ROW] = np.arange(len(keys))
+                loc[slots, ROW] = rows
                 loc[slots, NBYTES] = nbytes[name]
                 loc[slots, OFFSET] = offsets[name]
         if released is not None:
@@ -739,6 +983,11 @@ class Controller(RpcServer):
         return min(times, default=None)
 
     def on_tick(self, now: float) -> None:
+        for unit, led in self.ledgers.items():
+            if led.claims:  # commits applied (and journaled) since the last tick: tell their units
+                bufs: list[Any] = []
+                self._send_to_unit(unit, "claim", {"blocks": protocol.pack_array(np.array(led.claims, dtype=np.int64), bufs)}, bufs)
+                led.claims = []
         self._heartbeat(now)
         self._reap_children()
         if self.units and self._down_units() != self._published_down:
@@ -856,6 +1105,7 @@ def serve(
     ready_file: str | None = None,
     state_dir: str | None = None,
     orphan_timeout_s: float = 60.0,
+    fsync: str = "never",
 ) -> None:
     """Run a controller and ``storage_units`` local storage-unit processes until shut down.
 
@@ -874,7 +1124,7 @@ def serve(
     from .server import check_bind_allowed
 
     check_bind_allowed(bind, secret)
-    ctrl = Controller(bind, secret=secret, expected_units=storage_units, state_dir=state_dir)
+    ctrl = Controller(bind, secret=secret, expected_units=storage_units, state_dir=state_dir, fsync=fsync)
     recovered = bool(ctrl.units)
     ctrl.stop_units_on_close = state_dir is not None  # they do not die with us: stop them on a clean exit
     host = unit_host or bind.split("://", 1)[1].rsplit(":", 1)[0]
@@ -884,8 +1134,8 @@ def serve(
     per_unit = capacity // max(storage_units, 1)
 
     def spawn(unit_id: int, recover_arena: str | None = None) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "tq.storage", "--unit-id", str(unit_id), "--bind", f"tcp://{host}:0",
-               "--controller", ctrl.address, "--capacity", str(per_unit), "--shm-dir", shm_dir]
+        cmd = [sys.executable, "-m", "tq.storage", "--unit-id", str(unit_id), "--bind", f"tcp://{host}:0", "--managed",
+               "--controller", ctrl.address, "--capacity", str(per_unit), "--shm-dir", shm_dir, "--fsync", fsync]
         if recover_arena is not None:
             cmd += ["--recover-arena", recover_arena, "--rejoin", str(unit_id)]
         if state_dir is not None:  # outlive a crashed controller until it comes back (or time runs out)
@@ -926,12 +1176,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shm-dir", default="/dev/shm")
     p.add_argument("--ready-file")
     p.add_argument("--state-dir", help="journal state here; a restart on the same address and dir recovers it")
+    p.add_argument("--fsync", choices=("never", "always", "interval"), default="never",
+                   help="journal fsync policy of the controller and its units (see tq.journal): 'never' survives "
+                        "process crashes, 'interval'/'always' also power loss of the journal (arenas live in tmpfs)")
     a = p.parse_args(argv)
     logging.basicConfig(level=os.environ.get("TQ_LOG_LEVEL", "WARNING"))
     secret = os.environ.get("TQ_SECRET")
     serve(
         f"tcp://{a.host}:{a.port}", storage_units=a.storage_units, capacity=a.capacity, shm_dir=a.shm_dir,
-        secret=secret.encode() if secret else None, ready_file=a.ready_file, state_dir=a.state_dir,
+        secret=secret.encode() if secret else None, ready_file=a.ready_file, state_dir=a.state_dir, fsync=a.fsync,
     )
 
 

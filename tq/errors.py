@@ -71,6 +71,11 @@ class AuthenticationError(TQError):
     """The request's signature is missing or wrong for the server's secret."""
 
 
+class ReplayError(AuthenticationError):
+    """A correctly signed request that is not fresh: already seen from its sender, or its timestamp is
+    outside the server's window (a replay, or clocks out of sync)."""
+
+
 class UnknownOperationError(TQError):
     """The server has no such operation."""
 
@@ -81,6 +86,11 @@ class CapacityError(TQError):
 
 class StorageUnitError(TQError):
     """A storage unit failed to serve data (e.g. it holds no such block)."""
+
+
+class FencedCommitError(TQError):
+    """A commit named a stored block the controller had already reclaimed (its put timed out or was
+    refused): nothing was made visible, and nothing will be - the put did not land."""
 
 
 # The wire names clients may re-raise; anything else becomes a plain TQError.
@@ -101,8 +111,10 @@ ERROR_TYPES: dict[str, type[TQError]] = {
         MessageTooLargeError,
         ProtocolVersionError,
         AuthenticationError,
+        ReplayError,
         UnknownOperationError,
         CapacityError,
         StorageUnitError,
+        FencedCommitError,
     )
 }

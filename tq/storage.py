@@ -34,6 +34,10 @@ from .schema import JAGGED, TENSOR, FieldSchema
 log = logging.getLogger(__name__)
 
 DEFAULT_ALLOC_LEASE_S = 600.0
+# A stored block waits this long for the controller to claim it (its put committed) before the unit
+# asks the controller to resolve it: claim it, or fence it and have it freed. Never freed unasked.
+DEFAULT_COMMIT_LEASE_S = 30.0
+MAX_EXPIRED_REPORT = 4096  # tentative blocks reported per heartbeat reply
 
 
 @dataclass
@@ -50,6 +54,9 @@ class Block:
     fields: dict[str, FieldLayout]
     live: np.ndarray  # bool [n_rows]
     n_live: int
+    # False until the controller claims the block (its commit was applied): a tentative block is
+    # freed only when the controller says so, since a commit naming it may still be on its way
+    claimed: bool = True
 
 
 def _is_count(value: Any) -> bool:
@@ -86,12 +93,18 @@ class StorageUnit(RpcServer):
         alloc_lease_s: float = DEFAULT_ALLOC_LEASE_S,
         recover_arena: str | None = None,
         orphan_timeout_s: float | None = None,
+        commit_lease_s: float = DEFAULT_COMMIT_LEASE_S,
+        fsync: str = "never",
+        managed: bool = False,
     ) -> None:
         super().__init__(f"storage unit {unit_id}", bind, secret=secret, max_message_bytes=max_message_bytes)
         self.orphan_timeout_s = orphan_timeout_s  # stop after this long without a controller heartbeat
         self._last_ping = time.monotonic()
         self.unit_id = unit_id
         self.blocks: dict[int, Block] = {}
+        self.tentative: dict[int, float] = {}  # block id -> when to ask the controller to resolve it
+        self.commit_lease_s = commit_lease_s
+        self.managed = managed  # started by the controller, which restarts it if it dies
         self._next_id = 1
         if recover_arena is None:
             check_shm_room(shm_dir, capacity)
@@ -101,7 +114,7 @@ class StorageUnit(RpcServer):
             self.arena = Arena(recover_arena, os.path.getsize(recover_arena), create=False)
             self.alloc = RangeAllocator(self.arena.size)
             self._replay(recover_arena + ".journal")
-        self.journal = Journal(self.arena.path + ".journal")
+        self.journal = Journal(self.arena.path + ".journal", fsync=fsync)
         self.pending: dict[int, tuple[int, int, float]] = {}  # alloc id -> (start, size, expiry)
         self.parked: list[tuple[Any, dict, list, Call, float]] = []  # writes waiting for room
         self.alloc_lease_s = alloc_lease_s
@@ -116,6 +129,7 @@ class StorageUnit(RpcServer):
             free_rows=self.op_free_rows,
             free_blocks=self.op_free_blocks,
             retain=self.op_retain,
+            claim=self.op_claim,
             trim=self.op_trim,
             stats=lambda a, b, c: self.stats(),
             shutdown=self.op_shutdown,
@@ -129,6 +143,7 @@ class StorageUnit(RpcServer):
             "arena_path": self.arena.path,
             "arena_size": self.arena.size,
             "pid": os.getpid(),
+            "managed": self.managed,
         }
 
     # -- helpers
@@ -137,8 +152,17 @@ class StorageUnit(RpcServer):
         return self._next_id - 1
 
     def op_ping(self, args: dict, buffers: list, call: Call) -> dict:
-        self._last_ping = time.monotonic()  # only the controller pings: its heartbeat
-        return {"unit_id": self.unit_id}
+        """The controller's heartbeat. The reply says which blocks are settled (every id below
+        ``low_water`` is claimed or freed), which tentative blocks waited past their lease for a
+        claim (the controller claims or fences each) and the free bytes (placement by free space)."""
+        now = self._last_ping = time.monotonic()  # only the controller pings: its heartbeat
+        expired = [bid for bid, exp in self.tentative.items() if exp <= now][:MAX_EXPIRED_REPORT]
+        return {"unit_id": self.unit_id, "low_water": self.low_water(), "expired": expired,
+                "free_bytes": self.arena.size - self.alloc.used}
+
+    def low_water(self) -> int:
+        """The lowest block id still waiting for its claim (every lower id is settled)."""
+        return min(self.tentative, default=self._next_id)
 
     def next_deadline(self) -> float | None:
         times = [exp for _, _, exp in self.pending.values()] + [p[4] for p in self.parked]
@@ -267,7 +291,9 @@ class StorageUnit(RpcServer):
         if n_rows == 0:
             self.alloc.free(start, size)
         else:
+            block.claimed = False
             self.blocks[bid] = block
+            self.tentative[bid] = time.monotonic() + self.commit_lease_s
             self.journal.append(self._store_record(bid, block))
         self.bytes_stored += rel
         return {"block": bid, "nbytes": {n: int(ro[-1]) for n, _, _, ro, _ in layouts},
@@ -341,6 +367,7 @@ class StorageUnit(RpcServer):
 
     def _free_block(self, bid: int) -> None:
         block = self.blocks.pop(bid, None)
+        self.tentative.pop(bid, None)
         if block is not None:
             self.alloc.free(block.start, block.size)
             self.journal.append(["F", bid])
@@ -352,39 +379,71 @@ class StorageUnit(RpcServer):
     def _store_record(bid: int, block: Block) -> list:
         fields = [[n, lay.schema.to_wire(), lay.start, lay.row_offsets.tobytes()] for n, lay in block.fields.items()]
         dead = np.flatnonzero(~block.live).astype(np.int64).tobytes()
-        return ["S", bid, block.start, block.size, int(block.live.size), fields, dead]
+        return ["S", bid, block.start, block.size, int(block.live.size), fields, dead, block.claimed]
 
     def _replay(self, path: str) -> None:
+        """Rebuild the blocks from the journal: stores ("S"), claims ("C"), partial ("R") and whole
+        ("F") frees, and the next block id ("N", so ids are never reused after a compaction)."""
         for rec in Journal.replay(path):
             kind, bid = rec[0], rec[1]
             if kind == "S":
-                _, _, start, size, n_rows, fields, dead = rec
+                _, _, start, size, n_rows, fields, dead, claimed = rec
                 live = np.ones(n_rows, dtype=bool)
                 live[np.frombuffer(dead, dtype=np.int64)] = False
                 lays = {n: FieldLayout(FieldSchema.from_wire(w), fs, np.frombuffer(ro, dtype=np.int64).copy()) for n, w, fs, ro in fields}
-                self.blocks[bid] = Block(start, size, lays, live, int(live.sum()))
+                self.blocks[bid] = Block(start, size, lays, live, int(live.sum()), claimed)
             elif kind == "F":
                 self.blocks.pop(bid, None)
             elif kind == "R" and bid in self.blocks:
                 b = self.blocks[bid]
                 b.live[np.frombuffer(rec[2], dtype=np.int64)] = False
                 b.n_live = int(b.live.sum())
+            elif kind == "C":
+                for b in np.frombuffer(rec[2], dtype=np.int64).tolist():
+                    if b in self.blocks:
+                        self.blocks[b].claimed = True
             self._next_id = max(self._next_id, bid + 1)
+        expires = time.monotonic() + self.commit_lease_s  # a fresh lease: the controller may be back too
+        self.tentative = {bid: expires for bid, b in self.blocks.items() if not b.claimed}
         for b in self.blocks.values():
             self.alloc.reserve(b.start, b.size)
-        log.warning("storage unit %d recovered %d blocks from %s", self.unit_id, len(self.blocks), path)
+        log.warning("storage unit %d recovered %d blocks (%d awaiting their claim) from %s", self.unit_id, len(self.blocks),
+                    len(self.tentative), path)
 
     def _maybe_compact(self) -> None:
         if self.journal.appended > 4 * len(self.blocks) + 1024:
-            self.journal.rewrite(self._store_record(bid, b) for bid, b in self.blocks.items())
+            self.journal.rewrite([["N", self._next_id - 1], *(self._store_record(bid, b) for bid, b in self.blocks.items())])
+
+    def _claim(self, bids: list[int]) -> None:
+        claimed = [b for b in bids if b in self.tentative]
+        for b in claimed:
+            del self.tentative[b]
+            self.blocks[b].claimed = True
+        if claimed:
+            self.journal.append(["C", 0, np.asarray(claimed, dtype=np.int64).tobytes()])
+
+    def op_claim(self, args: dict, buffers: list, call: Call) -> dict:
+        """The controller applied the commits of these blocks: they are settled (freed only by row)."""
+        bids = protocol.unpack_array(args.get("blocks"), buffers, name="claim.blocks", dtype="<i8")
+        if bids.ndim != 1:
+            raise InvalidRequestError("claim needs a 1-d array of block ids")
+        self._claim(bids.tolist())
+        return {"claimed": int(bids.size)}
 
     def op_retain(self, args: dict, buffers: list, call: Call) -> dict:
-        """Keep only the listed (block, row) pairs: after a restart the controller lists what it still
-        references, and anything freed while this unit was down is freed here too."""
+        """Keep only the listed (block, row) pairs of settled blocks: after a restart, or after frees it
+        could not send, the controller lists what it still references (and, in ``claimed``, the blocks
+        it committed), and anything freed meanwhile is freed here too. Blocks still waiting for their
+        claim are left alone: a commit naming one may still arrive."""
         blocks, rows = self._rows_of(args, buffers, "retain")
+        if args.get("claimed") is not None:
+            claimed = protocol.unpack_array(args.get("claimed"), buffers, name="retain.claimed", dtype="<i8")
+            self._claim(claimed.ravel().tolist())
         freed = 0
         for bid in list(self.blocks):
             block = self.blocks[bid]
+            if not block.claimed:
+                continue
             keep = np.zeros(block.live.size, dtype=bool)
             r = rows[blocks == bid]
             keep[r[(r >= 0) & (r < keep.size)]] = True
@@ -405,6 +464,7 @@ class StorageUnit(RpcServer):
             block = self.blocks.get(bid)
             if block is None:
                 continue
+            self._claim([bid])  # the controller frees rows only of blocks it committed
             r = rows[blocks == bid]
             r = r[(r >= 0) & (r < block.live.size)]
             block.live[r] = False
@@ -417,6 +477,7 @@ class StorageUnit(RpcServer):
         return {"blocks_freed": freed}
 
     def op_free_blocks(self, args: dict, buffers: list, call: Call) -> dict:
+        """Free whole blocks (the controller fenced them: no commit of theirs will ever be applied)."""
         bids = args.get("blocks")
         if not isinstance(bids, list):
             raise InvalidRequestError("free_blocks needs a list of block ids")
@@ -447,6 +508,7 @@ class StorageUnit(RpcServer):
             "bytes_stored_total": self.bytes_stored,
             "bytes_served_total": self.bytes_served,
             "pending_allocs": len(self.pending),
+            "tentative_blocks": len(self.tentative),
             "parked_writes": len(self.parked),
         }
 
@@ -471,6 +533,9 @@ def run_storage_unit(
     recover_arena: str | None = None,
     rejoin: int | None = None,
     orphan_timeout_s: float | None = None,
+    commit_lease_s: float = DEFAULT_COMMIT_LEASE_S,
+    fsync: str = "never",
+    managed: bool = False,
 ) -> None:
     """Start a unit, register it with the controller at ``controller`` and serve until shut down.
 
@@ -480,7 +545,8 @@ def run_storage_unit(
     cleaning its arena up, when that pipe reaches EOF: the launcher closed it or died, however it died.
     """
     unit = StorageUnit(unit_id, bind, capacity=capacity, shm_dir=shm_dir, secret=secret,
-                       max_message_bytes=max_message_bytes, recover_arena=recover_arena, orphan_timeout_s=orphan_timeout_s)
+                       max_message_bytes=max_message_bytes, recover_arena=recover_arena, orphan_timeout_s=orphan_timeout_s,
+                       commit_lease_s=commit_lease_s, fsync=fsync, managed=managed)
     served = threading.Event()
     if watch_fd is not None:
         def watch() -> None:
@@ -533,6 +599,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--recover-arena", help="restart after a crash: reopen this arena and replay its journal")
     p.add_argument("--rejoin", type=int, help="take over this unit id at the controller (with --recover-arena)")
     p.add_argument("--orphan-timeout", type=float, help="stop after this many seconds without a controller heartbeat")
+    p.add_argument("--commit-lease", type=float, default=DEFAULT_COMMIT_LEASE_S,
+                   help="seconds a stored block waits for its commit before the controller is asked to resolve it")
+    p.add_argument("--fsync", choices=("never", "always", "interval"), default="never", help="journal fsync policy")
+    p.add_argument("--managed", action="store_true", help="started by the controller, which restarts it on its arena if it dies")
     a = p.parse_args(argv)
     secret = os.environ.get("TQ_SECRET")
     logging.basicConfig(level=os.environ.get("TQ_LOG_LEVEL", "WARNING"))
@@ -540,6 +610,7 @@ def main(argv: list[str] | None = None) -> None:
         a.unit_id, a.bind, a.controller, capacity=a.capacity, shm_dir=a.shm_dir,
         secret=secret.encode() if secret else None, max_message_bytes=a.max_message_bytes, ready_file=a.ready_file,
         watch_fd=a.watch_fd, recover_arena=a.recover_arena, rejoin=a.rejoin, orphan_timeout_s=a.orphan_timeout,
+        commit_lease_s=a.commit_lease, fsync=a.fsync, managed=a.managed,
     )
 
 

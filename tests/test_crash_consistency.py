@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from conftest import wait_until
-from tq import KVBatchMeta, TQClient, TQServer
+from tq import TQClient, TQServer, protocol
 from tq.errors import KeyNotFoundError, StorageUnitError, TQConnectionError, TQError
 
 
@@ -189,3 +189,70 @@ def test_unit_gone_for_good_never_freezes_the_controller_and_its_frees_are_kept(
             for path in (info["arena_path"], info["arena_path"] + ".journal"):
                 if os.path.exists(path):
                     os.unlink(path)
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_put_goes_where_there_is_room_and_splits_when_no_unit_has_enough(transport):
+    """Two 1 MiB units. Puts never fail while some unit has room for them (before: round robin sent
+    a put to the full unit and it failed while the other was empty), and a batch that no single unit
+    can hold is split over both and committed at once - every key readable, bit-exact."""
+    with TQServer(storage_units=2, capacity=2 << 20) as server:
+        c = TQClient(server.address, timeout=10.0, transport=transport)
+        try:
+            c.register_partition("p")
+            row = 100 << 10  # 100 KiB rows
+            data = {}
+            for i in range(6):  # 6 x 300 KiB: at most 3 fit one unit, so a blind round robin fails
+                keys = [f"a{i}_{j}" for j in range(3)]
+                data[tuple(keys)] = torch.randint(0, 255, (3, row), dtype=torch.uint8)
+                c.put("p", keys, {"x": data[tuple(keys)]})
+            c.discard(c.get_meta("p", ["a0_0", "a0_1", "a0_2", "a1_0", "a1_1", "a1_2"]))  # ~300 KiB free per unit
+            del data[("a0_0", "a0_1", "a0_2")], data[("a1_0", "a1_1", "a1_2")]
+            keys = [f"big{j}" for j in range(5)]  # 500 KiB: fits neither unit alone
+            data[tuple(keys)] = torch.randint(0, 255, (5, row), dtype=torch.uint8)
+            c.put("p", keys, {"x": data[tuple(keys)]})
+            located, msg = c._ctrl.call("locate", {"partition": "p", "keys": keys, "fields": ["x"]})
+            assert set(protocol.unpack_array(located["loc"], msg.buffers)[0, :, 0].tolist()) == {0, 1}  # split
+            for keys, want in data.items():
+                assert torch.equal(c.get(c.get_meta("p", list(keys)), ["x"])["x"], want)
+            c.clear_partition("p")
+            assert wait_until(lambda: all(u.get("bytes_used") == 0 for u in c.stats()["unit_stats"]), timeout=10)
+        finally:
+            c.close()
+
+
+@pytest.mark.parametrize("column", ["sparse", "sparse-row", "meta", "meta-row"])
+def test_unsupported_tensors_raise_a_tq_error_naming_the_field(client, partition, column):
+    """Sparse and meta-device tensors (a whole column or one row of a jagged list) are refused with
+    InvalidRequestError naming the field - before, torch's NotImplementedError/RuntimeError leaked."""
+    from tq.errors import InvalidRequestError
+
+    value = {"sparse": torch.randn(2, 3).to_sparse(), "meta": torch.empty(2, 3, device="meta"),
+             "sparse-row": [torch.randn(3), torch.randn(2).to_sparse()],
+             "meta-row": [torch.randn(3), torch.empty(2, device="meta")]}[column]
+    with pytest.raises(InvalidRequestError, match=r"field 'odd'"):
+        client.put(partition, ["a", "b"], {"ok": torch.ones(2), "odd": value})
+    assert client.get_meta(partition).keys == ()
+
+
+def test_status_right_after_a_unit_dies_shows_it_down():
+    """`tq-controller status` in the seconds after a storage unit is killed (before the controller's
+    heartbeat marks it down) prints the unit as down instead of failing."""
+    with TQServer(storage_units=2, capacity=8 << 20) as server:
+        c = TQClient(server.address, timeout=10.0)
+        try:
+            victim = c.stats()["units"][1]
+            os.kill(victim["pid"], signal.SIGSTOP)  # silent, not yet reported down (its process lives)
+            try:
+                t0 = time.monotonic()
+                out = subprocess.run([sys.executable, "-m", "tq.cli", "status", "--json", "--address", server.address],
+                                     capture_output=True, text=True, timeout=30)
+                assert out.returncode == 0, out.stderr
+                assert time.monotonic() - t0 < 8
+                stats = json.loads(out.stdout)
+                shown = {u["unit_id"]: u for u in stats["unit_stats"]}
+                assert shown[1]["alive"] is False and shown[0].get("blocks") is not None
+            finally:
+                os.kill(victim["pid"], signal.SIGCONT)
+        finally:
+            c.close()

@@ -84,6 +84,10 @@ class RangeAllocator:
             self._sizes[i - 1] += self._sizes.pop(i)
             self._starts.pop(i)
 
+    def largest_free(self) -> int:
+        """Bytes of the largest free range: the biggest allocation that can succeed now."""
+        return max(self._sizes, default=0)
+
     def free_ranges(self) -> list[tuple[int, int]]:
         return list(zip(self._starts, self._sizes))
 

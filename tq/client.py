@@ -446,8 +446,7 @@ class TQClient:
         except CapacityError as exc:
             if not getattr(exc, "retryable", True) and len(self._units) < 2:
                 raise
-            self._refresh_units()  # fresh free-space figures (each unit reports them every heartbeat)
-            plan = self._split_plan(encoded, n)
+            plan = self._split_plan(encoded, n, self._units_room())
             if plan is None:
                 raise
         parts: list[_StoredPart] = []
@@ -475,27 +474,44 @@ class TQClient:
         return align_up(max(pos, 1), ALIGN)
 
     def _free_bytes(self, unit: int) -> int:
+        """The largest write ``unit`` had room for at its last heartbeat (its arena size before one)."""
         free = self._units[unit].get("free_bytes")
         return free if isinstance(free, int) else self._units[unit]["arena_size"]
 
-    def _split_plan(self, encoded: dict[str, EncodedColumn], n: int) -> list[tuple[int, int, int]] | None:
-        """Row ranges ``(unit, start, stop)`` that fit the units' free space, fullest fit first (the
-        units with most room, same-host ones before others at equal room); None if they cannot."""
-        down = {u["unit_id"] for u in self._units if u.get("alive") is False}
-        units = sorted((u["unit_id"] for u in self._units if u["unit_id"] not in down),
-                       key=lambda u: (-self._free_bytes(u), not self._is_local(u)))
+    def _units_room(self) -> dict[int, int]:
+        """The largest write each answering unit has room for now, asked of all units at once."""
+        self._refresh_units()
+        timeout = min(self.timeout, UNIT_STATS_TIMEOUT_S)
+        asked = []
+        for u in self._units:
+            try:
+                asked.append((u["unit_id"], self._unit_chans[u["unit_id"]].send("stats", {}, timeout=timeout)))
+            except TQConnectionError:
+                pass
+        room = {}
+        for unit, rid in asked:
+            try:
+                room[unit] = int(self._unit_chans[unit].recv(rid, "stats", timeout=timeout)[0]["largest_free_bytes"])
+            except (TQConnectionError, KeyError, TypeError, ValueError):
+                pass
+        return room
+
+    def _split_plan(self, encoded: dict[str, EncodedColumn], n: int, room: dict[int, int]) -> list[tuple[int, int, int]] | None:
+        """Row ranges ``(unit, start, stop)`` that fit the units' ``room``, the units with most room
+        first (same-host ones before others at equal room); None if they cannot hold the rows."""
+        units = sorted(room, key=lambda u: (-room[u], not self._is_local(u)))
         row_bytes = sum(np.diff(c.row_offsets) for c in encoded.values())
         cum = np.concatenate([[0], np.cumsum(row_bytes)])
-        overhead = len(encoded) * _FIELD_ALIGN + ALIGN  # per part: field alignment and the page it rounds to
         plan, start = [], 0
         for unit in units:
             if start == n:
                 break
-            room = self._free_bytes(unit) - overhead
-            stop = int(np.searchsorted(cum, cum[start] + room, side="right")) - 1
+            stop = min(int(np.searchsorted(cum, cum[start] + room[unit], side="right")) - 1, n)  # payload bound
+            while stop > start and self._stored_bytes(encoded, start, stop) > room[unit]:  # then alignment
+                stop -= 1
             if stop > start:
-                plan.append((unit, start, min(stop, n)))
-                start = min(stop, n)
+                plan.append((unit, start, stop))
+                start = stop
         return plan if start == n else None
 
     def _store(self, unit: int, encoded: dict[str, EncodedColumn], start: int, stop: int) -> _StoredPart:

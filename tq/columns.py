@@ -45,7 +45,17 @@ class EncodedColumn:
         return int(self.row_offsets[-1])
 
 
+def _check_storable(t: torch.Tensor, field: str) -> None:
+    """Only dense tensors holding data can be stored: say so, naming the field, before anything else
+    (torch would fail later with NotImplementedError or RuntimeError)."""
+    if t.layout != torch.strided:
+        raise InvalidRequestError(f"field {field!r}: {t.layout} tensors cannot be stored; pass a dense tensor (.to_dense())")
+    if t.device.type == "meta":
+        raise InvalidRequestError(f"field {field!r}: a tensor on the meta device has no data to store")
+
+
 def _dtype_name(t: torch.Tensor, field: str) -> str:
+    _check_storable(t, field)
     name = DTYPE_NAMES.get(t.dtype)
     if name is None:
         raise InvalidRequestError(f"field {field!r}: dtype {t.dtype} is not supported; use one of {sorted(DTYPES)}")
@@ -97,6 +107,7 @@ def encode_column(field: str, value: Any, n_rows: int) -> EncodedColumn:
             return encode_column(field, torch.stack(list(value)), n_rows)
         dtype, trailing = first.dtype, tuple(first.shape[1:])
         for i, v in enumerate(value):
+            _check_storable(v, field)
             if v.dtype != dtype or v.dim() == 0 or tuple(v.shape[1:]) != trailing:
                 raise SchemaConflictError(
                     f"field {field!r}: row {i} is {v.dtype}{tuple(v.shape)}, row 0 is {dtype}{tuple(first.shape)}"

@@ -115,6 +115,8 @@ class StorageUnit(RpcServer):
             self.alloc = RangeAllocator(self.arena.size)
             self._replay(recover_arena + ".journal")
         self.journal = Journal(self.arena.path + ".journal", fsync=fsync)
+        if self.journal.truncated_bytes:
+            log.warning("storage unit %d: dropped a torn journal tail of %d bytes", unit_id, self.journal.truncated_bytes)
         self.pending: dict[int, tuple[int, int, float]] = {}  # alloc id -> (start, size, expiry)
         self.parked: list[tuple[Any, dict, list, Call, float]] = []  # writes waiting for room
         self.alloc_lease_s = alloc_lease_s
@@ -158,7 +160,7 @@ class StorageUnit(RpcServer):
         now = self._last_ping = time.monotonic()  # only the controller pings: its heartbeat
         expired = [bid for bid, exp in self.tentative.items() if exp <= now][:MAX_EXPIRED_REPORT]
         return {"unit_id": self.unit_id, "low_water": self.low_water(), "expired": expired,
-                "free_bytes": self.arena.size - self.alloc.used}
+                "free_bytes": self.alloc.largest_free()}
 
     def low_water(self) -> int:
         """The lowest block id still waiting for its claim (every lower id is settled)."""
@@ -504,6 +506,7 @@ class StorageUnit(RpcServer):
             **self.server_stats(),
             "blocks": len(self.blocks),
             "bytes_used": self.alloc.used,
+            "largest_free_bytes": self.alloc.largest_free(),
             "bytes_live": int(sum(int(b.fields[f].row_offsets[-1]) for b in self.blocks.values() for f in b.fields)),
             "bytes_stored_total": self.bytes_stored,
             "bytes_served_total": self.bytes_served,

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -254,5 +255,61 @@ def test_status_right_after_a_unit_dies_shows_it_down():
                 assert shown[1]["alive"] is False and shown[0].get("blocks") is not None
             finally:
                 os.kill(victim["pid"], signal.SIGCONT)
+        finally:
+            c.close()
+
+
+def test_block_never_committed_is_reclaimed_after_its_lease_and_a_late_commit_is_refused():
+    """A writer that stored a block and died before committing it: after the commit lease the unit
+    asks the controller, which fences the block and has it freed (nothing else frees it); a commit
+    naming it that arrives later is refused with FencedCommitError and makes nothing visible. A block
+    committed meanwhile is claimed, not reclaimed, and a retried commit of it is answered again."""
+    from tq.errors import FencedCommitError
+
+    with TQServer(storage_units=1, capacity=8 << 20, commit_lease_s=1.0) as server:
+        c = TQClient(server.address, timeout=10.0, transport="tcp")
+        try:
+            c.register_partition("p")
+            unit = c._unit_chans[0]
+            bufs: list = []
+            spec = {"schema": ["tensor", "int64", []], "row_offsets": protocol.pack_array(np.array([0, 8], dtype=np.int64), bufs),
+                    "data": protocol.pack_array(np.arange(1, dtype=np.int64).view(np.uint8), bufs)}
+            stored, _ = unit.call("store", {"n_rows": 1, "fields": {"x": spec}}, bufs)  # then the writer "dies"
+            kept = c.put("p", ["kept"], {"x": torch.tensor([5])})
+            assert c.stats()["unit_stats"][0]["tentative_blocks"] == 1
+            assert wait_until(lambda: c.stats()["unit_stats"][0]["tentative_blocks"] == 0, timeout=10)
+            cbufs: list = []
+            commit = {"partition": "p", "keys": ["late"], "mode": "put", "blocks": [[0, stored["block"], 1]],
+                      "fields": {"x": {"schema": ["tensor", "int64", []],
+                                       "row_nbytes": protocol.pack_array(np.array([8], dtype=np.int64), cbufs),
+                                       "arena_offsets": protocol.pack_array(np.array([stored["starts"]["x"]], dtype=np.int64), cbufs)}}}
+            with pytest.raises(FencedCommitError, match=f"block {stored['block']} of storage unit 0 was reclaimed"):
+                c._ctrl.call("commit", commit, cbufs)
+            with pytest.raises(KeyNotFoundError):
+                c.get_meta("p", ["late"])
+            assert torch.equal(c.get(kept, ["x"])["x"], torch.tensor([5]))  # claimed: not reclaimed
+
+            # A commit retried as a client whose reply was lost would: answered again, applied once,
+            # and never resurrecting its keys once they were discarded.
+            bufs = []
+            spec["row_offsets"] = protocol.pack_array(np.array([0, 8], dtype=np.int64), bufs)
+            spec["data"] = protocol.pack_array(np.array([42], dtype=np.int64).view(np.uint8), bufs)
+            stored, _ = unit.call("store", {"n_rows": 1, "fields": {"x": spec}}, bufs)
+            commit["keys"], commit["blocks"] = ["twice"], [[0, stored["block"], 1]]
+            cbufs = []
+            commit["fields"]["x"]["row_nbytes"] = protocol.pack_array(np.array([8], dtype=np.int64), cbufs)
+            commit["fields"]["x"]["arena_offsets"] = protocol.pack_array(np.array([stored["starts"]["x"]], dtype=np.int64), cbufs)
+            first, _ = c._ctrl.call("commit", commit, cbufs)
+            again, _ = c._ctrl.call("commit", commit, cbufs)
+            assert "duplicate" not in first and again["duplicate"] is True
+            meta = c.get_meta("p", ["twice"])
+            assert torch.equal(c.get(meta, ["x"])["x"], torch.tensor([42]))
+            c.discard(meta)
+            time.sleep(1.5)  # the block is freed and settled at the unit
+            late, _ = c._ctrl.call("commit", commit, cbufs)
+            assert late["duplicate"] is True
+            with pytest.raises(KeyNotFoundError):
+                c.get_meta("p", ["twice"])
+            assert c.stats()["unit_stats"][0]["blocks"] == 1  # only 'kept'
         finally:
             c.close()

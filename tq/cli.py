@@ -2,7 +2,7 @@
 
 ::
 
-    tq-controller start [--host 127.0.0.1] [--port 0] [--storage-units 1] [--capacity 4G] [--journal-dir DIR] [--foreground]
+    tq-controller start [--host 127.0.0.1] [--port 0] [--storage-units 1] [--capacity 4G] [--journal-dir DIR] [--fsync never|interval|always] [--foreground]
     tq-controller status [--json]
     tq-controller stop
 
@@ -266,6 +266,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "tq.controller", "--host", args.host, "--port", str(args.port),
            "--storage-units", str(args.storage_units), "--capacity", str(args.capacity),
            "--shm-dir", args.shm_dir, "--ready-file", ready_file]
+    cmd += ["--fsync", args.fsync]
     if args.journal_dir:
         cmd += ["--state-dir", args.journal_dir]
     # Children must find this package even when it is not installed (run from a source checkout).
@@ -460,6 +461,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--foreground", action="store_true", help="stay attached and stop the service on Ctrl-C")
     s.add_argument("--journal-dir", help="journal the controller's state here: started again on the same --port and "
                    "--journal-dir after a crash, it recovers partitions and keys and takes its storage units back")
+    s.add_argument("--fsync", choices=("never", "always", "interval"), default="never",
+                   help="when journals reach the disk: 'never' (the OS page cache: survives any process crash, "
+                        "which is what matters while the data itself lives in tmpfs), 'interval' (fsync about "
+                        "once a second) or 'always' (fsync every record)")
     common(s)
     s.set_defaults(func=cmd_start)
 

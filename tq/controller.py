@@ -1106,6 +1106,7 @@ def serve(
     state_dir: str | None = None,
     orphan_timeout_s: float = 60.0,
     fsync: str = "never",
+    commit_lease_s: float | None = None,
 ) -> None:
     """Run a controller and ``storage_units`` local storage-unit processes until shut down.
 
@@ -1136,6 +1137,8 @@ def serve(
     def spawn(unit_id: int, recover_arena: str | None = None) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "tq.storage", "--unit-id", str(unit_id), "--bind", f"tcp://{host}:0", "--managed",
                "--controller", ctrl.address, "--capacity", str(per_unit), "--shm-dir", shm_dir, "--fsync", fsync]
+        if commit_lease_s is not None:
+            cmd += ["--commit-lease", str(commit_lease_s)]
         if recover_arena is not None:
             cmd += ["--recover-arena", recover_arena, "--rejoin", str(unit_id)]
         if state_dir is not None:  # outlive a crashed controller until it comes back (or time runs out)
@@ -1179,12 +1182,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fsync", choices=("never", "always", "interval"), default="never",
                    help="journal fsync policy of the controller and its units (see tq.journal): 'never' survives "
                         "process crashes, 'interval'/'always' also power loss of the journal (arenas live in tmpfs)")
+    p.add_argument("--commit-lease", type=float, help="seconds a stored block waits for its commit before its storage "
+                   "unit asks for it to be resolved (claimed or reclaimed); default 30")
     a = p.parse_args(argv)
     logging.basicConfig(level=os.environ.get("TQ_LOG_LEVEL", "WARNING"))
     secret = os.environ.get("TQ_SECRET")
     serve(
         f"tcp://{a.host}:{a.port}", storage_units=a.storage_units, capacity=a.capacity, shm_dir=a.shm_dir,
         secret=secret.encode() if secret else None, ready_file=a.ready_file, state_dir=a.state_dir, fsync=a.fsync,
+        commit_lease_s=a.commit_lease,
     )
 
 

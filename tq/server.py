@@ -56,6 +56,8 @@ class TQServer:
         secret: str | None = None,
         start_timeout: float = 60.0,
         state_dir: str | None = None,
+        fsync: str = "never",
+        commit_lease_s: float | None = None,
     ) -> None:
         check_bind_allowed(f"tcp://{host}:{port}", secret.encode() if secret else None)
         self.secret = secret
@@ -68,7 +70,8 @@ class TQServer:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tq.controller", "--host", host, "--port", str(port),
              "--storage-units", str(storage_units), "--capacity", str(capacity), "--shm-dir", shm_dir,
-             "--ready-file", self._ready_file, *(["--state-dir", state_dir] if state_dir else [])],
+             "--ready-file", self._ready_file, "--fsync", fsync, *(["--state-dir", state_dir] if state_dir else []),
+             *(["--commit-lease", str(commit_lease_s)] if commit_lease_s is not None else [])],
             env=env,
             stdout=subprocess.DEVNULL,
         )

@@ -25,6 +25,7 @@ import zmq
 from conftest import unique_keys, wait_until
 from tq import JaggedTensor, KVBatchMeta, TQClient, TQServer, protocol
 from tq.locations import ALIVE_S, H_ALIVE_UNTIL
+from tq.rpc import set_client_credentials
 from tq.errors import (
     StorageUnitError,
     AuthenticationError,
@@ -347,9 +348,11 @@ HOSTILE = {
 
 
 def _raw_exchange(address: str, frames: list, *, secret: bytes | None = None, timeout: float = 5.0):
-    """Send raw frames from a fresh DEALER; return the decoded reply (or None if none came)."""
+    """Send raw frames from a fresh DEALER (connecting with the credentials of the server's ``secret``);
+    return the decoded reply (or None if none came)."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    set_client_credentials(sock, secret)
     try:
         sock.connect(address)
         sock.send_multipart(frames)

@@ -11,12 +11,28 @@ under the shared secret (empty when the service runs without one); since the hea
 buffer's size, a truncated or padded message is caught too. Bulk data (tensor bytes, index arrays)
 travels only in buffer frames, referenced from ``args`` as ``{"b": index, "d": dtype, "s": shape}``,
 so it is never copied through msgpack and can be sent and received zero-copy.
+
+With a secret, two more rules hold:
+
+* A signed request also carries ``sid`` (its sender: a random 64-bit id per client socket), ``seq``
+  (strictly increasing per sender) and ``ts`` (the sender's wall clock, ns). A server accepts it only
+  if ``ts`` is within :data:`REPLAY_WINDOW_S` of its own clock and ``seq`` is above the last one it
+  accepted from that sender (:class:`ReplayGuard`), so a captured request cannot be replayed.
+* Connections use ZMTP's PLAIN mechanism with the password :func:`connection_password` (derived from
+  the secret; servers check it through ZAP), so a peer that does not know it is dropped during the
+  handshake, before it can make the server buffer a single message. PLAIN only gates the connection:
+  it sends the derived password in clear and encrypts nothing; every message is still authenticated
+  by its HMAC, which the password does not reveal.
 """
 
 from __future__ import annotations
 
 import hmac
+import itertools
 import math
+import os
+import threading
+import time
 from dataclasses import dataclass, field
 from hashlib import sha256
 from typing import Any, Sequence
@@ -30,6 +46,7 @@ from .errors import (
     MalformedMessageError,
     MessageTooLargeError,
     ProtocolVersionError,
+    ReplayError,
     TQError,
 )
 
@@ -46,6 +63,12 @@ LOC_UNIT, LOC_BLOCK, LOC_ROW, LOC_NBYTES, LOC_OFFSET = range(5)
 LOC_COLUMNS = 5
 # Index arrays and raw-byte views may only use these dtypes; anything else in a ref is rejected.
 ARRAY_DTYPES = frozenset({"<i8", "<i4", "<i2", "|i1", "|u1", "<u2", "<f4", "<f8", "|b1", "<f2"})
+# A signed request is accepted only if its timestamp is within this many seconds of the server's clock:
+# the hosts of one service need clocks in sync to well within it (NTP). It also bounds how long a server
+# remembers a sender (see ReplayGuard), so it bounds the replay-protection state.
+REPLAY_WINDOW_S = 60.0
+# The ZMTP PLAIN user name of every connection to a server with a secret (the password is what counts).
+CONNECTION_USERNAME = b"tq"
 
 
 def _packb(obj: Any) -> bytes:
@@ -59,6 +82,13 @@ def _unpackb(data: bytes | memoryview) -> Any:
 def sign(secret: bytes | None, header: bytes) -> bytes:
     """HMAC-SHA256 of a header under ``secret`` (empty when no secret is set)."""
     return hmac.new(secret, header, sha256).digest() if secret else b""
+
+
+def connection_password(secret: bytes) -> bytes:
+    """The ZMTP PLAIN password a connection to a server with ``secret`` must present.
+
+    Derived, not the secret itself: PLAIN sends it in clear, and it must not let anyone sign requests."""
+    return hmac.new(secret, b"tq-zap-v1", sha256).hexdigest().encode()
 
 
 @dataclass
@@ -116,9 +146,99 @@ def decode(frames: Sequence[Any], secret: bytes | None, *, max_message_bytes: in
     return Message(header, buffers)
 
 
+# ----------------------------------------------------------------------------- replay protection
+class Sender:
+    """One stream of signed requests: a random 64-bit id and a strictly increasing sequence number.
+
+    A server refuses a request whose ``seq`` is not above the last one it accepted from the same id, so
+    every request of a sender must reach a server in the order it was built: use one sender per client
+    socket (a socket keeps order; two sockets to one server need not)."""
+
+    __slots__ = ("sid", "_seq")
+
+    def __init__(self) -> None:
+        self.sid = int.from_bytes(os.urandom(8), "little")
+        self._seq = itertools.count(1)
+
+    def stamp(self, header: dict[str, Any]) -> None:
+        """Add this sender's id, its next sequence number and the wall clock to a request header."""
+        header["sid"] = self.sid
+        header["seq"] = next(self._seq)
+        header["ts"] = time.time_ns()
+
+
+_thread = threading.local()
+
+
+def _thread_sender() -> Sender:
+    sender = getattr(_thread, "sender", None)
+    if sender is None:
+        sender = _thread.sender = Sender()
+    return sender
+
+
+def _forget_thread_senders() -> None:
+    global _thread
+    _thread = threading.local()  # a forked child must not reuse its parent's sender ids
+
+
+os.register_at_fork(after_in_child=_forget_thread_senders)
+
+
+class ReplayGuard:
+    """A server's check that a signed request is fresh: its timestamp within the window of this clock,
+    its sequence number above the last one accepted from its sender.
+
+    Memory stays bounded: a sender is forgotten once the newest timestamp it sent is older than the
+    window, and from then on any request it sent before is refused by the timestamp check alone.
+    (That assumes this server's clock does not step back by more than the window.)"""
+
+    def __init__(self, window_s: float = REPLAY_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._window_ns = int(window_s * 1e9)
+        self._senders: dict[int, tuple[int, int]] = {}  # sid -> (last accepted seq, newest timestamp)
+        self._next_prune = 0
+
+    def __len__(self) -> int:
+        return len(self._senders)
+
+    def check(self, header: dict[str, Any]) -> None:
+        """Accept a signed request header or raise :class:`ReplayError`; an accepted one is remembered."""
+        sid, seq, ts = header.get("sid"), header.get("seq"), header.get("ts")
+        if type(sid) is not int or type(seq) is not int or type(ts) is not int:
+            raise ReplayError("signed request lacks its sender id, sequence number or timestamp")
+        now = time.time_ns()
+        if not -self._window_ns <= ts - now <= self._window_ns:
+            raise ReplayError(
+                f"request timestamp is {(ts - now) / 1e9:+.1f}s off this server's clock, outside the "
+                f"±{self.window_s:g}s window: a replay, or the hosts' clocks are not in sync"
+            )
+        last = self._senders.get(sid)
+        if last is None:
+            self._senders[sid] = (seq, ts)
+        elif seq > last[0]:
+            self._senders[sid] = (seq, ts if ts > last[1] else last[1])
+        else:
+            raise ReplayError(f"request {seq} of sender {sid:016x} is a replay (already accepted up to {last[0]})")
+        if now >= self._next_prune:
+            self._prune(now)
+
+    def _prune(self, now: int) -> None:
+        oldest = now - self._window_ns
+        self._senders = {sid: v for sid, v in self._senders.items() if v[1] >= oldest}
+        self._next_prune = now + self._window_ns // 4
+
+
 # ----------------------------------------------------------------------------- requests / replies
-def request(op: str, rid: int, args: dict[str, Any], buffers: Sequence[Any], secret: bytes | None) -> list[Any]:
-    return encode({"op": op, "rid": rid, "args": args}, buffers, secret)
+def request(
+    op: str, rid: int, args: dict[str, Any], buffers: Sequence[Any], secret: bytes | None, sender: Sender | None = None
+) -> list[Any]:
+    """Frame a request. With a secret it is stamped by ``sender`` (default: one sender per thread, fine
+    for a thread that talks to each server over one socket) so the server can refuse replays."""
+    header = {"op": op, "rid": rid, "args": args}
+    if secret:
+        (sender or _thread_sender()).stamp(header)
+    return encode(header, buffers, secret)
 
 
 def reply_ok(rid: Any, result: Any, buffers: Sequence[Any], secret: bytes | None) -> list[Any]:

@@ -5,11 +5,18 @@ either answers at once or parks the request (``DEFERRED``) and answers it later 
 when a wait's fields are produced or its deadline passes. Clients talk through DEALER sockets, one per
 thread per server, so a client object is safe to share between threads without a lock; replies carry
 the request id, so a late reply to a request that already timed out is recognised and dropped.
+
+With a secret, a server accepts connections only through ZMTP PLAIN with the password derived from the
+secret, checked by a ZAP handler thread (one per ZMQ context, shared by every server in the process),
+and refuses replayed requests (:class:`protocol.ReplayGuard`); clients set those credentials on every
+socket they connect (:func:`set_client_credentials`).
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
+import hmac
 import itertools
 import logging
 import threading
@@ -18,6 +25,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from . import protocol
 from .errors import AuthenticationError, MalformedMessageError, TQConnectionError, TQError, UnknownOperationError
@@ -26,6 +34,77 @@ log = logging.getLogger(__name__)
 
 DEFERRED = object()  # a handler's return value meaning "I will reply later"
 Handler = Callable[[dict, list, "Call"], Any]
+# Failed handshakes: wrong credentials (AUTH), another security mechanism (PROTOCOL), or the peer hung
+# up mid-handshake (NO_DETAIL) - which is how a mechanism mismatch often looks from the side that did
+# not detect it first.
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+_monitor_ids = itertools.count()
+
+
+def _handshake_monitor(sock: zmq.Socket) -> zmq.Socket:
+    """A PAIR socket receiving ``sock``'s failed-handshake events. Its inproc name is unique: pyzmq's
+    default is named after the socket's fd, which a new socket may reuse before the old name is gone."""
+    return sock.get_monitor_socket(_HANDSHAKE_FAILED, addr=f"inproc://tq-handshake-monitor-{next(_monitor_ids)}")
+
+
+# ----------------------------------------------------------------------------- connection security
+def set_client_credentials(sock: zmq.Socket, secret: bytes | None) -> None:
+    """Give a client socket (DEALER) what a server with ``secret`` asks at connect time; call it
+    before ``connect``. Without a secret the socket stays on ZMTP's NULL mechanism, as the server."""
+    if secret:
+        sock.plain_username = protocol.CONNECTION_USERNAME
+        sock.plain_password = protocol.connection_password(secret)
+
+
+_ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP spec (RFC 27)
+_zap_lock = threading.Lock()
+_zap_handlers: dict[zmq.Context, threading.Thread] = {}
+_zap_passwords: dict[bytes, bytes] = {}  # ZAP domain -> the password its connections must present
+
+
+def _secure_server_socket(sock: zmq.Socket, secret: bytes) -> None:
+    """Make a server socket (before ``bind``) accept only PLAIN connections that present the password
+    derived from ``secret``. A peer without it is dropped in the handshake, before libzmq reads any
+    message frame from it - the HMAC check comes only after a whole message is buffered."""
+    password = protocol.connection_password(secret)
+    domain = b"tq-" + hashlib.sha256(password).hexdigest()[:16].encode()  # one per secret in this process
+    ctx = sock.context
+    with _zap_lock:
+        _zap_passwords[domain] = password
+        if ctx not in _zap_handlers:  # ZAP is per context: one handler serves every server in it
+            zap = ctx.socket(zmq.REP)
+            zap.setsockopt(zmq.LINGER, 0)
+            zap.bind(_ZAP_ENDPOINT)
+            thread = threading.Thread(target=_serve_zap, args=(zap,), name="tq-zap", daemon=True)
+            thread.start()
+            _zap_handlers[ctx] = thread
+    sock.zap_domain = domain
+    sock.plain_server = True
+
+
+def _serve_zap(zap: zmq.Socket) -> None:
+    """ZAP handler (RFC 27): allow a PLAIN connection whose password is the one of its server's domain."""
+    try:
+        while True:
+            msg = zap.recv_multipart()
+            if len(msg) < 6:
+                if len(msg) >= 2:
+                    zap.send_multipart([b"1.0", msg[1], b"400", b"malformed ZAP request", b"", b""])
+                continue
+            _version, request_id, domain, _address, _identity, mechanism, *credentials = msg
+            expected = _zap_passwords.get(domain)
+            ok = (
+                mechanism == b"PLAIN" and expected is not None and len(credentials) == 2
+                and hmac.compare_digest(credentials[1], expected)
+            )
+            reply = [b"200", b"OK", protocol.CONNECTION_USERNAME] if ok else [b"400", b"wrong credentials", b""]
+            zap.send_multipart([b"1.0", request_id, *reply, b""])
+    except zmq.ContextTerminated:
+        pass
+    finally:
+        zap.close(0)
 
 
 class Call:
@@ -64,6 +143,13 @@ class RpcServer:
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + protocol.MAX_HEADER_BYTES)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
+        # With a secret: connections must pass the PLAIN handshake, requests must be fresh. Without one
+        # nothing is checked at all (and nothing costs anything).
+        self._guard: protocol.ReplayGuard | None = None
+        self._monitor: zmq.Socket | None = None
+        if secret:
+            _secure_server_socket(self.sock, secret)
+            self._guard = protocol.ReplayGuard()
         if bind.endswith(":0"):
             port = self.sock.bind_to_random_port(bind.rsplit(":", 1)[0])
             bind = f"{bind.rsplit(':', 1)[0]}:{port}"
@@ -72,11 +158,14 @@ class RpcServer:
         self.address = bind
         self.handlers: dict[str, Handler] = {}
         self.op_stats: dict[str, OpStats] = collections.defaultdict(OpStats)
-        self.rejected = 0  # malformed, unauthenticated or otherwise refused messages
+        self.rejected = 0  # malformed, unauthenticated or otherwise refused messages (and handshakes)
         self.started_at = time.time()
         self._running = False
         self._extra_sockets: dict[zmq.Socket, Callable[[list], None]] = {}
         self._poller = zmq.Poller()
+        if secret:  # count refused handshakes; polled first, so they are counted before later requests
+            self._monitor = _handshake_monitor(self.sock)
+            self._poller.register(self._monitor, zmq.POLLIN)
         self._poller.register(self.sock, zmq.POLLIN)
 
     # -- hooks for subclasses
@@ -129,15 +218,33 @@ class RpcServer:
             for sock, _ in self._poller.poll(timeout_ms):
                 if sock is self.sock:
                     self._serve_one()
+                elif sock is self._monitor:
+                    self._on_refused_handshake()
                 else:
                     self._extra_sockets[sock](sock.recv_multipart())
             self.on_tick(time.monotonic())
         self.close()
 
     def close(self) -> None:
+        if self._monitor is not None:
+            self.sock.disable_monitor()
+            self._monitor.close(0)
         self.sock.close(linger=1000)  # let the last replies (e.g. to "shutdown") go out
         for s in self._extra_sockets:
             s.close(0)
+
+    def _on_refused_handshake(self) -> None:
+        event = recv_monitor_message(self._monitor)["event"]
+        self.rejected += 1
+        if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # e.g. a port probe, or a peer that saw a mismatch
+            log.info("%s: a peer hung up during its handshake", self.name)
+        else:
+            why = "wrong credentials" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else "no or another security mechanism"
+            log.warning("%s refused a connection at its handshake: %s (the peer lacks this service's secret)", self.name, why)
+
+    def secure_client_socket(self, sock: zmq.Socket) -> None:
+        """Set this server's credentials on a client socket it opens to its peers (before ``connect``)."""
+        set_client_credentials(sock, self.secret)
 
     def _serve_one(self) -> None:
         frames = self.sock.recv_multipart(copy=False)
@@ -147,6 +254,8 @@ class RpcServer:
         try:
             msg = protocol.decode(frames[1:], self.secret, max_message_bytes=self.max_message_bytes)
             call.rid = msg.header.get("rid")
+            if self._guard is not None:
+                self._guard.check(msg.header)  # authentic, but is it fresh?
             op, args = msg.header.get("op"), msg.header.get("args")
             if not isinstance(op, str) or not isinstance(args, dict):
                 raise MalformedMessageError("request needs a string 'op' and a map 'args'")
@@ -193,6 +302,7 @@ class RpcChannel:
         self.ctx = zmq.Context.instance()
         self._local = threading.local()
         self._sockets: list[zmq.Socket] = []
+        self._monitors: list[zmq.Socket] = []
         self._lock = threading.Lock()
         self._closed = False
 
@@ -206,10 +316,17 @@ class RpcChannel:
             sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a peer that is not connected
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
+            set_client_credentials(sock, self.secret)
+            # Watch the first handshake: a server that refuses this client's credentials is then
+            # reported at once (AuthenticationError), not after the timeout as if it were down; and the
+            # socket is closed rather than left retrying with the same credentials every 100 ms.
+            monitor = _handshake_monitor(sock)
             sock.connect(self.address)
-            self._local.sock = sock
+            self._local.sock, self._local.monitor = sock, monitor
+            self._local.sender = protocol.Sender() if self.secret else None  # one per socket: it keeps order
             with self._lock:
                 self._sockets.append(sock)
+                self._monitors.append(monitor)
         return sock
 
     def send(
@@ -223,17 +340,72 @@ class RpcChannel:
         sock = self._socket()
         rid = next(self._rids)
         timeout = self.timeout if timeout is None else timeout
-        frames = protocol.request(op, rid, args, buffers, self.secret)
+        frames = protocol.request(op, rid, args, buffers, self.secret, self._local.sender)
         copy = not _zero_copy(frames)
         try:  # the common case: connected, so the send is queued at once without an extra poll
             sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
         except zmq.Again:  # IMMEDIATE: no connection yet - wait for one, up to the timeout
-            if not self._wait(sock, zmq.POLLOUT, timeout, check):
+            if not self._await_connection(sock, timeout, check):
                 raise TQConnectionError(
                     f"cannot reach {self.name} at {self.address} within {timeout:.1f}s (op {op!r}): server down or unreachable"
                 ) from None
             sock.send_multipart(frames, copy=copy)
         return rid
+
+    def _await_connection(self, sock: zmq.Socket, timeout: float, check: Callable[[], None] | None) -> bool:
+        """Wait until ``sock`` is connected (True) or ``timeout`` passes (False). On the socket's first
+        handshake, raise AuthenticationError at once if the server refuses it."""
+        monitor = self._local.monitor
+        if monitor is None:  # connected before: a reconnect (e.g. the server restarted) is just waited for
+            return self._wait(sock, zmq.POLLOUT, timeout, check)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLOUT)
+        poller.register(monitor, zmq.POLLIN)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            ready = dict(poller.poll(min(left, 1.0 if check else left) * 1e3))
+            if monitor in ready:
+                self._refused(sock, recv_monitor_message(monitor))
+            if sock in ready:
+                self._drop_monitor(sock)
+                return True
+            if check is not None:
+                check()
+
+    def _drop_monitor(self, sock: zmq.Socket) -> None:
+        monitor, self._local.monitor = self._local.monitor, None
+        with self._lock:
+            if self._closed:  # close() got there first
+                return
+            self._monitors.remove(monitor)
+        sock.disable_monitor()
+        monitor.close(0)
+
+    def _refused(self, sock: zmq.Socket, event: dict) -> None:
+        """The server refused this socket's first handshake: close the socket (the next call opens a new
+        one) and raise AuthenticationError."""
+        self._drop_monitor(sock)
+        with self._lock:
+            if sock in self._sockets:
+                self._sockets.remove(sock)
+        sock.close(0)
+        self._local.sock = None
+        kind, value = event["event"], event["value"]
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            raise AuthenticationError(f"{self.name} at {self.address} refused this client's credentials: wrong secret")
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value != zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            raise TQConnectionError(
+                f"handshake with {self.name} at {self.address} failed (ZMTP protocol error {value:#x}): not a TQ server?"
+            )
+        # A mechanism mismatch, seen here or (the peer hung up mid-handshake) by the server first.
+        if self.secret:
+            why = "runs without an auth secret (or is not a TQ server), but this client has one"
+        else:
+            why = "requires an auth secret, and this client has none (pass secret= or set TQ_SECRET)"
+        raise AuthenticationError(f"{self.name} at {self.address} {why}: the handshake failed")
 
     @staticmethod
     def _wait(sock: zmq.Socket, event: int, timeout: float, check: Callable[[], None] | None) -> bool:
@@ -290,6 +462,7 @@ class RpcChannel:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            for s in self._sockets:
+            for s in (*self._monitors, *self._sockets):
                 s.close(0)
             self._sockets.clear()
+            self._monitors.clear()

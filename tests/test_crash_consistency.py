@@ -313,3 +313,42 @@ def test_block_never_committed_is_reclaimed_after_its_lease_and_a_late_commit_is
             assert c.stats()["unit_stats"][0]["blocks"] == 1  # only 'kept'
         finally:
             c.close()
+
+
+def test_allocation_being_filled_survives_a_unit_restart_and_is_not_handed_out_again():
+    """A same-host writer allocates a range and is filling it when its storage unit is SIGKILLed and
+    restarted. The restarted unit still holds the allocation (journaled), so puts made meanwhile never
+    get that range - before, they did and the slow writer's bytes would overwrite theirs - and the
+    writer's store at the unit's new address succeeds and commits."""
+    with TQServer(storage_units=1, capacity=8 << 20) as server:
+        c = TQClient(server.address, timeout=10.0)
+        try:
+            c.register_partition("p")
+            nbytes = 64 << 10
+            alloc, _ = c._unit_chans[0].call("alloc", {"nbytes": nbytes})
+            old = c.stats()["units"][0]
+            os.kill(old["pid"], signal.SIGKILL)
+            assert wait_until(lambda: (u := c.stats()["units"][0])["pid"] != old["pid"] and u["alive"], timeout=15)
+            c._refresh_units()
+            assert c.stats()["unit_stats"][0]["pending_allocs"] == 1
+            others = [c.put("p", [f"o{i}"], {"x": torch.full((1, nbytes // 4), float(i))}) for i in range(6)]
+            located, msg = c._ctrl.call("locate", {"partition": "p", "keys": [m.keys[0] for m in others], "fields": ["x"]})
+            loc = protocol.unpack_array(located["loc"], msg.buffers)[0]
+            lo, hi = alloc["offset"], alloc["offset"] + nbytes
+            assert not any(o < hi and o + n > lo for o, n in zip(loc[:, 4].tolist(), loc[:, 3].tolist())), "range handed out again"
+            mine = torch.full((1, nbytes // 4), -1.0)
+            c._arena(0).view[lo:hi] = mine.view(torch.uint8).numpy().ravel()  # the writer finishes its copy
+            bufs: list = []
+            spec = {"schema": ["tensor", "float32", [nbytes // 4]], "offset": 0,
+                    "row_offsets": protocol.pack_array(np.array([0, nbytes], dtype=np.int64), bufs)}
+            stored, _ = c._unit_chans[0].call("store", {"n_rows": 1, "fields": {"x": spec}, "alloc": alloc["alloc"]}, bufs)
+            cbufs: list = []
+            c._ctrl.call("commit", {"partition": "p", "keys": ["slow"], "mode": "put", "blocks": [[0, stored["block"], 1]],
+                                    "fields": {"x": {"schema": spec["schema"],
+                                                     "row_nbytes": protocol.pack_array(np.array([nbytes], dtype=np.int64), cbufs),
+                                                     "arena_offsets": protocol.pack_array(np.array([lo], dtype=np.int64), cbufs)}}}, cbufs)
+            assert torch.equal(c.get(c.get_meta("p", ["slow"]), ["x"])["x"], mine)
+            for i, m in enumerate(others):
+                assert torch.equal(c.get(m, ["x"])["x"], torch.full((1, nbytes // 4), float(i)))
+        finally:
+            c.close()

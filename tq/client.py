@@ -458,6 +458,16 @@ class TQClient:
             raise
         return parts
 
+    def _unit_call(self, unit: int, op: str, args: dict[str, Any], buffers: list[Any]) -> Any:
+        """A write request to ``unit`` (waiting for room up to ``capacity_wait_s``), asked again at the
+        unit's new address if it restarted while this one was pending."""
+        timeout = self.timeout + self.capacity_wait_s
+        try:
+            return self._unit_chans[unit].call(op, args, buffers, timeout=timeout, check=self._unit_check(unit))[0]
+        except _UnitRestarted:
+            self._refresh_units()
+            return self._unit_chans[unit].call(op, args, buffers, timeout=timeout, check=self._unit_check(unit))[0]
+
     def _abort_parts(self, parts: list[_StoredPart]) -> None:
         if parts:
             try:
@@ -516,8 +526,8 @@ class TQClient:
 
     def _store(self, unit: int, encoded: dict[str, EncodedColumn], start: int, stop: int) -> _StoredPart:
         """Store rows ``[start, stop)`` of every column as one block of ``unit`` (tentative until the
-        controller commits it): written straight into its arena on this host, else sent as frames."""
-        chan = self._unit_chans[unit]
+        controller commits it): written straight into its arena on this host, else sent as frames.
+        A unit that restarted meanwhile (it keeps its journaled allocations) is asked again, once."""
         buffers: list[Any] = []
         fields: dict[str, Any] = {}
         cols = {name: (col, col.row_offsets[start : stop + 1] - col.row_offsets[start],
@@ -528,8 +538,7 @@ class TQClient:
             for name, (_, ro, _) in cols.items():
                 offsets[name] = pos
                 pos = align_up(pos + int(ro[-1]), _FIELD_ALIGN)
-            alloc, _ = chan.call("alloc", {"nbytes": pos, "wait_s": self.capacity_wait_s},
-                                 timeout=self.timeout + self.capacity_wait_s, check=self._unit_check(unit))
+            alloc = self._unit_call(unit, "alloc", {"nbytes": pos, "wait_s": self.capacity_wait_s}, [])
             view = self._arena(unit).view
             base = alloc["offset"]
             for name, (col, ro, chunks) in cols.items():
@@ -541,7 +550,7 @@ class TQClient:
                 fields[name] = {"schema": col.schema.to_wire(), "row_offsets": protocol.pack_array(ro, buffers),
                                 "data": [protocol.pack_array(c, buffers) for c in _frames_of(chunks)]}
             args = {"n_rows": stop - start, "fields": fields, "wait_s": self.capacity_wait_s}
-        stored, _ = chan.call("store", args, buffers, timeout=self.timeout + self.capacity_wait_s, check=self._unit_check(unit))
+        stored = self._unit_call(unit, "store", args, buffers)
         return _StoredPart(unit, stored["block"], start, stop, stored["starts"])
 
     # ------------------------------------------------------------------ reads

@@ -106,6 +106,8 @@ class StorageUnit(RpcServer):
         self.commit_lease_s = commit_lease_s
         self.managed = managed  # started by the controller, which restarts it if it dies
         self._next_id = 1
+        self.pending: dict[int, tuple[int, int, float]] = {}  # alloc id -> (start, size, expiry)
+        self.alloc_lease_s = alloc_lease_s
         if recover_arena is None:
             check_shm_room(shm_dir, capacity)
             self.arena = Arena(os.path.join(shm_dir, f"tq-{uuid.uuid4().hex[:12]}-unit{unit_id}.arena"), capacity, create=True)
@@ -117,9 +119,7 @@ class StorageUnit(RpcServer):
         self.journal = Journal(self.arena.path + ".journal", fsync=fsync)
         if self.journal.truncated_bytes:
             log.warning("storage unit %d: dropped a torn journal tail of %d bytes", unit_id, self.journal.truncated_bytes)
-        self.pending: dict[int, tuple[int, int, float]] = {}  # alloc id -> (start, size, expiry)
         self.parked: list[tuple[Any, dict, list, Call, float]] = []  # writes waiting for room
-        self.alloc_lease_s = alloc_lease_s
         self.bytes_stored = 0
         self.pool = HostBufferPool(max_cached_bytes=256 << 20)
         self.bytes_served = 0
@@ -181,6 +181,7 @@ class StorageUnit(RpcServer):
                 log.warning("storage unit %d reclaims expired allocation %d (%d bytes)", self.unit_id, aid, size)
                 del self.pending[aid]
                 self.alloc.free(start, size)
+                self.journal.append(["X", aid])
         self._retry_parked(now)
 
     def _check_fits_at_all(self, nbytes: int) -> None:
@@ -232,6 +233,9 @@ class StorageUnit(RpcServer):
         start = self.alloc.allocate(nbytes)
         aid = self._new_id()
         self.pending[aid] = (start, nbytes, time.monotonic() + self.alloc_lease_s)
+        # journaled: a writer may still be filling the range when this unit is killed and restarted,
+        # so the restarted unit must not hand the range to anyone else before the lease ends
+        self.journal.append(["A", aid, start, nbytes])
         return {"alloc": aid, "offset": start}
 
     def op_store(self, args: dict, buffers: list, call: Call) -> dict:
@@ -274,6 +278,8 @@ class StorageUnit(RpcServer):
             if any(d is not None for *_, d in layouts):
                 raise InvalidRequestError("store: give either an allocation or data frames, not both")
             del self.pending[args["alloc"]]
+            if n_rows == 0:
+                self.journal.append(["X", args["alloc"]])
         else:
             if any(d is None for *_, d in layouts):
                 raise InvalidRequestError("store without an allocation needs a data frame for every field")
@@ -385,7 +391,9 @@ class StorageUnit(RpcServer):
 
     def _replay(self, path: str) -> None:
         """Rebuild the blocks from the journal: stores ("S"), claims ("C"), partial ("R") and whole
-        ("F") frees, and the next block id ("N", so ids are never reused after a compaction)."""
+        ("F") frees, allocations a writer may still be filling ("A", and "X" once released) and the next
+        id ("N", so ids are never reused after a compaction)."""
+        allocs: dict[int, tuple[int, int]] = {}
         for rec in Journal.replay(path):
             kind, bid = rec[0], rec[1]
             if kind == "S":
@@ -404,17 +412,27 @@ class StorageUnit(RpcServer):
                 for b in np.frombuffer(rec[2], dtype=np.int64).tolist():
                     if b in self.blocks:
                         self.blocks[b].claimed = True
+            elif kind == "A":
+                allocs[bid] = (rec[2], rec[3])
+            elif kind == "X":
+                allocs.pop(bid, None)
+            if kind == "S":  # an allocation stored as this block is no longer pending
+                allocs = {a: r for a, r in allocs.items() if r[0] != rec[2]}
             self._next_id = max(self._next_id, bid + 1)
-        expires = time.monotonic() + self.commit_lease_s  # a fresh lease: the controller may be back too
-        self.tentative = {bid: expires for bid, b in self.blocks.items() if not b.claimed}
+        now = time.monotonic()  # fresh leases: the controller and the writers may be back too
+        self.tentative = {bid: now + self.commit_lease_s for bid, b in self.blocks.items() if not b.claimed}
+        self.pending = {a: (start, size, now + self.alloc_lease_s) for a, (start, size) in allocs.items()}
         for b in self.blocks.values():
             self.alloc.reserve(b.start, b.size)
+        for start, size, _ in self.pending.values():
+            self.alloc.reserve(start, size)
         log.warning("storage unit %d recovered %d blocks (%d awaiting their claim) from %s", self.unit_id, len(self.blocks),
                     len(self.tentative), path)
 
     def _maybe_compact(self) -> None:
         if self.journal.appended > 4 * len(self.blocks) + 1024:
-            self.journal.rewrite([["N", self._next_id - 1], *(self._store_record(bid, b) for bid, b in self.blocks.items())])
+            self.journal.rewrite([["N", self._next_id - 1], *(self._store_record(bid, b) for bid, b in self.blocks.items()),
+                                  *(["A", aid, start, size] for aid, (start, size, _) in self.pending.items())])
 
     def _claim(self, bids: list[int]) -> None:
         claimed = [b for b in bids if b in self.tentative]

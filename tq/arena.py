@@ -9,12 +9,13 @@ socket (the same idea as Ray's plasma store). Freed ranges are reused, so their 
 from __future__ import annotations
 
 import bisect
+import fcntl
 import mmap
 import os
 
 import numpy as np
 
-from .errors import CapacityError
+from .errors import CapacityError, StorageUnitError
 
 ALIGN = 4096
 
@@ -92,14 +93,48 @@ class RangeAllocator:
         return list(zip(self._starts, self._sizes))
 
 
-class Arena:
-    """A memory-mapped shared-memory file exposing its bytes as a numpy uint8 array."""
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
 
-    def __init__(self, path: str, size: int, *, create: bool) -> None:
+
+def arena_in_use(path: str) -> bool:
+    """Whether a live storage-unit process owns the arena at ``path`` (holds its lock). The lock dies
+    with its process, however it dies, so this never reports a dead owner."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        if _try_lock(fd):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return False
+        return True
+    finally:
+        os.close(fd)
+
+
+class Arena:
+    """A memory-mapped shared-memory file exposing its bytes as a numpy uint8 array.
+
+    The storage unit that owns an arena opens it with ``own=True``: it holds an exclusive lock on the
+    file for as long as it lives, so two unit processes can never serve (and journal, and free) the
+    same arena - e.g. one restarted by a controller that crashed before it rejoined, and one restarted
+    by the controller's next incarnation. Clients map arenas without the lock."""
+
+    def __init__(self, path: str, size: int, *, create: bool, own: bool = False) -> None:
         self.path, self.size = path, size
+        self._lock_fd: int | None = None
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
+            if own:
+                if not _try_lock(fd):
+                    raise StorageUnitError(f"arena {path} is in use by another storage-unit process")
+                self._lock_fd = os.dup(fd)  # the lock lives as long as this descriptor (this process)
             if create:
                 os.ftruncate(fd, size)  # sparse: pages are allocated when first written
             elif os.fstat(fd).st_size < size:
@@ -125,6 +160,9 @@ class Arena:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+        if self._lock_fd is not None:  # released last: nobody may take the arena over before it is gone
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
 
 def check_shm_room(directory: str, nbytes: int) -> None:

@@ -45,7 +45,7 @@ from .errors import (
     TQError,
     TQTimeoutError,
 )
-from .arena import host_identity
+from .arena import arena_in_use, host_identity
 from .journal import Journal
 from .locations import ALIVE_S, LocationTable, remove_orphans
 from .protocol import LOC_BLOCK as BLOCK, LOC_COLUMNS, LOC_NBYTES as NBYTES, LOC_OFFSET as OFFSET  # location
@@ -548,6 +548,12 @@ class Controller(RpcServer):
         log.error("storage unit %d %s", uid, how)
         self.unit_seen[uid] = float("-inf")
         self._publish_status()
+        if arena_in_use(unit["arena_path"]):
+            # another unit process owns the arena (e.g. restarted by our previous incarnation just
+            # before it died): it rejoins by itself, and a second one on the same arena must not run
+            log.warning("storage unit %d: its arena is owned by another process, which will rejoin", uid)
+            self._restarting[uid] = None
+            return
         recent = [t for t in self._restarts.get(uid, []) if now - t < 60.0]
         if self.restart_unit is not None and len(recent) < 3 and os.path.exists(unit["arena_path"]):
             self._restarts[uid] = [*recent, now]
@@ -570,7 +576,9 @@ class Controller(RpcServer):
             self._send_to_unit(unit, "ping", {}, [])
         self._check_adopted_units()
         for uid, proc in list(self._restarting.items()):
-            if proc.poll() is not None:  # died before it rejoined: the next check restarts it again
+            if proc is None and not arena_in_use(self.units[uid]["arena_path"]):
+                del self._restarting[uid]  # the process that owned its arena is gone before it rejoined
+            elif proc is not None and proc.poll() is not None:  # died before it rejoined: restarted again
                 del self._restarting[uid]
         self._publish_status()  # renews the location tables' lease too
 

@@ -110,10 +110,10 @@ class StorageUnit(RpcServer):
         self.alloc_lease_s = alloc_lease_s
         if recover_arena is None:
             check_shm_room(shm_dir, capacity)
-            self.arena = Arena(os.path.join(shm_dir, f"tq-{uuid.uuid4().hex[:12]}-unit{unit_id}.arena"), capacity, create=True)
+            self.arena = Arena(os.path.join(shm_dir, f"tq-{uuid.uuid4().hex[:12]}-unit{unit_id}.arena"), capacity, create=True, own=True)
             self.alloc = RangeAllocator(capacity)
         else:  # a restart after a crash: the arena file outlived the process; replay what it held
-            self.arena = Arena(recover_arena, os.path.getsize(recover_arena), create=False)
+            self.arena = Arena(recover_arena, os.path.getsize(recover_arena), create=False, own=True)
             self.alloc = RangeAllocator(self.arena.size)
             self._replay(recover_arena + ".journal")
         self.journal = Journal(self.arena.path + ".journal", fsync=fsync)

@@ -206,6 +206,7 @@ class Controller(RpcServer):
         self.host = host_identity()
         self._published_down = 0
         self.journal: Journal | None = None
+        self._snapshot_bytes = 0  # size of the journal right after its last compaction
         self._replaying = False
         self.stop_units_on_close = False
         self.partitions: dict[str, Partition] = {}
@@ -251,6 +252,7 @@ class Controller(RpcServer):
             path = os.path.join(state_dir, "controller.journal")
             self._replay(path)
             self.journal = Journal(path, fsync=fsync)
+            self._snapshot_bytes = 0
             if self.journal.truncated_bytes:
                 log.warning("controller journal %s: dropped a torn tail of %d bytes", path, self.journal.truncated_bytes)
             self.expected_units = max(self.expected_units, len(self.units))
@@ -385,8 +387,12 @@ class Controller(RpcServer):
         if self.journal is None or op not in JOURNALED_OPS:
             return
         self.journal.append([op, args, [bytes(b) for b in buffers]])
-        if op in ("clear_partition", "drop_partition", "create_partition") and self.journal.appended > COMPACT_AFTER:
-            self.journal.rewrite([["__snapshot__", self._snapshot()]])
+        # Compact once the records since the last snapshot outweigh it: a restart replays at most about
+        # twice the state's size (a long run of commits and discards no longer grows the replay), and
+        # the snapshots' cost stays proportional to what was appended.
+        if self.journal.appended > COMPACT_AFTER and self.journal.size > 2 * self._snapshot_bytes:
+            self.journal.rewrite([["__snapshot__", self._snapshot(), []]])  # [op, args, buffers], as replayed
+            self._snapshot_bytes = self.journal.size
 
     def _replay(self, path: str) -> None:
         self._replaying = True  # rebuild state only: nothing is sent to the units

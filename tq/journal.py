@@ -156,6 +156,11 @@ class Journal:
         if self.fsync == "always" or (self.fsync == "interval" and time.monotonic() - self._synced_at >= self.fsync_interval_s):
             self.sync()
 
+    @property
+    def size(self) -> int:
+        """Bytes of complete records in the log."""
+        return self._end
+
     def sync(self) -> None:
         """fsync what was appended since the last fsync (whatever the policy)."""
         if self._dirty and not self._f.closed:

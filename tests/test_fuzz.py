@@ -409,7 +409,7 @@ def _defang(target: str, header: Any, env: FuzzEnv) -> bool:
         elif op == "free_blocks" and isinstance(args.get("blocks"), list):
             args["blocks"] = {"blocks": args["blocks"]}
         elif op == "alloc" and isinstance(args.get("nbytes"), int) and (16 << 20) < args["nbytes"]:
-            args["nbytes"] = 1 << 62  # never pin a large part of the arena (the lease is 10 minutes)
+            args["nbytes"] = 1 << 62  # never pin a large part of the arena (an allocation is held for a minute)
         if op in ("alloc", "store"):
             cap("wait_s")
     return msgpack.packb(header, use_bin_type=True) != before

@@ -33,7 +33,7 @@ from .schema import JAGGED, TENSOR, FieldSchema
 
 log = logging.getLogger(__name__)
 
-DEFAULT_ALLOC_LEASE_S = 600.0
+DEFAULT_ALLOC_LEASE_S = 60.0  # a writer fills its allocation within this (seconds)
 # A stored block waits this long for the controller to claim it (its put committed) before the unit
 # asks the controller to resolve it: claim it, or fence it and have it freed. Never freed unasked.
 DEFAULT_COMMIT_LEASE_S = 30.0

@@ -49,6 +49,7 @@ _FIELD_ALIGN = 64
 _default_pool = HostBufferPool()
 # Copies out of a shared arena that raced a free are redone this often before the units send the rows.
 SHM_READ_TRIES = 3
+ABORT_PROBE_S = 0.5  # after a commit got no reply: how long to ask whether it landed
 UNIT_STATS_TIMEOUT_S = 2.0  # stats wait this long for each storage unit before showing it down
 
 
@@ -426,14 +427,15 @@ class TQClient:
             # No reply: the commit may still be applied (a stalled controller) or may be lost (a
             # restarted one). Ask: the controller fences blocks not committed, so the outcome is
             # settled either way - never a key pointing at storage that is freed or reused.
-            try:
-                landed = self._call("abort_blocks", {"blocks": [[p.unit, p.block] for p in parts]})["committed"]
+            try:  # a short probe: the controller just stayed silent for a whole timeout
+                landed = self._call("abort_blocks", {"blocks": [[p.unit, p.block] for p in parts]},
+                                    timeout=min(self.timeout, ABORT_PROBE_S))["committed"]
             except TQConnectionError:
                 raise TQConnectionError(
                     f"{exc}; the outcome of this {mode} is unknown: its keys are either absent or hold exactly "
                     "this write's bytes (a commit that arrives late is applied; one that never does is reclaimed)") from None
-            if all(landed):  # it did land: answered again, idempotently
-                return self._call("commit", commit, cbufs)
+            if all(landed):  # it did land (the meta then carries no slots: its gets ask the controller)
+                return {"keys": len(keys)}
             raise TQConnectionError(f"{exc}; this {mode} did not land (its storage was reclaimed): write it again") from None
 
     def _store_parts(self, encoded: dict[str, EncodedColumn], n: int) -> list[_StoredPart]:

@@ -62,7 +62,8 @@ COMPACT_AFTER = 2000  # journal records before it is rewritten as one snapshot
 MAX_BLOCK_ID = 1 << 40  # storage units number blocks from 1 and never get near this
 HEARTBEAT_S = 1.0  # the controller pings every storage unit this often
 UNIT_TIMEOUT_S = 3.0  # a unit silent for longer is reported down and reads of its keys fail fast
-RECENT_COMMITS = 1 << 16  # commits remembered so that a client's retry is answered like the first try
+RECENT_COMMITS = 1 << 12  # settled commits remembered so that a resent one is answered like the first
+ADOPTED_CHECK_S = 0.2  # how often the pids of units taken back from the journal are checked
 UNIT_SEND_HWM = 1000  # messages queued per storage unit before sends to it are dropped (then a retain)
 
 
@@ -73,7 +74,7 @@ class UnitLedger:
     fenced ones, claims to send, and whether the unit missed messages and needs a ``retain``."""
 
     low_water: int = 0
-    pending: dict[int, tuple] = field(default_factory=dict)  # block -> commit digest, until settled
+    pending: dict[int, int] = field(default_factory=dict)  # block -> commit digest, until settled
     fenced: set[int] = field(default_factory=set)
     claims: list[int] = field(default_factory=list)
     resync: bool = False
@@ -221,7 +222,8 @@ class Controller(RpcServer):
         self._restarting: dict[int, Any] = {}  # unit id -> the process restarted for it, until it rejoins
         self.ledgers: dict[int, UnitLedger] = collections.defaultdict(UnitLedger)
         # (unit, block) -> commit digest of recent commits: a retried commit gets the first one's answer
-        self.recent_commits: collections.OrderedDict[tuple[int, int], tuple] = collections.OrderedDict()
+        self.recent_commits: collections.OrderedDict[tuple[int, int], int] = collections.OrderedDict()
+        self._next_adopted_check = 0.0
         self._next_heartbeat = 0.0
         self.children: list[Any] = []  # storage-unit processes this controller started (serve())
         self.hello_waiters: list[tuple[Call, float]] = []
@@ -416,9 +418,9 @@ class Controller(RpcServer):
     def _snapshot(self) -> dict[str, Any]:
         return {
             "units": self.units, "units_version": self.units_version,
-            "ledgers": {str(u): [led.low_water, [[b, list(d)] for b, d in led.pending.items()], sorted(led.fenced)]
+            "ledgers": {str(u): [led.low_water, [[b, d] for b, d in led.pending.items()], sorted(led.fenced)]
                         for u, led in self.ledgers.items()},
-            "recent_commits": [[u, b, list(d)] for (u, b), d in self.recent_commits.items()],
+            "recent_commits": [[u, b, d] for (u, b), d in self.recent_commits.items()],
             "partitions": {
                 pid: {"slot_keys": p.slot_keys, "seq_lens": p.seq_lens, "tags": p.tags,
                       "schemas": {f: s.to_wire() for f, s in p.schemas.items()},
@@ -432,8 +434,8 @@ class Controller(RpcServer):
         self.units_version = int(snap["units_version"])
         self.ledgers.clear()
         for u, (low_water, pending, fenced) in snap.get("ledgers", {}).items():
-            self.ledgers[int(u)] = UnitLedger(low_water, {b: tuple(d) for b, d in pending}, set(fenced))
-        self.recent_commits = collections.OrderedDict(((u, b), tuple(d)) for u, b, d in snap.get("recent_commits", []))
+            self.ledgers[int(u)] = UnitLedger(low_water, {b: d for b, d in pending}, set(fenced))
+        self.recent_commits = collections.OrderedDict(((u, b), d) for u, b, d in snap.get("recent_commits", []))
         for u in self.units:
             self._connect_unit(u["unit_id"], u["address"])
         for part in self.partitions.values():
@@ -575,12 +577,14 @@ class Controller(RpcServer):
                 pass
 
     def _heartbeat(self, now: float) -> None:
+        if now >= self._next_adopted_check:  # a dead unit is restarted within this, not a heartbeat
+            self._next_adopted_check = now + ADOPTED_CHECK_S
+            self._check_adopted_units()
         if now < self._next_heartbeat:
             return
         self._next_heartbeat = now + HEARTBEAT_S
         for unit in self.unit_socks:
             self._send_to_unit(unit, "ping", {}, [])
-        self._check_adopted_units()
         for uid, proc in list(self._restarting.items()):
             if proc is None and not arena_in_use(self.units[uid]["arena_path"]):
                 del self._restarting[uid]  # the process that owned its arena is gone before it rejoined
@@ -704,9 +708,10 @@ class Controller(RpcServer):
             raise InvalidRequestError("commit names a block already committed with other keys")
         settled = [(u, b) for u, b, _ in parts if self.ledgers[u].settled(b)]
         if settled:
-            raise FencedCommitError(
-                f"block {settled[0][1]} of storage unit {settled[0][0]} was reclaimed before this commit arrived "
-                "(its put timed out, was aborted or refused): nothing was made visible; put the data again")
+            u, b = settled[0]
+            how = ("was reclaimed before this commit arrived (its write timed out, was aborted or refused)"
+                   if b in self.ledgers[u].fenced else "is settled: reclaimed, or committed by an earlier request")
+            raise FencedCommitError(f"block {b} of storage unit {u} {how}: this commit makes nothing visible")
         try:
             result = self._apply_commit(args, buffers, keys, parts)
         except TQError:
@@ -740,12 +745,13 @@ class Controller(RpcServer):
         return [tuple(p) for p in parts]  # type: ignore[misc]
 
     @staticmethod
-    def _commit_digest(args: dict, keys: list[str]) -> tuple:
-        """What identifies a commit across retries (stable across restarts: it is journaled)."""
-        h = hashlib.blake2b("\0".join(keys).encode(), digest_size=8).hexdigest()
-        return (str(args.get("partition")), str(args.get("mode")), h)
+    def _commit_digest(args: dict, keys: list[str]) -> int:
+        """What identifies a commit across retries: partition, mode and keys, hashed to 63 bits
+        (stable across restarts: it is journaled)."""
+        text = "\0".join([str(args.get("partition")), str(args.get("mode")), *keys])
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
-    def _committed_as(self, unit: int, block: int) -> tuple | None:
+    def _committed_as(self, unit: int, block: int) -> int | None:
         return self.ledgers[unit].pending.get(block) or self.recent_commits.get((unit, block))
 
     def _answer_again(self, pid: Any, keys: list[str]) -> dict:

@@ -352,6 +352,11 @@ class StatefulDataLoader:
             self._cached_order = (key, order)
         return self._cached_order[1]
 
+    def epoch_indices(self, epoch: int) -> list[int]:
+        """The dataset rows epoch ``epoch`` visits, in order (``drop_last`` leaves the tail of its
+        permutation out): what "every prompt once per epoch" is checked against."""
+        return [int(i) for i in self._order(epoch)[: len(self) * self.batch_size]]
+
     def _batch(self, order: np.ndarray, b: int) -> Any:
         items = [self.dataset[int(i)] for i in order[b * self.batch_size: (b + 1) * self.batch_size]]
         return self.collate_fn(items) if self.collate_fn else items

@@ -286,6 +286,7 @@ class AsyncTrajectoryCollectorImpl:
         # target's groups written to TQ (for checkpoints: these are what a resumed run regenerates).
         self._todo: dict[int, deque[dict[str, Any]]] = {}
         self._written: dict[int, list[int]] = {}
+        self._epochs: dict[int, int] = {}  # the loader epoch each target's prompts were drawn in (ledger tags)
         self._serial = itertools.count()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -359,9 +360,11 @@ class AsyncTrajectoryCollectorImpl:
             self.loader.load_state_dict(state["loader"])
             if state.get("generation") is not None:
                 self.rollout.load_generation_state(state["generation"])
+            epochs = {int(t): int(e) for t, e in state.get("target_epochs", {}).items()}
             for t, idxs in state["targets"].items():
                 if int(t) >= self.sched.next_train_step:
                     self._todo[int(t)] = deque(self.dataset[i] for i in idxs)
+                    self._epochs[int(t)] = epochs.get(int(t), -1)  # -1: a checkpoint from before epochs were kept
         self._thread = threading.Thread(target=self._loop, name="async-trajectory-collector", daemon=True)
         self._thread.start()
 
@@ -408,6 +411,7 @@ class AsyncTrajectoryCollectorImpl:
         with self._cond:
             out = self.sched.consume(step)
             self._written.pop(step, None)
+            self._epochs.pop(step, None)
             self._cond.notify_all()
             return out
 
@@ -435,7 +439,8 @@ class AsyncTrajectoryCollectorImpl:
             targets = {t: list(self._written.get(t, [])) + [int(r["idx"]) for r in self._todo.get(t, ())]
                        for t in set(self._written) | set(self._todo) if t >= self.sched.next_train_step}
             return {"loader": self.loader.state_dict(), "generation": self.rollout.generation_state(),
-                    "targets": {str(t): v for t, v in sorted(targets.items())}}
+                    "targets": {str(t): v for t, v in sorted(targets.items())},
+                    "target_epochs": {str(t): self._epochs.get(t, -1) for t in sorted(targets)}}
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop the loop (bounded) and release the rollout's resources; TQ data stays."""
@@ -454,6 +459,7 @@ class AsyncTrajectoryCollectorImpl:
             from rollout.builders import as_records
 
             todo = self._todo[r.target] = deque(as_records(self.loader.next_batch()))
+            self._epochs[r.target] = int(self.loader.epoch)
             if len(todo) < self.sched.groups_per_step:
                 raise RuntimeError(f"the dataloader returned {len(todo)} prompts, {self.sched.groups_per_step} needed")
         return [todo.popleft() for _ in range(r.num_groups)]
@@ -495,9 +501,12 @@ class AsyncTrajectoryCollectorImpl:
         """Roll ``records`` out and write their groups to TQ in one put; False if it failed."""
         try:
             uids = [f"t{r.target}-{int(x['idx'])}-{next(self._serial)}" for x in records]  # unique across epochs
+            # epoch and prompt_idx: which dataset prompt each sample's group rolls out (the prompt ledger)
+            tags = {"target_step": r.target, "epoch": self._epochs.get(r.target, -1),
+                    "prompt_idx": [int(x["idx"]) for x in records for _ in range(self.group_size)]}
             meta, _, _, _ = self.rollout.rollout_to_tq(
                 records, self.buffer.partition_id, self.group_size, uids=uids, keep_warm=True,
-                extra_tags={"target_step": r.target}, carry_columns=("response_lengths", "loss_multiplier"),
+                extra_tags=tags, carry_columns=("response_lengths", "loss_multiplier"),
             )
         except Exception as exc:  # counted against the budget, logged, retried; never swallowed silently
             log.warning("generation for step %d failed (%d so far): %r", r.target, self.failed_generations + 1, exc)

@@ -22,9 +22,11 @@ from policy.loss import ClippedPGLossFn
 from policy.policy import DriverTraffic
 from rollout.actors import SyncRolloutActor
 
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import latest_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
 from .common import build_dataloader, build_datasets, init_ray, run_name
 from .config import ConfigError, MasterConfig, parse_cli
+from .driver import DriverRecord
+from .ledger import PromptLedger
 from .logger import MetricsLogger
 
 
@@ -50,7 +52,15 @@ class GRPOTrainerBase(ABC):
     def __init__(self, cfg: MasterConfig) -> None:
         self.cfg = cfg
         torch.manual_seed(cfg.grpo.seed)
+        ck = cfg.checkpointing
+        # The checkpoint this run resumes from (None: a fresh start), found before anything starts.
+        self.resume_from = latest_checkpoint(ck.checkpoint_dir) if ck.enabled and ck.resume else None
+        # One driver per checkpoint dir: refuses to start beside a live one, and reaps what a killed
+        # predecessor left running (its Ray processes) before starting Ray again.
+        self.driver_record = DriverRecord.claim(ck.checkpoint_dir) if ck.enabled else None
         init_ray(cfg)
+        if self.driver_record is not None:
+            self.driver_record.note_processes()
         train_ds, self.val_dataset = build_datasets(cfg)
         self.loader = build_dataloader(cfg, train_ds)
         self.loss_fn = ClippedPGLossFn(cfg.loss)
@@ -68,8 +78,16 @@ class GRPOTrainerBase(ABC):
         )
         self.get(self.rollout.ready.remote(), "rollout actor start-up")
         self._pop_driver_counters()
-        self.logger = MetricsLogger(cfg.logger, run_name(cfg, self.name), cfg.model_dump(mode="json"))
+        # A resumed run keeps logging into the run directory its checkpoint names (unless
+        # logger.run_name says otherwise), so metrics.jsonl and prompts.jsonl hold the whole lineage.
+        saved = read_trainer_state(self.resume_from) if self.resume_from is not None else {}
+        name = cfg.logger.run_name or saved.get("run_name") or run_name(cfg, self.name)
+        self.logger = MetricsLogger(cfg.logger, name, cfg.model_dump(mode="json"),
+                                    resume_step=int(saved["step"]) if saved else None)
+        self.ledger = PromptLedger(self.logger.run_dir)
         self._maybe_resume()
+        self.start_step = self.step
+        self.ledger.start(self.step, self.resume_from, self.loader.state_dict())
 
     # ------------------------------------------------------------------ what the two paths implement
     @abstractmethod
@@ -143,10 +161,7 @@ class GRPOTrainerBase(ABC):
         return out
 
     def _maybe_resume(self) -> None:
-        ck = self.cfg.checkpointing
-        if not (ck.enabled and ck.resume):
-            return
-        path = latest_checkpoint(ck.checkpoint_dir)
+        path = self.resume_from
         if path is None:
             return
         state = load_checkpoint(path, self.policy)
@@ -158,8 +173,15 @@ class GRPOTrainerBase(ABC):
 
     def _checkpoint(self) -> None:
         generation = self.get(self.rollout.generation_state.remote(), "generation state")
+        self._save_checkpoint({"dataloader": self.loader.state_dict(), "generation": generation})
+
+    def _save_checkpoint(self, trainer_state: dict[str, Any]) -> None:
+        """Write checkpoint ``self.step`` (the ledger's lines up to it reach the disk first)."""
+        self.ledger.sync()
         save_checkpoint(self.cfg.checkpointing.checkpoint_dir, self.step, self.policy,
-                        {"dataloader": self.loader.state_dict(), "generation": generation})
+                        {**trainer_state, "run_name": self.logger.run_dir.name})
+        if self.driver_record is not None:
+            self.driver_record.note_processes()  # actors started since: a successor reaps them too
 
     def fit(self) -> list[dict[str, Any]]:
         """Train to ``grpo.max_num_steps``; returns the per-step training metrics."""
@@ -171,8 +193,10 @@ class GRPOTrainerBase(ABC):
             while self.step < g.max_num_steps:
                 self._pop_driver_counters()  # start the step's traffic count at zero
                 t0 = time.perf_counter()
-                metrics = self.train_step(BatchSource(self.loader))
+                batches = BatchSource(self.loader)
+                metrics = self.train_step(batches)
                 self.step += 1
+                self.ledger.record(self.step, batches.trained, batches.dropped)
                 t1 = time.perf_counter()
                 self.refit_generation()
                 metrics["timing/refit"] = time.perf_counter() - t1
@@ -195,6 +219,7 @@ class GRPOTrainerBase(ABC):
                 f"({type(exc).__name__}: {str(exc).splitlines()[0]}); the last checkpoint stays loadable"
             ) from None
         finally:
+            self.ledger.close()
             plot = self.logger.plot()
             self.logger.close()
             if plot is not None:
@@ -207,18 +232,36 @@ class GRPOTrainerBase(ABC):
             self.policy.shutdown()
         finally:
             ray.kill(self.rollout)
+            self.ledger.close()
+            if self.driver_record is not None:
+                self.driver_record.release()
 
 
 class BatchSource:
-    """Prompt batches for one step (dynamic sampling may ask for several)."""
+    """Prompt batches for one step (dynamic sampling may ask for several), and which of their prompts
+    the step trained on (for the prompt ledger, ``trainer.ledger``)."""
 
     def __init__(self, loader: Any) -> None:
         self.loader = loader
         self.drawn = 0
+        self.batches: list[tuple[int, list[int]]] = []  # (loader epoch, dataset idx of each prompt) per batch
+        self.trained: list[tuple[int, int]] = []  # (epoch, idx) of the prompts trained on
+        self.dropped: list[tuple[int, int]] = []  # drawn, rolled out, not trained on (dynamic sampling)
 
     def next(self) -> Any:
         self.drawn += 1
-        return self.loader.next_batch()
+        batch = self.loader.next_batch()
+        self.batches.append((int(self.loader.epoch), [int(r["idx"]) for r in batch]))
+        return batch
+
+    def settle(self, prompt_ids: Sequence[int]) -> None:
+        """The step trains on the groups of ``prompt_ids`` (one per sample, ``dataset idx + 1_000_000 *
+        batch number`` as the trainers number them): record those prompts as trained, the rest of the
+        drawn ones as dropped."""
+        kept = list(dict.fromkeys(int(p) for p in prompt_ids))
+        self.trained = [(self.batches[p // 1_000_000][0], p % 1_000_000) for p in kept]
+        taken = set(kept)
+        self.dropped = [(e, i) for b, (e, idxs) in enumerate(self.batches) for i in idxs if i + 1_000_000 * b not in taken]
 
     def check_budget(self, kept: int, want: int, max_batches: int) -> None:
         """Dynamic sampling draws batches until ``want`` samples are kept; give up, naming the limit,
@@ -244,7 +287,8 @@ def run(trainer_cls: type[GRPOTrainerBase], argv: Sequence[str] | None = None) -
         history = trainer.fit()
         if history:
             first, last = history[0]["reward"], sum(h["reward"] for h in history[-5:]) / min(5, len(history))
-            print(f"done: {len(history)} steps, reward {first:.3f} -> {last:.3f} (mean of the last 5 steps)", flush=True)
+            resumed = f" (resumed at step {trainer.start_step})" if trainer.start_step else ""
+            print(f"done: {len(history)} steps{resumed}, reward {first:.3f} -> {last:.3f} (mean of the last 5 steps)", flush=True)
         return 0
     except KeyboardInterrupt:
         print("interrupted: stopping workers; the last checkpoint stays loadable", file=sys.stderr)

@@ -56,3 +56,9 @@ def load_checkpoint(path: str | Path, policy: Any) -> dict[str, Any]:
     np.random.set_state(rng["numpy"])
     torch.set_rng_state(rng["torch"])
     return json.loads((path / "trainer_state.json").read_text())
+
+
+def read_trainer_state(path: str | Path) -> dict[str, Any]:
+    """The trainer state of checkpoint ``path`` (step, run name, loader / collector state), without
+    loading the policy."""
+    return json.loads((Path(path) / "trainer_state.json").read_text())

@@ -28,7 +28,10 @@ def init_ray(cfg: MasterConfig) -> None:
     if ray.is_initialized():
         return
     if cfg.cluster.ray_address:
-        ray.init(address=cfg.cluster.ray_address, log_to_driver=True)
+        # A running cluster's workers do not inherit this process's environment: pass the data
+        # plane's secret on (TQPolicy's workers read it from TQ_SECRET).
+        env = {"env_vars": {"TQ_SECRET": cfg.data_plane.secret}} if cfg.data_plane.secret else None
+        ray.init(address=cfg.cluster.ray_address, log_to_driver=True, runtime_env=env)
     else:
         ray.init(num_cpus=cfg.cluster.num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True)
 

@@ -55,6 +55,7 @@ class GRPOTrainer(GRPOTrainerBase):
         data = BatchedDataDict.from_batches(parts) if len(parts) > 1 else parts[0]
         if data.size > want:
             data = data.slice(0, want)
+        batches.settle(data["prompt_ids"].tolist())  # the prompt ledger: what this step trains on
         metrics["generation_batches"] = float(batches.drawn)
         return data, metrics
 

@@ -15,9 +15,15 @@ them to a TQ partition tagged ``weight_version`` / ``target_step``. Each step ``
    finishes on the old weights and the next one runs on version ``t + 1``.
 
 Checkpoints (at the refit point, the collector quiesced) save the policy, the step and the collector's
-``get_dataloader_state``: the loader position plus, per unconsumed target step, the dataset indices of
-its prompts. TQ contents are not saved: a resumed run regenerates those prompts for the same target
-steps on the restored weights, so no prompt is lost or trained twice (the trajectories are new samples).
+``get_dataloader_state``: the loader position plus, per unconsumed target step, the dataset indices
+(and loader epoch) of its prompts - generated into TQ or not yet. TQ contents are not saved: a resumed
+run (also after the driver was killed with SIGKILL) frees whatever the dead driver left in the
+partition and regenerates exactly those prompts for the same target steps on the restored weights, so
+no prompt pulled from the loader is lost or trained twice (NeMo-RL's async resume lost such prompts).
+The regenerated trajectories are new samples: the first resumed step trains on samples of the
+restored weights (age 0) where the uninterrupted run had one-step-old ones, so an async resume is not
+bit-identical to the uninterrupted run (a sync one is). Each group is tagged ``epoch`` / ``prompt_idx``
+and every step's prompts go to the prompt ledger (``trainer.ledger``).
 
     python -m trainer.grpo_async                                  # the offline CPU recipe, async
     python -m trainer.grpo_async grpo.max_num_steps=10 async_grpo.max_trajectory_age_steps=2
@@ -37,7 +43,7 @@ from tq import KVBatchMeta
 
 from .async_collector import AsyncTrajectoryCollector
 from .base import BatchSource, run
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint
 from .common import compute_step_targets
 from .config import CONFIG_DIR, ConfigError, MasterConfig, parse_cli, validate_async
 from .grpo_sync import GRPOSyncTrainer
@@ -68,6 +74,9 @@ class GRPOAsyncTrainer(GRPOSyncTrainer):
         except BaseException:
             self.shutdown()
             raise
+
+    def owned_partitions(self) -> list[str]:
+        return [*super().owned_partitions(), self.cfg.async_grpo.partition_id]
 
     # ------------------------------------------------------------------ collector
     def _start_collector(self) -> None:
@@ -103,8 +112,7 @@ class GRPOAsyncTrainer(GRPOSyncTrainer):
         self.get(self.collector.stage_weights.remote(weights, self.step), "collector stage_weights")
 
     def _maybe_resume(self) -> None:
-        ck = self.cfg.checkpointing
-        path = latest_checkpoint(ck.checkpoint_dir) if ck.enabled and ck.resume else None
+        path = self.resume_from
         if path is None:
             return
         state = load_checkpoint(path, self.policy)
@@ -117,7 +125,7 @@ class GRPOAsyncTrainer(GRPOSyncTrainer):
         self.get(c.prepare_for_refit.remote(), "collector quiesce for checkpoint")
         try:
             collector_state = self.get(c.get_dataloader_state.remote(), "collector state")
-            save_checkpoint(self.cfg.checkpointing.checkpoint_dir, self.step, self.policy, {"collector": collector_state})
+            self._save_checkpoint({"collector": collector_state})
         finally:
             self.get(c.resume_after_refit.remote(), "collector resume")
 
@@ -149,6 +157,9 @@ class GRPOAsyncTrainer(GRPOSyncTrainer):
             g, rewards=cols["total_reward"], prompt_ids=prompt_ids, response_lengths=cols["response_lengths"],
             truncated=cols["truncated"], loss_multiplier=cols["loss_multiplier"],
         )
+        # The prompt ledger: one (epoch, dataset idx) per group, in batch order.
+        groups = dict.fromkeys(zip(meta.tags["uid"], meta.tags["epoch"], meta.tags["prompt_idx"]))
+        batches.trained = [(int(e), int(i)) for _, e, i in groups]
         out, meta = self.learn_from_meta(meta, targets, timing)
         self.policy.finish_step(meta, clear_partition=False)  # later steps' groups share the partition
         self.get(self.collector.release_target.remote(step), "collector release_target")

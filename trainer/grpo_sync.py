@@ -12,13 +12,14 @@ clears the step's keys at the end (the store is empty between steps).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
 
 import torch
 
-from policy.policy import TQPolicy
+from policy.policy import VAL_PARTITION, TQPolicy
 from tq import KVBatchMeta, TQClient, TQServer
 
 from . import algorithms as A
@@ -40,6 +41,12 @@ class GRPOSyncTrainer(GRPOTrainerBase):
                 "sample's message log on the driver); use trainer.grpo or remove them"
             )
         dp = cfg.data_plane
+        self._prev_env_secret = os.environ.get("TQ_SECRET")
+        if dp.secret:
+            # TQPolicy's clients (driver and DP workers) take the secret from the environment; a local
+            # Ray's workers inherit the driver's (init_ray passes it to a remote cluster's). Restored
+            # at shutdown.
+            os.environ["TQ_SECRET"] = dp.secret
         self.tq_server: TQServer | None = None
         if dp.address is None:  # bootstrap a controller and its storage units on the driver's host
             self.tq_server = TQServer(storage_units=dp.storage_units, capacity=dp.capacity_bytes, secret=dp.secret)
@@ -52,7 +59,38 @@ class GRPOSyncTrainer(GRPOTrainerBase):
         except BaseException:
             if self.tq_server is not None:
                 self.tq_server.shutdown()
+            self._restore_env()
             raise
+        if self.tq_server is None:
+            self._free_leftovers()
+
+    def owned_partitions(self) -> list[str]:
+        """The TQ partitions this trainer writes (scratch space: nothing in them is needed to resume)."""
+        return [self.policy.train_partition, VAL_PARTITION]
+
+    def _free_leftovers(self) -> None:
+        """Free keys a previous driver left in this trainer's partitions of a long-lived TQ service (it
+        was killed mid-step, or generating ahead): a resumed run regenerates what it needs from its
+        checkpoint, so none of it may be read again."""
+        held = {p["partition"]: p["keys"] for p in self.policy.client.list_partitions()}
+        for part in self.owned_partitions():
+            if held.get(part):
+                freed = self.policy.client.clear_partition(part)
+                print(f"freed {freed} keys a previous driver left in TQ partition {part!r}", flush=True)
+
+    def _drop_partitions(self) -> None:
+        """At exit, unregister this trainer's partitions of a long-lived TQ service (freeing any key left)."""
+        from tq.errors import PartitionNotFoundError
+
+        try:
+            with TQClient(self.tq_address, secret=self.cfg.data_plane.secret, timeout=10.0) as client:
+                for part in self.owned_partitions():
+                    try:
+                        client.drop_partition(part)
+                    except PartitionNotFoundError:
+                        pass
+        except Exception as exc:  # the service may be gone; exiting must not fail on it
+            print(f"warning: could not drop the TQ partitions {self.owned_partitions()}: {exc!r}", file=sys.stderr, flush=True)
 
     def build_policy(self) -> TQPolicy:
         return TQPolicy(self.cfg.policy, self.tq_address)
@@ -94,6 +132,7 @@ class GRPOSyncTrainer(GRPOTrainerBase):
             self.policy.discard_samples(meta.slice(want, len(meta)))
             meta = meta.slice(0, want)
             carry = {k: v[:want] for k, v in carry.items()}
+        batches.settle(carry["prompt_ids"].tolist())  # the prompt ledger: what this step trains on
         metrics["generation_batches"] = float(batches.drawn)
         return meta, carry, metrics
 
@@ -163,6 +202,15 @@ class GRPOSyncTrainer(GRPOTrainerBase):
         finally:
             if self.tq_server is not None:
                 self.tq_server.shutdown()
+            else:
+                self._drop_partitions()
+            self._restore_env()
+
+    def _restore_env(self) -> None:
+        if self._prev_env_secret is None:
+            os.environ.pop("TQ_SECRET", None)
+        else:
+            os.environ["TQ_SECRET"] = self._prev_env_secret
 
 
 def main(argv: list[str] | None = None) -> int:

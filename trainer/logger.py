@@ -21,20 +21,53 @@ def _scalar(v: Any) -> float | None:
     return f if math.isfinite(f) else None
 
 
+def read_metrics_lineage(path: Path, upto: int | None = None) -> list[dict[str, Any]]:
+    """The train/val rows of ``metrics.jsonl`` that belong to the current lineage (a ``"resume"`` row at
+    step ``k`` drops earlier rows past ``k``, a ``"start"`` row drops all), up to step ``upto``."""
+    rows: list[dict[str, Any]] = []
+    try:
+        f = open(path)
+    except FileNotFoundError:
+        return rows
+    with f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a torn last line of a killed run
+                continue
+            if row.get("split") in ("resume", "start"):
+                rows = [r for r in rows if r["step"] <= int(row["step"])] if row["split"] == "resume" else []
+            else:
+                rows.append(row)
+    return [r for r in rows if upto is None or r["step"] <= upto]
+
+
 class MetricsLogger:
     """Writes every step's metrics to ``<log_dir>/<run>/metrics.jsonl`` (+ TensorBoard, wandb)."""
 
-    def __init__(self, cfg: LoggerConfig, run_name: str, config_dump: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, cfg: LoggerConfig, run_name: str, config_dump: Mapping[str, Any] | None = None,
+                 resume_step: int | None = None) -> None:
+        """``resume_step``: this run resumes a checkpoint of that step, in the same run directory: the
+        history (and ``curves.png``) starts with the lineage's rows up to it, ``metrics.jsonl`` gets a
+        ``"resume"`` row, after which rows of later steps replace those a dead run logged, and
+        TensorBoard purges the dead run's events past it."""
         self.cfg = cfg
         self.run_dir = Path(cfg.log_dir) / run_name
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
-        self.history: list[dict[str, Any]] = []
+        path = self.run_dir / "metrics.jsonl"
+        self.history: list[dict[str, Any]] = read_metrics_lineage(path, resume_step) if resume_step is not None else []
+        had_rows = path.exists() and path.stat().st_size > 0
+        self._jsonl = open(path, "a", buffering=1)
+        if resume_step is not None:
+            self._jsonl.write(json.dumps({"step": int(resume_step), "split": "resume", "time": time.time()}) + "\n")
+        elif had_rows:  # the same run name started again from scratch: earlier rows are not this run's
+            self._jsonl.write(json.dumps({"step": 0, "split": "start", "time": time.time()}) + "\n")
         self._tb = None
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"),
+                                     purge_step=None if resume_step is None else int(resume_step) + 1)
         self._wandb = None
         if cfg.wandb:
             try:

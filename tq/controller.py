@@ -77,6 +77,7 @@ class UnitLedger:
     pending: dict[int, int] = field(default_factory=dict)  # block -> commit digest, until settled
     fenced: set[int] = field(default_factory=set)
     claims: list[int] = field(default_factory=list)
+    frees: list[np.ndarray] = field(default_factory=list)  # [n, 2] (block, row) pairs to free
     resync: bool = False
 
     def settled(self, block: int) -> bool:
@@ -616,14 +617,29 @@ class Controller(RpcServer):
         return rows[rows[:, UNIT] >= 0]
 
     def _free_rows(self, part: Partition, rows: np.ndarray) -> None:
-        """Tell every unit to free these rows (fire and forget). Their records must be gone from the
-        location table already: ``freed`` tells same-host readers that copied them to copy again."""
+        """Have every unit free these rows. Their records must be gone from the location table already:
+        ``freed`` tells same-host readers that copied them to copy again. The frees go out from the
+        loop (:meth:`_flush_units`), after the op that freed them is journaled: a controller killed in
+        between must not come back pointing at rows its units already freed."""
         part.table.freed()
+        if self._replaying:
+            return
         for unit in np.unique(rows[:, UNIT]).tolist():
-            sel = rows[rows[:, UNIT] == unit]
-            bufs: list[Any] = []
-            args = {"blocks": protocol.pack_array(sel[:, BLOCK], bufs), "rows": protocol.pack_array(sel[:, ROW], bufs)}
-            self._send_to_unit(unit, "free_rows", args, bufs)
+            self.ledgers[unit].frees.append(rows[rows[:, UNIT] == unit][:, [BLOCK, ROW]])
+
+    def _flush_units(self) -> None:
+        """Send each unit the claims and frees of the ops applied (and journaled) since the last tick."""
+        for unit, led in self.ledgers.items():
+            if led.claims:
+                bufs: list[Any] = []
+                self._send_to_unit(unit, "claim", {"blocks": protocol.pack_array(np.array(led.claims, dtype=np.int64), bufs)}, bufs)
+                led.claims = []
+            if led.frees:
+                rows = np.concatenate(led.frees)
+                led.frees = []
+                bufs = []
+                args = {"blocks": protocol.pack_array(rows[:, 0], bufs), "rows": protocol.pack_array(rows[:, 1], bufs)}
+                self._send_to_unit(unit, "free_rows", args, bufs)
 
     # -- partitions
     def op_create_partition(self, args: dict, buffers: list, call: Call) -> dict:
@@ -1003,11 +1019,7 @@ class Controller(RpcServer):
         return min(times, default=None)
 
     def on_tick(self, now: float) -> None:
-        for unit, led in self.ledgers.items():
-            if led.claims:  # commits applied (and journaled) since the last tick: tell their units
-                bufs: list[Any] = []
-                self._send_to_unit(unit, "claim", {"blocks": protocol.pack_array(np.array(led.claims, dtype=np.int64), bufs)}, bufs)
-                led.claims = []
+        self._flush_units()
         self._heartbeat(now)
         self._reap_children()
         if self.units and self._down_units() != self._published_down:

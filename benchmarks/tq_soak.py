@@ -83,6 +83,36 @@ def rows_of(column: Any) -> list[Any]:
     return [column[i] for i in range(column.shape[0])]
 
 
+def compare_rows(got: dict[str, Any], layout: str, want: dict[str, list[str]], lengths: list[int]
+                 ) -> tuple[int, list[tuple[str, int | None, str]]]:
+    """Check a get's result row by row against the digests of what was written (``want[field][j]``
+    for row j). Jagged fields of a padded result are cut at ``lengths[j]`` and their padding must be
+    zero. Returns (rows that matched, problems as (field, row index or None for the whole field, what
+    is wrong))."""
+    import torch
+
+    matched, problems = 0, []
+    for name, col in got.items():
+        if layout == "padded" and (name in JAGGED or name == "plp"):
+            rows = []
+            for j, L in enumerate(lengths):
+                rows.append(col[j, :L])
+                pad = col[j, L:]
+                if pad.numel() and bool((pad.contiguous().view(torch.uint8) != 0).any()):
+                    problems.append((name, j, "padding is not zero"))
+        else:
+            rows = rows_of(col)
+        if len(rows) != len(lengths):
+            problems.append((name, None, f"{name!r} came back with {len(rows)} rows"))
+            continue
+        for j, row in enumerate(rows):
+            if digest(row) == want[name][j]:
+                matched += 1
+            else:
+                problems.append((name, j, "does not match its checksum"))
+    return matched, problems
+
+
 # ----------------------------------------------------------------------------- one client process
 @dataclass
 class Batch:
@@ -114,25 +144,18 @@ class Tally:
             self.notes.append(f"{kind}: {text}")
 
 
-class SoakWorker:
-    def __init__(self, idx: int, address: str, seed: int, transport: str) -> None:
+class RowMaker:
+    """Random per-sample columns of every kind the soak writes (also used by ``benchmarks.tq_chaos``):
+    jagged rows of the ``JAGGED`` dtypes with lengths mostly short, some long, fixed-shape tensors,
+    msgpack-able objects, and the ``WRITE_BACK`` fields."""
+
+    def __init__(self, rng: np.random.Generator) -> None:
         import torch
 
-        from tq import TQClient
-
         self.torch = torch
-        self.idx = idx
-        self.rng = np.random.default_rng([seed, idx])
+        self.rng = rng
         self.gen = torch.Generator().manual_seed(int(self.rng.integers(1 << 62)))
-        self.client = TQClient(address, timeout=120.0, transport=transport)
-        self.own = f"soak-w{idx}"
-        self.client.register_partition(self.own)
-        self.batches: list[Batch] = []
-        self.counter = 0
-        self.t = Tally()
-        self.prev_get: tuple[dict, list] | None = None  # the last get's result, re-checked after the next one
 
-    # -- data
     def _lengths(self, n: int) -> list[int]:
         r = self.rng.random(n)
         small = self.rng.integers(0, 64, n)
@@ -186,6 +209,21 @@ class SoakWorker:
             return self._jagged("float32", lengths)
         return self._object(name if name in OBJECTS else "info", n)
 
+
+class SoakWorker(RowMaker):
+    def __init__(self, idx: int, address: str, seed: int, transport: str) -> None:
+        from tq import TQClient
+
+        super().__init__(np.random.default_rng([seed, idx]))
+        self.idx = idx
+        self.client = TQClient(address, timeout=120.0, transport=transport)
+        self.own = f"soak-w{idx}"
+        self.client.register_partition(self.own)
+        self.batches: list[Batch] = []
+        self.counter = 0
+        self.t = Tally()
+        self.prev_get: tuple[dict, list] | None = None  # the last get's result, re-checked after the next one
+
     # -- bookkeeping
     def _timed(self, op: str, fn: Any) -> Any:
         t0 = time.perf_counter()
@@ -214,28 +252,12 @@ class SoakWorker:
 
     def _check(self, got: dict[str, Any], layout: str, want: dict[str, list[str]], lengths: list[int], keys: list[str],
                pid: str, what: str) -> None:
-        torch = self.torch
-        for name, col in got.items():
-            if layout == "padded" and (name in JAGGED or name == "plp"):
-                rows = []
-                for j, L in enumerate(lengths):
-                    rows.append(col[j, :L])
-                    pad = col[j, L:]
-                    if pad.numel() and bool((pad.contiguous().view(torch.uint8) != 0).any()):
-                        self.t.corrupted += 1
-                        self.t.note("corrupted", f"{what}: padding of {name!r} of {keys[j]!r} is not zero")
-            else:
-                rows = rows_of(col)
-            if len(rows) != len(keys):
-                self.t.corrupted += len(keys)
-                self.t.note("corrupted", f"{what}: {name!r} came back with {len(rows)} rows for {len(keys)} keys")
-                continue
-            for j, row in enumerate(rows):
-                if digest(row) != want[name][j]:
-                    self.t.corrupted += 1
-                    self.t.note("corrupted", f"{what}: {name!r} of {keys[j]!r} in {pid!r} does not match its checksum")
-                else:
-                    self.t.verified += 1
+        matched, problems = compare_rows(got, layout, want, lengths)
+        self.t.verified += matched
+        for name, j, problem in problems:
+            self.t.corrupted += len(keys) if j is None else 1
+            self.t.note("corrupted", f"{what}: {problem} ({len(keys)} keys)" if j is None else
+                        f"{what}: {name!r} of {keys[j]!r} in {pid!r}: {problem}")
 
     # -- ops
     def op_put(self) -> None:
@@ -449,13 +471,33 @@ def _settled(admin: Any, timeout: float) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
         units = admin.stats()["unit_stats"]
-        if all(u["bytes_used"] == 0 and u["blocks"] == 0 and u["pending_allocs"] == 0 for u in units) or time.monotonic() > deadline:
+        if all(u.get("bytes_used") == 0 and u.get("blocks") == 0 and u.get("pending_allocs") == 0 for u in units) \
+                or time.monotonic() > deadline:  # a unit reported down has no counts: not settled
             return units
         time.sleep(0.2)
 
 
 def _pct(values: np.ndarray, q: float) -> float:
     return float(np.percentile(values, q) * 1e3) if values.size else 0.0
+
+
+def start_processes(ctx: Any, workers: list[Any], n: int, name: str, target: Any, ready: Any, timeout: float,
+                    args: Any) -> int:
+    """Start ``n`` daemon processes ``target(*args(i))`` (appended to ``workers``) and wait until each
+    put something on ``ready``, all of them died, or ``timeout`` ran out; returns how many got ready."""
+    for i in range(n):
+        p = ctx.Process(target=target, name=f"{name}-{i}", daemon=True, args=args(i))
+        p.start()
+        workers.append(p)
+    n_ready, deadline = 0, time.monotonic() + timeout
+    while n_ready < n and time.monotonic() < deadline:
+        try:
+            ready.get(timeout=1.0)
+            n_ready += 1
+        except queue.Empty:
+            if not any(p.is_alive() for p in workers):
+                break
+    return n_ready
 
 
 def run_soak(
@@ -474,22 +516,12 @@ def run_soak(
         memory = {"start": _sample(admin, server.proc.pid, t0), "during": []}
         ready, go, results = ctx.Queue(), ctx.Event(), ctx.Queue()
         start_timeout = 120.0 + 5.0 * procs
-        workers = []
-        for i in range(procs):
-            tr = transport if transport != "mixed" else ("auto", "tcp")[i % 2]
-            p = ctx.Process(target=worker_main, name=f"tq-soak-{i}", daemon=True,
-                            args=(i, server.address, duration, seed, tr, ready, go, results, start_timeout))
-            p.start()
-            workers.append(p)
+        workers: list[Any] = []
         try:
-            n_ready, deadline = 0, time.monotonic() + start_timeout
-            while n_ready < procs and time.monotonic() < deadline:
-                try:
-                    ready.get(timeout=1.0)
-                    n_ready += 1
-                except queue.Empty:
-                    if not any(p.is_alive() for p in workers):
-                        break
+            n_ready = start_processes(
+                ctx, workers, procs, "tq-soak", worker_main, ready, start_timeout,
+                lambda i: (i, server.address, duration, seed, transport if transport != "mixed" else ("auto", "tcp")[i % 2],
+                           ready, go, results, start_timeout))
             log(f"{n_ready}/{procs} client processes ready after {time.monotonic() - t0:.0f}s; running {duration:.0f}s")
             go.set()
             t_go = time.monotonic()

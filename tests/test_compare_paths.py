@@ -151,6 +151,8 @@ def test_gpu_preset_builds_a_valid_config_of_a_100m_model_and_fails_clearly_with
 
 
 # ----------------------------------------------------------------------------- end to end
+# slow: 90 s of both trainers; the benchmark's own runs exercise it, and the parity and driver-bytes tests stay in CI
+@pytest.mark.slow
 def test_compare_paths_runs_both_trainers_and_writes_json_markdown_and_plots(tmp_path):
     """One step of each trainer on the synthetic backend (fresh processes): the driver's bytes sent
     are counted (legacy ships the data, TQ only handles), every rank's fetch time is in the metrics,

@@ -15,6 +15,7 @@ pytest.importorskip("ray")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow  # 24 s; the demo's steps are each covered by the service tests
 def test_demo_runs_end_to_end():
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)

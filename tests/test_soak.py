@@ -14,6 +14,8 @@ import pytest
 from benchmarks.tq_soak import run_soak, summary
 
 
+# slow since the chaos test (tests/test_chaos.py) runs the same ops under faults in CI
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_short_soak_loses_nothing_and_leaks_nothing():
     lines: list[str] = []

@@ -73,6 +73,8 @@ def test_tq_driver_receives_per_sample_data_only_and_the_store_empties(tmp_path)
     assert max(h["driver_bytes_received"] for h in legacy) > 2 * runs[24]
 
 
+# slow since tests/test_crash_resume.py resumes both trainers from a checkpoint (after a kill -9) in CI
+@pytest.mark.slow
 def test_resumed_run_continues_the_same_curve(tmp_path):
     """Checkpoint at step 2, resume to step 4: steps 3-4 match an uninterrupted 4-step run."""
     straight, _ = _fit(GRPOSyncTrainer, _cfg(tmp_path, "grpo.max_num_steps=4"))
@@ -85,6 +87,7 @@ def test_resumed_run_continues_the_same_curve(tmp_path):
             assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-7), (key, a[key], b[key])
 
 
+@pytest.mark.slow  # 24 s of training before a validation pass
 def test_validation_reports_accuracy(tmp_path):
     history, trainer = _fit(GRPOSyncTrainer, _cfg(tmp_path, "grpo.max_num_steps=2", "grpo.val_period=2",
                                                    "grpo.max_val_samples=8", "grpo.val_num_generations=2"))

@@ -21,9 +21,10 @@ import pytest
 import torch
 import zmq
 
+from conftest import wait_until
 from tq import TQClient, TQServer, protocol
-from tq.errors import ReplayError
-from tq.rpc import set_client_credentials
+from tq.errors import AuthenticationError, ReplayError
+from tq.rpc import RpcChannel, RpcServer, set_client_credentials
 
 SECRET = "issue16-s3cret"
 KEY = SECRET.encode()
@@ -163,6 +164,36 @@ def test_normal_traffic_from_many_threads_is_never_refused(client):
     client.drop_partition(pid)
     stats = client.stats()
     assert [stats["rejected_messages"], stats["unit_stats"][0]["rejected_messages"]] == before
+
+
+# ----------------------------------------------------------------------------- connection gate
+def test_servers_in_one_process_share_the_zap_handler_and_keep_their_own_secrets():
+    servers = {
+        name: RpcServer(name, "tcp://127.0.0.1:0", secret=secret, max_message_bytes=MiB)
+        for name, secret in (("a", b"secret-a"), ("b", b"secret-b"), ("open", None))
+    }
+    threads = []
+    for srv in servers.values():
+        srv.handlers["echo"] = lambda args, buffers, call: args
+        threads.append(threading.Thread(target=srv.serve_forever, daemon=True))
+        threads[-1].start()
+    try:
+        for name, secret in (("a", b"secret-a"), ("b", b"secret-b"), ("open", None)):
+            with_own = RpcChannel(servers[name].address, secret=secret, timeout=5.0, name=name)
+            assert with_own.call("echo", {"n": name})[0] == {"n": name}
+            with_own.close()
+        wrong = RpcChannel(servers["b"].address, secret=b"secret-a", timeout=5.0, name="b")
+        t0 = time.monotonic()
+        with pytest.raises(AuthenticationError, match="refused this client's credentials"):
+            wrong.call("echo", {})
+        assert time.monotonic() - t0 < 2.0  # told at once, not after the timeout
+        wrong.close()
+        assert wait_until(lambda: servers["b"].rejected == 1) and servers["a"].rejected == 0
+    finally:
+        for srv in servers.values():
+            srv.stop()
+        for t in threads:
+            t.join(5)
 
 
 # ----------------------------------------------------------------------------- pre-auth memory

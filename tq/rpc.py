@@ -344,6 +344,8 @@ class RpcChannel:
         copy = not _zero_copy(frames)
         try:  # the common case: connected, so the send is queued at once without an extra poll
             sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
+            if self._local.monitor is not None:  # connected before its first wait: the handshake is done
+                self._drop_monitor(sock)
         except zmq.Again:  # IMMEDIATE: no connection yet - wait for one, up to the timeout
             if not self._await_connection(sock, timeout, check):
                 raise TQConnectionError(

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import socket
 import time
 import uuid
 
 import pytest
+import zmq
 
-from tq import TQClient, TQServer
+from tq import TQClient, TQServer, protocol
+from tq.rpc import set_client_credentials
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +65,38 @@ def unique_keys(n: int, prefix: str = "k") -> list[str]:
     """``n`` keys no other test uses."""
     tag = uuid.uuid4().hex[:6]
     return [f"{prefix}{tag}-{i}" for i in range(n)]
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on right now (for a service restarted on the same port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def raw_exchange(address: str, frames: list, *, secret: bytes | None = None, timeout: float = 5.0) -> protocol.Message | None:
+    """Send raw frames from a fresh DEALER (connecting with the credentials of the server's ``secret``);
+    return the decoded reply, or None if none came within ``timeout``."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    set_client_credentials(sock, secret)
+    try:
+        sock.connect(address)
+        sock.send_multipart(frames)
+        if not sock.poll(timeout * 1e3, zmq.POLLIN):
+            return None
+        return protocol.decode(sock.recv_multipart(), secret)
+    finally:
+        sock.close(0)
 
 
 def wait_until(pred, timeout: float = 5.0, interval: float = 0.02):

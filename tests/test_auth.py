@@ -21,10 +21,10 @@ import pytest
 import torch
 import zmq
 
-from conftest import wait_until
+from conftest import raw_exchange, wait_until
 from tq import TQClient, TQServer, protocol
 from tq.errors import AuthenticationError, ReplayError
-from tq.rpc import RpcChannel, RpcServer, set_client_credentials
+from tq.rpc import RpcChannel, RpcServer
 
 SECRET = "issue16-s3cret"
 KEY = SECRET.encode()
@@ -47,20 +47,6 @@ def _pid() -> str:
     return f"auth-{uuid.uuid4().hex[:8]}"
 
 
-def _exchange(address: str, frames: list, *, credentials: bytes | None = KEY, timeout: float = 5.0) -> protocol.Message | None:
-    """Send raw frames from a fresh DEALER (with the connection credentials of ``credentials``); return
-    the decoded reply, or None if none came within ``timeout``."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    set_client_credentials(sock, credentials)
-    try:
-        sock.connect(address)
-        sock.send_multipart(frames)
-        if not sock.poll(timeout * 1e3, zmq.POLLIN):
-            return None
-        return protocol.decode(sock.recv_multipart(), KEY)
-    finally:
-        sock.close(0)
 
 
 def _ok(reply: protocol.Message | None):
@@ -78,11 +64,11 @@ def test_captured_clear_partition_replayed_later_is_refused(server, client):
     client.register_partition(pid)
     client.put(pid, ["old"], {"x": torch.tensor([1.0])})
     captured = [bytes(f) for f in protocol.request("clear_partition", 1, {"partition": pid}, [], KEY)]
-    assert _ok(_exchange(server.address, captured)) == {"keys_cleared": 1}  # the genuine request
+    assert _ok(raw_exchange(server.address, captured, secret=KEY)) == {"keys_cleared": 1}  # the genuine request
     new = client.put(pid, ["new"], {"x": torch.tensor([2.0])})
     rejected = client.stats()["rejected_messages"]
     # The same bytes again, later, from a fresh socket that has the connection credentials.
-    reply = _exchange(server.address, captured)
+    reply = raw_exchange(server.address, captured, secret=KEY)
     with pytest.raises(ReplayError, match="replay"):
         _ok(reply)
     assert _x(client, new) == [2.0]  # the newer data survived
@@ -100,7 +86,7 @@ def test_request_outside_the_time_window_is_refused(server, client, monkeypatch,
         m.setattr(time, "time_ns", lambda: real() + skew * int(2 * protocol.REPLAY_WINDOW_S * 1e9))
         frames = protocol.request("clear_partition", 1, {"partition": pid}, [], KEY, protocol.Sender())
     with pytest.raises(ReplayError, match="window"):
-        _ok(_exchange(server.address, frames))
+        _ok(raw_exchange(server.address, frames, secret=KEY))
     assert _x(client, meta) == [3.0]
     client.drop_partition(pid)
 
@@ -111,10 +97,10 @@ def test_sequence_going_back_is_refused_and_a_fresh_sender_is_accepted(server, c
     sender = protocol.Sender()
     first = protocol.request("stats", 1, {}, [], KEY, sender)
     second = protocol.request("stats", 2, {}, [], KEY, sender)
-    assert _ok(_exchange(address, second))  # seq 2: accepted
+    assert _ok(raw_exchange(address, second, secret=KEY))  # seq 2: accepted
     with pytest.raises(ReplayError, match="replay"):
-        _ok(_exchange(address, first))  # seq 1 of the same sender, after 2: refused
-    assert _ok(_exchange(address, protocol.request("stats", 3, {}, [], KEY, protocol.Sender())))  # a new sender
+        _ok(raw_exchange(address, first, secret=KEY))  # seq 1 of the same sender, after 2: refused
+    assert _ok(raw_exchange(address, protocol.request("stats", 3, {}, [], KEY, protocol.Sender()), secret=KEY))  # a new sender
 
 
 def test_replay_guard_forgets_senders_older_than_the_window():

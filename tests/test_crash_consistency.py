@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,23 +25,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import wait_until
+from conftest import free_port, pid_alive, wait_until
 from tq import TQClient, TQServer, protocol
 from tq.errors import KeyNotFoundError, StorageUnitError, TQConnectionError, TQError
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return "\nState:\tZ" not in f.read()
-    except FileNotFoundError:
-        return False
 
 
 def _read_or_absent(c: TQClient, pid: str, key: str) -> torch.Tensor | None:
@@ -97,7 +84,7 @@ def test_restarted_controller_supervises_the_units_it_took_back(tmp_path):
     """Kill the controller (journal on), kill a unit while it is down, start the controller again: the
     dead unit is restarted on its arena and serves its keys; then kill the other unit: restarted too.
     Before the fix neither was ever restarted (alive: False for good, arena left in /dev/shm)."""
-    port = _free_port()
+    port = free_port()
     state = str(tmp_path / "state")
     first = TQServer(port=port, storage_units=2, capacity=32 << 20, state_dir=state)
     c = TQClient(first.address, timeout=10.0, transport="tcp")
@@ -138,7 +125,7 @@ def test_restarted_controller_supervises_the_units_it_took_back(tmp_path):
             if server is not None:
                 server.shutdown()
         for p in unit_pids:
-            if _running(p):
+            if pid_alive(p):
                 os.kill(p, signal.SIGKILL)
 
 
@@ -385,7 +372,7 @@ def test_journal_stays_compact_under_a_long_run_of_puts_and_discards(tmp_path):
     from tq.controller import COMPACT_AFTER
     from tq.journal import Journal
 
-    port = _free_port()
+    port = free_port()
     state = tmp_path / "state"
     server = TQServer(port=port, storage_units=1, capacity=16 << 20, state_dir=str(state))
     c = TQClient(server.address, timeout=10.0)
@@ -407,3 +394,55 @@ def test_journal_stays_compact_under_a_long_run_of_puts_and_discards(tmp_path):
         for s in (again, server):
             if s is not None:
                 s.shutdown()
+
+
+def test_frees_leave_the_controller_only_after_the_op_that_freed_them_is_journaled(tmp_path):
+    """A controller killed between telling a unit to free a discarded key's rows and journaling the
+    discard came back with the key pointing at freed, reused rows (5 wrong-bytes reads in a chaos
+    run). The frees now wait for the journal: a unit (a plain socket here) hears nothing while the
+    discard is applied but not yet journaled, and the free_rows once it is."""
+    import zmq
+
+    from tq.controller import Controller
+    from tq.journal import Journal
+    from tq.rpc import Call
+
+    unit = zmq.Context.instance().socket(zmq.ROUTER)
+    port = unit.bind_to_random_port("tcp://127.0.0.1")
+    ctrl = Controller("tcp://127.0.0.1:0", state_dir=str(tmp_path), shm_dir=None)
+    call = Call(b"", None, "test", 0.0)
+
+    def apply(op: str, args: dict, bufs: list = ()) -> None:  # as the server loop does: handler, then journal
+        ctrl.handlers[op](args, list(bufs), call)
+        ctrl.on_applied(op, args, list(bufs))
+
+    def heard(timeout_ms: int = 300) -> list[str]:
+        ops = []
+        while unit.poll(timeout_ms):
+            op = protocol.decode(unit.recv_multipart()[1:], None).header["op"]
+            ops += [] if op == "ping" else [op]  # heartbeats aside
+            timeout_ms = 50
+        return ops
+
+    def journaled() -> list[str]:
+        return [op for op, _, _ in Journal.replay(str(tmp_path / "controller.journal"))]
+
+    try:
+        apply("register_unit", {"address": f"tcp://127.0.0.1:{port}", "arena_size": 1 << 20, "pid": 1, "host": "h",
+                                "arena_path": "/nonexistent"})
+        apply("create_partition", {"partition": "p"})
+        bufs: list = []
+        fields = {"x": {"schema": ["tensor", "int64", []], "row_nbytes": protocol.pack_array(np.array([8, 8]), bufs),
+                        "arena_offsets": protocol.pack_array(np.array([0, 8]), bufs)}}
+        apply("commit", {"partition": "p", "keys": ["a", "b"], "mode": "put", "blocks": [[0, 5, 2]], "fields": fields}, bufs)
+        ctrl.on_tick(time.monotonic())  # the loop's tick, after every journaled op
+        assert heard() == ["claim"]
+
+        ctrl.handlers["discard"]({"partition": "p", "keys": ["a"]}, [], call)  # applied, not journaled yet
+        assert heard() == [] and "discard" not in journaled()
+        ctrl.on_applied("discard", {"partition": "p", "keys": ["a"]}, [])
+        ctrl.on_tick(time.monotonic())
+        assert heard() == ["free_rows"] and journaled()[-1] == "discard"
+    finally:
+        ctrl.close()
+        unit.close(0)

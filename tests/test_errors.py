@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,10 +21,9 @@ import pytest
 import torch
 import zmq
 
-from conftest import unique_keys, wait_until
+from conftest import free_port, pid_alive, raw_exchange, unique_keys, wait_until
 from tq import JaggedTensor, KVBatchMeta, TQClient, TQServer, protocol
 from tq.locations import ALIVE_S, H_ALIVE_UNTIL
-from tq.rpc import set_client_credentials
 from tq.errors import (
     StorageUnitError,
     AuthenticationError,
@@ -61,19 +59,6 @@ def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
 new_keys = unique_keys
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie, exited but not yet reaped, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
 
 
 # ----------------------------------------------------------------------------- reference data
@@ -347,20 +332,6 @@ HOSTILE = {
 }
 
 
-def _raw_exchange(address: str, frames: list, *, secret: bytes | None = None, timeout: float = 5.0):
-    """Send raw frames from a fresh DEALER (connecting with the credentials of the server's ``secret``);
-    return the decoded reply (or None if none came)."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    set_client_credentials(sock, secret)
-    try:
-        sock.connect(address)
-        sock.send_multipart(frames)
-        if not sock.poll(timeout * 1e3, zmq.POLLIN):
-            return None
-        return protocol.decode(sock.recv_multipart(), secret)
-    finally:
-        sock.close(0)
 
 
 def _target_address(tq_server_client: TQClient, target: str) -> str:
@@ -386,7 +357,7 @@ def test_hostile_message_gets_error_reply_and_server_keeps_serving(ref, target, 
         return s["rejected_messages"] if target == "controller" else s["unit_stats"][int(target[-1])]["rejected_messages"]
 
     rejected_before = rejected()
-    reply = _raw_exchange(address, frames)
+    reply = raw_exchange(address, frames)
     if exc_type is None:  # the server may drop a message it cannot even frame; it must keep serving
         if reply is not None:
             with pytest.raises(MalformedMessageError, match=pattern):
@@ -459,7 +430,7 @@ def test_storage_unit_enforces_its_message_size_limit():
             args = {"n_rows": 1, "fields": {"f": {"schema": ["jagged", "uint8", []],
                                                   "row_offsets": protocol.pack_array(ro, bufs),
                                                   "data": protocol.pack_array(data, bufs)}}}
-            return _raw_exchange(info["address"], protocol.request("store", 1, args, bufs, None)), data
+            return raw_exchange(info["address"], protocol.request("store", 1, args, bufs, None)), data
 
         reply, _ = store(8192)
         with pytest.raises(MessageTooLargeError, match=r"8208 bytes exceeds the limit of 4096"):
@@ -468,14 +439,14 @@ def test_storage_unit_enforces_its_message_size_limit():
         stored = protocol.raise_for_reply(reply)
         bufs = []
         req = {"fields": ["f"], "entries": protocol.pack_array(np.array([[0, stored["block"], 0]]), bufs)}
-        reply = _raw_exchange(info["address"], protocol.request("fetch", 2, req, bufs, None))
+        reply = raw_exchange(info["address"], protocol.request("fetch", 2, req, bufs, None))
         out = protocol.raise_for_reply(reply)
         assert np.array_equal(protocol.unpack_array(out["frames"][0], reply.buffers), data)
         with open(info["arena_path"], "rb") as f:  # the bytes, where the unit says the field starts
             f.seek(stored["starts"]["f"])
             got = np.frombuffer(f.read(data.size), dtype=np.uint8)
         assert np.array_equal(got, data)
-        assert protocol.raise_for_reply(_raw_exchange(info["address"], protocol.request("shutdown", 3, {}, [], None)))["stopping"]
+        assert protocol.raise_for_reply(raw_exchange(info["address"], protocol.request("shutdown", 3, {}, [], None)))["stopping"]
         proc.wait(30)
         assert not os.path.exists(info["arena_path"])  # a unit that stops removes its arena
     finally:
@@ -584,7 +555,7 @@ def test_wrong_or_missing_secret_is_rejected(secure_server, monkeypatch, secret)
         # raw requests with a bad signature, to the controller and to the storage unit
         for address in (secure_server.address, good._units[0]["address"]):
             frames = protocol.request("stats", 1, {}, [], secret.encode() if secret else None)
-            reply = _raw_exchange(address, frames, secret=b"s3cret")  # replies are signed by the server
+            reply = raw_exchange(address, frames, secret=b"s3cret")  # replies are signed by the server
             with pytest.raises(AuthenticationError, match="signature"):
                 protocol.raise_for_reply(reply)
             with pytest.raises(AuthenticationError):  # a client without the right secret cannot trust it
@@ -821,9 +792,7 @@ def test_controller_killed_and_restarted_recovers_its_state(tmp_path):
     address and dir: partitions, keys, tags, field status and placement come back from its journal,
     its storage units (still running) are taken back, and the same client object keeps working
     without any manual step."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     state = str(tmp_path / "state")
     first = TQServer(port=port, storage_units=2, capacity=64 << 20, state_dir=state)
     c = TQClient(first.address, timeout=10.0)
@@ -861,13 +830,5 @@ def test_controller_killed_and_restarted_recovers_its_state(tmp_path):
         for server in (second, first):
             if server is not None:
                 server.shutdown()
-    assert wait_until(lambda: not any(_running(p) for p in unit_pids), timeout=10)  # stopped with the new controller
+    assert wait_until(lambda: not any(pid_alive(p) for p in unit_pids), timeout=10)  # stopped with the new controller
 
-
-def _running(pid: int) -> bool:
-    """Whether a process exists and is not a zombie waiting to be reaped."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return "\nState:\tZ" not in f.read()
-    except FileNotFoundError:
-        return False

@@ -41,7 +41,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from benchmarks.tq_soak import digest, rows_of
-from test_errors import _raw_exchange, wait_until
+from conftest import raw_exchange, wait_until
 from tq import TQClient, TQServer, protocol
 from tq.errors import (
     InvalidRequestError,
@@ -525,7 +525,7 @@ def check_example(env: FuzzEnv, target: str, unit: int, ex: Example) -> None:
     address = env.address if target == "controller" else env.unit_addresses[unit]
     before = _state(env, target, unit)
     timeout = DROP_WAIT_S if header is None else REPLY_TIMEOUT_S
-    reply = _raw_exchange(address, frames, timeout=timeout)  # a reply that fails to decode raises here
+    reply = raw_exchange(address, frames, timeout=timeout)  # a reply that fails to decode raises here
     if reply is None:
         assert header is None, f"{target} sent no reply within {timeout}s to a request with a readable header: {header!r}"
         env.outcomes["dropped"] += 1
@@ -594,13 +594,13 @@ def test_oversized_header_and_many_frames(env):
     big = msgpack.packb({"v": 1, "op": "stats", "rid": 1, "args": {"pad": b"\0" * protocol.MAX_HEADER_BYTES}, "bs": []})
     many = [b"\0"] * 500
     for address in (env.address, env.unit_addresses[0]):
-        reply = _raw_exchange(address, [big, b""], timeout=30.0)
+        reply = raw_exchange(address, [big, b""], timeout=30.0)
         with pytest.raises(MessageTooLargeError, match=str(protocol.MAX_HEADER_BYTES)):
             protocol.raise_for_reply(reply)
         head = msgpack.packb({"v": 1, "op": "stats", "rid": 2, "args": {}, "bs": [1] * 499})
-        reply = _raw_exchange(address, [head, b"", *many[:-1]], timeout=10.0)
+        reply = raw_exchange(address, [head, b"", *many[:-1]], timeout=10.0)
         assert protocol.raise_for_reply(reply) is not None  # well-formed: 499 buffers, all declared
-        reply = _raw_exchange(address, [head, b"", *many], timeout=10.0)
+        reply = raw_exchange(address, [head, b"", *many], timeout=10.0)
         with pytest.raises(TQError, match="buffer"):
             protocol.raise_for_reply(reply)
     del big
@@ -611,7 +611,7 @@ def test_oversized_header_and_many_frames(env):
 # Bugs the fuzzer found, now fixed; each test states the contract it broke. The fuzzer still steers
 # around their inputs (marked KNOWN BUG in _defang) - that steering can go.
 def _call_raw(address: str, op: str, args: dict, bufs: list | None = None, timeout: float = 2.0):
-    return _raw_exchange(address, protocol.request(op, 7, args, bufs or [], None), timeout=timeout)
+    return raw_exchange(address, protocol.request(op, 7, args, bufs or [], None), timeout=timeout)
 
 
 @pytest.mark.parametrize("timeout", [float("nan"), float("inf")], ids=["nan", "inf"])

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -24,7 +23,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import wait_until
+from conftest import free_port, pid_alive, wait_until
 from tq import TQClient, TQServer
 from tq.journal import Journal
 
@@ -361,9 +360,7 @@ def test_controller_survives_two_crashes_with_garbage_journal_tails(tmp_path):
     """End to end: SIGKILL the controller, leave garbage after its journal (a torn record), restart
     it on the same address and state dir, write more, crash and garble again, restart again: every
     key written comes back. Before the fix the second restart failed with msgpack's ExtraData."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     journal = tmp_path / "controller.journal"
     garbage = b"\x40\x00\x00\x00junk!"  # claims a 64-byte record that is not there
 
@@ -399,16 +396,8 @@ def test_controller_survives_two_crashes_with_garbage_journal_tails(tmp_path):
         for server in reversed(servers):
             server.shutdown()
         # units started with a state dir outlive a SIGKILLed controller; the live one stops them
-        if not wait_until(lambda: not any(_running(p) for p in unit_pids), timeout=10):
+        if not wait_until(lambda: not any(pid_alive(p) for p in unit_pids), timeout=10):
             for p in unit_pids:
-                if _running(p):
+                if pid_alive(p):
                     os.kill(p, signal.SIGKILL)
 
-
-def _running(pid: int) -> bool:
-    """Whether a process exists and is not a zombie waiting to be reaped."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return "\nState:\tZ" not in f.read()
-    except FileNotFoundError:
-        return False

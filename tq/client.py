@@ -82,6 +82,14 @@ def _frames_of(chunks: Sequence[np.ndarray]) -> list[np.ndarray]:
     return frames
 
 
+def _rebased(row_offsets: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """Byte offsets of rows ``[start, stop)`` from the first one's start (the array itself, not a copy,
+    for all rows: the common, unsplit write)."""
+    if start == 0 and stop == row_offsets.size - 1:
+        return row_offsets
+    return row_offsets[start : stop + 1] - row_offsets[start]
+
+
 def _byte_range(chunks: Sequence[np.ndarray], start: int, stop: int) -> list[np.ndarray]:
     """Views of bytes ``[start, stop)`` of the concatenation of ``chunks`` (no copy)."""
     if start == 0 and stop == sum(c.size for c in chunks):
@@ -412,7 +420,7 @@ class TQClient:
             "partition": partition_id, "keys": keys, "mode": mode, "blocks": [[p.unit, p.block, p.stop - p.start] for p in parts],
             "fields": {n: {"schema": c.schema.to_wire(), "row_nbytes": protocol.pack_array(np.diff(c.row_offsets), cbufs),
                            "arena_offsets": protocol.pack_array(np.concatenate(
-                               [p.starts[n] + c.row_offsets[p.start : p.stop] - c.row_offsets[p.start] for p in parts]), cbufs)}
+                               [p.starts[n] + _rebased(c.row_offsets, p.start, p.stop)[:-1] for p in parts]), cbufs)}
                        for n, c in encoded.items()},
         }
         if overwrite:
@@ -491,22 +499,28 @@ class TQClient:
         return free if isinstance(free, int) else self._units[unit]["arena_size"]
 
     def _units_room(self) -> dict[int, int]:
-        """The largest write each answering unit has room for now, asked of all units at once."""
+        """The largest write each answering unit has room for now."""
         self._refresh_units()
+        return {u: int(st["largest_free_bytes"]) for u, st in self._unit_stats([u["unit_id"] for u in self._units]).items()}
+
+    def _unit_stats(self, units: Sequence[int]) -> dict[int, dict[str, Any]]:
+        """The stats of every unit that answers: all are asked before any answer is awaited, each for
+        at most UNIT_STATS_TIMEOUT_S, so one that just died (not yet reported down by the controller)
+        is left out instead of failing the caller."""
         timeout = min(self.timeout, UNIT_STATS_TIMEOUT_S)
         asked = []
-        for u in self._units:
+        for unit in units:
             try:
-                asked.append((u["unit_id"], self._unit_chans[u["unit_id"]].send("stats", {}, timeout=timeout)))
+                asked.append((unit, self._unit_chans[unit].send("stats", {}, timeout=timeout)))
             except TQConnectionError:
                 pass
-        room = {}
+        answered = {}
         for unit, rid in asked:
             try:
-                room[unit] = int(self._unit_chans[unit].recv(rid, "stats", timeout=timeout)[0]["largest_free_bytes"])
-            except (TQConnectionError, KeyError, TypeError, ValueError):
+                answered[unit] = self._unit_chans[unit].recv(rid, "stats", timeout=timeout)[0]
+            except TQConnectionError:
                 pass
-        return room
+        return answered
 
     def _split_plan(self, encoded: dict[str, EncodedColumn], n: int, room: dict[int, int]) -> list[tuple[int, int, int]] | None:
         """Row ranges ``(unit, start, stop)`` that fit the units' ``room``, the units with most room
@@ -532,7 +546,7 @@ class TQClient:
         A unit that restarted meanwhile (it keeps its journaled allocations) is asked again, once."""
         buffers: list[Any] = []
         fields: dict[str, Any] = {}
-        cols = {name: (col, col.row_offsets[start : stop + 1] - col.row_offsets[start],
+        cols = {name: (col, _rebased(col.row_offsets, start, stop),
                        _byte_range(col.chunks, int(col.row_offsets[start]), int(col.row_offsets[stop])))
                 for name, col in encoded.items()}
         if self._is_local(unit):
@@ -780,25 +794,11 @@ class TQClient:
         stats = self._call("stats", self._with_reads({}))
         if stats.get("units_version") != self._units_version:
             self._refresh_units()
-        # Every unit asked before any answer is awaited, each for at most UNIT_STATS_TIMEOUT_S: one that
-        # just died (not yet reported down by the controller) shows as down instead of failing it all.
-        timeout = min(self.timeout, UNIT_STATS_TIMEOUT_S)
-        asked: list[tuple[dict, Any]] = []
+        # a unit the controller reports down is not asked; one that does not answer is shown down
+        answered = self._unit_stats([u["unit_id"] for u in stats["units"] if u.get("alive", True)])
         for u in stats["units"]:
-            chan = self._unit_chans[u["unit_id"]]
-            try:
-                asked.append((u, chan.send("stats", {}, timeout=timeout) if u.get("alive", True) else None))
-            except TQConnectionError:
-                asked.append((u, None))
-        stats["unit_stats"] = []
-        for u, rid in asked:
-            try:
-                if rid is None:
-                    raise TQConnectionError("reported down")
-                stats["unit_stats"].append(self._unit_chans[u["unit_id"]].recv(rid, "stats", timeout=timeout)[0])
-            except TQConnectionError:
-                u["alive"] = False
-                stats["unit_stats"].append({**u, "alive": False})
+            u["alive"] = u["unit_id"] in answered
+        stats["unit_stats"] = [answered.get(u["unit_id"], u) for u in stats["units"]]
         return stats
 
     def trim(self) -> int:

@@ -85,27 +85,9 @@ class UnitLedger:
         return block < self.low_water or block in self.fenced
 
 
-def _process_alive(pid: Any) -> bool:
-    """Whether ``pid`` is a running (not zombie) storage-unit process - a check for units that are
-    not this controller's children (taken back after a restart), so it cannot wait on them."""
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmdline = f.read()
-    except FileNotFoundError:
-        return False
-    except OSError:  # no procfs here: fall back to "exists"
-        try:
-            os.kill(pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-    return state not in (b"Z", b"X") and b"tq.storage" in cmdline  # a recycled pid is not our unit
+def _block_rows(rows: np.ndarray, bufs: list[Any]) -> dict[str, Any]:
+    """The ``blocks`` and ``rows`` args of a unit's free_rows / retain for ``[n, 2]`` (block, row) pairs."""
+    return {"blocks": protocol.pack_array(rows[:, 0], bufs), "rows": protocol.pack_array(rows[:, 1], bufs)}
 
 
 @dataclass
@@ -255,7 +237,6 @@ class Controller(RpcServer):
             path = os.path.join(state_dir, "controller.journal")
             self._replay(path)
             self.journal = Journal(path, fsync=fsync)
-            self._snapshot_bytes = 0
             if self.journal.truncated_bytes:
                 log.warning("controller journal %s: dropped a torn tail of %d bytes", path, self.journal.truncated_bytes)
             self.expected_units = max(self.expected_units, len(self.units))
@@ -489,10 +470,7 @@ class Controller(RpcServer):
             led = self.ledgers[unit]
             bids = [b for b in expired if isinstance(b, int) and 0 <= b < MAX_BLOCK_ID]
             led.claims.extend(b for b in bids if b in led.pending)
-            refree = [b for b in bids if b in led.fenced]
-            if refree:  # fenced before, but the free did not reach it
-                self._send_to_unit(unit, "free_blocks", {"blocks": refree}, [])
-            self._fence(unit, [b for b in bids if b not in led.pending and b not in led.fenced])
+            self._fence(unit, [b for b in bids if b not in led.pending])
 
     def _raise_water(self, unit: int, low_water: int) -> bool:
         led = self.ledgers[unit]
@@ -505,23 +483,25 @@ class Controller(RpcServer):
 
     def _fence(self, unit: int, blocks: list[int]) -> None:
         """Decide that these stored blocks of ``unit`` never become visible: remember it (journaled
-        first), then have the unit free them. A commit naming one later is refused."""
+        first), then have the unit free them. A commit naming one later is refused. Blocks fenced
+        before are only freed again (the unit still reports them: the first free did not reach it)."""
         led = self.ledgers[unit]
-        blocks = [b for b in blocks if b not in led.pending and not led.settled(b)]
+        blocks = [b for b in blocks if b not in led.pending and b >= led.low_water]  # not committed nor settled
         if not blocks or self._replaying:
             return
-        led.fenced.update(blocks)
-        if self.journal is not None:
-            self.journal.append(["__fence__", {"unit": unit, "blocks": blocks}, []])
+        new = [b for b in blocks if b not in led.fenced]
+        if new:
+            led.fenced.update(new)
+            if self.journal is not None:
+                self.journal.append(["__fence__", {"unit": unit, "blocks": new}, []])
         self._send_to_unit(unit, "free_blocks", {"blocks": blocks}, [])
 
     def _resync(self, unit: int) -> None:
         """Send the unit the whole list of what it must keep (and the blocks committed on it): covers
         every free and claim it missed (down, restarted, or its queue was full)."""
-        rows = self._rows_on(unit)
         led = self.ledgers[unit]
         bufs: list[Any] = []
-        args = {"blocks": protocol.pack_array(rows[:, 0], bufs), "rows": protocol.pack_array(rows[:, 1], bufs),
+        args = {**_block_rows(self._rows_on(unit), bufs),
                 "claimed": protocol.pack_array(np.array(sorted(led.pending), dtype=np.int64), bufs)}
         led.resync = False
         self._send_to_unit(unit, "retain", args, bufs)  # sets resync again if it could not go out
@@ -541,12 +521,13 @@ class Controller(RpcServer):
 
     def _check_adopted_units(self) -> None:
         """Units an earlier incarnation of this controller started (taken back from the journal) are
-        not our children, so their death is seen by polling their pid, once per heartbeat."""
+        not our children, so we cannot wait on them: a unit holds its arena's lock for as long as its
+        process lives, so a free lock means it died (a recycled pid cannot fool this)."""
         children = {p.pid for p in self.children}
         for unit in self.units:
             uid = unit["unit_id"]
             if (unit.get("managed") and unit.get("host") == self.host and unit.get("pid") not in children
-                    and uid not in self._restarting and not _process_alive(unit.get("pid"))):
+                    and uid not in self._restarting and not arena_in_use(unit["arena_path"])):
                 self._unit_died(unit, f"(pid {unit.get('pid')}) is gone")
 
     def _unit_died(self, unit: dict, how: str) -> None:
@@ -635,11 +616,9 @@ class Controller(RpcServer):
                 self._send_to_unit(unit, "claim", {"blocks": protocol.pack_array(np.array(led.claims, dtype=np.int64), bufs)}, bufs)
                 led.claims = []
             if led.frees:
-                rows = np.concatenate(led.frees)
-                led.frees = []
                 bufs = []
-                args = {"blocks": protocol.pack_array(rows[:, 0], bufs), "rows": protocol.pack_array(rows[:, 1], bufs)}
-                self._send_to_unit(unit, "free_rows", args, bufs)
+                self._send_to_unit(unit, "free_rows", _block_rows(np.concatenate(led.frees), bufs), bufs)
+                led.frees = []
 
     # -- partitions
     def op_create_partition(self, args: dict, buffers: list, call: Call) -> dict:

@@ -72,7 +72,7 @@ MAX_BATCH = 8
 # tq.controller restarts a crashed unit at most 3 times within 60 s, then gives up on it and removes its
 # arena (crash-loop protection): the driver never kills one unit more often than that (with a margin).
 UNIT_KILLS_PER_WINDOW, UNIT_KILL_WINDOW_S = 3, 63.0
-HANG_MARGIN_S = 1.0  # a client call may overrun its timeout by this much (scheduling on a loaded 2-core VM)
+HANG_MARGIN_S = 0.5  # a call may overrun its timeout by this much: scheduling on a loaded 2-core VM (the timeout bounds all of a call's requests)
 UNIT_RESTART_P99_S = 2.0
 CONTROLLER_RESTART_P99_S = 3.0
 RSS_GROWTH_LIMIT = 0.10

@@ -129,6 +129,35 @@ def test_restarted_controller_supervises_the_units_it_took_back(tmp_path):
                 os.kill(p, signal.SIGKILL)
 
 
+@pytest.mark.parametrize("mode", ["put", "write_back"])
+def test_a_write_to_a_stalled_controller_gives_up_within_its_timeout(mode):
+    """The client timeout bounds the whole write - store, commit and the probe that asks whether a
+    silent commit landed - not each request: with the controller stopped, a write with a 2 s timeout
+    fails within it (plus scheduling slack). Before, the commit alone waited 2 s and its abort probe
+    0.5 s more (the chaos benchmark's 2.5-3.0 s calls)."""
+    timeout = 2.0
+    with TQServer(storage_units=1, capacity=16 << 20) as server:
+        c = TQClient(server.address, timeout=timeout, transport="tcp")
+        try:
+            c.register_partition("p")
+            meta = c.put("p", ["k"], {"x": torch.ones(1, 64)})
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(TQConnectionError) as err:
+                    if mode == "put":
+                        c.put("p", ["k2"], {"x": torch.ones(1, 64)})
+                    else:
+                        c.write_back(meta, {"y": torch.ones(1, 8)})
+                took = time.monotonic() - t0
+            finally:
+                os.kill(server.proc.pid, signal.SIGCONT)
+            assert took <= timeout + 0.4, f"{mode} took {took:.2f}s with a {timeout:g}s timeout: {err.value}"
+            assert "unknown" in str(err.value) or "did not land" in str(err.value), err.value
+        finally:
+            c.close()
+
+
 def _start_unit(address: str, *extra: str) -> tuple[subprocess.Popen, dict]:
     """A storage unit started by hand (as a Ray actor would), registered with ``address``."""
     fd, ready = tempfile.mkstemp(suffix=".json")

@@ -40,7 +40,7 @@ from .meta import KVBatchMeta
 from .protocol import LOC_BLOCK as BLOCK, LOC_COLUMNS, LOC_NBYTES as NBYTES, LOC_OFFSET as OFFSET  # location
 from .protocol import LOC_ROW as ROW, LOC_UNIT as UNIT  # record columns
 from .rowcopy import copy_rows, write_chunks
-from .rpc import RpcChannel
+from .rpc import RpcChannel, time_budget, time_left
 from .schema import JAGGED, OBJECT, FieldSchema
 
 Layout = Literal["padded", "jagged", "list"]
@@ -203,7 +203,9 @@ class TQClient:
     Args:
         address: the controller's address, e.g. ``tcp://127.0.0.1:5555``.
         secret: the service's shared secret (default: ``$TQ_SECRET``).
-        timeout: seconds every request may take before :class:`~tq.errors.TQConnectionError`.
+        timeout: seconds one call may take, all its requests together (a write: plus
+            ``capacity_wait_s``; a get: plus its ``wait_timeout``), before
+            :class:`~tq.errors.TQConnectionError`.
         transport: ``"auto"`` maps same-host storage arenas; ``"tcp"`` always streams bytes.
         capacity_wait_s: a write that finds its storage unit full waits up to this long for room
             (backpressure) before :class:`~tq.errors.CapacityError`; 0 fails at once. Nothing stored is
@@ -413,7 +415,15 @@ class TQClient:
         tags: Mapping[str, Sequence[Any]] | None, sequence_lengths: Sequence[int] | None, overwrite: bool = False,
     ) -> dict[str, Any]:
         """Store the batch (on one unit, or split over several when none has room for all of it),
-        then make it visible with one commit - all keys at once."""
+        then make it visible with one commit - all keys at once. All of it, the commit's abort probe
+        included, takes at most ``timeout + capacity_wait_s``."""
+        with time_budget(self.timeout + self.capacity_wait_s):
+            return self._store_and_commit_within(partition_id, keys, encoded, mode, tags, sequence_lengths, overwrite)
+
+    def _store_and_commit_within(
+        self, partition_id: str, keys: list[str], encoded: dict[str, EncodedColumn], mode: str,
+        tags: Mapping[str, Sequence[Any]] | None, sequence_lengths: Sequence[int] | None, overwrite: bool,
+    ) -> dict[str, Any]:
         parts = self._store_parts(encoded, len(keys))
         cbufs: list[Any] = []
         commit = {
@@ -429,15 +439,17 @@ class TQClient:
             commit["tags"] = {k: list(v) for k, v in tags.items()}
         if sequence_lengths is not None:
             commit["sequence_lengths"] = [int(s) for s in sequence_lengths]
+        probe_s = min(ABORT_PROBE_S, 0.25 * self.timeout)
         try:
-            return self._call("commit", commit, cbufs)
+            with time_budget((time_left() or 0.0) - probe_s):  # keep time to ask, should no reply come
+                return self._call("commit", commit, cbufs)
         except TQConnectionError as exc:
-            # No reply: the commit may still be applied (a stalled controller) or may be lost (a
-            # restarted one). Ask: the controller fences blocks not committed, so the outcome is
-            # settled either way - never a key pointing at storage that is freed or reused.
-            try:  # a short probe: the controller just stayed silent for a whole timeout
+            # No reply (or no time left to ask): the commit may still be applied (a stalled controller)
+            # or may be lost (a restarted one). Ask: the controller fences blocks not committed, so the
+            # outcome is settled either way - never a key pointing at storage that is freed or reused.
+            try:
                 landed = self._call("abort_blocks", {"blocks": [[p.unit, p.block] for p in parts]},
-                                    timeout=min(self.timeout, ABORT_PROBE_S))["committed"]
+                                    timeout=probe_s)["committed"]
             except TQConnectionError:
                 raise TQConnectionError(
                     f"{exc}; the outcome of this {mode} is unknown: its keys are either absent or hold exactly "
@@ -729,6 +741,11 @@ class TQClient:
         fields = list(fields if fields is not None else meta.fields)
         if not fields:
             raise InvalidRequestError("get needs at least one field (the meta names none)")
+        with time_budget(self.timeout + (wait_timeout or 0.0)):  # every request of the get, in all
+            return self._get_within(meta, fields, layout, pad_to, pad_value, wait_timeout)
+
+    def _get_within(self, meta: KVBatchMeta, fields: list[str], layout: Layout, pad_to: int | None,
+                    pad_value: Any, wait_timeout: float | None) -> dict[str, Any]:
         attempt = self._locate_here(meta, fields)
         for tries_left in range(SHM_READ_TRIES, -1, -1):
             if attempt is None:  # ask the controller; the last try has the units send the rows

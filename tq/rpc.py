@@ -15,13 +15,14 @@ socket they connect (:func:`set_client_credentials`).
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import hmac
 import itertools
 import logging
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import zmq
@@ -47,6 +48,40 @@ def _handshake_monitor(sock: zmq.Socket) -> zmq.Socket:
     """A PAIR socket receiving ``sock``'s failed-handshake events. Its inproc name is unique: pyzmq's
     default is named after the socket's fd, which a new socket may reuse before the old name is gone."""
     return sock.get_monitor_socket(_HANDSHAKE_FAILED, addr=f"inproc://tq-handshake-monitor-{next(_monitor_ids)}")
+
+
+# ----------------------------------------------------------------------------- time budgets
+_budget = threading.local()
+
+
+@contextlib.contextmanager
+def time_budget(seconds: float) -> Iterator[None]:
+    """Every request this thread sends inside the block shares one deadline, ``seconds`` from now (or
+    an enclosing block's, if sooner): a client call made of several requests (a put's store, commit
+    and abort probe) then takes at most its timeout in all, not a timeout per request."""
+    outer = getattr(_budget, "deadline", None)
+    mine = time.monotonic() + seconds
+    _budget.deadline = mine if outer is None else min(outer, mine)
+    try:
+        yield
+    finally:
+        _budget.deadline = outer
+
+
+def time_left() -> float | None:
+    """Seconds left of this thread's current :func:`time_budget` (None outside one)."""
+    deadline = getattr(_budget, "deadline", None)
+    return None if deadline is None else deadline - time.monotonic()
+
+
+def _bounded(timeout: float, op: str, peer: str) -> float:
+    """``timeout`` cut to the current time budget; TQConnectionError if the budget is spent."""
+    left = time_left()
+    if left is None or left >= timeout:
+        return timeout
+    if left <= 0:
+        raise TQConnectionError(f"no time left to ask {peer} for {op!r}: the call's timeout ran out on earlier requests")
+    return left
 
 
 # ----------------------------------------------------------------------------- connection security
@@ -339,7 +374,7 @@ class RpcChannel:
         (e.g. once the controller reports this server down)."""
         sock = self._socket()
         rid = next(self._rids)
-        timeout = self.timeout if timeout is None else timeout
+        timeout = _bounded(self.timeout if timeout is None else timeout, op, f"{self.name} at {self.address}")
         frames = protocol.request(op, rid, args, buffers, self.secret, self._local.sender)
         copy = not _zero_copy(frames)
         try:  # the common case: connected, so the send is queued at once without an extra poll
@@ -427,7 +462,7 @@ class RpcChannel:
         """Wait for the reply to request ``rid``; raise its error, or TQConnectionError on silence
         (``check`` as in :meth:`send`)."""
         sock = self._socket()
-        timeout = self.timeout if timeout is None else timeout
+        timeout = _bounded(self.timeout if timeout is None else timeout, op, f"{self.name} at {self.address}")
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
@@ -457,9 +492,10 @@ class RpcChannel:
         self, op: str, args: dict[str, Any], buffers: Sequence[Any] = (), *, timeout: float | None = None,
         check: Callable[[], None] | None = None,
     ) -> tuple[Any, protocol.Message]:
-        """Send a request and wait for its reply."""
-        rid = self.send(op, args, buffers, timeout=timeout, check=check)
-        return self.recv(rid, op, timeout=timeout, check=check)
+        """Send a request and wait for its reply, both within ``timeout`` (default: the channel's)."""
+        with time_budget(self.timeout if timeout is None else timeout):
+            rid = self.send(op, args, buffers, timeout=timeout, check=check)
+            return self.recv(rid, op, timeout=timeout, check=check)
 
     def close(self) -> None:
         with self._lock:

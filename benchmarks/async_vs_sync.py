@@ -1,7 +1,10 @@
 """Async vs sync GRPO steps/minute on a generation-dominated config, measured side by side in one run.
 
     python -m benchmarks.async_vs_sync                       # 20 steps, 256 new tokens, DP 1 and 2, 2 rounds
-    python -m benchmarks.async_vs_sync --steps 10 --max-new-tokens 64 --dp-sizes 2 --json out.json
+    python -m benchmarks.async_vs_sync --steps 10 --max-new-tokens 64 --dp-sizes 2
+
+Results go to a fresh ``logs/async_vs_sync/<timestamp>/async_vs_sync.json``; ``--publish`` also writes
+``benchmarks/results/async_vs_sync_<machine>.json``.
 
 Runs ``trainer.grpo_sync`` and ``trainer.grpo_async`` alternately (``--rounds`` times each, for each
 DP layout in ``--dp-sizes``; same model, prompts, batch, seed and Ray/CPU/thread settings on both
@@ -24,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -33,6 +35,7 @@ from typing import Any
 
 import ray
 
+from benchmarks.outputs import add_output_args, cpu_model, open_run
 
 def _overrides(args: argparse.Namespace, log_dir: str, dp_size: int) -> list[str]:
     n = args.prompts * args.generations
@@ -73,31 +76,32 @@ def _measure(trainer_cls: type, cfg: Any) -> dict[str, Any]:
     return out
 
 
-def _machine() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
-    except OSError:
-        pass
-    return f"{os.cpu_count()} CPUs ({model})"
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (every option with its help)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--steps", type=int, default=20, help="GRPO steps per run; the first and the last are not timed (default 20)")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per step (default 8)")
+    p.add_argument("--generations", type=int, default=8, help="responses generated per prompt (default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=256,
+                   help="tokens generated per response: longer responses make generation dominate a step (default 256)")
+    p.add_argument("--dp-sizes", type=int, nargs="+", default=[1, 2], help="DP worker layouts, each run on both sides (default 1 2)")
+    p.add_argument("--max-age", type=int, default=None,
+                   help="async_grpo.max_trajectory_age_steps (default: the async recipe's)")
+    p.add_argument("--num-cpus", type=float, default=2, help="logical CPUs Ray is given, the same on both sides (default 2)")
+    p.add_argument("--rounds", type=int, default=2, help="each (layout, side) this many times, interleaved (default 2)")
+    add_output_args(p, "async_vs_sync")
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--generations", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--dp-sizes", type=int, nargs="+", default=[1, 2], help="DP worker layouts, each run on both sides")
-    p.add_argument("--max-age", type=int, default=None,
-                   help="async_grpo.max_trajectory_age_steps (default: the async recipe's)")
-    p.add_argument("--num-cpus", type=float, default=2)
-    p.add_argument("--rounds", type=int, default=2, help="each (layout, side) this many times, interleaved")
-    p.add_argument("--json", default=None, help="also write the results here")
+    p = build_parser()
     args = p.parse_args(argv)
     if args.steps < 3:
         p.error("--steps must be >= 3 (the first and the last step are excluded from the rate)")
+    if args.rounds < 1 or args.prompts < 1 or args.generations < 1 or args.max_new_tokens < 1 or min(args.dp_sizes) < 1:
+        p.error("--rounds, --prompts, --generations, --max-new-tokens and --dp-sizes must be >= 1")
+    out = open_run("async_vs_sync", args.run_dir)
     from trainer.config import parse_cli
     from trainer.grpo_async import ASYNC_CONFIG, GRPOAsyncTrainer
     from trainer.grpo_sync import GRPOSyncTrainer
@@ -119,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     rate = {}
     for name, rs in runs.items():  # pooled over rounds: total timed steps / total timed seconds
         rate[name] = 60.0 * sum(x["timed_steps"] for x in rs) / sum(x["timed_steps"] * x["mean_step_s"] for x in rs)
-    results: dict[str, Any] = {"machine": _machine(), "config": vars(args), "steps_per_min": rate, "runs": runs}
+    results: dict[str, Any] = {"machine": f"{os.cpu_count()} CPUs ({cpu_model()})", "config": vars(args), "steps_per_min": rate, "runs": runs}
     results["config"]["max_age"] = parse_cli(["--config", str(ASYNC_CONFIG), *age]).async_grpo.max_trajectory_age_steps
     results["ratio_same_layout"] = {f"dp{dp}": rate[f"async_dp{dp}"] / rate[f"sync_dp{dp}"] for dp in args.dp_sizes}
     best_sync = max((k for k in rate if k.startswith("sync")), key=rate.get)
@@ -128,9 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     print("steps/min: " + ", ".join(f"{k} {v:.1f}" for k, v in rate.items()))
     print("async / sync, same layout: " + ", ".join(f"{k} {v:.2f}x" for k, v in results["ratio_same_layout"].items()))
     print(f"async / sync, each side's best layout ({best_async} / {best_sync}): {results['best']['ratio_async_over_sync']:.2f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    with open(out.path(".json"), "w") as f:
+        json.dump(results, f, indent=2)
+    out.finish(args.publish, args.machine)
     return 0
 
 

@@ -30,8 +30,11 @@ fetch seconds. The first step of each run is warm-up and left out of the medians
 ``--from-json`` re-renders the reports of an earlier run. ``--gpu`` needs CUDA (it stops with an error
 naming it otherwise) and uses ``benchmarks.policy_gpu_check.MODEL_113M`` with one DP rank per GPU.
 
-Outputs ``<out>.json`` (everything, per step), ``<out>.md`` (tables and the issue's target checks) and
-``<out>_step_time.png`` / ``<out>_driver_bytes.png`` / ``<out>_fetch.png``.
+Each run writes a fresh ``logs/compare_paths[_real]/<timestamp>/`` (or ``--run-dir``): ``<name>.json``
+(everything, per step), ``<name>.md`` (tables and target checks), ``<name>.log`` (every trainer's
+output) and the plots ``<name>_step_time.png`` / ``_driver_bytes.png`` / ``_fetch.png``, where ``<name>`` is
+``compare_paths`` or ``compare_paths_real``. ``--publish`` also copies them over
+``benchmarks/results/<name>_<machine>.*`` (the files the README cites; ``<machine>`` e.g. ``cpu2``, ``h100x4``).
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Sequence
+
+from benchmarks.outputs import RunOutput, add_output_args, open_run
 
 PATHS = ("legacy", "tq")
 LABEL = {"legacy": "legacy (trainer.grpo)", "tq": "TQ (trainer.grpo_sync)"}
@@ -273,7 +278,7 @@ def _find(rows: list[dict[str, Any]], path: str, key: str) -> dict[str, Any] | N
 
 
 def check_targets(rows: list[dict[str, Any]], sweeps: dict[str, list[Point]]) -> list[dict[str, Any]]:
-    """The issue's targets, computed from summary rows (``summarize_run``'s) of both paths.
+    """The benchmark's targets, computed from summary rows (``summarize_run``'s) of both paths.
 
     1. driver bytes (received + sent) per step on the TQ path <= 1% of legacy's, at the largest point
        (the most generated tokens per step; ties: the larger batch);
@@ -421,7 +426,7 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {_mib(r['store_bytes']) if path == 'tq' else '-'} | {_ms(r['fetch_rank_mean_s'])} / {_ms(r['fetch_rank_max_s'])} |"
             )
     lines += ["", "Side by side (legacy / TQ):", "", *compact_table(rows)]
-    lines += ["", "Targets (issue 7):", "", "| target | points | measured | result |", "|---|---|---|---|"]
+    lines += ["", "Targets:", "", "| target | points | measured | result |", "|---|---|---|---|"]
     for t in result["targets"]:
         verdict = "n/a" if t["passed"] is None else ("PASS" if t["passed"] else "FAIL")
         lines.append(f"| {t['target']} | {t.get('point', '')} | {t['value']} | {verdict} |")
@@ -429,7 +434,7 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plots(result: dict[str, Any], prefix: str) -> list[str]:
+def plots(result: dict[str, Any], out: RunOutput) -> list[str]:
     """Step time and driver bytes vs batch size (batch sweep), fetch per rank vs DP; one line per path."""
     import matplotlib
 
@@ -471,7 +476,7 @@ def plots(result: dict[str, Any], prefix: str) -> list[str]:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
-        path_png = f"{prefix}_{name}.png"
+        path_png = out.path(f"_{name}.png")
         fig.savefig(path_png, dpi=110)
         plt.close(fig)
         files.append(path_png)
@@ -490,33 +495,36 @@ def machine_info(gpu: bool) -> dict[str, Any]:
             "ray": ray.__version__, "platform": platform.platform()}
 
 
-def default_prefix(mode: str, gpu: bool) -> str:
-    if gpu:
-        import torch
-
-        name = torch.cuda.get_device_name(0).lower()
-        tag = next((t for t in ("h200", "h100", "a100", "l40") if t in name), "gpu")
-    else:
-        tag = f"cpu{os.cpu_count()}"
-    return os.path.join("benchmarks", "results", f"compare_paths_{'' if mode == 'synthetic' else mode + '_'}{tag}")
+def run_name(mode: str) -> str:
+    """File-name stem of a run's outputs: ``compare_paths`` (synthetic generation) or ``compare_paths_real``."""
+    return "compare_paths" if mode == "synthetic" else f"compare_paths_{mode}"
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (every option with its help)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--mode", choices=("synthetic", "real"), default="synthetic")
+    p.add_argument("--mode", choices=("synthetic", "real"), default="synthetic",
+                   help="synthetic: random tokens of the requested length, no model (default); real: the tiny model generates")
     p.add_argument("--quick", action="store_true", help="2 points, 2 steps each (< 2 minutes on 2 cores)")
     p.add_argument("--gpu", action="store_true", help="CUDA: a 113M-parameter decoder in bf16, one DP rank per GPU")
     p.add_argument("--steps", type=int, default=None,
                    help="steps per run (default 4; --mode real on CPU 8; --quick 2); the first is excluded")
     p.add_argument("--points", default=None, help="only these points of the sweep, e.g. b64_L1024_dp2,b256_L1024_dp2")
     p.add_argument("--custom-points", default=None,
-                   help="run these points instead of the sweep (as its batch sweep), e.g. 2x4x64@1,16x4x64@1")
-    p.add_argument("--out", default=None, help="output prefix (default benchmarks/results/compare_paths_[real_]<cpuN|gpu>)")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per run")
-    p.add_argument("--from-json", default=None, help="only re-render the markdown and plots of an earlier run's JSON")
+                   help="run these points instead of the sweep (as its batch sweep), e.g. 2x4x64@1,16x4x64@1 "
+                        "(prompts x generations x response tokens @ DP ranks)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per (path, point) run (default 900)")
+    p.add_argument("--from-json", default=None,
+                   help="only re-render the markdown and plots of an earlier run's JSON (into a fresh run directory)")
+    add_output_args(p, "compare_paths[_real]")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
 
     if a.child:  # one (path, point) run in this fresh process
@@ -529,10 +537,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.from_json:
         with open(a.from_json) as f:
             result = json.load(f)
-        prefix = a.out or (a.from_json[: -len(".json")] if a.from_json.endswith(".json") else a.from_json)
         sweeps = {k: [Point(**pt) for pt in v] for k, v in result["sweeps"].items()}
         result["targets"] = check_targets(result["summary"], sweeps)
-        write_reports(result, prefix)
+        out = open_run(run_name(result["mode"]), a.run_dir)
+        write_reports(result, out)
+        out.finish(a.publish, a.machine, gpu=result.get("gpu", False))
         return 0
 
     gpus = 0
@@ -563,9 +572,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"unknown points {sorted(unknown)}; this sweep has {[pt.key for pt in points]}")
         points = [pt for pt in points if pt.key in wanted]
         sweeps = {k: [pt for pt in v if pt.key in wanted] for k, v in sweeps.items()}
-    prefix = a.out or default_prefix(a.mode, a.gpu)
-    os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
-    log_path = prefix + ".log"
+    out = open_run(run_name(a.mode), a.run_dir)
+    log_path = out.path(".log")
     open(log_path, "w").close()
     model = "113M-parameter decoder (benchmarks.policy_gpu_check.MODEL_113M), bf16" if a.gpu else "tiny-random (2 layers, 64 wide), float32"
     print(f"compare_paths: mode={a.mode}{' (quick)' if a.quick else ''}{' gpu' if a.gpu else ''}, {len(points)} points x 2 paths, "
@@ -591,21 +599,22 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.perf_counter() - t_start, "summary": summary, "runs": runs,
     }
     result["targets"] = check_targets(summary, sweeps)
-    write_reports(result, prefix)
+    write_reports(result, out)
+    out.finish(a.publish, a.machine, gpu=a.gpu)
     return 0
 
 
-def write_reports(result: dict[str, Any], prefix: str) -> None:
-    """``<prefix>.json``, ``<prefix>.md`` and the PNG plots; prints the markdown."""
-    with open(prefix + ".json", "w") as f:
+def write_reports(result: dict[str, Any], out: RunOutput) -> None:
+    """The run's ``.json``, ``.md`` and PNG plots; prints the markdown."""
+    with open(out.path(".json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
     md = markdown(result)
-    with open(prefix + ".md", "w") as f:
+    with open(out.path(".md"), "w") as f:
         f.write(md)
-    pngs = plots(result, prefix)
+    plots(result, out)
     print()
     print(md)
-    print(f"wrote {prefix}.json, {prefix}.md, " + ", ".join(pngs) + f" ({result['wall_s'] / 60:.1f} min)")
+    print(f"({result['wall_s'] / 60:.1f} min)")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@ Builds a ~110M-parameter decoder (the tiny Qwen2 config scaled up, random init),
 batch shipped through Ray) and through ``TQPolicy`` (KVBatchMeta shards, workers fetch from TQ). It
 checks both compute the same log-probs, metrics and updated weights, and times each pass.
 
-    python -m benchmarks.policy_gpu_check --samples 256 --max-len 1024 --out results/policy_gpu_check.json
+    python -m benchmarks.policy_gpu_check --samples 256 --max-len 1024
+
+Results go to a fresh ``logs/policy_gpu_check/<timestamp>/policy_gpu_check.json``; ``--publish`` also
+writes ``benchmarks/results/policy_gpu_check_<gpu>.json`` (e.g. ``_h200``).
 """
 
 from __future__ import annotations
@@ -17,20 +20,27 @@ import time
 
 import torch
 
+from benchmarks.outputs import add_output_args, open_run
 # The ~113M-parameter decoder both GPU benchmarks use: the built-in tiny Qwen2 config scaled up
 # (``policy.tiny_overrides`` / ``generation.tiny_overrides``; random init, character vocabulary).
 MODEL_113M = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
                   num_key_value_heads=12, max_position_embeddings=4096)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (every option with its help)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--samples", type=int, default=256)
-    p.add_argument("--max-len", type=int, default=1024)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--out", default="results/policy_gpu_check.json")
+    p.add_argument("--samples", type=int, default=256, help="samples in the synthetic GRPO batch (default 256)")
+    p.add_argument("--max-len", type=int, default=1024, help="longest sample in tokens; lengths range from a quarter of it (default 1024)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="autocast dtype of both policies (default bfloat16)")
     p.add_argument("--dp", type=int, default=0, help="DP ranks (default: one per visible GPU)")
-    a = p.parse_args(argv)
+    add_output_args(p, "policy_gpu_check")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = build_parser().parse_args(argv)
 
     import ray
 
@@ -42,6 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     gpus = a.dp or torch.cuda.device_count()
     if torch.cuda.device_count() == 0:
         raise SystemExit("no CUDA device: this check is for GPU machines")
+    run = open_run("policy_gpu_check", a.run_dir)
     say = lambda msg: print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)  # noqa: E731
     ray.init(num_cpus=os.cpu_count(), num_gpus=gpus, include_dashboard=False, log_to_driver=True)
     say(f"ray up, {gpus} GPU worker(s)")
@@ -82,10 +93,10 @@ def main(argv: list[str] | None = None) -> None:
         out["loss"] = float(m_legacy["loss"])
         tqp.finish_step(meta)
     ray.shutdown()
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
+    with open(run.path(".json"), "w") as f:
         json.dump(out, f, indent=1)
     print(json.dumps(out, indent=1))
+    run.finish(a.publish, a.machine, gpu=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""A bounded load soak of the TQ service (issue 8, "Load").
+"""A bounded load soak of the TQ service: many client processes, random operations, every byte checked.
 
 ``--procs`` client processes (spawned, default 32) hammer one TQ service (controller + storage units
 on loopback) for ``--duration`` seconds (default 600) with random puts, gets, write-backs, discards,
@@ -14,11 +14,14 @@ and checks that the storage units are back to zero bytes, blocks and allocations
 controller's RSS is back near its level after warm-up (no leak).
 
 Reports ops/s, p50/p99 latency per op type, errors, verified samples, and units' bytes_used and
-controller/unit RSS at the start, during the run and after the final clear, as JSON (``--json``) and a
-short summary. Exits non-zero on any error, corruption, lost sample or leak.
+controller/unit RSS at the start, during the run and after the final clear, as JSON and a short
+summary. Exits non-zero on any error, corruption, lost sample or leak.
 
     python -m benchmarks.tq_soak                                   # 32 processes, 10 minutes
-    python -m benchmarks.tq_soak --procs 6 --duration 20 --json /tmp/soak.json
+    python -m benchmarks.tq_soak --procs 6 --duration 20
+
+Results go to a fresh ``logs/tq_soak/<timestamp>/`` (``tq_soak.json``, ``tq_soak.md``); ``--publish``
+also writes ``benchmarks/results/tq_soak_<machine>.{json,md}``.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from typing import Any
 
 import msgpack
 import numpy as np
+
+from benchmarks.outputs import add_output_args, open_run
 
 MiB = 1 << 20
 SHARED = "soak-shared"
@@ -639,23 +644,38 @@ def summary(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (every option with its help)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--procs", type=int, default=32, help="concurrent client processes (default 32)")
+    p.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")
+    p.add_argument("--units", type=int, default=2, help="storage units (default 2)")
+    p.add_argument("--capacity", type=int, default=1 << 30, help="total storage bytes, split over the units (default 1 GiB)")
+    p.add_argument("--seed", type=int, default=0, help="seed of every process's random operations and shapes (default 0)")
+    p.add_argument("--transport", choices=["mixed", "auto", "tcp"], default="mixed",
+                   help="how clients reach the storage units: mixed = half shared memory, half TCP (default); "
+                        "auto = shared memory where on the same host; tcp = TCP only")
+    p.add_argument("--sample-every", type=float, default=30.0, help="seconds between memory samples (default 30)")
+    add_output_args(p, "tq_soak")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--procs", type=int, default=32, help="concurrent client processes")
-    p.add_argument("--duration", type=float, default=600.0, help="seconds of load")
-    p.add_argument("--units", type=int, default=2, help="storage units")
-    p.add_argument("--capacity", type=int, default=1 << 30, help="total storage bytes (split over the units)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--transport", choices=["mixed", "auto", "tcp"], default="mixed")
-    p.add_argument("--sample-every", type=float, default=30.0, help="seconds between memory samples")
-    p.add_argument("--json", help="write the full report here")
+    p = build_parser()
     a = p.parse_args(argv)
+    if a.procs < 1 or a.units < 1 or a.duration <= 0 or a.capacity <= 0 or a.sample_every <= 0:
+        p.error("--procs, --units, --duration, --capacity and --sample-every must be positive")
+    out = open_run("tq_soak", a.run_dir)
     r = run_soak(a.procs, a.duration, units=a.units, capacity=a.capacity, seed=a.seed, sample_every=a.sample_every,
                  transport=a.transport)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(r, f, indent=1, default=str)
-    print(summary(r))
+    text = summary(r)
+    with open(out.path(".json"), "w") as f:
+        json.dump(r, f, indent=1, default=str)
+    with open(out.path(".md"), "w") as f:
+        f.write(f"# TQ soak\n\n```\n{text}\n```\n")
+    print(text)
+    out.finish(a.publish, a.machine)
     return 0 if r["ok"] else 1
 
 

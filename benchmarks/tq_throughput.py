@@ -1,22 +1,41 @@
 """Put/get throughput of the TQ service against Ray's object store, the `transferqueue` package and a
-plain memory copy of the same bytes, plus latency of small control operations.
+plain memory copy of the same bytes, plus the latency of 1-key puts and gets and of small control operations.
 
 Every system moves the same GRPO-shaped batch (jagged ``input_ids`` int64, ``generation_logprobs`` and
 ``prev_logprobs`` float32, ``token_mask`` bool, per-sample ``rewards``): a producer in another process
 writes it, the benchmark process reads it back as padded dense torch tensors (what a training worker
 needs). Throughput counts the batch's unpadded bytes over the wall time of the call. Each size runs
-``--iters`` times with fresh data and keys (3x up to 32 MiB); the table shows the median of the warm
-iterations (all but the first) and, in parentheses, the first (cold) one, where fresh pages are faulted
-in. Every system runs ``--rounds`` times in turn (default 2) and the rounds' warm iterations are
-pooled, so a slow phase of a shared machine does not land on one system only.
+``--iters`` times with fresh data and keys (3x up to 32 MiB). A system's first get of a size is its
+cold get (fresh pages are faulted in) and is reported on its own; the warm table is the median of
+the other iterations, pooled over ``--rounds`` rounds of every system run in turn, so a slow phase of
+a shared machine does not land on one system only.
 
-    python -m benchmarks.tq_throughput                 # 8 MiB .. 512 MiB, all systems
-    python -m benchmarks.tq_throughput --quick         # 8 and 32 MiB, fewer iterations
+Every system runs its best documented configuration, and every timed get ends in the same padded
+tensors made by the same padding code (TQ's C row copier, ``tq.rowcopy.copy_rows``, into pooled
+result buffers, ``tq.bufferpool``):
+  TQ             ``TQClient.get`` (padded layout), one storage unit, one partition reused.
+  Ray            ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1``, Ray's switch for zero-copy torch tensors
+                 (ray/_private/ray_constants.py; ray-project/ray PR 57639): an actor ``ray.put``s the
+                 flat columns, the driver's ``ray.get`` returns read-only views of the object store and
+                 pads them. "Ray views": the actor stores padded tensors and the get returns read-only
+                 views of them, nothing copied - the bound for a get that copies nothing.
+  transferqueue  its defaults (``transfer_queue.init()``: SimpleStorage, 2 storage units), one partition
+                 reused; the producer puts jagged nested tensors, the get's nested tensors are taken as
+                 their values/offsets views and padded.
+  memcpy         ``np.copyto`` of the payload a producer process just wrote into shared memory (the ceiling).
+
+    python -m benchmarks.tq_throughput                 # 8 MiB .. 512 MiB, all systems (~9 minutes on 2 cores)
+    python -m benchmarks.tq_throughput --quick         # 8 and 32 MiB, fewer iterations, 1 round
+
+Results go to a fresh ``logs/tq_throughput/<timestamp>/`` (``tq_throughput.json``, ``tq_throughput.md``);
+``--publish`` also writes ``benchmarks/results/tq_throughput_<machine>.{json,md}``. The `transferqueue`
+package comes with the ``[bench]`` extra (``pip install -e '.[bench]'``); without it its columns read n/a.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -25,20 +44,33 @@ import statistics
 import sys
 import time
 import uuid
+import warnings
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from benchmarks.outputs import add_output_args, cpu_model, open_run
+
 MiB = 1 << 20
 MAX_LEN = 4096
-# The issue's bars: ratios of warm medians measured in the same run (at every batch size), and the
-# p99 of every small control operation.
+# The bars: ratios of warm medians measured in the same run (at every batch size); the p99 of every
+# small operation (1-key puts and gets included) against the project's 1 ms; TQ's cold get; and the
+# slowest warm TQ get against its median (a buffer-pool miss shows up there).
 TARGETS = {"get_vs_transferqueue": 5.0, "get_vs_ray": 2.0, "get_vs_memcpy": 0.4, "put_vs_transferqueue": 3.0,
            "tcp_get_vs_transferqueue": 2.0}
-CONTROL_P99_MS = 2.0
+CONTROL_P99_MS = 1.0
+COLD_GET_GBPS = 2.0
+WARM_FLOOR = 0.5
 FIELDS = ("input_ids", "generation_logprobs", "prev_logprobs", "token_mask")
 BYTES_PER_TOKEN = 8 + 4 + 4 + 1
+SYSTEMS = ("tq", "tq_tcp", "ray", "transferqueue")
+RAY_ZERO_COPY_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
+INSTALL_TRANSFERQUEUE = "transferqueue not installed: pip install -e '.[bench]' (or pip install transferqueue==0.1.11)"
+
+
+class Unavailable(Exception):
+    """A system that cannot run here; the message says why and what to do about it."""
 
 
 # ----------------------------------------------------------------------------- the batch
@@ -85,12 +117,43 @@ def payload_bytes(nbytes: int, seed: int) -> int:
 
 
 def padded(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The batch as padded dense tensors (the form a trainer consumes)."""
+    """The batch as padded dense tensors (the form a trainer consumes), for checking what a get returned."""
     from tq.jagged import JaggedTensor
 
     out = {f: JaggedTensor(batch[f], batch["offsets"]).to_padded() for f in FIELDS}
     out["rewards"] = batch["rewards"]
     return out
+
+
+def pad_rows(values: torch.Tensor, offsets: np.ndarray, pool: Any) -> torch.Tensor:
+    """``[n, longest]`` zero-padded copy of the rows ``values[offsets[i]:offsets[i + 1]]``, made by TQ's C
+    row copier into a buffer of ``pool`` (a ``tq.bufferpool.HostBufferPool``): the padding work TQ's own
+    padded get does, so every system's timed get does the same work. ``values`` may be read-only."""
+    from tq.rowcopy import copy_rows
+
+    item = values.element_size()
+    src = values.numpy().reshape(-1).view(np.uint8)
+    sizes = (offsets[1:] - offsets[:-1]) * item
+    n, span = sizes.size, int(sizes.max())
+    dst = pool.empty(n * span)
+    copy_rows(dst, None, [src], np.zeros(n, dtype=np.int64), offsets[:-1] * item, sizes, span, bytes(item))
+    return torch.from_numpy(dst).view(values.dtype).reshape(n, span // item)
+
+
+def pad_batch(columns: dict[str, torch.Tensor], offsets: torch.Tensor, pool: Any) -> dict[str, torch.Tensor]:
+    """Every jagged field of a fetched flat batch padded by :func:`pad_rows`, plus its rewards."""
+    off = offsets.numpy()
+    out = {f: pad_rows(columns[f], off, pool) for f in FIELDS}
+    out["rewards"] = columns["rewards"]
+    return out
+
+
+def _check(got: dict[str, torch.Tensor], batch: dict[str, Any]) -> None:
+    """The first iteration of every system is verified against the source batch."""
+    want = padded(batch)
+    for f, t in want.items():
+        if not torch.equal(got[f], t):
+            raise AssertionError(f"field {f} came back different")
 
 
 # ----------------------------------------------------------------------------- TQ
@@ -124,10 +187,11 @@ def _tq_producer(address: str, transport: str, conn: Any) -> None:
     client.close()
 
 
-def bench_tq(sizes: list[int], iters: int, transport: str) -> dict[int, dict[str, list[float]]]:
+def bench_tq(sizes: list[int], iters: int, transport: str) -> dict[int, dict[str, Any]]:
+    """TQ: a producer process puts each batch, this process gets it back padded (``TQClient.get``)."""
     from tq import KVBatchMeta, TQClient, TQServer
 
-    results: dict[int, dict[str, list[float]]] = {}
+    results: dict[int, dict[str, Any]] = {}
     ctx = mp.get_context("spawn")
     with TQServer(storage_units=1, capacity=max(sizes) * 3 + (256 * MiB)) as server:
         client = TQClient(server.address, transport=transport, timeout=120)
@@ -162,110 +226,118 @@ def bench_tq(sizes: list[int], iters: int, transport: str) -> dict[int, dict[str
     return results
 
 
-def _check(got: dict[str, torch.Tensor], batch: dict[str, Any]) -> None:
-    """The first iteration of every system is verified against the source batch."""
-    want = padded(batch)
-    for f, t in want.items():
-        if not torch.equal(got[f], t):
-            raise AssertionError(f"field {f} came back different")
-
-
 # ----------------------------------------------------------------------------- Ray
-def bench_ray(sizes: list[int], iters: int) -> dict[int, dict[str, list[float]]]:
-    """Ray's object store: an actor ray.put()s the batch, the driver ray.get()s it.
-
-    Two forms: ``jagged`` stores the same flat columns (the driver pads after the get) and
-    ``padded`` stores padded tensors (more bytes, no padding work on the reader). The better is kept.
-    """
+def _import_ray_zero_copy() -> Any:
+    """``ray`` with zero-copy torch tensors on in this process. Ray reads the switch when it is first
+    imported, so it is set before; a process that imported Ray earlier cannot turn it on."""
+    os.environ.update(RAY_ZERO_COPY_ENV)
     import ray
+    from ray._private import ray_constants
+
+    if not ray_constants.RAY_ENABLE_ZERO_COPY_TORCH_TENSORS:
+        raise Unavailable("Ray was imported before its zero-copy tensors could be switched on: run the benchmark "
+                          "in a fresh process (python -m benchmarks.tq_throughput)")
+    return ray
+
+
+def bench_ray(sizes: list[int], iters: int) -> dict[int, dict[str, Any]]:
+    """Ray's object store with zero-copy torch tensors: an actor ray.put()s the batch, the driver
+    ray.get()s it. ``put``/``get``: the flat columns, padded after the get like every system;
+    ``put_padded``/``get_views``: padded tensors stored, the get returns read-only views (no copy)."""
+    from tq.bufferpool import HostBufferPool
+
+    ray = _import_ray_zero_copy()
 
     @ray.remote(num_cpus=0.1)
     class Producer:
         def put(self, nbytes: int, seed: int, form: str) -> tuple[float, list]:
             b = make_batch(nbytes, seed)
-            obj = padded(b) if form == "padded" else b
+            obj = padded(b) if form == "views" else b
             t0 = time.perf_counter()
             ref = ray.put(obj)
             self.ref = ref  # keep the owner alive
             return time.perf_counter() - t0, [ref]
 
-    results: dict[int, dict[str, list[float]]] = {}
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=max(sizes) * 4 + (512 * MiB))
+    pool = HostBufferPool()
+    results: dict[int, dict[str, Any]] = {}
+    # Ray's documented way to switch it on in every worker too: the job's runtime_env.
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": RAY_ZERO_COPY_ENV},
+             object_store_memory=max(sizes) * 4 + (512 * MiB))
     try:
         prod = Producer.remote()
-        for size in sizes:
-            res = results.setdefault(size, {"put": [], "get": []})
-            best: dict[str, list[float]] = {}
-            for form in ("jagged", "padded"):
-                puts, gets = [], []
-                for it in range(_iters(size, iters)):
-                    seed = size // MiB * 1000 + it
-                    put_s, [ref] = ray.get(prod.put.remote(size, seed, form))
-                    t0 = time.perf_counter()
-                    obj = ray.get(ref)
-                    got = obj if form == "padded" else padded(obj)
-                    get_s = time.perf_counter() - t0
-                    nbytes = payload_bytes(size, seed)
-                    res.setdefault("bytes", nbytes)
-                    if it == 0:
-                        _check(got, make_batch(size, seed))
-                    puts.append(nbytes / put_s)
-                    gets.append(nbytes / get_s)
-                    del obj, got, ref
-                best[form] = [_warm(gets), puts, gets]
-            form = max(best, key=lambda f: best[f][0])
-            res["put"], res["get"], res["form"] = best[form][1], best[form][2], form
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns once that the object store's arrays are read-only
+            for size in sizes:
+                res = results.setdefault(size, {"put": [], "get": [], "put_padded": [], "get_views": []})
+                for form, put_key, get_key in (("pad", "put", "get"), ("views", "put_padded", "get_views")):
+                    for it in range(_iters(size, iters)):
+                        seed = size // MiB * 1000 + it
+                        put_s, [ref] = ray.get(prod.put.remote(size, seed, form))
+                        t0 = time.perf_counter()
+                        obj = ray.get(ref)
+                        got = obj if form == "views" else pad_batch(obj, obj["offsets"], pool)
+                        get_s = time.perf_counter() - t0
+                        nbytes = payload_bytes(size, seed)
+                        res.setdefault("bytes", nbytes)
+                        if it == 0:
+                            _check(got, make_batch(size, seed))
+                        res[put_key].append(nbytes / put_s)
+                        res[get_key].append(nbytes / get_s)
+                        del obj, got, ref
     finally:
         ray.shutdown()
     return results
 
 
 # ----------------------------------------------------------------------------- transferqueue package
-def bench_transferqueue(sizes: list[int], iters: int) -> dict[int, dict[str, list[float]]] | None:
-    """The `transferqueue` package (SimpleStorage backend): kv_batch_put from an actor, kv_batch_get here."""
+def bench_transferqueue(sizes: list[int], iters: int) -> dict[int, dict[str, Any]]:
+    """The `transferqueue` package with its defaults (SimpleStorage backend, 2 storage units): an actor
+    ``kv_batch_put``s jagged nested tensors into one partition reused across iterations, this process
+    ``kv_batch_get``s them and pads their values/offsets views like every system."""
     try:
-        import transfer_queue as ptq  # noqa: F401
+        import transfer_queue  # noqa: F401
+        from tensordict import TensorDict
     except ImportError:
-        return None
-    import ray
-    from omegaconf import OmegaConf
-    from tensordict import TensorDict
+        raise Unavailable(INSTALL_TRANSFERQUEUE) from None
+    from tq.bufferpool import HostBufferPool
+
+    ray = _import_ray_zero_copy()  # one Ray per process: the same switch as the Ray baseline's
 
     @ray.remote(num_cpus=0.1)
     class Producer:
         def __init__(self) -> None:
             import transfer_queue
 
-            transfer_queue.init()
+            transfer_queue.init()  # joins the driver's controller and storage units
             self.tq = transfer_queue
 
         def put(self, nbytes: int, seed: int, partition: str) -> tuple[float, list[str]]:
-            b = padded(make_batch(nbytes, seed))
+            b = make_batch(nbytes, seed)
             keys = [f"s{seed}_{i}" for i in range(len(b["rewards"]))]
-            td = TensorDict(b, batch_size=len(keys))
+            cols = {f: torch.nested.nested_tensor_from_jagged(b[f], b["offsets"]) for f in FIELDS}
+            td = TensorDict({**cols, "rewards": b["rewards"]}, batch_size=len(keys))
             t0 = time.perf_counter()
             self.tq.kv_batch_put(keys=keys, partition_id=partition, fields=td)
             return time.perf_counter() - t0, keys
 
-    results: dict[int, dict[str, list[float]]] = {}
+    pool = HostBufferPool()
+    results: dict[int, dict[str, Any]] = {}
     # The package reserves a whole logical CPU per controller and storage actor: give Ray enough
     # logical CPUs that its init does not wait forever on a 2-core machine.
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, object_store_memory=512 * MiB)
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": RAY_ZERO_COPY_ENV},
+             object_store_memory=512 * MiB)
     try:
-        import transfer_queue
-
-        transfer_queue.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
+        transfer_queue.init()  # its defaults: SimpleStorage with 2 storage units
         prod = Producer.remote()
+        partition = f"bench-{uuid.uuid4().hex[:6]}"
         for size in sizes:
             res = results.setdefault(size, {"put": [], "get": []})
             for it in range(_iters(size, iters)):
                 seed = size // MiB * 1000 + it
-                partition = f"p{seed}"
                 put_s, keys = ray.get(prod.put.remote(size, seed, partition))
                 t0 = time.perf_counter()
                 td = transfer_queue.kv_batch_get(keys=keys, partition_id=partition)
-                # It hands rows back as nested tensors; a trainer needs them dense.
-                got = {f: td[f].to_padded_tensor(0) if td[f].is_nested else td[f] for f in (*FIELDS, "rewards")}
+                got = _pad_nested(td, pool)
                 get_s = time.perf_counter() - t0
                 nbytes = payload_bytes(size, seed)
                 res.setdefault("bytes", nbytes)
@@ -281,6 +353,17 @@ def bench_transferqueue(sizes: list[int], iters: int) -> dict[int, dict[str, lis
         finally:
             ray.shutdown()
     return results
+
+
+def _pad_nested(td: Any, pool: Any) -> dict[str, torch.Tensor]:
+    """A ``kv_batch_get`` result padded: each jagged nested tensor's values and offsets are views (no
+    copy), padded by :func:`pad_rows` like every system's rows."""
+    out = {}
+    for f in FIELDS:
+        t = td[f]
+        out[f] = pad_rows(t.values(), t.offsets().numpy(), pool) if t.is_nested else t
+    out["rewards"] = td["rewards"]
+    return out
 
 
 # ----------------------------------------------------------------------------- memcpy and control ops
@@ -345,27 +428,37 @@ def bench_memcpy(sizes: list[int], iters: int) -> dict[int, dict[str, list[float
 
 
 def bench_control_ops(n: int) -> dict[str, dict[str, float]]:
-    """p50/p99 latency of small control operations against a running service."""
+    """p50/p99 latency of 1-key puts and gets (same host and over TCP) and of small control operations
+    against a running service."""
     from tq import TQClient, TQServer
 
     out = {}
-    with TQServer(storage_units=1, capacity=64 * MiB) as server, TQClient(server.address) as client:
+    with (TQServer(storage_units=1, capacity=64 * MiB) as server, TQClient(server.address) as client,
+          TQClient(server.address, transport="tcp") as tcp):
         client.register_partition("ctl")
+        client.register_partition("ctl-put")
         meta = client.put("ctl", [f"k{i}" for i in range(8)], {"x": torch.arange(8)})
+        one = client.put("ctl", ["one"], {"x": torch.arange(1)})
+        row, fresh = {"x": torch.arange(1)}, itertools.count()
         ops: dict[str, Callable[[], Any]] = {
+            "put, 1 key (same host)": lambda: client.put("ctl-put", [f"p{next(fresh)}"], row),
+            "get, 1 key (same host)": lambda: client.get(one, ["x"]),
+            "put, 1 key (tcp)": lambda: tcp.put("ctl-put", [f"p{next(fresh)}"], row),
+            "get, 1 key (tcp)": lambda: tcp.get(one, ["x"]),
             "wait (already produced, 8 keys)": lambda: client.wait(meta, ["x"], timeout=1.0),
             "get_meta (8 keys)": lambda: client.get_meta("ctl", meta.keys),
             "register_partition (reuse, empty)": lambda: client.register_partition("ctl-empty", reuse=True),
             "get of 8 scalars": lambda: client.get(meta, ["x"]),
         }
         for name, fn in ops.items():
-            for _ in range(50):
+            for _ in range(min(50, n)):
                 fn()
             lat = []
             for _ in range(n):
                 t0 = time.perf_counter()
                 fn()
                 lat.append(time.perf_counter() - t0)
+            client.clear_partition("ctl-put")  # the puts' keys, outside the timed calls
             a = np.array(lat) * 1e3
             out[name] = {"p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99))}
     return out
@@ -381,9 +474,6 @@ def merge_rounds(rounds: list[dict[int, dict[str, Any]]]) -> dict[int, dict[str,
         for key, value in first.items():
             if isinstance(value, list):
                 merged[key] = value[:1] + [x for r in rounds for x in r[size][key][1:]]
-        forms = sorted({r[size]["form"] for r in rounds if "form" in r[size]})
-        if forms:
-            merged["form"] = "/".join(forms)
         out[size] = merged
     return out
 
@@ -393,51 +483,76 @@ def _warm(x: list[float]) -> float:
     return statistics.median(x[1:] if len(x) > 1 else x)
 
 
-def _gbps(x: list[float]) -> str:
-    return f"{_warm(x) / 1e9:.2f} ({x[0] / 1e9:.2f})"
+def _floor(x: list[float]) -> float:
+    """The slowest warm iteration over the warm median (1.0 = no outlier)."""
+    return min(x[1:] if len(x) > 1 else x) / _warm(x)
+
+
+def machine_info() -> str:
+    """The machine, as the published table names it."""
+    return (f"{platform.node()} - {os.cpu_count()} CPUs ({cpu_model()}), Python {platform.python_version()}, "
+            f"torch {torch.__version__}")
 
 
 def report(all_res: dict[str, Any], sizes: list[int]) -> str:
-    machine = all_res.setdefault(  # kept in the JSON, so a table rebuilt elsewhere names the machine that ran it
-        "machine", f"{platform.node()} - {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, "
-        f"Python {platform.python_version()}, torch {torch.__version__}")
+    """The markdown tables (warm, cold, ratios, small operations) and the targets; stores ``ratios``
+    and ``targets`` in ``all_res``. A system that did not run (None) reads n/a, with the reason from
+    ``all_res["unavailable"]``."""
+    machine = all_res.setdefault("machine", machine_info())  # kept in the JSON, so a table rebuilt elsewhere names the machine
+    get = lambda k: all_res.get(k) or {}  # noqa: E731
+    warm = lambda r, k: f"{_warm(r[k]) / 1e9:.2f}" if r and r.get(k) else "n/a"  # noqa: E731
+    cold = lambda r, k: f"{r[k][0] / 1e9:.2f}" if r and r.get(k) else "n/a"  # noqa: E731
     lines = [
         f"Machine: {machine}",
         "",
-        f"GB/s of unpadded payload: median of warm iterations, pooled over {all_res.get('rounds', 1)} round(s) of every system "
-        "run in turn (first, cold iteration in parentheses).",
+        f"GB/s of unpadded payload, median of the warm iterations (every one after a system's first get of a size), "
+        f"pooled over {all_res.get('rounds', 1)} round(s) of every system run in turn. Every get ends in padded "
+        "tensors made by the same C row copier; Ray views: padded tensors stored, read-only views returned, "
+        "nothing copied.",
         "",
-        "| batch | payload MB | memcpy | TQ put | TQ get | TQ tcp put | TQ tcp get | Ray put | Ray get | transferqueue put | transferqueue get |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| batch | payload MB | memcpy | TQ put | TQ get | TQ tcp put | TQ tcp get | Ray put | Ray get | Ray views "
+        "| transferqueue put | transferqueue get |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    cold_lines = ["", "Cold gets: GB/s of the first get of each size (fresh pages faulted in); the last column is "
+                  "the slowest warm TQ get over the warm median.", "",
+                  "| batch | memcpy | TQ get | TQ tcp get | Ray get | Ray views | transferqueue get | TQ slowest warm get / median |",
+                  "|---|---|---|---|---|---|---|---|"]
     ratios = []
     for size in sizes:
-        mc = all_res["memcpy"][size]
-        tq = all_res["tq"][size]
-        tcp, ray_, ptq = ((all_res.get(k) or {}).get(size) for k in ("tq_tcp", "ray", "transferqueue"))  # None: skipped
-        cell = lambda r, k: _gbps(r[k]) if r else "n/a"  # noqa: E731
-        row = [f"{size // MiB} MiB", f"{tq['bytes'] / 1e6:.0f}", cell(mc, "copy"), cell(tq, "put"), cell(tq, "get"),
-               cell(tcp, "put"), cell(tcp, "get"), cell(ray_, "put") + (f" [{ray_.get('form', '-')}]" if ray_ else ""),
-               cell(ray_, "get"), cell(ptq, "put"), cell(ptq, "get")]
-        lines.append("| " + " | ".join(row) + " |")
+        mc, tq = all_res["memcpy"][size], all_res["tq"][size]
+        tcp, ray_, ptq = (get(k).get(size) for k in ("tq_tcp", "ray", "transferqueue"))
+        lines.append("| " + " | ".join([
+            f"{size // MiB} MiB", f"{tq['bytes'] / 1e6:.0f}", warm(mc, "copy"), warm(tq, "put"), warm(tq, "get"),
+            warm(tcp, "put"), warm(tcp, "get"), warm(ray_, "put"), warm(ray_, "get"), warm(ray_, "get_views"),
+            warm(ptq, "put"), warm(ptq, "get")]) + " |")
+        cold_lines.append("| " + " | ".join([
+            f"{size // MiB} MiB", cold(mc, "copy"), cold(tq, "get"), cold(tcp, "get"), cold(ray_, "get"),
+            cold(ray_, "get_views"), cold(ptq, "get"), f"{_floor(tq['get']):.2f}"]) + " |")
         med = lambda r, k: _warm(r[k])  # noqa: E731
-        r = {"size": f"{size // MiB} MiB", "get_vs_memcpy": med(tq, "get") / med(mc, "copy")}
+        r = {"size": f"{size // MiB} MiB", "get_vs_memcpy": med(tq, "get") / med(mc, "copy"),
+             "tq_cold_get_gbps": tq["get"][0] / 1e9, "tq_warm_floor": _floor(tq["get"])}
         if ray_:
-            r["get_vs_ray"] = med(tq, "get") / med(ray_, "get")
+            r.update(get_vs_ray=med(tq, "get") / med(ray_, "get"), get_vs_ray_views=med(tq, "get") / med(ray_, "get_views"),
+                     put_vs_ray=med(tq, "put") / med(ray_, "put"))
         if ptq:
             r.update(get_vs_transferqueue=med(tq, "get") / med(ptq, "get"), put_vs_transferqueue=med(tq, "put") / med(ptq, "put"))
         if ptq and tcp:
             r["tcp_get_vs_transferqueue"] = med(tcp, "get") / med(ptq, "get")
         ratios.append(r)
-    lines += ["", "Ratios (warm medians; targets: get >= 5x transferqueue, >= 2x Ray, >= 0.4x memcpy; put >= 3x transferqueue; "
-              "TCP get >= 2x transferqueue):", "",
-              "| batch | TQ get / memcpy | TQ get / Ray | TQ get / transferqueue | TQ put / transferqueue | TQ tcp get / transferqueue |",
-              "|---|---|---|---|---|---|"]
+    lines += cold_lines
+    lines += ["", "Ratios of warm medians (targets: get >= 5x transferqueue, >= 2x Ray, >= 0.4x memcpy; put >= 3x "
+              "transferqueue; TCP get >= 2x transferqueue; Ray views is reported, not a target):", "",
+              "| batch | TQ get / memcpy | TQ get / Ray | TQ get / Ray views | TQ get / transferqueue | TQ put / Ray "
+              "| TQ put / transferqueue | TQ tcp get / transferqueue |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in ratios:
         f = lambda k: f"{r[k]:.2f}x" if k in r else "n/a"  # noqa: E731
-        lines.append(f"| {r['size']} | {f('get_vs_memcpy')} | {f('get_vs_ray')} | {f('get_vs_transferqueue')} | "
-                     f"{f('put_vs_transferqueue')} | {f('tcp_get_vs_transferqueue')} |")
-    lines += ["", "Control operations (TQ, same host):", "", "| operation | p50 ms | p99 ms |", "|---|---|---|"]
+        lines.append(f"| {r['size']} | {f('get_vs_memcpy')} | {f('get_vs_ray')} | {f('get_vs_ray_views')} | "
+                     f"{f('get_vs_transferqueue')} | {f('put_vs_ray')} | {f('put_vs_transferqueue')} | "
+                     f"{f('tcp_get_vs_transferqueue')} |")
+    lines += ["", f"Small operations (TQ; target p99 < {CONTROL_P99_MS:g} ms each):", "",
+              "| operation | p50 ms | p99 ms |", "|---|---|---|"]
     for name, v in all_res["control_ops"].items():
         lines.append(f"| {name} | {v['p50_ms']:.3f} | {v['p99_ms']:.3f} |")
     targets = {}
@@ -447,58 +562,94 @@ def report(all_res: dict[str, Any], sizes: list[int]) -> str:
             targets[key] = {"target": bar, "worst": min(got), "met": min(got) >= bar}
     p99 = max((v["p99_ms"] for v in all_res["control_ops"].values()), default=0.0)
     targets["control_p99_ms"] = {"target": CONTROL_P99_MS, "worst": p99, "met": p99 < CONTROL_P99_MS}
+    worst_cold = min(r["tq_cold_get_gbps"] for r in ratios)
+    targets["cold_get_gbps"] = {"target": COLD_GET_GBPS, "worst": worst_cold, "met": worst_cold >= COLD_GET_GBPS}
+    floor = min(r["tq_warm_floor"] for r in ratios)
+    targets["warm_get_floor"] = {"target": WARM_FLOOR, "worst": floor, "met": floor >= WARM_FLOOR}
     lines += ["", "Targets (worst batch size): " + "; ".join(
         f"{k} {v['worst']:.2f} vs {v['target']} - {'met' if v['met'] else 'NOT met'}" for k, v in targets.items())]
+    notes = [f"{name}: n/a - {why}" for name, why in all_res.get("unavailable", {}).items()]
+    load = all_res.get("load_avg")
+    if load:
+        notes.append(f"machine load (1/5/15-minute averages): {' / '.join(f'{x:.2f}' for x in load['start'])} at the start, "
+                     f"{' / '.join(f'{x:.2f}' for x in load['end'])} at the end")
+    notes += all_res.get("notes", [])
+    if notes:
+        lines += ["", "Notes:", *(f"- {n}" for n in notes)]
     all_res["ratios"], all_res["targets"] = ratios, targets
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes-mib", type=int, nargs="+", default=[8, 32, 128, 512])
-    p.add_argument("--iters", type=int, default=5)
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (every option with its help)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--sizes-mib", type=int, nargs="+", default=[8, 32, 128, 512],
+                   help="batch sizes in MiB of payload (default 8 32 128 512)")
+    p.add_argument("--iters", type=int, default=5,
+                   help="gets per size and system, the first one cold; 3x this up to 32 MiB (default 5)")
     p.add_argument("--quick", action="store_true", help="8 and 32 MiB, 4 iterations, 1 round")
-    p.add_argument("--skip", nargs="*", default=[], choices=["ray", "transferqueue", "tcp"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["ray", "transferqueue", "tcp"],
+                   help="systems to leave out: Ray's object store, the transferqueue package, TQ over TCP")
     p.add_argument("--rounds", type=int, default=2,
                    help="run every system this many times in turn and pool their warm iterations (default 2; --quick 1)")
-    p.add_argument("--out", default="results/tq_throughput")
+    p.add_argument("--control-iters", type=int, default=2000,
+                   help="timed calls of each small operation, after 50 untimed ones (default 2000)")
+    p.add_argument("--note", action="append", default=[],
+                   help="a line for the report's notes, e.g. what else ran on the machine (repeatable)")
+    add_output_args(p, "tq_throughput")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
     if a.quick:
         a.sizes_mib, a.iters, a.rounds = [8, 32], 4, 1
-    if a.rounds < 1:
-        p.error("--rounds must be >= 1")
+    if a.rounds < 1 or a.iters < 1 or a.control_iters < 1 or min(a.sizes_mib) < 1:
+        p.error("--rounds, --iters, --control-iters and --sizes-mib must be >= 1")
+    out = open_run("tq_throughput", a.run_dir)
     sizes = [s * MiB for s in a.sizes_mib]
-    res: dict[str, Any] = {"sizes": sizes, "rounds": a.rounds}
+    res: dict[str, Any] = {"sizes": sizes, "rounds": a.rounds, "unavailable": {}, "notes": list(a.note),
+                           "load_avg": {"start": list(os.getloadavg())}}
     t0 = time.time()
     systems: dict[str, Callable[[], Any]] = {
         "memcpy": lambda: bench_memcpy(sizes, a.iters),
         "tq": lambda: bench_tq(sizes, a.iters, "auto"),
+        "tq_tcp": lambda: bench_tq(sizes, a.iters, "tcp"),
+        "ray": lambda: bench_ray(sizes, a.iters),
+        "transferqueue": lambda: bench_transferqueue(sizes, a.iters),
     }
-    if "tcp" not in a.skip:
-        systems["tq_tcp"] = lambda: bench_tq(sizes, a.iters, "tcp")
-    if "ray" not in a.skip:
-        systems["ray"] = lambda: bench_ray(sizes, a.iters)
-    if "transferqueue" not in a.skip:
-        systems["transferqueue"] = lambda: bench_transferqueue(sizes, a.iters)
+    for name, flag in (("tq_tcp", "tcp"), ("ray", "ray"), ("transferqueue", "transferqueue")):
+        if flag in a.skip:
+            del systems[name]
+            res["unavailable"][name] = f"left out (--skip {flag})"
     runs: dict[str, list[Any]] = {name: [] for name in systems}
     for r in range(a.rounds):  # in turn, so a slow phase of a shared machine does not land on one system
         for name, run in systems.items():
+            if name in res["unavailable"]:
+                continue
             print(f"[{time.time() - t0:5.0f}s] {name}, round {r + 1}/{a.rounds}", file=sys.stderr, flush=True)
-            runs[name].append(run())
-    for name, got in runs.items():
-        res[name] = merge_rounds(got) if got[0] is not None else None
-    for skipped in ("tq_tcp", "ray", "transferqueue"):
-        res.setdefault(skipped, None)
-    res["control_ops"] = bench_control_ops(2000)
+            try:
+                runs[name].append(run())
+            except Unavailable as exc:
+                res["unavailable"][name] = str(exc)
+                print(f"  {name}: n/a - {exc}", file=sys.stderr, flush=True)
+    for name in ("memcpy", *SYSTEMS):
+        res[name] = merge_rounds(runs[name]) if runs.get(name) and name not in res["unavailable"] else None
+    res["control_ops"] = bench_control_ops(a.control_iters)
+    res["load_avg"]["end"] = list(os.getloadavg())
     table = report(res, sizes)
     res["wall_s"] = time.time() - t0
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out + ".json", "w") as f:
+    with open(out.path(".json"), "w") as f:
         json.dump(res, f, indent=1, default=str)
-    with open(a.out + ".md", "w") as f:
-        f.write(table + "\n")
+    with open(out.path(".md"), "w") as f:
+        f.write(f"# TQ throughput\n\n`python -m benchmarks.tq_throughput {' '.join(argv if argv is not None else sys.argv[1:])}` "
+                f"({time.strftime('%Y-%m-%d %H:%M', time.localtime(t0))}, {res['wall_s'] / 60:.1f} min)\n\n{table}\n")
     print(table)
+    out.finish(a.publish, a.machine)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

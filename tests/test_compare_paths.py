@@ -146,7 +146,7 @@ def test_gpu_preset_builds_a_valid_config_of_a_100m_model_and_fails_clearly_with
         model = AutoModelForCausalLM.from_config(tiny_config(len(tok), **cfg.policy.tiny_overrides))
     assert sum(p.numel() for p in model.parameters()) >= 100e6
     if not torch.cuda.is_available():
-        assert cp.main(["--gpu", "--out", str(tmp_path / "gpu")]) == 2
+        assert cp.main(["--gpu", "--run-dir", str(tmp_path / "gpu")]) == 2
         assert "CUDA" in capsys.readouterr().err
 
 
@@ -158,8 +158,8 @@ def test_compare_paths_runs_both_trainers_and_writes_json_markdown_and_plots(tmp
     are counted (legacy ships the data, TQ only handles), every rank's fetch time is in the metrics,
     the TQ store held the step's data, and the JSON / markdown / PNG outputs are written."""
     out = tmp_path / "cp"
-    assert cp.main(["--custom-points", "2x4x64@2", "--steps", "1", "--out", str(out)]) == 0
-    result = json.loads((out.parent / "cp.json").read_text())
+    assert cp.main(["--custom-points", "2x4x64@2", "--steps", "1", "--run-dir", str(out)]) == 0
+    result = json.loads((out / "compare_paths.json").read_text())
     steps = {r["path"]: r["steps"][0] for r in result["runs"]}
     assert set(steps) == {"legacy", "tq"}
     for path, m in steps.items():
@@ -171,8 +171,42 @@ def test_compare_paths_runs_both_trainers_and_writes_json_markdown_and_plots(tmp
     assert legacy["timing/worker_dispatch"] > 0 and tq["timing/worker_tq_get"] > 0
     assert tq["store_bytes"] > 8 * 64 * 8  # at least the input ids of 8 samples of 64+ tokens
     assert len(result["targets"]) == 5 and result["summary"][0]["fetch_per_rank_s"]
-    md = (out.parent / "cp.md").read_text()
+    md = (out / "compare_paths.md").read_text()
     assert "| legacy |" in md and "| tq |" in md and "Targets" in md
     for name in ("step_time", "driver_bytes"):
-        png = (out.parent / f"cp_{name}.png").read_bytes()
+        png = (out / f"compare_paths_{name}.png").read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+
+
+# ----------------------------------------------------------------------------- outputs
+def test_a_rerun_leaves_the_published_results_alone_and_publish_replaces_them(tmp_path, capsys):
+    """Re-rendering the published CPU run (what ``--from-json`` does, in seconds) writes a fresh run
+    directory under logs/ and leaves benchmarks/results/ as it was; ``--publish`` is what replaces the
+    published set (shown on a copy). Before, a run wrote over the README's files."""
+    import os
+    import shutil
+
+    from benchmarks.outputs import REPO, RESULTS_DIR, open_run, snapshot
+
+    published = os.path.join(RESULTS_DIR, "compare_paths_cpu2.json")
+    logs = os.path.join(REPO, "logs", "compare_paths")
+    before, runs_before = snapshot(RESULTS_DIR), set(os.listdir(logs)) if os.path.isdir(logs) else set()
+    try:
+        assert cp.main(["--from-json", published]) == 0
+        assert snapshot(RESULTS_DIR) == before
+        new = set(os.listdir(logs)) - runs_before
+        assert len(new) == 1
+        run = os.path.join(logs, new.pop())
+        assert {"compare_paths.json", "compare_paths.md", "compare_paths_step_time.png"} <= set(os.listdir(run))
+        assert run in capsys.readouterr().out
+    finally:
+        for name in set(os.listdir(logs)) - runs_before if os.path.isdir(logs) else ():
+            shutil.rmtree(os.path.join(logs, name))
+    copy = tmp_path / "copy.json"
+    shutil.copyfile(published, copy)
+    results = tmp_path / "results"
+    out = open_run("compare_paths", str(tmp_path / "run"), log=lambda _: None)
+    cp.write_reports(json.loads(copy.read_text()), out)
+    assert sorted(os.path.basename(p) for p in out.finish(True, "cpu2", results_dir=str(results))) == [
+        "compare_paths_cpu2.json", "compare_paths_cpu2.md", "compare_paths_cpu2_driver_bytes.png",
+        "compare_paths_cpu2_fetch.png", "compare_paths_cpu2_step_time.png"]

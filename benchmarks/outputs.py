@@ -19,6 +19,7 @@ import argparse
 import os
 import platform
 import shutil
+import subprocess
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -49,6 +50,19 @@ def cpu_model() -> str:
             return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), platform.machine())
     except OSError:
         return platform.processor() or platform.machine()
+
+
+def code_version() -> dict[str, object]:
+    """The commit a run measured and the files under tq/ that differed from it (a published figure
+    names the code it is of)."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+
+    dirty = git("status", "--porcelain", "--", "tq")
+    return {"commit": git("rev-parse", "--short", "HEAD"), "tq_uncommitted": [ln[3:] for ln in dirty.splitlines()]}
 
 
 def add_output_args(p: argparse.ArgumentParser, name: str) -> None:

@@ -20,8 +20,9 @@ result buffers, ``tq.bufferpool``):
                  pads them. "Ray views": the actor stores padded tensors and the get returns read-only
                  views of them, nothing copied - the bound for a get that copies nothing.
   transferqueue  its defaults (``transfer_queue.init()``: SimpleStorage, 2 storage units), one partition
-                 reused; the producer puts jagged nested tensors, the get's nested tensors are taken as
-                 their values/offsets views and padded.
+                 reused. Its get returns jagged nested tensors; two forms, the faster get is compared:
+                 [pad] jagged nested tensors put, the get's values/offsets views padded; [views] padded
+                 tensors put, the get's equal-length rows viewed as dense tensors (no copy after the get).
   memcpy         ``np.copyto`` of the payload a producer process just wrote into shared memory (the ceiling).
 
     python -m benchmarks.tq_throughput                 # 8 MiB .. 512 MiB, all systems (~9 minutes on 2 cores)
@@ -50,7 +51,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from benchmarks.outputs import add_output_args, cpu_model, open_run
+from benchmarks.outputs import add_output_args, code_version, cpu_model, open_run
 
 MiB = 1 << 20
 MAX_LEN = 4096
@@ -260,8 +261,9 @@ def bench_ray(sizes: list[int], iters: int) -> dict[int, dict[str, Any]]:
 
     pool = HostBufferPool()
     results: dict[int, dict[str, Any]] = {}
-    # Ray's documented way to switch it on in every worker too: the job's runtime_env.
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": RAY_ZERO_COPY_ENV},
+    # Ray's documented way to switch it on in every worker too: the job's runtime_env. A cluster of its
+    # own ("local"): ray.init() would join any cluster `ray start` left on this machine.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": RAY_ZERO_COPY_ENV},
              object_store_memory=max(sizes) * 4 + (512 * MiB))
     try:
         prod = Producer.remote()
@@ -291,11 +293,13 @@ def bench_ray(sizes: list[int], iters: int) -> dict[int, dict[str, Any]]:
 
 # ----------------------------------------------------------------------------- transferqueue package
 def bench_transferqueue(sizes: list[int], iters: int) -> dict[int, dict[str, Any]]:
-    """The `transferqueue` package with its defaults (SimpleStorage backend, 2 storage units): an actor
-    ``kv_batch_put``s jagged nested tensors into one partition reused across iterations, this process
-    ``kv_batch_get``s them and pads their values/offsets views like every system."""
+    """The `transferqueue` package with its defaults (``transfer_queue.init()``: SimpleStorage, 2 storage
+    units), one partition reused across iterations: an actor ``kv_batch_put``s, this process
+    ``kv_batch_get``s. It returns rows as jagged nested tensors; ``put``/``get``: the flat columns put as
+    jagged nested tensors, the get's values/offsets views padded like every system; ``put_padded``/
+    ``get_views``: padded tensors put, the get's equal-length rows viewed as dense tensors (no copy)."""
     try:
-        import transfer_queue  # noqa: F401
+        import transfer_queue
         from tensordict import TensorDict
     except ImportError:
         raise Unavailable(INSTALL_TRANSFERQUEUE) from None
@@ -311,11 +315,15 @@ def bench_transferqueue(sizes: list[int], iters: int) -> dict[int, dict[str, Any
             transfer_queue.init()  # joins the driver's controller and storage units
             self.tq = transfer_queue
 
-        def put(self, nbytes: int, seed: int, partition: str) -> tuple[float, list[str]]:
+        def put(self, nbytes: int, seed: int, partition: str, form: str) -> tuple[float, list[str]]:
             b = make_batch(nbytes, seed)
             keys = [f"s{seed}_{i}" for i in range(len(b["rewards"]))]
-            cols = {f: torch.nested.nested_tensor_from_jagged(b[f], b["offsets"]) for f in FIELDS}
-            td = TensorDict({**cols, "rewards": b["rewards"]}, batch_size=len(keys))
+            if form == "views":
+                cols = padded(b)
+            else:
+                cols = {f: torch.nested.nested_tensor_from_jagged(b[f], b["offsets"]) for f in FIELDS}
+                cols["rewards"] = b["rewards"]
+            td = TensorDict(cols, batch_size=len(keys))
             t0 = time.perf_counter()
             self.tq.kv_batch_put(keys=keys, partition_id=partition, fields=td)
             return time.perf_counter() - t0, keys
@@ -324,29 +332,30 @@ def bench_transferqueue(sizes: list[int], iters: int) -> dict[int, dict[str, Any
     results: dict[int, dict[str, Any]] = {}
     # The package reserves a whole logical CPU per controller and storage actor: give Ray enough
     # logical CPUs that its init does not wait forever on a 2-core machine.
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": RAY_ZERO_COPY_ENV},
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": RAY_ZERO_COPY_ENV},
              object_store_memory=512 * MiB)
     try:
         transfer_queue.init()  # its defaults: SimpleStorage with 2 storage units
         prod = Producer.remote()
         partition = f"bench-{uuid.uuid4().hex[:6]}"
         for size in sizes:
-            res = results.setdefault(size, {"put": [], "get": []})
-            for it in range(_iters(size, iters)):
-                seed = size // MiB * 1000 + it
-                put_s, keys = ray.get(prod.put.remote(size, seed, partition))
-                t0 = time.perf_counter()
-                td = transfer_queue.kv_batch_get(keys=keys, partition_id=partition)
-                got = _pad_nested(td, pool)
-                get_s = time.perf_counter() - t0
-                nbytes = payload_bytes(size, seed)
-                res.setdefault("bytes", nbytes)
-                if it == 0:
-                    _check(got, make_batch(size, seed))
-                res["put"].append(nbytes / put_s)
-                res["get"].append(nbytes / get_s)
-                transfer_queue.kv_clear(keys=keys, partition_id=partition)
-                del td, got
+            res = results.setdefault(size, {"put": [], "get": [], "put_padded": [], "get_views": []})
+            for form, put_key, get_key in (("pad", "put", "get"), ("views", "put_padded", "get_views")):
+                for it in range(_iters(size, iters)):
+                    seed = size // MiB * 1000 + it
+                    put_s, keys = ray.get(prod.put.remote(size, seed, partition, form))
+                    t0 = time.perf_counter()
+                    td = transfer_queue.kv_batch_get(keys=keys, partition_id=partition)
+                    got = _dense(td, pool)
+                    get_s = time.perf_counter() - t0
+                    nbytes = payload_bytes(size, seed)
+                    res.setdefault("bytes", nbytes)
+                    if it == 0:
+                        _check(got, make_batch(size, seed))
+                    res[put_key].append(nbytes / put_s)
+                    res[get_key].append(nbytes / get_s)
+                    transfer_queue.kv_clear(keys=keys, partition_id=partition)
+                    del td, got
     finally:
         try:
             transfer_queue.close()
@@ -355,14 +364,19 @@ def bench_transferqueue(sizes: list[int], iters: int) -> dict[int, dict[str, Any
     return results
 
 
-def _pad_nested(td: Any, pool: Any) -> dict[str, torch.Tensor]:
-    """A ``kv_batch_get`` result padded: each jagged nested tensor's values and offsets are views (no
-    copy), padded by :func:`pad_rows` like every system's rows."""
-    out = {}
+def _dense(td: Any, pool: Any) -> dict[str, torch.Tensor]:
+    """A ``kv_batch_get`` result as padded tensors: a jagged nested tensor's values and offsets are views
+    (no copy); rows of one length are viewed as a dense tensor as they are, others padded by
+    :func:`pad_rows` like every system's rows."""
+    out = {"rewards": td["rewards"]}
     for f in FIELDS:
         t = td[f]
-        out[f] = pad_rows(t.values(), t.offsets().numpy(), pool) if t.is_nested else t
-    out["rewards"] = td["rewards"]
+        values, offsets = t.values(), t.offsets().numpy()
+        lengths = np.diff(offsets)
+        if lengths.min() == lengths.max():
+            out[f] = values.view(lengths.size, -1)
+        else:
+            out[f] = pad_rows(values, offsets, pool)
     return out
 
 
@@ -494,21 +508,28 @@ def machine_info() -> str:
             f"torch {torch.__version__}")
 
 
+def _ptq_get(r: dict[str, Any] | None) -> str | None:
+    """The faster of transferqueue's two gets (``get``: padded here, ``get_views``: padded rows viewed)."""
+    if not r:
+        return None
+    return max((k for k in ("get", "get_views") if r.get(k)), key=lambda k: _warm(r[k]))
+
+
 def report(all_res: dict[str, Any], sizes: list[int]) -> str:
     """The markdown tables (warm, cold, ratios, small operations) and the targets; stores ``ratios``
     and ``targets`` in ``all_res``. A system that did not run (None) reads n/a, with the reason from
     ``all_res["unavailable"]``."""
     machine = all_res.setdefault("machine", machine_info())  # kept in the JSON, so a table rebuilt elsewhere names the machine
     get = lambda k: all_res.get(k) or {}  # noqa: E731
-    warm = lambda r, k: f"{_warm(r[k]) / 1e9:.2f}" if r and r.get(k) else "n/a"  # noqa: E731
-    cold = lambda r, k: f"{r[k][0] / 1e9:.2f}" if r and r.get(k) else "n/a"  # noqa: E731
+    warm = lambda r, k: f"{_warm(r[k]) / 1e9:.2f}" if r and k and r.get(k) else "n/a"  # noqa: E731
+    cold = lambda r, k: f"{r[k][0] / 1e9:.2f}" if r and k and r.get(k) else "n/a"  # noqa: E731
     lines = [
         f"Machine: {machine}",
         "",
         f"GB/s of unpadded payload, median of the warm iterations (every one after a system's first get of a size), "
         f"pooled over {all_res.get('rounds', 1)} round(s) of every system run in turn. Every get ends in padded "
         "tensors made by the same C row copier; Ray views: padded tensors stored, read-only views returned, "
-        "nothing copied.",
+        "nothing copied; transferqueue: the faster of its two forms ([pad] or [views], see the module docstring).",
         "",
         "| batch | payload MB | memcpy | TQ put | TQ get | TQ tcp put | TQ tcp get | Ray put | Ray get | Ray views "
         "| transferqueue put | transferqueue get |",
@@ -522,13 +543,15 @@ def report(all_res: dict[str, Any], sizes: list[int]) -> str:
     for size in sizes:
         mc, tq = all_res["memcpy"][size], all_res["tq"][size]
         tcp, ray_, ptq = (get(k).get(size) for k in ("tq_tcp", "ray", "transferqueue"))
+        pk = _ptq_get(ptq)
+        form = f" [{'views' if pk == 'get_views' else 'pad'}]" if pk else ""
         lines.append("| " + " | ".join([
             f"{size // MiB} MiB", f"{tq['bytes'] / 1e6:.0f}", warm(mc, "copy"), warm(tq, "put"), warm(tq, "get"),
             warm(tcp, "put"), warm(tcp, "get"), warm(ray_, "put"), warm(ray_, "get"), warm(ray_, "get_views"),
-            warm(ptq, "put"), warm(ptq, "get")]) + " |")
+            warm(ptq, "put"), warm(ptq, pk) + form]) + " |")
         cold_lines.append("| " + " | ".join([
             f"{size // MiB} MiB", cold(mc, "copy"), cold(tq, "get"), cold(tcp, "get"), cold(ray_, "get"),
-            cold(ray_, "get_views"), cold(ptq, "get"), f"{_floor(tq['get']):.2f}"]) + " |")
+            cold(ray_, "get_views"), cold(ptq, pk) + form, f"{_floor(tq['get']):.2f}"]) + " |")
         med = lambda r, k: _warm(r[k])  # noqa: E731
         r = {"size": f"{size // MiB} MiB", "get_vs_memcpy": med(tq, "get") / med(mc, "copy"),
              "tq_cold_get_gbps": tq["get"][0] / 1e9, "tq_warm_floor": _floor(tq["get"])}
@@ -536,9 +559,9 @@ def report(all_res: dict[str, Any], sizes: list[int]) -> str:
             r.update(get_vs_ray=med(tq, "get") / med(ray_, "get"), get_vs_ray_views=med(tq, "get") / med(ray_, "get_views"),
                      put_vs_ray=med(tq, "put") / med(ray_, "put"))
         if ptq:
-            r.update(get_vs_transferqueue=med(tq, "get") / med(ptq, "get"), put_vs_transferqueue=med(tq, "put") / med(ptq, "put"))
+            r.update(get_vs_transferqueue=med(tq, "get") / med(ptq, pk), put_vs_transferqueue=med(tq, "put") / med(ptq, "put"))
         if ptq and tcp:
-            r["tcp_get_vs_transferqueue"] = med(tcp, "get") / med(ptq, "get")
+            r["tcp_get_vs_transferqueue"] = med(tcp, "get") / med(ptq, pk)
         ratios.append(r)
     lines += cold_lines
     lines += ["", "Ratios of warm medians (targets: get >= 5x transferqueue, >= 2x Ray, >= 0.4x memcpy; put >= 3x "
@@ -569,6 +592,10 @@ def report(all_res: dict[str, Any], sizes: list[int]) -> str:
     lines += ["", "Targets (worst batch size): " + "; ".join(
         f"{k} {v['worst']:.2f} vs {v['target']} - {'met' if v['met'] else 'NOT met'}" for k, v in targets.items())]
     notes = [f"{name}: n/a - {why}" for name, why in all_res.get("unavailable", {}).items()]
+    code = all_res.get("code")
+    if code:
+        notes.append(f"code: commit {code['commit']}" + (f", with uncommitted changes in {', '.join(code['tq_uncommitted'])}"
+                                                         if code["tq_uncommitted"] else ""))
     load = all_res.get("load_avg")
     if load:
         notes.append(f"machine load (1/5/15-minute averages): {' / '.join(f'{x:.2f}' for x in load['start'])} at the start, "
@@ -611,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
     out = open_run("tq_throughput", a.run_dir)
     sizes = [s * MiB for s in a.sizes_mib]
     res: dict[str, Any] = {"sizes": sizes, "rounds": a.rounds, "unavailable": {}, "notes": list(a.note),
-                           "load_avg": {"start": list(os.getloadavg())}}
+                           "load_avg": {"start": list(os.getloadavg())}, "code": code_version()}
     t0 = time.time()
     systems: dict[str, Callable[[], Any]] = {
         "memcpy": lambda: bench_memcpy(sizes, a.iters),

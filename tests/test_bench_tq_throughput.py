@@ -58,6 +58,9 @@ def test_report_computes_ratios_against_baselines_of_the_same_run():
     assert res["targets"]["get_vs_ray"] == {"target": 2.0, "worst": 4.0, "met": True}
     assert res["targets"]["control_p99_ms"]["met"] and res["targets"]["cold_get_gbps"]["met"]
     assert res["targets"]["warm_get_floor"] == {"target": 0.5, "worst": 0.8, "met": True}
+    res["transferqueue"][size]["get_views"] = [1.0, 0.3e9]  # its faster form is the one compared
+    table = report(res, [size])
+    assert res["ratios"][0]["get_vs_transferqueue"] == pytest.approx(100 / 3) and "| 0.50 | 0.30 [views] |" in table
     res["tq"][size]["get"] = [1e9, 3e9, 0.5e9]  # 1.75 GB/s warm: under 2x Ray; cold 1 GB/s; an outlier
     res["control_ops"]["put, 1 key (same host)"]["p99_ms"] = 1.2  # over the project's 1 ms
     report(res, [size])

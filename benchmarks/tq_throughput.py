@@ -227,6 +227,34 @@ def bench_tq(sizes: list[int], iters: int, transport: str) -> dict[int, dict[str
     return results
 
 
+# ----------------------------------------------------------------------------- the baselines' two forms
+def run_forms(sizes: list[int], iters: int, put: Callable[[int, int, str], tuple[float, Any]],
+              get: Callable[[Any, str], tuple[dict[str, torch.Tensor], Callable[[], None]]]) -> dict[int, dict[str, Any]]:
+    """Time a baseline in both forms at every size: ``pad`` (the flat columns stored, padded after the
+    get; ``put``/``get``) and ``views`` (padded tensors stored; ``put_padded``/``get_views``).
+    ``put(size, seed, form)`` stores a batch elsewhere and returns (its put seconds, a handle);
+    ``get(handle, form)`` is the timed get, returning the padded tensors and what frees the batch."""
+    results: dict[int, dict[str, Any]] = {}
+    for size in sizes:
+        res = results.setdefault(size, {"put": [], "get": [], "put_padded": [], "get_views": []})
+        for form, put_key, get_key in (("pad", "put", "get"), ("views", "put_padded", "get_views")):
+            for it in range(_iters(size, iters)):
+                seed = size // MiB * 1000 + it
+                put_s, handle = put(size, seed, form)
+                t0 = time.perf_counter()
+                got, free = get(handle, form)
+                get_s = time.perf_counter() - t0
+                nbytes = payload_bytes(size, seed)
+                res.setdefault("bytes", nbytes)
+                if it == 0:
+                    _check(got, make_batch(size, seed))
+                res[put_key].append(nbytes / put_s)
+                res[get_key].append(nbytes / get_s)
+                del got, handle
+                free()
+    return results
+
+
 # ----------------------------------------------------------------------------- Ray
 def _import_ray_zero_copy() -> Any:
     """``ray`` with zero-copy torch tensors on in this process. Ray reads the switch when it is first
@@ -260,35 +288,26 @@ def bench_ray(sizes: list[int], iters: int) -> dict[int, dict[str, Any]]:
             return time.perf_counter() - t0, [ref]
 
     pool = HostBufferPool()
-    results: dict[int, dict[str, Any]] = {}
     # Ray's documented way to switch it on in every worker too: the job's runtime_env. A cluster of its
     # own ("local"): ray.init() would join any cluster `ray start` left on this machine.
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": RAY_ZERO_COPY_ENV},
              object_store_memory=max(sizes) * 4 + (512 * MiB))
     try:
         prod = Producer.remote()
+
+        def put(size: int, seed: int, form: str) -> tuple[float, Any]:
+            put_s, [ref] = ray.get(prod.put.remote(size, seed, form))
+            return put_s, ref
+
+        def get(ref: Any, form: str) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
+            obj = ray.get(ref)  # read-only views of the object store
+            return (obj if form == "views" else pad_batch(obj, obj["offsets"], pool)), lambda: None
+
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch warns once that the object store's arrays are read-only
-            for size in sizes:
-                res = results.setdefault(size, {"put": [], "get": [], "put_padded": [], "get_views": []})
-                for form, put_key, get_key in (("pad", "put", "get"), ("views", "put_padded", "get_views")):
-                    for it in range(_iters(size, iters)):
-                        seed = size // MiB * 1000 + it
-                        put_s, [ref] = ray.get(prod.put.remote(size, seed, form))
-                        t0 = time.perf_counter()
-                        obj = ray.get(ref)
-                        got = obj if form == "views" else pad_batch(obj, obj["offsets"], pool)
-                        get_s = time.perf_counter() - t0
-                        nbytes = payload_bytes(size, seed)
-                        res.setdefault("bytes", nbytes)
-                        if it == 0:
-                            _check(got, make_batch(size, seed))
-                        res[put_key].append(nbytes / put_s)
-                        res[get_key].append(nbytes / get_s)
-                        del obj, got, ref
+            return run_forms(sizes, iters, put, get)
     finally:
         ray.shutdown()
-    return results
 
 
 # ----------------------------------------------------------------------------- transferqueue package
@@ -329,7 +348,6 @@ def bench_transferqueue(sizes: list[int], iters: int) -> dict[int, dict[str, Any
             return time.perf_counter() - t0, keys
 
     pool = HostBufferPool()
-    results: dict[int, dict[str, Any]] = {}
     # The package reserves a whole logical CPU per controller and storage actor: give Ray enough
     # logical CPUs that its init does not wait forever on a 2-core machine.
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": RAY_ZERO_COPY_ENV},
@@ -338,30 +356,20 @@ def bench_transferqueue(sizes: list[int], iters: int) -> dict[int, dict[str, Any
         transfer_queue.init()  # its defaults: SimpleStorage with 2 storage units
         prod = Producer.remote()
         partition = f"bench-{uuid.uuid4().hex[:6]}"
-        for size in sizes:
-            res = results.setdefault(size, {"put": [], "get": [], "put_padded": [], "get_views": []})
-            for form, put_key, get_key in (("pad", "put", "get"), ("views", "put_padded", "get_views")):
-                for it in range(_iters(size, iters)):
-                    seed = size // MiB * 1000 + it
-                    put_s, keys = ray.get(prod.put.remote(size, seed, partition, form))
-                    t0 = time.perf_counter()
-                    td = transfer_queue.kv_batch_get(keys=keys, partition_id=partition)
-                    got = _dense(td, pool)
-                    get_s = time.perf_counter() - t0
-                    nbytes = payload_bytes(size, seed)
-                    res.setdefault("bytes", nbytes)
-                    if it == 0:
-                        _check(got, make_batch(size, seed))
-                    res[put_key].append(nbytes / put_s)
-                    res[get_key].append(nbytes / get_s)
-                    transfer_queue.kv_clear(keys=keys, partition_id=partition)
-                    del td, got
+
+        def put(size: int, seed: int, form: str) -> tuple[float, Any]:
+            return ray.get(prod.put.remote(size, seed, partition, form))
+
+        def get(keys: list[str], form: str) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
+            td = transfer_queue.kv_batch_get(keys=keys, partition_id=partition)
+            return _dense(td, pool), lambda: transfer_queue.kv_clear(keys=keys, partition_id=partition)
+
+        return run_forms(sizes, iters, put, get)
     finally:
         try:
             transfer_queue.close()
         finally:
             ray.shutdown()
-    return results
 
 
 def _dense(td: Any, pool: Any) -> dict[str, torch.Tensor]:

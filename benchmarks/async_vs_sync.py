@@ -46,6 +46,7 @@ def _overrides(args: argparse.Namespace, log_dir: str, dp_size: int) -> list[str
         f"policy.train_global_batch_size={n}", f"policy.train_micro_batch_size={min(n, 32)}", f"policy.logprob_batch_size={n}",
         f"policy.dp_size={dp_size}", "policy.torch_num_threads=1",
         "data.num_builtin_prompts=200", "logger.tensorboard=false", "logger.plot=false", "logger.progress=false",
+        "logger.data_movement_metrics=true",
         f"logger.log_dir={log_dir}", f"cluster.num_cpus={args.num_cpus}", "checkpointing.enabled=false",
         f"data.processor.max_seq_length={64 + args.max_new_tokens}",
     ]

@@ -150,6 +150,7 @@ def overrides(point: Point, mode: str, steps: int, log_dir: str, gpu: bool) -> l
         f"policy.dp_size={point.dp}", f"policy.train_global_batch_size={n}",
         f"data.num_builtin_prompts={max(200, 2 * point.prompts)}", f"data.processor.max_seq_length={PROMPT_TOKENS}",
         "logger.tensorboard=false", "logger.plot=false", "logger.progress=false", f"logger.log_dir={log_dir}",
+        "logger.data_movement_metrics=true",
         "checkpointing.enabled=false", f"data_plane.capacity_bytes={max(256 * MiB, 64 * n * (PROMPT_TOKENS + L))}",
     ]
     if gpu:

@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> None:
     from policy.loss import ClippedPGLossFn
     from policy.policy import Policy, PolicyConfig, TQPolicy
     from policy.synthetic import synthetic_batch, to_tq_columns
-    from tq import TQServer
+    from policy.traffic import DriverTraffic
+    from tq import TQConnection, TQServer
 
     gpus = a.dp or torch.cuda.device_count()
     if torch.cuda.device_count() == 0:
@@ -66,7 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     fields = ("input_ids", "input_lengths", "token_mask", "sample_mask", "generation_logprobs")
     out: dict = {"device": torch.cuda.get_device_name(0), "gpus": gpus, "torch": torch.__version__,
                  "samples": a.samples, "max_len": a.max_len, "tokens": int(batch["input_lengths"].sum()), "dtype": a.dtype}
-    with TQServer(storage_units=1, capacity=4 << 30) as server, Policy(cfg) as legacy, TQPolicy(cfg, server.address) as tqp:
+    with TQServer(storage_units=1, capacity=4 << 30) as server, Policy(cfg, calls=DriverTraffic()) as legacy, \
+            TQPolicy(cfg, TQConnection(server.address), calls=DriverTraffic()) as tqp:
         out["params_m"] = sum(v.numel() for v in legacy.get_weights().values()) / 1e6
         say(f"policies up: {out['params_m']:.0f}M parameters")
         data = batch.select_columns(fields + ("advantages",))

@@ -1,7 +1,7 @@
-"""Models, DP training workers, the legacy and TQ policies, losses and micro-batching.
+"""DP training workers, the legacy and TQ policies, losses and micro-batching.
 
-Modules: ``models`` (load_model / load_tokenizer, the offline tiny model), ``fields`` (column names),
-``batched_data_dict`` (the legacy driver-side batch), ``loss`` (ClippedPGLossFn), ``logprobs`` and
+Models, tokenizers, ``BatchedDataDict`` and the column names live in ``common`` (rollout needs them
+too). Modules: ``loss`` (ClippedPGLossFn), ``logprobs`` and
 ``micro_batching`` (pure compute), ``dispatch`` (the one sharding function both policies use),
 ``config`` (PolicyConfig), ``worker`` (DPPolicyWorker, a Ray actor per DP rank), ``policy`` (Policy,
 TQPolicy). Names are imported lazily so ``import policy`` stays cheap.
@@ -13,7 +13,6 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "BatchedDataDict": "batched_data_dict",
     "ClippedPGLossConfig": "loss",
     "ClippedPGLossFn": "loss",
     "PolicyConfig": "config",

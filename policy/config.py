@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .models import DTYPES, TINY_MODEL
+from common.models import DTYPES, TINY_MODEL
 
 __all__ = ["PolicyConfig", "DynamicBatchingConfig", "SequencePackingConfig"]
 
@@ -80,7 +80,14 @@ class PolicyConfig(_Strict):
     dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
     dist_timeout_s: float = Field(300.0, gt=0.0)
     ray_timeout_s: float = Field(600.0, gt=0.0)  # bound on every wait for a worker call
-    tq_timeout_s: float = Field(60.0, gt=0.0)  # TQ request timeout, and the wait for fields to exist
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "tq_timeout_s" in data:
+            raise ValueError("policy.tq_timeout_s was removed: set data_plane.timeout_s (the one timeout of "
+                             "every TQ client, TQConnection.timeout_s)")
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> "PolicyConfig":

@@ -1,6 +1,6 @@
 """Token log-probs from a causal LM, and the per-token reductions workers write back per sample.
 
-Convention (see :mod:`policy.fields`): ``lp[:, 0] = 0`` and
+Convention (see :mod:`common.fields`): ``lp[:, 0] = 0`` and
 ``lp[:, t] = log_softmax(logits[:, t - 1])[input_ids[:, t]]`` (float32 log-softmax whatever the model
 dtype); positions at or beyond a sequence's length are 0.
 """

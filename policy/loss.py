@@ -1,6 +1,6 @@
 """The GRPO / PPO clipped policy-gradient loss (NeMo-RL's ``ClippedPGLossFn``) and its metrics.
 
-Conventions (see :mod:`policy.fields`): every per-token tensor is ``[b, T]`` with ``lp[:, t]`` the
+Conventions (see :mod:`common.fields`): every per-token tensor is ``[b, T]`` with ``lp[:, t]`` the
 log-prob of token ``t``; the tokens trained on are ``mask = token_mask * sample_mask[:, None]``.
 
 **Global normalization.** A loss call sees one micro-batch but divides by the number of valid tokens
@@ -21,7 +21,7 @@ from typing import Any, Literal, Mapping, Protocol, Sequence
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .fields import DP_TRAIN_FIELDS
+from common.fields import DP_TRAIN_FIELDS
 
 __all__ = [
     "ClippedPGLossConfig",

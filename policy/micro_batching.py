@@ -24,7 +24,8 @@ from typing import Any, Literal, Mapping, Sequence
 
 import torch
 
-from .batched_data_dict import BatchedDataDict
+from common.batched_data_dict import BatchedDataDict
+
 from .logprobs import length_mask, token_logprobs
 
 __all__ = [

@@ -12,23 +12,19 @@ bit-identical log-probs and updates. They differ only in how data reaches the wo
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
-import pickle
-import time
-from collections import defaultdict
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-import numpy as np
 import torch
 
+from common.batched_data_dict import BatchedDataDict
+from common.fields import TOKEN_FIELDS
+from tq.connection import TQConnection
 from tq.meta import KVBatchMeta
 
-from .batched_data_dict import BatchedDataDict
 from .config import DynamicBatchingConfig, PolicyConfig, SequencePackingConfig
 from .dispatch import global_batches, index_meta, pad_multiple, shard_for_dp, shard_rows, stamp_pad_seqlen
-from .fields import TOKEN_FIELDS
+from .traffic import ActorCalls
 from .worker import DPPolicyWorker
 
 __all__ = ["Policy", "TQPolicy", "PolicyConfig", "DynamicBatchingConfig", "SequencePackingConfig"]
@@ -37,122 +33,16 @@ TRAIN_PARTITION = "train"
 VAL_PARTITION = "val"
 
 
-def _tensor_stub(shape: tuple[int, ...], dtype: str) -> None:  # pragma: no cover - never unpickled
-    """Stands in for a tensor in :func:`payload_nbytes`' pickle stream (its bytes are counted apart)."""
-
-
-class _ByteCounter(io.RawIOBase):
-    def __init__(self) -> None:
-        self.n = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        size = memoryview(b).nbytes
-        self.n += size
-        return size
-
-
-class _SizingPickler(pickle.Pickler):
-    """Pickles to a byte counter; tensors and arrays are counted by their storage, not copied."""
-
-    def __init__(self, sink: _ByteCounter) -> None:
-        super().__init__(sink, protocol=5)
-        self.data_bytes = 0
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            # What torch pickles: the whole storage (a view ships its base), not just the view.
-            self.data_bytes += obj.untyped_storage().nbytes()
-            return _tensor_stub, (tuple(obj.shape), str(obj.dtype))
-        if isinstance(obj, np.ndarray):
-            self.data_bytes += obj.nbytes
-            return _tensor_stub, (obj.shape, str(obj.dtype))
-        return NotImplemented
-
-
-def payload_nbytes(obj: Any) -> int:
-    """Bytes ``obj`` takes pickled (what Ray moves for a call's arguments or result).
-
-    The pickle stream is produced and counted without being kept; each tensor counts its storage's
-    bytes (torch pickles the whole storage, so a view counts its base) and each array its buffer,
-    without copying them. Objects plain pickle refuses fall back to Ray's cloudpickle.
-    """
-    sink = _ByteCounter()
-    pickler = _SizingPickler(sink)
-    try:
-        pickler.dump(obj)
-    except Exception:  # e.g. a lambda or a locally defined class: what Ray would use
-        import ray.cloudpickle
-
-        return len(ray.cloudpickle.dumps(obj))
-    return sink.n + pickler.data_bytes
-
-
-class DriverTraffic:
-    """What the driver moves through Ray - the pickled bytes of the arguments it sends and of the
-    results it fetches - and the seconds it spends sending calls, fetching finished results and in its
-    own TQ calls (``timing``). The trainer and the policy each keep one; the trainer pops both per step."""
-
-    def __init__(self) -> None:
-        self._reset()
-
-    def _reset(self) -> None:
-        self.bytes_sent = 0
-        self.bytes_received = 0
-        self.timing: dict[str, float] = defaultdict(float)
-
-    def send(self, method: Any, *args: Any, **kwargs: Any) -> Any:
-        """``method.remote(*args, **kwargs)`` (an actor method), counting the arguments' bytes and the
-        time the call takes to leave the driver (serialization) as ``driver_send_s``."""
-        self.bytes_sent += payload_nbytes((args, kwargs))
-        t = time.perf_counter()
-        ref = method.remote(*args, **kwargs)
-        self.timing["driver_send_s"] += time.perf_counter() - t
-        return ref
-
-    def get(self, refs: Any, timeout: float, *, count: bool = True) -> Any:
-        """``ray.get`` of ``refs`` once all are finished (``ray.exceptions.GetTimeoutError`` after
-        ``timeout`` s): the wait fetches nothing, so ``driver_get_s`` is the time to bring the results
-        to the driver, not the remote work. With ``count`` their pickled size adds to ``bytes_received``."""
-        import ray
-        from ray.exceptions import GetTimeoutError
-
-        waited = refs if isinstance(refs, list) else [refs]
-        _, pending = ray.wait(waited, num_returns=len(waited), timeout=timeout, fetch_local=False)
-        if pending:
-            raise GetTimeoutError()
-        t = time.perf_counter()
-        try:
-            out = ray.get(refs, timeout=timeout)
-        except ray.exceptions.RayError:
-            # When an actor dies its peers fail too (a rank blocked in a collective with it sees the
-            # connection close), and ray.get raises whichever failed ref comes first: name the death.
-            for ref in waited:
-                try:
-                    ray.get(ref, timeout=0)
-                except ray.exceptions.RayActorError:
-                    raise
-                except Exception:  # noqa: BLE001 - a symptom; the first error is raised below
-                    pass
-            raise
-        self.timing["driver_get_s"] += time.perf_counter() - t
-        if count:
-            self.bytes_received += payload_nbytes(out)
-        return out
-
-    def pop(self) -> dict[str, float]:
-        """``bytes_sent``, ``bytes_received`` and the ``timing`` seconds since the last pop, then reset."""
-        out = {"bytes_sent": float(self.bytes_sent), "bytes_received": float(self.bytes_received), **self.timing}
-        self._reset()
-        return out
-
-
 class _WorkerGroup:
-    """Starts the DP worker actors, forms their process group, and bounds every wait on them."""
+    """Starts the DP worker actors, forms their process group, and bounds every wait on them.
 
-    def __init__(self, config: PolicyConfig | Mapping[str, Any]) -> None:
+    ``calls`` sends the worker calls and fetches their results: :class:`~policy.traffic.ActorCalls`
+    by default, a :class:`~policy.traffic.DriverTraffic` to measure the driver's traffic (benchmarks).
+    ``connection`` is handed to every worker at start-up (the TQ path; None on the legacy path).
+    """
+
+    def __init__(self, config: PolicyConfig | Mapping[str, Any], *, calls: ActorCalls | None = None,
+                 connection: TQConnection | None = None) -> None:
         import ray
 
         if not ray.is_initialized():
@@ -161,9 +51,8 @@ class _WorkerGroup:
         cfg = self.config
         actor_cls = ray.remote(DPPolicyWorker).options(num_cpus=cfg.num_cpus_per_worker, num_gpus=cfg.num_gpus_per_worker)
         cfg_dict = cfg.model_dump()
-        # The driver's traffic for worker calls and its own TQ reads and writes (trainers log it per step).
-        self.traffic = DriverTraffic()
-        self.workers = [actor_cls.remote(cfg_dict, r, cfg.dp_size) for r in range(cfg.dp_size)]
+        self.calls = calls if calls is not None else ActorCalls()
+        self.workers = [actor_cls.remote(cfg_dict, r, cfg.dp_size, connection) for r in range(cfg.dp_size)]
         try:
             addr, port = self._get(self.workers[0].master_address.remote(), "master_address")
             # All ranks must enter init_process_group together: launch all, then wait.
@@ -173,11 +62,11 @@ class _WorkerGroup:
             raise
 
     def _get(self, refs: Any, what: str, *, count: bool = True) -> Any:
-        """:meth:`DriverTraffic.get` bounded by ``ray_timeout_s``, with an error naming ``what``."""
+        """:meth:`ActorCalls.get` bounded by ``ray_timeout_s``, with an error naming ``what``."""
         from ray.exceptions import GetTimeoutError
 
         try:
-            return self.traffic.get(refs, self.config.ray_timeout_s, count=count)
+            return self.calls.get(refs, self.config.ray_timeout_s, count=count)
         except GetTimeoutError:
             raise TimeoutError(
                 f"DP workers did not finish {what} within policy.ray_timeout_s={self.config.ray_timeout_s}s "
@@ -185,19 +74,19 @@ class _WorkerGroup:
             ) from None
 
     def _call(self, worker: Any, method: str, *args: Any, **kwargs: Any) -> Any:
-        """``worker.<method>.remote(*args, sent_at=<now>, **kwargs)``, counted by :meth:`DriverTraffic.send`;
-        ``sent_at`` lets the worker time its shard's arrival."""
-        return self.traffic.send(getattr(worker, method), *args, sent_at=time.time(), **kwargs)
+        """``worker.<method>.remote(*args, **kwargs)`` through :meth:`ActorCalls.send_to_worker`."""
+        return self.calls.send_to_worker(getattr(worker, method), *args, **kwargs)
 
     def worker_timings(self) -> list[dict[str, Any]]:
         """Each rank's seconds since the last call (and resets them; see ``DPPolicyWorker.pop_timings``):
         ``fetch_s`` (getting its shards: Ray delivering them on the legacy path, TQ gets on the TQ
-        path), ``dispatch_s``, ``tq_get_s``, ``write_back_s``, ``compute_s``; instrumentation, not counted."""
+        path), ``dispatch_s`` (with :class:`~policy.traffic.DriverTraffic` only), ``tq_get_s``,
+        ``write_back_s``, ``compute_s``; instrumentation, not counted."""
         return self._get([w.pop_timings.remote() for w in self.workers], "pop_timings", count=False)
 
     def pop_driver_counters(self) -> dict[str, float]:
-        """The driver's traffic for this policy since the last call (see :meth:`DriverTraffic.pop`)."""
-        return self.traffic.pop()
+        """The driver's traffic for this policy since the last call (see :meth:`ActorCalls.pop`)."""
+        return self.calls.pop()
 
     def _kill(self) -> None:
         import ray
@@ -286,16 +175,18 @@ class TQPolicy(_WorkerGroup):
 
     Args:
         config: the policy config.
-        tq_address: the TQ controller's address (workers and this driver connect to it).
+        connection: the data plane; every worker gets it at start-up and this driver connects with it.
+        calls: how worker calls are sent (see :class:`_WorkerGroup`).
     """
 
-    def __init__(self, config: PolicyConfig | Mapping[str, Any], tq_address: str) -> None:
-        from tq import TQClient
-
-        super().__init__(config)
-        self.tq_address = tq_address
+    def __init__(self, config: PolicyConfig | Mapping[str, Any], connection: TQConnection, *,
+                 calls: ActorCalls | None = None) -> None:
+        if not isinstance(connection, TQConnection):
+            raise TypeError(f"TQPolicy needs a tq.TQConnection (address, secret, timeout), got {type(connection).__name__}")
+        super().__init__(config, calls=calls, connection=connection)
+        self.connection = connection
         try:
-            self.client = TQClient(tq_address, timeout=self.config.tq_timeout_s)
+            self.client = connection.connect()
         except BaseException:
             super().shutdown()
             raise
@@ -321,7 +212,7 @@ class TQPolicy(_WorkerGroup):
             raise ValueError(f"num_samples={num_samples} must be a positive multiple of group_size={group_size}")
         if num_samples < self.config.dp_size:
             raise ValueError(f"num_samples={num_samples} is fewer than policy.dp_size={self.config.dp_size}")
-        with self._driver_tq():
+        with self.calls.driver_tq():
             self.client.register_partition(self.train_partition, reuse=True)
         self.step_size = (num_samples, group_size)
         return self.train_partition
@@ -336,7 +227,7 @@ class TQPolicy(_WorkerGroup):
         meta = meta_or_keys if isinstance(meta_or_keys, KVBatchMeta) else KVBatchMeta(self.train_partition, tuple(meta_or_keys))
         if not len(meta):
             return 0
-        with self._driver_tq(sent=meta):
+        with self.calls.driver_tq(sent=meta):
             return self.client.discard(meta)
 
     def finish_step(self, meta: KVBatchMeta | None = None, *, clear_partition: bool = True) -> int:
@@ -344,23 +235,12 @@ class TQPolicy(_WorkerGroup):
         partition = meta.partition_id if meta is not None else self.train_partition
         if not clear_partition:
             return self.discard_samples(meta) if meta is not None else 0
-        with self._driver_tq():  # clearing frees the meta's keys too: one call, no discard first
+        with self.calls.driver_tq():  # clearing frees the meta's keys too: one call, no discard first
             return self.client.clear_partition(partition)
 
     def store_bytes(self) -> int:
         """Bytes the TQ service holds right now (all partitions; instrumentation, not counted)."""
         return int(sum(p["bytes"] for p in self.client.list_partitions()))
-
-    @contextlib.contextmanager
-    def _driver_tq(self, sent: Any = None) -> Iterator[None]:
-        """Times a driver TQ call into ``timing["driver_tq_s"]``, counting ``sent``'s bytes as sent."""
-        if sent is not None:
-            self.traffic.bytes_sent += payload_nbytes(sent)
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.traffic.timing["driver_tq_s"] += time.perf_counter() - t
 
     # ------------------------------------------------------------------ driver reads and writes
     def read_from_dataplane(self, meta: KVBatchMeta, fields: Sequence[str], *, allow_token_fields: bool = False) -> dict[str, Any]:
@@ -373,15 +253,15 @@ class TQPolicy(_WorkerGroup):
         if bulky and not allow_token_fields:
             raise ValueError(f"read_from_dataplane refuses token-aligned fields {bulky} on the driver "
                              "(workers reduce them; pass allow_token_fields=True to override)")
-        with self._driver_tq(sent=meta):
-            out = self.client.get(meta, list(fields), wait_timeout=self.config.tq_timeout_s)
-        self.traffic.bytes_received += payload_nbytes(out)
+        with self.calls.driver_tq(sent=meta):
+            out = self.client.get(meta, list(fields), wait_timeout=self.connection.timeout_s)
+        self.calls.received(out)
         return out
 
     def write_to_dataplane(self, meta: KVBatchMeta, columns: Mapping[str, Any], *, overwrite: bool = False) -> KVBatchMeta:
         """Write columns (e.g. ``advantages``, ``sample_mask``) for the meta's keys; returns the meta with
         them. ``overwrite`` replaces columns the keys already have (the rollout wrote ``sample_mask``)."""
-        with self._driver_tq(sent=(meta, dict(columns))):
+        with self.calls.driver_tq(sent=(meta, dict(columns))):
             return self.client.write_back(meta, columns, overwrite=overwrite)
 
     # ------------------------------------------------------------------ worker passes
@@ -400,7 +280,7 @@ class TQPolicy(_WorkerGroup):
     def _logprob_pass(self, meta: KVBatchMeta, reference: bool, reductions: bool = False) -> KVBatchMeta:
         meta = self._with_lengths(meta)
         shards = self._worker_shards(meta, "logprob")
-        results = self._get([self._call(w, "get_logprobs_from_meta", s, self.tq_address, reference, reductions=reductions)
+        results = self._get([self._call(w, "get_logprobs_from_meta", s, reference, reductions=reductions)
                              for w, s in zip(self.workers, shards)], "get_logprobs_from_meta")
         return meta.add_fields(results[0]["fields"])
 
@@ -418,7 +298,7 @@ class TQPolicy(_WorkerGroup):
     def compute_per_token_reductions(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Workers write ``PER_SAMPLE_REDUCTION_FIELDS`` (per-sequence log-prob error, token counts)."""
         meta = self._with_lengths(meta)
-        results = self._get([self._call(w, "compute_per_token_reductions", s, self.tq_address)
+        results = self._get([self._call(w, "compute_per_token_reductions", s)
                              for w, s in zip(self.workers, self._worker_shards(meta, "logprob"))],
                             "compute_per_token_reductions")
         return meta.add_fields(results[0]["fields"])
@@ -430,6 +310,6 @@ class TQPolicy(_WorkerGroup):
         for gb in global_batches(meta, self.config.train_global_batch_size):
             for r, shard in enumerate(self._worker_shards(gb, "train")):
                 per_rank[r].append(shard)
-        results = self._get([self._call(w, "train_from_meta", p, self.tq_address, loss_fn) for w, p in zip(self.workers, per_rank)],
+        results = self._get([self._call(w, "train_from_meta", p, loss_fn) for w, p in zip(self.workers, per_rank)],
                             "train_from_meta")
         return results[0]

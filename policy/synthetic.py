@@ -1,7 +1,7 @@
 """Synthetic GRPO-shaped batches for tests and benchmarks, in both layouts.
 
 :func:`synthetic_batch` builds a driver-side :class:`BatchedDataDict` with the columns of
-:mod:`policy.fields` (random prompt + response tokens, a response ``token_mask``, generation
+:mod:`common.fields` (random prompt + response tokens, a response ``token_mask``, generation
 log-probs, per-sample advantages); :func:`to_tq_columns` turns one into the jagged per-sample columns
 a rollout writes to TQ, so the legacy and TQ paths can be fed the very same samples.
 """
@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
+from common.batched_data_dict import BatchedDataDict
+from common.fields import TOKEN_FIELDS
 from tq.jagged import JaggedTensor
 
-from .batched_data_dict import BatchedDataDict
-from .fields import TOKEN_FIELDS
 from .logprobs import length_mask
 
 __all__ = ["synthetic_batch", "to_tq_columns"]

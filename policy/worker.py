@@ -12,9 +12,10 @@ Two entry points per operation, with one implementation behind them:
 - TQ: the driver ships a :class:`~tq.KVBatchMeta` shard; the worker fetches only the fields it needs
   from the data plane, writes its results back under the same keys and returns a small dict.
 
-Every data-carrying entry point takes ``sent_at`` (the driver's ``time.time()`` when it sent the call)
-and accumulates per-rank seconds - the call's arguments arriving (``dispatch_s``), TQ gets and
-write-backs, compute - which :meth:`DPPolicyWorker.pop_timings` returns (benchmarks, per-step metrics).
+Every data-carrying entry point accumulates per-rank seconds - TQ gets and write-backs, compute, and
+(when the driver stamps its calls with ``sent_at``, its ``time.time()`` at sending; see
+:class:`~policy.traffic.DriverTraffic`) the call's arguments arriving (``dispatch_s``) - which
+:meth:`DPPolicyWorker.pop_timings` returns (benchmarks, per-step metrics).
 
 The only collectives are per optimizer step (valid-count and gradient all-reduces, metrics), never per
 micro-batch, so the empty micro-batches that equalize plans across ranks are skipped safely.
@@ -33,15 +34,16 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from common.batched_data_dict import BatchedDataDict
+from common.fields import LP_SEED_FIELDS, REDUCTION_INPUT_FIELDS
+from common.models import DTYPES, load_model, load_tokenizer
+from tq.connection import TQConnection
 from tq.meta import KVBatchMeta
 
-from .batched_data_dict import BatchedDataDict
 from .config import PolicyConfig
-from .fields import LP_SEED_FIELDS, REDUCTION_INPUT_FIELDS
 from .logprobs import per_sample_reductions
 from .loss import metric_reduction, reduce_metrics
 from .micro_batching import MicroBatchPlan, forward_backward, local_valid_counts, logprobs_for_plan, plan_from_extra_info
-from .models import DTYPES, load_model, load_tokenizer
 from .optim import build_optimizer, build_scheduler
 
 __all__ = ["DPPolicyWorker", "LOGPROB_INPUT_FIELDS"]
@@ -63,11 +65,14 @@ class DPPolicyWorker:
     Args:
         config: :class:`PolicyConfig` (or its dict).
         rank / world_size: this rank and the DP size.
+        connection: the data plane (the TQ path's entry points need it; the legacy path passes None).
     """
 
-    def __init__(self, config: PolicyConfig | Mapping[str, Any], rank: int, world_size: int) -> None:
+    def __init__(self, config: PolicyConfig | Mapping[str, Any], rank: int, world_size: int,
+                 connection: TQConnection | None = None) -> None:
         self.cfg = config if isinstance(config, PolicyConfig) else PolicyConfig(**config)
         self.rank, self.world_size = rank, world_size
+        self.connection = connection
         torch.set_num_threads(self.cfg.torch_num_threads or max(1, int(self.cfg.num_cpus_per_worker)))
         if self.cfg.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts: set it first
@@ -84,7 +89,7 @@ class DPPolicyWorker:
         self.optimizer = build_optimizer(self.model, self.cfg)
         self.scheduler = build_scheduler(self.optimizer, self.cfg)
         self.step = 0  # optimizer steps taken
-        self._clients: dict[str, Any] = {}
+        self._tq: Any = None  # this rank's TQ client, opened on first use
         self._dist = False
         self._timings: dict[str, float] = defaultdict(float)
 
@@ -115,10 +120,10 @@ class DPPolicyWorker:
         return {"rank": self.rank, "world_size": self.world_size, "device": str(self.device), "pid": os.getpid()}
 
     def shutdown(self) -> bool:
-        """Close TQ clients and leave the process group."""
-        for c in self._clients.values():
-            c.close()
-        self._clients.clear()
+        """Close the TQ client and leave the process group."""
+        if self._tq is not None:
+            self._tq.close()
+            self._tq = None
         if self._dist and dist.is_initialized():
             dist.destroy_process_group()
             self._dist = False
@@ -146,13 +151,14 @@ class DPPolicyWorker:
         out["rank"] = self.rank
         return out
 
-    def _client(self, address: str):
-        from tq import TQClient
-
-        client = self._clients.get(address)
-        if client is None:
-            client = self._clients[address] = TQClient(address, timeout=self.cfg.tq_timeout_s)
-        return client
+    def _client(self) -> Any:
+        """This rank's TQ client, connected on first use with the connection given at start-up."""
+        if self._tq is None:
+            if self.connection is None:
+                raise RuntimeError("this DP worker was started without a data-plane connection: the TQ entry "
+                                   "points need one (TQPolicy passes its TQConnection to every worker)")
+            self._tq = self.connection.connect()
+        return self._tq
 
     def _autocast(self, device: torch.device):
         """Autocast to the configured compute dtype on ``device`` (a no-op for float32)."""
@@ -273,22 +279,22 @@ class DPPolicyWorker:
         return self._train([(d, self._plan(info, d.size, "train")) for d, info in shards], loss_fn)
 
     # ------------------------------------------------------------------ TQ path
-    def _fetch(self, meta: KVBatchMeta, tq_address: str, fields: Sequence[str]) -> BatchedDataDict:
-        client = self._client(tq_address)
+    def _fetch(self, meta: KVBatchMeta, fields: Sequence[str]) -> BatchedDataDict:
+        client = self._client()
         t = time.perf_counter()
         cols = client.get(meta, list(fields), layout="padded", pad_value={"input_ids": self.pad_token_id},
-                          wait_timeout=self.cfg.tq_timeout_s)
+                          wait_timeout=client.timeout)
         waited = time.perf_counter() - t
         self._timings["tq_get_s"] += waited
         self._timings["fetch_s"] += waited
         return BatchedDataDict(cols)
 
-    def _write_back(self, meta: KVBatchMeta, tq_address: str, columns: Mapping[str, Any]) -> None:
+    def _write_back(self, meta: KVBatchMeta, columns: Mapping[str, Any]) -> None:
         t = time.perf_counter()
-        self._client(tq_address).write_back(meta, columns)
+        self._client().write_back(meta, columns)
         self._timings["write_back_s"] += time.perf_counter() - t
 
-    def get_logprobs_from_meta(self, meta: KVBatchMeta, tq_address: str, reference: bool = False,
+    def get_logprobs_from_meta(self, meta: KVBatchMeta, reference: bool = False,
                                output_field: str | None = None, sent_at: float | None = None,
                                reductions: bool = False) -> dict[str, Any]:
         """Fetch the shard's inputs, compute log-probs, write them back as ``output_field`` (jagged).
@@ -304,7 +310,7 @@ class DPPolicyWorker:
         self._arrived(sent_at, shard_in_args=False)
         field = output_field or ("reference_policy_logprobs" if reference else "prev_logprobs")
         extra = tuple(f for f in REDUCTION_INPUT_FIELDS if f != "prev_logprobs") if reductions else ()
-        data = self._fetch(meta, tq_address, (*LOGPROB_INPUT_FIELDS, *extra))
+        data = self._fetch(meta, (*LOGPROB_INPUT_FIELDS, *extra))
         lp = self._logprobs(data, self._plan(meta.extra_info, len(meta), "logprob"), reference).cpu()
         lengths = data["input_lengths"].cpu()
         cols: dict[str, Any] = {field: JaggedTensor.from_padded(lp, lengths)}
@@ -312,19 +318,19 @@ class DPPolicyWorker:
             t = time.perf_counter()
             cols.update(per_sample_reductions({"prev_logprobs": lp, **{f: data[f] for f in extra}}))
             self._timings["compute_s"] += time.perf_counter() - t
-        self._write_back(meta, tq_address, cols)
+        self._write_back(meta, cols)
         return {"rank": self.rank, "samples": len(meta), "tokens": int(lengths.sum()), "field": field,
                 "fields": sorted(cols)}
 
-    def train_from_meta(self, metas: Sequence[KVBatchMeta], tq_address: str, loss_fn: Any,
+    def train_from_meta(self, metas: Sequence[KVBatchMeta], loss_fn: Any,
                         sent_at: float | None = None) -> dict[str, Any]:
         """One optimizer step per meta (this rank's shard of each global batch); returns metrics only."""
         self._arrived(sent_at, shard_in_args=False)
         fields = list(dict.fromkeys(("input_ids", "input_lengths", *getattr(loss_fn, "input_fields", ()))))
-        steps = [(self._fetch(m, tq_address, fields), self._plan(m.extra_info, len(m), "train")) for m in metas]
+        steps = [(self._fetch(m, fields), self._plan(m.extra_info, len(m), "train")) for m in metas]
         return self._train(steps, loss_fn)
 
-    def compute_per_token_reductions(self, meta: KVBatchMeta, tq_address: str, sent_at: float | None = None) -> dict[str, Any]:
+    def compute_per_token_reductions(self, meta: KVBatchMeta, sent_at: float | None = None) -> dict[str, Any]:
         """Write per-sample reductions of the shard's per-token columns back to the data plane.
 
         Columns written: ``seq_logprob_error`` (mean ``|prev_logprobs - generation_logprobs|`` over
@@ -332,11 +338,11 @@ class DPPolicyWorker:
         ``num_valid_tokens`` (``token_mask`` count), so the driver never reads per-token columns.
         """
         self._arrived(sent_at, shard_in_args=False)
-        data = self._fetch(meta, tq_address, REDUCTION_INPUT_FIELDS)
+        data = self._fetch(meta, REDUCTION_INPUT_FIELDS)
         t = time.perf_counter()
         cols = per_sample_reductions(data)
         self._timings["compute_s"] += time.perf_counter() - t
-        self._write_back(meta, tq_address, cols)
+        self._write_back(meta, cols)
         return {"rank": self.rank, "samples": len(meta), "fields": sorted(cols)}
 
     # ------------------------------------------------------------------ weights and checkpoints

@@ -22,6 +22,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from common.batched_data_dict import BatchedDataDict
+from tq.connection import TQConnection
+
 from .builders import (
     TRAIN_PARTITION,
     VAL_PARTITION,
@@ -46,11 +49,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_NUM_CPUS = 0.25
 _CARRY_TYPES = (type(None), bool, int, float, str)
-
-try:  # the legacy trainer's batch type, when the policy package has it
-    from policy.batched_data_dict import BatchedDataDict
-except ImportError:  # pragma: no cover - older checkouts: a plain dict of columns
-    BatchedDataDict = dict  # type: ignore[misc,assignment]
 
 
 def _carry_value(record: Mapping[str, Any], key: str, pos: int) -> Any:
@@ -78,7 +76,7 @@ class SyncRolloutImpl:
         tokenizer_name: the tokenizer (default: the generation config's); required when
             ``generation`` is neither a config nor a backend that has a ``tokenizer``.
         environments: task name -> environment, environment name, or ``{"name", **kwargs}``.
-        tq_address / tq_secret / tq_timeout_s: the TQ service (needed by ``rollout_to_tq`` only).
+        connection: the data plane, a ``tq.TQConnection`` (needed by ``rollout_to_tq`` only).
         limits: a ``RolloutLimits`` or its fields as a dict.
         seed: overrides the sampling seed of a generation backend built from a config.
     """
@@ -89,9 +87,7 @@ class SyncRolloutImpl:
         generation: Any = None,
         tokenizer_name: str | None = None,
         environments: Mapping[str, EnvironmentInterface | str | Mapping[str, Any]],
-        tq_address: str | None = None,
-        tq_secret: str | None = None,
-        tq_timeout_s: float = 60.0,
+        connection: TQConnection | None = None,
         limits: RolloutLimits | Mapping[str, Any],
         seed: int | None = None,
     ) -> None:
@@ -99,7 +95,7 @@ class SyncRolloutImpl:
         self.generation, self._owns_generation = resolve_generation(generation, tokenizer=self.tokenizer, seed=seed)
         self.task_to_env = resolve_environments(environments)
         self.limits = limits if isinstance(limits, RolloutLimits) else RolloutLimits(**limits)
-        self.tq_address, self._tq_secret, self.tq_timeout_s = tq_address, tq_secret, tq_timeout_s
+        self.connection = connection
         self._client: Any = None
         self._known_partitions: set[str] = set()
         self._warm = False
@@ -112,11 +108,9 @@ class SyncRolloutImpl:
 
     def _client_or_raise(self) -> Any:
         if self._client is None:
-            if self.tq_address is None:
-                raise RuntimeError("rollout_to_tq needs a TQ service: construct the rollout actor with tq_address=")
-            from tq import TQClient
-
-            self._client = TQClient(self.tq_address, secret=self._tq_secret, timeout=self.tq_timeout_s)
+            if self.connection is None:
+                raise RuntimeError("rollout_to_tq needs a TQ service: construct the rollout actor with connection=")
+            self._client = self.connection.connect()
         return self._client
 
     def prepare_for_generation(self) -> None:

@@ -98,7 +98,7 @@ def resolve_generation(
 def resolve_tokenizer(tokenizer: Any, generation: Any) -> Any:
     """The tokenizer to use: ``tokenizer`` (an object, or a name for ``load_tokenizer``), else the one
     a generation config names (``tokenizer_name`` or ``model_name``), else the backend's own."""
-    from policy.models import load_tokenizer
+    from common.models import load_tokenizer
 
     if tokenizer is not None and not isinstance(tokenizer, str):
         return tokenizer

@@ -29,10 +29,14 @@ import asyncio
 import logging
 import threading
 import time
+import uuid
 from collections import deque
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
+
+from common.batched_data_dict import BatchedDataDict
+from tq.connection import TQConnection
 
 from .builders import as_records
 from .interfaces import EnvironmentInterface
@@ -41,12 +45,8 @@ from .multi_turn import RolloutLimits, completion_scalars, completions_to_column
 
 log = logging.getLogger(__name__)
 
-try:  # the legacy trainer's batch type, when the policy package has it
-    from policy.batched_data_dict import BatchedDataDict
-except ImportError:  # pragma: no cover - older checkouts: a plain dict of columns
-    BatchedDataDict = dict  # type: ignore[misc,assignment]
-
 REPLAY_PARTITION = "replay"
+_BELL_FIELD = "rb_changed"  # written to a waiter's bell key when the buffer changes (see TQReplayBuffer)
 
 
 class CollectorExhausted(RuntimeError):
@@ -55,23 +55,6 @@ class CollectorExhausted(RuntimeError):
 
 class WriteAborted(RuntimeError):
     """A write waiting for room in a full replay buffer was called off (the collector shut down)."""
-
-
-def _wait_for(
-    condition: Callable[[], bool], timeout_s: float, what: Callable[[], str], abort: Callable[[], bool] | None = None
-) -> None:
-    """Poll ``condition`` (backing off from 10 ms to 200 ms) until true; ``TimeoutError(what())`` after
-    ``timeout_s``; ``WriteAborted`` as soon as ``abort()`` is true."""
-    deadline = time.monotonic() + timeout_s
-    delay = 0.01
-    while not condition():
-        if abort is not None and abort():
-            raise WriteAborted(what())
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(what())
-        time.sleep(min(delay, left))
-        delay = min(delay * 2, 0.2)
 
 
 def group_sample_scalars(groups: Sequence[PromptGroupRecord]) -> dict[str, Any]:
@@ -102,24 +85,28 @@ class TQReplayBuffer:
 
     The bookkeeping lives in TQ (tags), so any process may write or sample by the partition's name;
     one consumer samples at a time. The object pickles without its connection (e.g. into a Ray actor).
+
+    Waiting (for samples, or for room) is parked on the TQ controller, not polled: a waiter mints a
+    *bell* key in the partition ``"<partition_id>.bells"`` and waits for its field ``rb_changed``;
+    every ``extend``, ``release`` and ``clear`` rings the bells (writes that field), so the waiter
+    wakes once per change of the buffer, from any process.
     """
 
     def __init__(
         self,
-        tq_address: str,
+        connection: TQConnection,
         *,
         capacity: int,
         partition_id: str = REPLAY_PARTITION,
         write_timeout_s: float = 60.0,
         read_timeout_s: float = 60.0,
-        tq_secret: str | None = None,
-        tq_timeout_s: float = 30.0,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
-        self.tq_address, self.partition_id, self.capacity = tq_address, partition_id, int(capacity)
+        if not isinstance(connection, TQConnection):
+            raise TypeError(f"TQReplayBuffer needs a tq.TQConnection, got {type(connection).__name__}")
+        self.connection, self.partition_id, self.capacity = connection, partition_id, int(capacity)
         self.write_timeout_s, self.read_timeout_s = write_timeout_s, read_timeout_s
-        self._tq_secret, self._tq_timeout_s = tq_secret, tq_timeout_s
         self._client: Any = None
         self._seq = 0
 
@@ -132,15 +119,75 @@ class TQReplayBuffer:
     def client(self) -> Any:
         """The TQ client (connected, and the partition registered, on first use)."""
         if self._client is None:
-            from tq import TQClient
             from tq.errors import PartitionExistsError
 
-            self._client = TQClient(self.tq_address, secret=self._tq_secret, timeout=self._tq_timeout_s)
+            self._client = self.connection.connect()
             try:
                 self._client.register_partition(self.partition_id)
             except PartitionExistsError:  # another writer / consumer made it: share it
                 pass
         return self._client
+
+    @property
+    def bells_partition(self) -> str:
+        """The partition of the waiters' bell keys."""
+        return f"{self.partition_id}.bells"
+
+    def wake_waiters(self) -> None:
+        """Ring every bell: each parked waiter of this buffer (any process) re-checks what it waits for."""
+        from tq.errors import KeyNotFoundError, PartitionNotFoundError
+
+        for _ in range(3):  # a waiter that leaves between the listing and the ring fails the write: list again
+            try:
+                bells = self.client.get_meta(self.bells_partition)
+            except PartitionNotFoundError:  # nobody ever waited on this buffer
+                return
+            if not len(bells):
+                return
+            try:
+                self.client.write_back(bells, {_BELL_FIELD: torch.ones(len(bells), dtype=torch.int8)}, overwrite=True)
+                return
+            except KeyNotFoundError:
+                continue
+
+    def _wait_until(self, condition: Callable[[], bool], timeout_s: float, what: Callable[[], str],
+                    abort: Callable[[], bool] | None = None) -> None:
+        """Return once ``condition()`` is true; ``TimeoutError(what())`` after ``timeout_s``,
+        ``WriteAborted`` once ``abort()`` is true (checked at each wake-up, and at least every second).
+
+        Each round mints a fresh bell *before* checking, so a change made after the check rings it
+        (no lost wake-up), then parks one ``wait`` on the controller until the bell rings.
+        """
+        from tq.errors import PartitionExistsError, TQError, TQTimeoutError
+
+        deadline = time.monotonic() + timeout_s
+        if condition():
+            return
+        try:
+            self.client.register_partition(self.bells_partition)
+        except PartitionExistsError:
+            pass
+        while True:
+            bell = self.client.mint_keys(self.bells_partition, [uuid.uuid4().hex], 1)
+            try:
+                while True:
+                    if condition():
+                        return
+                    if abort is not None and abort():
+                        raise WriteAborted(what())
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(what())
+                    try:
+                        self.client.wait(bell, [_BELL_FIELD], timeout=min(left, 1.0) if abort is not None else left)
+                        break  # rung: a new bell, then check again
+                    except TQTimeoutError:
+                        continue
+            finally:
+                try:
+                    self.client.discard(bell)
+                except TQError:  # already gone (the bells were cleared): nothing to free
+                    pass
 
     def close(self) -> None:
         """Close the TQ connection (the data stays in TQ)."""
@@ -182,7 +229,7 @@ class TQReplayBuffer:
             held[0] = self.stored()
             return held[0] + n <= self.capacity
 
-        _wait_for(room, self.write_timeout_s, lambda: (
+        self._wait_until(room, self.write_timeout_s, lambda: (
             f"replay buffer {self.partition_id!r} stayed full for {self.write_timeout_s:.0f}s: {held[0]} of "
             f"{self.capacity} samples held, {n} to write (sample() and release() make room)"), abort)
         scalars = group_sample_scalars(groups)
@@ -193,7 +240,9 @@ class TQReplayBuffer:
             "uid": scalars["uids"], "group_id": scalars["prompt_ids"].tolist(),
             "policy_version": scalars["policy_version"].tolist(), "rb_seq": list(range(first, first + n)),
         }
-        return self.client.put(self.partition_id, scalars["keys"], completions_to_columns(completions), tags=tags)
+        meta = self.client.put(self.partition_id, scalars["keys"], completions_to_columns(completions), tags=tags)
+        self.wake_waiters()
+        return meta
 
     def sample(self, n: int, *, timeout_s: float | None = None) -> Any:
         """The ``n`` oldest samples not handed out yet (whole groups stay together when ``n`` is a multiple
@@ -209,7 +258,7 @@ class TQReplayBuffer:
             found[1] = self._ready_positions(found[0])
             return len(found[1]) >= n
 
-        _wait_for(enough, timeout_s, lambda: (
+        self._wait_until(enough, timeout_s, lambda: (
             f"replay buffer {self.partition_id!r} has {len(found[1])} samples ready, {n} asked for, "
             f"after waiting {timeout_s:.0f}s"))
         meta = found[0].select(found[1][:n])
@@ -218,11 +267,15 @@ class TQReplayBuffer:
 
     def release(self, meta: Any) -> int:
         """Free sampled keys (their data and the room they held); returns how many were freed."""
-        return self.client.discard(meta)
+        freed = self.client.discard(meta)
+        self.wake_waiters()
+        return freed
 
     def clear(self) -> int:
         """Free everything in the buffer; returns how many samples were freed."""
-        return self.client.clear_partition(self.partition_id)
+        freed = self.client.clear_partition(self.partition_id)
+        self.wake_waiters()
+        return freed
 
 
 async def _run_groups(collector: "LLMCollector", target: int | None, deliver: Callable[[PromptGroupRecord], None]) -> None:
@@ -484,6 +537,7 @@ class LLMCollector:
         group the full replay buffer cannot take yet is held and written on ``resume()``."""
         with self._pause_lock:
             self._paused.set()
+        self._wake_writer()
         if not self._idle.wait(self.timeout_s):
             raise TimeoutError(f"in-flight groups did not finish within {self.timeout_s:.0f}s of pause()")
         self._raise_if_failed()
@@ -492,6 +546,11 @@ class LLMCollector:
         """Start groups again after ``pause()``."""
         self._raise_if_failed()
         self._paused.clear()
+
+    def _wake_writer(self) -> None:
+        """A background write parked on a full replay buffer re-checks at once (and sees pause / stop)."""
+        if self.replay_buffer is not None and self.is_running():
+            self.replay_buffer.wake_waiters()
 
     def is_running(self) -> bool:
         """Whether background collection is running (paused counts as running)."""
@@ -502,6 +561,7 @@ class LLMCollector:
         replay buffer's connection and shut down a generation backend the collector built. Groups
         held back by a full buffer are not written (a ``state_dict()`` keeps their prompts)."""
         self._stop.set()
+        self._wake_writer()
         if self._thread is not None:
             self._thread.join(self.timeout_s)
             if self._thread.is_alive():

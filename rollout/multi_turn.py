@@ -492,7 +492,7 @@ class Completion:
 
 
 def completions_to_columns(completions: Sequence[Completion]) -> dict[str, Any]:
-    """The per-sample columns of ``policy.fields`` (plus the message log and a few scalars).
+    """The per-sample columns of ``common.fields`` (plus the message log and a few scalars).
 
     Token-aligned columns are lists of 1-d tensors (one per sample, unpadded): ``input_ids``,
     ``token_mask``, ``generation_logprobs``. Per-sample columns are ``[n]`` tensors: ``input_lengths``,

@@ -22,6 +22,14 @@ def tq_server():
 
 
 @pytest.fixture()
+def tq_connection(tq_server):
+    """The module's service as a ``TQConnection`` (what actors and workers get at start-up)."""
+    from tq import TQConnection
+
+    return TQConnection(tq_server.address)
+
+
+@pytest.fixture()
 def client(tq_server):
     c = TQClient(tq_server.address, timeout=10.0)
     yield c
@@ -115,6 +123,47 @@ def ray_session():
     shut down when the module is done."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     yield ray
     ray.shutdown()
+
+
+# ----------------------------------------------------------------------------- bit-exact tensors
+_BITS = {
+    "float32": "int32", "float16": "int16", "bfloat16": "int16", "float64": "int64", "bool": "uint8",
+}
+
+
+def bits(t):
+    """A float / bool tensor viewed as integers of its width (so NaNs and -0.0 compare bit for bit)."""
+    import torch
+
+    name = str(t.dtype).removeprefix("torch.")
+    return t.view(getattr(torch, _BITS[name])) if name in _BITS else t
+
+
+def assert_same(got, want) -> None:
+    """Bit-exact equality, dtype and shape included."""
+    import torch
+
+    assert isinstance(got, torch.Tensor), type(got)
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+    assert tuple(got.shape) == tuple(want.shape), (tuple(got.shape), tuple(want.shape))
+    assert torch.equal(bits(got), bits(want.contiguous()))
+
+
+# ----------------------------------------------------------------------------- the tiny model
+@pytest.fixture(scope="module")
+def tok():
+    """The built-in character-level tokenizer (offline)."""
+    from common.models import build_tiny_tokenizer
+
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    """The seed-0 tiny random-init model, shared read-only by a module's tests (refit tests build their own)."""
+    from common.models import TINY_MODEL, load_model
+
+    return load_model(TINY_MODEL, tokenizer=tok, seed=0)

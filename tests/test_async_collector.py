@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import unique_keys
 
 from rollout.collector import TQReplayBuffer
+from tq import TQConnection
 from trainer.async_collector import AsyncTrajectoryCollectorImpl, SchedulingError
 from trainer.config import load_config
 from trainer.grpo_async import ASYNC_CONFIG
-
-from conftest import unique_keys
 
 
 @pytest.fixture()
@@ -23,7 +23,7 @@ def collector(tq_server):
         "generation.max_new_tokens=2", "policy.train_global_batch_size=4", "grpo.val_period=0",
         "data.num_builtin_prompts=20", "async_grpo.max_trajectory_age_steps=1", "async_grpo.wait_timeout_s=60",
     ])
-    buffer = TQReplayBuffer(tq_server.address, capacity=16, partition_id=unique_keys(1, "async")[0])
+    buffer = TQReplayBuffer(TQConnection(tq_server.address), capacity=16, partition_id=unique_keys(1, "async")[0])
     c = AsyncTrajectoryCollectorImpl(cfg.generation.model_dump(), None, {cfg.env.name: {"name": cfg.env.name}}, cfg, buffer, 0)
     yield c
     c.shutdown()

@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 
 import pytest
-
-pytestmark = pytest.mark.slow  # full async runs on Ray + TQ: run with `pytest -m slow`
 import ray
 
 from tq import TQClient
 from trainer.checkpoint import latest_checkpoint
 from trainer.config import parse_cli
 from trainer.grpo_async import ASYNC_CONFIG, GRPOAsyncTrainer, main
+
+pytestmark = pytest.mark.slow  # full async runs on Ray + TQ: run with `pytest -m slow`
 
 AGE = 2
 

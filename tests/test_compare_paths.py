@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks import compare_paths as cp
-from policy.policy import payload_nbytes
+from policy.traffic import payload_nbytes
 from rollout.generation import GenerationBackendConfig, make_generation_backend
 from rollout.generation.synthetic import SyntheticGenerationBackend
 
@@ -129,7 +129,7 @@ def test_check_targets_passes_and_fails_as_the_numbers_say():
 # ----------------------------------------------------------------------------- GPU preset
 def test_gpu_preset_builds_a_valid_config_of_a_100m_model_and_fails_clearly_without_cuda(tmp_path, capsys):
     from benchmarks.policy_gpu_check import MODEL_113M
-    from policy.models import build_tiny_tokenizer, tiny_config
+    from common.models import build_tiny_tokenizer, tiny_config
     from trainer.config import parse_cli
 
     for mode in ("synthetic", "real"):

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from policy.models import build_tiny_tokenizer
+from common.models import build_tiny_tokenizer
 from rollout.data import (
     DataProcessorConfig,
     DatasetError,
@@ -22,11 +22,6 @@ ROWS = [
     {"problem": "What is 3*3?", "answer": "9", "level": 2},
     {"problem": "Solve x+2=5.", "answer": "3", "level": 1},
 ]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
 
 
 def write_jsonl(path, rows):

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from policy.models import TINY_MODEL, build_tiny_tokenizer, load_model
+from common.models import TINY_MODEL, build_tiny_tokenizer, load_model
 from rollout.data import PromptDataset
 from rollout.environments import (
     BUILTIN_TASK_NAME,

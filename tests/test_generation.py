@@ -7,22 +7,11 @@ import asyncio
 import pytest
 import torch
 
-from policy.models import TINY_MODEL, build_tiny_tokenizer, load_model
+from common.models import TINY_MODEL, load_model
 from rollout.generation import GenerationBackendConfig, make_generation_backend
 from rollout.generation.hf_backend import HFGenerationBackend
 
 PROMPTS = ["2+3=", "hello, world 12", "x"]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tok):
-    """The seed-0 tiny model, shared read-only by the backends of this module (refit tests use their own)."""
-    return load_model(TINY_MODEL, tokenizer=tok, seed=0)
 
 
 def encode(tok, text: str) -> torch.Tensor:

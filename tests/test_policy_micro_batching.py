@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from policy.batched_data_dict import BatchedDataDict
+from common.batched_data_dict import BatchedDataDict
+from common.models import TINY_MODEL, load_model
 from policy.config import PolicyConfig
 from policy.dispatch import global_batches, index_meta, shard_for_dp, shard_rows, stamp_pad_seqlen
 from policy.logprobs import compute_logprobs, per_sample_reductions, token_logprobs
@@ -20,17 +21,11 @@ from policy.micro_batching import (
     plain_plan,
     plan_from_extra_info,
 )
-from policy.models import TINY_MODEL, build_tiny_tokenizer, load_model
 from policy.synthetic import synthetic_batch
 from tq.meta import KVBatchMeta
 from tq.sharding import plan_micro_batches
 
 N = 10
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-from policy.batched_data_dict import BatchedDataDict
+from common.batched_data_dict import BatchedDataDict
+from common.fields import PER_SAMPLE_REDUCTION_FIELDS
 from policy.dispatch import shard_for_dp, stamp_pad_seqlen
-from policy.fields import PER_SAMPLE_REDUCTION_FIELDS
 from policy.logprobs import per_sample_reductions
 from policy.loss import ClippedPGLossFn
 from policy.policy import Policy, PolicyConfig, TQPolicy
@@ -65,10 +65,10 @@ def _weights_equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_policy_and_tqpolicy_are_bit_identical(ray_session, tq_server, batch):
+def test_policy_and_tqpolicy_are_bit_identical(ray_session, tq_connection, batch):
     """Same weights, batch and sharding: same log-probs, metrics and updated weights, to the bit."""
     cfg = _cfg(**PACKED)
-    with Policy(cfg) as legacy, TQPolicy(cfg, tq_server.address) as tqp:
+    with Policy(cfg) as legacy, TQPolicy(cfg, tq_connection) as tqp:
         assert _weights_equal(legacy.get_weights(), tqp.get_weights())
         data, m_legacy = _legacy_step(legacy, batch)
         meta, lps, m_tq = _tq_step(tqp, batch)
@@ -121,22 +121,22 @@ def _small(obj) -> int:
     return len(pickle.dumps(obj))
 
 
-def test_tq_path_returns_only_small_dicts_and_leaves_store_empty(ray_session, tq_server, batch):
-    with TQPolicy(_cfg(**DYNAMIC), tq_server.address) as tqp:
-        ws, addr = tqp.workers, tqp.tq_address
+def test_tq_path_returns_only_small_dicts_and_leaves_store_empty(ray_session, tq_connection, batch):
+    with TQPolicy(_cfg(**DYNAMIC), tq_connection) as tqp:
+        ws = tqp.workers
         meta = stamp_pad_seqlen(_put(tqp, batch), 4)
         assert meta.extra_info["global_forward_pad_seqlen"] == 40
         # Call the workers the way TQPolicy does, and look at exactly what comes back through Ray.
         for reference in (False, True):
             shards = shard_for_dp(meta, tqp.config, "logprob")
-            for r in ray.get([w.get_logprobs_from_meta.remote(s, addr, reference) for w, s in zip(ws, shards)], timeout=120):
+            for r in ray.get([w.get_logprobs_from_meta.remote(s, reference) for w, s in zip(ws, shards)], timeout=120):
                 assert _small(r) < 512
         meta = meta.add_fields(["prev_logprobs", "reference_policy_logprobs"])
-        for r in ray.get([w.compute_per_token_reductions.remote(s, addr) for w, s in zip(ws, shard_for_dp(meta, tqp.config, "logprob"))], timeout=120):
+        for r in ray.get([w.compute_per_token_reductions.remote(s) for w, s in zip(ws, shard_for_dp(meta, tqp.config, "logprob"))], timeout=120):
             assert _small(r) < 512
         meta = tqp.write_to_dataplane(meta, {"advantages": batch["advantages"]})
         per_rank = [[s] for s in shard_for_dp(meta.slice(0, 8), tqp.config, "train")]
-        for r in ray.get([w.train_from_meta.remote(p, addr, LOSS) for w, p in zip(ws, per_rank)], timeout=120):
+        for r in ray.get([w.train_from_meta.remote(p, LOSS) for w, p in zip(ws, per_rank)], timeout=120):
             assert _small(r) < 2048 and r["num_optimizer_steps"] == 1
 
         # Per-token reductions, written by the workers, read by the driver as per-sample columns.
@@ -213,11 +213,11 @@ def test_bf16_worker_keeps_float32_master_weights(batch):
 
 def test_a_dead_actor_is_named_even_when_a_peer_failed_first(ray_session):
     """When a rank dies its peers fail too (one blocked in a collective with it sees the connection
-    close), and ray.get raises whichever failed ref comes first. DriverTraffic.get raises the death,
+    close), and ray.get raises whichever failed ref comes first. ActorCalls.get raises the death,
     which the trainer reports as "an actor died"."""
     import ray
 
-    from policy.policy import DriverTraffic
+    from policy.traffic import ActorCalls
 
     @ray.remote(num_cpus=0.1)
     class Rank:
@@ -232,5 +232,5 @@ def test_a_dead_actor_is_named_even_when_a_peer_failed_first(ray_session):
     dead = doomed.sleep.remote(60)
     ray.kill(doomed)
     with pytest.raises(ray.exceptions.RayActorError):
-        DriverTraffic().get([alive.fail.remote(), dead], timeout=30)
+        ActorCalls().get([alive.fail.remote(), dead], timeout=30)
 

@@ -9,14 +9,15 @@ import uuid
 import pytest
 import torch
 
-from policy.fields import LP_SEED_FIELDS, TOKEN_FIELDS
-from policy.models import TINY_MODEL, build_tiny_tokenizer, load_model
+from common.fields import LP_SEED_FIELDS, TOKEN_FIELDS
+from common.models import TINY_MODEL, build_tiny_tokenizer, load_model
 from rollout.actors import SyncRolloutActor, SyncRolloutImpl
 from rollout.data import DatasetError, PromptDataset, collate_datums
 from rollout.environments import TWO_TURN_TASK_NAME, TwoTurnGuessEnvironment, two_turn_guess_dataset
 from rollout.generation import GenerationBackendConfig
 from rollout.generation.hf_backend import HFGenerationBackend
 from rollout.multi_turn import RolloutLimits, records_to_columns, run_multi_turn_rollout
+from tq import TQConnection
 
 GEN = {"seed": 7, "max_new_tokens": 4}
 ENVS = {TWO_TURN_TASK_NAME: TWO_TURN_TASK_NAME}
@@ -30,7 +31,7 @@ def dataset():
 
 
 def impl(tq_server, **kw) -> SyncRolloutImpl:
-    return SyncRolloutImpl(generation=GEN, environments=ENVS, tq_address=tq_server.address, limits=LIMITS, **kw)
+    return SyncRolloutImpl(generation=GEN, environments=ENVS, connection=TQConnection(tq_server.address), limits=LIMITS, **kw)
 
 
 def batch_of(dataset, rows):
@@ -141,7 +142,7 @@ def test_ray_actor_with_an_existing_generation_actor(ray_session, tq_server, cli
 
     worker = ray.remote(RayGenerationWorker).options(num_cpus=0.25).remote({**GEN, "model_seed": 0})
     actor = SyncRolloutActor.remote(generation=worker, tokenizer_name=TINY_MODEL, environments=ENVS,
-                                    tq_address=tq_server.address, limits=LIMITS)
+                                    connection=TQConnection(tq_server.address), limits=LIMITS)
     try:
         assert ray.get(actor.ready.remote(), timeout=120) == 0
         meta, carry, rollout_metrics, _ = ray.get(actor.rollout_to_tq.remote(batch_of(dataset, [1, 4]), partition, 3), timeout=120)

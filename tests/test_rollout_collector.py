@@ -9,19 +9,15 @@ import uuid
 
 import pytest
 
-from policy.models import TINY_MODEL, build_tiny_tokenizer, load_model
+from common.models import TINY_MODEL, load_model
 from rollout.collector import CollectorExhausted, LLMCollector, TQReplayBuffer
 from rollout.data import PromptDataset, StatefulDataLoader, collate_datums
 from rollout.environments import BUILTIN_TASK_NAME, builtin_task_dataset, builtin_task_processor_config
+from tq import TQConnection
 
 GEN = {"seed": 11}
 ENVS = {BUILTIN_TASK_NAME: BUILTIN_TASK_NAME}
 LIMITS = {"max_seq_len": 16, "max_new_tokens": 2}
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +37,7 @@ def collector(dataset, **kw) -> LLMCollector:
 
 
 def buffer(tq_server, capacity, **kw) -> TQReplayBuffer:
-    return TQReplayBuffer(tq_server.address, capacity=capacity, partition_id=f"rb-{uuid.uuid4().hex[:6]}",
+    return TQReplayBuffer(TQConnection(tq_server.address), capacity=capacity, partition_id=f"rb-{uuid.uuid4().hex[:6]}",
                           write_timeout_s=30, read_timeout_s=30, **kw)
 
 
@@ -148,6 +144,44 @@ def test_replay_buffer_waits_then_fails_loudly_never_drops(tq_server, dataset):
     with pytest.raises(TimeoutError, match="has 2 samples ready, 3 asked for"):
         rb.sample(3, timeout_s=0.2)
     assert rb.clear() == 2
+
+
+def test_replay_buffer_waits_parked_on_the_controller_not_polling(tq_server, dataset):
+    """A sample() of an empty buffer parks one wait on the controller (its bell) instead of re-reading
+    the partition's metadata in a loop, and wakes as soon as another connection writes a group."""
+    import pickle
+    import threading
+
+    groups, _ = collector(dataset).manager.run_rollouts([dataset[0]])
+    rb = buffer(tq_server, capacity=4)
+    writer = pickle.loads(pickle.dumps(rb))  # as an actor would get it: its own connection
+    got: dict = {}
+
+    def consume() -> None:
+        got["meta"] = rb.sample(2, timeout_s=20)
+        got["at"] = time.monotonic()
+
+    def reads() -> int:
+        return int(rb.client.stats()["ops"].get("get_meta", {}).get("count", 0))
+
+    try:
+        rb.client  # connected before the clock starts
+        t = threading.Thread(target=consume)
+        t.start()
+        wait_until(lambda: rb.client.stats()["parked_waits"] >= 1, what="a parked wait")
+        before = reads()
+        time.sleep(1.0)
+        assert reads() - before <= 1, "sample() polled the partition while nothing changed"
+        sent = time.monotonic()
+        writer.extend(groups[0])
+        t.join(20)
+        assert not t.is_alive() and list(got["meta"].keys) == groups[0].keys
+        assert got["at"] - sent < 1.0  # woken by the write, not by a poll interval
+        assert rb.client.stats()["parked_waits"] == 0
+    finally:
+        rb.clear()
+        writer.close()
+        rb.close()
 
 
 def test_state_dict_resumes_at_the_same_dataloader_position(dataset):

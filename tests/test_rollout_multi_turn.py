@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from policy.models import TINY_MODEL, build_tiny_tokenizer, load_model
 from rollout.data import DataProcessorConfig, DatasetError, PromptDataset
 from rollout.environments import (
     BUILTIN_TASK_NAME,
@@ -22,16 +21,6 @@ from rollout.generation.hf_backend import HFGenerationBackend
 from rollout.interfaces import GenerationOutput
 from rollout.manager import RolloutManager
 from rollout.multi_turn import Completion, RolloutLimits, records_to_columns, run_multi_turn_rollout
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tok):
-    return load_model(TINY_MODEL, tokenizer=tok, seed=0)
 
 
 def backend(model, tok, **cfg) -> HFGenerationBackend:

@@ -61,7 +61,8 @@ def test_tq_driver_receives_per_sample_data_only_and_the_store_empties(tmp_path)
     with TQServer(storage_units=1, capacity=256 << 20) as server:
         runs = {}
         for tokens in (2, 24):
-            cfg = _cfg(tmp_path, "grpo.max_num_steps=2", f"grpo.max_new_tokens={tokens}", f"data_plane.address={server.address}")
+            cfg = _cfg(tmp_path, "grpo.max_num_steps=2", f"grpo.max_new_tokens={tokens}", f"data_plane.address={server.address}",
+                       "logger.data_movement_metrics=true")
             history, _ = _fit(GRPOSyncTrainer, cfg)
             runs[tokens] = max(h["driver_bytes_received"] for h in history)
             with TQClient(server.address) as client:
@@ -69,8 +70,29 @@ def test_tq_driver_receives_per_sample_data_only_and_the_store_empties(tmp_path)
     n = 64
     assert runs[24] <= 600 * n + 8192, runs  # a few hundred bytes of scalars per sample, plus keys
     assert runs[24] < 1.25 * runs[2]  # 12x longer responses: (almost) the same driver traffic
-    legacy, _ = _fit(GRPOTrainer, _cfg(tmp_path, "grpo.max_num_steps=2", "grpo.max_new_tokens=24"))
+    legacy, _ = _fit(GRPOTrainer, _cfg(tmp_path, "grpo.max_num_steps=2", "grpo.max_new_tokens=24", "logger.data_movement_metrics=true"))
     assert max(h["driver_bytes_received"] for h in legacy) > 2 * runs[24]
+
+
+def test_tq_trainer_takes_the_data_plane_secret_from_the_config_alone(tmp_path, monkeypatch):
+    """``data_plane.secret`` set in the config only - no ``TQ_SECRET`` in any environment, and Ray already
+    running (as in a notebook), so no worker can inherit one: every client the trainer starts (driver,
+    DP workers, rollout actor) signs its requests and the secret-protected service serves a step."""
+    import os
+    import uuid
+
+    monkeypatch.delenv("TQ_SECRET", raising=False)
+    secret = f"e2e-{uuid.uuid4().hex}"
+    with TQServer(storage_units=1, capacity=128 << 20, secret=secret) as server:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        cfg = _cfg(tmp_path, "grpo.max_num_steps=1", "grpo.num_prompts_per_step=4", "policy.train_global_batch_size=32",
+                   f"data_plane.address={server.address}", f"data_plane.secret={secret}")
+        history, _ = _fit(GRPOSyncTrainer, cfg)
+        assert len(history) == 1 and "seq_logprob_error" in history[0]  # worker-written columns were read back
+        assert "TQ_SECRET" not in os.environ  # the driver's environment is left alone
+        with TQClient(server.address, secret=secret) as client:
+            assert client.stats()["rejected_messages"] == 0  # no client tried without the secret
+            assert all(p["keys"] == 0 for p in client.list_partitions())
 
 
 # slow since tests/test_crash_resume.py resumes both trainers from a checkpoint (after a kill -9) in CI
@@ -149,7 +171,7 @@ def test_ctrl_c_stops_cleanly_without_orphans(tmp_path):
     assert proc.returncode == 130 and "interrupted" in err
     assert latest_checkpoint(ck) is not None
     time.sleep(1)
-    leftovers = subprocess.run(["pgrep", "-f", f"tq.storage.*|tq.controller.*"], capture_output=True, text=True).stdout.split()
+    leftovers = subprocess.run(["pgrep", "-f", "tq.storage.*|tq.controller.*"], capture_output=True, text=True).stdout.split()
     mine = [p for p in leftovers if os.path.exists(f"/proc/{p}") and os.getsid(int(p)) == proc.pid]
     assert not mine, f"orphaned TQ processes: {mine}"
 

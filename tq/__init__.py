@@ -20,10 +20,11 @@ _LAZY = {
     "TQClient": "client",
     "mint_keys": "client",
     "TQServer": "server",
+    "TQConnection": "connection",
     "JaggedTensor": "jagged",
 }
 
-__all__ = ["TQClient", "TQServer", "KVBatchMeta", "JaggedTensor", "mint_keys", "shard_meta_for_dp"]
+__all__ = ["TQClient", "TQConnection", "TQServer", "KVBatchMeta", "JaggedTensor", "mint_keys", "shard_meta_for_dp"]
 
 
 def __getattr__(name: str) -> Any:

@@ -3,7 +3,7 @@
 Vocabulary (NeMo-RL's async GRPO). Training step ``t`` trains weights version ``t`` into ``t + 1``; the
 generator runs on some weight version ``v`` and writes each prompt group to TQ tagged with
 ``weight_version`` (``v``) and ``target_step`` (the training step that will consume it). A generator on
-weights ``v`` may target ``_calculate_target_weights(v)``:
+weights ``v`` may target ``TrajectoryScheduler.target_weights(v)``:
 
 - the initial version ``v0`` (the start step) targets itself and the next ``max_trajectory_age_steps``
   steps: ``[v0, ..., v0 + age]`` (step ``v0`` has no older weights to come from);
@@ -250,7 +250,7 @@ class AsyncTrajectoryCollectorImpl:
         tokenizer_name: the tokenizer (default: the generation config's).
         task_to_env: task name -> environment (instance, name or ``{"name", **kwargs}``).
         master_config: the ``MasterConfig`` (or its dict): grpo, data, async_grpo and data_plane sections.
-        replay_buffer: the ``rollout.collector.TQReplayBuffer`` naming the TQ address and partition (its
+        replay_buffer: the ``rollout.collector.TQReplayBuffer`` naming the TQ connection and partition (its
             ``capacity`` in samples bounds the groups held, with ``async_grpo.max_buffered_groups``).
         start_step: the first training step (= the initial weight version).
     """
@@ -273,7 +273,7 @@ class AsyncTrajectoryCollectorImpl:
                                          start_step=start_step, capacity_groups=capacity, chunk_groups=a.groups_per_generation)
         self.rollout = SyncRolloutImpl(
             generation=generation, tokenizer_name=tokenizer_name, environments=task_to_env, seed=g.seed,
-            tq_address=replay_buffer.tq_address, tq_secret=cfg.data_plane.secret, tq_timeout_s=cfg.data_plane.timeout_s,
+            connection=replay_buffer.connection,
             limits={"max_seq_len": cfg.data.processor.max_seq_length + g.max_rollout_turns * g.max_new_tokens,
                     "max_new_tokens": g.max_new_tokens, "max_rollout_turns": g.max_rollout_turns},
         )
@@ -309,13 +309,6 @@ class AsyncTrajectoryCollectorImpl:
 
     def get_weight_version(self) -> int:
         return self.sched.weight_version
-
-    def _calculate_target_weights(self, generation_weight_version: int) -> list[int]:
-        return self.sched.target_weights(generation_weight_version)
-
-    def _get_next_target_for_generation(self) -> int | None:
-        with self._cond:
-            return self.sched.next_target()
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
         """Refit the generator (between ``prepare_for_refit`` and ``resume_after_refit``); ``state_dict``

@@ -19,7 +19,7 @@ import ray
 import torch
 
 from policy.loss import ClippedPGLossFn
-from policy.policy import DriverTraffic
+from policy.traffic import ActorCalls, DriverTraffic
 from rollout.actors import SyncRolloutActor
 
 from .checkpoint import latest_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
@@ -64,8 +64,9 @@ class GRPOTrainerBase(ABC):
         train_ds, self.val_dataset = build_datasets(cfg)
         self.loader = build_dataloader(cfg, train_ds)
         self.loss_fn = ClippedPGLossFn(cfg.loss)
-        # The driver's own Ray traffic (the policy counts its worker calls and TQ reads/writes apart).
-        self.traffic = DriverTraffic()
+        # The driver's own actor calls (the policy sends its worker calls and TQ reads/writes apart);
+        # measured only with logger.data_movement_metrics (counting re-pickles every payload).
+        self.calls = self.new_calls()
         self.step = 0
         self.policy = self.build_policy()
         self.rollout = SyncRolloutActor.remote(
@@ -92,7 +93,7 @@ class GRPOTrainerBase(ABC):
     # ------------------------------------------------------------------ what the two paths implement
     @abstractmethod
     def build_policy(self) -> Any:
-        """The policy (legacy ``Policy`` or ``TQPolicy``)."""
+        """The policy (legacy ``Policy`` or ``TQPolicy``), sending its worker calls through :meth:`new_calls`."""
 
     def rollout_kwargs(self) -> dict[str, Any]:
         """Extra constructor arguments of the rollout actor (the TQ path passes the TQ address)."""
@@ -107,14 +108,19 @@ class GRPOTrainerBase(ABC):
         """Greedy rollouts of the validation prompts; accuracy (and pass@k)."""
 
     # ------------------------------------------------------------------ shared machinery
+    def new_calls(self) -> ActorCalls:
+        """How the driver calls actors: measured (:class:`~policy.traffic.DriverTraffic`) with
+        ``logger.data_movement_metrics``, plain otherwise."""
+        return DriverTraffic() if self.cfg.logger.data_movement_metrics else ActorCalls()
+
     def send(self, method: Any, *args: Any, **kwargs: Any) -> Any:
-        """``method.remote(*args, **kwargs)`` (an actor method), counted in the driver's traffic."""
-        return self.traffic.send(method, *args, **kwargs)
+        """``method.remote(*args, **kwargs)`` (an actor method), counted in the driver's traffic if measured."""
+        return self.calls.send(method, *args, **kwargs)
 
     def get(self, refs: Any, what: str) -> Any:
-        """``ray.get`` bounded by the policy's Ray timeout, counted in the driver's traffic."""
+        """``ray.get`` bounded by the policy's Ray timeout, counted in the driver's traffic if measured."""
         try:
-            return self.traffic.get(refs, self.cfg.policy.ray_timeout_s)
+            return self.calls.get(refs, self.cfg.policy.ray_timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(f"{what} did not finish within policy.ray_timeout_s={self.cfg.policy.ray_timeout_s}s") from None
         except ray.exceptions.RayActorError as exc:
@@ -135,22 +141,24 @@ class GRPOTrainerBase(ABC):
 
     def _pop_driver_counters(self) -> dict[str, float]:
         """The driver's traffic since the last call (trainer and policy together), then reset."""
-        out = defaultdict(float, self.traffic.pop())
+        out = defaultdict(float, self.calls.pop())
         pop = getattr(self.policy, "pop_driver_counters", None)
         for k, v in (pop() if pop is not None else {}).items():
             out[k] += v
         return dict(out)
 
     def _data_movement_metrics(self) -> dict[str, float]:
-        """A step's data-movement metrics: the driver's bytes received / sent, its seconds sending,
-        unpacking results and in TQ calls, its peak RSS, each DP rank's fetch seconds, and the slowest
-        rank's dispatch / TQ get / write-back / compute seconds."""
+        """A step's data-movement metrics: the driver's peak RSS, and with ``logger.data_movement_metrics``
+        its bytes received / sent, its seconds sending, unpacking results and in TQ calls, each DP
+        rank's fetch seconds, and the slowest rank's dispatch / TQ get / write-back / compute seconds."""
         c = self._pop_driver_counters()
-        out = {
+        out = {"driver_peak_rss_bytes": float(peak_rss_bytes())}
+        if not self.calls.instrumented:
+            return out
+        out.update({
             "driver_bytes_received": c["bytes_received"], "driver_bytes_sent": c["bytes_sent"],
-            "driver_peak_rss_bytes": float(peak_rss_bytes()),
             **{f"timing/{k[:-2]}": c.get(k, 0.0) for k in ("driver_send_s", "driver_get_s", "driver_tq_s")},
-        }
+        })
         timings = getattr(self.policy, "worker_timings", None)
         if timings is not None:
             ranks = timings()

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import torch
 
-from policy.models import load_tokenizer
+from common.models import load_tokenizer
 from rollout.data import PromptDataset, StatefulDataLoader
 from rollout.environments import builtin_task_dataset, make_environment
 
@@ -28,12 +28,11 @@ def init_ray(cfg: MasterConfig) -> None:
     if ray.is_initialized():
         return
     if cfg.cluster.ray_address:
-        # A running cluster's workers do not inherit this process's environment: pass the data
-        # plane's secret on (TQPolicy's workers read it from TQ_SECRET).
-        env = {"env_vars": {"TQ_SECRET": cfg.data_plane.secret}} if cfg.data_plane.secret else None
-        ray.init(address=cfg.cluster.ray_address, log_to_driver=True, runtime_env=env)
+        # No secret travels through the environment: every actor gets the data plane's TQConnection.
+        ray.init(address=cfg.cluster.ray_address, log_to_driver=True)
     else:
-        ray.init(num_cpus=cfg.cluster.num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True)
+        # address="local": a Ray of its own, never a `ray start` cluster that happens to run on this host.
+        ray.init(address="local", num_cpus=cfg.cluster.num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True)
 
 
 def run_name(cfg: MasterConfig, trainer: str) -> str:

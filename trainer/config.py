@@ -19,6 +19,7 @@ from policy.config import PolicyConfig
 from policy.loss import ClippedPGLossConfig
 from rollout.data import DataProcessorConfig
 from rollout.generation.config import GenerationBackendConfig
+from tq.connection import TQConnection
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "grpo_offline_cpu.yaml"
@@ -89,11 +90,25 @@ class EnvConfig(_Strict):
 
 
 class DataPlaneConfig(_Strict):
+    """The TQ service and how every process reaches it: the driver turns this section into one
+    :class:`~tq.TQConnection` (:meth:`connection`) that every actor and worker gets at start-up."""
+
     address: str | None = None  # a running tq-controller; None: bootstrap one on the driver
     storage_units: int = Field(1, ge=1)
     capacity_bytes: int = Field(2 << 30, ge=1 << 20)
-    secret: str | None = None
-    timeout_s: float = Field(60.0, gt=0.0)
+    secret: str | None = None  # None: $TQ_SECRET of the driver, if set
+    timeout_s: float = Field(60.0, gt=0.0)  # every TQ call, and every wait for fields to be produced
+    transport: Literal["auto", "tcp"] = "auto"  # auto: same-host readers map the storage arenas
+    capacity_wait_s: float = Field(0.0, ge=0.0)  # a write into a full storage unit waits this long for room
+
+    def connection(self, address: str | None = None) -> TQConnection:
+        """The connection value for ``address`` (default: ``address`` of this section, e.g. a
+        bootstrapped service's address when that is None)."""
+        address = address or self.address
+        if address is None:
+            raise ValueError("data_plane.address is not set and no bootstrapped service address was given")
+        return TQConnection(address, secret=self.secret, timeout_s=self.timeout_s, transport=self.transport,
+                            capacity_wait_s=self.capacity_wait_s)
 
 
 class LoggerConfig(_Strict):
@@ -104,6 +119,9 @@ class LoggerConfig(_Strict):
     wandb_project: str = "tq-rl"
     plot: bool = True
     progress: bool = True
+    # Measure data movement each step (driver_bytes_*, timing/driver_*, timing/worker_*, fetch/rank*_s):
+    # the driver re-pickles every actor call's payload to count its bytes, so benchmarks turn it on.
+    data_movement_metrics: bool = False
 
 
 class CheckpointingConfig(_Strict):

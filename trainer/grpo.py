@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from policy.batched_data_dict import BatchedDataDict
+from common.batched_data_dict import BatchedDataDict
 from policy.logprobs import per_sample_reductions
 from policy.policy import Policy
 
@@ -31,7 +31,7 @@ class GRPOTrainer(GRPOTrainerBase):
     name = "grpo"
 
     def build_policy(self) -> Policy:
-        return Policy(self.cfg.policy)
+        return Policy(self.cfg.policy, calls=self.new_calls())
 
     def _rollout(self, batches: BatchSource) -> tuple[BatchedDataDict, dict[str, float]]:
         """Roll out until enough groups survive dynamic sampling."""

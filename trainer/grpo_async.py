@@ -82,7 +82,7 @@ class GRPOAsyncTrainer(GRPOSyncTrainer):
     def _start_collector(self) -> None:
         cfg, a = self.cfg, self.cfg.async_grpo
         buffer = TQReplayBuffer(
-            self.tq_address, partition_id=a.partition_id, tq_secret=cfg.data_plane.secret, tq_timeout_s=cfg.data_plane.timeout_s,
+            self.connection, partition_id=a.partition_id,
             capacity=(a.max_buffered_groups or (a.max_trajectory_age_steps + 1) * cfg.grpo.num_prompts_per_step)
             * cfg.grpo.num_generations_per_prompt,
         )

@@ -12,7 +12,6 @@ clears the step's keys at the end (the store is empty between steps).
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 
 from policy.policy import VAL_PARTITION, TQPolicy
-from tq import KVBatchMeta, TQClient, TQServer
+from tq import KVBatchMeta, TQConnection, TQServer
 
 from . import algorithms as A
 from .base import BatchSource, GRPOTrainerBase, run
@@ -41,25 +40,18 @@ class GRPOSyncTrainer(GRPOTrainerBase):
                 "sample's message log on the driver); use trainer.grpo or remove them"
             )
         dp = cfg.data_plane
-        self._prev_env_secret = os.environ.get("TQ_SECRET")
-        if dp.secret:
-            # TQPolicy's clients (driver and DP workers) take the secret from the environment; a local
-            # Ray's workers inherit the driver's (init_ray passes it to a remote cluster's). Restored
-            # at shutdown.
-            os.environ["TQ_SECRET"] = dp.secret
         self.tq_server: TQServer | None = None
         if dp.address is None:  # bootstrap a controller and its storage units on the driver's host
             self.tq_server = TQServer(storage_units=dp.storage_units, capacity=dp.capacity_bytes, secret=dp.secret)
-            self.tq_address = self.tq_server.address
-        else:  # a running tq-controller: fail fast, naming it, if it does not answer
-            self.tq_address = dp.address
-            TQClient(dp.address, secret=dp.secret, timeout=min(dp.timeout_s, 10.0)).close()
+        # The one data-plane connection: the policy, its DP workers and the rollout actors all get it.
+        self.connection: TQConnection = dp.connection(self.tq_server.address if self.tq_server is not None else None)
+        if self.tq_server is None:  # a running tq-controller: fail fast, naming it, if it does not answer
+            self.connection.replace(timeout_s=min(dp.timeout_s, 10.0)).connect().close()
         try:
             super().__init__(cfg)
         except BaseException:
             if self.tq_server is not None:
                 self.tq_server.shutdown()
-            self._restore_env()
             raise
         if self.tq_server is None:
             self._free_leftovers()
@@ -83,7 +75,7 @@ class GRPOSyncTrainer(GRPOTrainerBase):
         from tq.errors import PartitionNotFoundError
 
         try:
-            with TQClient(self.tq_address, secret=self.cfg.data_plane.secret, timeout=10.0) as client:
+            with self.connection.replace(timeout_s=10.0).connect() as client:
                 for part in self.owned_partitions():
                     try:
                         client.drop_partition(part)
@@ -92,11 +84,16 @@ class GRPOSyncTrainer(GRPOTrainerBase):
         except Exception as exc:  # the service may be gone; exiting must not fail on it
             print(f"warning: could not drop the TQ partitions {self.owned_partitions()}: {exc!r}", file=sys.stderr, flush=True)
 
+    @property
+    def tq_address(self) -> str:
+        """The TQ controller's address (bootstrapped here or configured)."""
+        return self.connection.address
+
     def build_policy(self) -> TQPolicy:
-        return TQPolicy(self.cfg.policy, self.tq_address)
+        return TQPolicy(self.cfg.policy, self.connection, calls=self.new_calls())
 
     def rollout_kwargs(self) -> dict[str, Any]:
-        return {"tq_address": self.tq_address, "tq_secret": self.cfg.data_plane.secret, "tq_timeout_s": self.cfg.data_plane.timeout_s}
+        return {"connection": self.connection}
 
     def _read(self, meta: KVBatchMeta, fields: list[str]) -> dict[str, Any]:
         return self.policy.read_from_dataplane(meta, fields)  # the policy counts the bytes received
@@ -204,13 +201,6 @@ class GRPOSyncTrainer(GRPOTrainerBase):
                 self.tq_server.shutdown()
             else:
                 self._drop_partitions()
-            self._restore_env()
-
-    def _restore_env(self) -> None:
-        if self._prev_env_secret is None:
-            os.environ.pop("TQ_SECRET", None)
-        else:
-            os.environ["TQ_SECRET"] = self._prev_env_secret
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from policy.models import IM_END
+from common.models import IM_END
 
 
 def check_prompts(prompts: Sequence[torch.Tensor], max_new_tokens: int) -> list[torch.Tensor]:

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from policy.models import TINY_MODEL
+from common.models import TINY_MODEL
 
 
 class GenerationBackendConfig(BaseModel):

@@ -31,7 +31,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from policy.models import load_model, load_tokenizer
+from common.models import load_model, load_tokenizer
 from rollout.generation.common import CallSeeds, prepare_request, resolve_stop_token_ids
 from rollout.generation.config import GenerationBackendConfig
 from rollout.interfaces import GenerationInterface, GenerationOutput
@@ -130,7 +130,7 @@ class HFGenerationBackend(GenerationInterface):
             raise ValueError(f"HFGenerationBackend needs backend='hf', got {self.config.backend!r}")
         self.tokenizer = tokenizer or load_tokenizer(self.config.tokenizer_name or self.config.model_name)
         if self.tokenizer.pad_token_id is None:
-            raise ValueError("the tokenizer has no pad token (load it with policy.models.load_tokenizer)")
+            raise ValueError("the tokenizer has no pad token (load it with common.models.load_tokenizer)")
         self.model = model or load_model(
             self.config.model_name, dtype=self.config.dtype, device=self.config.device,
             seed=self.config.model_seed, tokenizer=self.tokenizer, tiny_overrides=self.config.tiny_overrides,

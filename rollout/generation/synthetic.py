@@ -45,7 +45,7 @@ class SyntheticGenerationBackend(GenerationInterface):
         if self.config.backend != "synthetic":
             raise ValueError(f"SyntheticGenerationBackend needs backend='synthetic', got {self.config.backend!r}")
         if tokenizer is None:
-            from policy.models import load_tokenizer
+            from common.models import load_tokenizer
 
             tokenizer = load_tokenizer(self.config.tokenizer_name or self.config.model_name)
         self.tokenizer = tokenizer

@@ -31,7 +31,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from policy.models import TINY_MODEL, load_model, load_tokenizer
+from common.models import TINY_MODEL, load_model, load_tokenizer
 from rollout.generation.common import CallSeeds, prepare_request, resolve_stop_token_ids
 from rollout.generation.config import GenerationBackendConfig
 from rollout.interfaces import GenerationInterface, GenerationOutput

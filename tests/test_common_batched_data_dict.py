@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from policy.batched_data_dict import BatchedDataDict
+from common.batched_data_dict import BatchedDataDict
 
 
 def _bdd(n: int = 5, width: int = 3) -> BatchedDataDict:

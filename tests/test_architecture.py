@@ -1,0 +1,93 @@
+"""The import direction of the packages, enforced by parsing every module's imports (``ast``; lazy
+imports inside functions count too):
+
+    benchmarks -> trainer -> policy, rollout -> common, tq
+
+``tq`` (the data plane) imports none of the others; ``common`` (models, ``BatchedDataDict``, field
+names) imports none of the others either; ``rollout`` and ``policy`` are siblings and never import
+each other; nothing imports ``benchmarks`` except the tests of a benchmark; no test module imports
+another one (shared helpers live in ``tests/conftest.py``).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("tq", "common", "rollout", "policy", "trainer", "benchmarks")
+
+# What each package must never import (top-level package names).
+FORBIDDEN = {
+    "tq": {"common", "rollout", "policy", "trainer", "benchmarks"},
+    "common": {"tq", "rollout", "policy", "trainer", "benchmarks"},
+    "rollout": {"policy", "trainer", "benchmarks"},
+    "policy": {"rollout", "trainer", "benchmarks"},
+    "trainer": {"benchmarks"},
+}
+
+# Tests that exercise a benchmark itself (test_bench_*.py and these) import it; any other test must not
+# borrow from benchmarks.
+BENCHMARK_TESTS = {"test_chaos.py", "test_soak.py", "test_compare_paths.py"}
+# Known exceptions, each to be removed by its owner (the helpers move to tests/conftest.py).
+KNOWN_EXCEPTIONS = {("test_fuzz.py", "benchmarks")}
+
+
+def imported_packages(path: Path) -> set[str]:
+    """Top-level names of every absolute import in ``path`` (relative imports stay in their package)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def modules(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_packages_import_only_downward(package):
+    assert modules(package), f"no modules found under {package}/"
+    bad = {str(p.relative_to(ROOT)): sorted(imported_packages(p) & FORBIDDEN[package]) for p in modules(package)}
+    bad = {k: v for k, v in bad.items() if v}
+    assert not bad, f"{package} must not import {sorted(FORBIDDEN[package])}; found: {bad}"
+
+
+def test_tests_import_no_other_test_module_and_no_benchmark_they_do_not_test():
+    bad = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        names = imported_packages(path)
+        others = sorted(n for n in names if n.startswith("test_"))
+        if others:
+            bad.append((path.name, others))
+        tests_a_benchmark = path.name.startswith("test_bench_") or path.name in BENCHMARK_TESTS
+        if "benchmarks" in names and not tests_a_benchmark and (path.name, "benchmarks") not in KNOWN_EXCEPTIONS:
+            bad.append((path.name, ["benchmarks"]))
+    assert not bad, f"tests importing other test modules or benchmarks they do not test (use tests/conftest.py): {bad}"
+
+
+def test_only_the_connection_value_builds_clients():
+    """policy, rollout and trainer get a ``TQConnection`` and call ``connect()``; none builds a TQClient."""
+    bad = []
+    for package in ("common", "rollout", "policy", "trainer"):
+        for path in modules(package):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call):
+                    f = node.func
+                    name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+                    if name == "TQClient":
+                        bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not bad, f"TQClient built outside tq.TQConnection.connect(): {bad}"
+
+
+def test_the_checker_sees_imports(tmp_path):
+    """The parser finds absolute imports, lazy ones inside functions included, and skips relative ones."""
+    src = tmp_path / "m.py"
+    src.write_text("import a.b\nfrom c.d import e\nfrom . import f\ndef g():\n    from policy.x import y\n")
+    assert imported_packages(src) == {"a", "c", "policy"}

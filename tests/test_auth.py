@@ -24,6 +24,7 @@ import zmq
 from conftest import raw_exchange, wait_until
 from tq import TQClient, TQServer, protocol
 from tq.errors import AuthenticationError, ReplayError
+from tq.messages import Args
 from tq.rpc import RpcChannel, RpcServer
 
 SECRET = "issue16-s3cret"
@@ -159,8 +160,11 @@ def test_servers_in_one_process_share_the_zap_handler_and_keep_their_own_secrets
         for name, secret in (("a", b"secret-a"), ("b", b"secret-b"), ("open", None))
     }
     threads = []
+    class Echo(Args):
+        n: str = ""
+
     for srv in servers.values():
-        srv.handlers["echo"] = lambda args, buffers, call: args
+        srv.serve_ops({"echo": Echo}, {"echo": lambda args, buffers, call: {"n": args.n}})
         threads.append(threading.Thread(target=srv.serve_forever, daemon=True))
         threads[-1].start()
     try:

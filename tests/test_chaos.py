@@ -1,6 +1,6 @@
 """Chaos (issue 16), the CI version: ``benchmarks.tq_chaos`` with 4 clients for 36 seconds (about a minute).
 
-Real processes against a service started with a state dir on a fixed port, while the fault driver
+Real processes against a service started with a journal dir on a fixed port, while the fault driver
 SIGKILLs and SIGSTOPs storage units and the controller (restarting a killed controller the operator's
 way). Nothing a put or write-back acknowledged may be lost, no read may return bytes that were not
 written there, no client call may hang past its timeout, every fault kind is injected and recovered

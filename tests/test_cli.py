@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import shutil
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +14,7 @@ import psutil
 import pytest
 import torch
 
+from conftest import wait_until
 from tq import TQClient
 from tq.cli import parse_size
 
@@ -26,10 +27,10 @@ def run_cli(*args: str, env: dict[str, str], timeout: float = 60.0) -> subproces
     )
 
 
-def _kill_recorded(state_file: str) -> None:
+def _kill_recorded(run_file: str) -> None:
     """Teardown safety net: kill a controller (and its units) the test left running."""
     try:
-        with open(state_file) as f:
+        with open(run_file) as f:
             pid = json.load(f)["pid"]
         proc = psutil.Process(pid)
     except (OSError, ValueError, KeyError, psutil.NoSuchProcess):
@@ -45,13 +46,13 @@ def _kill_recorded(state_file: str) -> None:
 
 @pytest.fixture()
 def cli_env(tmp_path):
-    """An environment whose TQ_STATE_DIR is a fresh temp dir, without a TQ_SECRET from outside."""
+    """An environment whose TQ_RUN_DIR is a fresh temp dir, without a TQ_SECRET from outside."""
     env = dict(os.environ)
     env.pop("TQ_SECRET", None)
-    env["TQ_STATE_DIR"] = str(tmp_path / "state")
+    env["TQ_RUN_DIR"] = str(tmp_path / "state")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
     yield env
-    _kill_recorded(os.path.join(env["TQ_STATE_DIR"], "controller.json"))
+    _kill_recorded(os.path.join(env["TQ_RUN_DIR"], "controller.json"))
 
 
 def test_parse_size():
@@ -65,12 +66,12 @@ def test_parse_size():
 
 
 def test_start_status_put_stop(cli_env):
-    state_file = os.path.join(cli_env["TQ_STATE_DIR"], "controller.json")
+    run_file = os.path.join(cli_env["TQ_RUN_DIR"], "controller.json")
     started = run_cli("start", "--storage-units", "2", "--capacity", "128M", env=cli_env)
     assert started.returncode == 0, started.stderr
     address = started.stdout.strip().splitlines()[-1]
     assert address.startswith("tcp://127.0.0.1:")
-    state = json.load(open(state_file))
+    state = json.load(open(run_file))
     assert state["address"] == address and psutil.pid_exists(state["pid"])
     assert os.path.exists(state["log"])
     controller = psutil.Process(state["pid"])
@@ -111,7 +112,7 @@ def test_start_status_put_stop(cli_env):
     assert stopped.returncode == 0, stopped.stderr
     assert "stopped" in stopped.stdout
     assert time.monotonic() - t0 < 25
-    assert not os.path.exists(state_file)
+    assert not os.path.exists(run_file)
     gone, alive = psutil.wait_procs([controller, *units], timeout=5)
     assert not alive, f"left running: {alive}"
 
@@ -128,7 +129,7 @@ def test_non_loopback_without_secret_refused(cli_env):
     r = run_cli("start", "--host", "0.0.0.0", env=cli_env)
     assert r.returncode == 2
     assert "without an auth secret" in r.stderr and "Traceback" not in r.stderr
-    assert not os.path.exists(os.path.join(cli_env["TQ_STATE_DIR"], "controller.json"))
+    assert not os.path.exists(os.path.join(cli_env["TQ_RUN_DIR"], "controller.json"))
 
 
 def test_stop_when_nothing_runs(cli_env):
@@ -137,17 +138,17 @@ def test_stop_when_nothing_runs(cli_env):
     assert "no TQ controller" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_stale_state_file(cli_env):
-    """A state file whose controller died is reported (and cleaned) by stop, and does not block start."""
-    os.makedirs(cli_env["TQ_STATE_DIR"])
-    state_file = os.path.join(cli_env["TQ_STATE_DIR"], "controller.json")
+def test_stale_run_file(cli_env):
+    """A run file whose controller died is reported (and cleaned) by stop, and does not block start."""
+    os.makedirs(cli_env["TQ_RUN_DIR"])
+    run_file = os.path.join(cli_env["TQ_RUN_DIR"], "controller.json")
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    with open(state_file, "w") as f:
+    with open(run_file, "w") as f:
         json.dump({"address": "tcp://127.0.0.1:1", "pid": dead.pid, "log": None}, f)
     r = run_cli("stop", env=cli_env)
-    assert r.returncode == 1 and "stale state file" in r.stderr
-    assert not os.path.exists(state_file)
+    assert r.returncode == 1 and "stale run file" in r.stderr
+    assert not os.path.exists(run_file)
 
 
 def test_start_fails_fast_when_units_cannot_start(cli_env):
@@ -159,4 +160,106 @@ def test_start_fails_fast_when_units_cannot_start(cli_env):
     assert "storage unit exited before registering" in r.stderr and "CapacityError" in r.stderr
     assert "Traceback" not in r.stderr.splitlines()[0] and len(r.stderr.strip().splitlines()) == 1
     assert time.monotonic() - t0 < 30
-    assert not os.path.exists(os.path.join(cli_env["TQ_STATE_DIR"], "controller.json"))
+    assert not os.path.exists(os.path.join(cli_env["TQ_RUN_DIR"], "controller.json"))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["start", "--port", "99999"], "port must be in 0..65535"),
+    (["start", "--port", "-1"], "port must be in 0..65535"),
+    (["start", "--port", "http"], "invalid port 'http'"),
+    (["start", "--storage-units", "-1"], "must be >= 0"),
+    (["start", "--capacity", "0"], "size must be positive"),
+    (["status", "--timeout", "0"], "finite number of seconds > 0"),
+    (["status", "--timeout", "nan"], "finite number of seconds > 0"),
+])
+def test_numeric_arguments_are_checked_at_parse_time(cli_env, argv, message):
+    """A bad number is refused before anything starts (a port of 99999 used to listen on 34463)."""
+    r = run_cli(*argv, env=cli_env)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    assert not os.path.exists(os.path.join(cli_env["TQ_RUN_DIR"], "controller.json"))
+
+
+@pytest.mark.parametrize("module, argv", [
+    ("tq.controller", ["--port", "99999"]),
+    ("tq.controller", ["--commit-lease", "-1"]),
+    ("tq.storage", ["--unit-id", "-2", "--bind", "tcp://127.0.0.1:0", "--controller", "tcp://127.0.0.1:1", "--capacity", "1M"]),
+    ("tq.storage", ["--unit-id", "0", "--bind", "tcp://127.0.0.1:0", "--controller", "tcp://127.0.0.1:1", "--capacity", "-5"]),
+])
+def test_service_modules_check_numbers_at_parse_time(cli_env, module, argv):
+    r = subprocess.run([sys.executable, "-m", module, *argv], env=cli_env, cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "error: argument" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_deprecated_spellings_still_work(cli_env, tmp_path):
+    """--state-file and TQ_STATE_DIR (renamed --run-file and TQ_RUN_DIR) work, with a note to move on."""
+    legacy = str(tmp_path / "legacy.json")
+    r = run_cli("stop", "--state-file", legacy, env=cli_env)
+    assert r.returncode == 1 and legacy in r.stderr and "--state-file is deprecated, use --run-file" in r.stderr
+    env = {k: v for k, v in cli_env.items() if k != "TQ_RUN_DIR"}
+    env["TQ_STATE_DIR"] = str(tmp_path / "old-dir")
+    r = run_cli("stop", env=env)
+    assert r.returncode == 1 and "TQ_STATE_DIR is deprecated, use TQ_RUN_DIR" in r.stderr
+    assert os.path.join(env["TQ_STATE_DIR"], "controller.json") in r.stderr
+
+
+@pytest.mark.parametrize("json_out", [True, False], ids=["json", "table"])
+def test_status_into_a_closed_pipe_exits_quietly(cli_env, json_out):
+    """``tq-controller status --json | head``: a reader that leaves early is no error worth a traceback."""
+    from tq import TQServer
+
+    with TQServer(storage_units=1, capacity=16 << 20) as server:
+        proc = subprocess.Popen([sys.executable, "-m", "tq.cli", "status", "--address", server.address,
+                                 *(["--json"] if json_out else [])],
+                                env=cli_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc.stdout.close()  # the reader is gone before the first line is written
+        err = proc.stderr.read()
+        proc.wait(timeout=60)
+    assert err == "" and proc.returncode == 141, (proc.returncode, err)
+
+
+CTRL_C_LAUNCHERS = {
+    "tq-controller start --foreground": [sys.executable, "-m", "tq.cli", "start", "--foreground", "--storage-units", "2",
+                                         "--capacity", "32M"],
+    # the trainer's way: a TQServer embedded in a Python program that stops on KeyboardInterrupt
+    "embedded TQServer": [sys.executable, "-c", (
+        "import sys, time\n"
+        "from tq import TQServer\n"
+        "try:\n"
+        "    with TQServer(storage_units=2, capacity=32 << 20) as s:\n"
+        "        print(s.address, flush=True)\n"
+        "        time.sleep(120)\n"
+        "except KeyboardInterrupt:\n"
+        "    sys.exit(130)\n")],
+}
+
+
+@pytest.mark.parametrize("launcher", list(CTRL_C_LAUNCHERS))
+def test_ctrl_c_stops_the_service_quietly(cli_env, launcher, tmp_path):
+    """Ctrl-C sends SIGINT to the terminal's whole process group - launcher, controller and storage
+    units: every one stops without a traceback, and the controller does not report its units' exits
+    as crashes (it used to log "storage unit 0 ... exited with code -2" and print a unit's
+    17-line KeyboardInterrupt traceback)."""
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    with open(out, "w") as o, open(err, "w") as e:  # files, not pipes: nothing here can block on a read
+        proc = subprocess.Popen(CTRL_C_LAUNCHERS[launcher], env=cli_env, cwd=REPO, stdout=o, stderr=e,
+                                start_new_session=True)  # its own process group: our "terminal"
+    try:
+        # Started once the launcher printed the address (the controller prints "TQ_READY <address>" too).
+        started = wait_until(lambda: any(ln.startswith("tcp://") for ln in out.read_text().splitlines()) or proc.poll() is not None,
+                             timeout=60.0)
+        assert started and proc.poll() is None, err.read_text()
+        group = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        assert len(group) >= 4  # launcher, controller, 2 units
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    gone, alive = psutil.wait_procs(group, timeout=10)
+    assert not alive, f"left running: {alive}"
+    stderr = err.read_text()
+    assert proc.returncode in (0, 130), (proc.returncode, stderr)
+    for noise in ("Traceback", "KeyboardInterrupt", "exited with code", "ERROR"):
+        assert noise not in stderr, stderr

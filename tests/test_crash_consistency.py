@@ -86,7 +86,7 @@ def test_restarted_controller_supervises_the_units_it_took_back(tmp_path):
     Before the fix neither was ever restarted (alive: False for good, arena left in /dev/shm)."""
     port = free_port()
     state = str(tmp_path / "state")
-    first = TQServer(port=port, storage_units=2, capacity=32 << 20, state_dir=state)
+    first = TQServer(port=port, storage_units=2, capacity=32 << 20, journal_dir=state)
     c = TQClient(first.address, timeout=10.0, transport="tcp")
     second = None
     unit_pids: list[int] = []
@@ -99,7 +99,7 @@ def test_restarted_controller_supervises_the_units_it_took_back(tmp_path):
         os.kill(first.proc.pid, signal.SIGKILL)
         first.proc.wait(10)
         os.kill(unit_pids[0], signal.SIGKILL)  # dies while no controller runs
-        second = TQServer(port=port, storage_units=2, capacity=32 << 20, state_dir=state)
+        second = TQServer(port=port, storage_units=2, capacity=32 << 20, journal_dir=state)
 
         def all_readable() -> bool:
             try:
@@ -403,7 +403,7 @@ def test_journal_stays_compact_under_a_long_run_of_puts_and_discards(tmp_path):
 
     port = free_port()
     state = tmp_path / "state"
-    server = TQServer(port=port, storage_units=1, capacity=16 << 20, state_dir=str(state))
+    server = TQServer(port=port, storage_units=1, capacity=16 << 20, journal_dir=str(state))
     c = TQClient(server.address, timeout=10.0)
     again = None
     try:
@@ -415,7 +415,7 @@ def test_journal_stays_compact_under_a_long_run_of_puts_and_discards(tmp_path):
         assert records <= 2 * COMPACT_AFTER, records
         os.kill(server.proc.pid, signal.SIGKILL)
         server.proc.wait(10)
-        again = TQServer(port=port, storage_units=1, capacity=16 << 20, state_dir=str(state))
+        again = TQServer(port=port, storage_units=1, capacity=16 << 20, journal_dir=str(state))
         assert c.get_meta("p").keys == ("kept",)
         assert torch.equal(c.get(kept, ["x"])["x"], torch.tensor([7]))
     finally:
@@ -430,6 +430,7 @@ def test_frees_leave_the_controller_only_after_the_op_that_freed_them_is_journal
     discard came back with the key pointing at freed, reused rows (5 wrong-bytes reads in a chaos
     run). The frees now wait for the journal: a unit (a plain socket here) hears nothing while the
     discard is applied but not yet journaled, and the free_rows once it is."""
+    import msgspec
     import zmq
 
     from tq.controller import Controller
@@ -438,12 +439,12 @@ def test_frees_leave_the_controller_only_after_the_op_that_freed_them_is_journal
 
     unit = zmq.Context.instance().socket(zmq.ROUTER)
     port = unit.bind_to_random_port("tcp://127.0.0.1")
-    ctrl = Controller("tcp://127.0.0.1:0", state_dir=str(tmp_path), shm_dir=None)
+    ctrl = Controller("tcp://127.0.0.1:0", journal_dir=str(tmp_path), shm_dir=None)
     call = Call(b"", None, "test", 0.0)
 
     def apply(op: str, args: dict, bufs: list = ()) -> None:  # as the server loop does: handler, then journal
-        ctrl.handlers[op](args, list(bufs), call)
-        ctrl.on_applied(op, args, list(bufs))
+        ctrl.handle(op, args, list(bufs), call)
+        ctrl.on_applied(op, msgspec.msgpack.encode(args), list(bufs))
 
     def heard(timeout_ms: int = 300) -> list[str]:
         ops = []
@@ -467,9 +468,9 @@ def test_frees_leave_the_controller_only_after_the_op_that_freed_them_is_journal
         ctrl.on_tick(time.monotonic())  # the loop's tick, after every journaled op
         assert heard() == ["claim"]
 
-        ctrl.handlers["discard"]({"partition": "p", "keys": ["a"]}, [], call)  # applied, not journaled yet
+        ctrl.handle("discard", {"partition": "p", "keys": ["a"]}, [], call)  # applied, not journaled yet
         assert heard() == [] and "discard" not in journaled()
-        ctrl.on_applied("discard", {"partition": "p", "keys": ["a"]}, [])
+        ctrl.on_applied("discard", msgspec.msgpack.encode({"partition": "p", "keys": ["a"]}), [])
         ctrl.on_tick(time.monotonic())
         assert heard() == ["free_rows"] and journaled()[-1] == "discard"
     finally:

@@ -57,14 +57,14 @@ def tq_service(tmp_path):
     """A ``tq-controller start --journal-dir`` service (own state file), stopped after the test."""
     state = tmp_path / "tq" / "controller.json"
     env = {**os.environ, "TQ_SECRET": SECRET}
-    out = subprocess.run(["tq-controller", "start", "--journal-dir", str(tmp_path / "tq" / "journal"), "--state-file", str(state),
+    out = subprocess.run(["tq-controller", "start", "--journal-dir", str(tmp_path / "tq" / "journal"), "--run-file", str(state),
                           "--storage-units", "1", "--capacity", "256M"], env=env, capture_output=True, text=True, timeout=90)
     assert out.returncode == 0, out.stderr
     address = out.stdout.strip().splitlines()[-1]
     try:
         yield address
     finally:
-        subprocess.run(["tq-controller", "stop", "--state-file", str(state)], env=env, capture_output=True, timeout=60)
+        subprocess.run(["tq-controller", "stop", "--run-file", str(state)], env=env, capture_output=True, timeout=60)
 
 
 def _held(address: str) -> dict[str, int]:

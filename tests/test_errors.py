@@ -309,7 +309,8 @@ def _bad_ref_fetch() -> list:
 def _bad_dtype_ref_commit(pid: str) -> list:
     return [_hdr(v=1, rid=5, op="commit", bs=[8], args={
         "partition": pid, "keys": ["a"], "mode": "put", "blocks": [[0, 10**9, 1]],  # no real block
-        "fields": {"f": {"schema": ["tensor", "float32", []], "row_nbytes": {"b": 0, "d": "|O", "s": [1]}}}}), b"", b"\0" * 8]
+        "fields": {"f": {"schema": ["tensor", "float32", []], "row_nbytes": {"b": 0, "d": "|O", "s": [1]},
+                         "arena_offsets": {"b": 0, "d": "<i8", "s": [1]}}}}), b"", b"\0" * 8]
 
 
 HOSTILE = {
@@ -788,13 +789,13 @@ def test_killed_storage_unit_is_restarted_and_recovers_its_data():
 
 
 def test_controller_killed_and_restarted_recovers_its_state(tmp_path):
-    """SIGKILL the controller of a service started with a state dir; start it again on the same
+    """SIGKILL the controller of a service started with a journal dir; start it again on the same
     address and dir: partitions, keys, tags, field status and placement come back from its journal,
     its storage units (still running) are taken back, and the same client object keeps working
     without any manual step."""
     port = free_port()
     state = str(tmp_path / "state")
-    first = TQServer(port=port, storage_units=2, capacity=64 << 20, state_dir=state)
+    first = TQServer(port=port, storage_units=2, capacity=64 << 20, journal_dir=state)
     c = TQClient(first.address, timeout=10.0)
     second = None
     try:
@@ -811,7 +812,7 @@ def test_controller_killed_and_restarted_recovers_its_state(tmp_path):
         first.proc.wait(10)
         assert all(os.path.exists(f"/proc/{p}") for p in unit_pids)  # the units outlive it
 
-        second = TQServer(port=port, storage_units=2, capacity=64 << 20, state_dir=state)
+        second = TQServer(port=port, storage_units=2, capacity=64 << 20, journal_dir=state)
         meta = c.get_meta("p", a.keys)
         assert meta.tags["group"] == (0, 0, 1, 1) and set(meta.fields) == {"x", "ids", "lp"}
         after = c.get(a, layout="list")

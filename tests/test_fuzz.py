@@ -20,8 +20,9 @@ shapes and indices) and truncations of valid requests. The oracle, for each exam
 Destructive ops (shutdown, drop/clear_partition, discard, free_rows, free_blocks, retain,
 register_unit) are only ever sent with malformed arguments: ``_defang`` rewrites any example that would
 be a valid destructive request - wherever its op and args came from - so the reference data can only
-change if the server mishandles input. Inputs that trigger the known bugs in "Findings" at the end are
-steered around the same way (each marked ``KNOWN BUG``; each now fixed, with a regression test).
+change if the server mishandles input. The ops and their argument names come from the request
+definitions in :mod:`tq.messages`, which the servers decode with; the bugs the fuzz found are at the
+end ("Findings"), each with a regression test.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -42,7 +44,7 @@ from hypothesis import strategies as st
 
 from benchmarks.tq_soak import digest, rows_of
 from conftest import raw_exchange, wait_until
-from tq import TQClient, TQServer, protocol
+from tq import TQClient, TQServer, messages, protocol
 from tq.errors import (
     InvalidRequestError,
     MalformedMessageError,
@@ -52,10 +54,9 @@ from tq.errors import (
 )
 from tq.rpc import RpcChannel
 
-CONTROLLER_OPS = ("hello", "register_unit", "create_partition", "clear_partition", "drop_partition", "list_partitions",
-                  "mint", "commit", "abort_blocks", "locate", "wait", "discard", "get_meta", "set_tags", "unit_status", "stats",
-                  "shutdown")
-UNIT_OPS = ("ping", "alloc", "store", "fetch", "free_rows", "free_blocks", "retain", "claim", "trim", "stats", "shutdown")
+# The ops and their argument names come from the request definitions the servers decode with.
+CONTROLLER_OPS = tuple(op.value for op in messages.CONTROLLER_REQUESTS)
+UNIT_OPS = tuple(op.value for op in messages.UNIT_REQUESTS)
 DESTRUCTIVE = frozenset({"shutdown", "drop_partition", "clear_partition", "discard", "free_rows", "free_blocks",
                          "retain", "register_unit"})
 DROP_WAIT_S = 0.5  # how long silence is waited for where dropping is allowed (an unreadable header)
@@ -307,7 +308,12 @@ def _controller_args(data, op: str, env: FuzzEnv, bufs: Bufs) -> Any:
         return {"unit_id": data.draw(ANY), "address": data.draw(ANY), "host": data.draw(ANY), "arena_path": data.draw(ANY),
                 "arena_size": maybe(data, st.integers(0, 2**40)), "pid": data.draw(ANY),
                 "rejoin": maybe(data, st.one_of(st.none(), st.integers(-1, 3)))}
-    return {}  # list_partitions, stats, shutdown
+    return _any_args(data, messages.CONTROLLER_REQUESTS[messages.ControllerOp(op)]) if op in CONTROLLER_OPS else {}
+
+
+def _any_args(data, args_type: type) -> dict:
+    """Any value for each argument the op's request type declares (ops without richer drawing above)."""
+    return {f.encode_name: data.draw(ANY) for f in msgspec.structs.fields(args_type) if data.draw(st.booleans())}
 
 
 def _unit_args(data, op: str, env: FuzzEnv, unit: int, bufs: Bufs) -> Any:
@@ -359,7 +365,7 @@ def _unit_args(data, op: str, env: FuzzEnv, unit: int, bufs: Bufs) -> Any:
         return {"blocks": maybe(data, st.lists(st.integers(-1, 200), max_size=3))}
     if op == "claim":
         return {"blocks": bufs.ref(_ints(data, data.draw(st.integers(0, 3)), -1, 200))}
-    return {}  # ping, trim, stats, shutdown
+    return _any_args(data, messages.UNIT_REQUESTS[messages.UnitOp(op)]) if op in UNIT_OPS else {}
 
 
 def _known_ops(target: str) -> tuple[str, ...]:
@@ -376,7 +382,7 @@ def _defang(target: str, header: Any, env: FuzzEnv) -> bool:
 
     def cap(name: str) -> None:
         t = args.get(name)
-        if isinstance(t, (int, float)) and not (t <= MAX_WAIT_S):  # NaN too: KNOWN BUG wait-nonfinite-timeout
+        if isinstance(t, (int, float)) and not (t <= MAX_WAIT_S):  # NaN too (refused anyway)
             args[name] = MAX_WAIT_S if not isinstance(t, bool) else False
 
     if op == "shutdown":
@@ -387,7 +393,7 @@ def _defang(target: str, header: Any, env: FuzzEnv) -> bool:
         elif op == "discard" and isinstance(args.get("keys"), list) and all(isinstance(k, str) for k in args["keys"]):
             args["keys"] = 0
         elif op == "register_unit" and isinstance(args.get("address"), str):
-            args["address"] = None  # (an invalid address string hits KNOWN BUG register-unit-bad-address)
+            args["address"] = None
         elif op == "create_partition" and args.get("partition") == env.ref.pid and args.get("reuse"):
             args["reuse"] = False
         if op not in ("locate", "wait", "get_meta") and isinstance(args.get("keys"), list):
@@ -397,8 +403,6 @@ def _defang(target: str, header: Any, env: FuzzEnv) -> bool:
                 if isinstance(part, list) and len(part) >= 2 and isinstance(part[1], int) and not isinstance(part[1], bool):
                     if 0 <= part[1] < 10**9:
                         part[1] = -1 - part[1]  # never point fuzz keys at (or fence) a real block
-                    elif part[1] >= 2**63:
-                        part[1] = 2**63 - 1  # KNOWN BUG commit-block-overflow
         if op == "wait":
             cap("timeout")
         if op == "hello":
@@ -608,8 +612,7 @@ def test_oversized_header_and_many_frames(env):
 
 
 # ----------------------------------------------------------------------------- findings
-# Bugs the fuzzer found, now fixed; each test states the contract it broke. The fuzzer still steers
-# around their inputs (marked KNOWN BUG in _defang) - that steering can go.
+# Bugs the fuzzer found, now fixed; each test states the contract it broke.
 def _call_raw(address: str, op: str, args: dict, bufs: list | None = None, timeout: float = 2.0):
     return raw_exchange(address, protocol.request(op, 7, args, bufs or [], None), timeout=timeout)
 

@@ -358,14 +358,14 @@ def test_any_cut_replays_a_prefix_and_reopen_appends_after_it(records, data):
 
 def test_controller_survives_two_crashes_with_garbage_journal_tails(tmp_path):
     """End to end: SIGKILL the controller, leave garbage after its journal (a torn record), restart
-    it on the same address and state dir, write more, crash and garble again, restart again: every
+    it on the same address and journal dir, write more, crash and garble again, restart again: every
     key written comes back. Before the fix the second restart failed with msgpack's ExtraData."""
     port = free_port()
     journal = tmp_path / "controller.journal"
     garbage = b"\x40\x00\x00\x00junk!"  # claims a 64-byte record that is not there
 
     def start() -> TQServer:
-        return TQServer(port=port, storage_units=1, capacity=64 << 20, state_dir=str(tmp_path))
+        return TQServer(port=port, storage_units=1, capacity=64 << 20, journal_dir=str(tmp_path))
 
     def crash(server: TQServer) -> None:
         os.kill(server.proc.pid, signal.SIGKILL)
@@ -395,7 +395,7 @@ def test_controller_survives_two_crashes_with_garbage_journal_tails(tmp_path):
         c.close()
         for server in reversed(servers):
             server.shutdown()
-        # units started with a state dir outlive a SIGKILLed controller; the live one stops them
+        # units started with a journal dir outlive a SIGKILLed controller; the live one stops them
         if not wait_until(lambda: not any(pid_alive(p) for p in unit_pids), timeout=10):
             for p in unit_pids:
                 if pid_alive(p):

@@ -7,11 +7,14 @@
     tq-controller stop
 
 ``start`` runs ``python -m tq.controller`` as a detached process (its own session, so closing the
-terminal does not kill it) and records ``{address, pid, log}`` in a state file - by default
-``$TQ_STATE_DIR/controller.json`` with ``TQ_STATE_DIR`` defaulting to ``~/.cache/tq`` - which
-``status`` and ``stop`` read when no ``--address`` is given. Errors print one line to stderr and exit
-non-zero: 1 for "not running / unreachable / failed", 2 for a refused request (bad arguments, already
-running, a non-loopback bind without a secret).
+terminal does not kill it) and records ``{address, pid, log}`` in a *run file* - by default
+``$TQ_RUN_DIR/controller.json`` with ``TQ_RUN_DIR`` defaulting to ``~/.cache/tq`` - which ``status``
+and ``stop`` read when no ``--address`` is given. The run file only says where a running service is;
+the service's own data (partitions, keys) is journaled in ``--journal-dir`` when one is given, for
+crash recovery. Errors print one line to stderr and exit non-zero: 1 for "not running / unreachable /
+failed", 2 for a refused request (bad arguments, already running, a non-loopback bind without a
+secret). Output cut short by its reader (``tq-controller status --json | head``) ends quietly with
+exit code 141 (128 + SIGPIPE), as Unix tools do.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -27,7 +29,9 @@ import sys
 import time
 from typing import Any, Sequence
 
+from . import argtypes, launch
 from .errors import AuthenticationError, TQError
+from .messages import ControllerOp
 
 EXIT_FAILED = 1
 EXIT_REFUSED = 2
@@ -35,8 +39,7 @@ STATUS_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 15.0
 SHUTDOWN_RPC_TIMEOUT_S = 3.0
 START_TIMEOUT_S = 60.0
-
-_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # what a Unix tool killed by SIGPIPE reports
 
 
 class CLIError(Exception):
@@ -48,15 +51,7 @@ class CLIError(Exception):
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def parse_size(text: str) -> int:
-    """Parse a byte count such as ``4294967296``, ``4G``, ``512M``, ``1.5GiB`` or ``64k`` (binary units)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r}: expected a number with an optional K/M/G/T suffix")
-    value = int(float(m.group(1)) * _SUFFIXES[m.group(2).upper()])
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
-    return value
+parse_size = argtypes.size
 
 
 def format_bytes(n: float) -> str:
@@ -69,25 +64,29 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def default_state_file() -> str:
-    """``$TQ_STATE_DIR/controller.json`` (``TQ_STATE_DIR`` defaults to ``~/.cache/tq``)."""
-    state_dir = os.environ.get("TQ_STATE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tq")
-    return os.path.join(state_dir, "controller.json")
+def default_run_file() -> str:
+    """``$TQ_RUN_DIR/controller.json`` (``TQ_RUN_DIR`` defaults to ``~/.cache/tq``; the deprecated
+    ``TQ_STATE_DIR`` is still read when ``TQ_RUN_DIR`` is unset)."""
+    run_dir = os.environ.get("TQ_RUN_DIR")
+    if not run_dir and os.environ.get("TQ_STATE_DIR"):
+        print("tq-controller: TQ_STATE_DIR is deprecated, use TQ_RUN_DIR", file=sys.stderr, flush=True)
+        run_dir = os.environ["TQ_STATE_DIR"]
+    return os.path.join(run_dir or os.path.join(os.path.expanduser("~"), ".cache", "tq"), "controller.json")
 
 
-def read_state(path: str) -> dict[str, Any] | None:
-    """The recorded state, or None when there is no (readable) state file."""
+def read_run_file(path: str) -> dict[str, Any] | None:
+    """What the run file at ``path`` records, or None when there is no (readable) run file."""
     try:
         with open(path) as f:
             state = json.load(f)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
-        raise CLIError(f"cannot read state file {path}: {exc}") from None
+        raise CLIError(f"cannot read run file {path}: {exc}") from None
     return state if isinstance(state, dict) else None
 
 
-def _write_state(path: str, state: dict[str, Any]) -> None:
+def _write_run_file(path: str, state: dict[str, Any]) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(state, f, indent=2)
@@ -101,48 +100,20 @@ def _remove(path: str) -> None:
         pass
 
 
-def pid_alive(pid: int | None, *, controller_only: bool = True) -> bool:
-    """Whether ``pid`` runs (not a zombie) and, with ``controller_only``, is a TQ controller.
+def controller_running(pid: int | None) -> bool:
+    """Whether ``pid`` runs (not a zombie) and is a TQ controller.
 
     The command-line check guards against a recycled pid: after a reboot or a crash the recorded pid may
     belong to an unrelated process, which ``stop`` must never signal.
     """
-    if not isinstance(pid, int) or pid <= 0:
+    if not launch.pid_running(pid):
         return False
     import psutil
 
     try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return False
-        return not controller_only or "tq.controller" in " ".join(proc.cmdline())
+        return "tq.controller" in " ".join(psutil.Process(pid).cmdline())
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
-
-
-def _wait_pid_exit(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not pid_alive(pid, controller_only=False):
-            return True
-        time.sleep(0.05)
-    return not pid_alive(pid, controller_only=False)
-
-
-def _kill_tree(pid: int, sig: int) -> None:
-    """Signal a controller and its storage-unit children (children first, so none is orphaned)."""
-    import psutil
-
-    try:
-        proc = psutil.Process(pid)
-        procs = proc.children(recursive=True) + [proc]
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        try:
-            p.send_signal(sig)
-        except psutil.NoSuchProcess:
-            pass
 
 
 def _secret(args: argparse.Namespace) -> str | None:
@@ -150,15 +121,15 @@ def _secret(args: argparse.Namespace) -> str | None:
 
 
 def _resolve_target(args: argparse.Namespace) -> tuple[str, dict[str, Any] | None, str]:
-    """(address, recorded state or None, state file path) for ``stop``/``status``."""
-    state_file = args.state_file or default_state_file()
-    state = read_state(state_file)
+    """(address, what the run file records or None, run file path) for ``stop``/``status``."""
+    run_file = args.run_file or default_run_file()
+    state = read_run_file(run_file)
     if args.address:
-        # The state's pid only belongs to this address if the state records the same address.
-        return args.address, state if state and state.get("address") == args.address else None, state_file
+        # The recorded pid only belongs to this address if the run file records the same address.
+        return args.address, state if state and state.get("address") == args.address else None, run_file
     if not state or not isinstance(state.get("address"), str):
-        raise CLIError(f"no TQ controller is recorded in {state_file} (start one with `tq-controller start`, or pass --address)")
-    return state["address"], state, state_file
+        raise CLIError(f"no TQ controller is recorded in {run_file} (start one with `tq-controller start`, or pass --address)")
+    return state["address"], state, run_file
 
 
 # ---------------------------------------------------------------------------------------------- status table
@@ -228,9 +199,13 @@ def print_status(stats: dict[str, Any], *, address: str | None = None, file: Any
     """Print :func:`render_status` to ``file`` (default stdout), at least 120 columns wide when not a TTY."""
     from rich.console import Console
 
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:  # rich would exit 1 itself: leave it to main, as for any write
+            raise BrokenPipeError
+
     out = file if file is not None else sys.stdout
     width = None if out.isatty() else max(120, shutil.get_terminal_size((120, 40)).columns)
-    Console(file=out, width=width, highlight=False).print(render_status(stats, address=address))
+    _Console(file=out, width=width, highlight=False).print(render_status(stats, address=address))
 
 
 # ---------------------------------------------------------------------------------------------- commands
@@ -243,35 +218,25 @@ def cmd_start(args: argparse.Namespace) -> int:
         check_bind_allowed(f"tcp://{args.host}:{args.port}", secret.encode() if secret else None)
     except AuthenticationError as exc:
         raise CLIError(str(exc), EXIT_REFUSED) from None
-    if args.storage_units < 0:
-        raise CLIError("--storage-units must be >= 0", EXIT_REFUSED)
 
-    state_file = os.path.abspath(args.state_file or default_state_file())
-    state = read_state(state_file)
-    if state and pid_alive(state.get("pid")):
+    run_file = os.path.abspath(args.run_file or default_run_file())
+    state = read_run_file(run_file)
+    if state and controller_running(state.get("pid")):
         raise CLIError(
             f"a TQ controller is already running at {state.get('address')} (pid {state.get('pid')}, recorded in "
-            f"{state_file}); stop it with `tq-controller stop` or use another --state-file",
+            f"{run_file}); stop it with `tq-controller stop` or use another --run-file",
             EXIT_REFUSED,
         )
-    os.makedirs(os.path.dirname(state_file), exist_ok=True)
-    _remove(state_file)  # stale: its controller is gone
-    log_path = os.path.splitext(state_file)[0] + ".log"
-    ready_file = os.path.splitext(state_file)[0] + ".ready"
-    _remove(ready_file)
+    os.makedirs(os.path.dirname(run_file), exist_ok=True)
+    _remove(run_file)  # stale: its controller is gone
+    log_path = os.path.splitext(run_file)[0] + ".log"
+    ready_file = os.path.splitext(run_file)[0] + ".ready"
+    launch.remove_ready_file(ready_file)
 
-    env = dict(os.environ)
-    if secret:
-        env["TQ_SECRET"] = secret  # by environment, never argv: argv is world-readable in ps
-    cmd = [sys.executable, "-m", "tq.controller", "--host", args.host, "--port", str(args.port),
-           "--storage-units", str(args.storage_units), "--capacity", str(args.capacity),
-           "--shm-dir", args.shm_dir, "--ready-file", ready_file]
-    cmd += ["--fsync", args.fsync]
-    if args.journal_dir:
-        cmd += ["--state-dir", args.journal_dir]
-    # Children must find this package even when it is not installed (run from a source checkout).
-    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+    env = launch.service_env(secret)
+    cmd = launch.controller_command(host=args.host, port=args.port, storage_units=args.storage_units,
+                                    capacity=args.capacity, shm_dir=args.shm_dir, ready_file=ready_file,
+                                    fsync=args.fsync, journal_dir=args.journal_dir)
 
     if args.foreground:
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
@@ -285,22 +250,14 @@ def cmd_start(args: argparse.Namespace) -> int:
     try:
         address = _await_service(proc, ready_file, args.storage_units, secret, log_path)
     except BaseException:
-        # SIGTERM first: units that did start then remove their shared-memory arenas.
-        _kill_tree(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            _kill_tree(proc.pid, signal.SIGKILL)
-            proc.wait(5)
+        launch.stop_process(proc, STOP_TIMEOUT_S, tree=True)
         raise
-    finally:
-        _remove(ready_file)
-    _write_state(state_file, {"address": address, "pid": proc.pid, "log": log_path or None,
+    _write_run_file(run_file, {"address": address, "pid": proc.pid, "log": log_path or None,
                               "storage_units": args.storage_units, "started_at": time.time()})
     print(address, flush=True)
     if not args.foreground:
         return 0
-    return _run_foreground(proc, state_file)
+    return _run_foreground(proc, run_file)
 
 
 def _await_service(proc: subprocess.Popen, ready_file: str, units: int, secret: str | None, log_path: str) -> str:
@@ -314,14 +271,12 @@ def _await_service(proc: subprocess.Popen, ready_file: str, units: int, secret: 
         return CLIError(f"{message}{see_log}" + (f"; last log line: {last}" if last else ""))
 
     deadline = time.monotonic() + START_TIMEOUT_S
-    while not os.path.exists(ready_file):
-        if proc.poll() is not None:
-            raise failed(f"the TQ controller exited with code {proc.returncode} before it was ready")
-        if time.monotonic() > deadline:
-            raise failed(f"the TQ controller was not ready within {START_TIMEOUT_S:.0f}s")
-        time.sleep(0.05)
-    with open(ready_file) as f:
-        address = json.load(f)["address"]
+    try:
+        address = launch.await_ready_file(ready_file, alive=lambda: proc.poll() is None, timeout=START_TIMEOUT_S,
+                                          what="the TQ controller")["address"]
+    except TQError as exc:
+        code = f" (exit code {proc.returncode})" if proc.poll() is not None else ""
+        raise failed(f"{exc}{code}") from None
     # Poll until every unit registered; a unit that died meanwhile (e.g. no room in --shm-dir) fails
     # the start at once, instead of after the whole timeout.
     import psutil
@@ -331,11 +286,11 @@ def _await_service(proc: subprocess.Popen, ready_file: str, units: int, secret: 
     chan = RpcChannel(address, secret=secret.encode() if secret else None, timeout=5.0, name="controller")
     try:
         while True:
-            registered = len(chan.call("stats", {})[0]["units"])
+            registered = len(chan.call(ControllerOp.STATS, {})[0]["units"])
             if registered >= units:
                 return address
             try:
-                running = [c for c in psutil.Process(proc.pid).children() if pid_alive(c.pid, controller_only=False)]
+                running = [c for c in psutil.Process(proc.pid).children() if launch.pid_running(c.pid)]
             except psutil.NoSuchProcess:
                 running = []
             if proc.poll() is not None or len(running) < units:
@@ -360,8 +315,8 @@ def _last_log_line(log_path: str, max_bytes: int = 8192) -> str:
     return lines[-1] if lines else ""
 
 
-def _run_foreground(proc: subprocess.Popen, state_file: str) -> int:
-    """Wait on the controller; on SIGTERM/Ctrl-C stop it (bounded) and remove the state file."""
+def _run_foreground(proc: subprocess.Popen, run_file: str) -> int:
+    """Wait on the controller; on SIGTERM/Ctrl-C stop it (bounded) and remove the run file."""
     signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
     code: int | None = None
     try:
@@ -372,34 +327,29 @@ def _run_foreground(proc: subprocess.Popen, state_file: str) -> int:
             except KeyboardInterrupt:  # the controller got the same SIGINT from the terminal
                 proc.terminate()
     finally:
-        if proc.poll() is None:
-            try:
-                proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                _kill_tree(proc.pid, signal.SIGKILL)
-                proc.wait()
-        _remove(state_file)
+        launch.stop_process(proc, STOP_TIMEOUT_S, tree=True)
+        _remove(run_file)
     return 0 if code in (0, -signal.SIGTERM, -signal.SIGINT) else EXIT_FAILED  # a signal we sent: a clean stop
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    """Shut a controller down (RPC, else SIGTERM to the recorded pid), wait for it, remove the state file."""
+    """Shut a controller down (RPC, else SIGTERM to the recorded pid), wait for it, remove the run file."""
     from .client import TQClient
     from .errors import TQConnectionError
 
-    address, state, state_file = _resolve_target(args)
+    address, state, run_file = _resolve_target(args)
     pid = state.get("pid") if state else None
-    alive = pid_alive(pid)
+    alive = controller_running(pid)
     try:
         client = TQClient(address, secret=_secret(args), timeout=SHUTDOWN_RPC_TIMEOUT_S)
     except TQError as exc:
         if not alive:
             if state:
-                _remove(state_file)
+                _remove(run_file)
             raise CLIError(f"no TQ controller is running at {address} ({exc})"
-                           + (f"; removed the stale state file {state_file}" if state else "")) from None
+                           + (f"; removed the stale run file {run_file}" if state else "")) from None
         # Alive here but not answering us (wrong secret, wedged): the recorded pid is ours to stop.
-        _kill_tree(pid, signal.SIGTERM)
+        launch.signal_tree(pid, signal.SIGTERM)
     else:
         try:
             client.shutdown_service()
@@ -410,13 +360,13 @@ def cmd_stop(args: argparse.Namespace) -> int:
         finally:
             client.close()
     if alive:
-        if not _wait_pid_exit(pid, STOP_TIMEOUT_S):
-            _kill_tree(pid, signal.SIGTERM)
-            if not _wait_pid_exit(pid, 5.0):
-                _kill_tree(pid, signal.SIGKILL)
-                _wait_pid_exit(pid, 5.0)
+        if not launch.wait_pid_exit(pid, STOP_TIMEOUT_S):
+            launch.signal_tree(pid, signal.SIGTERM)
+            if not launch.wait_pid_exit(pid, 5.0):
+                launch.signal_tree(pid, signal.SIGKILL)
+                launch.wait_pid_exit(pid, 5.0)
     if state:
-        _remove(state_file)
+        _remove(run_file)
     print(f"stopped TQ controller at {address}" + (f" (pid {pid})" if pid else ""), flush=True)
     return 0
 
@@ -449,18 +399,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--state-file", help="state JSON (default: $TQ_STATE_DIR/controller.json, TQ_STATE_DIR=~/.cache/tq)")
+        sp.add_argument("--run-file", metavar="FILE",
+                        help="where `start` records the running service's address, pid and log, and `status`/`stop` "
+                             "look it up (default: $TQ_RUN_DIR/controller.json, TQ_RUN_DIR=~/.cache/tq)")
+        sp.add_argument("--state-file", dest="run_file", action=argtypes.deprecated_alias("--run-file"),
+                        help=argparse.SUPPRESS)
         sp.add_argument("--secret", help="the service's shared secret (default: $TQ_SECRET)")
 
     s = sub.add_parser("start", help="start a controller and its storage units in the background")
     s.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs a secret)")
-    s.add_argument("--port", type=int, default=0, help="controller port (0: pick a free one)")
-    s.add_argument("--storage-units", type=int, default=1, help="local storage units (0: units join later, e.g. via Ray)")
-    s.add_argument("--capacity", type=parse_size, default=4 << 30, help="total bytes over all units, e.g. 4G or 512M")
+    s.add_argument("--port", type=argtypes.port, default=0, help="controller port, 0..65535 (0: pick a free one)")
+    s.add_argument("--storage-units", type=argtypes.count, default=1,
+                   help="local storage units (0: units join later, e.g. via Ray)")
+    s.add_argument("--capacity", type=argtypes.size, default=4 << 30, help="total bytes over all units, e.g. 4G or 512M")
     s.add_argument("--shm-dir", default="/dev/shm", help="directory (tmpfs) holding the storage arenas")
     s.add_argument("--foreground", action="store_true", help="stay attached and stop the service on Ctrl-C")
-    s.add_argument("--journal-dir", help="journal the controller's state here: started again on the same --port and "
-                   "--journal-dir after a crash, it recovers partitions and keys and takes its storage units back")
+    s.add_argument("--journal-dir", metavar="DIR",
+                   help="crash recovery: the controller journals its partitions and keys here; started again on the "
+                        "same --port and --journal-dir after a crash, it recovers them and takes its storage units back")
     s.add_argument("--fsync", choices=("never", "always", "interval"), default="never",
                    help="when journals reach the disk: 'never' (the OS page cache: survives any process crash, "
                         "which is what matters while the data itself lives in tmpfs), 'interval' (fsync about "
@@ -470,11 +426,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, func, help_ in (("stop", cmd_stop, "shut the service down"), ("status", cmd_status, "show partitions, units and op stats")):
         sp = sub.add_parser(name, help=help_)
-        sp.add_argument("--address", help="controller address (default: the one recorded in the state file)")
+        sp.add_argument("--address", help="controller address (default: the one recorded in the run file)")
         common(sp)
         if name == "status":
             sp.add_argument("--json", action="store_true", help="print the raw stats as JSON")
-            sp.add_argument("--timeout", type=float, default=STATUS_TIMEOUT_S, help="seconds to wait for an answer")
+            sp.add_argument("--timeout", type=argtypes.positive_seconds, default=STATUS_TIMEOUT_S,
+                            help="seconds to wait for an answer")
         sp.set_defaults(func=func)
     return p
 
@@ -487,12 +444,28 @@ def main(argv: Sequence[str] | None = None) -> None:
     except CLIError as exc:
         print(f"tq-controller {args.command}: {exc}", file=sys.stderr, flush=True)
         code = exc.code
+    except BrokenPipeError:
+        code = _reader_went_away()
     except (TQError, OSError, ValueError) as exc:
         print(f"tq-controller {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         code = EXIT_FAILED
     except KeyboardInterrupt:
         code = 130
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:  # the last lines were still buffered when the reader left
+        code = _reader_went_away()
     sys.exit(code)
+
+
+def _reader_went_away() -> int:
+    """stdout's reader closed the pipe (``... | head``): stop quietly, as a Unix tool does on SIGPIPE.
+
+    stdout is pointed at /dev/null so that the interpreter's own flush at exit does not raise again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

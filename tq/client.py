@@ -36,6 +36,7 @@ from .errors import (
 )
 from .jagged import JaggedTensor
 from .locations import SUPPORTED as LOCAL_TABLES_SUPPORTED, LocationView
+from .messages import ControllerOp as Op, UnitOp
 from .meta import KVBatchMeta
 from .protocol import LOC_BLOCK as BLOCK, LOC_COLUMNS, LOC_NBYTES as NBYTES, LOC_OFFSET as OFFSET  # location
 from .protocol import LOC_ROW as ROW, LOC_UNIT as UNIT  # record columns
@@ -250,7 +251,7 @@ class TQClient:
     def _refresh_units(self) -> None:
         # The controller parks hello until the expected units registered; ask it to answer (with the
         # units it has) well before this client's own timeout fires.
-        info, _ = self._ctrl.call("hello", {"timeout": 0.8 * self.timeout})
+        info, _ = self._ctrl.call(Op.HELLO, {"timeout": 0.8 * self.timeout})
         self._units = list(info["units"])
         self._units_version = info["units_version"]
         self._ctrl_host = info.get("host")
@@ -272,7 +273,7 @@ class TQClient:
         reports it down, so a read or write does not sit out the whole timeout."""
 
         def check() -> None:
-            st = self._call("unit_status", {"unit": unit}, timeout=min(self.timeout, 5.0))
+            st = self._call(Op.UNIT_STATUS, {"unit": unit}, timeout=min(self.timeout, 5.0))
             if not st["alive"]:
                 raise StorageUnitError(f"storage unit {unit} at {st['address']} is down (no answer for {st['down_for_s']:.1f}s)")
             if st["address"] != self._unit_chans[unit].address:
@@ -325,29 +326,29 @@ class TQClient:
     # ------------------------------------------------------------------ partitions and keys
     def register_partition(self, partition_id: str, *, reuse: bool = False) -> None:
         """Create a partition; with ``reuse=True`` an existing one is cleared and reused."""
-        self._call("create_partition", {"partition": partition_id, "reuse": reuse})
+        self._call(Op.CREATE_PARTITION, {"partition": partition_id, "reuse": reuse})
 
     def clear_partition(self, partition_id: str) -> int:
         """Free every key of a partition (the partition stays registered); returns keys cleared."""
-        return self._call("clear_partition", {"partition": partition_id})["keys_cleared"]
+        return self._call(Op.CLEAR_PARTITION, {"partition": partition_id})["keys_cleared"]
 
     def drop_partition(self, partition_id: str) -> None:
         """Free every key and unregister the partition."""
-        self._call("drop_partition", {"partition": partition_id})
+        self._call(Op.DROP_PARTITION, {"partition": partition_id})
 
     def list_partitions(self) -> list[dict[str, Any]]:
         """Each partition's key count, fields (schema, how many keys produced them) and bytes held."""
-        return self._call("list_partitions", {})
+        return self._call(Op.LIST_PARTITIONS, {})
 
     def mint_keys(self, partition_id: str, uids: Sequence[str], group_size: int) -> KVBatchMeta:
         """Register ``"{uid}_g{i}"`` keys with no data yet (a later put fills them)."""
         keys = mint_keys(uids, group_size)
-        r = self._call("mint", {"partition": partition_id, "keys": keys})
+        r = self._call(Op.MINT, {"partition": partition_id, "keys": keys})
         return KVBatchMeta(partition_id, tuple(keys), slot_table=r.get("slot_table"), slots=r.get("slots"))
 
     def get_meta(self, partition_id: str, keys: Sequence[str] | None = None) -> KVBatchMeta:
         """A meta for the given keys (default: every key), with their tags, lengths and common fields."""
-        r = self._call("get_meta", {"partition": partition_id, "keys": list(keys) if keys is not None else None})
+        r = self._call(Op.GET_META, {"partition": partition_id, "keys": list(keys) if keys is not None else None})
         return KVBatchMeta(
             partition_id, tuple(r["keys"]), tuple(r["fields"]),
             tuple(r["sequence_lengths"]) if r["sequence_lengths"] is not None else None,
@@ -358,7 +359,7 @@ class TQClient:
     def set_tags(self, meta: KVBatchMeta) -> None:
         """Store the meta's per-key tags on the controller (so :meth:`get_meta` returns them)."""
         if meta.tags:
-            self._call("set_tags", {"partition": meta.partition_id, "keys": list(meta.keys), "tags": {k: list(v) for k, v in meta.tags.items()}})
+            self._call(Op.SET_TAGS, {"partition": meta.partition_id, "keys": list(meta.keys), "tags": {k: list(v) for k, v in meta.tags.items()}})
 
     # ------------------------------------------------------------------ writes
     def put(
@@ -442,13 +443,13 @@ class TQClient:
         probe_s = min(ABORT_PROBE_S, 0.25 * self.timeout)
         try:
             with time_budget((time_left() or 0.0) - probe_s):  # keep time to ask, should no reply come
-                return self._call("commit", commit, cbufs)
+                return self._call(Op.COMMIT, commit, cbufs)
         except TQConnectionError as exc:
             # No reply (or no time left to ask): the commit may still be applied (a stalled controller)
             # or may be lost (a restarted one). Ask: the controller fences blocks not committed, so the
             # outcome is settled either way - never a key pointing at storage that is freed or reused.
             try:
-                landed = self._call("abort_blocks", {"blocks": [[p.unit, p.block] for p in parts]},
+                landed = self._call(Op.ABORT_BLOCKS, {"blocks": [[p.unit, p.block] for p in parts]},
                                     timeout=probe_s)["committed"]
             except TQConnectionError:
                 raise TQConnectionError(
@@ -493,7 +494,7 @@ class TQClient:
     def _abort_parts(self, parts: list[_StoredPart]) -> None:
         if parts:
             try:
-                self._call("abort_blocks", {"blocks": [[p.unit, p.block] for p in parts]})
+                self._call(Op.ABORT_BLOCKS, {"blocks": [[p.unit, p.block] for p in parts]})
             except TQError:  # unanswered: the units ask the controller once the blocks' lease runs out
                 pass
 
@@ -523,7 +524,7 @@ class TQClient:
         asked = []
         for unit in units:
             try:
-                asked.append((unit, self._unit_chans[unit].send("stats", {}, timeout=timeout)))
+                asked.append((unit, self._unit_chans[unit].send(UnitOp.STATS, {}, timeout=timeout)))
             except TQConnectionError:
                 pass
         answered = {}
@@ -566,7 +567,7 @@ class TQClient:
             for name, (_, ro, _) in cols.items():
                 offsets[name] = pos
                 pos = align_up(pos + int(ro[-1]), _FIELD_ALIGN)
-            alloc = self._unit_call(unit, "alloc", {"nbytes": pos, "wait_s": self.capacity_wait_s}, [])
+            alloc = self._unit_call(unit, UnitOp.ALLOC, {"nbytes": pos, "wait_s": self.capacity_wait_s}, [])
             view = self._arena(unit).view
             base = alloc["offset"]
             for name, (col, ro, chunks) in cols.items():
@@ -578,14 +579,14 @@ class TQClient:
                 fields[name] = {"schema": col.schema.to_wire(), "row_offsets": protocol.pack_array(ro, buffers),
                                 "data": [protocol.pack_array(c, buffers) for c in _frames_of(chunks)]}
             args = {"n_rows": stop - start, "fields": fields, "wait_s": self.capacity_wait_s}
-        stored = self._unit_call(unit, "store", args, buffers)
+        stored = self._unit_call(unit, UnitOp.STORE, args, buffers)
         return _StoredPart(unit, stored["block"], start, stop, stored["starts"])
 
     # ------------------------------------------------------------------ reads
     def wait(self, meta: KVBatchMeta, fields: Sequence[str] | None = None, timeout: float = 60.0) -> None:
         """Block until every key of ``meta`` has ``fields`` (default: ``meta.fields``) or time out."""
         fields = list(fields if fields is not None else meta.fields)
-        self._call("wait", {"partition": meta.partition_id, "keys": list(meta.keys), "fields": fields, "timeout": timeout},
+        self._call(Op.WAIT, {"partition": meta.partition_id, "keys": list(meta.keys), "fields": fields, "timeout": timeout},
                    timeout=timeout + self.timeout)
 
     def _with_reads(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -657,7 +658,7 @@ class TQClient:
         args: dict[str, Any] = {"partition": meta.partition_id, "keys": list(meta.keys), "fields": fields}
         if wait_timeout is not None:
             args["timeout"] = wait_timeout
-        located, lmsg = self._ctrl.call("locate", self._with_reads(args), timeout=self.timeout + (wait_timeout or 0.0))
+        located, lmsg = self._ctrl.call(Op.LOCATE, self._with_reads(args), timeout=self.timeout + (wait_timeout or 0.0))
         if located["units_version"] != self._units_version:
             self._refresh_units()
         n = len(meta.keys)
@@ -687,7 +688,7 @@ class TQClient:
             bufs: list[Any] = []
             entries = protocol.pack_array(np.stack([where[:, 0], rec[:, BLOCK], rec[:, ROW]], axis=1), bufs)
             chan = self._unit_chans[unit]
-            rid = chan.send("fetch", {"fields": fields, "entries": entries}, bufs, check=self._unit_check(unit))
+            rid = chan.send(UnitOp.FETCH, {"fields": fields, "entries": entries}, bufs, check=self._unit_check(unit))
             pending.append((unit, where, chan, rid))
         for unit, where, chan, rid in pending:  # frames of whole rows, back to back
             reply, msg = chan.recv(rid, "fetch", check=self._unit_check(unit))
@@ -804,11 +805,11 @@ class TQClient:
     # ------------------------------------------------------------------ deletes and stats
     def discard(self, meta: KVBatchMeta) -> int:
         """Free the meta's keys (all their fields) and unregister them; returns keys discarded."""
-        return self._call("discard", self._with_reads({"partition": meta.partition_id, "keys": list(meta.keys)}))["discarded"]
+        return self._call(Op.DISCARD, self._with_reads({"partition": meta.partition_id, "keys": list(meta.keys)}))["discarded"]
 
     def stats(self) -> dict[str, Any]:
         """Controller stats (partitions, op counts and latencies) plus every storage unit's."""
-        stats = self._call("stats", self._with_reads({}))
+        stats = self._call(Op.STATS, self._with_reads({}))
         if stats.get("units_version") != self._units_version:
             self._refresh_units()
         # a unit the controller reports down is not asked; one that does not answer is shown down
@@ -820,8 +821,8 @@ class TQClient:
 
     def trim(self) -> int:
         """Give the pages of free storage ranges back to the OS; returns bytes released."""
-        return sum(self._unit_chans[u["unit_id"]].call("trim", {})[0]["released_bytes"] for u in self._units)
+        return sum(self._unit_chans[u["unit_id"]].call(UnitOp.TRIM, {})[0]["released_bytes"] for u in self._units)
 
     def shutdown_service(self) -> None:
         """Stop the controller and its storage units."""
-        self._call("shutdown", {})
+        self._call(Op.SHUTDOWN, {})

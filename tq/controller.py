@@ -20,7 +20,6 @@ import argparse
 import collections
 import hashlib
 import logging
-import math
 import operator
 import os
 import signal
@@ -31,7 +30,7 @@ from typing import Any, Callable
 import numpy as np
 import zmq
 
-from . import protocol
+from . import argtypes, launch, messages, protocol
 from .errors import (
     DuplicateKeyError,
     FencedCommitError,
@@ -48,6 +47,7 @@ from .errors import (
 from .arena import arena_in_use, host_identity
 from .journal import Journal
 from .locations import ALIVE_S, LocationTable, remove_orphans
+from .messages import ControllerOp as Op
 from .protocol import LOC_BLOCK as BLOCK, LOC_COLUMNS, LOC_NBYTES as NBYTES, LOC_OFFSET as OFFSET  # location
 from .protocol import LOC_ROW as ROW, LOC_UNIT as UNIT  # record columns
 from .rpc import DEFERRED, Call, RpcServer
@@ -55,11 +55,10 @@ from .schema import FieldSchema
 
 log = logging.getLogger(__name__)
 
-TAG_TYPES = (type(None), bool, int, float, str)
-JOURNALED_OPS = frozenset({"create_partition", "clear_partition", "drop_partition", "mint", "commit", "discard",
-                           "set_tags", "register_unit"})
+JOURNALED_OPS = frozenset({Op.CREATE_PARTITION, Op.CLEAR_PARTITION, Op.DROP_PARTITION, Op.MINT, Op.COMMIT, Op.DISCARD,
+                           Op.SET_TAGS, Op.REGISTER_UNIT})
 COMPACT_AFTER = 2000  # journal records before it is rewritten as one snapshot
-MAX_BLOCK_ID = 1 << 40  # storage units number blocks from 1 and never get near this
+MAX_BLOCK_ID = messages.BLOCK_ID_LIMIT
 HEARTBEAT_S = 1.0  # the controller pings every storage unit this often
 UNIT_TIMEOUT_S = 3.0  # a unit silent for longer is reported down and reads of its keys fail fast
 RECENT_COMMITS = 1 << 12  # settled commits remembered so that a resent one is answered like the first
@@ -178,7 +177,7 @@ class Controller(RpcServer):
         secret: bytes | None = None,
         expected_units: int = 0,
         max_message_bytes: int = 256 << 20,
-        state_dir: str | None = None,
+        journal_dir: str | None = None,
         shm_dir: str | None = "/dev/shm",
         fsync: str = "never",
     ) -> None:
@@ -213,28 +212,28 @@ class Controller(RpcServer):
         self.bytes_committed = 0
         self.bytes_read: dict[int, int] = {}  # per storage unit, counted at locate
         self.recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)
-        self.handlers.update(
-            hello=self.op_hello,
-            register_unit=self.op_register_unit,
-            create_partition=self.op_create_partition,
-            clear_partition=self.op_clear_partition,
-            drop_partition=self.op_drop_partition,
-            list_partitions=self.op_list_partitions,
-            mint=self.op_mint,
-            commit=self.op_commit,
-            abort_blocks=self.op_abort_blocks,
-            locate=self.op_locate,
-            wait=self.op_wait,
-            discard=self.op_discard,
-            get_meta=self.op_get_meta,
-            set_tags=self.op_set_tags,
-            unit_status=self.op_unit_status,
-            stats=lambda a, b, c: self._count_reads(a) or self.stats(),
-            shutdown=self.op_shutdown,
-        )
-        if state_dir is not None:  # crash recovery: replay what was journaled, then keep journaling
-            os.makedirs(state_dir, exist_ok=True)
-            path = os.path.join(state_dir, "controller.journal")
+        self.serve_ops(messages.CONTROLLER_REQUESTS, {
+            Op.HELLO: self.op_hello,
+            Op.REGISTER_UNIT: self.op_register_unit,
+            Op.CREATE_PARTITION: self.op_create_partition,
+            Op.CLEAR_PARTITION: self.op_clear_partition,
+            Op.DROP_PARTITION: self.op_drop_partition,
+            Op.LIST_PARTITIONS: self.op_list_partitions,
+            Op.MINT: self.op_mint,
+            Op.COMMIT: self.op_commit,
+            Op.ABORT_BLOCKS: self.op_abort_blocks,
+            Op.LOCATE: self.op_locate,
+            Op.WAIT: self.op_wait,
+            Op.DISCARD: self.op_discard,
+            Op.GET_META: self.op_get_meta,
+            Op.SET_TAGS: self.op_set_tags,
+            Op.UNIT_STATUS: self.op_unit_status,
+            Op.STATS: lambda a, b, c: self._count_reads(a) or self.stats(),
+            Op.SHUTDOWN: self.op_shutdown,
+        })
+        if journal_dir is not None:  # crash recovery: replay what was journaled, then keep journaling
+            os.makedirs(journal_dir, exist_ok=True)
+            path = os.path.join(journal_dir, "controller.journal")
             self._replay(path)
             self.journal = Journal(path, fsync=fsync)
             if self.journal.truncated_bytes:
@@ -244,22 +243,11 @@ class Controller(RpcServer):
                 self.ledgers[uid].resync = True
 
     # -- small helpers
-    def _partition(self, args: dict) -> Partition:
-        pid = args.get("partition")
-        if not isinstance(pid, str):
-            raise InvalidRequestError("request needs a string 'partition'")
+    def _partition(self, pid: str) -> Partition:
         part = self.partitions.get(pid)
         if part is None:
             raise PartitionNotFoundError(f"partition {pid!r} is not registered")
         return part
-
-    @staticmethod
-    def _str_list(args: dict, name: str) -> list[str]:
-        value = args.get(name)
-        # set(map(type, ...)) runs at C speed; a hot path (every locate checks its keys)
-        if not isinstance(value, list) or (value and set(map(type, value)) != {str}):
-            raise InvalidRequestError(f"'{name}' must be a list of strings")
-        return value
 
     @staticmethod
     def _unique(keys: list[str]) -> None:
@@ -293,25 +281,20 @@ class Controller(RpcServer):
             table.set_status(self.units_version, down, alive_until)
 
     # -- units
-    def op_hello(self, args: dict, buffers: list, call: Call) -> Any:
+    def op_hello(self, args: messages.Hello, buffers: list, call: Call) -> Any:
         if len(self.units) >= self.expected_units:
             return self._units_info()
-        timeout = args.get("timeout", 30.0)
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not math.isfinite(timeout) or timeout < 0:
-            raise InvalidRequestError(f"hello needs a finite timeout >= 0 (seconds), got {timeout!r}")
-        self.hello_waiters.append((call, time.monotonic() + float(timeout)))
+        self.hello_waiters.append((call, time.monotonic() + args.timeout))
         return DEFERRED
 
-    def op_register_unit(self, args: dict, buffers: list, call: Call) -> dict:
+    def op_register_unit(self, args: messages.RegisterUnit, buffers: list, call: Call) -> dict:
         """Register a new storage unit, or (``rejoin``) a restarted one taking over its old id."""
-        info = {k: args.get(k) for k in ("unit_id", "address", "host", "arena_path", "arena_size", "pid")}
         # a unit the controller started (``managed``) is supervised: restarted on its arena when it dies,
         # also by a later incarnation of this controller that took it back from the journal
-        info["managed"] = args.get("managed") is True
-        if not isinstance(info["address"], str) or not isinstance(info["arena_size"], int):
-            raise InvalidRequestError("register_unit needs an address and an arena_size")
-        rejoin = args.get("rejoin")
-        if rejoin is not None and not (isinstance(rejoin, int) and 0 <= rejoin < len(self.units)):
+        info = {"unit_id": args.unit_id, "address": args.address, "host": args.host, "arena_path": args.arena_path,
+                "arena_size": args.arena_size, "pid": args.pid, "managed": args.managed}
+        rejoin = args.rejoin
+        if rejoin is not None and rejoin >= len(self.units):
             raise InvalidRequestError(f"register_unit: no unit {rejoin!r} to rejoin")
         uid = len(self.units) if rejoin is None else rejoin  # new units are numbered in registration order
         info["unit_id"] = uid
@@ -327,9 +310,9 @@ class Controller(RpcServer):
         self._publish_status()
         return {"unit_id": uid}
 
-    def op_unit_status(self, args: dict, buffers: list, call: Call) -> dict:
-        unit = args.get("unit")
-        if not isinstance(unit, int) or not 0 <= unit < len(self.units):
+    def op_unit_status(self, args: messages.UnitStatus, buffers: list, call: Call) -> dict:
+        unit = args.unit
+        if unit >= len(self.units):
             raise InvalidRequestError(f"no storage unit {unit!r}")
         down = self._unit_down_for(unit, time.monotonic())
         if bool(down) != bool(self._published_down >> min(unit, 62) & 1):
@@ -340,7 +323,7 @@ class Controller(RpcServer):
         if self.stop_units_on_close:
             for sock in list(self.unit_socks.values()):
                 try:
-                    sock.send_multipart(protocol.request("shutdown", 0, {}, [], self.secret), flags=zmq.NOBLOCK)
+                    sock.send_multipart(protocol.request(messages.UnitOp.SHUTDOWN, 0, {}, [], self.secret), flags=zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
                 self._extra_sockets.pop(sock, None)
@@ -367,10 +350,11 @@ class Controller(RpcServer):
         self.unit_seen[uid] = time.monotonic()
 
     # -- crash recovery: every state change is journaled; a restarted controller replays the journal
-    def on_applied(self, op: str, args: dict, buffers: list) -> None:
+    def on_applied(self, op: str, raw_args: Any, buffers: list) -> None:
         if self.journal is None or op not in JOURNALED_OPS:
             return
-        self.journal.append([op, args, [bytes(b) for b in buffers]])
+        # the args as they arrived (msgpack bytes): replay decodes them into the op's struct again
+        self.journal.append([op, bytes(raw_args), [bytes(b) for b in buffers]])
         # Compact once the records since the last snapshot outweigh it: a restart replays at most about
         # twice the state's size (a long run of commits and discards no longer grows the replay), and
         # the snapshots' cost stays proportional to what was appended.
@@ -389,8 +373,8 @@ class Controller(RpcServer):
                     self.ledgers[args["unit"]].fenced.update(args["blocks"])
                 elif op == "__water__":
                     self._raise_water(args["unit"], args["low_water"])
-                else:
-                    self.handlers[op](args, [memoryview(b) for b in bufs], Call(b"", None, op, 0.0))
+                else:  # args: msgpack bytes, or a map (journals written before args were kept raw)
+                    self.handle(op, args, [memoryview(b) for b in bufs], Call(b"", None, op, 0.0))
                 n += 1
         finally:
             self._replaying = False
@@ -494,7 +478,7 @@ class Controller(RpcServer):
             led.fenced.update(new)
             if self.journal is not None:
                 self.journal.append(["__fence__", {"unit": unit, "blocks": new}, []])
-        self._send_to_unit(unit, "free_blocks", {"blocks": blocks}, [])
+        self._send_to_unit(unit, messages.UnitOp.FREE_BLOCKS, {"blocks": blocks}, [])
 
     def _resync(self, unit: int) -> None:
         """Send the unit the whole list of what it must keep (and the blocks committed on it): covers
@@ -504,7 +488,7 @@ class Controller(RpcServer):
         args = {**_block_rows(self._rows_on(unit), bufs),
                 "claimed": protocol.pack_array(np.array(sorted(led.pending), dtype=np.int64), bufs)}
         led.resync = False
-        self._send_to_unit(unit, "retain", args, bufs)  # sets resync again if it could not go out
+        self._send_to_unit(unit, messages.UnitOp.RETAIN, args, bufs)  # sets resync again if it could not go out
 
     def _unit_down_for(self, unit: int, now: float) -> float:
         """Seconds since the unit last answered, if that is past ``UNIT_TIMEOUT_S``; else 0."""
@@ -566,7 +550,7 @@ class Controller(RpcServer):
             return
         self._next_heartbeat = now + HEARTBEAT_S
         for unit in self.unit_socks:
-            self._send_to_unit(unit, "ping", {}, [])
+            self._send_to_unit(unit, messages.UnitOp.PING, {}, [])
         for uid, proc in list(self._restarting.items()):
             if proc is None and not arena_in_use(self.units[uid]["arena_path"]):
                 del self._restarting[uid]  # the process that owned its arena is gone before it rejoined
@@ -585,7 +569,7 @@ class Controller(RpcServer):
         try:
             sock.send_multipart(protocol.request(op, 0, args, buffers, self.secret), flags=zmq.NOBLOCK)
         except zmq.Again:
-            if op != "ping" and not self.ledgers[unit].resync:
+            if op != messages.UnitOp.PING and not self.ledgers[unit].resync:
                 log.warning("storage unit %d is not taking messages: its frees wait for it to answer again", unit)
                 self.ledgers[unit].resync = True
 
@@ -613,20 +597,20 @@ class Controller(RpcServer):
         for unit, led in self.ledgers.items():
             if led.claims:
                 bufs: list[Any] = []
-                self._send_to_unit(unit, "claim", {"blocks": protocol.pack_array(np.array(led.claims, dtype=np.int64), bufs)}, bufs)
+                self._send_to_unit(unit, messages.UnitOp.CLAIM, {"blocks": protocol.pack_array(np.array(led.claims, dtype=np.int64), bufs)}, bufs)
                 led.claims = []
             if led.frees:
                 bufs = []
-                self._send_to_unit(unit, "free_rows", _block_rows(np.concatenate(led.frees), bufs), bufs)
+                self._send_to_unit(unit, messages.UnitOp.FREE_ROWS, _block_rows(np.concatenate(led.frees), bufs), bufs)
                 led.frees = []
 
     # -- partitions
-    def op_create_partition(self, args: dict, buffers: list, call: Call) -> dict:
-        pid = args.get("partition")
-        if not isinstance(pid, str) or not pid:
+    def op_create_partition(self, args: messages.CreatePartition, buffers: list, call: Call) -> dict:
+        pid = args.partition
+        if not pid:
             raise InvalidRequestError("partition id must be a non-empty string")
         if pid in self.partitions:
-            if not args.get("reuse", False):
+            if not args.reuse:
                 raise PartitionExistsError(f"partition {pid!r} already exists (pass reuse=True to clear and reuse it)")
             self._clear(self.partitions[pid])
             return {"partition": pid, "reused": True}
@@ -644,11 +628,11 @@ class Controller(RpcServer):
         self._free_rows(part, rows)
         return n
 
-    def op_clear_partition(self, args: dict, buffers: list, call: Call) -> dict:
-        return {"keys_cleared": self._clear(self._partition(args))}
+    def op_clear_partition(self, args: messages.ClearPartition, buffers: list, call: Call) -> dict:
+        return {"keys_cleared": self._clear(self._partition(args.partition))}
 
-    def op_drop_partition(self, args: dict, buffers: list, call: Call) -> dict:
-        part = self._partition(args)
+    def op_drop_partition(self, args: messages.DropPartition, buffers: list, call: Call) -> dict:
+        part = self._partition(args.partition)
         n = self._clear(part, drop=True)
         del self.partitions[part.pid]
         for w in [w for w in self.waiters if w.pid == part.pid]:
@@ -656,7 +640,7 @@ class Controller(RpcServer):
             self.reply_error(w.call, PartitionNotFoundError(f"partition {part.pid!r} was dropped while waiting"))
         return {"keys_cleared": n}
 
-    def op_list_partitions(self, args: dict, buffers: list, call: Call) -> list:
+    def op_list_partitions(self, args: messages.ListPartitions, buffers: list, call: Call) -> list:
         return [self._partition_summary(p) for p in self.partitions.values()]
 
     def _partition_summary(self, p: Partition) -> dict[str, Any]:
@@ -670,9 +654,9 @@ class Controller(RpcServer):
         }
 
     # -- keys and fields
-    def op_mint(self, args: dict, buffers: list, call: Call) -> dict:
-        part = self._partition(args)
-        keys = self._str_list(args, "keys")
+    def op_mint(self, args: messages.Mint, buffers: list, call: Call) -> dict:
+        part = self._partition(args.partition)
+        keys = args.keys
         self._unique(keys)
         clash = next((k for k in keys if k in part.index), None)
         if clash is not None:
@@ -685,7 +669,7 @@ class Controller(RpcServer):
         """What a meta carries so a same-host reader can find its keys' records (KVBatchMeta.slots)."""
         return {"slot_table": part.table.incarnation, "slots": part.slots_of(keys).tolist()}
 
-    def op_commit(self, args: dict, buffers: list, call: Call) -> dict:
+    def op_commit(self, args: messages.Commit, buffers: list, call: Call) -> dict:
         """Make stored blocks visible: new keys (``mode='put'``) or new fields of existing keys.
 
         ``blocks`` lists ``[unit, block, rows]`` parts covering the keys in order (one part unless the
@@ -693,13 +677,13 @@ class Controller(RpcServer):
         answer again; a commit naming a block that was fenced or settled is refused with
         :class:`FencedCommitError`; any other refusal fences the blocks (the unit frees them), so a
         block is freed only on this controller's word and never while a key points at it."""
-        keys = self._str_list(args, "keys")
-        parts = self._commit_parts(args, len(keys))
+        keys = args.keys
+        parts = self._commit_parts(args.blocks, len(keys))
         digest = self._commit_digest(args, keys)
         known = [self._committed_as(u, b) for u, b, _ in parts]
         if any(d is not None for d in known):
             if all(d == digest for d in known):  # a retry of a commit already applied
-                return self._answer_again(args.get("partition"), keys)
+                return self._answer_again(args.partition, keys)
             raise InvalidRequestError("commit names a block already committed with other keys")
         settled = [(u, b) for u, b, _ in parts if self.ledgers[u].settled(b)]
         if settled:
@@ -721,74 +705,56 @@ class Controller(RpcServer):
             self.recent_commits.popitem(last=False)
         return result
 
-    def _commit_parts(self, args: dict, n_keys: int) -> list[tuple[int, int, int]]:
-        parts = args.get("blocks")
-        if not isinstance(parts, list) or not parts or not all(
-                isinstance(p, list) and len(p) == 3 and all(isinstance(v, int) and not isinstance(v, bool) for v in p) for p in parts):
-            raise InvalidRequestError("commit needs 'blocks': a non-empty list of [unit, block, rows]")
-        for unit, block, rows in parts:
-            if not 0 <= unit < len(self.units):
+    def _commit_parts(self, parts: list[tuple[int, int, int]], n_keys: int) -> list[tuple[int, int, int]]:
+        for unit, _, _ in parts:
+            if unit >= len(self.units):
                 raise InvalidRequestError(f"commit names unknown storage unit {unit!r}")
-            if not 0 <= block < MAX_BLOCK_ID:
-                raise InvalidRequestError(f"commit names an invalid block id {block!r}")
-            if rows < 1:
-                raise InvalidRequestError(f"commit: block {block} holds {rows} rows")
         if len({(u, b) for u, b, _ in parts}) != len(parts):
             raise InvalidRequestError("commit names the same block twice")
         if sum(r for _, _, r in parts) != n_keys:
             raise InvalidRequestError(f"commit: the blocks hold {sum(r for _, _, r in parts)} rows for {n_keys} keys")
-        return [tuple(p) for p in parts]  # type: ignore[misc]
+        return parts
 
     @staticmethod
-    def _commit_digest(args: dict, keys: list[str]) -> int:
+    def _commit_digest(args: messages.Commit, keys: list[str]) -> int:
         """What identifies a commit across retries: partition, mode and keys, hashed to 63 bits
         (stable across restarts: it is journaled)."""
-        text = "\0".join([str(args.get("partition")), str(args.get("mode")), *keys])
+        text = "\0".join([args.partition, args.mode, *keys])
         return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
     def _committed_as(self, unit: int, block: int) -> int | None:
         return self.ledgers[unit].pending.get(block) or self.recent_commits.get((unit, block))
 
-    def _answer_again(self, pid: Any, keys: list[str]) -> dict:
-        part = self.partitions.get(pid) if isinstance(pid, str) else None
+    def _answer_again(self, pid: str, keys: list[str]) -> dict:
+        part = self.partitions.get(pid)
         try:
             refs = self._slot_refs(part, keys) if part is not None else {}
         except KeyNotFoundError:  # discarded since: the commit did land, the keys are gone now
             refs = {}
         return {"keys": len(keys), "duplicate": True, **refs}
 
-    def op_abort_blocks(self, args: dict, buffers: list, call: Call) -> dict:
+    def op_abort_blocks(self, args: messages.AbortBlocks, buffers: list, call: Call) -> dict:
         """A writer gives up on stored blocks (``[[unit, block], ...]``): each one not committed yet is
         fenced and freed. Answers, per block, whether its commit had been applied - so a writer
         whose commit reply was lost learns that its put did land."""
-        blocks = args.get("blocks")
-        if not isinstance(blocks, list) or not all(
-                isinstance(p, list) and len(p) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in p) for p in blocks):
-            raise InvalidRequestError("abort_blocks needs 'blocks': a list of [unit, block]")
         committed = []
-        for unit, block in blocks:
-            if not (0 <= unit < len(self.units) and 0 <= block < MAX_BLOCK_ID):
+        for unit, block in args.blocks:
+            if unit >= len(self.units):
                 raise InvalidRequestError(f"abort_blocks: no block {block!r} on storage unit {unit!r}")
             committed.append(self._committed_as(unit, block) is not None)
             if not committed[-1]:
                 self._fence(unit, [block])
         return {"committed": committed}
 
-    def _apply_commit(self, args: dict, buffers: list, keys: list[str], parts: list[tuple[int, int, int]]) -> dict:
-        part = self._partition(args)
+    def _apply_commit(self, args: messages.Commit, buffers: list, keys: list[str], parts: list[tuple[int, int, int]]) -> dict:
+        part = self._partition(args.partition)
         self._unique(keys)
-        mode = args.get("mode")
-        if mode not in ("put", "write_back"):
-            raise InvalidRequestError("commit mode must be 'put' or 'write_back'")
-        fields = args.get("fields")
-        if not isinstance(fields, dict) or not fields:
-            raise InvalidRequestError("commit needs a non-empty map of fields")
-        schemas = {str(n): FieldSchema.from_wire(spec.get("schema")) for n, spec in fields.items() if isinstance(spec, dict)}
-        if len(schemas) != len(fields):
-            raise InvalidRequestError("commit: every field needs a spec map")
-        nbytes = {n: protocol.unpack_array(fields[n].get("row_nbytes"), buffers, name=f"{n}.row_nbytes", dtype="<i8") for n in schemas}
-        offsets = {n: protocol.unpack_array(fields[n].get("arena_offsets"), buffers, name=f"{n}.arena_offsets", dtype="<i8")
-                   for n in schemas}
+        mode = args.mode
+        fields = args.fields
+        schemas = {n: FieldSchema.from_wire(spec.schema) for n, spec in fields.items()}
+        nbytes = {n: protocol.unpack_array(spec.row_nbytes, buffers, name=f"{n}.row_nbytes", dtype="<i8") for n, spec in fields.items()}
+        offsets = {n: protocol.unpack_array(spec.arena_offsets, buffers, name=f"{n}.arena_offsets", dtype="<i8")
+                   for n, spec in fields.items()}
         for name, nb in nbytes.items():
             if nb.shape != (len(keys),) or offsets[name].shape != (len(keys),):
                 raise InvalidRequestError(
@@ -801,9 +767,9 @@ class Controller(RpcServer):
                 raise SchemaConflictError(
                     f"field {name!r} of partition {part.pid!r} is {known.describe()}; this write is {schema.describe()}"
                 )
-        tags = self._tags(args.get("tags"), len(keys))
-        seq = args.get("sequence_lengths")
-        if seq is not None and (not isinstance(seq, list) or len(seq) != len(keys) or not all(isinstance(s, int) for s in seq)):
+        tags = self._tags(args.tags, len(keys))
+        seq = args.sequence_lengths
+        if seq is not None and len(seq) != len(keys):
             raise InvalidRequestError("sequence_lengths must be a list of ints, one per key")
 
         # Validate everything before changing any state: a bad commit must leave the partition as it was.
@@ -817,7 +783,7 @@ class Controller(RpcServer):
             part.slots_of(keys)  # raises on unknown keys
             new = []
             for name in schemas:
-                if name in part.locs and not args.get("overwrite", False):
+                if name in part.locs and not args.overwrite:
                     loc = part.locs[name]
                     slots = part.slots_of(keys)
                     taken = np.flatnonzero(loc[slots, UNIT] >= 0)
@@ -828,7 +794,7 @@ class Controller(RpcServer):
         if new:
             part.add_keys(new)
         slots = part.slots_of(keys)
-        released = self._overwritten_rows(part, slots, list(schemas)) if args.get("overwrite", False) else None
+        released = self._overwritten_rows(part, slots, list(schemas)) if args.overwrite else None
         for name in schemas:
             part.loc(name)  # a new field's column (may remap the table): before the records are written
         if len(parts) == 1:
@@ -879,17 +845,12 @@ class Controller(RpcServer):
         # one (unit, block, row) per freed row, whichever fields pointed at it
         return np.unique(np.concatenate(free)[:, : ROW + 1], axis=0)
 
-    def _tags(self, tags: Any, n: int) -> dict[str, list[Any]]:
-        if tags is None:
-            return {}
-        if not isinstance(tags, dict):
-            raise InvalidRequestError("tags must map tag names to per-key value lists")
-        for name, values in tags.items():
-            if not isinstance(name, str) or not isinstance(values, list) or len(values) != n:
+    @staticmethod
+    def _tags(tags: dict[str, list[Any]] | None, n: int) -> dict[str, list[Any]]:
+        for name, values in (tags or {}).items():
+            if len(values) != n:
                 raise InvalidRequestError(f"tag {name!r} must list one value per key ({n})")
-            if not all(isinstance(v, TAG_TYPES) for v in values):
-                raise InvalidRequestError(f"tag {name!r} values must be None, bool, int, float or str")
-        return tags
+        return tags or {}
 
     def _missing(self, part: Partition, keys: list[str], fields: list[str]) -> tuple[int, str | None]:
         """(number of missing (key, field) pairs, a description of the first one)."""
@@ -909,20 +870,17 @@ class Controller(RpcServer):
                     first = f"field {name!r} of key {part.slot_keys[int(known[int(absent[0])])]!r}"
         return missing, first
 
-    def op_locate(self, args: dict, buffers: list, call: Call) -> Any:
+    def op_locate(self, args: messages.Locate, buffers: list, call: Call) -> Any:
         """Where each (field, key) lives: one int64 ``[fields, keys, LOC_COLUMNS]`` array of location
         records (unit, block, row, bytes, arena offset; see :mod:`tq.protocol`). With ``timeout`` it
         first waits (parked, like ``wait``) until every pair is produced - a get that must wait for
         its fields still costs one round trip."""
         self._count_reads(args)
-        part = self._partition(args)
-        keys = self._str_list(args, "keys")
-        fields = self._str_list(args, "fields")
-        timeout = args.get("timeout")
+        part = self._partition(args.partition)
+        keys, fields, timeout = args.keys, args.fields, args.timeout
         if timeout is not None:
-            self._check_timeout(timeout, "locate")
             if self._missing(part, keys, fields)[0]:
-                self.waiters.append(Waiter(call, part.pid, keys, fields, time.monotonic() + float(timeout),
+                self.waiters.append(Waiter(call, part.pid, keys, fields, time.monotonic() + timeout,
                                            lambda: self._locate(self.partitions[part.pid], keys, fields)))
                 return DEFERRED
         return self._locate(part, keys, fields)
@@ -963,22 +921,13 @@ class Controller(RpcServer):
         return {"schemas": schemas, "loc": protocol.pack_array(loc, frames), "units_version": self.units_version,
                 "table": part.table.descriptor(), "frees": part.table.frees}, frames
 
-    def op_wait(self, args: dict, buffers: list, call: Call) -> Any:
-        part = self._partition(args)
-        keys = self._str_list(args, "keys")
-        fields = self._str_list(args, "fields")
-        timeout = args.get("timeout")
-        self._check_timeout(timeout, "wait")
-        missing, first = self._missing(part, keys, fields)
+    def op_wait(self, args: messages.Wait, buffers: list, call: Call) -> Any:
+        part = self._partition(args.partition)
+        missing, first = self._missing(part, args.keys, args.fields)
         if not missing:
             return {"ready": True}
-        self.waiters.append(Waiter(call, part.pid, keys, fields, time.monotonic() + float(timeout)))
+        self.waiters.append(Waiter(call, part.pid, args.keys, args.fields, time.monotonic() + args.timeout))
         return DEFERRED
-
-    @staticmethod
-    def _check_timeout(timeout: Any, op: str) -> None:
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not math.isfinite(timeout) or timeout < 0:
-            raise InvalidRequestError(f"{op} needs a finite timeout >= 0 (seconds), got {timeout!r}")
 
     def _check_waiters(self, pid: str) -> None:
         for w in [w for w in self.waiters if w.pid == pid]:
@@ -1000,7 +949,8 @@ class Controller(RpcServer):
     def on_tick(self, now: float) -> None:
         self._flush_units()
         self._heartbeat(now)
-        self._reap_children()
+        if self._running:  # once stopping (shutdown, SIGTERM, Ctrl-C), units that exit are not crashes
+            self._reap_children()
         if self.units and self._down_units() != self._published_down:
             self._publish_status()
         for w in [w for w in self.waiters if w.deadline <= now]:
@@ -1016,21 +966,20 @@ class Controller(RpcServer):
                 self.reply(c, self._units_info())
             self.hello_waiters.clear()
 
-    def _count_reads(self, args: dict) -> None:
+    def _count_reads(self, args: messages.ReadsArgs) -> None:
         """Bytes a client read through the location tables since its last request (see tq.locations)."""
-        reads = args.get("reads")
+        reads = args.reads
         if reads is None or self._replaying:
             return
-        if not isinstance(reads, dict) or not all(isinstance(u, str) and u.isdigit() and isinstance(b, int) and b >= 0
-                                                   for u, b in reads.items()):
+        if not all(u.isdigit() for u in reads):
             raise InvalidRequestError("'reads' must map storage unit ids to byte counts")
         for u, b in reads.items():
             self.bytes_read[int(u)] = self.bytes_read.get(int(u), 0) + b
 
-    def op_discard(self, args: dict, buffers: list, call: Call) -> dict:
+    def op_discard(self, args: messages.Discard, buffers: list, call: Call) -> dict:
         self._count_reads(args)
-        part = self._partition(args)
-        keys = self._str_list(args, "keys")
+        part = self._partition(args.partition)
+        keys = args.keys
         self._unique(keys)
         slots = part.slots_of(keys)
         rows = self._held_rows(part, slots)
@@ -1045,10 +994,10 @@ class Controller(RpcServer):
         self._free_rows(part, rows)
         return {"discarded": len(keys)}
 
-    def op_get_meta(self, args: dict, buffers: list, call: Call) -> dict:
+    def op_get_meta(self, args: messages.GetMeta, buffers: list, call: Call) -> dict:
         """Keys (all, or the given ones), their tags and sequence lengths, and fields produced for all."""
-        part = self._partition(args)
-        keys = self._str_list(args, "keys") if args.get("keys") is not None else [k for k in part.slot_keys if k is not None]
+        part = self._partition(args.partition)
+        keys = args.keys if args.keys is not None else [k for k in part.slot_keys if k is not None]
         slots = part.slots_of(keys)
         sl = slots.tolist()
         produced = [n for n, loc in part.locs.items() if keys and bool((loc[slots, UNIT] >= 0).all())]
@@ -1061,19 +1010,19 @@ class Controller(RpcServer):
             "tags": {name: [col[s] for s in sl] for name, col in part.tags.items()},
         }
 
-    def op_set_tags(self, args: dict, buffers: list, call: Call) -> dict:
-        part = self._partition(args)
-        keys = self._str_list(args, "keys")
+    def op_set_tags(self, args: messages.SetTags, buffers: list, call: Call) -> dict:
+        part = self._partition(args.partition)
+        keys = args.keys
         slots = part.slots_of(keys).tolist()
-        for name, values in self._tags(args.get("tags"), len(keys)).items():
+        for name, values in self._tags(args.tags, len(keys)).items():
             column = part.tags.setdefault(name, [None] * part.capacity)
             for s, v in zip(slots, values):
                 column[s] = v
         return {"keys": len(keys)}
 
-    def op_shutdown(self, args: dict, buffers: list, call: Call) -> dict:
+    def op_shutdown(self, args: messages.Shutdown, buffers: list, call: Call) -> dict:
         for unit in list(self.unit_socks):
-            self._send_to_unit(unit, "shutdown", {}, [])
+            self._send_to_unit(unit, messages.UnitOp.SHUTDOWN, {}, [])
         self.stop()
         return {"stopping": True}
 
@@ -1114,7 +1063,7 @@ def serve(
     unit_host: str | None = None,
     secret: bytes | None = None,
     ready_file: str | None = None,
-    state_dir: str | None = None,
+    journal_dir: str | None = None,
     orphan_timeout_s: float = 60.0,
     fsync: str = "never",
     commit_lease_s: float | None = None,
@@ -1124,36 +1073,32 @@ def serve(
     The units split ``capacity`` evenly. Once bound, the controller writes its address as JSON to
     ``ready_file`` (and prints ``TQ_READY <address>``), so launchers never guess ports.
 
-    With ``state_dir`` the controller journals its state there and survives its own crash: restarted
-    on the same address and ``state_dir`` it replays the journal and takes its running storage units
+    With ``journal_dir`` the controller journals its state there and survives its own crash: restarted
+    on the same address and ``journal_dir`` it replays the journal and takes its running storage units
     back (they outlive it for up to ``orphan_timeout_s`` without its heartbeat, then clean up and exit).
     Without it the units die with the controller.
     """
-    import json
     import subprocess
-    import sys
 
     from .server import check_bind_allowed
 
     check_bind_allowed(bind, secret)
-    ctrl = Controller(bind, secret=secret, expected_units=storage_units, state_dir=state_dir, fsync=fsync)
+    ctrl = Controller(bind, secret=secret, expected_units=storage_units, journal_dir=journal_dir, fsync=fsync)
     recovered = bool(ctrl.units)
-    ctrl.stop_units_on_close = state_dir is not None  # they do not die with us: stop them on a clean exit
+    ctrl.stop_units_on_close = journal_dir is not None  # they do not die with us: stop them on a clean exit
     host = unit_host or bind.split("://", 1)[1].rsplit(":", 1)[0]
-    env = dict(os.environ)
-    if secret:
-        env["TQ_SECRET"] = secret.decode()
+    env = launch.service_env(secret.decode() if secret else None)
     per_unit = capacity // max(storage_units, 1)
 
     def spawn(unit_id: int, recover_arena: str | None = None) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "tq.storage", "--unit-id", str(unit_id), "--bind", f"tcp://{host}:0", "--managed",
-               "--controller", ctrl.address, "--capacity", str(per_unit), "--shm-dir", shm_dir, "--fsync", fsync]
-        if commit_lease_s is not None:
-            cmd += ["--commit-lease", str(commit_lease_s)]
-        if recover_arena is not None:
-            cmd += ["--recover-arena", recover_arena, "--rejoin", str(unit_id)]
-        if state_dir is not None:  # outlive a crashed controller until it comes back (or time runs out)
-            return subprocess.Popen(cmd + ["--orphan-timeout", str(orphan_timeout_s)], env=env)
+        cmd = launch.storage_unit_command(
+            unit_id=unit_id, bind=f"tcp://{host}:0", controller=ctrl.address, capacity=per_unit, shm_dir=shm_dir,
+            managed=True, fsync=fsync, commit_lease=commit_lease_s, recover_arena=recover_arena,
+            rejoin=unit_id if recover_arena is not None else None,
+            # with a journal, a unit outlives a crashed controller until it comes back (or time runs out)
+            orphan_timeout=orphan_timeout_s if journal_dir is not None else None)
+        if journal_dir is not None:
+            return subprocess.Popen(cmd, env=env)
         return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
 
     procs = [] if recovered else [spawn(i) for i in range(storage_units)]
@@ -1162,45 +1107,40 @@ def serve(
     signal.signal(signal.SIGTERM, lambda *_: ctrl.stop())
     signal.signal(signal.SIGINT, lambda *_: ctrl.stop())
     if ready_file:
-        tmp = ready_file + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"address": ctrl.address, "pid": os.getpid()}, f)
-        os.replace(tmp, ready_file)
+        launch.write_ready_file(ready_file, {"address": ctrl.address, "pid": os.getpid()})
     print(f"TQ_READY {ctrl.address}", flush=True)
     try:
         ctrl.serve_forever()
     finally:
-        procs = ctrl.children
-        for p in procs:
+        for p in ctrl.children:  # all at once, then wait: they clean up in parallel
             if p.poll() is None:
                 p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        for p in ctrl.children:
+            launch.stop_process(p, 10.0)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Run the TQ controller and its local storage units in the foreground.")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--storage-units", type=int, default=1)
-    p.add_argument("--capacity", type=int, default=4 << 30)
+    p.add_argument("--port", type=argtypes.port, default=0, help="0..65535 (0: pick a free one)")
+    p.add_argument("--storage-units", type=argtypes.count, default=1)
+    p.add_argument("--capacity", type=argtypes.size, default=4 << 30, help="total bytes over all units, e.g. 4G")
     p.add_argument("--shm-dir", default="/dev/shm")
     p.add_argument("--ready-file")
-    p.add_argument("--state-dir", help="journal state here; a restart on the same address and dir recovers it")
+    p.add_argument("--journal-dir", metavar="DIR",
+                   help="crash recovery: journal partitions and keys here; a restart on the same address and dir recovers them")
+    p.add_argument("--state-dir", dest="journal_dir", action=argtypes.deprecated_alias("--journal-dir"), help=argparse.SUPPRESS)
     p.add_argument("--fsync", choices=("never", "always", "interval"), default="never",
                    help="journal fsync policy of the controller and its units (see tq.journal): 'never' survives "
                         "process crashes, 'interval'/'always' also power loss of the journal (arenas live in tmpfs)")
-    p.add_argument("--commit-lease", type=float, help="seconds a stored block waits for its commit before its storage "
+    p.add_argument("--commit-lease", type=argtypes.positive_seconds, help="seconds a stored block waits for its commit before its storage "
                    "unit asks for it to be resolved (claimed or reclaimed); default 30")
     a = p.parse_args(argv)
     logging.basicConfig(level=os.environ.get("TQ_LOG_LEVEL", "WARNING"))
     secret = os.environ.get("TQ_SECRET")
     serve(
         f"tcp://{a.host}:{a.port}", storage_units=a.storage_units, capacity=a.capacity, shm_dir=a.shm_dir,
-        secret=secret.encode() if secret else None, ready_file=a.ready_file, state_dir=a.state_dir, fsync=a.fsync,
+        secret=secret.encode() if secret else None, ready_file=a.ready_file, journal_dir=a.journal_dir, fsync=a.fsync,
         commit_lease_s=a.commit_lease,
     )
 

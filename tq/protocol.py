@@ -38,6 +38,7 @@ from hashlib import sha256
 from typing import Any, Sequence
 
 import msgpack
+import msgspec
 import numpy as np
 
 from .errors import (
@@ -49,6 +50,7 @@ from .errors import (
     ReplayError,
     TQError,
 )
+from .messages import ArrayRef
 
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 64 << 20
@@ -71,8 +73,11 @@ REPLAY_WINDOW_S = 60.0
 CONNECTION_USERNAME = b"tq"
 
 
+_encoder = msgspec.msgpack.Encoder()  # maps, lists, bytes as bin - and the typed structs of tq.messages
+
+
 def _packb(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    return _encoder.encode(obj)
 
 
 def _unpackb(data: bytes | memoryview) -> Any:
@@ -112,8 +117,40 @@ def encode(header: dict[str, Any], buffers: Sequence[Any], secret: bytes | None)
     return [hb, sign(secret, hb), *views]
 
 
-def decode(frames: Sequence[Any], secret: bytes | None, *, max_message_bytes: int | None = None) -> Message:
-    """Decode and verify a message; raises a specific :class:`TQError` for every defect."""
+class _RequestHeader(msgspec.Struct):
+    """A request header as a server reads it: ``args`` stays raw msgpack until the op is known, then
+    it is decoded straight into that op's struct (:mod:`tq.messages`). Everything else is checked here
+    or by the server, so every field takes any value."""
+
+    v: Any = None
+    op: Any = None
+    rid: Any = None
+    args: msgspec.Raw = msgspec.Raw()
+    bs: Any = None
+    sid: Any = None
+    seq: Any = None
+    ts: Any = None
+
+
+_request_header = msgspec.msgpack.Decoder(_RequestHeader)
+
+
+@dataclass
+class Request:
+    """A decoded, verified request: its op, request id, raw msgpack args (empty when absent), buffer
+    frames (memoryviews, not copied) and, when signed, its sender's stamp."""
+
+    op: Any
+    rid: Any
+    args: msgspec.Raw
+    buffers: list[memoryview]
+    sid: Any = None
+    seq: Any = None
+    ts: Any = None
+
+
+def _open(frames: Sequence[Any], secret: bytes | None) -> bytes:
+    """The header bytes of a message, once its frame count, header size and signature are checked."""
     if len(frames) < 2:
         raise MalformedMessageError(f"message has {len(frames)} frame(s); expected header, mac, buffers")
     hview = _frame_bytes(frames[0])
@@ -123,16 +160,23 @@ def decode(frames: Sequence[Any], secret: bytes | None, *, max_message_bytes: in
     mac = _frame_bytes(frames[1]).tobytes()
     if secret is not None and not hmac.compare_digest(mac, sign(secret, hb)):
         raise AuthenticationError("request signature missing or invalid for this server's secret")
+    return hb
+
+
+def _unpack_header(hb: bytes) -> dict[str, Any]:
     try:
         header = _unpackb(hb)
     except Exception as exc:  # msgpack raises several unrelated types
         raise MalformedMessageError(f"header is not valid msgpack: {exc}") from None
     if not isinstance(header, dict):
         raise MalformedMessageError(f"header must be a map, got {type(header).__name__}")
-    version = header.get("v")
+    return header
+
+
+def _buffers(version: Any, sizes: Any, frames: Sequence[Any], max_message_bytes: int | None) -> list[memoryview]:
+    """The buffer frames, once the version and the declared sizes (and their total) are checked."""
     if version != PROTOCOL_VERSION:
         raise ProtocolVersionError(f"protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})")
-    sizes = header.get("bs")
     buffers = [_frame_bytes(f) for f in frames[2:]]
     if not isinstance(sizes, list) or len(sizes) != len(buffers):
         raise MalformedMessageError(f"header declares {sizes!r} buffer sizes but {len(buffers)} buffer frames arrived")
@@ -143,7 +187,28 @@ def decode(frames: Sequence[Any], secret: bytes | None, *, max_message_bytes: in
         total += declared
     if max_message_bytes is not None and total > max_message_bytes:
         raise MessageTooLargeError(f"message of {total} bytes exceeds the limit of {max_message_bytes}")
-    return Message(header, buffers)
+    return buffers
+
+
+def decode(frames: Sequence[Any], secret: bytes | None, *, max_message_bytes: int | None = None) -> Message:
+    """Decode and verify a message (a reply, or any message read generically); raises a specific
+    :class:`TQError` for every defect."""
+    header = _unpack_header(_open(frames, secret))
+    return Message(header, _buffers(header.get("v"), header.get("bs"), frames, max_message_bytes))
+
+
+def decode_request(frames: Sequence[Any], secret: bytes | None, *, max_message_bytes: int | None = None) -> Request:
+    """Decode and verify a request as a server does: like :func:`decode`, but its ``args`` are left as
+    raw msgpack for the op's typed decoder (:class:`tq.messages.ArgsDecoder`)."""
+    hb = _open(frames, secret)
+    try:
+        h = _request_header.decode(hb)
+    except msgspec.DecodeError:  # not msgpack or not a map (say which), or a key that is not a string
+        header = _unpack_header(hb)
+        args = msgspec.Raw(_packb(header["args"])) if "args" in header else msgspec.Raw()
+        h = _RequestHeader(header.get("v"), header.get("op"), header.get("rid"), args, header.get("bs"),
+                           header.get("sid"), header.get("seq"), header.get("ts"))
+    return Request(h.op, h.rid, h.args, _buffers(h.v, h.bs, frames, max_message_bytes), h.sid, h.seq, h.ts)
 
 
 # ----------------------------------------------------------------------------- replay protection
@@ -204,7 +269,10 @@ class ReplayGuard:
 
     def check(self, header: dict[str, Any]) -> None:
         """Accept a signed request header or raise :class:`ReplayError`; an accepted one is remembered."""
-        sid, seq, ts = header.get("sid"), header.get("seq"), header.get("ts")
+        self.check_stamp(header.get("sid"), header.get("seq"), header.get("ts"))
+
+    def check_stamp(self, sid: Any, seq: Any, ts: Any) -> None:
+        """:meth:`check` of a request's sender id, sequence number and timestamp."""
         if type(sid) is not int or type(seq) is not int or type(ts) is not int:
             raise ReplayError("signed request lacks its sender id, sequence number or timestamp")
         now = time.time_ns()
@@ -263,20 +331,25 @@ def raise_for_reply(msg: Message) -> Any:
 
 
 # ----------------------------------------------------------------------------- array refs
-def pack_array(arr: np.ndarray, buffers: list[Any]) -> dict[str, Any]:
+def pack_array(arr: np.ndarray, buffers: list[Any]) -> ArrayRef:
     """Append a contiguous array's bytes to ``buffers`` and return its ref for the header."""
     arr = np.ascontiguousarray(arr)
     if arr.dtype.str not in ARRAY_DTYPES:
         raise TypeError(f"array dtype {arr.dtype} cannot travel on the wire")
     buffers.append(arr.reshape(-1).view(np.uint8) if arr.size else b"")
-    return {"b": len(buffers) - 1, "d": arr.dtype.str, "s": list(arr.shape)}
+    return ArrayRef(len(buffers) - 1, arr.dtype.str, list(arr.shape))
 
 
 def unpack_array(ref: Any, buffers: Sequence[memoryview], *, name: str = "array", dtype: str | None = None) -> np.ndarray:
-    """Return a read-only zero-copy view of a referenced buffer, validating dtype, shape and size."""
-    if not isinstance(ref, dict) or not isinstance(ref.get("b"), int) or not isinstance(ref.get("s"), list):
+    """Return a read-only zero-copy view of a referenced buffer, validating dtype, shape and size.
+
+    ``ref``: a typed :class:`tq.messages.ArrayRef` (a server's decoded request) or its map form (a reply)."""
+    if type(ref) is ArrayRef:
+        index, dt, shape = ref.b, ref.d, ref.s
+    elif isinstance(ref, dict) and isinstance(ref.get("b"), int) and isinstance(ref.get("s"), list):
+        index, dt, shape = ref["b"], ref.get("d"), ref["s"]
+    else:
         raise MalformedMessageError(f"{name}: expected an array ref, got {ref!r}")
-    index, dt, shape = ref["b"], ref.get("d"), ref["s"]
     if dt not in ARRAY_DTYPES or (dtype is not None and np.dtype(dt) != np.dtype(dtype)):
         raise MalformedMessageError(f"{name}: dtype {dt!r} not allowed here")
     if not 0 <= index < len(buffers):

@@ -16,16 +16,13 @@ empty list and cannot put (it refreshes the list only when a ``get`` sees a newe
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import signal
 import subprocess
-import sys
-import tempfile
-import time
 from typing import Any, Sequence
 
+from . import launch
 from .errors import AuthenticationError, TQConnectionError
 from .server import _is_loopback
 
@@ -58,47 +55,25 @@ class _StorageUnitHost:
             raise AuthenticationError(
                 f"refusing to start a storage unit on {ip} without an auth secret: pass secret= (or set TQ_SECRET)"
             )
-        fd, ready = tempfile.mkstemp(prefix="tq-unit-ready-", suffix=".json")
-        os.close(fd)
-        os.unlink(ready)
-        env = dict(os.environ)
-        if secret:
-            env["TQ_SECRET"] = secret  # by environment: argv is visible to every user in ps
-        # The unit must import this package even from a source checkout that is not installed.
-        pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+        ready = launch.new_ready_file("tq-unit-ready-")
         watch_r, self._watch_w = os.pipe()  # both close-on-exec; only watch_r is passed on, explicitly
-        cmd = [sys.executable, "-m", "tq.storage", "--unit-id", str(unit_index), "--bind", f"tcp://{ip}:0",
-               "--controller", controller_address, "--capacity", str(capacity), "--shm-dir", shm_dir,
-               "--ready-file", ready, "--watch-fd", str(watch_r)]
+        cmd = launch.storage_unit_command(unit_id=unit_index, bind=f"tcp://{ip}:0", controller=controller_address,
+                                          capacity=capacity, shm_dir=shm_dir, ready_file=ready, watch_fd=watch_r)
         try:
             # The unit's output goes to the actor's stderr (Ray's worker log); sh prints the unit's pid.
-            sh = subprocess.run(["/bin/sh", "-c", f"{shlex.join(cmd)} 1>&2 & echo $!"], env=env, pass_fds=(watch_r,),
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True,
-                                timeout=30, check=True, text=True)
+            sh = subprocess.run(["/bin/sh", "-c", f"{shlex.join(cmd)} 1>&2 & echo $!"], env=launch.service_env(secret),
+                                pass_fds=(watch_r,), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                start_new_session=True, timeout=30, check=True, text=True)
         finally:
             os.close(watch_r)
         self.pid = int(sh.stdout.split()[-1])
-        deadline = time.monotonic() + timeout
         try:
-            while not os.path.exists(ready):
-                if not _pid_running(self.pid):
-                    raise TQConnectionError(
-                        f"storage unit on {ip} exited before registering with {controller_address} "
-                        "(its error is in this actor's Ray worker log)"
-                    )
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise TQConnectionError(f"storage unit on {ip} did not register with {controller_address} within {timeout:.0f}s")
-                time.sleep(0.05)
-            with open(ready) as f:
-                self.info = {**json.load(f), "node_ip": ip, "node_id": ray.get_runtime_context().get_node_id()}
-        finally:
-            for path in (ready, ready + ".tmp"):
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
+            info = launch.await_ready_file(ready, alive=self.alive, timeout=timeout,
+                                           what=f"storage unit on {ip} (registering with {controller_address})")
+        except TQConnectionError as exc:
+            self.stop()
+            raise TQConnectionError(f"{exc}; its error is in this actor's Ray worker log") from None
+        self.info = {**info, "node_ip": ip, "node_id": ray.get_runtime_context().get_node_id()}
         return self.info
 
     def describe(self) -> dict[str, Any] | None:
@@ -107,31 +82,16 @@ class _StorageUnitHost:
 
     def alive(self) -> bool:
         """Whether the unit process still runs."""
-        return self.pid is not None and _pid_running(self.pid)
+        return launch.pid_running(self.pid)
 
     def stop(self, timeout: float = 10.0) -> bool:
         """Stop the unit (it frees its arena); SIGKILL after ``timeout``. Returns whether it exited."""
         if self._watch_w is not None:
             os.close(self._watch_w)  # EOF on the unit's watch pipe: it stops serving and cleans up
             self._watch_w = None
-        if self.pid is None:
+        if self.pid is None or launch.wait_pid_exit(self.pid, timeout):
             return True
-        deadline = time.monotonic() + timeout
-        while _pid_running(self.pid):
-            if time.monotonic() > deadline:
-                os.kill(self.pid, signal.SIGKILL)
-                return False
-            time.sleep(0.05)
-        return True
-
-
-def _pid_running(pid: int) -> bool:
-    """Whether ``pid`` runs; a zombie (exited, not yet reaped by init) counts as exited."""
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
+        os.kill(self.pid, signal.SIGKILL)
         return False
 
 

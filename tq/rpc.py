@@ -30,11 +30,12 @@ from zmq.utils.monitor import recv_monitor_message
 
 from . import protocol
 from .errors import AuthenticationError, MalformedMessageError, TQConnectionError, TQError, UnknownOperationError
+from .messages import Args, ArgsDecoder, is_map
 
 log = logging.getLogger(__name__)
 
 DEFERRED = object()  # a handler's return value meaning "I will reply later"
-Handler = Callable[[dict, list, "Call"], Any]
+Handler = Callable[[Any, list, "Call"], Any]  # (the op's typed args, buffer frames, call) -> result
 # Failed handshakes: wrong credentials (AUTH), another security mechanism (PROTOCOL), or the peer hung
 # up mid-handshake (NO_DETAIL) - which is how a mechanism mismatch often looks from the side that did
 # not detect it first.
@@ -80,7 +81,7 @@ def _bounded(timeout: float, op: str, peer: str) -> float:
     if left is None or left >= timeout:
         return timeout
     if left <= 0:
-        raise TQConnectionError(f"no time left to ask {peer} for {op!r}: the call's timeout ran out on earlier requests")
+        raise TQConnectionError(f"no time left to ask {peer} for '{op}': the call's timeout ran out on earlier requests")
     return left
 
 
@@ -191,7 +192,7 @@ class RpcServer:
         else:
             self.sock.bind(bind)
         self.address = bind
-        self.handlers: dict[str, Handler] = {}
+        self.handlers: dict[str, tuple[Handler, ArgsDecoder]] = {}  # op -> its handler and args decoder
         self.op_stats: dict[str, OpStats] = collections.defaultdict(OpStats)
         self.rejected = 0  # malformed, unauthenticated or otherwise refused messages (and handshakes)
         self.started_at = time.time()
@@ -217,8 +218,24 @@ class RpcServer:
         self._extra_sockets.pop(sock, None)
         sock.close(0)
 
-    def on_applied(self, op: str, args: dict, buffers: list) -> None:
-        """Called after a request was served successfully (before the reply goes out)."""
+    def on_applied(self, op: str, raw_args: Any, buffers: list) -> None:
+        """Called after a request was served successfully (before the reply goes out), with its args as
+        the raw msgpack bytes they arrived in."""
+
+    def serve_ops(self, requests: dict[Any, type[Args]], handlers: dict[Any, Handler]) -> None:
+        """Serve every op of ``requests`` (op -> its args struct, see :mod:`tq.messages`) with its handler
+        in ``handlers``: each op has exactly one of each."""
+        if set(requests) != set(handlers):
+            raise TypeError(f"{self.name}: ops without a handler or a request type: {set(requests) ^ set(handlers)}")
+        for op, args_type in requests.items():
+            name = getattr(op, "value", op)
+            self.handlers[name] = (handlers[op], ArgsDecoder(name, args_type))
+
+    def handle(self, op: str, args: Any, buffers: list, call: "Call") -> Any:
+        """Decode ``args`` (raw msgpack, or a map as a journal or a test holds them) into the op's
+        struct and run its handler, as the serving loop does."""
+        handler, decoder = self.handlers[op]
+        return handler(decoder.convert(args) if isinstance(args, dict) else decoder.decode(args), buffers, call)
 
     def add_socket(self, sock: zmq.Socket, on_message: Callable[[list], None]) -> None:
         """Poll another socket (e.g. a DEALER to a storage unit) in the same loop."""
@@ -287,19 +304,20 @@ class RpcServer:
         identity = frames[0].bytes
         call = Call(identity, None, "<invalid>", started)
         try:
-            msg = protocol.decode(frames[1:], self.secret, max_message_bytes=self.max_message_bytes)
-            call.rid = msg.header.get("rid")
+            msg = protocol.decode_request(frames[1:], self.secret, max_message_bytes=self.max_message_bytes)
+            call.rid = msg.rid
             if self._guard is not None:
-                self._guard.check(msg.header)  # authentic, but is it fresh?
-            op, args = msg.header.get("op"), msg.header.get("args")
-            if not isinstance(op, str) or not isinstance(args, dict):
+                self._guard.check_stamp(msg.sid, msg.seq, msg.ts)  # authentic, but is it fresh?
+            op = msg.op
+            if not isinstance(op, str) or not is_map(msg.args):
                 raise MalformedMessageError("request needs a string 'op' and a map 'args'")
-            handler = self.handlers.get(op)
-            if handler is None:
+            entry = self.handlers.get(op)
+            if entry is None:
                 raise UnknownOperationError(f"{self.name} has no operation {op!r}")
             call.op = op
-            out = handler(args, msg.buffers, call)
-            self.on_applied(op, args, msg.buffers)  # e.g. journal it - before the caller hears it is done
+            handler, decoder = entry
+            out = handler(decoder.decode(msg.args), msg.buffers, call)
+            self.on_applied(op, msg.args, msg.buffers)  # e.g. journal it - before the caller hears it is done
             if out is DEFERRED:
                 return
             result, buffers = out if isinstance(out, tuple) else (out, ())
@@ -384,7 +402,7 @@ class RpcChannel:
         except zmq.Again:  # IMMEDIATE: no connection yet - wait for one, up to the timeout
             if not self._await_connection(sock, timeout, check):
                 raise TQConnectionError(
-                    f"cannot reach {self.name} at {self.address} within {timeout:.1f}s (op {op!r}): server down or unreachable"
+                    f"cannot reach {self.name} at {self.address} within {timeout:.1f}s (op '{op}'): server down or unreachable"
                 ) from None
             sock.send_multipart(frames, copy=copy)
         return rid
@@ -468,7 +486,7 @@ class RpcChannel:
             left = deadline - time.monotonic()
             if left <= 0 or not self._wait(sock, zmq.POLLIN, left, check):
                 raise TQConnectionError(
-                    f"no reply from {self.name} at {self.address} to {op!r} within {timeout:.1f}s: "
+                    f"no reply from {self.name} at {self.address} to '{op}' within {timeout:.1f}s: "
                     "server down, unreachable or overloaded"
                 )
             frames = sock.recv_multipart(copy=False)
@@ -476,7 +494,7 @@ class RpcChannel:
                 msg = protocol.decode(frames, self.secret)
             except AuthenticationError:
                 raise AuthenticationError(
-                    f"reply from {self.name} at {self.address} to {op!r} is not signed with this client's secret "
+                    f"reply from {self.name} at {self.address} to '{op}' is not signed with this client's secret "
                     "(wrong secret? the server rejects requests it cannot verify)"
                 ) from None
             reply_rid = msg.header.get("rid")

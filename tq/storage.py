@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from . import protocol
+from . import argtypes, launch, messages, protocol
 from .arena import Arena, RangeAllocator, check_shm_room, host_identity
 from .journal import Journal
 from .errors import CapacityError, InvalidRequestError, StorageUnitError
@@ -57,11 +57,6 @@ class Block:
     # False until the controller claims the block (its commit was applied): a tentative block is
     # freed only when the controller says so, since a commit naming it may still be on its way
     claimed: bool = True
-
-
-def _is_count(value: Any) -> bool:
-    """An int >= 0 that is not a bool (msgpack turns a hostile ``false`` into one that passes isinstance)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def validate_layout(schema: FieldSchema, row_offsets: np.ndarray, name: str) -> None:
@@ -123,19 +118,20 @@ class StorageUnit(RpcServer):
         self.bytes_stored = 0
         self.pool = HostBufferPool(max_cached_bytes=256 << 20)
         self.bytes_served = 0
-        self.handlers.update(
-            ping=self.op_ping,
-            alloc=self._waiting_for_room(self.op_alloc),
-            store=self._waiting_for_room(self.op_store),
-            fetch=self.op_fetch,
-            free_rows=self.op_free_rows,
-            free_blocks=self.op_free_blocks,
-            retain=self.op_retain,
-            claim=self.op_claim,
-            trim=self.op_trim,
-            stats=lambda a, b, c: self.stats(),
-            shutdown=self.op_shutdown,
-        )
+        Op = messages.UnitOp
+        self.serve_ops(messages.UNIT_REQUESTS, {
+            Op.PING: self.op_ping,
+            Op.ALLOC: self._waiting_for_room(self.op_alloc),
+            Op.STORE: self._waiting_for_room(self.op_store),
+            Op.FETCH: self.op_fetch,
+            Op.FREE_ROWS: self.op_free_rows,
+            Op.FREE_BLOCKS: self.op_free_blocks,
+            Op.RETAIN: self.op_retain,
+            Op.CLAIM: self.op_claim,
+            Op.TRIM: self.op_trim,
+            Op.STATS: lambda a, b, c: self.stats(),
+            Op.SHUTDOWN: self.op_shutdown,
+        })
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -153,7 +149,7 @@ class StorageUnit(RpcServer):
         self._next_id += 1
         return self._next_id - 1
 
-    def op_ping(self, args: dict, buffers: list, call: Call) -> dict:
+    def op_ping(self, args: messages.Ping, buffers: list, call: Call) -> dict:
         """The controller's heartbeat. The reply says which blocks are settled (every id below
         ``low_water`` is claimed or freed), which tentative blocks waited past their lease for a
         claim (the controller claims or fences each) and the free bytes (placement by free space)."""
@@ -192,14 +188,13 @@ class StorageUnit(RpcServer):
 
     # -- backpressure: a write that does not fit may wait (``wait_s``) for frees instead of failing
     def _waiting_for_room(self, handler: Any) -> Any:
-        def serve(args: dict, buffers: list, call: Call) -> Any:
+        def serve(args: messages.Alloc | messages.Store, buffers: list, call: Call) -> Any:
             try:
                 return handler(args, buffers, call)
             except CapacityError as exc:
-                wait_s = args.get("wait_s", 0)
-                if not isinstance(wait_s, (int, float)) or wait_s <= 0 or not getattr(exc, "retryable", True):
+                if args.wait_s <= 0 or not getattr(exc, "retryable", True):
                     raise
-                self.parked.append((handler, args, buffers, call, time.monotonic() + float(wait_s)))
+                self.parked.append((handler, args, buffers, call, time.monotonic() + args.wait_s))
                 return DEFERRED
 
         return serve
@@ -214,7 +209,7 @@ class StorageUnit(RpcServer):
                 if deadline > now:
                     return  # first in line still does not fit: later ones wait behind it
                 self.parked.pop(0)
-                self.reply_error(call, CapacityError(f"{exc} (waited {args.get('wait_s')}s for room)"))
+                self.reply_error(call, CapacityError(f"{exc} (waited {args.wait_s}s for room)"))
                 continue
             except Exception as exc:  # anything else: answer it, keep serving the queue
                 self.parked.pop(0)
@@ -225,10 +220,8 @@ class StorageUnit(RpcServer):
             self.reply(call, result, bufs)
 
     # -- ops
-    def op_alloc(self, args: dict, buffers: list, call: Call) -> dict:
-        nbytes = args.get("nbytes")
-        if not _is_count(nbytes):
-            raise InvalidRequestError(f"alloc needs nbytes >= 0, got {nbytes!r}")
+    def op_alloc(self, args: messages.Alloc, buffers: list, call: Call) -> dict:
+        nbytes = args.nbytes
         self._check_fits_at_all(nbytes)
         start = self.alloc.allocate(nbytes)
         aid = self._new_id()
@@ -238,48 +231,44 @@ class StorageUnit(RpcServer):
         self.journal.append(["A", aid, start, nbytes])
         return {"alloc": aid, "offset": start}
 
-    def op_store(self, args: dict, buffers: list, call: Call) -> dict:
+    def op_store(self, args: messages.Store, buffers: list, call: Call) -> dict:
         """Register a block: either an earlier ``alloc`` the client filled, or bytes sent as frames."""
-        n_rows, fields = args.get("n_rows"), args.get("fields")
-        if not _is_count(n_rows) or not isinstance(fields, dict) or not fields:
-            raise InvalidRequestError("store needs n_rows >= 0 and a non-empty map of fields")
+        n_rows = args.n_rows
         layouts: list[tuple[str, FieldSchema, int, np.ndarray, Any]] = []
         rel = 0
-        for name, spec in fields.items():
-            if not isinstance(name, str) or not isinstance(spec, dict):
-                raise InvalidRequestError("store: fields must map names to specs")
-            schema = FieldSchema.from_wire(spec.get("schema"))
-            ro = protocol.unpack_array(spec.get("row_offsets"), buffers, name=f"{name}.row_offsets", dtype="<i8")
+        for name, spec in args.fields.items():
+            schema = FieldSchema.from_wire(spec.schema)
+            ro = protocol.unpack_array(spec.row_offsets, buffers, name=f"{name}.row_offsets", dtype="<i8")
             if ro.size != n_rows + 1:
                 raise InvalidRequestError(f"field {name!r}: {ro.size} row offsets for {n_rows} rows")
             validate_layout(schema, ro, name)
             nbytes = int(ro[-1])
             data = None
-            if "data" in spec:  # one or more chunks, back to back
-                refs = spec["data"] if isinstance(spec["data"], list) else [spec["data"]]
+            if spec.data is not None:  # one or more chunks, back to back
+                refs = spec.data if isinstance(spec.data, list) else [spec.data]
                 data = [protocol.unpack_array(r, buffers, name=f"{name}.data", dtype="|u1") for r in refs]
                 got = sum(d.size for d in data)
                 if got != nbytes:
                     raise InvalidRequestError(f"field {name!r}: {got} data bytes, row offsets say {nbytes}")
                 offset = rel
             else:
-                offset = spec.get("offset")
-                if not _is_count(offset) or offset < rel:
+                offset = spec.offset
+                if offset is None or offset < rel:
                     raise InvalidRequestError(f"field {name!r}: offset {offset!r} overlaps the previous field")
             layouts.append((name, schema, offset, np.array(ro, dtype=np.int64), data))
             rel = offset + nbytes
-        if "alloc" in args:
-            pend = self.pending.get(args["alloc"]) if isinstance(args["alloc"], int) else None
+        if args.alloc is not None:
+            pend = self.pending.get(args.alloc)
             if pend is None:
-                raise InvalidRequestError(f"unknown or expired allocation {args['alloc']!r}")
+                raise InvalidRequestError(f"unknown or expired allocation {args.alloc!r}")
             start, size, _ = pend
             if rel > size:
-                raise InvalidRequestError(f"fields need {rel} bytes but allocation {args['alloc']} holds {size}")
+                raise InvalidRequestError(f"fields need {rel} bytes but allocation {args.alloc} holds {size}")
             if any(d is not None for *_, d in layouts):
                 raise InvalidRequestError("store: give either an allocation or data frames, not both")
-            del self.pending[args["alloc"]]
+            del self.pending[args.alloc]
             if n_rows == 0:
-                self.journal.append(["X", args["alloc"]])
+                self.journal.append(["X", args.alloc])
         else:
             if any(d is None for *_, d in layouts):
                 raise InvalidRequestError("store without an allocation needs a data frame for every field")
@@ -307,11 +296,10 @@ class StorageUnit(RpcServer):
         return {"block": bid, "nbytes": {n: int(ro[-1]) for n, _, _, ro, _ in layouts},
                 "starts": {n: start + off for n, _, off, _, _ in layouts}}  # where each field begins in the arena
 
-    def _rows_of(self, spec: Any, buffers: list, name: str) -> tuple[np.ndarray, np.ndarray]:
-        if not isinstance(spec, dict):
-            raise InvalidRequestError(f"{name}: expected blocks and rows")
-        blocks = protocol.unpack_array(spec.get("blocks"), buffers, name=f"{name}.blocks", dtype="<i8")
-        rows = protocol.unpack_array(spec.get("rows"), buffers, name=f"{name}.rows", dtype="<i8")
+    @staticmethod
+    def _rows_of(args: messages.BlockRows, buffers: list, name: str) -> tuple[np.ndarray, np.ndarray]:
+        blocks = protocol.unpack_array(args.blocks, buffers, name=f"{name}.blocks", dtype="<i8")
+        rows = protocol.unpack_array(args.rows, buffers, name=f"{name}.rows", dtype="<i8")
         if blocks.shape != rows.shape or blocks.ndim != 1:
             raise InvalidRequestError(f"{name}: blocks and rows must be 1-d arrays of one length")
         return blocks, rows
@@ -339,12 +327,10 @@ class StorageUnit(RpcServer):
             sizes[sel] = lay.row_offsets[r + 1] - lay.row_offsets[r]
         return starts, sizes
 
-    def op_fetch(self, args: dict, buffers: list, call: Call) -> tuple[dict, list]:
+    def op_fetch(self, args: messages.Fetch, buffers: list, call: Call) -> tuple[dict, list]:
         """Serve ``entries`` ([field index, block, row]) gathered back to back into frames of whole rows."""
-        fields = args.get("fields")
-        if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
-            raise InvalidRequestError("fetch needs a list of field names")
-        entries = protocol.unpack_array(args.get("entries"), buffers, name="entries", dtype="<i8")
+        fields = args.fields
+        entries = protocol.unpack_array(args.entries, buffers, name="entries", dtype="<i8")
         if entries.ndim != 2 or entries.shape[1] != 3:
             raise InvalidRequestError("fetch entries must be an [n, 3] array of (field index, block, row)")
         if entries.size and (entries[:, 0].min() < 0 or entries[:, 0].max() >= len(fields)):
@@ -442,22 +428,22 @@ class StorageUnit(RpcServer):
         if claimed:
             self.journal.append(["C", 0, np.asarray(claimed, dtype=np.int64).tobytes()])
 
-    def op_claim(self, args: dict, buffers: list, call: Call) -> dict:
+    def op_claim(self, args: messages.Claim, buffers: list, call: Call) -> dict:
         """The controller applied the commits of these blocks: they are settled (freed only by row)."""
-        bids = protocol.unpack_array(args.get("blocks"), buffers, name="claim.blocks", dtype="<i8")
+        bids = protocol.unpack_array(args.blocks, buffers, name="claim.blocks", dtype="<i8")
         if bids.ndim != 1:
             raise InvalidRequestError("claim needs a 1-d array of block ids")
         self._claim(bids.tolist())
         return {"claimed": int(bids.size)}
 
-    def op_retain(self, args: dict, buffers: list, call: Call) -> dict:
+    def op_retain(self, args: messages.Retain, buffers: list, call: Call) -> dict:
         """Keep only the listed (block, row) pairs of settled blocks: after a restart, or after frees it
         could not send, the controller lists what it still references (and, in ``claimed``, the blocks
         it committed), and anything freed meanwhile is freed here too. Blocks still waiting for their
         claim are left alone: a commit naming one may still arrive."""
         blocks, rows = self._rows_of(args, buffers, "retain")
-        if args.get("claimed") is not None:
-            claimed = protocol.unpack_array(args.get("claimed"), buffers, name="retain.claimed", dtype="<i8")
+        if args.claimed is not None:
+            claimed = protocol.unpack_array(args.claimed, buffers, name="retain.claimed", dtype="<i8")
             self._claim(claimed.ravel().tolist())
         freed = 0
         for bid in list(self.blocks):
@@ -477,7 +463,7 @@ class StorageUnit(RpcServer):
                 self.journal.append(["R", bid, dropped.astype(np.int64).tobytes()])
         return {"blocks_freed": freed}
 
-    def op_free_rows(self, args: dict, buffers: list, call: Call) -> dict:
+    def op_free_rows(self, args: messages.FreeRows, buffers: list, call: Call) -> dict:
         blocks, rows = self._rows_of(args, buffers, "free_rows")
         freed = 0
         for bid in np.unique(blocks).tolist():
@@ -496,17 +482,13 @@ class StorageUnit(RpcServer):
                 self.journal.append(["R", bid, r.astype(np.int64).tobytes()])
         return {"blocks_freed": freed}
 
-    def op_free_blocks(self, args: dict, buffers: list, call: Call) -> dict:
+    def op_free_blocks(self, args: messages.FreeBlocks, buffers: list, call: Call) -> dict:
         """Free whole blocks (the controller fenced them: no commit of theirs will ever be applied)."""
-        bids = args.get("blocks")
-        if not isinstance(bids, list):
-            raise InvalidRequestError("free_blocks needs a list of block ids")
-        for bid in bids:
-            if isinstance(bid, int):
-                self._free_block(bid)
-        return {"blocks_freed": len(bids)}
+        for bid in args.blocks:
+            self._free_block(bid)
+        return {"blocks_freed": len(args.blocks)}
 
-    def op_trim(self, args: dict, buffers: list, call: Call) -> dict:
+    def op_trim(self, args: messages.Trim, buffers: list, call: Call) -> dict:
         """Release the pages of every free arena range to the OS."""
         released = 0
         for start, size in self.alloc.free_ranges():
@@ -514,7 +496,7 @@ class StorageUnit(RpcServer):
             released += size
         return {"released_bytes": released}
 
-    def op_shutdown(self, args: dict, buffers: list, call: Call) -> dict:
+    def op_shutdown(self, args: messages.UnitShutdown, buffers: list, call: Call) -> dict:
         self.stop()
         return {"stopping": True}
 
@@ -585,20 +567,19 @@ def run_storage_unit(
     def exit_now(*_: Any) -> None:
         raise SystemExit(0)  # before serving: unwind through the cleanup below, removing the arena
 
-    signal.signal(signal.SIGTERM, exit_now)
+    # SIGINT as SIGTERM: a Ctrl-C in the terminal reaches every process of its group - the launcher,
+    # the controller and this unit - and is a shutdown, not an error to print a traceback for.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, exit_now)
     try:
         chan = RpcChannel(controller, secret=secret, timeout=register_timeout, name="controller")
-        registered, _ = chan.call("register_unit", {**unit.describe(), "rejoin": rejoin})
+        registered, _ = chan.call(messages.ControllerOp.REGISTER_UNIT, messages.RegisterUnit(**unit.describe(), rejoin=rejoin))
         chan.close()
         unit.unit_id = registered["unit_id"]  # the controller numbers units in registration order
         if ready_file:
-            import json
-
-            tmp = ready_file + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump({**unit.describe(), "unit_id": registered["unit_id"]}, f)
-            os.replace(tmp, ready_file)  # atomic: a reader never sees half a file
-        signal.signal(signal.SIGTERM, lambda *_: unit.stop())
+            launch.write_ready_file(ready_file, {**unit.describe(), "unit_id": registered["unit_id"]})
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: unit.stop())
         unit.serve_forever()
     except BaseException:
         unit.close()
@@ -609,18 +590,19 @@ def run_storage_unit(
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Run one TQ storage unit (normally started by tq-controller).")
-    p.add_argument("--unit-id", type=int, required=True)
+    p.add_argument("--unit-id", type=argtypes.count, required=True)
     p.add_argument("--bind", required=True, help="e.g. tcp://127.0.0.1:0")
     p.add_argument("--controller", required=True)
-    p.add_argument("--capacity", type=int, required=True)
+    p.add_argument("--capacity", type=argtypes.size, required=True, help="arena bytes, e.g. 4G")
     p.add_argument("--shm-dir", default="/dev/shm")
-    p.add_argument("--max-message-bytes", type=int, default=protocol.DEFAULT_MAX_MESSAGE_BYTES)
+    p.add_argument("--max-message-bytes", type=argtypes.size, default=protocol.DEFAULT_MAX_MESSAGE_BYTES)
     p.add_argument("--ready-file", help="write the registered unit's description here as JSON once serving")
-    p.add_argument("--watch-fd", type=int, help="stop when this inherited file descriptor (a pipe) reaches EOF")
+    p.add_argument("--watch-fd", type=argtypes.count, help="stop when this inherited file descriptor (a pipe) reaches EOF")
     p.add_argument("--recover-arena", help="restart after a crash: reopen this arena and replay its journal")
-    p.add_argument("--rejoin", type=int, help="take over this unit id at the controller (with --recover-arena)")
-    p.add_argument("--orphan-timeout", type=float, help="stop after this many seconds without a controller heartbeat")
-    p.add_argument("--commit-lease", type=float, default=DEFAULT_COMMIT_LEASE_S,
+    p.add_argument("--rejoin", type=argtypes.count, help="take over this unit id at the controller (with --recover-arena)")
+    p.add_argument("--orphan-timeout", type=argtypes.positive_seconds,
+                   help="stop after this many seconds without a controller heartbeat")
+    p.add_argument("--commit-lease", type=argtypes.positive_seconds, default=DEFAULT_COMMIT_LEASE_S,
                    help="seconds a stored block waits for its commit before the controller is asked to resolve it")
     p.add_argument("--fsync", choices=("never", "always", "interval"), default="never", help="journal fsync policy")
     p.add_argument("--managed", action="store_true", help="started by the controller, which restarts it on its arena if it dies")

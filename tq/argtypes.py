@@ -1,0 +1,74 @@
+"""Argument types shared by TQ's command lines (``tq-controller``, ``python -m tq.controller``/``tq.storage``).
+
+Each is an ``argparse`` ``type=`` function: a bad value is refused at parse time with one line naming
+what is wrong (``argparse`` prints it with the usage and exits 2), never passed on to fail later or -
+as a port of 99999 did - to be silently taken modulo 65536.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from typing import Any
+
+_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _int(text: str, what: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid {what} {text!r}: expected a whole number") from None
+
+
+def port(text: str) -> int:
+    """A TCP port, 0..65535 (0: the OS picks a free one)."""
+    value = _int(text, "port")
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535 (0 picks a free one), got {value}")
+    return value
+
+
+def count(text: str) -> int:
+    """A whole number >= 0 (e.g. a number of storage units, an id)."""
+    value = _int(text, "count")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """A finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number of seconds {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return value
+
+
+def size(text: str) -> int:
+    """A byte count > 0 such as ``4294967296``, ``4G``, ``512M``, ``1.5GiB`` or ``64k`` (binary units)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: expected a number with an optional K/M/G/T suffix")
+    value = int(float(m.group(1)) * _SUFFIXES[m.group(2).upper()])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return value
+
+
+def deprecated_alias(new: str) -> type[argparse.Action]:
+    """An ``argparse`` action for an old option spelling: stores like ``new`` and says it is deprecated."""
+
+    class _Alias(argparse.Action):
+        def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                     option_string: str | None = None) -> None:
+            print(f"{parser.prog}: {option_string} is deprecated, use {new}", file=sys.stderr, flush=True)
+            setattr(namespace, self.dest, values)
+
+    return _Alias
+

@@ -1,0 +1,161 @@
+"""Starting and watching TQ service processes: the one place that spawns a controller or a storage
+unit, waits for it to be ready, checks whether it still runs, and stops it.
+
+The handshake is a *ready file*: the launcher names a path that does not exist yet, the process writes
+its description (address, pid, ...) there as JSON - atomically, so a reader never sees half of it -
+once it serves, and the launcher polls for it while checking that the process has not died. No port
+is guessed and no log is parsed. Used by ``tq-controller`` (:mod:`tq.cli`), :class:`tq.TQServer`, the
+controller's own storage units (:func:`tq.controller.serve`) and Ray placement
+(:mod:`tq.ray_placement`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+from .errors import TQConnectionError
+
+POLL_S = 0.02  # how often a waiting launcher looks again
+
+
+def service_env(secret: str | None) -> dict[str, str]:
+    """The environment of a service process: this one's, plus the secret (by environment, never argv:
+    argv is world-readable in ``ps``) and this package on ``PYTHONPATH``, so that a child finds it even
+    from a source checkout that is not installed."""
+    env = dict(os.environ)
+    if secret:
+        env["TQ_SECRET"] = secret
+    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def controller_command(
+    *, host: str, port: int, storage_units: int, capacity: int, shm_dir: str, ready_file: str, fsync: str = "never",
+    journal_dir: str | None = None, commit_lease_s: float | None = None,
+) -> list[str]:
+    """The command line of a controller process (``python -m tq.controller``) and its local units."""
+    cmd = [sys.executable, "-m", "tq.controller", "--host", host, "--port", str(port), "--storage-units", str(storage_units),
+           "--capacity", str(capacity), "--shm-dir", shm_dir, "--ready-file", ready_file, "--fsync", fsync]
+    if journal_dir:
+        cmd += ["--journal-dir", journal_dir]
+    if commit_lease_s is not None:
+        cmd += ["--commit-lease", str(commit_lease_s)]
+    return cmd
+
+
+def storage_unit_command(*, unit_id: int, bind: str, controller: str, capacity: int, shm_dir: str, **options: Any) -> list[str]:
+    """The command line of a storage-unit process (``python -m tq.storage``). ``options`` are its
+    other flags by their Python names (``ready_file="/tmp/x"`` -> ``--ready-file /tmp/x``); ``True``
+    is a bare flag, ``None`` and ``False`` are left out."""
+    cmd = [sys.executable, "-m", "tq.storage", "--unit-id", str(unit_id), "--bind", bind, "--controller", controller,
+           "--capacity", str(capacity), "--shm-dir", shm_dir]
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            cmd.append(flag)
+        elif value is not None and value is not False:
+            cmd += [flag, str(value)]
+    return cmd
+
+
+def new_ready_file(prefix: str) -> str:
+    """A fresh path for a ready file (it does not exist yet: its existence is the signal)."""
+    fd, path = tempfile.mkstemp(prefix=prefix, suffix=".json")
+    os.close(fd)
+    os.unlink(path)
+    return path
+
+
+def write_ready_file(path: str, info: dict[str, Any]) -> None:
+    """Write ``info`` as JSON to ``path`` atomically (a launcher polling for it never reads half a file)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(info, f)
+    os.replace(tmp, path)
+
+
+def remove_ready_file(path: str) -> None:
+    """Remove a ready file and its temporary (a launcher that gave up must not leave them behind)."""
+    for p in (path, path + ".tmp"):
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+
+
+def await_ready_file(path: str, *, alive: Callable[[], bool], timeout: float, what: str) -> dict[str, Any]:
+    """Wait until ``path`` exists and return what it holds; read and removed.
+
+    Raises :class:`~tq.errors.TQConnectionError` as soon as ``alive()`` says the process is gone, or
+    once ``timeout`` seconds passed, naming ``what`` (e.g. "the TQ controller")."""
+    deadline = time.monotonic() + timeout
+    try:
+        while not os.path.exists(path):
+            if not alive():
+                raise TQConnectionError(f"{what} exited before it was ready")
+            if time.monotonic() > deadline:
+                raise TQConnectionError(f"{what} was not ready within {timeout:.0f}s")
+            time.sleep(POLL_S)
+        with open(path) as f:
+            return json.load(f)
+    finally:
+        remove_ready_file(path)
+
+
+def pid_running(pid: int | None) -> bool:
+    """Whether ``pid`` runs; a zombie (exited, not yet reaped) counts as exited."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def wait_pid_exit(pid: int, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for ``pid`` to exit; return whether it did."""
+    deadline = time.monotonic() + timeout
+    while pid_running(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(POLL_S)
+    return True
+
+
+def signal_tree(pid: int, sig: int) -> None:
+    """Signal a process and its descendants (children first, so none is orphaned in between)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        procs = proc.children(recursive=True) + [proc]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def stop_process(proc: subprocess.Popen, timeout: float, *, tree: bool = False) -> None:
+    """SIGTERM ``proc`` (and, with ``tree``, its descendants), wait up to ``timeout``, then SIGKILL.
+
+    SIGTERM first: a controller then stops its units, and units remove their shared-memory arenas."""
+    if proc.poll() is None:
+        signal_tree(proc.pid, signal.SIGTERM) if tree else proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        signal_tree(proc.pid, signal.SIGKILL) if tree else proc.kill()
+        proc.wait()

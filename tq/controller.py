@@ -20,12 +20,10 @@ import argparse
 import collections
 import hashlib
 import logging
-import operator
 import os
 import signal
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import zmq
@@ -44,10 +42,13 @@ from .errors import (
     TQError,
     TQTimeoutError,
 )
-from .arena import arena_in_use, host_identity
+from .arena import host_identity
 from .journal import Journal
-from .locations import ALIVE_S, LocationTable, remove_orphans
+from .locations import LocationTable, remove_orphans
 from .messages import ControllerOp as Op
+from .partition import Partition, Waiter
+from .recovery import COMPACT_AFTER, JournalRecovery  # noqa: F401 - COMPACT_AFTER: tq.controller's API
+from .supervision import UnitLedger, UnitSupervision
 from .protocol import LOC_BLOCK as BLOCK, LOC_COLUMNS, LOC_NBYTES as NBYTES, LOC_OFFSET as OFFSET  # location
 from .protocol import LOC_ROW as ROW, LOC_UNIT as UNIT  # record columns
 from .rpc import DEFERRED, Call, RpcServer
@@ -55,120 +56,13 @@ from .schema import FieldSchema
 
 log = logging.getLogger(__name__)
 
-JOURNALED_OPS = frozenset({Op.CREATE_PARTITION, Op.CLEAR_PARTITION, Op.DROP_PARTITION, Op.MINT, Op.COMMIT, Op.DISCARD,
-                           Op.SET_TAGS, Op.REGISTER_UNIT})
-COMPACT_AFTER = 2000  # journal records before it is rewritten as one snapshot
-MAX_BLOCK_ID = messages.BLOCK_ID_LIMIT
-HEARTBEAT_S = 1.0  # the controller pings every storage unit this often
-UNIT_TIMEOUT_S = 3.0  # a unit silent for longer is reported down and reads of its keys fail fast
 RECENT_COMMITS = 1 << 12  # settled commits remembered so that a resent one is answered like the first
-ADOPTED_CHECK_S = 0.2  # how often the pids of units taken back from the journal are checked
-UNIT_SEND_HWM = 1000  # messages queued per storage unit before sends to it are dropped (then a retain)
 
 
-@dataclass
-class UnitLedger:
-    """What the controller knows of one storage unit's blocks that are not settled yet (ids at or
-    above the unit's reported ``low_water``): committed ones whose claim the unit has not confirmed,
-    fenced ones, claims to send, and whether the unit missed messages and needs a ``retain``."""
-
-    low_water: int = 0
-    pending: dict[int, int] = field(default_factory=dict)  # block -> commit digest, until settled
-    fenced: set[int] = field(default_factory=set)
-    claims: list[int] = field(default_factory=list)
-    frees: list[np.ndarray] = field(default_factory=list)  # [n, 2] (block, row) pairs to free
-    resync: bool = False
-
-    def settled(self, block: int) -> bool:
-        """Claimed or freed long ago, or fenced: no commit of this block may be applied any more."""
-        return block < self.low_water or block in self.fenced
-
-
-def _block_rows(rows: np.ndarray, bufs: list[Any]) -> dict[str, Any]:
-    """The ``blocks`` and ``rows`` args of a unit's free_rows / retain for ``[n, 2]`` (block, row) pairs."""
-    return {"blocks": protocol.pack_array(rows[:, 0], bufs), "rows": protocol.pack_array(rows[:, 1], bufs)}
-
-
-@dataclass
-class Partition:
-    """Keys of one partition; per field a location table indexed by key slot (-1: not produced),
-    kept in ``table`` (shared with same-host readers, see :mod:`tq.locations`)."""
-
-    pid: str
-    table: LocationTable
-    index: dict[str, int] = field(default_factory=dict)  # key -> slot
-    slot_keys: list[str | None] = field(default_factory=list)
-    seq_lens: list[int] = field(default_factory=list)  # -1: unknown
-    tags: dict[str, list[Any]] = field(default_factory=dict)
-    schemas: dict[str, FieldSchema] = field(default_factory=dict)
-    free_slots: list[int] = field(default_factory=list)  # slots of discarded keys, reused first
-    created_at: float = field(default_factory=time.time)
-
-    @property
-    def capacity(self) -> int:
-        return len(self.slot_keys)
-
-    @property
-    def locs(self) -> dict[str, np.ndarray]:
-        """field -> int64 ``[table capacity, LOC_COLUMNS]`` records (the fields produced so far)."""
-        return self.table.views
-
-    def slots_of(self, keys: list[str]) -> np.ndarray:
-        try:
-            if len(keys) == 1:
-                return np.array([self.index[keys[0]]], dtype=np.int64)
-            return np.array(operator.itemgetter(*keys)(self.index), dtype=np.int64) if keys else np.empty(0, np.int64)
-        except KeyError as exc:
-            raise KeyNotFoundError(f"key {exc.args[0]!r} is not in partition {self.pid!r}") from None
-
-    def add_keys(self, keys: list[str]) -> None:
-        # Slots of discarded keys are reused first, so a long-lived partition that keeps discarding
-        # (a replay buffer) does not grow without bound between clears.
-        reuse = min(len(keys), len(self.free_slots))
-        if reuse:  # a slot must never name two keys within one incarnation (see tq.locations)
-            self.table.new_incarnation()
-        for k, s in zip(keys[:reuse], self.free_slots[-reuse:] if reuse else []):
-            self.index[k] = s
-            self.slot_keys[s] = k
-            self.seq_lens[s] = -1
-            for values in self.tags.values():
-                values[s] = None
-        if reuse:
-            del self.free_slots[-reuse:]
-        keys = keys[reuse:]
-        start = len(self.slot_keys)
-        for i, k in enumerate(keys):
-            self.index[k] = start + i
-        self.slot_keys.extend(keys)
-        self.seq_lens.extend([-1] * len(keys))
-        for values in self.tags.values():
-            values.extend([None] * len(keys))
-        self.table.grow(len(self.slot_keys))
-
-    def loc(self, name: str) -> np.ndarray:
-        return self.table.loc(name)
-
-    def live_slots(self) -> np.ndarray:
-        return np.fromiter(self.index.values(), dtype=np.int64, count=len(self.index))
-
-    def bytes_held(self) -> int:
-        live = self.live_slots()
-        return int(sum(np.clip(loc[live, NBYTES], 0, None).sum() for loc in self.locs.values()))
-
-
-@dataclass
-class Waiter:
-    call: Call
-    pid: str
-    keys: list[str]
-    fields: list[str]
-    deadline: float
-    # what to answer once every (key, field) is produced: a result and its buffers
-    answer: Callable[[], tuple[Any, list[Any]]] = lambda: ({"ready": True}, [])
-
-
-class Controller(RpcServer):
-    """The controller process's server (see module docstring)."""
+class Controller(UnitSupervision, JournalRecovery, RpcServer):
+    """The controller process's server (see module docstring): the ops and the partition state here,
+    its storage units in :class:`~tq.supervision.UnitSupervision`, crash recovery in
+    :class:`~tq.recovery.JournalRecovery`."""
 
     def __init__(
         self,
@@ -264,22 +158,6 @@ class Controller(RpcServer):
         self._publish_status(part.table)
         return part
 
-    def _down_units(self) -> int:
-        """Units reported down, as a bit mask (units from 62 on share the last bit)."""
-        now = time.monotonic()
-        down = 0
-        for unit in range(len(self.units)):
-            if self._unit_down_for(unit, now):
-                down |= 1 << min(unit, 62)
-        return down
-
-    def _publish_status(self, *tables: LocationTable) -> None:
-        """Tell same-host readers of the location tables which units are down and that we are alive."""
-        self._published_down = down = self._down_units()
-        alive_until = time.monotonic_ns() + int(ALIVE_S * 1e9)
-        for table in tables or [p.table for p in self.partitions.values()]:
-            table.set_status(self.units_version, down, alive_until)
-
     # -- units
     def op_hello(self, args: messages.Hello, buffers: list, call: Call) -> Any:
         if len(self.units) >= self.expected_units:
@@ -332,247 +210,6 @@ class Controller(RpcServer):
             part.table.close()
         super().close()
 
-    def _connect_unit(self, uid: int, address: str) -> None:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, UNIT_SEND_HWM)  # bounded: past it, sends fail (never block) - see _send_to_unit
-        self.secure_client_socket(sock)  # a unit with a secret refuses connections without its credentials
-        try:
-            sock.connect(address)  # first: a bad address must not cost the unit its current socket
-        except zmq.ZMQError as exc:
-            sock.close(0)
-            raise InvalidRequestError(f"cannot connect to storage unit address {address!r}: {exc}") from None
-        old = self.unit_socks.pop(uid, None)
-        if old is not None:
-            self.remove_socket(old)
-        self.unit_socks[uid] = sock
-        self.add_socket(sock, lambda frames: self._on_unit_reply(uid, frames))
-        self.unit_seen[uid] = time.monotonic()
-
-    # -- crash recovery: every state change is journaled; a restarted controller replays the journal
-    def on_applied(self, op: str, raw_args: Any, buffers: list) -> None:
-        if self.journal is None or op not in JOURNALED_OPS:
-            return
-        # the args as they arrived (msgpack bytes): replay decodes them into the op's struct again
-        self.journal.append([op, bytes(raw_args), [bytes(b) for b in buffers]])
-        # Compact once the records since the last snapshot outweigh it: a restart replays at most about
-        # twice the state's size (a long run of commits and discards no longer grows the replay), and
-        # the snapshots' cost stays proportional to what was appended.
-        if self.journal.appended > COMPACT_AFTER and self.journal.size > 2 * self._snapshot_bytes:
-            self.journal.rewrite([["__snapshot__", self._snapshot(), []]])  # [op, args, buffers], as replayed
-            self._snapshot_bytes = self.journal.size
-
-    def _replay(self, path: str) -> None:
-        self._replaying = True  # rebuild state only: nothing is sent to the units
-        try:
-            n = 0
-            for op, args, bufs in Journal.replay(path):
-                if op == "__snapshot__":
-                    self._restore(args)
-                elif op == "__fence__":
-                    self.ledgers[args["unit"]].fenced.update(args["blocks"])
-                elif op == "__water__":
-                    self._raise_water(args["unit"], args["low_water"])
-                else:  # args: msgpack bytes, or a map (journals written before args were kept raw)
-                    self.handle(op, args, [memoryview(b) for b in bufs], Call(b"", None, op, 0.0))
-                n += 1
-        finally:
-            self._replaying = False
-        if n:
-            log.warning("controller recovered %d partitions and %d storage units from %s", len(self.partitions), len(self.units), path)
-
-    def _snapshot(self) -> dict[str, Any]:
-        return {
-            "units": self.units, "units_version": self.units_version,
-            "ledgers": {str(u): [led.low_water, [[b, d] for b, d in led.pending.items()], sorted(led.fenced)]
-                        for u, led in self.ledgers.items()},
-            "recent_commits": [[u, b, d] for (u, b), d in self.recent_commits.items()],
-            "partitions": {
-                pid: {"slot_keys": p.slot_keys, "seq_lens": p.seq_lens, "tags": p.tags,
-                      "schemas": {f: s.to_wire() for f, s in p.schemas.items()},
-                      "locs": {f: [list(loc.shape), loc.tobytes()] for f, loc in p.locs.items()}}
-                for pid, p in self.partitions.items()
-            },
-        }
-
-    def _restore(self, snap: dict[str, Any]) -> None:
-        self.units = list(snap["units"])
-        self.units_version = int(snap["units_version"])
-        self.ledgers.clear()
-        for u, (low_water, pending, fenced) in snap.get("ledgers", {}).items():
-            self.ledgers[int(u)] = UnitLedger(low_water, {b: d for b, d in pending}, set(fenced))
-        self.recent_commits = collections.OrderedDict(((u, b), d) for u, b, d in snap.get("recent_commits", []))
-        for u in self.units:
-            self._connect_unit(u["unit_id"], u["address"])
-        for part in self.partitions.values():
-            part.table.close()
-        self.partitions = {}
-        for pid, d in snap["partitions"].items():
-            p = self._new_partition(pid)
-            p.slot_keys = list(d["slot_keys"])
-            p.index = {k: i for i, k in enumerate(p.slot_keys) if k is not None}
-            p.free_slots = [i for i, k in enumerate(p.slot_keys) if k is None]
-            p.seq_lens = list(d["seq_lens"])
-            p.tags = {k: list(v) for k, v in d["tags"].items()}
-            p.schemas = {f: FieldSchema.from_wire(w) for f, w in d["schemas"].items()}
-            p.table.grow(max((shape[0] for shape, _ in d["locs"].values()), default=0))
-            for f, (shape, b) in d["locs"].items():
-                p.loc(f)[: shape[0]] = np.frombuffer(b, dtype=np.int64).reshape(shape)
-            self.partitions[pid] = p
-
-    def _rows_on(self, unit: int) -> np.ndarray:
-        """(block, row) pairs of ``unit`` that live keys still reference, int64 ``[n, 2]``."""
-        found = [np.empty((0, 2), dtype=np.int64)]
-        for part in self.partitions.values():
-            live = part.live_slots()
-            for loc in part.locs.values():
-                rec = loc[live]
-                found.append(rec[rec[:, UNIT] == unit][:, [BLOCK, ROW]])
-        return np.unique(np.concatenate(found), axis=0)
-
-    def _on_unit_reply(self, unit: int, frames: list) -> None:
-        self.unit_seen[unit] = time.monotonic()  # any reply is a heartbeat
-        try:
-            result = protocol.raise_for_reply(protocol.decode(frames, self.secret))
-        except Exception as exc:
-            log.warning("storage unit %d refused a request: %s", unit, exc)
-            return
-        if isinstance(result, dict) and isinstance(result.get("low_water"), int):  # a heartbeat's reply
-            self._on_unit_heartbeat(unit, result)
-        if self.ledgers[unit].resync:
-            self._resync(unit)
-
-    def _on_unit_heartbeat(self, unit: int, beat: dict) -> None:
-        """Settle what the unit reports: blocks below its low-water mark are settled (forget them);
-        tentative blocks past their lease are claimed if committed, else fenced and freed."""
-        if self._raise_water(unit, beat["low_water"]) and self.journal is not None:
-            self.journal.append(["__water__", {"unit": unit, "low_water": beat["low_water"]}, []])
-        if isinstance(beat.get("free_bytes"), int) and unit < len(self.units):
-            self.units[unit]["free_bytes"] = beat["free_bytes"]
-        expired = beat.get("expired")
-        if isinstance(expired, list) and expired:
-            led = self.ledgers[unit]
-            bids = [b for b in expired if isinstance(b, int) and 0 <= b < MAX_BLOCK_ID]
-            led.claims.extend(b for b in bids if b in led.pending)
-            self._fence(unit, [b for b in bids if b not in led.pending])
-
-    def _raise_water(self, unit: int, low_water: int) -> bool:
-        led = self.ledgers[unit]
-        if low_water <= led.low_water:
-            return False
-        led.low_water = low_water
-        led.pending = {b: d for b, d in led.pending.items() if b >= low_water}
-        led.fenced = {b for b in led.fenced if b >= low_water}
-        return True
-
-    def _fence(self, unit: int, blocks: list[int]) -> None:
-        """Decide that these stored blocks of ``unit`` never become visible: remember it (journaled
-        first), then have the unit free them. A commit naming one later is refused. Blocks fenced
-        before are only freed again (the unit still reports them: the first free did not reach it)."""
-        led = self.ledgers[unit]
-        blocks = [b for b in blocks if b not in led.pending and b >= led.low_water]  # not committed nor settled
-        if not blocks or self._replaying:
-            return
-        new = [b for b in blocks if b not in led.fenced]
-        if new:
-            led.fenced.update(new)
-            if self.journal is not None:
-                self.journal.append(["__fence__", {"unit": unit, "blocks": new}, []])
-        self._send_to_unit(unit, messages.UnitOp.FREE_BLOCKS, {"blocks": blocks}, [])
-
-    def _resync(self, unit: int) -> None:
-        """Send the unit the whole list of what it must keep (and the blocks committed on it): covers
-        every free and claim it missed (down, restarted, or its queue was full)."""
-        led = self.ledgers[unit]
-        bufs: list[Any] = []
-        args = {**_block_rows(self._rows_on(unit), bufs),
-                "claimed": protocol.pack_array(np.array(sorted(led.pending), dtype=np.int64), bufs)}
-        led.resync = False
-        self._send_to_unit(unit, messages.UnitOp.RETAIN, args, bufs)  # sets resync again if it could not go out
-
-    def _unit_down_for(self, unit: int, now: float) -> float:
-        """Seconds since the unit last answered, if that is past ``UNIT_TIMEOUT_S``; else 0."""
-        age = now - self.unit_seen.get(unit, now)
-        return min(age, 1e9) if age > UNIT_TIMEOUT_S else 0.0
-
-    def _reap_children(self) -> None:
-        """Storage units this controller started that died (e.g. SIGKILL): see :meth:`_unit_died`."""
-        for proc in [p for p in self.children if p.poll() is not None]:
-            self.children.remove(proc)
-            unit = next((u for u in self.units if u.get("pid") == proc.pid), None)
-            if unit is not None:
-                self._unit_died(unit, f"(pid {proc.pid}) exited with code {proc.returncode}")
-
-    def _check_adopted_units(self) -> None:
-        """Units an earlier incarnation of this controller started (taken back from the journal) are
-        not our children, so we cannot wait on them: a unit holds its arena's lock for as long as its
-        process lives, so a free lock means it died (a recycled pid cannot fool this)."""
-        children = {p.pid for p in self.children}
-        for unit in self.units:
-            uid = unit["unit_id"]
-            if (unit.get("managed") and unit.get("host") == self.host and unit.get("pid") not in children
-                    and uid not in self._restarting and not arena_in_use(unit["arena_path"])):
-                self._unit_died(unit, f"(pid {unit.get('pid')}) is gone")
-
-    def _unit_died(self, unit: dict, how: str) -> None:
-        """Report the unit down at once and restart it on its arena so it recovers what it held; after
-        3 crashes within a minute, give up and remove the arena."""
-        now = time.monotonic()
-        uid = unit["unit_id"]
-        log.error("storage unit %d %s", uid, how)
-        self.unit_seen[uid] = float("-inf")
-        self._publish_status()
-        if arena_in_use(unit["arena_path"]):
-            # another unit process owns the arena (e.g. restarted by our previous incarnation just
-            # before it died): it rejoins by itself, and a second one on the same arena must not run
-            log.warning("storage unit %d: its arena is owned by another process, which will rejoin", uid)
-            self._restarting[uid] = None
-            return
-        recent = [t for t in self._restarts.get(uid, []) if now - t < 60.0]
-        if self.restart_unit is not None and len(recent) < 3 and os.path.exists(unit["arena_path"]):
-            self._restarts[uid] = [*recent, now]
-            proc = self.restart_unit(uid, unit["arena_path"])
-            self.children.append(proc)
-            self._restarting[uid] = proc
-            return
-        unit["managed"] = False  # given up: not restarted again
-        for path in (unit["arena_path"], f"{unit['arena_path']}.journal"):
-            try:
-                os.unlink(path)
-            except (OSError, TypeError):
-                pass
-
-    def _heartbeat(self, now: float) -> None:
-        if now >= self._next_adopted_check:  # a dead unit is restarted within this, not a heartbeat
-            self._next_adopted_check = now + ADOPTED_CHECK_S
-            self._check_adopted_units()
-        if now < self._next_heartbeat:
-            return
-        self._next_heartbeat = now + HEARTBEAT_S
-        for unit in self.unit_socks:
-            self._send_to_unit(unit, messages.UnitOp.PING, {}, [])
-        for uid, proc in list(self._restarting.items()):
-            if proc is None and not arena_in_use(self.units[uid]["arena_path"]):
-                del self._restarting[uid]  # the process that owned its arena is gone before it rejoined
-            elif proc is not None and proc.poll() is not None:  # died before it rejoined: restarted again
-                del self._restarting[uid]
-        self._publish_status()  # renews the location tables' lease too
-
-    def _send_to_unit(self, unit: int, op: str, args: dict, buffers: list) -> None:
-        """Fire and forget, never blocking: a unit that is gone or stalled must not stall this loop.
-        A dropped free or claim is not lost: the unit gets a ``retain`` once it answers again."""
-        if self._replaying:
-            return
-        sock = self.unit_socks.get(unit)
-        if sock is None:
-            return
-        try:
-            sock.send_multipart(protocol.request(op, 0, args, buffers, self.secret), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            if op != messages.UnitOp.PING and not self.ledgers[unit].resync:
-                log.warning("storage unit %d is not taking messages: its frees wait for it to answer again", unit)
-                self.ledgers[unit].resync = True
-
     @staticmethod
     def _held_rows(part: Partition, slots: np.ndarray) -> np.ndarray:
         """The location records that these slots hold, over all fields."""
@@ -591,18 +228,6 @@ class Controller(RpcServer):
             return
         for unit in np.unique(rows[:, UNIT]).tolist():
             self.ledgers[unit].frees.append(rows[rows[:, UNIT] == unit][:, [BLOCK, ROW]])
-
-    def _flush_units(self) -> None:
-        """Send each unit the claims and frees of the ops applied (and journaled) since the last tick."""
-        for unit, led in self.ledgers.items():
-            if led.claims:
-                bufs: list[Any] = []
-                self._send_to_unit(unit, messages.UnitOp.CLAIM, {"blocks": protocol.pack_array(np.array(led.claims, dtype=np.int64), bufs)}, bufs)
-                led.claims = []
-            if led.frees:
-                bufs = []
-                self._send_to_unit(unit, messages.UnitOp.FREE_ROWS, _block_rows(np.concatenate(led.frees), bufs), bufs)
-                led.frees = []
 
     # -- partitions
     def op_create_partition(self, args: messages.CreatePartition, buffers: list, call: Call) -> dict:

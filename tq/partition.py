@@ -1,0 +1,96 @@
+"""A partition's state on the controller: its keys, their slots, tags, sequence lengths, field
+schemas and location records (kept in a :class:`~tq.locations.LocationTable`, shared with same-host
+readers), and the requests parked until their fields are produced."""
+
+from __future__ import annotations
+
+import operator
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from .errors import KeyNotFoundError
+from .locations import LocationTable
+from .protocol import LOC_NBYTES as NBYTES
+from .rpc import Call
+from .schema import FieldSchema
+
+
+@dataclass
+class Partition:
+    """Keys of one partition; per field a location table indexed by key slot (-1: not produced),
+    kept in ``table`` (shared with same-host readers, see :mod:`tq.locations`)."""
+
+    pid: str
+    table: LocationTable
+    index: dict[str, int] = field(default_factory=dict)  # key -> slot
+    slot_keys: list[str | None] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)  # -1: unknown
+    tags: dict[str, list[Any]] = field(default_factory=dict)
+    schemas: dict[str, FieldSchema] = field(default_factory=dict)
+    free_slots: list[int] = field(default_factory=list)  # slots of discarded keys, reused first
+    created_at: float = field(default_factory=time.time)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.slot_keys)
+
+    @property
+    def locs(self) -> dict[str, np.ndarray]:
+        """field -> int64 ``[table capacity, LOC_COLUMNS]`` records (the fields produced so far)."""
+        return self.table.views
+
+    def slots_of(self, keys: list[str]) -> np.ndarray:
+        try:
+            if len(keys) == 1:
+                return np.array([self.index[keys[0]]], dtype=np.int64)
+            return np.array(operator.itemgetter(*keys)(self.index), dtype=np.int64) if keys else np.empty(0, np.int64)
+        except KeyError as exc:
+            raise KeyNotFoundError(f"key {exc.args[0]!r} is not in partition {self.pid!r}") from None
+
+    def add_keys(self, keys: list[str]) -> None:
+        # Slots of discarded keys are reused first, so a long-lived partition that keeps discarding
+        # (a replay buffer) does not grow without bound between clears.
+        reuse = min(len(keys), len(self.free_slots))
+        if reuse:  # a slot must never name two keys within one incarnation (see tq.locations)
+            self.table.new_incarnation()
+        for k, s in zip(keys[:reuse], self.free_slots[-reuse:] if reuse else []):
+            self.index[k] = s
+            self.slot_keys[s] = k
+            self.seq_lens[s] = -1
+            for values in self.tags.values():
+                values[s] = None
+        if reuse:
+            del self.free_slots[-reuse:]
+        keys = keys[reuse:]
+        start = len(self.slot_keys)
+        for i, k in enumerate(keys):
+            self.index[k] = start + i
+        self.slot_keys.extend(keys)
+        self.seq_lens.extend([-1] * len(keys))
+        for values in self.tags.values():
+            values.extend([None] * len(keys))
+        self.table.grow(len(self.slot_keys))
+
+    def loc(self, name: str) -> np.ndarray:
+        return self.table.loc(name)
+
+    def live_slots(self) -> np.ndarray:
+        return np.fromiter(self.index.values(), dtype=np.int64, count=len(self.index))
+
+    def bytes_held(self) -> int:
+        live = self.live_slots()
+        return int(sum(np.clip(loc[live, NBYTES], 0, None).sum() for loc in self.locs.values()))
+
+
+@dataclass
+class Waiter:
+    call: Call
+    pid: str
+    keys: list[str]
+    fields: list[str]
+    deadline: float
+    # what to answer once every (key, field) is produced: a result and its buffers
+    answer: Callable[[], tuple[Any, list[Any]]] = lambda: ({"ready": True}, [])

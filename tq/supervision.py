@@ -1,0 +1,260 @@
+"""The controller's side of its storage units: connections, heartbeats, the block ledger that makes
+commits fenced (see :mod:`tq.controller`), and supervision - a unit that dies is reported down at once
+and restarted on its arena.
+
+:class:`UnitSupervision` is a part of :class:`~tq.controller.Controller` (a mixin): it owns the
+controller's unit state (``units``, ``unit_socks``, ``unit_seen``, ``ledgers``, ``children``,
+``_restarts``, ``_restarting``), set up in ``Controller.__init__``, and reads ``partitions`` (what live
+keys still reference, for a ``retain``) and ``journal`` (fences and low-water marks are journaled).
+Everything it sends goes out fire-and-forget from the server loop and never blocks it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from . import messages, protocol
+from .arena import arena_in_use
+from .errors import InvalidRequestError
+from .locations import ALIVE_S, LocationTable
+from .protocol import LOC_BLOCK as BLOCK, LOC_ROW as ROW, LOC_UNIT as UNIT
+
+log = logging.getLogger("tq.controller")
+
+MAX_BLOCK_ID = messages.BLOCK_ID_LIMIT
+HEARTBEAT_S = 1.0  # the controller pings every storage unit this often
+UNIT_TIMEOUT_S = 3.0  # a unit silent for longer is reported down and reads of its keys fail fast
+ADOPTED_CHECK_S = 0.2  # how often the pids of units taken back from the journal are checked
+UNIT_SEND_HWM = 1000  # messages queued per storage unit before sends to it are dropped (then a retain)
+
+
+@dataclass
+class UnitLedger:
+    """What the controller knows of one storage unit's blocks that are not settled yet (ids at or
+    above the unit's reported ``low_water``): committed ones whose claim the unit has not confirmed,
+    fenced ones, claims to send, and whether the unit missed messages and needs a ``retain``."""
+
+    low_water: int = 0
+    pending: dict[int, int] = field(default_factory=dict)  # block -> commit digest, until settled
+    fenced: set[int] = field(default_factory=set)
+    claims: list[int] = field(default_factory=list)
+    frees: list[np.ndarray] = field(default_factory=list)  # [n, 2] (block, row) pairs to free
+    resync: bool = False
+
+    def settled(self, block: int) -> bool:
+        """Claimed or freed long ago, or fenced: no commit of this block may be applied any more."""
+        return block < self.low_water or block in self.fenced
+
+
+def block_rows(rows: np.ndarray, bufs: list[Any]) -> dict[str, Any]:
+    """The ``blocks`` and ``rows`` args of a unit's free_rows / retain for ``[n, 2]`` (block, row) pairs."""
+    return {"blocks": protocol.pack_array(rows[:, 0], bufs), "rows": protocol.pack_array(rows[:, 1], bufs)}
+
+
+class UnitSupervision:
+    """Storage units as the controller sees them (see module docstring)."""
+
+    def _down_units(self) -> int:
+        """Units reported down, as a bit mask (units from 62 on share the last bit)."""
+        now = time.monotonic()
+        down = 0
+        for unit in range(len(self.units)):
+            if self._unit_down_for(unit, now):
+                down |= 1 << min(unit, 62)
+        return down
+
+    def _publish_status(self, *tables: LocationTable) -> None:
+        """Tell same-host readers of the location tables which units are down and that we are alive."""
+        self._published_down = down = self._down_units()
+        alive_until = time.monotonic_ns() + int(ALIVE_S * 1e9)
+        for table in tables or [p.table for p in self.partitions.values()]:
+            table.set_status(self.units_version, down, alive_until)
+
+    def _connect_unit(self, uid: int, address: str) -> None:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, UNIT_SEND_HWM)  # bounded: past it, sends fail (never block) - see _send_to_unit
+        self.secure_client_socket(sock)  # a unit with a secret refuses connections without its credentials
+        try:
+            sock.connect(address)  # first: a bad address must not cost the unit its current socket
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            raise InvalidRequestError(f"cannot connect to storage unit address {address!r}: {exc}") from None
+        old = self.unit_socks.pop(uid, None)
+        if old is not None:
+            self.remove_socket(old)
+        self.unit_socks[uid] = sock
+        self.add_socket(sock, lambda frames: self._on_unit_reply(uid, frames))
+        self.unit_seen[uid] = time.monotonic()
+
+    def _rows_on(self, unit: int) -> np.ndarray:
+        """(block, row) pairs of ``unit`` that live keys still reference, int64 ``[n, 2]``."""
+        found = [np.empty((0, 2), dtype=np.int64)]
+        for part in self.partitions.values():
+            live = part.live_slots()
+            for loc in part.locs.values():
+                rec = loc[live]
+                found.append(rec[rec[:, UNIT] == unit][:, [BLOCK, ROW]])
+        return np.unique(np.concatenate(found), axis=0)
+
+    def _on_unit_reply(self, unit: int, frames: list) -> None:
+        self.unit_seen[unit] = time.monotonic()  # any reply is a heartbeat
+        try:
+            result = protocol.raise_for_reply(protocol.decode(frames, self.secret))
+        except Exception as exc:
+            log.warning("storage unit %d refused a request: %s", unit, exc)
+            return
+        if isinstance(result, dict) and isinstance(result.get("low_water"), int):  # a heartbeat's reply
+            self._on_unit_heartbeat(unit, result)
+        if self.ledgers[unit].resync:
+            self._resync(unit)
+
+    def _on_unit_heartbeat(self, unit: int, beat: dict) -> None:
+        """Settle what the unit reports: blocks below its low-water mark are settled (forget them);
+        tentative blocks past their lease are claimed if committed, else fenced and freed."""
+        if self._raise_water(unit, beat["low_water"]) and self.journal is not None:
+            self.journal.append(["__water__", {"unit": unit, "low_water": beat["low_water"]}, []])
+        if isinstance(beat.get("free_bytes"), int) and unit < len(self.units):
+            self.units[unit]["free_bytes"] = beat["free_bytes"]
+        expired = beat.get("expired")
+        if isinstance(expired, list) and expired:
+            led = self.ledgers[unit]
+            bids = [b for b in expired if isinstance(b, int) and 0 <= b < MAX_BLOCK_ID]
+            led.claims.extend(b for b in bids if b in led.pending)
+            self._fence(unit, [b for b in bids if b not in led.pending])
+
+    def _raise_water(self, unit: int, low_water: int) -> bool:
+        led = self.ledgers[unit]
+        if low_water <= led.low_water:
+            return False
+        led.low_water = low_water
+        led.pending = {b: d for b, d in led.pending.items() if b >= low_water}
+        led.fenced = {b for b in led.fenced if b >= low_water}
+        return True
+
+    def _fence(self, unit: int, blocks: list[int]) -> None:
+        """Decide that these stored blocks of ``unit`` never become visible: remember it (journaled
+        first), then have the unit free them. A commit naming one later is refused. Blocks fenced
+        before are only freed again (the unit still reports them: the first free did not reach it)."""
+        led = self.ledgers[unit]
+        blocks = [b for b in blocks if b not in led.pending and b >= led.low_water]  # not committed nor settled
+        if not blocks or self._replaying:
+            return
+        new = [b for b in blocks if b not in led.fenced]
+        if new:
+            led.fenced.update(new)
+            if self.journal is not None:
+                self.journal.append(["__fence__", {"unit": unit, "blocks": new}, []])
+        self._send_to_unit(unit, messages.UnitOp.FREE_BLOCKS, {"blocks": blocks}, [])
+
+    def _resync(self, unit: int) -> None:
+        """Send the unit the whole list of what it must keep (and the blocks committed on it): covers
+        every free and claim it missed (down, restarted, or its queue was full)."""
+        led = self.ledgers[unit]
+        bufs: list[Any] = []
+        args = {**block_rows(self._rows_on(unit), bufs),
+                "claimed": protocol.pack_array(np.array(sorted(led.pending), dtype=np.int64), bufs)}
+        led.resync = False
+        self._send_to_unit(unit, messages.UnitOp.RETAIN, args, bufs)  # sets resync again if it could not go out
+
+    def _unit_down_for(self, unit: int, now: float) -> float:
+        """Seconds since the unit last answered, if that is past ``UNIT_TIMEOUT_S``; else 0."""
+        age = now - self.unit_seen.get(unit, now)
+        return min(age, 1e9) if age > UNIT_TIMEOUT_S else 0.0
+
+    def _reap_children(self) -> None:
+        """Storage units this controller started that died (e.g. SIGKILL): see :meth:`_unit_died`."""
+        for proc in [p for p in self.children if p.poll() is not None]:
+            self.children.remove(proc)
+            unit = next((u for u in self.units if u.get("pid") == proc.pid), None)
+            if unit is not None:
+                self._unit_died(unit, f"(pid {proc.pid}) exited with code {proc.returncode}")
+
+    def _check_adopted_units(self) -> None:
+        """Units an earlier incarnation of this controller started (taken back from the journal) are
+        not our children, so we cannot wait on them: a unit holds its arena's lock for as long as its
+        process lives, so a free lock means it died (a recycled pid cannot fool this)."""
+        children = {p.pid for p in self.children}
+        for unit in self.units:
+            uid = unit["unit_id"]
+            if (unit.get("managed") and unit.get("host") == self.host and unit.get("pid") not in children
+                    and uid not in self._restarting and not arena_in_use(unit["arena_path"])):
+                self._unit_died(unit, f"(pid {unit.get('pid')}) is gone")
+
+    def _unit_died(self, unit: dict, how: str) -> None:
+        """Report the unit down at once and restart it on its arena so it recovers what it held; after
+        3 crashes within a minute, give up and remove the arena."""
+        now = time.monotonic()
+        uid = unit["unit_id"]
+        log.error("storage unit %d %s", uid, how)
+        self.unit_seen[uid] = float("-inf")
+        self._publish_status()
+        if arena_in_use(unit["arena_path"]):
+            # another unit process owns the arena (e.g. restarted by our previous incarnation just
+            # before it died): it rejoins by itself, and a second one on the same arena must not run
+            log.warning("storage unit %d: its arena is owned by another process, which will rejoin", uid)
+            self._restarting[uid] = None
+            return
+        recent = [t for t in self._restarts.get(uid, []) if now - t < 60.0]
+        if self.restart_unit is not None and len(recent) < 3 and os.path.exists(unit["arena_path"]):
+            self._restarts[uid] = [*recent, now]
+            proc = self.restart_unit(uid, unit["arena_path"])
+            self.children.append(proc)
+            self._restarting[uid] = proc
+            return
+        unit["managed"] = False  # given up: not restarted again
+        for path in (unit["arena_path"], f"{unit['arena_path']}.journal"):
+            try:
+                os.unlink(path)
+            except (OSError, TypeError):
+                pass
+
+    def _heartbeat(self, now: float) -> None:
+        if now >= self._next_adopted_check:  # a dead unit is restarted within this, not a heartbeat
+            self._next_adopted_check = now + ADOPTED_CHECK_S
+            self._check_adopted_units()
+        if now < self._next_heartbeat:
+            return
+        self._next_heartbeat = now + HEARTBEAT_S
+        for unit in self.unit_socks:
+            self._send_to_unit(unit, messages.UnitOp.PING, {}, [])
+        for uid, proc in list(self._restarting.items()):
+            if proc is None and not arena_in_use(self.units[uid]["arena_path"]):
+                del self._restarting[uid]  # the process that owned its arena is gone before it rejoined
+            elif proc is not None and proc.poll() is not None:  # died before it rejoined: restarted again
+                del self._restarting[uid]
+        self._publish_status()  # renews the location tables' lease too
+
+    def _send_to_unit(self, unit: int, op: str, args: dict, buffers: list) -> None:
+        """Fire and forget, never blocking: a unit that is gone or stalled must not stall this loop.
+        A dropped free or claim is not lost: the unit gets a ``retain`` once it answers again."""
+        if self._replaying:
+            return
+        sock = self.unit_socks.get(unit)
+        if sock is None:
+            return
+        try:
+            sock.send_multipart(protocol.request(op, 0, args, buffers, self.secret), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            if op != messages.UnitOp.PING and not self.ledgers[unit].resync:
+                log.warning("storage unit %d is not taking messages: its frees wait for it to answer again", unit)
+                self.ledgers[unit].resync = True
+
+    def _flush_units(self) -> None:
+        """Send each unit the claims and frees of the ops applied (and journaled) since the last tick."""
+        for unit, led in self.ledgers.items():
+            if led.claims:
+                bufs: list[Any] = []
+                self._send_to_unit(unit, messages.UnitOp.CLAIM, {"blocks": protocol.pack_array(np.array(led.claims, dtype=np.int64), bufs)}, bufs)
+                led.claims = []
+            if led.frees:
+                bufs = []
+                self._send_to_unit(unit, messages.UnitOp.FREE_ROWS, block_rows(np.concatenate(led.frees), bufs), bufs)
+                led.frees = []

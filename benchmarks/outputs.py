@@ -57,12 +57,12 @@ def code_version() -> dict[str, object]:
     names the code it is of)."""
     def git(*args: str) -> str:
         try:
-            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.rstrip()
         except (OSError, subprocess.TimeoutExpired):
             return ""
 
     dirty = git("status", "--porcelain", "--", "tq")
-    return {"commit": git("rev-parse", "--short", "HEAD"), "tq_uncommitted": [ln[3:] for ln in dirty.splitlines()]}
+    return {"commit": git("rev-parse", "--short", "HEAD"), "tq_uncommitted": [ln[3:] for ln in dirty.splitlines()]}  # "XY path"
 
 
 def add_output_args(p: argparse.ArgumentParser, name: str) -> None:

@@ -76,3 +76,11 @@ def test_add_output_args_parses_publish_and_machine():
     a = p.parse_args(["--publish", "--machine", "h100x4", "--run-dir", "/tmp/r"])
     assert (a.publish, a.machine, a.run_dir) == (True, "h100x4", "/tmp/r")
     assert p.parse_args([]).publish is False
+
+
+def test_code_version_names_the_commit_and_whole_paths_of_uncommitted_tq_files():
+    from benchmarks.outputs import code_version
+
+    v = code_version()
+    assert re.fullmatch(r"[0-9a-f]{7,}", v["commit"])
+    assert all(p.startswith("tq/") for p in v["tq_uncommitted"]), v  # "XY path": no character of the path lost

@@ -401,3 +401,23 @@ def test_controller_survives_two_crashes_with_garbage_journal_tails(tmp_path):
                 if pid_alive(p):
                     os.kill(p, signal.SIGKILL)
 
+
+
+def test_controller_replays_requests_journaled_raw_and_as_maps(tmp_path):
+    """The controller journals a request's args as the msgpack bytes it received and replays them through
+    the op's typed decoder; a journal written before that (args as maps) replays the same way."""
+    import msgspec
+
+    from tq.controller import Controller
+
+    journal = Journal(str(tmp_path / "controller.journal"))
+    journal.append(["create_partition", {"partition": "old-style"}, []])  # args as a map
+    journal.append(["create_partition", msgspec.msgpack.encode({"partition": "raw"}), []])
+    journal.append(["mint", msgspec.msgpack.encode({"partition": "raw", "keys": ["a", "b"]}), []])
+    journal.close()
+    ctrl = Controller("tcp://127.0.0.1:0", journal_dir=str(tmp_path), shm_dir=None)
+    try:
+        assert sorted(ctrl.partitions) == ["old-style", "raw"]
+        assert sorted(ctrl.partitions["raw"].index) == ["a", "b"]
+    finally:
+        ctrl.close()

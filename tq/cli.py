@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 from . import argtypes, launch
 from .errors import AuthenticationError, TQError
-from .messages import ControllerOp
+from .messages import ControllerOp, Stats
 
 EXIT_FAILED = 1
 EXIT_REFUSED = 2
@@ -286,7 +286,7 @@ def _await_service(proc: subprocess.Popen, ready_file: str, units: int, secret: 
     chan = RpcChannel(address, secret=secret.encode() if secret else None, timeout=5.0, name="controller")
     try:
         while True:
-            registered = len(chan.call(ControllerOp.STATS, {})[0]["units"])
+            registered = len(chan.call(ControllerOp.STATS, Stats())[0]["units"])
             if registered >= units:
                 return address
             try:

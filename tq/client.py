@@ -16,7 +16,7 @@ import itertools
 import os
 import threading
 from collections import abc
-from typing import Any, Callable, Literal, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Literal, Mapping, NamedTuple, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from .errors import (
 )
 from .jagged import JaggedTensor
 from .locations import SUPPORTED as LOCAL_TABLES_SUPPORTED, LocationView
+from . import messages
 from .messages import ControllerOp as Op, UnitOp
 from .meta import KVBatchMeta
 from .protocol import LOC_BLOCK as BLOCK, LOC_COLUMNS, LOC_NBYTES as NBYTES, LOC_OFFSET as OFFSET  # location
@@ -43,6 +44,8 @@ from .protocol import LOC_ROW as ROW, LOC_UNIT as UNIT  # record columns
 from .rowcopy import copy_rows, write_chunks
 from .rpc import RpcChannel, time_budget, time_left
 from .schema import JAGGED, OBJECT, FieldSchema
+
+ReadsArgsT = TypeVar("ReadsArgsT", bound=messages.ReadsArgs)
 
 Layout = Literal["padded", "jagged", "list"]
 _FIELD_ALIGN = 64
@@ -251,7 +254,7 @@ class TQClient:
     def _refresh_units(self) -> None:
         # The controller parks hello until the expected units registered; ask it to answer (with the
         # units it has) well before this client's own timeout fires.
-        info, _ = self._ctrl.call(Op.HELLO, {"timeout": 0.8 * self.timeout})
+        info, _ = self._ctrl.call(Op.HELLO, messages.Hello(timeout=0.8 * self.timeout))
         self._units = list(info["units"])
         self._units_version = info["units_version"]
         self._ctrl_host = info.get("host")
@@ -273,7 +276,7 @@ class TQClient:
         reports it down, so a read or write does not sit out the whole timeout."""
 
         def check() -> None:
-            st = self._call(Op.UNIT_STATUS, {"unit": unit}, timeout=min(self.timeout, 5.0))
+            st = self._call(Op.UNIT_STATUS, messages.UnitStatus(unit=unit), timeout=min(self.timeout, 5.0))
             if not st["alive"]:
                 raise StorageUnitError(f"storage unit {unit} at {st['address']} is down (no answer for {st['down_for_s']:.1f}s)")
             if st["address"] != self._unit_chans[unit].address:
@@ -320,35 +323,35 @@ class TQClient:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _call(self, op: str, args: dict[str, Any], buffers: Sequence[Any] = (), timeout: float | None = None) -> Any:
+    def _call(self, op: Op, args: messages.Args, buffers: Sequence[Any] = (), timeout: float | None = None) -> Any:
         return self._ctrl.call(op, args, buffers, timeout=timeout)[0]
 
     # ------------------------------------------------------------------ partitions and keys
     def register_partition(self, partition_id: str, *, reuse: bool = False) -> None:
         """Create a partition; with ``reuse=True`` an existing one is cleared and reused."""
-        self._call(Op.CREATE_PARTITION, {"partition": partition_id, "reuse": reuse})
+        self._call(Op.CREATE_PARTITION, messages.CreatePartition(partition=partition_id, reuse=reuse))
 
     def clear_partition(self, partition_id: str) -> int:
         """Free every key of a partition (the partition stays registered); returns keys cleared."""
-        return self._call(Op.CLEAR_PARTITION, {"partition": partition_id})["keys_cleared"]
+        return self._call(Op.CLEAR_PARTITION, messages.ClearPartition(partition=partition_id))["keys_cleared"]
 
     def drop_partition(self, partition_id: str) -> None:
         """Free every key and unregister the partition."""
-        self._call(Op.DROP_PARTITION, {"partition": partition_id})
+        self._call(Op.DROP_PARTITION, messages.DropPartition(partition=partition_id))
 
     def list_partitions(self) -> list[dict[str, Any]]:
         """Each partition's key count, fields (schema, how many keys produced them) and bytes held."""
-        return self._call(Op.LIST_PARTITIONS, {})
+        return self._call(Op.LIST_PARTITIONS, messages.ListPartitions())
 
     def mint_keys(self, partition_id: str, uids: Sequence[str], group_size: int) -> KVBatchMeta:
         """Register ``"{uid}_g{i}"`` keys with no data yet (a later put fills them)."""
         keys = mint_keys(uids, group_size)
-        r = self._call(Op.MINT, {"partition": partition_id, "keys": keys})
+        r = self._call(Op.MINT, messages.Mint(partition=partition_id, keys=keys))
         return KVBatchMeta(partition_id, tuple(keys), slot_table=r.get("slot_table"), slots=r.get("slots"))
 
     def get_meta(self, partition_id: str, keys: Sequence[str] | None = None) -> KVBatchMeta:
         """A meta for the given keys (default: every key), with their tags, lengths and common fields."""
-        r = self._call(Op.GET_META, {"partition": partition_id, "keys": list(keys) if keys is not None else None})
+        r = self._call(Op.GET_META, messages.GetMeta(partition=partition_id, keys=list(keys) if keys is not None else None))
         return KVBatchMeta(
             partition_id, tuple(r["keys"]), tuple(r["fields"]),
             tuple(r["sequence_lengths"]) if r["sequence_lengths"] is not None else None,
@@ -359,7 +362,8 @@ class TQClient:
     def set_tags(self, meta: KVBatchMeta) -> None:
         """Store the meta's per-key tags on the controller (so :meth:`get_meta` returns them)."""
         if meta.tags:
-            self._call(Op.SET_TAGS, {"partition": meta.partition_id, "keys": list(meta.keys), "tags": {k: list(v) for k, v in meta.tags.items()}})
+            self._call(Op.SET_TAGS, messages.SetTags(partition=meta.partition_id, keys=list(meta.keys),
+                                                 tags={k: list(v) for k, v in meta.tags.items()}))
 
     # ------------------------------------------------------------------ writes
     def put(
@@ -427,19 +431,15 @@ class TQClient:
     ) -> dict[str, Any]:
         parts = self._store_parts(encoded, len(keys))
         cbufs: list[Any] = []
-        commit = {
-            "partition": partition_id, "keys": keys, "mode": mode, "blocks": [[p.unit, p.block, p.stop - p.start] for p in parts],
-            "fields": {n: {"schema": c.schema.to_wire(), "row_nbytes": protocol.pack_array(np.diff(c.row_offsets), cbufs),
-                           "arena_offsets": protocol.pack_array(np.concatenate(
-                               [p.starts[n] + _rebased(c.row_offsets, p.start, p.stop)[:-1] for p in parts]), cbufs)}
-                       for n, c in encoded.items()},
-        }
-        if overwrite:
-            commit["overwrite"] = True
-        if tags:
-            commit["tags"] = {k: list(v) for k, v in tags.items()}
-        if sequence_lengths is not None:
-            commit["sequence_lengths"] = [int(s) for s in sequence_lengths]
+        commit = messages.Commit(
+            partition=partition_id, keys=keys, mode=mode, blocks=[(p.unit, p.block, p.stop - p.start) for p in parts],
+            fields={n: messages.CommitField(schema=c.schema.to_wire(), row_nbytes=protocol.pack_array(np.diff(c.row_offsets), cbufs),
+                                       arena_offsets=protocol.pack_array(np.concatenate(
+                                           [p.starts[n] + _rebased(c.row_offsets, p.start, p.stop)[:-1] for p in parts]), cbufs))
+                    for n, c in encoded.items()},
+            overwrite=overwrite, tags={k: list(v) for k, v in tags.items()} if tags else None,
+            sequence_lengths=[int(s) for s in sequence_lengths] if sequence_lengths is not None else None,
+        )
         probe_s = min(ABORT_PROBE_S, 0.25 * self.timeout)
         try:
             with time_budget((time_left() or 0.0) - probe_s):  # keep time to ask, should no reply come
@@ -449,7 +449,7 @@ class TQClient:
             # or may be lost (a restarted one). Ask: the controller fences blocks not committed, so the
             # outcome is settled either way - never a key pointing at storage that is freed or reused.
             try:
-                landed = self._call(Op.ABORT_BLOCKS, {"blocks": [[p.unit, p.block] for p in parts]},
+                landed = self._call(Op.ABORT_BLOCKS, messages.AbortBlocks(blocks=[(p.unit, p.block) for p in parts]),
                                     timeout=probe_s)["committed"]
             except TQConnectionError:
                 raise TQConnectionError(
@@ -481,7 +481,7 @@ class TQClient:
             raise
         return parts
 
-    def _unit_call(self, unit: int, op: str, args: dict[str, Any], buffers: list[Any]) -> Any:
+    def _unit_call(self, unit: int, op: UnitOp, args: messages.Args, buffers: list[Any]) -> Any:
         """A write request to ``unit`` (waiting for room up to ``capacity_wait_s``), asked again at the
         unit's new address if it restarted while this one was pending."""
         timeout = self.timeout + self.capacity_wait_s
@@ -494,7 +494,7 @@ class TQClient:
     def _abort_parts(self, parts: list[_StoredPart]) -> None:
         if parts:
             try:
-                self._call(Op.ABORT_BLOCKS, {"blocks": [[p.unit, p.block] for p in parts]})
+                self._call(Op.ABORT_BLOCKS, messages.AbortBlocks(blocks=[(p.unit, p.block) for p in parts]))
             except TQError:  # unanswered: the units ask the controller once the blocks' lease runs out
                 pass
 
@@ -524,7 +524,7 @@ class TQClient:
         asked = []
         for unit in units:
             try:
-                asked.append((unit, self._unit_chans[unit].send(UnitOp.STATS, {}, timeout=timeout)))
+                asked.append((unit, self._unit_chans[unit].send(UnitOp.STATS, messages.UnitStats(), timeout=timeout)))
             except TQConnectionError:
                 pass
         answered = {}
@@ -558,7 +558,7 @@ class TQClient:
         controller commits it): written straight into its arena on this host, else sent as frames.
         A unit that restarted meanwhile (it keeps its journaled allocations) is asked again, once."""
         buffers: list[Any] = []
-        fields: dict[str, Any] = {}
+        fields: dict[str, messages.StoreField] = {}
         cols = {name: (col, _rebased(col.row_offsets, start, stop),
                        _byte_range(col.chunks, int(col.row_offsets[start]), int(col.row_offsets[stop])))
                 for name, col in encoded.items()}
@@ -567,18 +567,19 @@ class TQClient:
             for name, (_, ro, _) in cols.items():
                 offsets[name] = pos
                 pos = align_up(pos + int(ro[-1]), _FIELD_ALIGN)
-            alloc = self._unit_call(unit, UnitOp.ALLOC, {"nbytes": pos, "wait_s": self.capacity_wait_s}, [])
+            alloc = self._unit_call(unit, UnitOp.ALLOC, messages.Alloc(nbytes=pos, wait_s=self.capacity_wait_s), [])
             view = self._arena(unit).view
             base = alloc["offset"]
             for name, (col, ro, chunks) in cols.items():
                 write_chunks(view[base + offsets[name] : base + offsets[name] + int(ro[-1])], chunks)
-                fields[name] = {"schema": col.schema.to_wire(), "offset": offsets[name], "row_offsets": protocol.pack_array(ro, buffers)}
-            args: dict[str, Any] = {"n_rows": stop - start, "fields": fields, "alloc": alloc["alloc"]}
+                fields[name] = messages.StoreField(schema=col.schema.to_wire(), offset=offsets[name],
+                                              row_offsets=protocol.pack_array(ro, buffers))
+            args = messages.Store(n_rows=stop - start, fields=fields, alloc=alloc["alloc"])
         else:
             for name, (col, ro, chunks) in cols.items():
-                fields[name] = {"schema": col.schema.to_wire(), "row_offsets": protocol.pack_array(ro, buffers),
-                                "data": [protocol.pack_array(c, buffers) for c in _frames_of(chunks)]}
-            args = {"n_rows": stop - start, "fields": fields, "wait_s": self.capacity_wait_s}
+                fields[name] = messages.StoreField(schema=col.schema.to_wire(), row_offsets=protocol.pack_array(ro, buffers),
+                                              data=[protocol.pack_array(c, buffers) for c in _frames_of(chunks)])
+            args = messages.Store(n_rows=stop - start, fields=fields, wait_s=self.capacity_wait_s)
         stored = self._unit_call(unit, UnitOp.STORE, args, buffers)
         return _StoredPart(unit, stored["block"], start, stop, stored["starts"])
 
@@ -586,16 +587,16 @@ class TQClient:
     def wait(self, meta: KVBatchMeta, fields: Sequence[str] | None = None, timeout: float = 60.0) -> None:
         """Block until every key of ``meta`` has ``fields`` (default: ``meta.fields``) or time out."""
         fields = list(fields if fields is not None else meta.fields)
-        self._call(Op.WAIT, {"partition": meta.partition_id, "keys": list(meta.keys), "fields": fields, "timeout": timeout},
+        self._call(Op.WAIT, messages.Wait(partition=meta.partition_id, keys=list(meta.keys), fields=fields, timeout=timeout),
                    timeout=timeout + self.timeout)
 
-    def _with_reads(self, args: dict[str, Any]) -> dict[str, Any]:
+    def _with_reads(self, args: ReadsArgsT) -> ReadsArgsT:
         """Add the bytes read through location tables since the last report (the controller counts
         reads at ``locate``; these reads never asked it)."""
         if self._reads:
             with self._tables_lock:
                 reads, self._reads = self._reads, {}
-            args["reads"] = {str(u): b for u, b in reads.items()}
+            args.reads = {str(u): b for u, b in reads.items()}
         return args
 
     def _remember_table(self, partition_id: str, desc: Any, schemas: dict[str, FieldSchema]) -> None:
@@ -655,9 +656,7 @@ class TQClient:
         every unit asked before any reply is awaited. Also returns, when rows are read out of an
         arena, the check to run after copying them: no bytes of the partition were freed meanwhile
         (a unit serves a fetch between frees, so frames need no check)."""
-        args: dict[str, Any] = {"partition": meta.partition_id, "keys": list(meta.keys), "fields": fields}
-        if wait_timeout is not None:
-            args["timeout"] = wait_timeout
+        args = messages.Locate(partition=meta.partition_id, keys=list(meta.keys), fields=fields, timeout=wait_timeout)
         located, lmsg = self._ctrl.call(Op.LOCATE, self._with_reads(args), timeout=self.timeout + (wait_timeout or 0.0))
         if located["units_version"] != self._units_version:
             self._refresh_units()
@@ -688,7 +687,7 @@ class TQClient:
             bufs: list[Any] = []
             entries = protocol.pack_array(np.stack([where[:, 0], rec[:, BLOCK], rec[:, ROW]], axis=1), bufs)
             chan = self._unit_chans[unit]
-            rid = chan.send(UnitOp.FETCH, {"fields": fields, "entries": entries}, bufs, check=self._unit_check(unit))
+            rid = chan.send(UnitOp.FETCH, messages.Fetch(fields=fields, entries=entries), bufs, check=self._unit_check(unit))
             pending.append((unit, where, chan, rid))
         for unit, where, chan, rid in pending:  # frames of whole rows, back to back
             reply, msg = chan.recv(rid, "fetch", check=self._unit_check(unit))
@@ -805,11 +804,11 @@ class TQClient:
     # ------------------------------------------------------------------ deletes and stats
     def discard(self, meta: KVBatchMeta) -> int:
         """Free the meta's keys (all their fields) and unregister them; returns keys discarded."""
-        return self._call(Op.DISCARD, self._with_reads({"partition": meta.partition_id, "keys": list(meta.keys)}))["discarded"]
+        return self._call(Op.DISCARD, self._with_reads(messages.Discard(partition=meta.partition_id, keys=list(meta.keys))))["discarded"]
 
     def stats(self) -> dict[str, Any]:
         """Controller stats (partitions, op counts and latencies) plus every storage unit's."""
-        stats = self._call(Op.STATS, self._with_reads({}))
+        stats = self._call(Op.STATS, self._with_reads(messages.Stats()))
         if stats.get("units_version") != self._units_version:
             self._refresh_units()
         # a unit the controller reports down is not asked; one that does not answer is shown down
@@ -821,8 +820,8 @@ class TQClient:
 
     def trim(self) -> int:
         """Give the pages of free storage ranges back to the OS; returns bytes released."""
-        return sum(self._unit_chans[u["unit_id"]].call(UnitOp.TRIM, {})[0]["released_bytes"] for u in self._units)
+        return sum(self._unit_chans[u["unit_id"]].call(UnitOp.TRIM, messages.Trim())[0]["released_bytes"] for u in self._units)
 
     def shutdown_service(self) -> None:
         """Stop the controller and its storage units."""
-        self._call(Op.SHUTDOWN, {})
+        self._call(Op.SHUTDOWN, messages.Shutdown())

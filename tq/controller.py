@@ -201,7 +201,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         if self.stop_units_on_close:
             for sock in list(self.unit_socks.values()):
                 try:
-                    sock.send_multipart(protocol.request(messages.UnitOp.SHUTDOWN, 0, {}, [], self.secret), flags=zmq.NOBLOCK)
+                    sock.send_multipart(protocol.request(messages.UnitOp.SHUTDOWN, 0, messages.UnitShutdown(), [], self.secret), flags=zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
                 self._extra_sockets.pop(sock, None)
@@ -647,7 +647,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
 
     def op_shutdown(self, args: messages.Shutdown, buffers: list, call: Call) -> dict:
         for unit in list(self.unit_socks):
-            self._send_to_unit(unit, messages.UnitOp.SHUTDOWN, {}, [])
+            self._send_to_unit(unit, messages.UnitOp.SHUTDOWN, messages.UnitShutdown(), [])
         self.stop()
         return {"stopping": True}
 

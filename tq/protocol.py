@@ -299,7 +299,7 @@ class ReplayGuard:
 
 # ----------------------------------------------------------------------------- requests / replies
 def request(
-    op: str, rid: int, args: dict[str, Any], buffers: Sequence[Any], secret: bytes | None, sender: Sender | None = None
+    op: str, rid: int, args: Any, buffers: Sequence[Any], secret: bytes | None, sender: Sender | None = None
 ) -> list[Any]:
     """Frame a request. With a secret it is stamped by ``sender`` (default: one sender per thread, fine
     for a thread that talks to each server over one socket) so the server can refuse replays."""

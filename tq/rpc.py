@@ -383,7 +383,7 @@ class RpcChannel:
         return sock
 
     def send(
-        self, op: str, args: dict[str, Any], buffers: Sequence[Any] = (), *, timeout: float | None = None,
+        self, op: str, args: Any, buffers: Sequence[Any] = (), *, timeout: float | None = None,
         check: Callable[[], None] | None = None,
     ) -> int:
         """Send a request and return its id; waits at most ``timeout`` for the connection.
@@ -507,7 +507,7 @@ class RpcChannel:
             return protocol.raise_for_reply(msg), msg
 
     def call(
-        self, op: str, args: dict[str, Any], buffers: Sequence[Any] = (), *, timeout: float | None = None,
+        self, op: str, args: Any, buffers: Sequence[Any] = (), *, timeout: float | None = None,
         check: Callable[[], None] | None = None,
     ) -> tuple[Any, protocol.Message]:
         """Send a request and wait for its reply, both within ``timeout`` (default: the channel's)."""

@@ -152,15 +152,15 @@ class UnitSupervision:
             led.fenced.update(new)
             if self.journal is not None:
                 self.journal.append(["__fence__", {"unit": unit, "blocks": new}, []])
-        self._send_to_unit(unit, messages.UnitOp.FREE_BLOCKS, {"blocks": blocks}, [])
+        self._send_to_unit(unit, messages.UnitOp.FREE_BLOCKS, messages.FreeBlocks(blocks=blocks), [])
 
     def _resync(self, unit: int) -> None:
         """Send the unit the whole list of what it must keep (and the blocks committed on it): covers
         every free and claim it missed (down, restarted, or its queue was full)."""
         led = self.ledgers[unit]
         bufs: list[Any] = []
-        args = {**block_rows(self._rows_on(unit), bufs),
-                "claimed": protocol.pack_array(np.array(sorted(led.pending), dtype=np.int64), bufs)}
+        args = messages.Retain(**block_rows(self._rows_on(unit), bufs),
+                               claimed=protocol.pack_array(np.array(sorted(led.pending), dtype=np.int64), bufs))
         led.resync = False
         self._send_to_unit(unit, messages.UnitOp.RETAIN, args, bufs)  # sets resync again if it could not go out
 
@@ -224,7 +224,7 @@ class UnitSupervision:
             return
         self._next_heartbeat = now + HEARTBEAT_S
         for unit in self.unit_socks:
-            self._send_to_unit(unit, messages.UnitOp.PING, {}, [])
+            self._send_to_unit(unit, messages.UnitOp.PING, messages.Ping(), [])
         for uid, proc in list(self._restarting.items()):
             if proc is None and not arena_in_use(self.units[uid]["arena_path"]):
                 del self._restarting[uid]  # the process that owned its arena is gone before it rejoined
@@ -232,7 +232,7 @@ class UnitSupervision:
                 del self._restarting[uid]
         self._publish_status()  # renews the location tables' lease too
 
-    def _send_to_unit(self, unit: int, op: str, args: dict, buffers: list) -> None:
+    def _send_to_unit(self, unit: int, op: messages.UnitOp, args: messages.Args, buffers: list) -> None:
         """Fire and forget, never blocking: a unit that is gone or stalled must not stall this loop.
         A dropped free or claim is not lost: the unit gets a ``retain`` once it answers again."""
         if self._replaying:
@@ -252,9 +252,10 @@ class UnitSupervision:
         for unit, led in self.ledgers.items():
             if led.claims:
                 bufs: list[Any] = []
-                self._send_to_unit(unit, messages.UnitOp.CLAIM, {"blocks": protocol.pack_array(np.array(led.claims, dtype=np.int64), bufs)}, bufs)
+                blocks = protocol.pack_array(np.array(led.claims, dtype=np.int64), bufs)
+                self._send_to_unit(unit, messages.UnitOp.CLAIM, messages.Claim(blocks=blocks), bufs)
                 led.claims = []
             if led.frees:
                 bufs = []
-                self._send_to_unit(unit, messages.UnitOp.FREE_ROWS, block_rows(np.concatenate(led.frees), bufs), bufs)
+                self._send_to_unit(unit, messages.UnitOp.FREE_ROWS, messages.FreeRows(**block_rows(np.concatenate(led.frees), bufs)), bufs)
                 led.frees = []

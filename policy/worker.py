@@ -371,3 +371,25 @@ class DPPolicyWorker:
         self.step = int(opt["step"])
         return self.step
 
+
+    # ------------------------------------------------------------------ GPU refit senders (policy.weight_sync)
+    def _weight_sender(self) -> Any:
+        if getattr(self, "_refit_sender", None) is None:
+            from .weight_sync import WeightBucketSender
+
+            self._refit_sender = WeightBucketSender()
+        return self._refit_sender
+
+    def get_weight_ipc_bucket(self, dtype: str, version: int) -> dict[str, Any]:
+        """This rank's weights cast into its GPU refit buffer, as a ``"cuda_ipc"`` weight bucket that a
+        colocated vLLM engine maps and copies from (call on rank 0)."""
+        return self._weight_sender().cuda_ipc_bucket(self.model, DTYPES[dtype], version)
+
+    def get_weight_nccl_bucket(self, dtype: str, version: int, group: Mapping[str, Any]) -> dict[str, Any]:
+        """This rank's weights cast into its GPU refit buffer, as an ``"nccl"`` weight bucket; send it
+        with :meth:`broadcast_weight_bucket` while the receivers load it (call on rank 0)."""
+        return self._weight_sender().nccl_bucket(self.model, DTYPES[dtype], version, group)
+
+    def broadcast_weight_bucket(self) -> int:
+        """Broadcast the refit buffer to the NCCL weight group's receivers; returns the bytes sent."""
+        return self._weight_sender().broadcast()

@@ -132,12 +132,27 @@ class GRPOTrainerBase(ABC):
         measure data movement rather than a weight transfer the generator ignores."""
         if not self.cfg.generation.loads_weights:
             return {}
+        if self.cfg.generation.refit_transport == "cuda_ipc":  # a handle of rank 0's GPU buffer, no copy
+            return self.policy.workers[0].get_weight_ipc_bucket.remote(self.cfg.generation.dtype, self.step)
         return self.policy.workers[0].get_weights.remote()
 
     def refit_generation(self) -> None:
         """Push the policy's weights to the generator: rank 0 -> object store -> rollout actor. The
         driver only passes the object reference, never the weights."""
+        if self.cfg.generation.refit_transport == "nccl":
+            return self.refit_over_nccl(self.rollout)
         self.get(self.send(self.rollout.update_weights, self.refit_weights(), self.step), "generation refit")
+
+    def refit_over_nccl(self, target: Any) -> None:
+        """Refit ``target`` (an actor with ``update_weights``) by an NCCL broadcast from rank 0's GPU
+        (``generation.refit_transport: nccl``): rank 0 casts its weights into its refit buffer, then
+        sends it while the generation workers receive it (one stateless group, joined at the first refit)."""
+        g, w0 = self.cfg.generation, self.policy.workers[0]
+        if getattr(self, "_weight_group", None) is None:
+            host, port = self.get(w0.master_address.remote(), "refit group address")
+            self._weight_group = {"host": host, "port": port, "world_size": 1 + max(1, g.ray_workers) * g.vllm_tensor_parallel_size}
+        bucket = w0.get_weight_nccl_bucket.remote(g.dtype, self.step, self._weight_group)
+        self.get([self.send(target.update_weights, bucket, self.step), w0.broadcast_weight_bucket.remote()], "generation refit")
 
     def _pop_driver_counters(self) -> dict[str, float]:
         """The driver's traffic since the last call (trainer and policy together), then reset."""

@@ -96,7 +96,7 @@ class MetricsLogger:
         if not self.cfg.progress:
             return
         parts = [f"step {step}/{total}"]
-        for key, label in (("reward", "reward"), ("loss", "loss"), ("step_time_s", "time")):
+        for key, label in (("reward", "reward"), ("loss", "loss"), ("token_mult_prob_error", "mult_prob_err"), ("step_time_s", "time")):
             if (s := _scalar(metrics.get(key))) is not None:
                 parts.append(f"{label} {s:.4f}" if label != "time" else f"{label} {s:.2f}s")
         # The step's phases only; the driver_*/worker_* breakdowns stay in metrics.jsonl and TensorBoard.

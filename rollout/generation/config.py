@@ -57,6 +57,9 @@ class GenerationBackendConfig(BaseModel):
     vllm_enable_sleep_mode: bool = False
     vllm_async_engine: bool = False
     vllm_extra_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # How a refit reaches the generator: "state_dict" (CPU tensors through Ray's object store; any backend),
+    # "cuda_ipc" (vLLM colocated with policy rank 0 on its GPU), "nccl" (vLLM on other GPUs; sync trainer).
+    refit_transport: Literal["state_dict", "cuda_ipc", "nccl"] = "state_dict"
 
     @property
     def loads_weights(self) -> bool:

@@ -4,8 +4,10 @@
 inside the worker process, so model weights are never pickled at start-up. ``RayGenerationPool``
 is the driver-side handle: it implements ``GenerationInterface`` by splitting a batch over its
 workers (contiguous chunks, reassembled in order), and refits all of them with one ``ray.put`` of
-the state dict - each worker reads it from the object store. Every remote call is bounded by
-``config.ray_timeout_s``.
+the state dict - each worker reads it from the object store - or with a weight bucket
+(``common.weight_sync``: a CUDA IPC handle every worker on the policy's GPU maps, or an NCCL broadcast
+in which worker ``i`` takes ranks ``1 + i * tensor_parallel_size`` onwards). Every remote call is
+bounded by ``config.ray_timeout_s``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from common.weight_sync import is_weight_bucket
 from rollout.generation.config import GenerationBackendConfig
 from rollout.interfaces import GenerationInterface, GenerationOutput
 
@@ -43,8 +46,8 @@ class RayGenerationWorker:
         """``GenerationInterface.generate`` on this worker's backend."""
         return self.backend.generate(prompts, max_new_tokens=max_new_tokens, stop_strings=stop_strings, greedy=greedy)
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], weight_version: int) -> int:
-        """Refit from a state dict (Ray resolves an ObjectRef argument from the object store)."""
+    def update_weights(self, state_dict: Mapping[str, Any], weight_version: int) -> int:
+        """Refit from a state dict or a weight bucket (Ray resolves an ObjectRef argument from the object store)."""
         self.backend.update_weights(state_dict, weight_version)
         return self.backend.weight_version
 
@@ -143,16 +146,26 @@ class RayGenerationPool(GenerationInterface):
         except asyncio.TimeoutError:
             raise TimeoutError(f"generate_async: no answer within {self.timeout_s:.0f}s") from None
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], weight_version: int) -> None:
-        """Push new weights to every worker: one object-store copy, read by all of them."""
+    def update_weights(self, state_dict: Mapping[str, Any], weight_version: int) -> None:
+        """Push new weights to every worker: a state dict as one object-store copy read by all of
+        them; a weight bucket as it is (small: a handle or a broadcast's layout)."""
         import ray
 
-        cpu_state = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
-        ref = ray.put(cpu_state)
-        try:
-            self._get([w.update_weights.remote(ref, int(weight_version)) for w in self.workers], "update_weights")
-        finally:
-            del ref
+        if is_weight_bucket(state_dict):
+            per_worker = [state_dict] * len(self.workers)
+            if state_dict["transport"] == "nccl":  # each worker's ranks in the sender's group
+                tp = self.config.vllm_tensor_parallel_size
+                base = int(state_dict["group"].get("rank_offset", 1))
+                per_worker = [{**state_dict, "group": {**state_dict["group"], "rank_offset": base + i * tp}}
+                              for i in range(len(self.workers))]
+            self._get([w.update_weights.remote(b, int(weight_version)) for w, b in zip(self.workers, per_worker)],
+                      "update_weights")
+        else:
+            ref = ray.put({k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()})
+            try:
+                self._get([w.update_weights.remote(ref, int(weight_version)) for w in self.workers], "update_weights")
+            finally:
+                del ref
         self._version = int(weight_version)
 
     @property

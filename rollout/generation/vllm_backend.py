@@ -8,14 +8,18 @@
   token's log-prob, ``include_stop_str_in_output=True`` so the response ends right after the stop
   string like the transformers backend's. The engine is started with
   ``logprobs_mode="processed_logprobs"`` (or ``"raw_logprobs"``), matching ``HFGenerationBackend``.
-- Refit: the engine loads ``VllmWeightSyncExtension`` into every worker (``worker_extension_cls``);
-  ``update_weights`` sends the state dict in chunks through ``collective_rpc`` and each worker calls
-  its model's ``load_weights`` (which maps Hugging Face names onto vLLM's fused layers), then the
-  prefix cache is reset so no KV computed with old weights is reused. This moves weights through
-  vLLM's RPC channel (CPU tensors), which suits single-node jobs; NCCL / CUDA-IPC refit for large
-  models is future work.
-- ``prepare_for_generation`` / ``finish_generation`` wake / sleep the engine when
-  ``vllm_enable_sleep_mode`` is on (sleep level 1: weights offloaded to CPU, KV cache dropped).
+- Refit: the engine loads ``VllmWeightSyncExtension`` (``rollout.generation.weight_sync``) into every
+  worker (``worker_extension_cls``). ``update_weights`` takes a state dict (sent as ``"bytes"`` weight
+  buckets of at most ``REFIT_CHUNK_BYTES``: the fallback) or a weight bucket a policy rank made
+  (``policy.weight_sync``: ``"cuda_ipc"`` for a colocated policy, ``"nccl"`` across GPUs), passes it
+  through ``collective_rpc`` - plain values only, so it survives vLLM's engine-core process boundary
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=1``, the default) - and each worker calls its model's
+  ``load_weights`` (which maps Hugging Face names onto vLLM's fused layers). Then the prefix cache is
+  reset so no KV computed with old weights is reused.
+- Sleep mode (``vllm_enable_sleep_mode``): ``finish_generation`` puts the engine to sleep (level 1:
+  weights offloaded to CPU, KV cache dropped) so a colocated policy can train; a refit wakes only the
+  weights (``wake_up(tags=["weights"])``) before loading - loading into sleeping weights is a CUDA
+  error - and ``prepare_for_generation`` wakes whatever still sleeps (the KV cache) before generating.
 
 vLLM is imported lazily: importing this module never needs it. This backend cannot run on a machine
 without vLLM and a GPU; its tests skip there.
@@ -31,45 +35,15 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from common.models import TINY_MODEL, load_model, load_tokenizer
+from common.models import DTYPES, TINY_MODEL, load_model, load_tokenizer
+from common.weight_sync import bytes_buckets, is_weight_bucket
 from rollout.generation.common import CallSeeds, prepare_request, resolve_stop_token_ids
 from rollout.generation.config import GenerationBackendConfig
+from rollout.generation.weight_sync import VllmWeightSyncExtension
 from rollout.interfaces import GenerationInterface, GenerationOutput
 
-# One collective_rpc message carries at most this many bytes of weights (bounds the RPC payload).
+# A state dict is sent in "bytes" buckets of at most this many bytes (bounds one RPC message).
 REFIT_CHUNK_BYTES = 512 << 20
-
-
-class VllmWeightSyncExtension:
-    """Methods vLLM mixes into each of its GPU workers (passed as ``worker_extension_cls``).
-
-    ``self`` is vLLM's worker at run time, so ``self.model_runner.model`` is the loaded model.
-    """
-
-    def tqrl_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
-        """Load ``(name, tensor)`` pairs (Hugging Face names) into this worker's model."""
-        self.model_runner.model.load_weights(weights=weights)  # type: ignore[attr-defined]
-        return len(weights)
-
-    def tqrl_weight_checksum(self, name: str) -> float:
-        """Sum of one parameter (vLLM's name), for checks that a refit landed."""
-        params = dict(self.model_runner.model.named_parameters())  # type: ignore[attr-defined]
-        return float(params[name].float().sum().item())
-
-
-def _chunks(state_dict: Mapping[str, torch.Tensor], limit: int) -> list[list[tuple[str, torch.Tensor]]]:
-    """Split a state dict into lists of CPU tensors of at most ``limit`` bytes each (one tensor minimum)."""
-    out: list[list[tuple[str, torch.Tensor]]] = [[]]
-    size = 0
-    for name, t in state_dict.items():
-        t = t.detach().to("cpu").contiguous()
-        nbytes = t.numel() * t.element_size()
-        if out[-1] and size + nbytes > limit:
-            out.append([])
-            size = 0
-        out[-1].append((name, t))
-        size += nbytes
-    return [c for c in out if c]
 
 
 class VllmGenerationBackend(GenerationInterface):
@@ -115,7 +89,7 @@ class VllmGenerationBackend(GenerationInterface):
             gpu_memory_utilization=config.vllm_gpu_memory_utilization,
             enforce_eager=config.vllm_enforce_eager,
             enable_sleep_mode=config.vllm_enable_sleep_mode,
-            worker_extension_cls=f"{__name__}.VllmWeightSyncExtension",
+            worker_extension_cls=f"{VllmWeightSyncExtension.__module__}.{VllmWeightSyncExtension.__qualname__}",
             logprobs_mode="processed_logprobs" if config.logprobs_mode == "processed" else "raw_logprobs",
             **config.vllm_extra_kwargs,
         )
@@ -123,6 +97,8 @@ class VllmGenerationBackend(GenerationInterface):
             engine_kwargs["max_model_len"] = config.vllm_max_model_len
 
         self._version = 0
+        self._asleep: set[str] = set()  # sleep-mode tags ("weights", "kv_cache") now asleep
+        self._dtype = DTYPES[config.dtype]
         self._seeds = CallSeeds(config.seed)
         self._lock = threading.Lock()  # vllm.LLM is not thread-safe; generate_async threads queue here
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -165,6 +141,7 @@ class VllmGenerationBackend(GenerationInterface):
             stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=True,
             skip_special_tokens=True,
+            detokenize=bool(stops),  # responses are token ids; text is needed only to match stop strings
             seed=None if greedy else seed,
         )
 
@@ -197,7 +174,7 @@ class VllmGenerationBackend(GenerationInterface):
         params = [self._sampling_params(stops[i], max_new_tokens, greedy, (base + i) % (1 << 63)) for i in range(len(prompts))]
         inputs = [TokensPrompt(prompt_token_ids=p.tolist()) for p in prompts]
         if self.engine is not None:
-            results = self._run(asyncio.gather(*(self._agenerate(x, sp) for x, sp in zip(inputs, params))))
+            results = self._run(self._agenerate_all(inputs, params))
         else:
             with self._lock:
                 results = self.llm.generate(inputs, sampling_params=params, use_tqdm=False)
@@ -208,6 +185,10 @@ class VllmGenerationBackend(GenerationInterface):
             out.logprobs.append(lps)
             out.finish_reasons.append(reason)
         return out
+
+    async def _agenerate_all(self, prompts: list[Any], params: list[Any]) -> list[Any]:
+        # A coroutine for _run (run_coroutine_threadsafe takes no future, which is what gather returns).
+        return await asyncio.gather(*(self._agenerate(x, sp) for x, sp in zip(prompts, params)))
 
     async def _agenerate(self, prompt: Any, params: Any) -> Any:
         final = None
@@ -241,25 +222,38 @@ class VllmGenerationBackend(GenerationInterface):
         return GenerationOutput(response_ids=[ids], logprobs=[lps], finish_reasons=[reason], weight_version=self._version)
 
     # ------------------------------------------------------------------ weights and memory
-    def _collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
-        if self.engine is not None:
-            return self._run(self.engine.collective_rpc(method, args=args))
-        return self.llm.collective_rpc(method, args=args)
-
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], weight_version: int) -> None:
+    def update_weights(self, state_dict: Mapping[str, Any], weight_version: int) -> None:
         """Load new weights into every vLLM worker, then drop the prefix cache built with the old ones.
 
-        Call it between generation phases: requests in flight on the async engine during a refit
-        would mix old and new weights.
+        ``state_dict``: a state dict of tensors (sent as ``"bytes"`` buckets) or one weight bucket
+        (``common.weight_sync``). A sleeping engine gets its weights woken first (its KV cache stays
+        asleep until ``prepare_for_generation``). Call it between generation phases: requests in
+        flight on the async engine during a refit would mix old and new weights.
         """
+        if is_weight_bucket(state_dict):
+            buckets = [state_dict]
+        else:
+            buckets = bytes_buckets(state_dict, self._dtype, REFIT_CHUNK_BYTES, int(weight_version))
         with self._lock:
-            for chunk in _chunks(state_dict, REFIT_CHUNK_BYTES):
-                self._collective_rpc("tqrl_load_weights", (chunk,))
-            if self.engine is not None:
-                self._run(self.engine.reset_prefix_cache())
-            else:
-                self.llm.reset_prefix_cache()
+            self._wake(["weights"])
+            for bucket in buckets:
+                self._call("collective_rpc", "tqrl_load_bucket", args=(bucket,))
+            if "kv_cache" not in self._asleep:  # a sleeping KV cache was emptied when it went to sleep
+                self._call("reset_prefix_cache")
             self._version = int(weight_version)
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """One engine method, on whichever engine this backend runs (awaited on the async one)."""
+        if self.engine is not None:
+            return self._run(getattr(self.engine, method)(*args, **kwargs))
+        return getattr(self.llm, method)(*args, **kwargs)
+
+    def _wake(self, tags: list[str] | None = None) -> None:
+        """Wake the sleeping ones of ``tags`` (None: all)."""
+        wake = sorted(self._asleep if tags is None else self._asleep & set(tags))
+        if wake:
+            self._call("wake_up", tags=wake)
+            self._asleep -= set(wake)
 
     @property
     def weight_version(self) -> int:
@@ -267,31 +261,32 @@ class VllmGenerationBackend(GenerationInterface):
         return self._version
 
     def prepare_for_generation(self) -> None:
-        """Wake the engine (sleep mode only)."""
-        if not self.config.vllm_enable_sleep_mode:
-            return
-        if self.engine is not None:
-            self._run(self.engine.wake_up())
-        else:
-            self.llm.wake_up()
+        """Wake whatever sleeps (sleep mode only): the KV cache, and the weights if no refit woke them."""
+        with self._lock:
+            self._wake()
 
     def finish_generation(self) -> None:
         """Put the engine to sleep, freeing its GPU memory for training (sleep mode only)."""
         if not self.config.vllm_enable_sleep_mode:
             return
-        if self.engine is not None:
-            self._run(self.engine.sleep(level=1))
-        else:
-            self.llm.sleep(level=1)
+        with self._lock:
+            if not self._asleep:
+                self._call("sleep", level=1)
+                self._asleep = {"weights", "kv_cache"}
 
     def shutdown(self) -> None:
-        """Stop the engine loop thread and remove the materialised tiny model, if any."""
+        """Stop the engine (its core process, GPU memory) and loop thread; remove the materialised tiny model."""
         if self._loop is not None:
-            if self.engine is not None and hasattr(self.engine, "shutdown"):
+            if self.engine is not None:
                 self.engine.shutdown()
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop_thread.join(timeout=30)
             self._loop = None
+        elif self.llm is not None:
+            engine_core = getattr(self.llm.llm_engine, "engine_core", None)
+            if engine_core is not None:
+                engine_core.shutdown()
+        self.engine = self.llm = None
         if self._tmpdir is not None:
             self._tmpdir.cleanup()
             self._tmpdir = None

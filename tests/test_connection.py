@@ -33,6 +33,10 @@ def test_the_secret_is_resolved_once_where_built_pickled_along_and_never_printed
     assert copy == conn and copy.secret == "from-the-driver"
     assert "from-the-driver" not in repr(conn)
     assert conn.replace(timeout_s=2.0).timeout_s == 2.0 and conn.replace(timeout_s=2.0).secret == "from-the-driver"
+    monkeypatch.delenv("TQ_SECRET")
+    none = TQConnection("tcp://127.0.0.1:1")  # built where there is no secret: it has none, wherever it goes
+    monkeypatch.setenv("TQ_SECRET", "a-worker-of-its-own")
+    assert none.secret == "" and none.replace(timeout_s=1.0).secret == "" and pickle.loads(pickle.dumps(none)).secret == ""
 
 
 def test_connect_signs_with_the_value_s_secret_only(monkeypatch):

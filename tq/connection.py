@@ -39,7 +39,7 @@ class TQConnection:
     Args:
         address: the controller's address, e.g. ``tcp://127.0.0.1:5555``.
         secret: the service's shared secret. ``None`` takes ``$TQ_SECRET`` of the process that builds
-            the value (the driver), once: the value then carries it to every worker.
+            the value (the driver), once: the value then carries it to every worker (``""``: none).
         timeout_s: seconds one client call may take (see :class:`~tq.client.TQClient`), and the
             default bound on waits for fields to be produced.
         transport: ``"auto"`` maps same-host storage arenas; ``"tcp"`` always streams bytes.
@@ -47,7 +47,7 @@ class TQConnection:
     """
 
     address: str
-    secret: str | None = field(default=None, repr=False)  # never printed: reprs end up in logs
+    secret: str | None = field(default=None, repr=False)  # never printed: reprs end up in logs; "" = none
     timeout_s: float = 60.0
     transport: Literal["auto", "tcp"] = "auto"
     capacity_wait_s: float = 0.0
@@ -64,8 +64,9 @@ class TQConnection:
         if self.transport not in TRANSPORTS:
             raise InvalidRequestError(f"TQConnection.transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.secret is None:
-            # Resolved here, once, in the building process; unpickling does not run this again.
-            object.__setattr__(self, "secret", os.environ.get("TQ_SECRET") or None)
+            # Resolved here, once, in the building process ("" = none, so that neither unpickling nor
+            # replace() in another process looks at that process's environment again).
+            object.__setattr__(self, "secret", os.environ.get("TQ_SECRET", ""))
         elif not isinstance(self.secret, str):
             raise InvalidRequestError(f"TQConnection.secret must be a string, got {type(self.secret).__name__}")
 
@@ -73,8 +74,8 @@ class TQConnection:
         """A new client on this connection (the caller closes it; it is thread-safe and long-lived)."""
         from .client import TQClient
 
-        # "" rather than None: the client must not fall back to this process's own $TQ_SECRET.
-        return TQClient(self.address, secret=self.secret or "", timeout=self.timeout_s, transport=self.transport,
+        # never None: the client must not fall back to this process's own $TQ_SECRET
+        return TQClient(self.address, secret=self.secret, timeout=self.timeout_s, transport=self.transport,
                         capacity_wait_s=self.capacity_wait_s)
 
     def replace(self, **changes: Any) -> "TQConnection":

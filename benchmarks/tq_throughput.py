@@ -20,13 +20,16 @@ result buffers, ``tq.bufferpool``):
                  pads them. "Ray views": the actor stores padded tensors and the get returns read-only
                  views of them, nothing copied - the bound for a get that copies nothing.
   transferqueue  its defaults (``transfer_queue.init()``: SimpleStorage, 2 storage units), one partition
-                 reused. Its get returns jagged nested tensors; two forms, the faster get is compared:
-                 [pad] jagged nested tensors put, the get's values/offsets views padded; [views] padded
-                 tensors put, the get's equal-length rows viewed as dense tensors (no copy after the get).
+                 reused. Its get returns jagged nested tensors: [pad] jagged nested tensors put, the get's
+                 values/offsets views padded; [views] padded tensors put, the get's equal-length rows
+                 viewed as dense tensors (no copy after the get). The faster get is compared.
+  Both baselines put both forms ([jagged], [padded]); the faster put is compared (the same unpadded
+  payload is counted either way).
   memcpy         ``np.copyto`` of the payload a producer process just wrote into shared memory (the ceiling).
 
-    python -m benchmarks.tq_throughput                 # 8 MiB .. 512 MiB, all systems (~9 minutes on 2 cores)
+    python -m benchmarks.tq_throughput                 # 8 MiB .. 512 MiB, all systems (~15 minutes on 2 cores)
     python -m benchmarks.tq_throughput --quick         # 8 and 32 MiB, fewer iterations, 1 round
+    python -m benchmarks.tq_throughput --from-json logs/tq_throughput/<run>/tq_throughput.json   # rebuild its report
 
 Results go to a fresh ``logs/tq_throughput/<timestamp>/`` (``tq_throughput.json``, ``tq_throughput.md``);
 ``--publish`` also writes ``benchmarks/results/tq_throughput_<machine>.{json,md}``. The `transferqueue`
@@ -516,11 +519,14 @@ def machine_info() -> str:
             f"torch {torch.__version__}")
 
 
-def _ptq_get(r: dict[str, Any] | None) -> str | None:
-    """The faster of transferqueue's two gets (``get``: padded here, ``get_views``: padded rows viewed)."""
+FORM_TAGS = {"put": "jagged", "put_padded": "padded", "get": "pad", "get_views": "views"}
+
+
+def _faster(r: dict[str, Any] | None, keys: tuple[str, str]) -> str | None:
+    """Of a baseline's two forms (e.g. ``put`` / ``put_padded``), the key with the faster warm median."""
     if not r:
         return None
-    return max((k for k in ("get", "get_views") if r.get(k)), key=lambda k: _warm(r[k]))
+    return max((k for k in keys if r.get(k)), key=lambda k: _warm(r[k]))
 
 
 def report(all_res: dict[str, Any], sizes: list[int]) -> str:
@@ -536,8 +542,9 @@ def report(all_res: dict[str, Any], sizes: list[int]) -> str:
         "",
         f"GB/s of unpadded payload, median of the warm iterations (every one after a system's first get of a size), "
         f"pooled over {all_res.get('rounds', 1)} round(s) of every system run in turn. Every get ends in padded "
-        "tensors made by the same C row copier; Ray views: padded tensors stored, read-only views returned, "
-        "nothing copied; transferqueue: the faster of its two forms ([pad] or [views], see the module docstring).",
+        "tensors made by the same C row copier. Ray views: padded tensors stored, read-only views returned, "
+        "nothing copied. A baseline's put and transferqueue's get show the faster of its two forms: [jagged] or "
+        "[padded] tensors put; [pad]: the get's flat rows padded, [views]: padded rows stored and viewed.",
         "",
         "| batch | payload MB | memcpy | TQ put | TQ get | TQ tcp put | TQ tcp get | Ray put | Ray get | Ray views "
         "| transferqueue put | transferqueue get |",
@@ -551,25 +558,27 @@ def report(all_res: dict[str, Any], sizes: list[int]) -> str:
     for size in sizes:
         mc, tq = all_res["memcpy"][size], all_res["tq"][size]
         tcp, ray_, ptq = (get(k).get(size) for k in ("tq_tcp", "ray", "transferqueue"))
-        pk = _ptq_get(ptq)
-        form = f" [{'views' if pk == 'get_views' else 'pad'}]" if pk else ""
+        # The baselines' faster form where both do the same work: either put (same payload counted), and
+        # transferqueue's either get (its views copy inside kv_batch_get); Ray's get pads like TQ's.
+        rput, pput, pget = _faster(ray_, ("put", "put_padded")), _faster(ptq, ("put", "put_padded")), _faster(ptq, ("get", "get_views"))
+        tag = lambda k: f" [{FORM_TAGS[k]}]" if k else ""  # noqa: E731
         lines.append("| " + " | ".join([
             f"{size // MiB} MiB", f"{tq['bytes'] / 1e6:.0f}", warm(mc, "copy"), warm(tq, "put"), warm(tq, "get"),
-            warm(tcp, "put"), warm(tcp, "get"), warm(ray_, "put"), warm(ray_, "get"), warm(ray_, "get_views"),
-            warm(ptq, "put"), warm(ptq, pk) + form]) + " |")
+            warm(tcp, "put"), warm(tcp, "get"), warm(ray_, rput) + tag(rput), warm(ray_, "get"), warm(ray_, "get_views"),
+            warm(ptq, pput) + tag(pput), warm(ptq, pget) + tag(pget)]) + " |")
         cold_lines.append("| " + " | ".join([
             f"{size // MiB} MiB", cold(mc, "copy"), cold(tq, "get"), cold(tcp, "get"), cold(ray_, "get"),
-            cold(ray_, "get_views"), cold(ptq, pk) + form, f"{_floor(tq['get']):.2f}"]) + " |")
+            cold(ray_, "get_views"), cold(ptq, pget) + tag(pget), f"{_floor(tq['get']):.2f}"]) + " |")
         med = lambda r, k: _warm(r[k])  # noqa: E731
         r = {"size": f"{size // MiB} MiB", "get_vs_memcpy": med(tq, "get") / med(mc, "copy"),
              "tq_cold_get_gbps": tq["get"][0] / 1e9, "tq_warm_floor": _floor(tq["get"])}
         if ray_:
             r.update(get_vs_ray=med(tq, "get") / med(ray_, "get"), get_vs_ray_views=med(tq, "get") / med(ray_, "get_views"),
-                     put_vs_ray=med(tq, "put") / med(ray_, "put"))
+                     put_vs_ray=med(tq, "put") / med(ray_, rput))
         if ptq:
-            r.update(get_vs_transferqueue=med(tq, "get") / med(ptq, pk), put_vs_transferqueue=med(tq, "put") / med(ptq, "put"))
+            r.update(get_vs_transferqueue=med(tq, "get") / med(ptq, pget), put_vs_transferqueue=med(tq, "put") / med(ptq, pput))
         if ptq and tcp:
-            r["tcp_get_vs_transferqueue"] = med(tcp, "get") / med(ptq, pk)
+            r["tcp_get_vs_transferqueue"] = med(tcp, "get") / med(ptq, pget)
         ratios.append(r)
     lines += cold_lines
     lines += ["", "Ratios of warm medians (targets: get >= 5x transferqueue, >= 2x Ray, >= 0.4x memcpy; put >= 3x "
@@ -630,6 +639,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run every system this many times in turn and pool their warm iterations (default 2; --quick 1)")
     p.add_argument("--control-iters", type=int, default=2000,
                    help="timed calls of each small operation, after 50 untimed ones (default 2000)")
+    p.add_argument("--from-json", default=None,
+                   help="only rebuild the report (tables, ratios, targets) of an earlier run's JSON, into a fresh run directory")
     p.add_argument("--note", action="append", default=[],
                    help="a line for the report's notes, e.g. what else ran on the machine (repeatable)")
     add_output_args(p, "tq_throughput")
@@ -644,8 +655,17 @@ def main(argv: list[str] | None = None) -> int:
     if a.rounds < 1 or a.iters < 1 or a.control_iters < 1 or min(a.sizes_mib) < 1:
         p.error("--rounds, --iters, --control-iters and --sizes-mib must be >= 1")
     out = open_run("tq_throughput", a.run_dir)
+    if a.from_json:
+        with open(a.from_json) as f:
+            res = json.load(f)
+        for name in ("memcpy", *SYSTEMS):  # JSON made the sizes strings
+            res[name] = {int(k): v for k, v in res[name].items()} if res.get(name) else None
+        res["notes"] = res.get("notes", []) + a.note
+        return write_run(res, out, a.publish, a.machine)
     sizes = [s * MiB for s in a.sizes_mib]
     res: dict[str, Any] = {"sizes": sizes, "rounds": a.rounds, "unavailable": {}, "notes": list(a.note),
+                           "command": " ".join(["python -m benchmarks.tq_throughput", *(sys.argv[1:] if argv is None else argv)]),
+                           "started": time.strftime("%Y-%m-%d %H:%M"),
                            "load_avg": {"start": list(os.getloadavg())}, "code": code_version()}
     t0 = time.time()
     systems: dict[str, Callable[[], Any]] = {
@@ -674,15 +694,20 @@ def main(argv: list[str] | None = None) -> int:
         res[name] = merge_rounds(runs[name]) if runs.get(name) and name not in res["unavailable"] else None
     res["control_ops"] = bench_control_ops(a.control_iters)
     res["load_avg"]["end"] = list(os.getloadavg())
-    table = report(res, sizes)
     res["wall_s"] = time.time() - t0
+    return write_run(res, out, a.publish, a.machine)
+
+
+def write_run(res: dict[str, Any], out: Any, publish: bool, machine: str | None) -> int:
+    """The report of ``res`` (a run's measurements) as the run's JSON and markdown; prints it, publishes on request."""
+    table = report(res, res["sizes"])
     with open(out.path(".json"), "w") as f:
         json.dump(res, f, indent=1, default=str)
     with open(out.path(".md"), "w") as f:
-        f.write(f"# TQ throughput\n\n`python -m benchmarks.tq_throughput {' '.join(argv if argv is not None else sys.argv[1:])}` "
-                f"({time.strftime('%Y-%m-%d %H:%M', time.localtime(t0))}, {res['wall_s'] / 60:.1f} min)\n\n{table}\n")
+        f.write(f"# TQ throughput\n\n`{res.get('command', 'python -m benchmarks.tq_throughput')}` "
+                f"({res.get('started', '?')}, {res.get('wall_s', 0) / 60:.1f} min)\n\n{table}\n")
     print(table)
-    out.finish(a.publish, a.machine)
+    out.finish(publish, machine)
     return 0
 
 

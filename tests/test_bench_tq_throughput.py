@@ -58,9 +58,10 @@ def test_report_computes_ratios_against_baselines_of_the_same_run():
     assert res["targets"]["get_vs_ray"] == {"target": 2.0, "worst": 4.0, "met": True}
     assert res["targets"]["control_p99_ms"]["met"] and res["targets"]["cold_get_gbps"]["met"]
     assert res["targets"]["warm_get_floor"] == {"target": 0.5, "worst": 0.8, "met": True}
-    res["transferqueue"][size]["get_views"] = [1.0, 0.3e9]  # its faster form is the one compared
+    res["transferqueue"][size].update(get_views=[1.0, 0.3e9], put_padded=[1.0, 1e9])  # the faster forms are compared
     table = report(res, [size])
-    assert res["ratios"][0]["get_vs_transferqueue"] == pytest.approx(100 / 3) and "| 0.50 | 0.30 [views] |" in table
+    assert res["ratios"][0]["get_vs_transferqueue"] == pytest.approx(100 / 3) and "| 1.00 [padded] | 0.30 [views] |" in table
+    assert res["ratios"][0]["put_vs_transferqueue"] == 4.0 and "| 0.50 [jagged] | 2.50 | 20.00 |" in table  # Ray
     res["tq"][size]["get"] = [1e9, 3e9, 0.5e9]  # 1.75 GB/s warm: under 2x Ray; cold 1 GB/s; an outlier
     res["control_ops"]["put, 1 key (same host)"]["p99_ms"] = 1.2  # over the project's 1 ms
     report(res, [size])
@@ -126,3 +127,7 @@ def test_a_tiny_run_writes_its_run_dir_and_leaves_the_published_results_alone(tm
     assert all(np.isfinite(v["p99_ms"]) for v in res["control_ops"].values())
     out = capsys.readouterr().out
     assert str(run) in out and "benchmarks/results/ untouched" in out
+    again = tmp_path / "again"  # the report rebuilt from the run's JSON is the same report
+    assert main(["--from-json", str(run / "tq_throughput.json"), "--run-dir", str(again)]) == 0
+    assert (again / "tq_throughput.md").read_text() == (run / "tq_throughput.md").read_text()
+    assert snapshot(RESULTS_DIR) == before

@@ -573,6 +573,12 @@ def test_non_loopback_bind_needs_a_secret():
     assert time.monotonic() - t0 < 5.0  # refused before starting anything
 
 
+def test_out_of_range_port_is_refused_before_starting_anything():
+    """A port past 65535 used to be taken modulo 65536 by the bind."""
+    with pytest.raises(ValueError, match=r"port must be in 0\.\.65535"):
+        TQServer(port=99999)
+
+
 # ----------------------------------------------------------------------------- capacity
 @pytest.fixture(scope="module")
 def small_server():

@@ -86,13 +86,6 @@ def read_run_file(path: str) -> dict[str, Any] | None:
     return state if isinstance(state, dict) else None
 
 
-def _write_run_file(path: str, state: dict[str, Any]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(state, f, indent=2)
-    os.replace(tmp, path)  # atomic: a concurrent reader never sees half a file
-
-
 def _remove(path: str) -> None:
     try:
         os.unlink(path)
@@ -252,7 +245,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     except BaseException:
         launch.stop_process(proc, STOP_TIMEOUT_S, tree=True)
         raise
-    _write_run_file(run_file, {"address": address, "pid": proc.pid, "log": log_path or None,
+    launch.write_json(run_file, {"address": address, "pid": proc.pid, "log": log_path or None,
                               "storage_units": args.storage_units, "started_at": time.time()})
     print(address, flush=True)
     if not args.foreground:

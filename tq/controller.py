@@ -732,7 +732,7 @@ def serve(
     signal.signal(signal.SIGTERM, lambda *_: ctrl.stop())
     signal.signal(signal.SIGINT, lambda *_: ctrl.stop())
     if ready_file:
-        launch.write_ready_file(ready_file, {"address": ctrl.address, "pid": os.getpid()})
+        launch.write_json(ready_file, {"address": ctrl.address, "pid": os.getpid()})
     print(f"TQ_READY {ctrl.address}", flush=True)
     try:
         ctrl.serve_forever()

@@ -74,11 +74,12 @@ def new_ready_file(prefix: str) -> str:
     return path
 
 
-def write_ready_file(path: str, info: dict[str, Any]) -> None:
-    """Write ``info`` as JSON to ``path`` atomically (a launcher polling for it never reads half a file)."""
+def write_json(path: str, info: dict[str, Any]) -> None:
+    """Write ``info`` as JSON to ``path`` atomically (a ready file, a run file): a reader polling for it
+    never sees half a file."""
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(info, f)
+        json.dump(info, f, indent=1)
     os.replace(tmp, path)
 
 

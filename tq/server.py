@@ -56,6 +56,8 @@ class TQServer:
         fsync: str = "never",
         commit_lease_s: float | None = None,
     ) -> None:
+        if not 0 <= port <= 65535:
+            raise ValueError(f"port must be in 0..65535 (0 picks a free one), got {port}")
         check_bind_allowed(f"tcp://{host}:{port}", secret.encode() if secret else None)
         self.secret = secret
         ready_file = launch.new_ready_file("tq-ready-")

@@ -577,7 +577,7 @@ def run_storage_unit(
         chan.close()
         unit.unit_id = registered["unit_id"]  # the controller numbers units in registration order
         if ready_file:
-            launch.write_ready_file(ready_file, {**unit.describe(), "unit_id": registered["unit_id"]})
+            launch.write_json(ready_file, {**unit.describe(), "unit_id": registered["unit_id"]})
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: unit.stop())
         unit.serve_forever()

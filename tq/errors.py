@@ -118,3 +118,5 @@ ERROR_TYPES: dict[str, type[TQError]] = {
         FencedCommitError,
     )
 }
+
+__all__ = [*ERROR_TYPES, "ERROR_TYPES"]

@@ -85,7 +85,7 @@ def bench_transferqueue(samples: int, seq_len: int, steps: int) -> dict[str, Any
     import transfer_queue as tq
     from omegaconf import OmegaConf
 
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)  # never a cluster another job left running
     try:
         tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 2}}}))
         try:

@@ -183,3 +183,11 @@ def test_side_by_side_benchmark_runs_the_workload_through_the_drop_in(monkeypatc
     result = bench.bench_compat(samples=4, seq_len=8, steps=2)  # checks its read-back itself
     assert all(len(result["seconds"][op]) == 2 for op in bench.OPS)
     assert "| put_new |" in bench.summarize({"tq.compat": result})
+
+
+def test_bad_settings_fail_before_anything_starts(monkeypatch):
+    monkeypatch.delenv("TQ_ADDRESS", raising=False)
+    for bad in ({"transport": "udp"}, {"timeout_s": 0}, {"wait_timeout_s": -1}):
+        with pytest.raises(ValueError, match="transport|timeout_s|wait_timeout_s"):
+            tq.init({"data_plane": bad})
+        assert tq._STATE is None

@@ -99,7 +99,7 @@ class ServiceHandle:
         self._client: Any = None
 
     def publish(self, settings: dict[str, Any]) -> None:
-        """Set the connection settings (address, secret, timeouts) every process attaches with."""
+        """Set what every process attaches with: ``{"connection": TQConnection, "wait_timeout_s": ...}``."""
         self._settings = dict(settings)
 
     def fail(self, message: str) -> None:
@@ -114,12 +114,9 @@ class ServiceHandle:
 
     def _tq(self) -> Any:
         if self._client is None:
-            from ..client import TQClient
-
-            s = self._settings
-            if s is None:
+            if self._settings is None:
                 raise RuntimeError("the TQ service is not started yet")
-            self._client = TQClient(s["address"], secret=s.get("secret"), timeout=s["timeout_s"], transport=s["transport"])
+            self._client = self._settings["connection"].connect()
         return self._client
 
     def list_partitions(self) -> list[str]:

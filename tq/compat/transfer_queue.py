@@ -53,6 +53,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from . import _service
 from ..client import TQClient
+from ..connection import TQConnection
 from ..errors import (
     DuplicateKeyError,
     FieldNotProducedError,
@@ -100,7 +101,6 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "controller": {"sampler": "SequentialSampler", "polling_mode": False},
     "backend": {"storage_backend": "SimpleStorage", "SimpleStorage": {"total_storage_size": None, "num_data_storage_units": 2}},
 }
-_SETTING_KEYS = ("address", "secret", "timeout_s", "transport", "capacity_wait_s", "wait_timeout_s")
 _FROM_CONFIG: Any = object()  # a get's wait_timeout_s default: the value init() was configured with
 
 
@@ -217,7 +217,7 @@ def _same_value(a: Any, b: Any) -> bool:
 @dataclasses.dataclass
 class _State:
     client: TQClient
-    settings: dict[str, Any]
+    settings: dict[str, Any]  # {"connection": TQConnection, "wait_timeout_s": float | None}
     server: TQServer | None = None  # started by this process's init()
     handle: Any = None  # the Ray handle actor this process created
 
@@ -235,8 +235,7 @@ def _ray_if_initialized() -> Any:
 
 
 def _connect(settings: dict[str, Any]) -> TQClient:
-    return TQClient(settings["address"], secret=settings.get("secret"), timeout=settings["timeout_s"],
-                    transport=settings["transport"], capacity_wait_s=settings["capacity_wait_s"])
+    return settings["connection"].connect()
 
 
 def _attach_existing() -> _State | None:
@@ -255,13 +254,15 @@ def _attach_existing() -> _State | None:
 
 
 def _settings_of(conf: DictConfig, address: str) -> dict[str, Any]:
+    """What every process of the job attaches with: the one :class:`~tq.TQConnection` value (its secret
+    resolved here, from the config or ``$TQ_SECRET``) and the gets' default wait."""
     dp = conf.data_plane
-    secret = dp.secret if dp.secret is not None else os.environ.get("TQ_SECRET")
-    settings = {k: dp[k] for k in _SETTING_KEYS}
-    settings.update(address=address, secret=secret)
-    if settings["transport"] not in ("auto", "tcp"):
-        raise ValueError(f"data_plane.transport must be 'auto' or 'tcp', got {settings['transport']!r}")
-    return settings
+    wait = dp.wait_timeout_s
+    if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0):
+        raise ValueError(f"data_plane.wait_timeout_s must be None or seconds >= 0, got {wait!r}")
+    connection = TQConnection(address, secret=dp.secret, timeout_s=float(dp.timeout_s), transport=dp.transport,
+                              capacity_wait_s=float(dp.capacity_wait_s))
+    return {"connection": connection, "wait_timeout_s": None if wait is None else float(wait)}
 
 
 def init(conf: DictConfig | Mapping[str, Any] | None = None) -> DictConfig | None:
@@ -305,6 +306,7 @@ def init(conf: DictConfig | Mapping[str, Any] | None = None) -> DictConfig | Non
                 "use SimpleStorage (its num_data_storage_units sets the number of storage units)"
             )
         dp = merged.data_plane
+        _settings_of(merged, "tcp://127.0.0.1:0")  # a bad setting fails here, before anything starts
         address = dp.address or os.environ.get("TQ_ADDRESS")
         ray = _ray_if_initialized()
         handle = None

@@ -104,8 +104,8 @@ def _hf(tok, model):
     return HFGenerationBackend(GenerationBackendConfig(device="cuda", dtype="bfloat16"), model=model, tokenizer=tok)
 
 
-def _tiny(tok, seed, dtype="float32"):
-    return load_model(TINY_MODEL, tokenizer=tok, seed=seed, dtype=dtype)
+def _tiny(tok, seed):
+    return load_model(TINY_MODEL, tokenizer=tok, seed=seed)  # float32, as a policy's master weights
 
 
 def _check_against_hf(gen, tok, model, version, max_new_tokens=6):
@@ -134,7 +134,7 @@ def engine(tok):
 @needs_gpu
 @pytest.mark.skipif(not MULTIPROCESSING, reason="VLLM_ENABLE_V1_MULTIPROCESSING=0: the bug needs the engine core in its own process")
 def test_refit_with_engine_core_in_its_own_process(engine, tok):
-    _check_against_hf(engine, tok, _tiny(tok, 0, "bfloat16"), version=0)  # the model the engine started with
+    _check_against_hf(engine, tok, _tiny(tok, 0), version=0)  # the policy's initial weights
     new = _tiny(tok, 1)
     engine.update_weights(new.state_dict(), weight_version=1)  # a plain state dict: the bytes fallback
     _check_against_hf(engine, tok, new, version=1)
@@ -177,7 +177,7 @@ def test_async_engine_generates_a_batch_and_refits(tok):
 
     gen = _vllm(vllm_async_engine=True)
     try:
-        _check_against_hf(gen, tok, _tiny(tok, 0, "bfloat16"), version=0)
+        _check_against_hf(gen, tok, _tiny(tok, 0), version=0)
         new = _tiny(tok, 1)
         gen.update_weights(new.state_dict(), weight_version=1)
         batch = _check_against_hf(gen, tok, new, version=1)
@@ -197,7 +197,7 @@ def test_sleep_mode_refit_then_generate(tok):
     """The colocated cycle: generate, sleep (training runs), refit the sleeping engine, wake, generate."""
     gen = _vllm(vllm_enable_sleep_mode=True)
     try:
-        model = _tiny(tok, 0, "bfloat16")  # the model the engine started with
+        model = _tiny(tok, 0)  # the model the engine started with
         for version in (1, 2, 3):
             gen.prepare_for_generation()
             _check_against_hf(gen, tok, model, version=version - 1)

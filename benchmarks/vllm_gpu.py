@@ -18,7 +18,7 @@ the Hub. ``run`` starts one engine per model (engine core in its own process, ea
   the policy recomputing with float32 weights under bf16 autocast as the training workers do.
 
 ``run-nccl`` puts the engine in a Ray generation worker on one GPU and the float32 model in a
-``SenderActor`` on another, and times the refit by NCCL broadcast (cast into the sender's buffer,
+``StandaloneWeightSender`` on another, and times the refit by NCCL broadcast (cast into the sender's buffer,
 broadcast, load; the group is joined before timing).
 """
 
@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from common.models import TINY_MODEL, build_tiny_tokenizer, load_model
+from policy.weight_sync import StandaloneWeightSender, nccl_refit, token_mult_prob_error
 
 SIZES = {  # Qwen2.5's shapes (vocab 151936, tied embeddings)
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2),
@@ -83,19 +84,6 @@ def _throughput(llm: Any, n: int, max_tokens: int) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outs) / dt
 
 
-def token_mult_prob_error(policy: torch.nn.Module, prompts: list[torch.Tensor], out: Any) -> float:
-    """NeMo-RL's token_mult_prob_error of generated responses: the mean over response tokens of
-    ``exp|policy - generation|`` log-prob, the policy recomputing under bf16 autocast as training does."""
-    errs = []
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        for p, ids, lp_gen in zip(prompts, out.response_ids, out.logprobs):
-            seq = torch.cat([p, ids]).to("cuda")[None]
-            logits = policy(seq).logits.float()[0, len(p) - 1: -1]
-            lp = torch.log_softmax(logits, -1).gather(-1, seq[0, len(p):, None])[:, 0].cpu()
-            errs.append(torch.exp((lp - lp_gen).abs()))
-    return float(torch.cat(errs).mean())
-
-
 def _mult_prob_error(gen: Any, policy: torch.nn.Module, n: int, max_tokens: int) -> float:
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(10, 100, (16,), generator=g) for _ in range(n)]
@@ -115,16 +103,16 @@ def bench_model(path: str, args: argparse.Namespace) -> dict[str, Any]:
         backend="vllm", model_name=name, dtype="bfloat16", vllm_enforce_eager=True, vllm_gpu_memory_utilization=0.35,
         vllm_max_model_len=1024, ray_timeout_s=600))
     start_s = time.perf_counter() - t0
-    policy = load_model(name, tokenizer=tok, device="cuda")  # float32, like a training worker's master weights
-    n_params = sum(p.numel() for p in policy.parameters())
+    model = load_model(name, tokenizer=tok, device="cuda")  # float32, like a training worker's master weights
+    n_params = sum(p.numel() for p in model.parameters())
     sender = WeightBucketSender()
     row: dict[str, Any] = {"model": path, "params": n_params, "engine_start_s": round(start_s, 1)}
     try:
         version = iter(range(1, 10_000))
-        row["refit_cuda_ipc_s"] = _timed(lambda: gen.update_weights(sender.cuda_ipc_bucket(policy, torch.bfloat16, 0), next(version)), args.reps)
-        row["refit_bytes_s"] = _timed(lambda: gen.update_weights(policy.state_dict(), next(version)), max(1, args.reps // 2))
+        row["refit_cuda_ipc_s"] = _timed(lambda: gen.update_weights(sender.cuda_ipc_bucket(model, torch.bfloat16, 0), next(version)), args.reps)
+        row["refit_bytes_s"] = _timed(lambda: gen.update_weights(model.state_dict(), next(version)), max(1, args.reps // 2))
         row["refit_bucket_bytes"] = int(sender._flat.numel())
-        row["token_mult_prob_error"] = _mult_prob_error(gen, policy, 64, 64)
+        row["token_mult_prob_error"] = _mult_prob_error(gen, model, 64, 64)
         row["throughput_eager_tok_s"] = _throughput(gen.llm, args.prompts, args.max_tokens)
         print(json.dumps(row), flush=True)
     finally:
@@ -140,55 +128,7 @@ def bench_model(path: str, args: argparse.Namespace) -> dict[str, Any]:
         finally:
             llm.llm_engine.engine_core.shutdown()
         print(json.dumps(row), flush=True)
-    del policy
-    torch.cuda.empty_cache()
     return row
-
-
-class SenderActor:
-    """A policy rank stand-in on its own GPU (run it as a Ray actor): a float32 model and its bucket sender."""
-
-    def __init__(self, name: str, seed: int = 0) -> None:
-        from policy.weight_sync import WeightBucketSender
-
-        self.name = name
-        self.model = load_model(name, tokenizer=build_tiny_tokenizer(), seed=seed, device="cuda")
-        self.sender = WeightBucketSender()
-
-    def reseed(self, seed: int) -> None:
-        """New weights (the tiny model's seed-``seed`` init), as a training step would make."""
-        self.model = load_model(self.name, tokenizer=build_tiny_tokenizer(), seed=seed, device="cuda")
-
-    def group(self, world_size: int) -> dict[str, Any]:
-        """This node's address and a free port for the refit group (this actor is rank 0)."""
-        import socket
-
-        import ray
-
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return {"host": ray.util.get_node_ip_address(), "port": port, "world_size": world_size}
-
-    def bucket(self, version: int, group: dict[str, Any]) -> dict[str, Any]:
-        """Cast the weights into the buffer; the ``"nccl"`` bucket for the receivers."""
-        return self.sender.nccl_bucket(self.model, torch.bfloat16, version, group)
-
-    def broadcast(self) -> int:
-        """Send the buffer (blocks until the receivers take it)."""
-        return self.sender.broadcast()
-
-
-def nccl_refit(pool: Any, sender: Any, group: dict[str, Any], version: int) -> dict[str, Any]:
-    """One refit of ``pool`` (a ``RayGenerationPool``) from ``sender`` (a ``SenderActor``) over NCCL."""
-    import ray
-
-    bucket = ray.get(sender.bucket.remote(version, group))
-    sent = sender.broadcast.remote()  # rank 0 sends while the generation workers receive
-    pool.update_weights(bucket, weight_version=version)
-    if ray.get(sent, timeout=300) != bucket["nbytes"]:
-        raise RuntimeError("the broadcast sent a different number of bytes than the bucket holds")
-    return bucket
 
 
 def bench_nccl(path: str, reps: int) -> dict[str, Any]:
@@ -202,7 +142,7 @@ def bench_nccl(path: str, reps: int) -> dict[str, Any]:
     pool = RayGenerationPool(GenerationBackendConfig(
         backend="vllm", model_name=name, dtype="bfloat16", vllm_enforce_eager=True, vllm_gpu_memory_utilization=0.35,
         vllm_max_model_len=1024, ray_timeout_s=600, num_gpus_per_worker=1))
-    sender = ray.remote(num_gpus=1)(SenderActor).remote(name)
+    sender = ray.remote(num_gpus=1)(StandaloneWeightSender).remote(name)
     try:
         group = ray.get(sender.group.remote(2))
         t = time.perf_counter()
@@ -249,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.models.split(","):
         try:
             rows.append(bench_nccl(path, args.reps) if args.cmd == "run-nccl" else bench_model(path, args))
+            torch.cuda.empty_cache()  # the model's blocks back to the driver before the next engine sizes itself
         except Exception as exc:  # one model failing must not lose the others' numbers
             rows.append({"model": path, "error": f"{type(exc).__name__}: {exc}"})
             print(f"{path}: {rows[-1]['error']}", file=sys.stderr, flush=True)

@@ -13,6 +13,10 @@ the model's parameters into it (one device copy per tensor) and then either
 Tied weights (``lm_head.weight`` aliasing ``model.embed_tokens.weight``) are sent once: the receiving
 model ties them itself. The buffer must not be rewritten while a receiver still reads it: the trainer
 refits synchronously, and receivers synchronise before their RPC returns.
+
+``StandaloneWeightSender`` / ``nccl_refit`` drive the same sender outside a training worker, and
+``token_mult_prob_error`` checks a refit end to end: how far the generator's log-probs are from the
+policy's own (tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any, Mapping
 
 import torch
 
+from common.models import build_tiny_tokenizer, load_model
 from common.weight_sync import bucket_layout, cuda_ipc_handle, fill_bucket
 
 
@@ -101,4 +106,64 @@ class WeightBucketSender:
         return int(self._flat.numel())
 
 
-__all__ = ["WeightBucketSender", "unique_named_tensors"]
+class StandaloneWeightSender:
+    """A model and its bucket sender outside a training worker (run it as a Ray actor on its own GPU):
+    a policy rank's sending side alone, for tests and benchmarks of the NCCL refit. ``name``: a model
+    name or path, or the tiny model (``seed``), loaded in float32 like a policy's master weights."""
+
+    def __init__(self, name: str, seed: int = 0) -> None:
+        self.name = name
+        self.model = load_model(name, tokenizer=build_tiny_tokenizer(), seed=seed, device="cuda")
+        self.sender = WeightBucketSender()
+
+    def reseed(self, seed: int) -> None:
+        """New weights (the tiny model's seed-``seed`` init), as a training step would make."""
+        self.model = load_model(self.name, tokenizer=build_tiny_tokenizer(), seed=seed, device="cuda")
+
+    def group(self, world_size: int) -> dict[str, Any]:
+        """This node's address and a free port for the refit group (this actor is rank 0)."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return {"host": ray.util.get_node_ip_address(), "port": port, "world_size": world_size}
+
+    def bucket(self, version: int, group: dict[str, Any]) -> dict[str, Any]:
+        """Cast the weights into the buffer; the ``"nccl"`` bucket for the receivers."""
+        return self.sender.nccl_bucket(self.model, torch.bfloat16, version, group)
+
+    def broadcast(self) -> int:
+        """Send the buffer (blocks until the receivers take it)."""
+        return self.sender.broadcast()
+
+
+def nccl_refit(pool: Any, sender: Any, group: dict[str, Any], version: int) -> dict[str, Any]:
+    """One refit of ``pool`` (a ``RayGenerationPool``) from ``sender`` (a ``StandaloneWeightSender`` actor)
+    over NCCL: the sender broadcasts while the pool's workers receive; returns the bucket."""
+    import ray
+
+    bucket = ray.get(sender.bucket.remote(version, group))
+    sent = sender.broadcast.remote()  # rank 0 sends while the generation workers receive
+    pool.update_weights(bucket, weight_version=version)
+    if ray.get(sent, timeout=300) != bucket["nbytes"]:
+        raise RuntimeError("the broadcast sent a different number of bytes than the bucket holds")
+    return bucket
+
+
+def token_mult_prob_error(policy: torch.nn.Module, prompts: list[torch.Tensor], out: Any) -> float:
+    """NeMo-RL's token_mult_prob_error of generated responses: the mean over response tokens of
+    ``exp|policy - generation|`` log-prob, the policy recomputing under bf16 autocast as training does."""
+    errs = []
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        for p, ids, lp_gen in zip(prompts, out.response_ids, out.logprobs):
+            seq = torch.cat([p, ids]).to("cuda")[None]
+            logits = policy(seq).logits.float()[0, len(p) - 1: -1]
+            lp = torch.log_softmax(logits, -1).gather(-1, seq[0, len(p):, None])[:, 0].cpu()
+            errs.append(torch.exp((lp - lp_gen).abs()))
+    return float(torch.cat(errs).mean())
+
+
+__all__ = ["StandaloneWeightSender", "WeightBucketSender", "nccl_refit", "token_mult_prob_error", "unique_named_tensors"]

@@ -21,7 +21,7 @@ import torch
 
 from common.models import TINY_MODEL, build_tiny_tokenizer, load_model
 from common.weight_sync import bucket_layout, bucket_views, bytes_bucket_views, bytes_buckets, is_weight_bucket
-from policy.weight_sync import WeightBucketSender, unique_named_tensors
+from policy.weight_sync import StandaloneWeightSender, WeightBucketSender, nccl_refit, token_mult_prob_error, unique_named_tensors
 from rollout.generation.config import GenerationBackendConfig
 
 PROMPTS = ["3+4=", "hello", "<|im_start|>user\n1+1=", "abcabcabc"]
@@ -160,8 +160,6 @@ def test_cuda_ipc_refit_from_a_gpu_policy(engine, tok):
 def test_generation_logprobs_agree_with_the_policy(engine, tok):
     """NeMo-RL's token_mult_prob_error (mean exp|policy - generation| per token) of sampled responses:
     vLLM's log-probs against the policy's own recomputation (float32 weights, bf16 autocast)."""
-    from benchmarks.vllm_gpu import token_mult_prob_error
-
     sender = WeightBucketSender()
     policy = _tiny(tok, 4).to("cuda")
     engine.update_weights(sender.cuda_ipc_bucket(policy, torch.bfloat16, 20) if MULTIPROCESSING else policy.state_dict(), 20)
@@ -221,7 +219,6 @@ def test_nccl_refit_across_gpus(tok):
     stateless NCCL group (joined at the first refit, reused by the second)."""
     import ray
 
-    from benchmarks.vllm_gpu import SenderActor, nccl_refit
     from rollout.generation.ray_worker import RayGenerationPool
 
     ray.init(num_cpus=4, num_gpus=2, include_dashboard=False)
@@ -229,7 +226,7 @@ def test_nccl_refit_across_gpus(tok):
         pool = RayGenerationPool(GenerationBackendConfig(
             backend="vllm", dtype="bfloat16", vllm_enforce_eager=True, vllm_gpu_memory_utilization=0.2,
             vllm_max_model_len=256, ray_timeout_s=300, num_gpus_per_worker=1))
-        sender = ray.remote(num_gpus=1)(SenderActor).remote(TINY_MODEL, seed=5)
+        sender = ray.remote(num_gpus=1)(StandaloneWeightSender).remote(TINY_MODEL, seed=5)
         group = ray.get(sender.group.remote(2))
         for seed, version in ((5, 1), (6, 2)):
             ray.get(sender.reseed.remote(seed))

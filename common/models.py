@@ -97,7 +97,9 @@ def load_model(
         cfg = tiny_config(len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, **(tiny_overrides or {}))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(cfg, dtype=DTYPES[dtype], attn_implementation="sdpa")
+            # float32 init, then cast: an init in bf16 draws other values, so a bf16 generator would not
+            # start on a float32 policy's weights (vLLM's first step had token_mult_prob_error 1.20).
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").to(DTYPES[dtype])
     else:
         try:
             AutoConfig.from_pretrained(name_or_path)

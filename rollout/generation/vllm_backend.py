@@ -64,11 +64,9 @@ class VllmGenerationBackend(GenerationInterface):
         if config.model_name == TINY_MODEL:
             # vLLM loads from a directory: materialise the seeded tiny model (and its tokenizer) once.
             self._tmpdir = tempfile.TemporaryDirectory(prefix="tqrl-tiny-")
-            # Initialised in float32 like the policy's master weights, then cast: a model initialised in
-            # bf16 draws other values, and generation before the first refit would not be the policy's.
-            model = load_model(TINY_MODEL, dtype="float32", seed=config.model_seed, tokenizer=self.tokenizer,
+            model = load_model(TINY_MODEL, dtype=config.dtype, seed=config.model_seed, tokenizer=self.tokenizer,
                                tiny_overrides=config.tiny_overrides)
-            model.to(DTYPES[config.dtype]).save_pretrained(self._tmpdir.name)
+            model.save_pretrained(self._tmpdir.name)
             self.tokenizer.save_pretrained(self._tmpdir.name)
             model_path = tokenizer_path = self._tmpdir.name
             model_eos = model.generation_config.eos_token_id

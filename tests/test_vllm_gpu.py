@@ -77,6 +77,17 @@ def test_sender_sends_tied_weights_once_and_needs_a_gpu():
         WeightBucketSender().cuda_ipc_bucket(model, torch.bfloat16, 1)
 
 
+def test_configs_refuse_a_refit_transport_they_cannot_use():
+    from trainer.config import ConfigError, load_config
+
+    for name in ("grpo_gpu_vllm_1gpu", "grpo_gpu_vllm_2gpu", "grpo_gpu_vllm_async_2gpu"):
+        load_config(f"trainer/configs/{name}.yaml")
+    with pytest.raises(ConfigError, match="refit_transport 'cuda_ipc' needs generation.backend 'vllm'"):
+        load_config(None, ["generation.refit_transport=cuda_ipc"])  # the CPU recipe: transformers, no GPU
+    with pytest.raises(ConfigError, match="'nccl' is not supported in async mode"):
+        load_config("trainer/configs/grpo_gpu_vllm_async_2gpu.yaml", ["generation.refit_transport=nccl"])
+
+
 # ---------------------------------------------------------------------- vLLM on a GPU
 @pytest.fixture(scope="module")
 def tok():

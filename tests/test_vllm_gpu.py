@@ -78,14 +78,14 @@ def test_sender_sends_tied_weights_once_and_needs_a_gpu():
 
 
 def test_configs_refuse_a_refit_transport_they_cannot_use():
-    from trainer.config import ConfigError, load_config
+    from trainer.config import CONFIG_DIR, ConfigError, load_config
 
     for name in ("grpo_gpu_vllm_1gpu", "grpo_gpu_vllm_2gpu", "grpo_gpu_vllm_async_2gpu"):
-        load_config(f"trainer/configs/{name}.yaml")
+        load_config(CONFIG_DIR / f"{name}.yaml")
     with pytest.raises(ConfigError, match="refit_transport 'cuda_ipc' needs generation.backend 'vllm'"):
         load_config(None, ["generation.refit_transport=cuda_ipc"])  # the CPU recipe: transformers, no GPU
     with pytest.raises(ConfigError, match="'nccl' is not supported in async mode"):
-        load_config("trainer/configs/grpo_gpu_vllm_async_2gpu.yaml", ["generation.refit_transport=nccl"])
+        load_config(CONFIG_DIR / "grpo_gpu_vllm_async_2gpu.yaml", ["generation.refit_transport=nccl"])
 
 
 # ---------------------------------------------------------------------- vLLM on a GPU

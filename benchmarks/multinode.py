@@ -1,0 +1,398 @@
+"""A real multi-node Ray cluster on one Linux machine: network namespaces joined by veth pairs.
+
+Each emulated node is a network namespace with its own IP (and its own UTS hostname, so TQ sees
+different hosts and streams bytes over TCP between them instead of mapping one another's arenas);
+a hub namespace bridges them. ``ray start --head`` runs in the first, ``ray start --address`` in the
+others: a real Ray cluster whose nodes see each other only over TCP. On it the script runs what a
+user runs on several machines:
+
+1. ``python -m tq.controller`` on the head's IP, with a secret (a non-loopback bind requires one);
+2. one storage unit on every node (``tq.ray_placement.start_storage_units_on_ray_nodes``);
+3. a cross-node transfer check: a Ray task on one worker node puts a batch (into its node's unit),
+   tasks on the other worker node and on the same node read it back (TCP vs shared memory);
+4. ``python -m trainer.grpo_sync`` connected to that Ray cluster and TQ service, with its DP ranks on
+   different nodes (each worker node offers 2 logical CPUs and a DP worker asks for 1.5, so no node
+   can hold two), reading their shards across nodes.
+
+Everything it creates is removed at the end, whatever happens: processes (every pid left in its
+namespaces is killed), namespaces, temporary and shared-memory dirs. Traffic goes only between the
+namespaces it made (10.213.<n>.0/24, chosen per run). Needs root and ``ip``/``unshare``; it says so
+and exits 2 where namespaces cannot be made.
+
+    python -m benchmarks.multinode                     # 1 head + 2 worker nodes, 4 GRPO steps (~3 min on 2 cores)
+    python -m benchmarks.multinode --link-rate 10gbit  # tc-limited links
+    python -m benchmarks.multinode --publish           # also writes benchmarks/results/multinode_<machine>.{json,md}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+RAY_PORT = 6379
+TQ_PORT = 5555
+NODE_CPUS = 2  # logical CPUs a worker node offers: one DP worker (1.5) plus small actors (0.25 each)
+DP_WORKER_CPUS = 1.5
+XFER_MIB = 64
+
+
+class SetupError(RuntimeError):
+    """The machine cannot host the emulated cluster (not root, no ``ip``/``unshare``, no netns)."""
+
+
+def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(list(cmd), check=check, capture_output=True, text=True, timeout=60)
+
+
+class NetnsCluster:
+    """Namespaces ``<tag>-n0`` (head) .. ``<tag>-n<k>`` bridged in ``<tag>-hub``; addresses 10.213.<net>.<i+1>."""
+
+    def __init__(self, nodes: int, link_rate: str | None, workdir: Path) -> None:
+        if nodes < 2:
+            raise ValueError(f"--nodes must be >= 2 (a head and at least one worker node), got {nodes}")
+        self.tag = f"tqmn{os.getpid() % 100000}"
+        self.net = 20 + os.getpid() % 200
+        self.nodes = nodes
+        self.link_rate = link_rate
+        self.workdir = workdir
+        self.ns = [f"{self.tag}-n{i}" for i in range(nodes)]
+        self.hub = f"{self.tag}-hub"
+        self.ips = [f"10.213.{self.net}.{i + 1}" for i in range(nodes)]
+        self.procs: list[subprocess.Popen] = []
+        self.made: list[str] = []
+
+    # -------------------------------------------------------------------- network
+    def up(self) -> None:
+        if os.geteuid() != 0:
+            raise SetupError("needs root (network namespaces and veth pairs)")
+        for tool in ("ip", "unshare"):
+            if shutil.which(tool) is None:
+                raise SetupError(f"needs the {tool!r} command")
+        try:
+            self._ip("netns", "add", self.hub)
+        except subprocess.CalledProcessError as exc:
+            raise SetupError(f"cannot create a network namespace: {exc.stderr.strip()}") from None
+        self.made.append(self.hub)
+        self._ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
+        self._ip("-n", self.hub, "link", "set", "br0", "up")
+        self._ip("-n", self.hub, "link", "set", "lo", "up")
+        for i, (ns, ip) in enumerate(zip(self.ns, self.ips)):
+            self._ip("netns", "add", ns)
+            self.made.append(ns)
+            a, b = f"{self.tag}{i}a", f"{self.tag}{i}b"  # <= 15 chars
+            self._ip("link", "add", a, "netns", ns, "type", "veth", "peer", "name", b, "netns", self.hub)
+            self._ip("-n", ns, "link", "set", a, "name", "eth0")
+            self._ip("-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
+            self._ip("-n", ns, "link", "set", "eth0", "up")
+            self._ip("-n", ns, "link", "set", "lo", "up")
+            self._ip("-n", self.hub, "link", "set", b, "master", "br0")
+            self._ip("-n", self.hub, "link", "set", b, "up")
+            if self.link_rate:
+                _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf",
+                     "rate", self.link_rate, "burst", "4mb", "latency", "50ms")
+
+    @staticmethod
+    def _ip(*args: str) -> None:
+        _run("ip", *args)
+
+    # -------------------------------------------------------------------- processes
+    def spawn(self, node: int, cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start ``cmd`` inside node ``node``'s namespace with that node's hostname."""
+        host = f"{self.tag}-node{node}"
+        inner = f"hostname {host} && exec " + " ".join(_quote(c) for c in cmd)
+        full = ["ip", "netns", "exec", self.ns[node], "unshare", "--uts", "sh", "-c", inner]
+        out = open(log, "ab")
+        p = subprocess.Popen(full, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+                             env={**os.environ, **(env or {})})
+        self.procs.append(p)
+        return p
+
+    def run(self, node: int, cmd: list[str], log: Path, timeout: float, env: dict[str, str] | None = None) -> int:
+        p = self.spawn(node, cmd, log, env)
+        try:
+            return p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            _killpg(p, signal.SIGKILL)
+            raise TimeoutError(f"{' '.join(cmd[:4])} ... did not finish within {timeout:.0f}s (log: {log})") from None
+
+    def down(self) -> None:
+        """Stop everything this cluster started and remove what it made (idempotent, bounded)."""
+        for p in reversed(self.procs):  # ray start --block stops its Ray processes on SIGTERM
+            _killpg(p, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _killpg(p, signal.SIGKILL)
+        for ns in self.made:  # anything still running in our namespaces (Ray workers, storage units)
+            pids = _run("ip", "netns", "pids", ns, check=False).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+        time.sleep(0.5)
+        for ns in reversed(self.made):
+            _run("ip", "netns", "del", ns, check=False)
+        self.made.clear()
+
+
+def _quote(s: str) -> str:
+    return "'" + s.replace("'", "'\"'\"'") + "'"
+
+
+def _killpg(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _ray_started(p: subprocess.Popen, log: Path, timeout: float) -> bool:
+    """Whether ``ray start --block`` (process ``p``, writing ``log``) reported its node running."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if "Ray runtime started" in log.read_text(errors="replace"):
+            return True
+        if p.poll() is not None:
+            return False
+        time.sleep(0.5)
+    _killpg(p, signal.SIGKILL)
+    return False
+
+
+def _wait_port(cluster: NetnsCluster, node: int, ip: str, port: int, timeout: float, what: str) -> None:
+    probe = f"import socket,sys; s=socket.socket(); s.settimeout(1); sys.exit(s.connect_ex(({ip!r},{port})))"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = _run("ip", "netns", "exec", cluster.ns[node], sys.executable, "-c", probe, check=False)
+        if r.returncode == 0:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"{what} not listening on {ip}:{port} within {timeout:.0f}s")
+
+
+# ------------------------------------------------------------------------ in-cluster driver parts
+def place_and_probe(ray_address: str, tq_address: str, shm_dir: str, capacity: int, out: str, nodes: int) -> None:
+    """Runs on the head: place one storage unit per node, measure a cross-node get, keep the units up
+    (they live as long as this driver) until SIGTERM."""
+    import numpy as np
+    import ray
+    import torch
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from tq import TQClient
+    from tq.ray_placement import start_storage_units_on_ray_nodes, stop_storage_units
+
+    ray.init(address=ray_address, log_to_driver=False)
+    deadline = time.monotonic() + 180
+    while sum(n["Alive"] for n in ray.nodes()) < nodes:  # worker nodes join after the head
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {sum(n['Alive'] for n in ray.nodes())} of {nodes} Ray nodes joined within 180s")
+        time.sleep(0.5)
+    handles = start_storage_units_on_ray_nodes(tq_address, capacity_per_unit=capacity, shm_dir=shm_dir)
+    nodes = sorted((n for n in ray.nodes() if n["Alive"]), key=lambda n: n["NodeManagerAddress"])
+    here = ray.util.get_node_ip_address()
+    workers = [n for n in nodes if n["NodeManagerAddress"] != here]
+
+    @ray.remote(num_cpus=0)
+    def put_batch(nbytes: int) -> dict[str, Any]:
+        c = TQClient(tq_address)
+        c.register_partition("xfer", reuse=True)
+        n = 64
+        x = torch.from_numpy(np.random.default_rng(0).integers(0, 255, size=(n, nbytes // n), dtype=np.uint8))
+        meta = c.put("xfer", [f"k{i}" for i in range(n)], {"x": x})
+        c.close()
+        return {"meta": meta.to_msgpack() if hasattr(meta, "to_msgpack") else None, "host": socket.gethostname(),
+                "sum": int(x.sum())}
+
+    @ray.remote(num_cpus=0)
+    def get_batch(reps: int) -> dict[str, Any]:
+        c = TQClient(tq_address)
+        meta = c.get_meta("xfer")
+        best, total = float("inf"), 0
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            x = c.get(meta, ["x"])["x"]
+            best = min(best, time.perf_counter() - t0)
+            total = int(x.sum())
+        c.close()
+        return {"best_s": best, "nbytes": int(x.numel()), "sum": total, "host": socket.gethostname()}
+
+    def on(node: dict, fn: Any, *args: Any) -> Any:
+        return fn.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote(*args)
+
+    report: dict[str, Any] = {"nodes": [n["NodeManagerAddress"] for n in nodes], "units": len(handles)}
+    if len(workers) >= 2:
+        written = ray.get(on(workers[0], put_batch, XFER_MIB << 20), timeout=120)
+        remote = ray.get(on(workers[1], get_batch, 5), timeout=120)
+        local = ray.get(on(workers[0], get_batch, 5), timeout=120)
+        assert remote["sum"] == written["sum"] == local["sum"], "cross-node get read other bytes"
+        report["xfer"] = {
+            "mib": XFER_MIB, "writer_host": written["host"],
+            "cross_node": {"host": remote["host"], "best_s": remote["best_s"], "gb_s": remote["nbytes"] / remote["best_s"] / 1e9},
+            "same_node": {"host": local["host"], "best_s": local["best_s"], "gb_s": local["nbytes"] / local["best_s"] / 1e9},
+        }
+        with TQClient(tq_address) as c:
+            c.drop_partition("xfer")
+    Path(out).write_text(json.dumps(report))
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    while not stop:
+        time.sleep(0.2)
+    stop_storage_units(handles)
+    ray.shutdown()
+
+
+# ------------------------------------------------------------------------ the whole run
+def run(nodes: int, steps: int, link_rate: str | None, run_dir: Path, log: Any = print) -> dict[str, Any]:
+    """Set the cluster up, run the transfer check and (``steps`` > 0) the GRPO job, tear down; returns the report."""
+    work = run_dir / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    cluster = NetnsCluster(nodes, link_rate, work)
+    secret = secrets.token_hex(16)
+    # Ray's token authentication stays on (a real cluster needs it): one token per run, given to every
+    # node and driver through the environment, as the TQ secret is.
+    env = {"TQ_SECRET": secret, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
+           "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(REPO),
+           # The emulated hosts' names resolve nowhere: tell gloo (the DP ranks' CPU collectives) which
+           # interface to use, as on any cluster whose hostnames do not resolve to the node's address.
+           "GLOO_SOCKET_IFNAME": "eth0"}
+    shm_dir = f"/dev/shm/{cluster.tag}"
+    os.makedirs(shm_dir, exist_ok=True)
+    head = cluster.ips[0]
+    report: dict[str, Any] = {"nodes": nodes, "link_rate": link_rate, "ips": cluster.ips}
+    t_start = time.monotonic()
+    try:
+        cluster.up()
+        log(f"namespaces up: {', '.join(f'{ns}={ip}' for ns, ip in zip(cluster.ns, cluster.ips))}")
+        ray_bin = shutil.which("ray") or "ray"
+        common = ["--block", "--disable-usage-stats"]
+        cluster.spawn(0, [ray_bin, "start", "--head", f"--node-ip-address={head}", f"--port={RAY_PORT}",
+                          "--num-cpus=0", "--include-dashboard=false", *common], run_dir / "ray-n0.log", env)
+        _wait_port(cluster, 0, head, RAY_PORT, 90, "Ray GCS")
+        for i in range(1, nodes):  # one at a time: raylets starting together on a busy 2-core machine time out
+            cmd = [ray_bin, "start", f"--address={head}:{RAY_PORT}", f"--node-ip-address={cluster.ips[i]}",
+                   f"--num-cpus={NODE_CPUS}", *common]
+            for attempt in (1, 2):
+                p = cluster.spawn(i, cmd, run_dir / f"ray-n{i}.log", env)
+                if _ray_started(p, run_dir / f"ray-n{i}.log", 120):
+                    break
+                log(f"Ray node {i} failed to start (attempt {attempt}); see {run_dir / f'ray-n{i}.log'}")
+            else:
+                raise RuntimeError(f"Ray node {i} did not start; see {run_dir / f'ray-n{i}.log'}")
+        cluster.spawn(0, [sys.executable, "-m", "tq.controller", "--host", head, "--port", str(TQ_PORT),
+                          "--storage-units", "0", "--shm-dir", shm_dir], run_dir / "controller.log", env)
+        _wait_port(cluster, 0, head, TQ_PORT, 60, "tq controller")
+        tq_address = f"tcp://{head}:{TQ_PORT}"
+        probe_out = work / "probe.json"
+        cluster.spawn(0, [sys.executable, "-m", "benchmarks.multinode", "_place", "--ray-address", f"{head}:{RAY_PORT}",
+                          "--tq-address", tq_address, "--shm-dir", shm_dir, "--out", str(probe_out), "--nodes", str(nodes)],
+                      run_dir / "placement.log", env)
+        deadline = time.monotonic() + 240
+        while not probe_out.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"storage units not placed within 240s (log: {run_dir / 'placement.log'})")
+            time.sleep(0.5)
+        report["placement"] = json.loads(probe_out.read_text())
+        log(f"storage units on {report['placement']['units']} nodes; transfer: {json.dumps(report['placement'].get('xfer'))}")
+        if steps <= 0:
+            return report
+        t0 = time.monotonic()
+        train_cmd = [
+            sys.executable, "-m", "trainer.grpo_sync", f"cluster.ray_address={head}:{RAY_PORT}",
+            f"data_plane.address={tq_address}", f"data_plane.secret={secret}", f"grpo.max_num_steps={steps}",
+            f"policy.dp_size={nodes - 1}", f"policy.num_cpus_per_worker={DP_WORKER_CPUS}",
+            f"logger.log_dir={run_dir / 'train'}", "logger.run_name=multinode", "logger.data_movement_metrics=true",
+            "logger.tensorboard=false", "logger.plot=false",
+        ]
+        rc = cluster.run(0, train_cmd, run_dir / "train.log", timeout=480, env=env)
+        report["train"] = {"rc": rc, "wall_s": round(time.monotonic() - t0, 1)}
+        metrics = run_dir / "train" / "multinode" / "metrics.jsonl"
+        if rc != 0 or not metrics.exists():
+            raise RuntimeError(f"the GRPO job failed (exit {rc}); see {run_dir / 'train.log'}")
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        steps_rows = [r for r in rows if any(k.startswith("timing/") for k in r)]
+        report["train"]["steps"] = steps_rows
+        log(f"GRPO job: {len(steps_rows)} steps in {report['train']['wall_s']} s")
+    finally:
+        cluster.down()
+        shutil.rmtree(shm_dir, ignore_errors=True)
+        report["total_s"] = round(time.monotonic() - t_start, 1)
+    return report
+
+
+def render_md(report: dict[str, Any], machine: str) -> str:
+    """The report as a short markdown page (what the README quotes)."""
+    lines = ["# Multi-node TQ on an emulated Ray cluster", "",
+             f"`python -m benchmarks.multinode` on {machine}: {report['nodes']} network namespaces (a head + "
+             f"{report['nodes'] - 1} worker nodes) bridged by veth pairs, links {report['link_rate'] or 'not rate-limited'}; "
+             f"code {report.get('code', {}).get('commit', '?')}; {report['total_s']} s in all.", ""]
+    x = report.get("placement", {}).get("xfer")
+    if x:
+        lines += [f"Storage units placed on {report['placement']['units']} nodes. A {x['mib']} MiB batch put on a worker node, "
+                  "read back bit-exact (best of 5 gets):", "",
+                  "| reader | path | get s | GB/s |", "|---|---|---|---|",
+                  f"| same node | shared memory | {x['same_node']['best_s']:.4f} | {x['same_node']['gb_s']:.2f} |",
+                  f"| other node | TCP over the veth bridge | {x['cross_node']['best_s']:.4f} | {x['cross_node']['gb_s']:.2f} |", ""]
+    t = report.get("train")
+    if t:
+        lines += [f"GRPO job (`trainer.grpo_sync`, tiny model, DP ranks on different nodes): exit {t['rc']}, "
+                  f"{len(t['steps'])} steps in {t['wall_s']} s (including start-up).", "",
+                  "| step | step s | data movement s | rank fetch s (max) | driver bytes in / out |", "|---|---|---|---|---|"]
+        for i, r in enumerate(t["steps"], 1):
+            total = sum(v for k, v in r.items() if k in ("timing/generation", "timing/logprobs", "timing/training", "timing/refit"))
+            lines.append(f"| {i} | {total:.2f} | {r.get('timing/data_movement', 0):.3f} | {r.get('timing/worker_fetch', 0):.3f} | "
+                         f"{int(r.get('driver_bytes_received', 0))} / {int(r.get('driver_bytes_sent', 0))} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.outputs import add_output_args, code_version, cpu_model, machine_tag, open_run
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_place"]:  # internal: the placement driver the run starts inside the head namespace
+        place = argparse.ArgumentParser(prog="python -m benchmarks.multinode _place")
+        for flag in ("--ray-address", "--tq-address", "--shm-dir", "--out"):
+            place.add_argument(flag, required=True)
+        place.add_argument("--capacity", type=int, default=512 << 20)
+        place.add_argument("--nodes", type=int, required=True)
+        a = place.parse_args(argv[1:])
+        place_and_probe(a.ray_address, a.tq_address, a.shm_dir, a.capacity, a.out, a.nodes)
+        return 0
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.multinode", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, default=3, help="emulated nodes: a head (driver, controller) + worker nodes (default 3)")
+    ap.add_argument("--steps", type=int, default=4, help="GRPO steps of the job (default 4; 0: only the cluster and the transfer check)")
+    ap.add_argument("--link-rate", default=None, help="tc rate limit of every node's link, e.g. 10gbit (default: none)")
+    add_output_args(ap, "multinode")
+    args = ap.parse_args(argv)
+    out = open_run("multinode", args.run_dir)
+    try:
+        report = run(args.nodes, args.steps, args.link_rate, Path(out.run_dir))
+    except SetupError as exc:
+        print(f"multinode: cannot emulate nodes on this machine: {exc}", file=sys.stderr)
+        return 2
+    report["code"] = code_version()
+    machine = f"{os.cpu_count()} CPUs ({cpu_model()})"
+    Path(out.path(".json")).write_text(json.dumps(report, indent=1))
+    md = render_md(report, machine)
+    Path(out.path(".md")).write_text(md)
+    print(md)
+    out.finish(args.publish, args.machine or machine_tag())
+    return 0 if report.get("train", {}).get("rc", 0) == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -28,11 +28,11 @@ FORBIDDEN = {
     "trainer": {"benchmarks"},
 }
 
-# Tests that exercise a benchmark itself (test_bench_*.py and these) import it; any other test must not
-# borrow from benchmarks.
-BENCHMARK_TESTS = {"test_chaos.py", "test_soak.py", "test_compare_paths.py"}
-# Known exceptions, each to be removed by its owner (the helpers move to tests/conftest.py).
-KNOWN_EXCEPTIONS = {("test_fuzz.py", "benchmarks")}
+# A test imports a benchmark module only to test that benchmark: its file name shares a word with the
+# module's (test_chaos.py -> benchmarks.tq_chaos). Known exceptions, each for its owner to remove (the
+# shared helper or constant moves to tests/conftest.py or next to the code it describes):
+KNOWN_EXCEPTIONS = {("test_fuzz.py", "tq_soak"), ("test_compare_paths.py", "policy_gpu_check")}
+_NOT_A_TOPIC = {"test", "bench", "tq", "py"}
 
 
 def imported_packages(path: Path) -> set[str]:
@@ -45,6 +45,24 @@ def imported_packages(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.add(node.module.split(".")[0])
     return names
+
+
+def imported_benchmarks(path: Path) -> set[str]:
+    """Names of the ``benchmarks`` modules ``path`` imports."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name.split(".")[1] for a in node.names if a.name.startswith("benchmarks."))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "benchmarks":
+                out.update(a.name for a in node.names)
+            elif node.module.startswith("benchmarks."):
+                out.add(node.module.split(".")[1])
+    return out
+
+
+def _topics(name: str) -> set[str]:
+    return set(name.removesuffix(".py").split("_")) - _NOT_A_TOPIC
 
 
 def modules(package: str) -> list[Path]:
@@ -61,14 +79,17 @@ def test_packages_import_only_downward(package):
 
 def test_tests_import_no_other_test_module_and_no_benchmark_they_do_not_test():
     bad = []
-    for path in sorted((ROOT / "tests").glob("*.py")):
-        names = imported_packages(path)
-        others = sorted(n for n in names if n.startswith("test_"))
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        others = sorted(n for n in imported_packages(path) if n.startswith("test_"))
         if others:
             bad.append((path.name, others))
-        tests_a_benchmark = path.name.startswith("test_bench_") or path.name in BENCHMARK_TESTS
-        if "benchmarks" in names and not tests_a_benchmark and (path.name, "benchmarks") not in KNOWN_EXCEPTIONS:
-            bad.append((path.name, ["benchmarks"]))
+        benches = imported_benchmarks(path)
+        tested = {b for b in benches if _topics(path.name) & _topics(b)}
+        for bench in sorted(benches - tested):
+            if bench == "outputs" and tested:  # the benchmarks' run-directory helper, tested with them
+                continue
+            if (path.name, bench) not in KNOWN_EXCEPTIONS:
+                bad.append((path.name, f"benchmarks.{bench}"))
     assert not bad, f"tests importing other test modules or benchmarks they do not test (use tests/conftest.py): {bad}"
 
 

@@ -1,8 +1,8 @@
-"""A chaos benchmark of the TQ service (issue 16): faults injected under load, nothing acknowledged lost.
+"""A chaos benchmark of the TQ service: faults injected under load, nothing acknowledged lost.
 
 ``--clients`` client processes (spawned, default 8; half over shared memory, half over TCP) put, get,
 write back and discard checksummed data against one service on loopback, started the way an operator
-starts a crash-recoverable one (``python -m tq.controller --port <fixed> --storage-units 2 --state-dir
+starts a crash-recoverable one (``python -m tq.controller --port <fixed> --storage-units 2 --journal-dir
 <dir>``), while a fault driver in this process injects, at random and one at a time:
 
 - ``unit_kill``: SIGKILL a storage unit (its controller restarts it on its arena);
@@ -59,6 +59,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from benchmarks.outputs import code_version
 from benchmarks.tq_soak import WRITE_BACK, RowMaker, _pct, _settled, compare_rows, digest, rows_of, start_processes
 
 MiB = 1 << 20
@@ -638,7 +639,7 @@ class Service:
         self.address = f"tcp://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", "tq.controller", "--host", "127.0.0.1", "--port", str(self.port),
                     "--storage-units", str(units), "--capacity", str(capacity), "--shm-dir", self.shm_dir,
-                    "--state-dir", self.state_dir, "--ready-file", self.ready_file]
+                    "--journal-dir", self.state_dir, "--ready-file", self.ready_file]
         self.procs: list[subprocess.Popen] = []
 
     @property
@@ -955,18 +956,6 @@ def machine() -> dict[str, Any]:
             "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "python": sys.version.split()[0]}
 
 
-def code_version() -> dict[str, Any]:
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.rstrip()
-        except (OSError, subprocess.TimeoutExpired):
-            return ""
-
-    dirty = git("status", "--porcelain", "--", "tq")
-    return {"commit": git("rev-parse", "HEAD").strip(), "subject": git("log", "-1", "--format=%s").strip()[:200],
-            "tq_uncommitted": [line[3:] for line in dirty.splitlines()]}
-
-
 def _percentiles(values: list[float]) -> dict[str, Any]:
     a = np.asarray(values, dtype=np.float64)
     if not a.size:
@@ -1259,7 +1248,7 @@ def summary(r: dict[str, Any]) -> str:
     lines = [
         f"TQ chaos: {c['clients']} clients x {c['duration_s']:.0f}s, {c['units']} storage units, client timeout "
         f"{c['client_timeout_s']:g}s; {m['platform']}, {m['nproc']} CPUs ({m['cpu']})",
-        f"  code: {r['code']['commit'][:12]} {r['code']['subject'][:70]}"
+        f"  code: {r['code']['commit'][:12]}"
         + (f" (+ uncommitted tq/: {', '.join(r['code']['tq_uncommitted'])})" if r["code"]["tq_uncommitted"] else ""),
         "",
         "| op | calls | ok | failed | errors by type | p50 ms | p99 ms | max ms |",
@@ -1314,7 +1303,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=600.0, help="seconds of load (faults from the end of warm-up)")
     p.add_argument("--clients", type=int, default=8, help="client processes (half shared memory, half TCP)")
     p.add_argument("--faults-min", type=int, default=50, help="faults of every kind to inject at least")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the fault driver and the clients' op choices (default 0)")
     p.add_argument("--kinds", default=",".join(KINDS), help="fault kinds, comma-separated (default: all four)")
     p.add_argument("--client-timeout", type=float, default=2.0, help="every client's TQClient timeout (s)")
     p.add_argument("--capacity", type=int, default=512 << 20, help="total storage bytes (split over the 2 units)")

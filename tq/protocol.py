@@ -54,6 +54,12 @@ from .messages import ArrayRef
 
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 64 << 20
+# No frame of a request may be longer: servers refuse a longer frame at the socket (ZMQ_MAXMSGSIZE
+# counts one frame), from its length prefix, before reading it - so a peer that has not authenticated
+# (a ZMTP handshake command is such a frame) can make a server buffer at most this much. Bulk bytes
+# travel in TCP_FRAME_BYTES frames, far below it. A header a little past its own limit still reaches
+# the protocol, which answers with MessageTooLargeError.
+MAX_FRAME_BYTES = MAX_HEADER_BYTES + (1 << 20)
 DEFAULT_MAX_MESSAGE_BYTES = 8 << 30
 # Bulk bytes crossing TCP are cut into frames of about this size (see StorageUnit._gather_frames).
 TCP_FRAME_BYTES = 8 << 20
@@ -306,7 +312,13 @@ def request(
     header = {"op": op, "rid": rid, "args": args}
     if secret:
         (sender or _thread_sender()).stamp(header)
-    return encode(header, buffers, secret)
+    frames = encode(header, buffers, secret)
+    for f in frames:  # a server would drop the connection without a word: say it here
+        n = memoryview(f).nbytes
+        if n > MAX_FRAME_BYTES:
+            raise MessageTooLargeError(
+                f"request {op!r} has a frame of {n} bytes, over the {MAX_FRAME_BYTES}-byte frame limit: split the batch")
+    return frames
 
 
 def reply_ok(rid: Any, result: Any, buffers: Sequence[Any], secret: bytes | None) -> list[Any]:

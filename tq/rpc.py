@@ -176,7 +176,7 @@ class RpcServer:
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + protocol.MAX_HEADER_BYTES)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)  # per frame, checked before it is read
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         # With a secret: connections must pass the PLAIN handshake, requests must be fresh. Without one

@@ -85,7 +85,9 @@ def bench_transferqueue(samples: int, seq_len: int, steps: int) -> dict[str, Any
     import transfer_queue as tq
     from omegaconf import OmegaConf
 
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)  # never a cluster another job left running
+    # Its own local Ray, never a cluster another job left running. Logical CPUs beyond the cores: its
+    # controller and storage-unit actors each reserve one, and on a 2-core machine they would wait forever.
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
         tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 2}}}))
         try:
@@ -120,13 +122,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--json", help="also write the raw timings here")
     a = p.parse_args(argv)
+    print(f"{a.samples} samples x {a.seq_len} tokens, {a.steps} steps, {platform.node()} ({platform.processor() or platform.machine()})")
     results = {"tq.compat": bench_compat(a.samples, a.seq_len, a.steps)}
+    print(summarize(results), flush=True)
     if importlib.util.find_spec("transfer_queue") is None:
         print("transferqueue is not installed (pip install 'tq-rl[bench]'): ran tq.compat only")
     else:
         results["transferqueue"] = bench_transferqueue(a.samples, a.seq_len, a.steps)
-    print(f"{a.samples} samples x {a.seq_len} tokens, {a.steps} steps, {platform.node()} ({platform.processor() or platform.machine()})")
-    print(summarize(results))
+        print(summarize(results))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "results": results}, f, indent=1)

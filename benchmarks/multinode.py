@@ -235,9 +235,10 @@ def place_and_probe(ray_address: str, tq_address: str, shm_dir: str, capacity: i
         return fn.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote(*args)
 
     report: dict[str, Any] = {"nodes": [n["NodeManagerAddress"] for n in nodes], "units": len(handles)}
-    if len(workers) >= 2:
+    if workers:  # write on a worker node; read on another node (a second worker, else the head) and on it
+        reader = workers[1] if len(workers) > 1 else next(n for n in nodes if n["NodeManagerAddress"] == here)
         written = ray.get(on(workers[0], put_batch, XFER_MIB << 20), timeout=120)
-        remote = ray.get(on(workers[1], get_batch, 5), timeout=120)
+        remote = ray.get(on(reader, get_batch, 5), timeout=120)
         local = ray.get(on(workers[0], get_batch, 5), timeout=120)
         assert remote["sum"] == written["sum"] == local["sum"], "cross-node get read other bytes"
         report["xfer"] = {

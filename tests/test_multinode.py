@@ -39,9 +39,9 @@ def _left_behind(tag: str) -> list[str]:
 @pytest.mark.skipif(WHY is not None, reason=WHY or "")
 @pytest.mark.timeout(300)
 def test_cross_node_get_on_an_emulated_cluster(tmp_path):
-    report = multinode.run(nodes=3, steps=0, link_rate=None, run_dir=tmp_path)
+    report = multinode.run(nodes=2, steps=0, link_rate=None, run_dir=tmp_path)  # a head + one worker node
     placed = report["placement"]
-    assert placed["units"] == 3 and len(placed["nodes"]) == 3
+    assert placed["units"] == 2 and len(placed["nodes"]) == 2
     x = placed["xfer"]  # the sums were checked equal inside the cluster
     assert x["cross_node"]["host"] != x["writer_host"] == x["same_node"]["host"]
     assert x["cross_node"]["gb_s"] > 0 and x["same_node"]["gb_s"] > 0

@@ -21,7 +21,7 @@ import pytest
 import torch
 import zmq
 
-from conftest import free_port, pid_alive, raw_exchange, unique_keys, wait_until
+from conftest import assert_same, free_port, pid_alive, raw_exchange, unique_keys, wait_until
 from tq import JaggedTensor, KVBatchMeta, TQClient, TQServer, protocol
 from tq.locations import ALIVE_S, H_ALIVE_UNTIL
 from tq.errors import (
@@ -47,15 +47,6 @@ TRANSPORTS = ["auto", "tcp"]
 
 
 # ----------------------------------------------------------------------------- helpers
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]) if t.is_floating_point() else t
-
-
-def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape)
-    assert torch.equal(bits(got), bits(want))
-
-
 new_keys = unique_keys
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tq.errors import SchemaConflictError
-from conftest import unique_keys, wait_until
+from conftest import assert_same, bits, unique_keys, wait_until
 from tq import JaggedTensor, KVBatchMeta, TQClient, TQServer
 from tq.errors import InvalidRequestError, KeyNotFoundError, PartitionNotFoundError, TQTimeoutError
 
@@ -62,16 +62,6 @@ def rand(shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return t
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(_BITS[t.dtype]) if t.dtype in _BITS else t
-
-
-def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Bit-exact equality, dtype and shape included."""
-    assert isinstance(got, torch.Tensor), type(got)
-    assert got.dtype == want.dtype, (got.dtype, want.dtype)
-    assert tuple(got.shape) == tuple(want.shape), (tuple(got.shape), tuple(want.shape))
-    assert torch.equal(bits(got), bits(want.contiguous()))
 
 
 def assert_rows(got_list, rows) -> None:

@@ -7,6 +7,7 @@ loop, the per-sample algorithm (``trainer.common``) and everything around it are
 
 from __future__ import annotations
 
+import os
 import resource
 import signal
 import sys
@@ -21,6 +22,7 @@ import torch
 from policy.loss import ClippedPGLossFn
 from policy.traffic import ActorCalls, DriverTraffic
 from rollout.actors import SyncRolloutActor
+from tq.errors import TQError
 
 from .checkpoint import latest_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
 from .common import build_dataloader, build_datasets, init_ray, run_name
@@ -314,9 +316,12 @@ def run(trainer_cls: type[GRPOTrainerBase], argv: Sequence[str] | None = None) -
             print(f"done: {len(history)} steps{resumed}, reward {first:.3f} -> {last:.3f} (mean of the last 5 steps)", flush=True)
         return 0
     except KeyboardInterrupt:
-        print("interrupted: stopping workers; the last checkpoint stays loadable", file=sys.stderr)
+        kept = "; the last checkpoint stays loadable" if cfg.checkpointing.enabled else ""
+        print(f"interrupted: stopping workers{kept}", file=sys.stderr)
         return 130
-    except (FileNotFoundError, TimeoutError, ConnectionError, RuntimeError, NotImplementedError) as exc:
+    except (TQError, FileNotFoundError, TimeoutError, ConnectionError, RuntimeError, NotImplementedError) as exc:
+        if os.environ.get("TQ_DEBUG"):  # the traceback, for a bug report
+            raise
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:

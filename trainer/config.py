@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from policy.config import PolicyConfig
 from policy.loss import ClippedPGLossConfig
@@ -100,6 +100,17 @@ class DataPlaneConfig(_Strict):
     timeout_s: float = Field(60.0, gt=0.0)  # every TQ call, and every wait for fields to be produced
     transport: Literal["auto", "tcp"] = "auto"  # auto: same-host readers map the storage arenas
     capacity_wait_s: float = Field(0.0, ge=0.0)  # a write into a full storage unit waits this long for room
+
+    @field_validator("address")
+    @classmethod
+    def _address_is_a_tq_address(cls, v: str | None) -> str | None:
+        # Checked with the config, before anything starts (a bad one used to end in a ZMQError traceback).
+        if v is not None:
+            try:
+                TQConnection(v, secret="")
+            except ValueError:
+                raise ValueError("must look like tcp://host:port") from None
+        return v
 
     def connection(self, address: str | None = None) -> TQConnection:
         """The connection value for ``address`` (default: ``address`` of this section, e.g. a

@@ -1,0 +1,29 @@
+"""What a user sees when the trainer's data-plane settings are wrong: one line naming what is wrong,
+fast, before Ray starts - no traceback (``TQ_DEBUG=1`` brings it back)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tq import TQServer
+
+
+def _trainer(*overrides: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainer.grpo_sync", *overrides], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def test_address_without_a_scheme_is_a_config_error():
+    r = _trainer("data_plane.address=10.0.0.5:5555")
+    assert r.returncode == 2, r.stderr
+    assert "data_plane.address" in r.stderr and "tcp://host:port" in r.stderr
+    assert "Traceback" not in r.stderr and "ZMQError" not in r.stderr
+
+
+def test_wrong_secret_is_one_line():
+    with TQServer(storage_units=1, capacity=16 << 20, secret="right") as server:
+        r = _trainer(f"data_plane.address={server.address}", "data_plane.secret=wrong")
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 1, r.stderr
+    assert lines == [f"error: controller at {server.address} refused this client's credentials: wrong secret"], lines

@@ -27,3 +27,12 @@ def test_wrong_secret_is_one_line():
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 1, r.stderr
     assert lines == [f"error: controller at {server.address} refused this client's credentials: wrong secret"], lines
+
+
+def test_missing_dataset_is_reported_before_anything_starts():
+    """The GPU recipe names /data/gsm8k.jsonl: absent here, it must be the first thing the user hears
+    (it used to come after Ray had started and a 56 s tokenizer download attempt)."""
+    r = _trainer("--config", "trainer/configs/grpo_gpu_qwen.yaml", "data.dataset=/nonexistent/prompts.jsonl")
+    assert r.returncode == 2, r.stderr
+    assert "data.dataset: no such file or directory: '/nonexistent/prompts.jsonl'" in r.stderr
+    assert "Traceback" not in r.stderr and "ray" not in (r.stdout + r.stderr).lower()

@@ -26,7 +26,7 @@ from tq.errors import TQError
 
 from .checkpoint import latest_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
 from .common import build_dataloader, build_datasets, init_ray, run_name
-from .config import ConfigError, MasterConfig, parse_cli
+from .config import ConfigError, MasterConfig, check_local_paths, parse_cli
 from .driver import DriverRecord
 from .ledger import PromptLedger
 from .logger import MetricsLogger
@@ -302,6 +302,7 @@ def run(trainer_cls: type[GRPOTrainerBase], argv: Sequence[str] | None = None) -
     """Command-line entry: parse the config, train, shut down cleanly (also on Ctrl-C)."""
     try:
         cfg = parse_cli(sys.argv[1:] if argv is None else argv)
+        check_local_paths(cfg)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -116,20 +116,30 @@ class MetricsLogger:
         import matplotlib.pyplot as plt
 
         train = [r for r in self.history if r["split"] == "train"]
-        fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-        for ax, key in zip(axes, ("reward", "loss")):
-            pts = [(r["step"], _scalar(r.get(key))) for r in train]
-            pts = [(s, v) for s, v in pts if v is not None]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", markersize=3)
-            ax.set_xlabel("step")
-            ax.set_title(key)
-            ax.grid(alpha=0.3)
-        val = [(r["step"], _scalar(r.get("accuracy"))) for r in self.history if r["split"] == "val"]
-        val = [(s, v) for s, v in val if v is not None]
-        if val:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+
+        def series(rows: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
+            pts = [(r["step"], _scalar(r.get(key))) for r in rows]
+            return [(st, v) for st, v in pts if v is not None]
+
+        # Reward panel: the training reward, and validation accuracy when validation ran.
+        if pts := series(train, "reward"):
+            axes[0].plot(*zip(*pts), marker="o", markersize=3, label="mean training reward")
+        if val := series([r for r in self.history if r["split"] == "val"], "accuracy"):
             axes[0].plot(*zip(*val), marker="s", label="validation accuracy")
-            axes[0].legend()
+        axes[0].set_ylabel("reward / accuracy")
+        axes[0].set_title("reward")
+        # Loss panel: the total and its two terms, so a rising KL term is not read as divergence.
+        for key, label in (("loss", "total loss"), ("actor_loss", "policy-gradient term"), ("kl_loss", "KL term")):
+            if (pts := series(train, key)) and (key == "loss" or any(v for _, v in pts)):
+                axes[1].plot(*zip(*pts), marker="o" if key == "loss" else None, markersize=3, label=label)
+        axes[1].set_ylabel("loss (per token)")
+        axes[1].set_title("loss = policy-gradient term + KL term")
+        for ax in axes:
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8)
         fig.tight_layout()
         out = self.run_dir / "curves.png"
         fig.savefig(out, dpi=100)

@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -58,14 +59,13 @@ def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
 class NetnsCluster:
     """Namespaces ``<tag>-n0`` (head) .. ``<tag>-n<k>`` bridged in ``<tag>-hub``; addresses 10.213.<net>.<i+1>."""
 
-    def __init__(self, nodes: int, link_rate: str | None, workdir: Path) -> None:
+    def __init__(self, nodes: int, link_rate: str | None) -> None:
         if nodes < 2:
             raise ValueError(f"--nodes must be >= 2 (a head and at least one worker node), got {nodes}")
         self.tag = f"tqmn{os.getpid() % 100000}"
         self.net = 20 + os.getpid() % 200
         self.nodes = nodes
         self.link_rate = link_rate
-        self.workdir = workdir
         self.ns = [f"{self.tag}-n{i}" for i in range(nodes)]
         self.hub = f"{self.tag}-hub"
         self.ips = [f"10.213.{self.net}.{i + 1}" for i in range(nodes)]
@@ -110,7 +110,7 @@ class NetnsCluster:
     def spawn(self, node: int, cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
         """Start ``cmd`` inside node ``node``'s namespace with that node's hostname."""
         host = f"{self.tag}-node{node}"
-        inner = f"hostname {host} && exec " + " ".join(_quote(c) for c in cmd)
+        inner = f"hostname {host} && exec " + shlex.join(cmd)
         full = ["ip", "netns", "exec", self.ns[node], "unshare", "--uts", "sh", "-c", inner]
         out = open(log, "ab")
         p = subprocess.Popen(full, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
@@ -147,10 +147,6 @@ class NetnsCluster:
         for ns in reversed(self.made):
             _run("ip", "netns", "del", ns, check=False)
         self.made.clear()
-
-
-def _quote(s: str) -> str:
-    return "'" + s.replace("'", "'\"'\"'") + "'"
 
 
 def _killpg(p: subprocess.Popen, sig: int) -> None:
@@ -213,10 +209,9 @@ def place_and_probe(ray_address: str, tq_address: str, shm_dir: str, capacity: i
         c.register_partition("xfer", reuse=True)
         n = 64
         x = torch.from_numpy(np.random.default_rng(0).integers(0, 255, size=(n, nbytes // n), dtype=np.uint8))
-        meta = c.put("xfer", [f"k{i}" for i in range(n)], {"x": x})
+        c.put("xfer", [f"k{i}" for i in range(n)], {"x": x})
         c.close()
-        return {"meta": meta.to_msgpack() if hasattr(meta, "to_msgpack") else None, "host": socket.gethostname(),
-                "sum": int(x.sum())}
+        return {"host": socket.gethostname(), "sum": int(x.sum())}
 
     @ray.remote(num_cpus=0)
     def get_batch(reps: int) -> dict[str, Any]:
@@ -262,7 +257,7 @@ def run(nodes: int, steps: int, link_rate: str | None, run_dir: Path, log: Any =
     """Set the cluster up, run the transfer check and (``steps`` > 0) the GRPO job, tear down; returns the report."""
     work = run_dir / "work"
     work.mkdir(parents=True, exist_ok=True)
-    cluster = NetnsCluster(nodes, link_rate, work)
+    cluster = NetnsCluster(nodes, link_rate)
     secret = secrets.token_hex(16)
     # Ray's token authentication stays on (a real cluster needs it): one token per run, given to every
     # node and driver through the environment, as the TQ secret is.

@@ -47,13 +47,11 @@ def build_datasets(cfg: MasterConfig) -> tuple[PromptDataset, PromptDataset | No
         val_records = builtin_task_dataset(cfg.grpo.max_val_samples, seed=cfg.grpo.seed + 1) if cfg.grpo.val_period else None
         val = PromptDataset(val_records, tok, cfg.data.processor) if val_records else None
         return train, val
-    if not os.path.exists(cfg.data.dataset):
-        raise FileNotFoundError(f"data.dataset {cfg.data.dataset!r} does not exist")
+    # Missing files: trainer.config.check_local_paths names the key before anything starts; from_path
+    # raises FileNotFoundError naming the path for callers that skip it.
     train = PromptDataset.from_path(cfg.data.dataset, tok, cfg.data.processor, split=cfg.data.split)
     val = None
     if cfg.grpo.val_period and cfg.data.val_dataset:
-        if not os.path.exists(cfg.data.val_dataset):
-            raise FileNotFoundError(f"data.val_dataset {cfg.data.val_dataset!r} does not exist")
         val = PromptDataset.from_path(cfg.data.val_dataset, tok, cfg.data.processor)
     return train, val
 

@@ -50,6 +50,7 @@ class ControllerOp(enum.StrEnum):
     DISCARD = "discard"
     GET_META = "get_meta"
     SET_TAGS = "set_tags"
+    LEASES = "leases"
     UNIT_STATUS = "unit_status"
     STATS = "stats"
     SHUTDOWN = "shutdown"
@@ -171,6 +172,9 @@ class Locate(ReadsArgs, kw_only=True):
     keys: list[str]
     fields: list[str]
     timeout: Union[Seconds, None] = None  # first wait (parked) until every pair is produced
+    # a borrowed get: pin the located rows for this many seconds (renewed with ``leases``) so that
+    # no discard, clear or overwrite frees them while the reader views them in the arena
+    lease_s: Union[Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)], None] = None
 
 
 class Wait(PartitionArgs):
@@ -190,6 +194,13 @@ class GetMeta(PartitionArgs):
 
 class SetTags(KeysArgs):
     tags: dict[str, list[TagValue]]
+
+
+class Leases(Args):
+    """A borrower renews the leases it still holds (for their full term again) and gives up others."""
+
+    renew: list[Count] = []
+    release: list[Count] = []
 
 
 class UnitStatus(Args):
@@ -219,6 +230,7 @@ CONTROLLER_REQUESTS: dict[ControllerOp, type[Args]] = {
     ControllerOp.DISCARD: Discard,
     ControllerOp.GET_META: GetMeta,
     ControllerOp.SET_TAGS: SetTags,
+    ControllerOp.LEASES: Leases,
     ControllerOp.UNIT_STATUS: UnitStatus,
     ControllerOp.STATS: Stats,
     ControllerOp.SHUTDOWN: Shutdown,

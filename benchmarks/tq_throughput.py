@@ -62,8 +62,10 @@ MAX_LEN = 4096
 # small operation (1-key puts and gets included) against the project's 1 ms; TQ's cold get; and the
 # slowest warm TQ get against its median (a buffer-pool miss shows up there).
 TARGETS = {"get_vs_transferqueue": 5.0, "get_vs_ray": 2.0, "get_vs_memcpy": 0.4, "put_vs_transferqueue": 3.0,
-           "tcp_get_vs_transferqueue": 2.0}
+           "tcp_get_vs_transferqueue": 2.0, "borrowed_vs_ray_views": 1.0}
 CONTROL_P99_MS = 1.0
+# 1-key puts and gets on the same host have a tighter bar (issue 22): one round trip each
+CONTROL_P99_BARS_MS = {"put, 1 key (same host)": 0.5, "get, 1 key (same host)": 0.5}
 COLD_GET_GBPS = 2.0
 WARM_FLOOR = 0.5
 FIELDS = ("input_ids", "generation_logprobs", "prev_logprobs", "token_mask")
@@ -206,7 +208,7 @@ def bench_tq(sizes: list[int], iters: int, transport: str) -> dict[int, dict[str
         proc.start()
         try:
             for size in sizes:
-                res = results.setdefault(size, {"put": [], "get": []})
+                res = results.setdefault(size, {"put": [], "get": [], **({"borrowed": []} if transport == "auto" else {})})
                 for it in range(_iters(size, iters)):
                     seed = size // MiB * 1000 + it
                     parent.send((size, seed, partition))
@@ -222,6 +224,14 @@ def bench_tq(sizes: list[int], iters: int, transport: str) -> dict[int, dict[str
                     if it == 0:
                         _check(got, make_batch(size, seed))
                     del got
+                    if transport == "auto":  # the borrowed get: read-only views of the arena, nothing copied
+                        t0 = time.perf_counter()
+                        got = client.get(meta, [*FIELDS, "rewards"], layout="jagged", copy=False)
+                        res["borrowed"].append(nbytes / (time.perf_counter() - t0))
+                        if it == 0:
+                            _check_jagged(got, make_batch(size, seed))
+                        got.release()
+                        del got
                     client.discard(meta)
         finally:
             parent.send(None)
@@ -519,6 +529,15 @@ def machine_info() -> str:
             f"torch {torch.__version__}")
 
 
+def _check_jagged(got: dict[str, Any], batch: dict[str, Any]) -> None:
+    """A borrowed get's jagged views hold the batch's values and offsets."""
+    for f in FIELDS:
+        if not (torch.equal(got[f].values, batch[f]) and torch.equal(got[f].offsets, batch["offsets"])):
+            raise AssertionError(f"field {f} came back different (borrowed)")
+    if not torch.equal(got["rewards"], batch["rewards"]):
+        raise AssertionError("rewards came back different (borrowed)")
+
+
 FORM_TAGS = {"put": "jagged", "put_padded": "padded", "get": "pad", "get_views": "views"}
 
 
@@ -546,14 +565,14 @@ def report(all_res: dict[str, Any], sizes: list[int]) -> str:
         "nothing copied. A baseline's put and transferqueue's get show the faster of its two forms: [jagged] or "
         "[padded] tensors put; [pad]: the get's flat rows padded, [views]: padded rows stored and viewed.",
         "",
-        "| batch | payload MB | memcpy | TQ put | TQ get | TQ tcp put | TQ tcp get | Ray put | Ray get | Ray views "
+        "| batch | payload MB | memcpy | TQ put | TQ get | TQ borrowed | TQ tcp put | TQ tcp get | Ray put | Ray get | Ray views "
         "| transferqueue put | transferqueue get |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     cold_lines = ["", "Cold gets: GB/s of the first get of each size (fresh pages faulted in); the last column is "
                   "the slowest warm TQ get over the warm median.", "",
-                  "| batch | memcpy | TQ get | TQ tcp get | Ray get | Ray views | transferqueue get | TQ slowest warm get / median |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| batch | memcpy | TQ get | TQ borrowed | TQ tcp get | Ray get | Ray views | transferqueue get | TQ slowest warm get / median |",
+                  "|---|---|---|---|---|---|---|---|---|"]
     ratios = []
     for size in sizes:
         mc, tq = all_res["memcpy"][size], all_res["tq"][size]
@@ -564,10 +583,10 @@ def report(all_res: dict[str, Any], sizes: list[int]) -> str:
         tag = lambda k: f" [{FORM_TAGS[k]}]" if k else ""  # noqa: E731
         lines.append("| " + " | ".join([
             f"{size // MiB} MiB", f"{tq['bytes'] / 1e6:.0f}", warm(mc, "copy"), warm(tq, "put"), warm(tq, "get"),
-            warm(tcp, "put"), warm(tcp, "get"), warm(ray_, rput) + tag(rput), warm(ray_, "get"), warm(ray_, "get_views"),
+            warm(tq, "borrowed"), warm(tcp, "put"), warm(tcp, "get"), warm(ray_, rput) + tag(rput), warm(ray_, "get"), warm(ray_, "get_views"),
             warm(ptq, pput) + tag(pput), warm(ptq, pget) + tag(pget)]) + " |")
         cold_lines.append("| " + " | ".join([
-            f"{size // MiB} MiB", cold(mc, "copy"), cold(tq, "get"), cold(tcp, "get"), cold(ray_, "get"),
+            f"{size // MiB} MiB", cold(mc, "copy"), cold(tq, "get"), cold(tq, "borrowed"), cold(tcp, "get"), cold(ray_, "get"),
             cold(ray_, "get_views"), cold(ptq, pget) + tag(pget), f"{_floor(tq['get']):.2f}"]) + " |")
         med = lambda r, k: _warm(r[k])  # noqa: E731
         r = {"size": f"{size // MiB} MiB", "get_vs_memcpy": med(tq, "get") / med(mc, "copy"),
@@ -575,6 +594,8 @@ def report(all_res: dict[str, Any], sizes: list[int]) -> str:
         if ray_:
             r.update(get_vs_ray=med(tq, "get") / med(ray_, "get"), get_vs_ray_views=med(tq, "get") / med(ray_, "get_views"),
                      put_vs_ray=med(tq, "put") / med(ray_, rput))
+            if tq.get("borrowed"):
+                r["borrowed_vs_ray_views"] = med(tq, "borrowed") / med(ray_, "get_views")
         if ptq:
             r.update(get_vs_transferqueue=med(tq, "get") / med(ptq, pget), put_vs_transferqueue=med(tq, "put") / med(ptq, pput))
         if ptq and tcp:
@@ -582,26 +603,29 @@ def report(all_res: dict[str, Any], sizes: list[int]) -> str:
         ratios.append(r)
     lines += cold_lines
     lines += ["", "Ratios of warm medians (targets: get >= 5x transferqueue, >= 2x Ray, >= 0.4x memcpy; put >= 3x "
-              "transferqueue; TCP get >= 2x transferqueue; Ray views is reported, not a target):", "",
-              "| batch | TQ get / memcpy | TQ get / Ray | TQ get / Ray views | TQ get / transferqueue | TQ put / Ray "
-              "| TQ put / transferqueue | TQ tcp get / transferqueue |",
-              "|---|---|---|---|---|---|---|---|"]
+              "transferqueue; TCP get >= 2x transferqueue; borrowed get >= 1x Ray views; the copying get against Ray "
+              "views is reported, not a target):", "",
+              "| batch | TQ get / memcpy | TQ get / Ray | TQ get / Ray views | TQ borrowed / Ray views | TQ get / transferqueue "
+              "| TQ put / Ray | TQ put / transferqueue | TQ tcp get / transferqueue |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in ratios:
         f = lambda k: f"{r[k]:.2f}x" if k in r else "n/a"  # noqa: E731
-        lines.append(f"| {r['size']} | {f('get_vs_memcpy')} | {f('get_vs_ray')} | {f('get_vs_ray_views')} | "
+        lines.append(f"| {r['size']} | {f('get_vs_memcpy')} | {f('get_vs_ray')} | {f('get_vs_ray_views')} | {f('borrowed_vs_ray_views')} | "
                      f"{f('get_vs_transferqueue')} | {f('put_vs_ray')} | {f('put_vs_transferqueue')} | "
                      f"{f('tcp_get_vs_transferqueue')} |")
-    lines += ["", f"Small operations (TQ; target p99 < {CONTROL_P99_MS:g} ms each):", "",
-              "| operation | p50 ms | p99 ms |", "|---|---|---|"]
+    lines += ["", f"Small operations (TQ; target p99 <= {CONTROL_P99_MS:g} ms each, "
+              + ", ".join(f"{k} <= {v:g} ms" for k, v in CONTROL_P99_BARS_MS.items()) + "):", "",
+              "| operation | p50 ms | p99 ms | bar ms |", "|---|---|---|---|"]
     for name, v in all_res["control_ops"].items():
-        lines.append(f"| {name} | {v['p50_ms']:.3f} | {v['p99_ms']:.3f} |")
+        lines.append(f"| {name} | {v['p50_ms']:.3f} | {v['p99_ms']:.3f} | {CONTROL_P99_BARS_MS.get(name, CONTROL_P99_MS):g} |")
     targets = {}
     for key, bar in TARGETS.items():
         got = [r[key] for r in ratios if key in r]
         if got:
             targets[key] = {"target": bar, "worst": min(got), "met": min(got) >= bar}
-    p99 = max((v["p99_ms"] for v in all_res["control_ops"].values()), default=0.0)
-    targets["control_p99_ms"] = {"target": CONTROL_P99_MS, "worst": p99, "met": p99 < CONTROL_P99_MS}
+    # each operation's p99 over its bar: the worst (highest) ratio must be <= 1
+    over = max((v["p99_ms"] / CONTROL_P99_BARS_MS.get(k, CONTROL_P99_MS) for k, v in all_res["control_ops"].items()), default=0.0)
+    targets["control_p99_over_bar"] = {"target": 1.0, "worst": over, "met": over <= 1.0}
     worst_cold = min(r["tq_cold_get_gbps"] for r in ratios)
     targets["cold_get_gbps"] = {"target": COLD_GET_GBPS, "worst": worst_cold, "met": worst_cold >= COLD_GET_GBPS}
     floor = min(r["tq_warm_floor"] for r in ratios)

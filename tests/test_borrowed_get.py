@@ -40,7 +40,7 @@ def _stats_until(c: TQClient, pred, timeout: float = 10.0) -> dict:
 
 
 def _used(st: dict) -> int:
-    return sum(u["bytes_used"] for u in st["unit_stats"])
+    return sum(u["bytes_live"] for u in st["unit_stats"])
 
 
 def test_borrowed_views_keep_their_bytes_while_another_client_discards_and_reputs(tq_server, client, partition):

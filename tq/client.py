@@ -16,6 +16,7 @@ import itertools
 import mmap
 import os
 import threading
+import time
 import warnings
 import weakref
 from collections import abc
@@ -56,6 +57,9 @@ _FIELD_ALIGN = 64
 _default_pool = HostBufferPool()
 # Copies out of a shared arena that raced a free are redone this often before the units send the rows.
 SHM_READ_TRIES = 3
+# Same-host puts carve blocks out of slabs: SLAB_BYTES and SLAB_IDS blocks per grant, used for at most
+# SLAB_USE_S (well inside the unit's 60 s allocation lease); a put above a quarter slab gets its own.
+SLAB_BYTES, SLAB_IDS, SLAB_USE_S = 4 << 20, 256, 20.0
 ABORT_PROBE_S = 0.5  # after a commit got no reply: how long to ask whether it landed
 DEFAULT_LEASE_S = 30.0  # a borrowed get's lease term; a live holder renews it every third of it
 UNIT_STATS_TIMEOUT_S = 2.0  # stats wait this long for each storage unit before showing it down
@@ -113,13 +117,35 @@ def _byte_range(chunks: Sequence[np.ndarray], start: int, stop: int) -> list[np.
 
 class _StoredPart(NamedTuple):
     """Rows ``[start, stop)`` of a write, stored as ``block`` of ``unit``; ``starts`` maps each field
-    to the arena offset where its bytes begin."""
+    to the arena offset where its bytes begin; ``slab``: ``(slab id, start, size)`` when the block was
+    carved out of a slab (its unit learns of it from the controller, once committed)."""
 
     unit: int
     block: int
     start: int
     stop: int
     starts: dict[str, int]
+    slab: tuple[int, int, int] | None = None
+
+
+class _Slab:
+    """A range of a same-host unit's arena and a range of block ids granted to this client: puts
+    carve blocks out of it with no request to the unit."""
+
+    __slots__ = ("aid", "pos", "end", "next_id", "end_id", "use_until")
+
+    def __init__(self, aid: int, start: int, size: int, first_id: int, n_ids: int, use_until: float) -> None:
+        self.aid, self.pos, self.end = aid, start, start + size
+        self.next_id, self.end_id, self.use_until = first_id, first_id + n_ids, use_until
+
+    def carve(self, nbytes: int, now: float) -> tuple[int, int] | None:
+        """(start, block id) of a block of ``nbytes`` (ALIGN-rounded), or None if it does not fit."""
+        if self.pos + nbytes > self.end or self.next_id >= self.end_id or now > self.use_until:
+            return None
+        start, bid = self.pos, self.next_id
+        self.pos += nbytes
+        self.next_id += 1
+        return start, bid
 
 
 class _UnitRestarted(Exception):
@@ -358,6 +384,8 @@ class TQClient:
         self.lease_s = lease_s
         self._leases = _LeaseKeeper(self)
         self._ro_views: dict[int, np.ndarray] = {}  # unit -> its arena mapped read-only (borrowed views)
+        self._slabs: dict[int, _Slab] = {}  # unit -> the slab this client's same-host puts carve from
+        self._slab_lock = threading.Lock()
         self._secret = secret.encode() if secret else None
         self._pool = buffer_pool or _default_pool
         self._ctrl = RpcChannel(address, secret=self._secret, timeout=timeout, name="controller")
@@ -436,6 +464,10 @@ class TQClient:
         """Give up every lease, close every connection and unmap every arena."""
         if hasattr(self, "_leases"):
             self._leases.stop()
+            with self._slab_lock:
+                for unit, slab in list(self._slabs.items()):
+                    self._give_back(unit, slab)
+                self._slabs.clear()
         self._ctrl.close()
         for chan in self._unit_chans.values():
             chan.close()
@@ -559,6 +591,7 @@ class TQClient:
         tags: Mapping[str, Sequence[Any]] | None, sequence_lengths: Sequence[int] | None, overwrite: bool,
     ) -> dict[str, Any]:
         parts = self._store_parts(encoded, len(keys))
+        slabs = [p.slab for p in parts if p.slab is not None]
         cbufs: list[Any] = []
         commit = messages.Commit(
             partition=partition_id, keys=keys, mode=mode, blocks=[(p.unit, p.block, p.stop - p.start) for p in parts],
@@ -568,6 +601,7 @@ class TQClient:
                     for n, c in encoded.items()},
             overwrite=overwrite, tags={k: list(v) for k, v in tags.items()} if tags else None,
             sequence_lengths=[int(s) for s in sequence_lengths] if sequence_lengths is not None else None,
+            slabs=slabs if len(slabs) == len(parts) else None,
         )
         probe_s = min(ABORT_PROBE_S, 0.25 * self.timeout)
         try:
@@ -594,7 +628,8 @@ class TQClient:
         space. A part stored before a later one failed is given back (fenced by the controller)."""
         need = self._stored_bytes(encoded, 0, n)
         try:
-            return [self._store(self._pick_unit(need), encoded, 0, n)]
+            unit = self._pick_unit(need)
+            return [self._put_here(unit, encoded, n, need) if self._is_local(unit) else self._store(unit, encoded, 0, n)]
         except CapacityError as exc:
             if not getattr(exc, "retryable", True) and len(self._units) < 2:
                 raise
@@ -609,6 +644,53 @@ class TQClient:
             self._abort_parts(parts)
             raise
         return parts
+
+    def _put_here(self, unit: int, encoded: dict[str, EncodedColumn], n: int, need: int) -> _StoredPart:
+        """Write all rows into a block carved out of this client's slab on ``unit`` (a unit of this
+        host): no request to the unit, so the put's commit is its only round trip."""
+        aid, base, bid = self._carve(unit, need)
+        view, starts, pos = self._arena(unit).view, {}, base
+        for name, col in encoded.items():
+            nb = int(col.row_offsets[n] - col.row_offsets[0])
+            write_chunks(view[pos : pos + nb], col.chunks)
+            starts[name] = pos
+            pos = align_up(pos + nb, _FIELD_ALIGN)
+        return _StoredPart(unit, bid, 0, n, starts, (aid, base, need))
+
+    def _carve(self, unit: int, need: int) -> tuple[int, int, int]:
+        """(slab id, arena offset, block id) of ``need`` bytes on ``unit``: from this client's slab,
+        else from a new one (a request to the unit, once per SLAB_IDS puts or SLAB_BYTES), or a slab of
+        its own for a put above a quarter slab."""
+        with self._slab_lock:
+            now = time.monotonic()
+            slab = self._slabs.get(unit)
+            got = slab.carve(need, now) if slab is not None else None
+            if got is not None:
+                return slab.aid, got[0], got[1]  # type: ignore[union-attr]
+            if need > SLAB_BYTES // 4:
+                g = self._unit_call(unit, UnitOp.ALLOC, messages.Alloc(nbytes=need, wait_s=self.capacity_wait_s, ids=1), [])
+                return g["alloc"], g["offset"], g["first_block"]
+            if slab is not None:
+                del self._slabs[unit]
+                self._give_back(unit, slab)
+            try:
+                g = self._unit_call(unit, UnitOp.ALLOC, messages.Alloc(nbytes=SLAB_BYTES, ids=SLAB_IDS), [])
+            except CapacityError:  # no room for a whole slab: one just for this put (waiting for room)
+                g = self._unit_call(unit, UnitOp.ALLOC, messages.Alloc(nbytes=need, wait_s=self.capacity_wait_s, ids=1), [])
+                return g["alloc"], g["offset"], g["first_block"]
+            slab = self._slabs[unit] = _Slab(g["alloc"], g["offset"], SLAB_BYTES, g["first_block"], SLAB_IDS, now + SLAB_USE_S)
+            start, bid = slab.carve(need, now)  # type: ignore[misc]
+            return slab.aid, start, bid
+
+    def _give_back(self, unit: int, slab: _Slab) -> None:
+        """Have the ids this client never used fenced, so the unit closes the slab and frees what no
+        block took now instead of after its lease (best effort: the lease settles it otherwise)."""
+        if slab.next_id < slab.end_id:
+            try:
+                self._call(Op.ABORT_BLOCKS, messages.AbortBlocks(blocks=[(unit, b) for b in range(slab.next_id, slab.end_id)]),
+                           timeout=min(self.timeout, 2.0))
+            except TQError:
+                pass
 
     def _unit_call(self, unit: int, op: UnitOp, args: messages.Args, buffers: list[Any]) -> Any:
         """A write request to ``unit`` (waiting for room up to ``capacity_wait_s``), asked again at the

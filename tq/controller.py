@@ -354,18 +354,51 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
                    if b in self.ledgers[u].fenced else "is settled: reclaimed, or committed by an earlier request")
             raise FencedCommitError(f"block {b} of storage unit {u} {how}: this commit makes nothing visible")
         try:
+            adopts = self._adopts(args, buffers, parts)
             result = self._apply_commit(args, buffers, keys, parts)
         except TQError:
             for unit, block, _ in parts:  # this put will never land: its storage goes back now
                 self._fence(unit, [block])
             raise
-        for unit, block, _ in parts:
-            self.ledgers[unit].pending[block] = digest
-            self.ledgers[unit].claims.append(block)
+        for i, (unit, block, _) in enumerate(parts):
+            led = self.ledgers[unit]
+            led.pending[block] = digest
+            if adopts:  # carved out of a slab: the unit learns of the block from us (after the journal)
+                led.adopts[block] = adopts[i]
+                led.adopt_queue.append(block)
+            else:
+                led.claims.append(block)
             self.recent_commits[(unit, block)] = digest
         while len(self.recent_commits) > RECENT_COMMITS:
             self.recent_commits.popitem(last=False)
         return result
+
+    @staticmethod
+    def _adopts(args: messages.Commit, buffers: list, parts: list[tuple[int, int, int]]) -> list[messages.AdoptBlock] | None:
+        """For a commit of blocks carved out of slabs: each block's layout, as its unit registers it
+        (every field's rows of a part back to back, inside the part's range)."""
+        if args.slabs is None:
+            return None
+        if len(args.slabs) != len(parts):
+            raise InvalidRequestError(f"commit names {len(args.slabs)} slabs for {len(parts)} blocks")
+        cols = {n: (protocol.unpack_array(f.row_nbytes, buffers, name=f"{n}.row_nbytes", dtype="<i8"),
+                    protocol.unpack_array(f.arena_offsets, buffers, name=f"{n}.arena_offsets", dtype="<i8"), f.schema)
+                for n, f in args.fields.items()}
+        out, first = [], 0
+        for (_, block, rows), (slab, start, size) in zip(parts, args.slabs):
+            fields = {}
+            for name, (nbytes, offsets, schema) in cols.items():
+                nb, off = nbytes[first : first + rows], offsets[first : first + rows]
+                if nb.size != rows or off.size != rows:
+                    raise InvalidRequestError(f"field {name!r}: row sizes and arena offsets for {nb.size} of {rows} rows")
+                ro = np.zeros(rows + 1, dtype=np.int64)
+                np.cumsum(nb, out=ro[1:])
+                if (off != off[0] + ro[:-1]).any() or off[0] < start or off[0] + ro[-1] > start + size:
+                    raise InvalidRequestError(f"field {name!r} of block {block}: rows not back to back inside its slab range")
+                fields[name] = messages.AdoptField(schema, int(off[0]), ro.tobytes())
+            out.append(messages.AdoptBlock(block, slab, start, size, fields))
+            first += rows
+        return out
 
     def _commit_parts(self, parts: list[tuple[int, int, int]], n_keys: int) -> list[tuple[int, int, int]]:
         for unit, _, _ in parts:

@@ -67,6 +67,7 @@ class UnitOp(enum.StrEnum):
     FREE_BLOCKS = "free_blocks"
     RETAIN = "retain"
     CLAIM = "claim"
+    ADOPT = "adopt"
     TRIM = "trim"
     STATS = "stats"
     SHUTDOWN = "shutdown"
@@ -152,6 +153,9 @@ class Commit(KeysArgs):
     tags: Union[dict[str, list[TagValue]], None] = None
     sequence_lengths: Union[list[int], None] = None
     overwrite: bool = False
+    # same-host puts: per part of ``blocks``, the slab (allocation id) it was carved from and its
+    # arena range ``(slab, start, size)``; the controller has the unit adopt each block once committed
+    slabs: Union[list[tuple[Count, Count, Count]], None] = None
 
 
 class AbortBlocks(Args):
@@ -245,6 +249,9 @@ class Ping(Args):
 class Alloc(Args):
     nbytes: Count
     wait_s: Seconds = 0.0  # wait this long for room instead of failing at once
+    # a slab: also grant this many block ids; the writer carves blocks out of the range itself and
+    # names them in its commit, which the controller forwards (``adopt``): one round trip per put
+    ids: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0
 
 
 class StoreField(msgspec.Struct):
@@ -283,6 +290,7 @@ class FreeRows(BlockRows):
 
 class Retain(BlockRows):
     claimed: Union[ArrayRef, None] = None  # blocks the controller committed
+    adopts: Union[list[AdoptBlock], None] = None  # committed slab blocks the unit may not have adopted
 
 
 class FreeBlocks(Args):
@@ -291,6 +299,26 @@ class FreeBlocks(Args):
 
 class Claim(Args):
     blocks: ArrayRef
+
+
+class AdoptField(msgspec.Struct, array_like=True):
+    schema: Any
+    start: Count  # absolute arena offset of the field's first byte
+    row_offsets: bytes  # int64 little-endian, n_rows + 1, from 0
+
+
+class AdoptBlock(msgspec.Struct, array_like=True):
+    """A block a writer carved out of its slab and the controller committed: the unit registers it."""
+
+    block: BlockId
+    slab: Count  # the slab's allocation id
+    start: Count
+    size: Count
+    fields: dict[str, AdoptField]
+
+
+class Adopt(Args):
+    blocks: list[AdoptBlock]
 
 
 class Trim(Args):
@@ -314,6 +342,7 @@ UNIT_REQUESTS: dict[UnitOp, type[Args]] = {
     UnitOp.FREE_BLOCKS: FreeBlocks,
     UnitOp.RETAIN: Retain,
     UnitOp.CLAIM: Claim,
+    UnitOp.ADOPT: Adopt,
     UnitOp.TRIM: Trim,
     UnitOp.STATS: UnitStats,
     UnitOp.SHUTDOWN: UnitShutdown,

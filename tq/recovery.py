@@ -17,11 +17,12 @@ import collections
 import logging
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from .journal import Journal
 from .leases import LeaseBook
-from .messages import ControllerOp as Op
+from .messages import AdoptBlock, ControllerOp as Op
 from .rpc import Call
 from .schema import FieldSchema
 from .supervision import UnitLedger
@@ -74,7 +75,8 @@ class JournalRecovery:
     def _snapshot(self) -> dict[str, Any]:
         return {
             "units": self.units, "units_version": self.units_version,
-            "ledgers": {str(u): [led.low_water, [[b, d] for b, d in led.pending.items()], sorted(led.fenced)]
+            "ledgers": {str(u): [led.low_water, [[b, d] for b, d in led.pending.items()], sorted(led.fenced),
+                                 msgspec.to_builtins(list(led.adopts.values()), builtin_types=(bytes,))]
                         for u, led in self.ledgers.items()},
             "recent_commits": [[u, b, d] for (u, b), d in self.recent_commits.items()],
             "leases": self.lease_book.snapshot(),
@@ -90,8 +92,10 @@ class JournalRecovery:
         self.units = list(snap["units"])
         self.units_version = int(snap["units_version"])
         self.ledgers.clear()
-        for u, (low_water, pending, fenced) in snap.get("ledgers", {}).items():
-            self.ledgers[int(u)] = UnitLedger(low_water, {b: d for b, d in pending}, set(fenced))
+        for u, (low_water, pending, fenced, *adopts) in snap.get("ledgers", {}).items():
+            led = self.ledgers[int(u)] = UnitLedger(low_water, {b: d for b, d in pending}, set(fenced))
+            for ad in msgspec.convert(adopts[0] if adopts else [], list[AdoptBlock]):
+                led.adopts[ad.block] = ad
         self.recent_commits = collections.OrderedDict(((u, b), d) for u, b, d in snap.get("recent_commits", []))
         self.lease_book = LeaseBook.restore(snap.get("leases"))
         for u in self.units:

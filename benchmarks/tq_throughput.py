@@ -240,6 +240,144 @@ def bench_tq(sizes: list[int], iters: int, transport: str) -> dict[int, dict[str
     return results
 
 
+# ----------------------------------------------------------------------------- concurrent writers and readers
+WRITERS_TARGET = 2.5  # aggregate put with 4 writers over one writer (a host with >= 8 cores)
+
+
+def _sweep_worker(address: str, partition: str, wid: int, nbytes: int, n_puts: int, conn: Any) -> None:
+    """One writer and reader of the sweep: builds its batches up front, then on each command puts them
+    all (or gets them all back padded, or discards them) and reports when it started and finished.
+    With a profile asked for, the put pass runs under cProfile and sends its top functions."""
+    import cProfile
+    import io
+    import pstats
+
+    from tq import JaggedTensor, TQClient
+
+    _one_torch_thread()
+    client = TQClient(address, timeout=120)
+    batches = []
+    for i in range(n_puts):
+        b = make_batch(nbytes, 10_000 * (wid + 1) + i)
+        cols: dict[str, Any] = {f: JaggedTensor(b[f], b["offsets"]) for f in FIELDS}
+        cols["rewards"] = b["rewards"]
+        batches.append((payload_bytes(nbytes, 10_000 * (wid + 1) + i), cols))
+    conn.send(sum(n for n, _ in batches))
+    metas: list[Any] = []
+    while (msg := conn.recv()) is not None:
+        op, tag, profile = msg
+        prof = cProfile.Profile() if profile else None
+        t0 = time.monotonic()  # CLOCK_MONOTONIC: comparable across the processes of one host
+        if op == "put":
+            if prof:
+                prof.enable()
+            metas = [client.put(partition, [f"w{wid}-{tag}-{i}-{j}" for j in range(len(cols["rewards"]))], cols)
+                     for i, (_, cols) in enumerate(batches)]
+            if prof:
+                prof.disable()
+        elif op == "get":
+            for m in metas:
+                client.get(m)
+        else:
+            for m in metas:
+                client.discard(m)
+        t1 = time.monotonic()
+        top = ""
+        if prof:
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(8)
+            top = buf.getvalue()
+        conn.send((t0, t1, top))
+    client.close()
+
+
+def bench_writers(counts: list[int], nbytes: int, n_puts: int, profile_at: int = 4) -> dict[str, Any]:
+    """Aggregate put and get GB/s of ``n`` concurrent writer (then reader) processes for each ``n`` in
+    ``counts``: each puts ``n_puts`` batches of ``nbytes`` into one service (one storage unit), then
+    gets its own back padded. Each count runs twice: into an arena whose free pages were given back
+    to the OS (``cold``: every write faults fresh pages in) and again into the same, now warm, pages."""
+    from tq import TQClient, TQServer
+
+    ctx = mp.get_context("spawn")
+    top = max(counts)
+    capacity = top * n_puts * (nbytes + 4 * MiB) + 256 * MiB
+    out: dict[str, Any] = {"counts": counts, "batch_bytes": nbytes, "puts_per_writer": n_puts, "cores": os.cpu_count(),
+                           "rows": [], "profiles": {}}
+    with TQServer(storage_units=1, capacity=capacity) as server, TQClient(server.address, timeout=120) as admin:
+        partition = f"sweep-{uuid.uuid4().hex[:6]}"
+        admin.register_partition(partition)
+        pipes, procs = [], []
+        for w in range(top):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_sweep_worker, args=(server.address, partition, w, nbytes, n_puts, child), daemon=True)
+            proc.start()
+            pipes.append(parent)
+            procs.append(proc)
+        try:
+            payload = [p.recv() for p in pipes]
+
+            def run(n: int, op: str, tag: str, profile: bool = False) -> float:
+                for i, p in enumerate(pipes[:n]):
+                    p.send((op, tag, profile and i == 0))
+                got = [p.recv() for p in pipes[:n]]
+                if got[0][2]:
+                    out["profiles"][f"{n} writers, {tag}"] = got[0][2]
+                return sum(payload[:n]) / (max(t1 for _, t1, _ in got) - min(t0 for t0, _, _ in got))
+
+            for n in counts:
+                row: dict[str, Any] = {"writers": n}
+                for tag in ("cold", "warm"):
+                    if tag == "cold":
+                        admin.trim()  # free pages back to the OS: this pass faults them in again
+                    row[f"put_{tag}"] = run(n, "put", tag, profile=n == profile_at)
+                    row[f"get_{tag}"] = run(n, "get", tag)
+                    run(n, "discard", tag)
+                out["rows"].append(row)
+                print(f"  {n} writers: put {row['put_cold'] / 1e9:.2f} cold, {row['put_warm'] / 1e9:.2f} warm GB/s; "
+                      f"get {row['get_warm'] / 1e9:.2f} GB/s", file=sys.stderr, flush=True)
+            st = admin.stats()
+            out["controller_ops"] = {k: v for k, v in st["ops"].items() if k in ("commit", "locate", "discard")}
+            out["unit_ops"] = {k: v for k, v in st["unit_stats"][0]["ops"].items() if k in ("alloc", "store", "adopt")}
+        finally:
+            for p in pipes:
+                try:
+                    p.send(None)
+                except OSError:
+                    pass
+            for proc in procs:
+                proc.join(30)
+    return out
+
+
+def writers_report(res: dict[str, Any]) -> str:
+    """The sweep's table and its target (aggregate put with 4 writers over one writer, warm)."""
+    rows = res["rows"]
+    one = next((r for r in rows if r["writers"] == 1), None)
+    lines = [f"Machine: {res.get('machine', machine_info())}", "",
+             f"Concurrent writers, then readers, of one service (1 storage unit): each puts {res['puts_per_writer']} "
+             f"GRPO-shaped batches of {res['batch_bytes'] // MiB} MiB, then gets them back padded. GB/s of payload "
+             "over the wall time from the first start to the last finish. cold: the arena's free pages were given "
+             "back to the OS first (every write faults fresh pages in); warm: the same pages again.", "",
+             "| writers | put GB/s cold | put GB/s warm | warm put / 1 writer | get GB/s cold | get GB/s warm | warm get / 1 reader |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['writers']} | {r['put_cold'] / 1e9:.2f} | {r['put_warm'] / 1e9:.2f} | "
+                     f"{r['put_warm'] / one['put_warm']:.2f}x | {r['get_cold'] / 1e9:.2f} | {r['get_warm'] / 1e9:.2f} | "
+                     f"{r['get_warm'] / one['get_warm']:.2f}x |" if one else "")
+    four = next((r for r in rows if r["writers"] == 4), None)
+    if one and four:
+        ratio = four["put_warm"] / one["put_warm"]
+        cores_ok = (res.get("cores") or 0) >= 8
+        met = ratio >= WRITERS_TARGET
+        res["target"] = {"target": WRITERS_TARGET, "measured": ratio, "met": met, "cores": res.get("cores")}
+        lines += ["", f"Target: aggregate put with 4 writers >= {WRITERS_TARGET}x one writer (warm), on >= 8 cores: "
+                  f"{ratio:.2f}x on {res.get('cores')} cores - " + ("met" if met else "NOT met")
+                  + ("" if cores_ok else " (this host has fewer than 8 cores: not the target's host)")]
+    for name, text in res.get("profiles", {}).items():
+        lines += ["", f"Profile of writer 0's puts ({name}), top functions by own time:", "", "```", text.strip(), "```"]
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- the baselines' two forms
 def run_forms(sizes: list[int], iters: int, put: Callable[[int, int, str], tuple[float, Any]],
               get: Callable[[Any, str], tuple[dict[str, torch.Tensor], Callable[[], None]]]) -> dict[int, dict[str, Any]]:
@@ -665,6 +803,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed calls of each small operation, after 50 untimed ones (default 2000)")
     p.add_argument("--from-json", default=None,
                    help="only rebuild the report (tables, ratios, targets) of an earlier run's JSON, into a fresh run directory")
+    p.add_argument("--writers", type=int, nargs="+", default=None,
+                   help="only the concurrent writers/readers sweep, e.g. --writers 1 2 4 8 16 (its own run: tq_writers)")
+    p.add_argument("--writer-mib", type=int, default=32, help="batch MiB each writer puts in the sweep (default 32)")
+    p.add_argument("--writer-puts", type=int, default=4, help="batches each writer puts in the sweep (default 4)")
     p.add_argument("--note", action="append", default=[],
                    help="a line for the report's notes, e.g. what else ran on the machine (repeatable)")
     add_output_args(p, "tq_throughput")
@@ -678,6 +820,19 @@ def main(argv: list[str] | None = None) -> int:
         a.sizes_mib, a.iters, a.rounds = [8, 32], 4, 1
     if a.rounds < 1 or a.iters < 1 or a.control_iters < 1 or min(a.sizes_mib) < 1:
         p.error("--rounds, --iters, --control-iters and --sizes-mib must be >= 1")
+    if a.writers:
+        out = open_run("tq_writers", a.run_dir)
+        res = {"command": " ".join(["python -m benchmarks.tq_throughput", *(sys.argv[1:] if argv is None else argv)]),
+               "started": time.strftime("%Y-%m-%d %H:%M"), "code": code_version(), "machine": machine_info(),
+               **bench_writers(a.writers, a.writer_mib * MiB, a.writer_puts)}
+        table = writers_report(res)
+        with open(out.path(".json"), "w") as f:
+            json.dump(res, f, indent=1, default=str)
+        with open(out.path(".md"), "w") as f:
+            f.write(f"# TQ concurrent writers\n\n`{res['command']}` ({res['started']})\n\n{table}\n")
+        print(table)
+        out.finish(a.publish, a.machine)
+        return 0
     out = open_run("tq_throughput", a.run_dir)
     if a.from_json:
         with open(a.from_json) as f:

@@ -68,11 +68,12 @@ def test_borrowed_views_keep_their_bytes_while_another_client_discards_and_reput
 
 
 def test_lease_ends_when_the_views_are_collected_and_the_rows_are_freed(tq_server, client, partition):
+    prior = _used(client.stats())
     meta = client.put(partition, unique_keys(32), _batch(32, seed=2))
     with TQClient(tq_server.address, timeout=10.0, lease_s=3.0) as reader:
         got = reader.get(meta, ["tokens"], copy=False, layout="list")
         one_row = got["tokens"][5]  # a view of a view keeps the lease too
-        before = _used(client.stats())
+        before = _used(_stats_until(client, lambda s: _used(s) > prior))  # the unit adopts the block after the commit
         client.discard(meta)
         st = client.stats()
         assert st["leases"] >= 1 and st["rows_waiting_for_leases"] > 0
@@ -117,12 +118,13 @@ time.sleep(60)
 
 
 def test_a_dead_holders_lease_runs_out(tq_server, client, partition):
+    prior = _used(client.stats())
     meta = client.put(partition, unique_keys(8), _batch(8, seed=4))
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER, tq_server.address, partition, *meta.keys],
                               stdout=subprocess.PIPE, env={**os.environ})
     try:
         assert holder.stdout.readline().strip() == b"borrowed"
-        before = _used(client.stats())
+        before = _used(_stats_until(client, lambda s: _used(s) > prior))  # the unit adopts the block after the commit
         client.discard(meta)
         time.sleep(1.5)  # past one term: the live holder renewed it
         assert client.stats()["rows_waiting_for_leases"] > 0

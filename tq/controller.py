@@ -777,8 +777,10 @@ def main(argv: list[str] | None = None) -> None:
                         "process crashes, 'interval'/'always' also power loss of the journal (arenas live in tmpfs)")
     p.add_argument("--commit-lease", type=argtypes.positive_seconds, help="seconds a stored block waits for its commit before its storage "
                    "unit asks for it to be resolved (claimed or reclaimed); default 30")
-    p.add_argument("--metrics-port", type=argtypes.port, metavar="PORT",
-                   help="serve the service's Prometheus metrics at http://HOST:PORT/metrics (0: a free port)")
+    # TQ_METRICS_PORT: metrics from a service a program starts for itself (a trainer's TQServer)
+    p.add_argument("--metrics-port", type=argtypes.port, metavar="PORT", default=os.environ.get("TQ_METRICS_PORT") or None,
+                   help="serve the service's Prometheus metrics at http://HOST:PORT/metrics (0: a free port; "
+                        "default: $TQ_METRICS_PORT, else no metrics)")
     a = p.parse_args(argv)
     logging.basicConfig(level=os.environ.get("TQ_LOG_LEVEL", "WARNING"))
     secret = os.environ.get("TQ_SECRET")

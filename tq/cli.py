@@ -417,6 +417,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def watch_footer(interval: float) -> Any:
+    """The last line of a ``status --watch`` view: when it was drawn, how often, how to quit."""
+    from rich.text import Text
+
+    return Text(f"{time.strftime('%H:%M:%S')}  every {interval:g}s, Ctrl-C quits", style="dim")
+
+
 def _watch(args: argparse.Namespace, address: str) -> int:
     """Redraw the status tables every ``--interval`` seconds, with request rates, until Ctrl-C (exit 0).
 
@@ -438,7 +445,6 @@ def _watch(args: argparse.Namespace, address: str) -> int:
             live.start()
         while True:
             now = time.monotonic()
-            footer = Text(f"{time.strftime('%H:%M:%S')}  every {args.interval:g}s, Ctrl-C quits", style="dim")
             try:
                 if client is None:
                     client = TQClient(address, secret=_secret(args), timeout=args.timeout)
@@ -449,12 +455,13 @@ def _watch(args: argparse.Namespace, address: str) -> int:
                 if client is not None:
                     client.close()
                 client, previous = None, None
-                view: Any = Text.assemble((f"TQ controller at {address} is not reachable: {exc}\n", "bold red"), footer)
+                view: Any = Group(Text(f"TQ controller at {address} is not reachable: {exc}", style="bold red"),
+                                  watch_footer(args.interval))
             else:
                 counts = op_counts(stats)
                 rates = {k: (n - previous[1].get(k, 0)) / (now - previous[0]) for k, n in counts.items()} if previous else {}
                 previous = (now, counts)
-                view = Group(render_status(stats, address=address, rates=rates), footer)
+                view = Group(render_status(stats, address=address, rates=rates), watch_footer(args.interval))
             if live is not None:
                 live.update(view, refresh=True)
             else:

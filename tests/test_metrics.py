@@ -137,12 +137,16 @@ def test_a_unit_that_is_down_is_reported_down_not_dropped():
     assert set(METRICS) >= {f.name + ("_total" if f.type == "counter" else "") for f in families(stats)}
 
 
-def test_metrics_port_in_use_fails_fast_naming_it(tmp_path):
+@pytest.mark.parametrize("how", ["--metrics-port", "TQ_METRICS_PORT"])
+def test_metrics_port_in_use_fails_fast_naming_it(how):
+    """The flag, or the environment variable a program's embedded TQServer passes on."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "tq.controller", "--storage-units", "0", "--metrics-port", str(port)],
-                           env=launch.service_env(None), capture_output=True, text=True, timeout=60)
+        flag = ["--metrics-port", str(port)] if how == "--metrics-port" else []
+        env = {**launch.service_env(None), **({"TQ_METRICS_PORT": str(port)} if not flag else {})}
+        r = subprocess.run([sys.executable, "-m", "tq.controller", "--storage-units", "0", *flag],
+                           env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and f"cannot serve metrics on 127.0.0.1:{port}" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr

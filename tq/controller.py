@@ -777,11 +777,15 @@ def main(argv: list[str] | None = None) -> None:
                         "process crashes, 'interval'/'always' also power loss of the journal (arenas live in tmpfs)")
     p.add_argument("--commit-lease", type=argtypes.positive_seconds, help="seconds a stored block waits for its commit before its storage "
                    "unit asks for it to be resolved (claimed or reclaimed); default 30")
-    # TQ_METRICS_PORT: metrics from a service a program starts for itself (a trainer's TQServer)
-    p.add_argument("--metrics-port", type=argtypes.port, metavar="PORT", default=os.environ.get("TQ_METRICS_PORT") or None,
+    p.add_argument("--metrics-port", type=argtypes.port, metavar="PORT",
                    help="serve the service's Prometheus metrics at http://HOST:PORT/metrics (0: a free port; "
                         "default: $TQ_METRICS_PORT, else no metrics)")
     a = p.parse_args(argv)
+    if a.metrics_port is None and os.environ.get("TQ_METRICS_PORT"):  # a service a program starts (a trainer's TQServer)
+        try:
+            a.metrics_port = argtypes.port(os.environ["TQ_METRICS_PORT"])
+        except argparse.ArgumentTypeError as exc:
+            p.error(f"TQ_METRICS_PORT: {exc}")
     logging.basicConfig(level=os.environ.get("TQ_LOG_LEVEL", "WARNING"))
     secret = os.environ.get("TQ_SECRET")
     serve(

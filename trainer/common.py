@@ -43,9 +43,15 @@ def build_datasets(cfg: MasterConfig) -> tuple[PromptDataset, PromptDataset | No
     """The training prompts and (when validation is on) the validation prompts."""
     tok = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
     if cfg.data.dataset == "builtin":
-        train = PromptDataset(builtin_task_dataset(cfg.data.num_builtin_prompts, seed=cfg.grpo.seed), tok, cfg.data.processor)
-        val_records = builtin_task_dataset(cfg.grpo.max_val_samples, seed=cfg.grpo.seed + 1) if cfg.grpo.val_period else None
-        val = PromptDataset(val_records, tok, cfg.data.processor) if val_records else None
+        # Validation is held out: operand pairs the run never trains on (each once; greedy decoding
+        # would score a repeat the same).
+        held_out = cfg.data.builtin_held_out_pairs
+        train = PromptDataset(builtin_task_dataset(cfg.data.num_builtin_prompts, seed=cfg.grpo.seed, split="train", held_out=held_out),
+                              tok, cfg.data.processor)
+        val = None
+        if cfg.grpo.val_period:
+            n = min(cfg.grpo.max_val_samples, held_out)
+            val = PromptDataset(builtin_task_dataset(n, seed=cfg.grpo.seed + 1, split="held_out", held_out=held_out), tok, cfg.data.processor)
         return train, val
     # Missing files: trainer.config.check_local_paths names the key before anything starts; from_path
     # raises FileNotFoundError naming the path for callers that skip it.

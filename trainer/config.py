@@ -78,7 +78,9 @@ class GRPOConfig(_Strict):
 class DataConfig(_Strict):
     dataset: str = "builtin"  # "builtin" (the offline task) or a JSONL/Parquet file or datasets-on-disk dir
     num_builtin_prompts: int = Field(64, ge=1)
-    val_dataset: str | None = None  # default: the built-in task's held-out draw, or none
+    # Operand pairs of the built-in task never trained on: validation scores exactly these.
+    builtin_held_out_pairs: int = Field(5, ge=1, le=10)
+    val_dataset: str | None = None  # default: the built-in task's held-out pairs, or none
     split: str | None = None
     shuffle: bool = True
     processor: DataProcessorConfig = Field(default_factory=DataProcessorConfig)

@@ -43,8 +43,11 @@ def _fit(cls, cfg):
         trainer.shutdown()
 
 
-def test_legacy_and_tq_trainers_produce_the_same_metrics(tmp_path):
-    """Same config and seed: per-step reward, loss and log-prob metrics agree for 5 steps."""
+def test_legacy_and_tq_trainers_produce_the_same_metrics(tmp_path, monkeypatch, capfd):
+    """Same config and seed: per-step reward, loss and log-prob metrics agree for 5 steps. The same
+    runs check the TQ trainer's per-step data-plane metrics, and that Ray's token-authentication
+    warning is not printed (the start-up block explains it instead)."""
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)  # as on a fresh shell: Ray warns when it turns token auth on
     legacy, _ = _fit(GRPOTrainer, _cfg(tmp_path))
     tq, _ = _fit(GRPOSyncTrainer, _cfg(tmp_path))
     assert len(legacy) == len(tq) == 5
@@ -53,6 +56,20 @@ def test_legacy_and_tq_trainers_produce_the_same_metrics(tmp_path):
         for key in COMPARED:
             if key in a or key in b:
                 assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-7), f"step {step}: {key} {a[key]} != {b[key]}"
+    assert "Token authentication is enabled" not in capfd.readouterr().err
+    # Data plane, every step: the time in TQ calls is part of the step; the rollout's columns, the
+    # workers' log-probs and the driver's advantages are written, the workers read their shards back.
+    assert not any(k.startswith("dataplane/") for k in legacy[0])
+    n = 64  # samples per step
+    for h in tq:
+        assert 0 < h["dataplane/seconds"] < h["step_time_s"] and h["dataplane/frac_of_step"] == h["dataplane/seconds"] / h["step_time_s"]
+        assert h["dataplane/slowest_rank_s"] > 0 and h["dataplane/driver_s"] > 0 and h["dataplane/rollout_put_s"] > 0
+        # input_ids (int64) and token-aligned float32/bool columns of >= 5 tokens per sample, plus
+        # prev_logprobs written back and advantages/sample_mask from the driver
+        assert h["rollout/tq_put_bytes"] >= n * 5 * (8 + 4 + 1)
+        assert h["dataplane/bytes_written"] >= h["rollout/tq_put_bytes"] + n * 5 * 4 + 2 * n * 4
+        assert h["dataplane/bytes_read"] >= n * 5 * (8 + 4 + 1 + 4)  # each rank reads its shard's training columns
+        assert h["dataplane/bytes_moved"] == h["dataplane/bytes_written"] + h["dataplane/bytes_read"] < 10 * h["store_bytes"]
 
 
 def test_tq_driver_receives_per_sample_data_only_and_the_store_empties(tmp_path):

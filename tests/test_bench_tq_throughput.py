@@ -136,3 +136,16 @@ def test_a_tiny_run_writes_its_run_dir_and_leaves_the_published_results_alone(tm
     assert main(["--from-json", str(run / "tq_throughput.json"), "--run-dir", str(again)]) == 0
     assert (again / "tq_throughput.md").read_text() == (run / "tq_throughput.md").read_text()
     assert snapshot(RESULTS_DIR) == before
+
+
+def test_writers_report_rates_four_writers_against_one_warm():
+    from benchmarks.tq_throughput import writers_report
+
+    rows = [{"writers": n, "put_cold": 1e9 * n ** 0.5, "put_warm": w, "get_cold": 2e9, "get_warm": 4e9 * n}
+            for n, w in ((1, 2e9), (2, 4e9), (4, 6e9))]
+    res = {"rows": rows, "puts_per_writer": 4, "batch_bytes": 32 * MiB, "cores": 32, "machine": "m", "profiles": {}}
+    table = writers_report(res)
+    assert "| 4 | 2.00 | 6.00 | 3.00x | 2.00 | 16.00 | 4.00x |" in table
+    assert res["target"] == {"target": 2.5, "measured": 3.0, "met": True, "cores": 32}
+    res["cores"] = 2
+    assert "fewer than 8 cores" in writers_report(res)

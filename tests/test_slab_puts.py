@@ -80,3 +80,25 @@ def test_a_put_acknowledged_while_its_unit_was_stopped_survives_the_units_kill()
             assert torch.equal(c.get(meta)["y"][0], x)
             assert torch.equal(tcp.get(meta)["y"][0], x)
             assert torch.equal(tcp.get(c.get_meta("p", ["warm"]))["x"][0], torch.arange(4))
+
+
+def test_a_fetch_of_a_committed_block_waits_for_its_adopt():
+    """A remote reader may ask the unit for a block the controller committed before the unit adopted
+    it (the adopt goes out after the commit's reply): the fetch waits for the adopt, then is served."""
+    with TQServer(storage_units=1, capacity=16 << 20) as server, TQClient(server.address, timeout=10.0) as c:
+        c.register_partition("p")
+        unit = c._unit_chans[0]
+        g, _ = unit.call("alloc", {"nbytes": 1 << 20, "ids": 2})
+        bid, off = g["first_block"], g["offset"]
+        c._arena(0).view[off : off + 8] = np.array([42], dtype=np.int64).view(np.uint8)
+        fbufs: list = []
+        rid = unit.send("fetch", {"fields": ["x"], "entries": protocol.pack_array(np.array([[0, bid, 0]]), fbufs)}, fbufs)
+        bufs: list = []
+        c._ctrl.call("commit", {"partition": "p", "keys": ["k"], "mode": "put", "blocks": [[0, bid, 1]],
+                                "slabs": [[g["alloc"], off, 4096]],
+                                "fields": {"x": {"schema": ["tensor", "int64", []],
+                                                 "row_nbytes": protocol.pack_array(np.array([8]), bufs),
+                                                 "arena_offsets": protocol.pack_array(np.array([off]), bufs)}}}, bufs)
+        reply, msg = unit.recv(rid, "fetch")
+        frame = protocol.unpack_array(reply["frames"][0], msg.buffers, dtype="|u1")
+        assert frame.view(np.int64).tolist() == [42]

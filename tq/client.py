@@ -2,9 +2,11 @@
 
 Data never passes through the controller: the client asks the controller where (key, field) pairs
 live, then moves bytes straight to or from the storage units. On the same host it writes into a
-unit's shared-memory arena and reads rows at the arena offsets the controller located, so a get is one
-round trip (to the controller) plus one memory copy into the result; elsewhere bytes stream over TCP
-as raw frames (one round trip per unit, all units asked in parallel). On the controller's host a get
+unit's shared-memory arena (blocks carved out of a slab the unit granted, so a put is one round trip:
+its commit) and reads rows at the arena offsets the controller located, so a get is one round trip
+(to the controller) plus one memory copy into the result, or no copy at all when borrowed
+(``get(copy=False)``); elsewhere bytes stream over TCP as raw frames (one round trip per unit, all
+units asked in parallel). On the controller's host a get
 of a meta the service handed out needs no round trip at all: the client reads the locations from the
 controller's shared location table (:mod:`tq.locations`) and falls back to asking whenever it cannot
 trust what it read.

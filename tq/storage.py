@@ -3,9 +3,10 @@
 The unit knows nothing of keys or partitions - the controller maps (key, field) to (unit, block, row).
 A *block* is what one put or write-back stored: one arena range holding each of its fields as one
 contiguous buffer (values back to back, per-row byte offsets beside), never one object per sample.
-Same-host clients write blocks straight into the arena (``alloc`` then ``store``) and read rows at the
-arena offsets the controller hands out with their locations, without a request to the unit; other
-clients send the bytes as frames and ``fetch`` them back as frames.
+Same-host clients carve blocks out of a *slab* (an arena range and block ids granted by ``alloc``),
+write them straight into the arena and commit them to the controller, which has this unit ``adopt``
+them; they read rows at the arena offsets the controller hands out with their locations, without a
+request to the unit. Other clients send the bytes as frames (``store``) and ``fetch`` them back as frames.
 """
 
 from __future__ import annotations

@@ -237,7 +237,11 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
     def _take_lease(self, loc: np.ndarray, ttl: float) -> int:
         """Pin every block these location records name; journaled, so a restarted controller keeps
         the pins (each for a fresh term) and its ``retain`` keeps their rows."""
-        blocks = [tuple(b) for b in np.unique(loc.reshape(-1, LOC_COLUMNS)[:, [UNIT, BLOCK]], axis=0).tolist()]
+        # (unit, block) as one int64, deduplicated run by run first: a get's rows come block by block,
+        # and np.unique over [n, 2] rows sorts them as opaque records (25 ms for 15,000 rows)
+        flat = (loc[..., UNIT] * (1 << 40) + loc[..., BLOCK]).ravel()
+        runs = flat[np.flatnonzero(np.diff(flat, prepend=-1))] if flat.size else flat
+        blocks = [divmod(int(x), 1 << 40) for x in np.unique(runs).tolist()]
         lease_id = int.from_bytes(os.urandom(7), "little")
         self.lease_book.take(lease_id, ttl, blocks)  # type: ignore[arg-type]
         if self.journal is not None:

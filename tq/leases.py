@@ -78,10 +78,11 @@ class LeaseBook:
         the others, which can be freed now."""
         if not self.refs or not rows.size:
             return rows
-        held = np.fromiter(((u, b) in self.refs for u, b in rows[:, [UNIT, BLOCK]].tolist()), dtype=bool, count=len(rows))
-        for u, b in {tuple(x) for x in rows[held][:, [UNIT, BLOCK]].tolist()}:
-            sel = held & (rows[:, UNIT] == u) & (rows[:, BLOCK] == b)
-            self.deferred.setdefault((u, b), []).append(np.ascontiguousarray(rows[sel][:, [UNIT, BLOCK, ROW]]))
+        keys = rows[:, UNIT] * (1 << 40) + rows[:, BLOCK]  # (unit, block) as one int64, as block ids stay below 2**40
+        held = np.isin(keys, np.fromiter((u * (1 << 40) + b for u, b in self.refs), dtype=np.int64, count=len(self.refs)))
+        for key in np.unique(keys[held]).tolist():
+            sel = held & (keys == key)
+            self.deferred.setdefault(divmod(key, 1 << 40), []).append(np.ascontiguousarray(rows[sel][:, [UNIT, BLOCK, ROW]]))
         return rows[~held]
 
     def held_on(self, unit: int) -> np.ndarray:

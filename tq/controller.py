@@ -750,6 +750,9 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             "put_bytes_per_s_60s": sum(b for _, b in window) / 60.0,
             "parked_waits": len(self.waiters),
             "leases": len(self.lease_book.leases),
+            # what the controller remembers of each unit's unsettled blocks (bounded by its low-water mark)
+            "unit_ledgers": {str(u): {"low_water": led.low_water, "pending": len(led.pending), "fenced": len(led.fenced),
+                                      "adopts": len(led.adopts)} for u, led in self.ledgers.items()},
             "rows_waiting_for_leases": self.lease_book.waiting_rows(),
         }
 

@@ -476,7 +476,8 @@ class StorageUnit(RpcServer):
         for ad in args.blocks:
             self._adopt(ad)
         self._retry_fetches(time.monotonic())
-        return {"adopted": len(args.blocks)}
+        # journaled now: the controller need not keep (nor send again) these blocks' layouts
+        return {"adopted": [ad.block for ad in args.blocks if ad.block in self.blocks]}
 
     def _retry_fetches(self, now: float) -> None:
         parked, self.parked_fetches = self.parked_fetches, []

@@ -116,6 +116,11 @@ class UnitSupervision:
             return
         if isinstance(result, dict) and isinstance(result.get("low_water"), int):  # a heartbeat's reply
             self._on_unit_heartbeat(unit, result)
+        if isinstance(result, dict) and isinstance(result.get("adopted"), list):  # journaled by the unit:
+            adopts = self.ledgers[unit].adopts  # their layouts are not needed any more
+            for b in result["adopted"]:
+                if isinstance(b, int):
+                    adopts.pop(b, None)
         if self.ledgers[unit].resync:
             self._resync(unit)
 

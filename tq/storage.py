@@ -448,7 +448,8 @@ class StorageUnit(RpcServer):
             return
         found = self._slab_of(ad.block)
         if found is None or ad.block not in found[1].unsettled:
-            log.warning("storage unit %d: adopt of block %d, which no open slab holds unsettled", self.unit_id, ad.block)
+            # adopted (and maybe freed) already: the controller sends adopts again after a restart or in a retain
+            log.debug("storage unit %d: adopt of block %d, which no open slab holds unsettled", self.unit_id, ad.block)
             return
         aid, slab = found
         if (aid != ad.slab or ad.start < slab.start or ad.start + ad.size > slab.start + slab.size or ad.start % ALIGN

@@ -369,7 +369,8 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             led.pending[block] = digest
             if adopts:  # carved out of a slab: the unit learns of the block from us (after the journal)
                 led.adopts[block] = adopts[i]
-                led.adopt_queue.append(block)
+                if not self._replaying:  # replayed ones go out in the retain every unit gets after a restart
+                    led.adopt_queue.append(block)
             else:
                 led.claims.append(block)
             self.recent_commits[(unit, block)] = digest

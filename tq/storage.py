@@ -477,8 +477,12 @@ class StorageUnit(RpcServer):
         for ad in args.blocks:
             self._adopt(ad)
         self._retry_fetches(time.monotonic())
-        # journaled now: the controller need not keep (nor send again) these blocks' layouts
-        return {"adopted": [ad.block for ad in args.blocks if ad.block in self.blocks]}
+        return {"adopted": self._settled_of(args.blocks)}
+
+    def _settled_of(self, adopts: Any) -> list[int]:
+        """The blocks of these adopts that this unit settled (adopted - journaled - or freed since): the
+        controller need not keep, nor send again, their layouts."""
+        return [ad.block for ad in adopts if (s := self._slab_of(ad.block)) is None or ad.block not in s[1].unsettled]
 
     def _retry_fetches(self, now: float) -> None:
         parked, self.parked_fetches = self.parked_fetches, []
@@ -611,7 +615,7 @@ class StorageUnit(RpcServer):
                 block.live[dropped] = False
                 block.n_live = int(block.live.sum())
                 self.journal.append(["R", bid, dropped.astype(np.int64).tobytes()])
-        return {"blocks_freed": freed}
+        return {"blocks_freed": freed, "adopted": self._settled_of(args.adopts or ())}
 
     def op_free_rows(self, args: messages.FreeRows, buffers: list, call: Call) -> dict:
         blocks, rows = self._rows_of(args, buffers, "free_rows")

@@ -20,6 +20,14 @@ the Hub. ``run`` starts one engine per model (engine core in its own process, ea
 ``run-nccl`` puts the engine in a Ray generation worker on one GPU and the float32 model in a
 ``StandaloneWeightSender`` on another, and times the refit by NCCL broadcast (cast into the sender's buffer,
 broadcast, load; the group is joined before timing).
+
+``prefix-reset`` times what every refit ends with: vLLM dropping its prefix cache, which walks every
+KV-cache block - with the KV cache sized from ``gpu_memory_utilization`` alone (millions of blocks for
+a small model) and capped by ``num_gpu_blocks_override``.
+
+``summarize`` reads a training run's ``metrics.jsonl`` (``trainer.grpo_sync`` / ``trainer.grpo_async``)
+and prints what the results files quote: the reward curve, the first step whose 10-step mean reward
+reaches 0.8 and when, step and refit times, staleness (async), ``token_mult_prob_error``, validation.
 """
 
 from __future__ import annotations
@@ -160,6 +168,81 @@ def bench_nccl(path: str, reps: int) -> dict[str, Any]:
         ray.kill(sender)
 
 
+def bench_prefix_reset(path: str, util: float, blocks: int | None, reps: int) -> dict[str, Any]:
+    """Seconds vLLM takes to drop its prefix cache (median of ``reps``, after a batch has filled some
+    blocks) with the KV cache sized by ``util`` alone (``blocks`` None) or capped at ``blocks``."""
+    from rollout.generation.config import GenerationBackendConfig
+    from rollout.generation.vllm_backend import VllmGenerationBackend
+
+    name = TINY_MODEL if path == "tiny" else path
+    t0 = time.perf_counter()
+    gen = VllmGenerationBackend(GenerationBackendConfig(
+        backend="vllm", model_name=name, dtype="bfloat16", vllm_enforce_eager=True, vllm_gpu_memory_utilization=util,
+        ray_timeout_s=600, vllm_extra_kwargs={} if blocks is None else {"num_gpu_blocks_override": blocks}))
+    row: dict[str, Any] = {"model": path, "gpu_memory_utilization": util, "num_gpu_blocks_override": blocks,
+                           "engine_start_s": round(time.perf_counter() - t0, 1)}
+    try:
+        row["num_gpu_blocks"] = int(gen.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks)
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(10, 100, (32,), generator=g) for _ in range(64)]
+        times = []
+        for _ in range(reps):
+            gen.generate(prompts, max_new_tokens=8)  # blocks with hashes to drop
+            t = time.perf_counter()
+            if not gen.llm.reset_prefix_cache():
+                raise RuntimeError("vLLM did not reset its prefix cache (blocks still in use)")
+            times.append(time.perf_counter() - t)
+        row["reset_prefix_cache_s"] = statistics.median(times)
+        print(json.dumps(row), flush=True)
+    finally:
+        gen.shutdown()
+    return row
+
+
+def _window_mean(xs: list[float], n: int) -> list[float]:
+    return [statistics.fmean(xs[max(0, i + 1 - n): i + 1]) for i in range(len(xs))]
+
+
+def summarize_run(metrics_path: str, launched: float | None = None, threshold: float = 0.8) -> dict[str, Any]:
+    """What a GRPO run's ``metrics.jsonl`` says (see the module docstring); ``launched``: the launch's
+    epoch seconds (else times count from the logger's start row, after start-up)."""
+    rows = [json.loads(line) for line in open(metrics_path) if line.strip()]
+    start = next((r["time"] for r in rows if r.get("split") == "start"), None)
+    train = [r for r in rows if r.get("split") == "train"]
+    if not train:
+        raise ValueError(f"{metrics_path}: no training steps logged")
+    t0 = launched if launched is not None else start
+    reward = [float(r["reward"]) for r in train]
+    mean10 = _window_mean(reward, 10)
+    hit = next((i for i, m in enumerate(mean10) if i >= 9 and m >= threshold), None)
+
+    def med(key: str, skip_first: bool = False) -> float | None:
+        xs = [float(r[key]) for r in train[1 if skip_first else 0:] if r.get(key) is not None]
+        return round(statistics.median(xs), 4) if xs else None
+
+    out: dict[str, Any] = {
+        "steps": len(train),
+        "start_up_s": round(start - launched, 1) if launched is not None and start is not None else None,
+        "wall_s": round(train[-1]["time"] - t0, 1),
+        f"first_step_10_step_mean_reward_ge_{threshold}": train[hit]["step"] if hit is not None else None,
+        f"time_to_10_step_mean_reward_ge_{threshold}_s": round(train[hit]["time"] - t0, 1) if hit is not None else None,
+        "last_10_mean_reward": round(mean10[-1], 4),
+        "median_step_time_s": med("step_time_s", skip_first=True),
+        "first_refit_s": round(float(train[0]["timing/refit"]), 3) if "timing/refit" in train[0] else None,
+        "median_refit_s": med("timing/refit", skip_first=True),
+        "median_timing_s": {k[7:]: med(k, skip_first=True) for k in sorted(train[-1]) if k.startswith("timing/")},
+        "mean_token_mult_prob_error": round(statistics.fmean(float(r["token_mult_prob_error"]) for r in train), 5)
+        if all("token_mult_prob_error" in r for r in train) else None,
+        "validation_accuracy": [[r["step"], round(float(r["accuracy"]), 3)] for r in rows if r.get("split") == "val"],
+        "reward": [round(x, 4) for x in reward],
+    }
+    if "async/trajectory_age_mean" in train[-1]:
+        out["mean_trajectory_age"] = round(statistics.fmean(float(r["async/trajectory_age_mean"]) for r in train), 3)
+        out["max_trajectory_age"] = max(float(r["async/trajectory_age_max"]) for r in train)
+        out["median_generation_refit_s"] = med("async/generation_refit_s", skip_first=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -177,7 +260,25 @@ def main(argv: list[str] | None = None) -> int:
     n.add_argument("--models", default="tiny")
     n.add_argument("--reps", type=int, default=5)
     n.add_argument("--out", required=True)
+    pr = sub.add_parser("prefix-reset")
+    pr.add_argument("--models", default="tiny")
+    pr.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="the engine's memory fraction (sizes its KV cache)")
+    pr.add_argument("--blocks", default="none,16384", help="comma-separated KV-cache block caps; 'none': sized from memory")
+    pr.add_argument("--reps", type=int, default=5)
+    pr.add_argument("--out", required=True)
+    sm = sub.add_parser("summarize")
+    sm.add_argument("metrics", help="a run's metrics.jsonl")
+    sm.add_argument("--launched", type=float, help="the launch's epoch seconds (default: the logger's start row)")
+    sm.add_argument("--out", help="also write the summary here (JSON)")
     args = p.parse_args(argv)
+    if args.cmd == "summarize":
+        summary = summarize_run(args.metrics, args.launched)
+        text = json.dumps(summary, indent=1)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text)
+        print(text)
+        return 0
     if args.cmd == "make-model":
         make_model(args.size, args.out)
         return 0
@@ -188,7 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for path in args.models.split(","):
         try:
-            rows.append(bench_nccl(path, args.reps) if args.cmd == "run-nccl" else bench_model(path, args))
+            if args.cmd == "prefix-reset":
+                rows.extend(bench_prefix_reset(path, args.gpu_memory_utilization, None if b == "none" else int(b), args.reps)
+                            for b in args.blocks.split(","))
+            else:
+                rows.append(bench_nccl(path, args.reps) if args.cmd == "run-nccl" else bench_model(path, args))
             torch.cuda.empty_cache()  # the model's blocks back to the driver before the next engine sizes itself
         except Exception as exc:  # one model failing must not lose the others' numbers
             rows.append({"model": path, "error": f"{type(exc).__name__}: {exc}"})

@@ -88,6 +88,20 @@ def test_configs_refuse_a_refit_transport_they_cannot_use():
         load_config(CONFIG_DIR / "grpo_gpu_vllm_async_2gpu.yaml", ["generation.refit_transport=nccl"])
 
 
+def test_two_gpu_recipes_cap_the_kv_cache_at_a_step():
+    """Without a cap vLLM sizes its KV cache from memory: ~10M blocks for the tiny model at these
+    fractions, and each refit's prefix-cache reset walks them all (0.58 s a step on 2 x H100). The cap
+    must still hold a whole step's samples at once, so generation is never throttled by it."""
+    from trainer.config import CONFIG_DIR, load_config
+
+    for name in ("grpo_gpu_vllm_2gpu", "grpo_gpu_vllm_async_2gpu"):
+        cfg = load_config(CONFIG_DIR / f"{name}.yaml")
+        blocks = cfg.generation.vllm_extra_kwargs.get("num_gpu_blocks_override")
+        assert blocks is not None and blocks <= 65536, f"{name}: KV cache not capped ({blocks})"
+        per_sample = -(-(cfg.data.processor.max_seq_length + cfg.grpo.max_new_tokens) // 16)  # 16-token blocks
+        assert blocks >= cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt * per_sample, name
+
+
 # ---------------------------------------------------------------------- vLLM on a GPU
 @pytest.fixture(scope="module")
 def tok():

@@ -211,6 +211,8 @@ def summarize_run(metrics_path: str, launched: float | None = None, threshold: f
     train = [r for r in rows if r.get("split") == "train"]
     if not train:
         raise ValueError(f"{metrics_path}: no training steps logged")
+    if start is None:  # a fresh run directory has no start row: training began when step 1 did
+        start = train[0]["time"] - float(train[0].get("step_time_s", 0.0))
     t0 = launched if launched is not None else start
     reward = [float(r["reward"]) for r in train]
     mean10 = _window_mean(reward, 10)
@@ -222,7 +224,7 @@ def summarize_run(metrics_path: str, launched: float | None = None, threshold: f
 
     out: dict[str, Any] = {
         "steps": len(train),
-        "start_up_s": round(start - launched, 1) if launched is not None and start is not None else None,
+        "start_up_s": round(start - launched, 1) if launched is not None else None,
         "wall_s": round(train[-1]["time"] - t0, 1),
         f"first_step_10_step_mean_reward_ge_{threshold}": train[hit]["step"] if hit is not None else None,
         f"time_to_10_step_mean_reward_ge_{threshold}_s": round(train[hit]["time"] - t0, 1) if hit is not None else None,

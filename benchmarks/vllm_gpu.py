@@ -1,8 +1,12 @@
 """vLLM on one GPU: refit time against model size, generation throughput, log-prob agreement.
 
     python -m benchmarks.vllm_gpu make-model --size 0.5b --out /models/qwen2-0.5b-random
-    python -m benchmarks.vllm_gpu run --models tiny,/models/qwen2-0.5b-random --out results.json
-    python -m benchmarks.vllm_gpu run-nccl --models tiny,/models/qwen2-0.5b-random --out nccl.json   # 2 GPUs
+    python -m benchmarks.vllm_gpu run --models tiny,/models/qwen2-0.5b-random            # one GPU
+    python -m benchmarks.vllm_gpu run-nccl --models /models/qwen2-0.5b-random --publish  # two GPUs
+    python -m benchmarks.vllm_gpu summarize logs/<run>/metrics.jsonl
+
+``run`` and ``run-nccl`` write a fresh ``logs/vllm_gpu/<timestamp>/`` (``vllm_gpu.json``,
+``vllm_gpu_nccl.json``); ``--publish`` copies it over ``benchmarks/results/vllm_gpu_<machine>*.json``.
 
 ``make-model`` writes a random-init Qwen2 model (``0.5b``: Qwen2.5-0.5B's shape, 494M parameters;
 ``1.5b``: Qwen2.5-1.5B's, 1.54B) with transformers, plus the built-in tokenizer, so nothing comes from
@@ -21,10 +25,6 @@ the Hub. ``run`` starts one engine per model (engine core in its own process, ea
 ``StandaloneWeightSender`` on another, and times the refit by NCCL broadcast (cast into the sender's buffer,
 broadcast, load; the group is joined before timing).
 
-``prefix-reset`` times what every refit ends with: vLLM dropping its prefix cache, which walks every
-KV-cache block - with the KV cache sized from ``gpu_memory_utilization`` alone (millions of blocks for
-a small model) and capped by ``num_gpu_blocks_override``.
-
 ``summarize`` reads a training run's ``metrics.jsonl`` (``trainer.grpo_sync`` / ``trainer.grpo_async``)
 and prints what the results files quote: the reward curve, the first step whose 10-step mean reward
 reaches 0.8 and when, step and refit times, staleness (async), ``token_mult_prob_error``, validation.
@@ -33,6 +33,7 @@ reaches 0.8 and when, step and refit times, staleness (async), ``token_mult_prob
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import statistics
@@ -42,6 +43,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.outputs import add_output_args, open_run
 from common.models import TINY_MODEL, build_tiny_tokenizer, load_model
 from policy.weight_sync import StandaloneWeightSender, nccl_refit, token_mult_prob_error
 
@@ -168,37 +170,6 @@ def bench_nccl(path: str, reps: int) -> dict[str, Any]:
         ray.kill(sender)
 
 
-def bench_prefix_reset(path: str, util: float, blocks: int | None, reps: int) -> dict[str, Any]:
-    """Seconds vLLM takes to drop its prefix cache (median of ``reps``, after a batch has filled some
-    blocks) with the KV cache sized by ``util`` alone (``blocks`` None) or capped at ``blocks``."""
-    from rollout.generation.config import GenerationBackendConfig
-    from rollout.generation.vllm_backend import VllmGenerationBackend
-
-    name = TINY_MODEL if path == "tiny" else path
-    t0 = time.perf_counter()
-    gen = VllmGenerationBackend(GenerationBackendConfig(
-        backend="vllm", model_name=name, dtype="bfloat16", vllm_enforce_eager=True, vllm_gpu_memory_utilization=util,
-        ray_timeout_s=600, vllm_extra_kwargs={} if blocks is None else {"num_gpu_blocks_override": blocks}))
-    row: dict[str, Any] = {"model": path, "gpu_memory_utilization": util, "num_gpu_blocks_override": blocks,
-                           "engine_start_s": round(time.perf_counter() - t0, 1)}
-    try:
-        row["num_gpu_blocks"] = int(gen.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks)
-        g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(10, 100, (32,), generator=g) for _ in range(64)]
-        times = []
-        for _ in range(reps):
-            gen.generate(prompts, max_new_tokens=8)  # blocks with hashes to drop
-            t = time.perf_counter()
-            if not gen.llm.reset_prefix_cache():
-                raise RuntimeError("vLLM did not reset its prefix cache (blocks still in use)")
-            times.append(time.perf_counter() - t)
-        row["reset_prefix_cache_s"] = statistics.median(times)
-        print(json.dumps(row), flush=True)
-    finally:
-        gen.shutdown()
-    return row
-
-
 def _window_mean(xs: list[float], n: int) -> list[float]:
     return [statistics.fmean(xs[max(0, i + 1 - n): i + 1]) for i in range(len(xs))]
 
@@ -245,37 +216,35 @@ def summarize_run(metrics_path: str, launched: float | None = None, threshold: f
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: ``make-model``, ``run``, ``run-nccl``, ``summarize`` (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    m = sub.add_parser("make-model")
-    m.add_argument("--size", choices=sorted(SIZES), required=True)
-    m.add_argument("--out", required=True)
-    r = sub.add_parser("run")
+    m = sub.add_parser("make-model", help="write a random-init Qwen2 model and the built-in tokenizer")
+    m.add_argument("--size", choices=sorted(SIZES), required=True, help="Qwen2.5's shape to copy")
+    m.add_argument("--out", required=True, help="directory to write the model to")
+    r = sub.add_parser("run", help="refit, throughput and log-prob agreement on one GPU")
     r.add_argument("--models", default="tiny", help="comma-separated: 'tiny' and/or model directories")
-    r.add_argument("--reps", type=int, default=5)
-    r.add_argument("--prompts", type=int, default=256)
-    r.add_argument("--max-tokens", type=int, default=512)
+    r.add_argument("--reps", type=int, default=5, help="refits timed per transport (median; bytes: half as many)")
+    r.add_argument("--prompts", type=int, default=256, help="prompts of the throughput measurement")
+    r.add_argument("--max-tokens", type=int, default=512, help="new tokens per prompt of the throughput measurement")
     r.add_argument("--cudagraphs", action="store_true", help="also measure throughput with CUDA graphs (compiles)")
-    r.add_argument("--out", required=True)
-    n = sub.add_parser("run-nccl")
-    n.add_argument("--models", default="tiny")
-    n.add_argument("--reps", type=int, default=5)
-    n.add_argument("--out", required=True)
-    pr = sub.add_parser("prefix-reset")
-    pr.add_argument("--models", default="tiny")
-    pr.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="the engine's memory fraction (sizes its KV cache)")
-    pr.add_argument("--blocks", default="none,16384", help="comma-separated KV-cache block caps; 'none': sized from memory")
-    pr.add_argument("--reps", type=int, default=5)
-    pr.add_argument("--out", required=True)
-    sm = sub.add_parser("summarize")
+    add_output_args(r, "vllm_gpu")
+    n = sub.add_parser("run-nccl", help="refit over NCCL from one GPU to a vLLM engine on another (2 GPUs)")
+    n.add_argument("--models", default="tiny", help="comma-separated: 'tiny' and/or model directories")
+    n.add_argument("--reps", type=int, default=5, help="refits timed after the first (median)")
+    add_output_args(n, "vllm_gpu")
+    sm = sub.add_parser("summarize", help="what a training run's metrics.jsonl says (reward, step and refit times)")
     sm.add_argument("metrics", help="a run's metrics.jsonl")
-    sm.add_argument("--launched", type=float, help="the launch's epoch seconds (default: the logger's start row)")
+    sm.add_argument("--launched", type=float, help="the launch's epoch seconds (default: when step 1 began)")
     sm.add_argument("--out", help="also write the summary here (JSON)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.cmd == "summarize":
-        summary = summarize_run(args.metrics, args.launched)
-        text = json.dumps(summary, indent=1)
+        text = json.dumps(summarize_run(args.metrics, args.launched), indent=1)
         if args.out:
             with open(args.out, "w") as f:
                 f.write(text)
@@ -284,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "make-model":
         make_model(args.size, args.out)
         return 0
+    run = open_run("vllm_gpu", args.run_dir)
     if args.cmd == "run-nccl":
         import ray
 
@@ -291,20 +261,23 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for path in args.models.split(","):
         try:
-            if args.cmd == "prefix-reset":
-                rows.extend(bench_prefix_reset(path, args.gpu_memory_utilization, None if b == "none" else int(b), args.reps)
-                            for b in args.blocks.split(","))
-            else:
-                rows.append(bench_nccl(path, args.reps) if args.cmd == "run-nccl" else bench_model(path, args))
-            torch.cuda.empty_cache()  # the model's blocks back to the driver before the next engine sizes itself
+            rows.append(bench_nccl(path, args.reps) if args.cmd == "run-nccl" else bench_model(path, args))
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # the model's blocks back to the driver before the next engine sizes itself
         except Exception as exc:  # one model failing must not lose the others' numbers
             rows.append({"model": path, "error": f"{type(exc).__name__}: {exc}"})
             print(f"{path}: {rows[-1]['error']}", file=sys.stderr, flush=True)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "vllm": __import__("vllm").__version__,
+    try:
+        vllm_version = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        vllm_version = None
+    result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device",
+              "torch": torch.__version__, "vllm": vllm_version,
               "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"), "rows": rows}
-    with open(args.out, "w") as f:
+    with open(run.path("_nccl.json" if args.cmd == "run-nccl" else ".json"), "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result, indent=1))
+    run.finish(args.publish, args.machine, gpu=True)
     return 0
 
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import psutil
 import pytest
@@ -67,12 +69,16 @@ def test_parse_size():
 
 def test_start_status_put_stop(cli_env):
     run_file = os.path.join(cli_env["TQ_RUN_DIR"], "controller.json")
-    started = run_cli("start", "--storage-units", "2", "--capacity", "128M", env=cli_env)
+    started = run_cli("start", "--storage-units", "2", "--capacity", "128M", "--metrics-port", "0", env=cli_env)
     assert started.returncode == 0, started.stderr
     address = started.stdout.strip().splitlines()[-1]
     assert address.startswith("tcp://127.0.0.1:")
     state = json.load(open(run_file))
     assert state["address"] == address and psutil.pid_exists(state["pid"])
+    metrics_url = state["metrics_url"]
+    assert metrics_url.startswith("http://127.0.0.1:") and f"Prometheus metrics at {metrics_url}" in started.stderr
+    with urllib.request.urlopen(metrics_url, timeout=10) as r:
+        assert "tq_units 2.0" in r.read().decode().splitlines()
     assert os.path.exists(state["log"])
     controller = psutil.Process(state["pid"])
     units = controller.children(recursive=True)
@@ -85,7 +91,7 @@ def test_start_status_put_stop(cli_env):
 
     table = run_cli("status", env=cli_env)
     assert table.returncode == 0, table.stderr
-    for section in ("Partitions", "Storage units", "Operations", "put throughput", address):
+    for section in ("Partitions", "Storage units", "Operations", "put throughput", address, metrics_url):
         assert section in table.stdout
     assert "(none)" in table.stdout  # no partition yet
 
@@ -216,6 +222,40 @@ def test_status_into_a_closed_pipe_exits_quietly(cli_env, json_out):
         err = proc.stderr.read()
         proc.wait(timeout=60)
     assert err == "" and proc.returncode == 141, (proc.returncode, err)
+
+
+def test_status_watch_redraws_until_ctrl_c(cli_env, tmp_path):
+    """``status --watch``: into a pipe its reader closes it ends quietly (141, as ``| head``); into a
+    file (not a TTY: one view after the other) it redraws with request rates, shows a controller that
+    went away as unreachable and keeps watching, and ends on Ctrl-C with 0."""
+    from tq import TQServer
+
+    watch = [sys.executable, "-m", "tq.cli", "status", "--watch", "--timeout", "1", "--interval"]
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    with TQServer(storage_units=1, capacity=16 << 20) as server:
+        piped = subprocess.Popen([*watch, "0.1", "--address", server.address], env=cli_env, cwd=REPO,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert "TQ service at" in piped.stdout.readline()
+        piped.stdout.close()
+        assert piped.stderr.read() == "" and piped.wait(timeout=60) == 141
+
+        with open(out, "w") as o, open(err, "w") as e:
+            proc = subprocess.Popen([*watch, "0.2", "--address", server.address], env=cli_env, cwd=REPO, stdout=o, stderr=e)
+        try:
+            assert wait_until(lambda: out.read_text().count("Operations") >= 2, timeout=60), err.read_text()
+            view = out.read_text().split("Operations")[-1]
+            assert "req/s" in view and "Ctrl-C quits" in view
+            assert re.search(r"controller\s+.\s+stats\s+.\s+\d+\s+.\s+0\s+.\s+[1-9]", view), view  # a few stats/s
+            server.shutdown()
+            assert wait_until(lambda: "is not reachable" in out.read_text(), timeout=30), out.read_text()[-2000:]
+            assert proc.poll() is None  # still watching, for the controller to come back
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert "Traceback" not in err.read_text() and "KeyboardInterrupt" not in err.read_text(), err.read_text()
 
 
 CTRL_C_LAUNCHERS = {

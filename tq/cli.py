@@ -2,8 +2,9 @@
 
 ::
 
-    tq-controller start [--host 127.0.0.1] [--port 0] [--storage-units 1] [--capacity 4G] [--journal-dir DIR] [--fsync never|interval|always] [--foreground]
-    tq-controller status [--json]
+    tq-controller start [--host 127.0.0.1] [--port 0] [--storage-units 1] [--capacity 4G] [--journal-dir DIR] [--fsync never|interval|always]
+                        [--metrics-port N] [--foreground]
+    tq-controller status [--json | --watch [--interval 2]]
     tq-controller stop
 
 ``start`` runs ``python -m tq.controller`` as a detached process (its own session, so closing the
@@ -14,7 +15,9 @@ the service's own data (partitions, keys) is journaled in ``--journal-dir`` when
 crash recovery. Errors print one line to stderr and exit non-zero: 1 for "not running / unreachable /
 failed", 2 for a refused request (bad arguments, already running, a non-loopback bind without a
 secret). Output cut short by its reader (``tq-controller status --json | head``) ends quietly with
-exit code 141 (128 + SIGPIPE), as Unix tools do.
+exit code 141 (128 + SIGPIPE), as Unix tools do. ``status --watch`` redraws the tables every
+``--interval`` seconds (on a terminal in place, otherwise one after the other) until Ctrl-C (exit 0).
+``--metrics-port`` serves Prometheus metrics (see :mod:`tq.metrics` and docs/observability.md).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ STATUS_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 15.0
 SHUTDOWN_RPC_TIMEOUT_S = 3.0
 START_TIMEOUT_S = 60.0
+WATCH_INTERVAL_S = 2.0
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # what a Unix tool killed by SIGPIPE reports
 
 
@@ -126,12 +130,21 @@ def _resolve_target(args: argparse.Namespace) -> tuple[str, dict[str, Any] | Non
 
 
 # ---------------------------------------------------------------------------------------------- status table
-def render_status(stats: dict[str, Any], *, address: str | None = None) -> Any:
+def op_counts(stats: dict[str, Any]) -> dict[tuple[str, str], int]:
+    """``(server, op) -> requests served`` over the controller and every unit that answered (for rates)."""
+    out = {("controller", op): st.get("count", 0) for op, st in stats.get("ops", {}).items()}
+    for u in stats.get("unit_stats", []):
+        out.update({(f"unit {u.get('unit_id')}", op): st.get("count", 0) for op, st in u.get("ops", {}).items()})
+    return out
+
+
+def render_status(stats: dict[str, Any], *, address: str | None = None, rates: dict[tuple[str, str], float] | None = None) -> Any:
     """A rich renderable of a service's stats (as returned by :meth:`tq.TQClient.stats`).
 
-    Sections: a summary line (uptime, throughput), partitions (keys, fields, bytes held), storage units
-    (address, used / arena size, blocks, bytes stored / read) and per-operation counts with p50/p99
-    latency for the controller and every unit.
+    Sections: a summary line (uptime, throughput, metrics endpoint), partitions (keys, fields, bytes
+    held), storage units (health, address, used / arena size, blocks, bytes stored / read) and
+    per-operation counts with p50/p99 latency for the controller and every unit; with ``rates``
+    (``(server, op) -> requests/s``, see :func:`op_counts`) also each op's rate.
     """
     from rich.console import Group
     from rich.table import Table
@@ -140,7 +153,8 @@ def render_status(stats: dict[str, Any], *, address: str | None = None) -> Any:
     title = f"TQ service at {address}" if address else "TQ service"
     summary = Text.assemble(
         (title, "bold"),
-        f"  uptime {stats.get('uptime_s', 0.0):.0f}s\n",
+        f"  uptime {stats.get('uptime_s', 0.0):.0f}s",
+        f"  metrics {stats['metrics_url']}\n" if stats.get("metrics_url") else "\n",
         f"put throughput (60s) {format_bytes(stats.get('put_bytes_per_s_60s', 0.0))}/s",
         f"  committed total {format_bytes(stats.get('bytes_committed_total', 0))}",
         f"  parked waits {stats.get('parked_waits', 0)}",
@@ -157,48 +171,59 @@ def render_status(stats: dict[str, Any], *, address: str | None = None) -> Any:
         parts.add_row("(none)", "", "", "")
 
     units = Table(title="Storage units", title_justify="left", expand=False)
-    for col, justify in (("unit", "right"), ("address", "left"), ("host", "left"), ("used / arena", "right"),
+    for col, justify in (("unit", "right"), ("health", "left"), ("address", "left"), ("host", "left"), ("used / arena", "right"),
                          ("blocks", "right"), ("stored total", "right"), ("read total", "right"), ("pid", "right")):
         units.add_column(col, justify=justify)  # type: ignore[arg-type]
+    alive = {u.get("unit_id"): u.get("alive", True) for u in stats.get("units", [])}
     # unit_stats come from the units themselves; fall back to the controller's registry if absent.
     unit_rows = sorted(stats.get("unit_stats") or stats.get("units", []), key=lambda u: u.get("unit_id", 0))
     for u in unit_rows:
-        used = u.get("bytes_used")
+        used, size = u.get("bytes_used"), u.get("arena_size", 0)
+        share = f" ({100 * used / size:.0f}%)" if used is not None and size else ""
         units.add_row(
-            str(u.get("unit_id")), str(u.get("address")), str(u.get("host", "")).split("/", 1)[0],
-            f"{format_bytes(used)} / {format_bytes(u.get('arena_size', 0))}" if used is not None else f"? / {format_bytes(u.get('arena_size', 0))}",
+            str(u.get("unit_id")), "[green]up[/]" if alive.get(u.get("unit_id"), True) else "[bold red]DOWN[/]",
+            str(u.get("address")), str(u.get("host", "")).split("/", 1)[0],
+            f"{format_bytes(used)} / {format_bytes(size)}{share}" if used is not None else f"? / {format_bytes(size)}",
             str(u.get("blocks", "?")), format_bytes(u.get("bytes_stored_total", 0)),
             format_bytes(stats.get("bytes_read_total", {}).get(str(u.get("unit_id")), 0)),  # counted by the controller
             str(u.get("pid", "")),
         )
     if not unit_rows:
-        units.add_row("", "(none registered)", "", "", "", "", "", "")
+        units.add_row("", "", "(none registered)", "", "", "", "", "", "")
 
     ops = Table(title="Operations", title_justify="left", expand=False)
-    for col, justify in (("server", "left"), ("op", "left"), ("count", "right"), ("errors", "right"),
-                         ("p50 ms", "right"), ("p99 ms", "right")):
+    columns = [("server", "left"), ("op", "left"), ("count", "right"), ("errors", "right")]
+    columns += [("req/s", "right")] if rates is not None else []
+    for col, justify in (*columns, ("p50 ms", "right"), ("p99 ms", "right")):
         ops.add_column(col, justify=justify)  # type: ignore[arg-type]
     servers = [("controller", stats.get("ops", {}))] + [
         (f"unit {u.get('unit_id')}", u.get("ops", {})) for u in sorted(stats.get("unit_stats", []), key=lambda u: u.get("unit_id", 0))
     ]
     for server, table in servers:
         for op, st in sorted(table.items()):
-            ops.add_row(server, op, str(st.get("count", 0)), str(st.get("errors", 0)),
+            rate = [f"{rates.get((server, op), 0.0):.1f}"] if rates is not None else []
+            ops.add_row(server, op, str(st.get("count", 0)), str(st.get("errors", 0)), *rate,
                         f"{st.get('p50_ms', 0.0):.2f}", f"{st.get('p99_ms', 0.0):.2f}")
     return Group(summary, parts, units, ops)
 
 
-def print_status(stats: dict[str, Any], *, address: str | None = None, file: Any = None) -> None:
-    """Print :func:`render_status` to ``file`` (default stdout), at least 120 columns wide when not a TTY."""
+def _console(file: Any = None) -> Any:
+    """A rich Console on ``file`` (default stdout), at least 120 columns wide when not a TTY, whose
+    broken pipe raises BrokenPipeError: rich would exit 1 itself; main exits as a Unix tool does."""
     from rich.console import Console
 
-    class _Console(Console):
-        def on_broken_pipe(self) -> None:  # rich would exit 1 itself: leave it to main, as for any write
+    class PipeConsole(Console):
+        def on_broken_pipe(self) -> None:
             raise BrokenPipeError
 
     out = file if file is not None else sys.stdout
     width = None if out.isatty() else max(120, shutil.get_terminal_size((120, 40)).columns)
-    _Console(file=out, width=width, highlight=False).print(render_status(stats, address=address))
+    return PipeConsole(file=out, width=width, highlight=False)
+
+
+def print_status(stats: dict[str, Any], *, address: str | None = None, file: Any = None) -> None:
+    """Print :func:`render_status` to ``file`` (default stdout), at least 120 columns wide when not a TTY."""
+    _console(file).print(render_status(stats, address=address))
 
 
 # ---------------------------------------------------------------------------------------------- commands
@@ -229,7 +254,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     env = launch.service_env(secret)
     cmd = launch.controller_command(host=args.host, port=args.port, storage_units=args.storage_units,
                                     capacity=args.capacity, shm_dir=args.shm_dir, ready_file=ready_file,
-                                    fsync=args.fsync, journal_dir=args.journal_dir)
+                                    fsync=args.fsync, journal_dir=args.journal_dir, metrics_port=args.metrics_port)
 
     if args.foreground:
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
@@ -241,20 +266,24 @@ def cmd_start(args: argparse.Namespace) -> int:
             proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
     try:
-        address = _await_service(proc, ready_file, args.storage_units, secret, log_path)
+        ready = _await_service(proc, ready_file, args.storage_units, secret, log_path)
     except BaseException:
         launch.stop_process(proc, STOP_TIMEOUT_S, tree=True)
         raise
-    launch.write_json(run_file, {"address": address, "pid": proc.pid, "log": log_path or None,
+    address = ready["address"]
+    launch.write_json(run_file, {"address": address, "pid": proc.pid, "log": log_path or None, "metrics_url": ready.get("metrics_url"),
                               "storage_units": args.storage_units, "started_at": time.time()})
     print(address, flush=True)
+    if ready.get("metrics_url"):  # stdout is the address alone (ADDR=$(tq-controller start))
+        print(f"tq-controller start: Prometheus metrics at {ready['metrics_url']}", file=sys.stderr, flush=True)
     if not args.foreground:
         return 0
     return _run_foreground(proc, run_file)
 
 
-def _await_service(proc: subprocess.Popen, ready_file: str, units: int, secret: str | None, log_path: str) -> str:
-    """Wait (bounded) until the controller wrote its ready file and all its storage units registered."""
+def _await_service(proc: subprocess.Popen, ready_file: str, units: int, secret: str | None, log_path: str) -> dict[str, Any]:
+    """Wait (bounded) until the controller wrote its ready file and all its storage units registered;
+    returns what the ready file holds (address, pid, metrics URL)."""
     from .rpc import RpcChannel
 
     see_log = f" (see {log_path})" if log_path else ""
@@ -265,8 +294,9 @@ def _await_service(proc: subprocess.Popen, ready_file: str, units: int, secret: 
 
     deadline = time.monotonic() + START_TIMEOUT_S
     try:
-        address = launch.await_ready_file(ready_file, alive=lambda: proc.poll() is None, timeout=START_TIMEOUT_S,
-                                          what="the TQ controller")["address"]
+        ready = launch.await_ready_file(ready_file, alive=lambda: proc.poll() is None, timeout=START_TIMEOUT_S,
+                                        what="the TQ controller")
+        address = ready["address"]
     except TQError as exc:
         code = f" (exit code {proc.returncode})" if proc.poll() is not None else ""
         raise failed(f"{exc}{code}") from None
@@ -281,7 +311,7 @@ def _await_service(proc: subprocess.Popen, ready_file: str, units: int, secret: 
         while True:
             registered = len(chan.call(ControllerOp.STATS, Stats())[0]["units"])
             if registered >= units:
-                return address
+                return ready
             try:
                 running = [c for c in psutil.Process(proc.pid).children() if launch.pid_running(c.pid)]
             except psutil.NoSuchProcess:
@@ -365,10 +395,12 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """Print the service's stats as tables (or raw JSON with ``--json``)."""
+    """Print the service's stats as tables (or raw JSON with ``--json``, or live with ``--watch``)."""
     from .client import TQClient
 
     address, _, _ = _resolve_target(args)
+    if args.watch:
+        return _watch(args, address)
     try:
         client = TQClient(address, secret=_secret(args), timeout=args.timeout)
         try:
@@ -383,6 +415,66 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         print_status(stats, address=address)
     return 0
+
+
+def watch_footer(interval: float) -> Any:
+    """The last line of a ``status --watch`` view: when it was drawn, how often, how to quit."""
+    from rich.text import Text
+
+    return Text(f"{time.strftime('%H:%M:%S')}  every {interval:g}s, Ctrl-C quits", style="dim")
+
+
+def _watch(args: argparse.Namespace, address: str) -> int:
+    """Redraw the status tables every ``--interval`` seconds, with request rates, until Ctrl-C (exit 0).
+
+    On a terminal the view is redrawn in place; otherwise each view is printed after the previous one
+    (a log). A controller that stops answering is shown as such and watched until it answers again; a
+    refused secret ends the watch (waiting cannot fix it)."""
+    from rich.console import Group
+    from rich.live import Live
+    from rich.text import Text
+
+    from .client import TQClient
+
+    console = _console()
+    live = Live(console=console, auto_refresh=False, redirect_stdout=False, redirect_stderr=False) if console.is_terminal else None
+    client: TQClient | None = None
+    previous: tuple[float, dict[tuple[str, str], int]] | None = None
+    try:
+        if live is not None:
+            live.start()
+        while True:
+            now = time.monotonic()
+            try:
+                if client is None:
+                    client = TQClient(address, secret=_secret(args), timeout=args.timeout)
+                stats = client.stats()
+            except AuthenticationError as exc:
+                raise CLIError(f"TQ controller at {address} refused this client: {exc}") from None
+            except TQError as exc:
+                if client is not None:
+                    client.close()
+                client, previous = None, None
+                view: Any = Group(Text(f"TQ controller at {address} is not reachable: {exc}", style="bold red"),
+                                  watch_footer(args.interval))
+            else:
+                counts = op_counts(stats)
+                rates = {k: (n - previous[1].get(k, 0)) / (now - previous[0]) for k, n in counts.items()} if previous else {}
+                previous = (now, counts)
+                view = Group(render_status(stats, address=address, rates=rates), watch_footer(args.interval))
+            if live is not None:
+                live.update(view, refresh=True)
+            else:
+                console.print(view)
+                console.file.flush()  # a reader of the pipe sees each view as it is drawn
+            time.sleep(args.interval)
+    except KeyboardInterrupt:  # how a watch ends
+        return 0
+    finally:
+        if live is not None:
+            live.stop()
+        if client is not None:
+            client.close()
 
 
 # ---------------------------------------------------------------------------------------------- entry point
@@ -410,6 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--journal-dir", metavar="DIR",
                    help="crash recovery: the controller journals its partitions and keys here; started again on the "
                         "same --port and --journal-dir after a crash, it recovers them and takes its storage units back")
+    s.add_argument("--metrics-port", type=argtypes.port, metavar="PORT",
+                   help="serve Prometheus metrics of the controller and every storage unit at http://HOST:PORT/metrics "
+                        "(0: a free port; the URL is printed on stderr and shown by `status`)")
     s.add_argument("--fsync", choices=("never", "always", "interval"), default="never",
                    help="when journals reach the disk: 'never' (the OS page cache: survives any process crash, "
                         "which is what matters while the data itself lives in tmpfs), 'interval' (fsync about "
@@ -422,7 +517,11 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--address", help="controller address (default: the one recorded in the run file)")
         common(sp)
         if name == "status":
-            sp.add_argument("--json", action="store_true", help="print the raw stats as JSON")
+            view = sp.add_mutually_exclusive_group()
+            view.add_argument("--json", action="store_true", help="print the raw stats as JSON")
+            view.add_argument("--watch", action="store_true", help="redraw the tables, with request rates, until Ctrl-C")
+            sp.add_argument("--interval", type=argtypes.positive_seconds, default=WATCH_INTERVAL_S,
+                            help="seconds between redraws with --watch")
             sp.add_argument("--timeout", type=argtypes.positive_seconds, default=STATUS_TIMEOUT_S,
                             help="seconds to wait for an answer")
         sp.set_defaults(func=func)

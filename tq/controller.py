@@ -692,6 +692,7 @@ def serve(
     orphan_timeout_s: float = 60.0,
     fsync: str = "never",
     commit_lease_s: float | None = None,
+    metrics_port: int | None = None,
 ) -> None:
     """Run a controller and ``storage_units`` local storage-unit processes until shut down.
 
@@ -702,6 +703,9 @@ def serve(
     on the same address and ``journal_dir`` it replays the journal and takes its running storage units
     back (they outlive it for up to ``orphan_timeout_s`` without its heartbeat, then clean up and exit).
     Without it the units die with the controller.
+
+    With ``metrics_port`` (0: a free one) the service's Prometheus metrics are served at
+    ``http://<host>:<port>/metrics`` (see :mod:`tq.metrics`; the URL is in the ready file too).
     """
     import subprocess
 
@@ -709,6 +713,17 @@ def serve(
 
     check_bind_allowed(bind, secret)
     ctrl = Controller(bind, secret=secret, expected_units=storage_units, journal_dir=journal_dir, fsync=fsync)
+    metrics = None
+    if metrics_port is not None:
+        from .metrics import MetricsServer
+
+        ctrl.metrics = True
+        try:
+            metrics = MetricsServer(bind.split("://", 1)[1].rsplit(":", 1)[0], metrics_port, ctrl.address, secret)
+        except OSError as exc:
+            ctrl.close()
+            raise SystemExit(f"tq.controller: {exc.strerror}") from None
+        ctrl.metrics_url = metrics.url
     recovered = bool(ctrl.units)
     ctrl.stop_units_on_close = journal_dir is not None  # they do not die with us: stop them on a clean exit
     host = unit_host or bind.split("://", 1)[1].rsplit(":", 1)[0]
@@ -719,7 +734,7 @@ def serve(
         cmd = launch.storage_unit_command(
             unit_id=unit_id, bind=f"tcp://{host}:0", controller=ctrl.address, capacity=per_unit, shm_dir=shm_dir,
             managed=True, fsync=fsync, commit_lease=commit_lease_s, recover_arena=recover_arena,
-            rejoin=unit_id if recover_arena is not None else None,
+            rejoin=unit_id if recover_arena is not None else None, metrics=metrics is not None,
             # with a journal, a unit outlives a crashed controller until it comes back (or time runs out)
             orphan_timeout=orphan_timeout_s if journal_dir is not None else None)
         if journal_dir is not None:
@@ -732,11 +747,13 @@ def serve(
     signal.signal(signal.SIGTERM, lambda *_: ctrl.stop())
     signal.signal(signal.SIGINT, lambda *_: ctrl.stop())
     if ready_file:
-        launch.write_json(ready_file, {"address": ctrl.address, "pid": os.getpid()})
+        launch.write_json(ready_file, {"address": ctrl.address, "pid": os.getpid(), "metrics_url": ctrl.metrics_url})
     print(f"TQ_READY {ctrl.address}", flush=True)
     try:
         ctrl.serve_forever()
     finally:
+        if metrics is not None:
+            metrics.close()
         for p in ctrl.children:  # all at once, then wait: they clean up in parallel
             if p.poll() is None:
                 p.terminate()
@@ -760,13 +777,21 @@ def main(argv: list[str] | None = None) -> None:
                         "process crashes, 'interval'/'always' also power loss of the journal (arenas live in tmpfs)")
     p.add_argument("--commit-lease", type=argtypes.positive_seconds, help="seconds a stored block waits for its commit before its storage "
                    "unit asks for it to be resolved (claimed or reclaimed); default 30")
+    p.add_argument("--metrics-port", type=argtypes.port, metavar="PORT",
+                   help="serve the service's Prometheus metrics at http://HOST:PORT/metrics (0: a free port; "
+                        "default: $TQ_METRICS_PORT, else no metrics)")
     a = p.parse_args(argv)
+    if a.metrics_port is None and os.environ.get("TQ_METRICS_PORT"):  # a service a program starts (a trainer's TQServer)
+        try:
+            a.metrics_port = argtypes.port(os.environ["TQ_METRICS_PORT"])
+        except argparse.ArgumentTypeError as exc:
+            p.error(f"TQ_METRICS_PORT: {exc}")
     logging.basicConfig(level=os.environ.get("TQ_LOG_LEVEL", "WARNING"))
     secret = os.environ.get("TQ_SECRET")
     serve(
         f"tcp://{a.host}:{a.port}", storage_units=a.storage_units, capacity=a.capacity, shm_dir=a.shm_dir,
         secret=secret.encode() if secret else None, ready_file=a.ready_file, journal_dir=a.journal_dir, fsync=a.fsync,
-        commit_lease_s=a.commit_lease,
+        commit_lease_s=a.commit_lease, metrics_port=a.metrics_port,
     )
 
 

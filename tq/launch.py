@@ -39,7 +39,7 @@ def service_env(secret: str | None) -> dict[str, str]:
 
 def controller_command(
     *, host: str, port: int, storage_units: int, capacity: int, shm_dir: str, ready_file: str, fsync: str = "never",
-    journal_dir: str | None = None, commit_lease_s: float | None = None,
+    journal_dir: str | None = None, commit_lease_s: float | None = None, metrics_port: int | None = None,
 ) -> list[str]:
     """The command line of a controller process (``python -m tq.controller``) and its local units."""
     cmd = [sys.executable, "-m", "tq.controller", "--host", host, "--port", str(port), "--storage-units", str(storage_units),
@@ -48,6 +48,8 @@ def controller_command(
         cmd += ["--journal-dir", journal_dir]
     if commit_lease_s is not None:
         cmd += ["--commit-lease", str(commit_lease_s)]
+    if metrics_port is not None:
+        cmd += ["--metrics-port", str(metrics_port)]
     return cmd
 
 

@@ -14,8 +14,10 @@ socket they connect (:func:`set_client_credentials`).
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
+import os
 import hashlib
 import hmac
 import itertools
@@ -144,26 +146,42 @@ def _serve_zap(zap: zmq.Socket) -> None:
 
 
 class Call:
-    """The context of one request being served: who asked and under which request id."""
+    """The context of one request being served: who asked and under which request id (and, with
+    metrics on, how many bytes the request was)."""
 
-    __slots__ = ("identity", "rid", "op", "started")
+    __slots__ = ("identity", "rid", "op", "started", "nbytes")
 
-    def __init__(self, identity: bytes, rid: Any, op: str, started: float) -> None:
-        self.identity, self.rid, self.op, self.started = identity, rid, op, started
+    def __init__(self, identity: bytes, rid: Any, op: str, started: float, nbytes: int = 0) -> None:
+        self.identity, self.rid, self.op, self.started, self.nbytes = identity, rid, op, started, nbytes
+
+
+# Upper bounds (seconds) of the latency histogram buckets (Prometheus ``le``; +Inf is the last bucket):
+# controller ops take tens of microseconds, a parked wait or a big store up to seconds.
+LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class OpStats:
-    """Per-operation counters and a window of recent latencies (for p50/p99)."""
+    """Per-operation counters and a window of recent latencies (for p50/p99); with metrics on also a
+    latency histogram (counts per :data:`LATENCY_BUCKETS` bucket, not cumulative) and bytes in/out."""
+
+    __slots__ = ("count", "errors", "latencies", "buckets", "sum_s", "bytes_in", "bytes_out")
 
     def __init__(self) -> None:
         self.count = 0
         self.errors = 0
         self.latencies: collections.deque[float] = collections.deque(maxlen=4096)
+        self.buckets = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.sum_s = 0.0
+        self.bytes_in = 0
+        self.bytes_out = 0
 
-    def summary(self) -> dict[str, float]:
+    def summary(self, histogram: bool = False) -> dict[str, Any]:
         lat = np.asarray(self.latencies, dtype=np.float64)
         p50, p99 = (np.percentile(lat, [50, 99]) * 1e3).tolist() if lat.size else (0.0, 0.0)
-        return {"count": self.count, "errors": self.errors, "p50_ms": p50, "p99_ms": p99}
+        out: dict[str, Any] = {"count": self.count, "errors": self.errors, "p50_ms": p50, "p99_ms": p99}
+        if histogram:
+            out.update(buckets=list(self.buckets), sum_s=self.sum_s, bytes_in=self.bytes_in, bytes_out=self.bytes_out)
+        return out
 
 
 class RpcServer:
@@ -195,6 +213,11 @@ class RpcServer:
         self.handlers: dict[str, tuple[Handler, ArgsDecoder]] = {}  # op -> its handler and args decoder
         self.op_stats: dict[str, OpStats] = collections.defaultdict(OpStats)
         self.rejected = 0  # malformed, unauthenticated or otherwise refused messages (and handshakes)
+        self.auth_failures = 0  # of those: refused handshakes and requests failing the secret's checks
+        # Per-op latency histograms and bytes in/out, for the Prometheus endpoint (tq.metrics): off
+        # unless metrics are exported, so a service without them pays nothing for them.
+        self.metrics = False
+        self.metrics_url: str | None = None
         self.started_at = time.time()
         self._running = False
         self._extra_sockets: dict[zmq.Socket, Callable[[list], None]] = {}
@@ -246,17 +269,24 @@ class RpcServer:
     def reply(self, call: Call, result: Any, buffers: Sequence[Any] = ()) -> None:
         frames = protocol.reply_ok(call.rid, result, buffers, self.secret)
         self.sock.send_multipart([call.identity, *frames], copy=not _zero_copy(frames))
-        self._record(call, ok=True)
+        self._record(call, frames, ok=True)
 
     def reply_error(self, call: Call, exc: BaseException) -> None:
-        self.sock.send_multipart([call.identity, *protocol.reply_error(call.rid, exc, self.secret)])
-        self._record(call, ok=False)
+        frames = protocol.reply_error(call.rid, exc, self.secret)
+        self.sock.send_multipart([call.identity, *frames])
+        self._record(call, frames, ok=False)
 
-    def _record(self, call: Call, *, ok: bool) -> None:
+    def _record(self, call: Call, frames: Sequence[Any], *, ok: bool) -> None:
         st = self.op_stats[call.op]
         st.count += 1
         st.errors += 0 if ok else 1
-        st.latencies.append(time.perf_counter() - call.started)
+        latency = time.perf_counter() - call.started
+        st.latencies.append(latency)
+        if self.metrics:  # plain ints, no lock: the loop is the only writer (a scrape reads via the stats op)
+            st.buckets[bisect.bisect_left(LATENCY_BUCKETS, latency)] += 1
+            st.sum_s += latency
+            st.bytes_in += call.nbytes
+            st.bytes_out += sum(memoryview(f).nbytes for f in frames)
 
     # -- loop
     def stop(self) -> None:
@@ -288,6 +318,7 @@ class RpcServer:
     def _on_refused_handshake(self) -> None:
         event = recv_monitor_message(self._monitor)["event"]
         self.rejected += 1
+        self.auth_failures += 1
         if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # e.g. a port probe, or a peer that saw a mismatch
             log.info("%s: a peer hung up during its handshake", self.name)
         else:
@@ -302,7 +333,7 @@ class RpcServer:
         frames = self.sock.recv_multipart(copy=False)
         started = time.perf_counter()
         identity = frames[0].bytes
-        call = Call(identity, None, "<invalid>", started)
+        call = Call(identity, None, "<invalid>", started, sum(map(len, frames[1:])) if self.metrics else 0)
         try:
             msg = protocol.decode_request(frames[1:], self.secret, max_message_bytes=self.max_message_bytes)
             call.rid = msg.rid
@@ -325,6 +356,7 @@ class RpcServer:
         except TQError as exc:
             if call.op == "<invalid>":
                 self.rejected += 1
+                self.auth_failures += isinstance(exc, AuthenticationError)
                 log.warning("%s rejected a message: %s", self.name, exc)
             self.reply_error(call, exc)
         except Exception as exc:  # a bug must not take the server down
@@ -332,11 +364,25 @@ class RpcServer:
             self.reply_error(call, exc)
 
     def server_stats(self) -> dict[str, Any]:
+        """Uptime, refused messages, per-op counts and latencies (histograms with metrics on), the
+        metrics endpoint and, for a server that journals (``self.journal``), the journal's size."""
+        journal = getattr(self, "journal", None)
         return {
             "uptime_s": time.time() - self.started_at,
             "rejected_messages": self.rejected,
-            "ops": {op: st.summary() for op, st in sorted(self.op_stats.items())},
+            "auth_failures": self.auth_failures,
+            "ops": {op: st.summary(self.metrics) for op, st in sorted(self.op_stats.items())},
+            "metrics": self.metrics,
+            "metrics_url": self.metrics_url,
+            "journal_bytes": _file_size(journal.path) if journal is not None else 0,
         }
+
+
+def _file_size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:  # closed and removed on shutdown
+        return 0
 
 
 def _zero_copy(frames: Sequence[Any]) -> bool:

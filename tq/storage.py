@@ -539,6 +539,7 @@ def run_storage_unit(
     commit_lease_s: float = DEFAULT_COMMIT_LEASE_S,
     fsync: str = "never",
     managed: bool = False,
+    metrics: bool = False,
 ) -> None:
     """Start a unit, register it with the controller at ``controller`` and serve until shut down.
 
@@ -546,10 +547,12 @@ def run_storage_unit(
     as JSON to ``ready_file`` when given, so a launcher (e.g. a Ray actor) knows it is serving.
     With ``watch_fd`` (the read end of a pipe whose write end the launcher holds) the unit also stops,
     cleaning its arena up, when that pipe reaches EOF: the launcher closed it or died, however it died.
+    With ``metrics`` it records latency histograms and bytes per op for the controller's metrics endpoint.
     """
     unit = StorageUnit(unit_id, bind, capacity=capacity, shm_dir=shm_dir, secret=secret,
                        max_message_bytes=max_message_bytes, recover_arena=recover_arena, orphan_timeout_s=orphan_timeout_s,
                        commit_lease_s=commit_lease_s, fsync=fsync, managed=managed)
+    unit.metrics = metrics
     served = threading.Event()
     if watch_fd is not None:
         def watch() -> None:
@@ -606,6 +609,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="seconds a stored block waits for its commit before the controller is asked to resolve it")
     p.add_argument("--fsync", choices=("never", "always", "interval"), default="never", help="journal fsync policy")
     p.add_argument("--managed", action="store_true", help="started by the controller, which restarts it on its arena if it dies")
+    p.add_argument("--metrics", action="store_true",
+                   help="record latency histograms and bytes per op (for the controller's --metrics-port endpoint)")
     a = p.parse_args(argv)
     secret = os.environ.get("TQ_SECRET")
     logging.basicConfig(level=os.environ.get("TQ_LOG_LEVEL", "WARNING"))
@@ -613,7 +618,7 @@ def main(argv: list[str] | None = None) -> None:
         a.unit_id, a.bind, a.controller, capacity=a.capacity, shm_dir=a.shm_dir,
         secret=secret.encode() if secret else None, max_message_bytes=a.max_message_bytes, ready_file=a.ready_file,
         watch_fd=a.watch_fd, recover_arena=a.recover_arena, rejoin=a.rejoin, orphan_timeout_s=a.orphan_timeout,
-        commit_lease_s=a.commit_lease, fsync=a.fsync, managed=a.managed,
+        commit_lease_s=a.commit_lease, fsync=a.fsync, managed=a.managed, metrics=a.metrics,
     )
 
 

@@ -1,0 +1,152 @@
+"""The Prometheus endpoint (tq/metrics.py): a real controller started with ``--metrics-port``, real
+operations, a scrape over HTTP parsed with prometheus_client's own parser, names and values checked
+against what the test did; and deploy/'s dashboard and scrape config checked against a live scrape."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+import torch
+
+from conftest import wait_until
+from tq import TQClient, launch
+from tq.errors import AuthenticationError
+from tq.metrics import METRICS, exported_names, families
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SECRET = "metrics-test-secret"
+N_PUTS, KEYS_PER_PUT, ROW_BYTES, N_GETS = 5, 4, 100, 3
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    """``python -m tq.controller --metrics-port 0`` with one storage unit and a secret: (address, metrics URL)."""
+    ready = launch.new_ready_file("tq-metrics-test-")
+    cmd = launch.controller_command(host="127.0.0.1", port=0, storage_units=1, capacity=32 << 20, shm_dir="/dev/shm",
+                                    ready_file=ready, metrics_port=0)
+    proc = subprocess.Popen(cmd, env=launch.service_env(SECRET), stdout=subprocess.DEVNULL)
+    try:
+        info = launch.await_ready_file(ready, alive=lambda: proc.poll() is None, timeout=60, what="the TQ controller")
+        yield info["address"], info["metrics_url"]
+    finally:
+        launch.stop_process(proc, 15.0, tree=True)
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset], float]:
+    """``(sample name, its labels) -> value`` of one scrape, parsed by prometheus_client's parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples[(name, frozenset(labels.items()))]
+
+
+def test_scrape_reports_what_the_test_did(service):
+    address, url = service
+    row_bytes = KEYS_PER_PUT * ROW_BYTES
+    with TQClient(address, secret=SECRET, transport="tcp") as client:  # tcp: every byte goes through the unit's ops
+        client.register_partition("m", reuse=True)  # the dashboard test may have made it
+        metas = [client.put("m", [f"k{i}-{j}" for j in range(KEYS_PER_PUT)],
+                            {"x": torch.full((KEYS_PER_PUT, ROW_BYTES), i, dtype=torch.uint8)}) for i in range(N_PUTS)]
+        for i in range(N_GETS):
+            assert int(client.get(metas[i], ["x"])["x"][0, 0]) == i
+    with pytest.raises(AuthenticationError):  # no secret: refused at the handshake
+        TQClient(address, timeout=5.0)
+
+    assert wait_until(lambda: value(scrape(url), "tq_auth_failures_total", server="controller") >= 1, timeout=10)
+    s = scrape(url)
+    ctl, unit = {"server": "controller"}, {"server": "unit-0"}
+    assert value(s, "tq_auth_failures_total", **ctl) == 1
+    assert value(s, "tq_rejected_messages_total", **ctl) == 1
+    assert value(s, "tq_auth_failures_total", **unit) == 0
+    # op counts, errors and latency histograms, by server and op
+    for server, op, n in (("controller", "commit", N_PUTS), ("controller", "locate", N_GETS), ("controller", "create_partition", 1),
+                          ("unit-0", "store", N_PUTS), ("unit-0", "fetch", N_GETS)):
+        assert value(s, "tq_op_requests_total", server=server, op=op) == n, (server, op)
+        assert value(s, "tq_op_errors_total", server=server, op=op) == 0
+        assert value(s, "tq_op_latency_seconds_count", server=server, op=op) == n
+        buckets = sorted(((float(dict(lb)["le"]), v) for (name, lb), v in s.items()
+                          if name == "tq_op_latency_seconds_bucket" and dict(lb)["server"] == server and dict(lb)["op"] == op))
+        assert [v for _, v in buckets] == sorted(v for _, v in buckets) and buckets[-1] == (float("inf"), n)
+        assert 0 < value(s, "tq_op_latency_seconds_sum", server=server, op=op) < 10 * n
+    # bytes: the column bytes went in as store frames and out as fetch frames (plus headers)
+    assert N_PUTS * row_bytes < value(s, "tq_op_received_bytes_total", server="unit-0", op="store") < N_PUTS * (row_bytes + 4096)
+    assert N_GETS * row_bytes < value(s, "tq_op_sent_bytes_total", server="unit-0", op="fetch") < N_GETS * (row_bytes + 4096)
+    assert value(s, "tq_committed_bytes_total") == N_PUTS * row_bytes
+    assert value(s, "tq_read_bytes_total", unit="0") == N_GETS * row_bytes
+    assert value(s, "tq_unit_stored_bytes_total", unit="0") == N_PUTS * row_bytes
+    assert value(s, "tq_unit_served_bytes_total", unit="0") == N_GETS * row_bytes
+    # what the service holds
+    assert value(s, "tq_partitions") == 1
+    assert value(s, "tq_partition_keys", partition="m") == N_PUTS * KEYS_PER_PUT
+    assert value(s, "tq_partition_bytes", partition="m") == N_PUTS * row_bytes
+    assert value(s, "tq_unit_live_bytes", unit="0") == N_PUTS * row_bytes
+    assert value(s, "tq_unit_blocks", unit="0") == N_PUTS
+    assert value(s, "tq_unit_capacity_bytes", unit="0") == 32 << 20
+    assert N_PUTS * row_bytes <= value(s, "tq_unit_used_bytes", unit="0") <= 32 << 20
+    assert value(s, "tq_units") == 1 and value(s, "tq_unit_up", unit="0") == 1
+    assert value(s, "tq_parked_waits") == 0
+    assert value(s, "tq_journal_bytes", **ctl) == 0 and value(s, "tq_journal_bytes", **unit) > 0  # no --journal-dir
+    # nothing exported that the module does not declare (the dashboard test relies on the list)
+    assert {name for name, _ in s} <= exported_names()
+
+
+def test_dashboard_and_scrape_config_use_exported_names(service):
+    """Every metric an expression of deploy/grafana/tq-dashboard.json names is in a live scrape."""
+    import yaml
+
+    address, url = service
+    with TQClient(address, secret=SECRET) as client:  # at least one sample of every op the panels read
+        client.register_partition("m", reuse=True)
+    live = {name for name, _ in scrape(url)}
+    with open(os.path.join(REPO, "deploy", "grafana", "tq-dashboard.json")) as f:
+        dashboard = json.load(f)
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    exprs += [v["query"]["query"] if isinstance(v.get("query"), dict) else v.get("query", "")
+              for v in dashboard.get("templating", {}).get("list", []) if v.get("type") == "query"]
+    assert len(exprs) >= 10
+    used = {m for e in exprs for m in re.findall(r"\b(?:tq|process)_[a-z0-9_]+\b", e)}
+    assert used and used <= live, f"not exported: {sorted(used - live)}"
+    assert {n.removesuffix("_bucket") for n in used if n.endswith("_bucket")} == {"tq_op_latency_seconds"}
+    with open(os.path.join(REPO, "deploy", "prometheus.yml")) as f:
+        config = yaml.safe_load(f)
+    job = next(j for j in config["scrape_configs"] if j["job_name"] == "tq")
+    assert job.get("metrics_path", "/metrics") == "/metrics" and job["static_configs"][0]["targets"]
+
+
+def test_a_unit_that_is_down_is_reported_down_not_dropped():
+    """families() of a service whose unit 1 did not answer: up 0, its capacity still known."""
+    stats = {"ops": {}, "partitions": [], "units": [{"unit_id": 0, "arena_size": 10}, {"unit_id": 1, "arena_size": 20}],
+             "unit_stats": [{"unit_id": 0, "ops": {}, "bytes_used": 5}, {"unit_id": 1, "arena_size": 20}]}
+    got = {(s.name, tuple(s.labels.values())): s.value for f in families(stats) for s in f.samples}
+    assert got[("tq_unit_up", ("0",))] == 1 and got[("tq_unit_up", ("1",))] == 0
+    assert got[("tq_unit_capacity_bytes", ("1",))] == 20 and ("tq_unit_used_bytes", ("1",)) not in got
+    assert got[("tq_units", ())] == 2
+    assert set(METRICS) >= {f.name + ("_total" if f.type == "counter" else "") for f in families(stats)}
+
+
+@pytest.mark.parametrize("how", ["--metrics-port", "TQ_METRICS_PORT"])
+def test_metrics_port_in_use_fails_fast_naming_it(how):
+    """The flag, or the environment variable a program's embedded TQServer passes on."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        flag = ["--metrics-port", str(port)] if how == "--metrics-port" else []
+        env = {**launch.service_env(None), **({"TQ_METRICS_PORT": str(port)} if not flag else {})}
+        r = subprocess.run([sys.executable, "-m", "tq.controller", "--storage-units", "0", *flag],
+                           env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and f"cannot serve metrics on 127.0.0.1:{port}" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr

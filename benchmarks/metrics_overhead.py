@@ -1,8 +1,8 @@
 """What the Prometheus metrics cost: benchmarks/tq_throughput.py's control table (its own function,
 ``bench_control_ops``: p50/p99 of 1-key puts and gets, waits, get_meta ...) against a service started
 without metrics and one started with them (``TQ_METRICS_PORT``, which the table's embedded TQServer
-passes on as ``--metrics-port``: histograms and bytes recorded per op, the endpoint scraped every second,
-15x Prometheus' default rate), in one run. The two take turns ``--rounds`` times in A-B-B-A order, so a
+passes on as ``--metrics-port``: histograms and bytes recorded per op, the endpoint scraped every second
+by another process, 15x Prometheus' default rate), in one run. The two take turns ``--rounds`` times in A-B-B-A order, so a
 slow phase of a shared machine does not land on one of them; each op's p50/p99 is the median over rounds.
 
     python -m benchmarks.metrics_overhead                 # --control-iters 2000, 4 rounds
@@ -19,9 +19,8 @@ import os
 import platform
 import socket
 import statistics
-import threading
-import urllib.error
-import urllib.request
+import subprocess
+import sys
 from typing import Any
 
 from benchmarks.outputs import add_output_args, code_version, cpu_model, open_run
@@ -37,27 +36,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# The scraper is a process of its own, as Prometheus is: it must not compete with the timed client for its GIL.
+_SCRAPER = """
+import signal, sys, time, urllib.error, urllib.request
+url, every, n = sys.argv[1], float(sys.argv[2]), 0
+signal.signal(signal.SIGTERM, lambda *_: (print(n, flush=True), sys.exit(0)))
+while True:
+    time.sleep(every)
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            n += b"tq_op_latency_seconds_bucket" in r.read()
+    except (urllib.error.URLError, ConnectionError):  # the table's service is not up yet, or gone
+        pass
+"""
+
+
 class Scraper:
-    """Scrapes ``url`` every SCRAPE_EVERY_S from a thread, counting the scrapes that returned TQ metrics."""
+    """Scrapes ``url`` every SCRAPE_EVERY_S from another process; ``stop`` returns how many scrapes
+    returned TQ metrics."""
 
     def __init__(self, url: str) -> None:
-        self.url, self.scrapes = url, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(SCRAPE_EVERY_S):
-            try:
-                with urllib.request.urlopen(self.url, timeout=10) as r:
-                    self.scrapes += b"tq_op_latency_seconds_bucket" in r.read()
-            except (urllib.error.URLError, ConnectionError):  # the service of the table is not up (yet, any more)
-                pass
+        self.proc = subprocess.Popen([sys.executable, "-c", _SCRAPER, url, str(SCRAPE_EVERY_S)], stdout=subprocess.PIPE, text=True)
 
     def stop(self) -> int:
-        self._stop.set()
-        self._thread.join(15)
-        return self.scrapes
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        out, _ = self.proc.communicate(timeout=30)
+        return int(out.strip() or 0)
 
 
 def run_table(metrics: bool, iters: int) -> tuple[dict[str, dict[str, float]], int]:
@@ -69,10 +74,11 @@ def run_table(metrics: bool, iters: int) -> tuple[dict[str, dict[str, float]], i
     os.environ["TQ_METRICS_PORT"] = str(port)
     scraper = Scraper(f"http://127.0.0.1:{port}/metrics")
     try:
-        return bench_control_ops(iters), scraper.stop()
+        table = bench_control_ops(iters)
     finally:
-        scraper.stop()
+        scrapes = scraper.stop()
         os.environ.pop("TQ_METRICS_PORT", None)
+    return table, scrapes
 
 
 def main() -> None:

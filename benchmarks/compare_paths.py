@@ -28,7 +28,7 @@ fetch seconds. The first step of each run is warm-up and left out of the medians
 
 ``--quick`` runs the 8x batch pair only; ``--points`` / ``--custom-points`` pick points;
 ``--from-json`` re-renders the reports of an earlier run. ``--gpu`` needs CUDA (it stops with an error
-naming it otherwise) and uses ``benchmarks.policy_gpu_check.MODEL_113M`` with one DP rank per GPU.
+naming it otherwise) and uses ``common.models.MODEL_113M`` with one DP rank per GPU.
 
 Each run writes a fresh ``logs/compare_paths[_real]/<timestamp>/`` (or ``--run-dir``): ``<name>.json``
 (everything, per step), ``<name>.md`` (tables and target checks), ``<name>.log`` (every trainer's
@@ -136,7 +136,7 @@ def unique_points(sweeps: dict[str, list[Point]]) -> list[Point]:
 
 def overrides(point: Point, mode: str, steps: int, log_dir: str, gpu: bool) -> list[str]:
     """Trainer config overrides (on the offline default) for one sweep point."""
-    from benchmarks.policy_gpu_check import MODEL_113M
+    from common.models import MODEL_113M
 
     n, L = point.batch, point.response_len
     positions = 1 << max(10, (PROMPT_TOKENS + L - 1).bit_length())
@@ -576,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     out = open_run(run_name(a.mode), a.run_dir)
     log_path = out.path(".log")
     open(log_path, "w").close()
-    model = "113M-parameter decoder (benchmarks.policy_gpu_check.MODEL_113M), bf16" if a.gpu else "tiny-random (2 layers, 64 wide), float32"
+    model = "113M-parameter decoder (common.models.MODEL_113M), bf16" if a.gpu else "tiny-random (2 layers, 64 wide), float32"
     print(f"compare_paths: mode={a.mode}{' (quick)' if a.quick else ''}{' gpu' if a.gpu else ''}, {len(points)} points x 2 paths, "
           f"{steps} steps each; run logs in {log_path}", flush=True)
 

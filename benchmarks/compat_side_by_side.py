@@ -116,11 +116,11 @@ def summarize(results: dict[str, dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--samples", type=int, default=512)
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--json", help="also write the raw timings here")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.compat_side_by_side", description=__doc__.split("\n", 1)[0])
+    p.add_argument("--samples", type=int, default=512, help="keys (samples) per step (default 512)")
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per sample of each tensor field (default 1024)")
+    p.add_argument("--steps", type=int, default=5, help="steps per implementation; the first is reported apart as the cold one (default 5)")
+    p.add_argument("--json", metavar="FILE", help="also write the raw timings to FILE (default: none)")
     a = p.parse_args(argv)
     print(f"{a.samples} samples x {a.seq_len} tokens, {a.steps} steps, {platform.node()} ({platform.processor() or platform.machine()})")
     results = {"tq.compat": bench_compat(a.samples, a.seq_len, a.steps)}

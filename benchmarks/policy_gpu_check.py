@@ -21,12 +21,7 @@ import time
 import torch
 
 from benchmarks.outputs import add_output_args, open_run
-# The ~113M-parameter decoder both GPU benchmarks use: the built-in tiny Qwen2 config scaled up
-# (``policy.tiny_overrides`` / ``generation.tiny_overrides``; random init, character vocabulary).
-MODEL_113M = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-                  num_key_value_heads=12, max_position_embeddings=4096)
-
-
+from common.models import MODEL_113M
 def build_parser() -> argparse.ArgumentParser:
     """The command line (every option with its help)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -44,6 +43,7 @@ import msgpack
 import numpy as np
 
 from benchmarks.outputs import add_output_args, open_run
+from tq.testing import digest, rows_of
 
 MiB = 1 << 20
 SHARED = "soak-shared"
@@ -61,33 +61,6 @@ RSS_GROWTH_LIMIT = 64 * MiB  # controller RSS after the final clear vs. after wa
 
 
 # ----------------------------------------------------------------------------- checksums
-def digest(value: Any) -> str:
-    """sha256 of one sample's value: dtype, shape and raw bytes of a tensor; msgpack of an object."""
-    import torch
-
-    h = hashlib.sha256()
-    if isinstance(value, torch.Tensor):
-        t = value.detach().contiguous()
-        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        if t.numel():
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    else:
-        h.update(msgpack.packb(value, use_bin_type=True))
-    return h.hexdigest()
-
-
-def rows_of(column: Any) -> list[Any]:
-    """Per-sample values of a column as given to put or returned by ``get`` (a list, a JaggedTensor or
-    a tensor whose first dim is the sample)."""
-    from tq import JaggedTensor
-
-    if isinstance(column, (list, tuple)):
-        return list(column)
-    if isinstance(column, JaggedTensor):
-        return column.unbind()
-    return [column[i] for i in range(column.shape[0])]
-
-
 def compare_rows(got: dict[str, Any], layout: str, want: dict[str, list[str]], lengths: list[int]
                  ) -> tuple[int, list[tuple[str, int | None, str]]]:
     """Check a get's result row by row against the digests of what was written (``want[field][j]``

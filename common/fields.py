@@ -14,6 +14,8 @@ padded to a common length):
 - ``advantages``: float32 scalar - written by the driver; workers broadcast it over the tokens.
 """
 
+from typing import Any
+
 DP_TRAIN_FIELDS = (
     "input_ids",
     "input_lengths",
@@ -33,3 +35,15 @@ PER_SAMPLE_REDUCTION_FIELDS = ("seq_logprob_error", "seq_mult_prob_error", "num_
 
 # Token-aligned (jagged) columns: bulk data the TQ driver must not read.
 TOKEN_FIELDS = ("input_ids", "generation_logprobs", "token_mask", "prev_logprobs", "reference_policy_logprobs")
+
+
+def tensor_nbytes(obj: Any) -> int:
+    """Bytes of the tensors and arrays in ``obj`` (itself, the values of a mapping, the items of a list
+    or tuple, nested; a jagged column is a list of tensors): a sum of ``nbytes``, no serialization,
+    so cheap enough to count every data-plane call. Anything else (objects, strings) counts 0."""
+    if isinstance(obj, dict):
+        return sum(tensor_nbytes(v) for v in obj.values())
+    if isinstance(obj, (tuple, list)):
+        return sum(tensor_nbytes(v) for v in obj) if obj and not isinstance(obj[0], (str, int, float)) else 0
+    n = getattr(obj, "nbytes", None)  # torch.Tensor and np.ndarray
+    return int(n) if isinstance(n, int) else 0

@@ -22,6 +22,10 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# The built-in tiny config scaled to about 113M parameters (``tiny_overrides`` of a policy/generation
+# config): the model of the GPU benchmarks, random init with the character vocabulary.
+MODEL_113M = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                  num_key_value_heads=12, max_position_embeddings=4096)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -22,20 +22,20 @@ class _Strict(BaseModel):
 class DynamicBatchingConfig(_Strict):
     """Micro-batches cut to a padded-token budget (``samples * longest`` per micro-batch)."""
 
-    enabled: bool = False
-    train_mb_tokens: int | None = Field(None, gt=0)
-    logprob_mb_tokens: int | None = Field(None, gt=0)
-    sequence_length_round: int = Field(1, ge=1)
+    enabled: bool = Field(False, description="Cut micro-batches to a padded-token budget instead of a sample count.")
+    train_mb_tokens: int | None = Field(None, gt=0, description="Padded tokens per training micro-batch (required when enabled)")
+    logprob_mb_tokens: int | None = Field(None, gt=0, description="Padded tokens per log-prob micro-batch (required when enabled)")
+    sequence_length_round: int = Field(1, ge=1, description="Round each micro-batch's padded length up to a multiple of this.")
 
 
 class SequencePackingConfig(_Strict):
     """Sequences packed into one row per micro-batch, first-fit-decreasing up to a token budget."""
 
-    enabled: bool = False
-    train_mb_tokens: int | None = Field(None, gt=0)
-    logprob_mb_tokens: int | None = Field(None, gt=0)
-    algorithm: Literal["first_fit_decreasing"] = "first_fit_decreasing"
-    sequence_length_round: int = Field(1, ge=1)
+    enabled: bool = Field(False, description="Pack sequences into one row per micro-batch instead of padding them.")
+    train_mb_tokens: int | None = Field(None, gt=0, description="Tokens per packed training micro-batch (required when enabled)")
+    logprob_mb_tokens: int | None = Field(None, gt=0, description="Tokens per packed log-prob micro-batch (required when enabled)")
+    algorithm: Literal["first_fit_decreasing"] = Field("first_fit_decreasing", description="Bin-packing algorithm.")
+    sequence_length_round: int = Field(1, ge=1, description="Round each sequence's length up to a multiple of this.")
 
 
 class PolicyConfig(_Strict):
@@ -46,40 +46,38 @@ class PolicyConfig(_Strict):
     neither dynamic batching nor sequence packing is on (those use token budgets instead).
     """
 
-    model_name: str = TINY_MODEL
-    tokenizer_name: str | None = None  # default: model_name
-    dtype: Literal[tuple(DTYPES)] = "float32"  # type: ignore[valid-type]  # compute dtype (weights stay float32)
-    tiny_overrides: dict[str, Any] | None = None  # config overrides of the built-in tiny model
+    model_name: str = Field(TINY_MODEL, description="Hugging Face model name or local checkpoint path; tiny-random: the built-in 2-layer model (no download)")
+    tokenizer_name: str | None = Field(None, description="Tokenizer (null: model_name).")
+    dtype: Literal[tuple(DTYPES)] = Field("float32", description="Compute dtype (weights stay float32).")  # type: ignore[valid-type]
+    tiny_overrides: dict[str, Any] | None = Field(None, description="Config overrides of the built-in tiny model.")
 
-    dp_size: int = Field(1, ge=1)
-    seed: int = 0
+    dp_size: int = Field(1, ge=1, description="Data-parallel policy workers (Ray actors)")
+    seed: int = Field(0, description="Seed of the workers' sampling-free randomness (e.g. dropout)")
 
-    learning_rate: float = Field(1e-5, gt=0.0)
-    weight_decay: float = Field(0.01, ge=0.0)
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = Field(1e-8, gt=0.0)
-    warmup_steps: int = Field(0, ge=0)
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    max_steps: int | None = Field(None, gt=0)  # optimizer steps; the cosine schedule's horizon
-    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
-    max_grad_norm: float | None = Field(1.0, gt=0.0)
+    learning_rate: float = Field(1e-5, gt=0.0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.01, ge=0.0, description="AdamW weight decay.")
+    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    adam_eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon.")
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear learning-rate warm-up.")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Learning-rate schedule after warm-up.")
+    max_steps: int | None = Field(None, gt=0, description="Optimizer steps; the cosine schedule's horizon.")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="The cosine schedule's final learning rate, as a fraction of learning_rate.")
+    max_grad_norm: float | None = Field(1.0, gt=0.0, description="Clip the gradient norm to this (null: no clipping)")
 
-    train_global_batch_size: int = Field(32, ge=1)
-    train_micro_batch_size: int = Field(4, ge=1)
-    logprob_batch_size: int = Field(8, ge=1)
+    train_global_batch_size: int = Field(32, ge=1, description="Samples per optimizer step, across all DP ranks.")
+    train_micro_batch_size: int = Field(4, ge=1, description="Samples per training forward/backward on one rank.")
+    logprob_batch_size: int = Field(8, ge=1, description="Samples per log-prob forward on one rank.")
     dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
     sequence_packing: SequencePackingConfig = Field(default_factory=SequencePackingConfig)
 
-    reference_model_on_cpu: bool = True
-    # Deterministic kernels (torch.use_deterministic_algorithms): on CUDA, atomics in backward passes
-    # otherwise make two identical training steps differ in the last bits. Slower; CPU is deterministic anyway.
-    deterministic: bool = False
-    num_cpus_per_worker: float = Field(0.5, ge=0.0)
-    num_gpus_per_worker: float = Field(0.0, ge=0.0)
-    torch_num_threads: int | None = Field(None, ge=1)  # default: max(1, int(num_cpus_per_worker))
-    dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
-    dist_timeout_s: float = Field(300.0, gt=0.0)
-    ray_timeout_s: float = Field(600.0, gt=0.0)  # bound on every wait for a worker call
+    reference_model_on_cpu: bool = Field(True, description="Keep the frozen reference model (KL penalty) in CPU memory.")
+    deterministic: bool = Field(False, description="Deterministic kernels (torch.use_deterministic_algorithms): on CUDA, atomics in backward passes otherwise make two identical training steps differ in the last bits. Slower; CPU is deterministic anyway.")
+    num_cpus_per_worker: float = Field(0.5, ge=0.0, description="Logical CPUs Ray reserves per policy worker.")
+    num_gpus_per_worker: float = Field(0.0, ge=0.0, description="GPUs per policy worker (0: CPU training)")
+    torch_num_threads: int | None = Field(None, ge=1, description="torch threads per worker (null: max(1, int(num_cpus_per_worker))).")
+    dist_backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend (auto: NCCL on GPU, gloo on CPU)")
+    dist_timeout_s: float = Field(300.0, gt=0.0, description="Timeout of the workers' collectives.")
+    ray_timeout_s: float = Field(600.0, gt=0.0, description="Bound (s) on every wait for a worker call.")
 
     @model_validator(mode="before")
     @classmethod

@@ -8,6 +8,10 @@ the pickled bytes of every argument sent and result fetched (it re-pickles them 
 driver time), the seconds spent sending, fetching and in the driver's own TQ calls, and a ``sent_at``
 stamp on every DP worker call so that each rank can time its shard's arrival. None of that runs unless
 asked for, as NeMo-RL wraps its data-plane client in a metrics client only when observability is on.
+
+Always on, because it is cheap (a ``perf_counter`` pair per TQ call and the ``nbytes`` of the tensors
+passed, no pickling): the driver's seconds in its own TQ calls and the tensor bytes they write and
+read (:meth:`ActorCalls.pop_dataplane`), which the TQ trainers log as ``dataplane/*`` every step.
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from common.fields import tensor_nbytes
+
 __all__ = ["ActorCalls", "DriverTraffic", "payload_nbytes"]
+
 
 
 def _tensor_stub(shape: tuple[int, ...], dtype: str) -> None:  # pragma: no cover - never unpickled
@@ -79,7 +86,15 @@ def payload_nbytes(obj: Any) -> int:
 
 
 class ActorCalls:
-    """Sends actor calls and fetches their results, bounded, naming an actor's death; counts nothing."""
+    """Sends actor calls and fetches their results, bounded, naming an actor's death; counts only the
+    driver's own TQ calls, cheaply (:meth:`pop_dataplane`)."""
+
+    _dataplane: dict[str, float] | None = None
+
+    def _dp(self) -> dict[str, float]:
+        if self._dataplane is None:
+            self._dataplane = defaultdict(float)
+        return self._dataplane
 
     def send(self, method: Any, *args: Any, **kwargs: Any) -> Any:
         """``method.remote(*args, **kwargs)`` (an actor method)."""
@@ -127,11 +142,26 @@ class ActorCalls:
 
     @contextlib.contextmanager
     def driver_tq(self, sent: Any = None) -> Iterator[None]:
-        """Wraps one of the driver's own TQ calls (sending ``sent``); :class:`DriverTraffic` times it."""
-        yield
+        """Wraps one of the driver's own TQ calls (sending ``sent``): its seconds and the tensor bytes
+        of ``sent`` go to :meth:`pop_dataplane`."""
+        dp = self._dp()
+        dp["bytes_written"] += tensor_nbytes(sent)
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            dp["seconds"] += time.perf_counter() - t
 
     def received(self, obj: Any) -> None:
-        """The driver received ``obj`` from a TQ read (counted by :class:`DriverTraffic`)."""
+        """The driver received ``obj`` from a TQ read: its tensor bytes go to :meth:`pop_dataplane`."""
+        self._dp()["bytes_read"] += tensor_nbytes(obj)
+
+    def pop_dataplane(self) -> dict[str, float]:
+        """The driver's TQ calls since the last pop, then reset: ``seconds`` in them, ``bytes_written``
+        and ``bytes_read`` (tensor bytes; keys, tags and metas not counted)."""
+        out = {k: float(self._dp().get(k, 0.0)) for k in ("seconds", "bytes_written", "bytes_read")}
+        self._dataplane = None
+        return out
 
     @property
     def instrumented(self) -> bool:
@@ -189,11 +219,13 @@ class DriverTraffic(ActorCalls):
             self.bytes_sent += payload_nbytes(sent)
         t = time.perf_counter()
         try:
-            yield
+            with super().driver_tq(sent):
+                yield
         finally:
             self.timing["driver_tq_s"] += time.perf_counter() - t
 
     def received(self, obj: Any) -> None:
+        super().received(obj)
         self.bytes_received += payload_nbytes(obj)
 
     @property

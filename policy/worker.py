@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from common.batched_data_dict import BatchedDataDict
-from common.fields import LP_SEED_FIELDS, REDUCTION_INPUT_FIELDS
+from common.fields import LP_SEED_FIELDS, REDUCTION_INPUT_FIELDS, tensor_nbytes
 from common.models import DTYPES, load_model, load_tokenizer
 from tq.connection import TQConnection
 from tq.meta import KVBatchMeta
@@ -145,9 +145,11 @@ class DPPolicyWorker:
         """This rank's seconds since the last call, then reset: ``fetch_s`` (getting its shards: Ray
         delivering the call's arguments on the legacy path, TQ gets on the TQ path), ``dispatch_s``
         (every call's arrival), ``tq_get_s``, ``write_back_s`` (TQ), ``compute_s`` (forward, backward
-        and optimizer passes and reductions, collectives included) and ``calls``."""
+        and optimizer passes and reductions, collectives included), ``calls``, and the tensor bytes
+        of the TQ gets (as delivered: padded) and write-backs, ``tq_get_bytes`` / ``write_back_bytes``."""
         t, self._timings = self._timings, defaultdict(float)
-        out = {k: float(t.get(k, 0.0)) for k in ("fetch_s", "dispatch_s", "tq_get_s", "write_back_s", "compute_s", "calls")}
+        out = {k: float(t.get(k, 0.0)) for k in ("fetch_s", "dispatch_s", "tq_get_s", "write_back_s", "compute_s", "calls",
+                                                 "tq_get_bytes", "write_back_bytes")}
         out["rank"] = self.rank
         return out
 
@@ -287,12 +289,14 @@ class DPPolicyWorker:
         waited = time.perf_counter() - t
         self._timings["tq_get_s"] += waited
         self._timings["fetch_s"] += waited
+        self._timings["tq_get_bytes"] += tensor_nbytes(cols)
         return BatchedDataDict(cols)
 
     def _write_back(self, meta: KVBatchMeta, columns: Mapping[str, Any]) -> None:
         t = time.perf_counter()
         self._client().write_back(meta, columns)
         self._timings["write_back_s"] += time.perf_counter() - t
+        self._timings["write_back_bytes"] += tensor_nbytes(columns)
 
     def get_logprobs_from_meta(self, meta: KVBatchMeta, reference: bool = False,
                                output_field: str | None = None, sent_at: float | None = None,

@@ -23,6 +23,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from common.batched_data_dict import BatchedDataDict
+from common.fields import tensor_nbytes
 from tq.connection import TQConnection
 
 from .builders import (
@@ -286,6 +287,7 @@ class SyncRolloutImpl:
             self._ensure_partition(client, partition_id)
             meta = client.put(partition_id, carry["keys"], columns, tags=tags)
         rollout_metrics["tq_put_seconds"] = time.perf_counter() - t_put
+        rollout_metrics["tq_put_bytes"] = float(tensor_nbytes(columns))  # the message_log object column not counted
         return meta, carry, rollout_metrics, generation_metrics
 
     def _ensure_partition(self, client: Any, partition_id: str) -> None:

@@ -29,9 +29,8 @@ FORBIDDEN = {
 }
 
 # A test imports a benchmark module only to test that benchmark: its file name shares a word with the
-# module's (test_chaos.py -> benchmarks.tq_chaos). Known exceptions, each for its owner to remove (the
-# shared helper or constant moves to tests/conftest.py or next to the code it describes):
-KNOWN_EXCEPTIONS = {("test_fuzz.py", "tq_soak"), ("test_compare_paths.py", "policy_gpu_check")}
+# module's (test_chaos.py -> benchmarks.tq_chaos). A helper both need lives in the package it describes
+# (e.g. ``tq.testing``) or in tests/conftest.py.
 _NOT_A_TOPIC = {"test", "bench", "tq", "py"}
 
 
@@ -88,8 +87,7 @@ def test_tests_import_no_other_test_module_and_no_benchmark_they_do_not_test():
         for bench in sorted(benches - tested):
             if bench == "outputs" and tested:  # the benchmarks' run-directory helper, tested with them
                 continue
-            if (path.name, bench) not in KNOWN_EXCEPTIONS:
-                bad.append((path.name, f"benchmarks.{bench}"))
+            bad.append((path.name, f"benchmarks.{bench}"))
     assert not bad, f"tests importing other test modules or benchmarks they do not test (use tests/conftest.py): {bad}"
 
 

@@ -55,6 +55,13 @@ def test_async_run_staleness_empty_store_and_resume(tmp_path):
     assert step == 2 and len(history) == 2
     assert all(0 <= h["async/trajectory_age_max"] <= AGE for h in history)
     assert history[0]["async/trajectory_age_max"] == 0  # step 0 can only come from the initial weights
+    for h in history:  # the staleness histogram: every consumed sample counted at its policy-version lag
+        counts = h["async/trajectory_age_counts"]
+        assert len(counts) == AGE + 1 and sum(counts) == 16
+        assert max(a for a, n in enumerate(counts) if n) == h["async/trajectory_age_max"]
+        assert 0 < h["dataplane/frac_of_step"] < 1 and h["dataplane/bytes_read"] > 0 and h["dataplane/bytes_written"] > 0
+    rows = [json.loads(line) for line in next((tmp_path / "logs").glob("*/metrics.jsonl")).read_text().splitlines()]
+    assert [r["async/trajectory_age_counts"] for r in rows if r["split"] == "train"] == [h["async/trajectory_age_counts"] for h in history]
     assert all(n == 0 for n in held.values()), held  # consumed keys freed, generated-ahead ones too
 
     ck = latest_checkpoint(tmp_path / "ckpt")

@@ -128,8 +128,7 @@ def test_check_targets_passes_and_fails_as_the_numbers_say():
 
 # ----------------------------------------------------------------------------- GPU preset
 def test_gpu_preset_builds_a_valid_config_of_a_100m_model_and_fails_clearly_without_cuda(tmp_path, capsys):
-    from benchmarks.policy_gpu_check import MODEL_113M
-    from common.models import build_tiny_tokenizer, tiny_config
+    from common.models import MODEL_113M, build_tiny_tokenizer, tiny_config
     from trainer.config import parse_cli
 
     for mode in ("synthetic", "real"):

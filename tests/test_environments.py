@@ -16,6 +16,7 @@ from rollout.environments import (
     TwoTurnGuessEnvironment,
     builtin_task_dataset,
     builtin_task_processor_config,
+    builtin_task_split,
     builtin_task_table,
     make_environment,
     reward_metrics,
@@ -140,6 +141,31 @@ def test_builtin_task_has_prompt_dependent_answers():
         counts[r["prompt"]] = counts.get(r["prompt"], 0) + 1
         assert r["task_name"] == BUILTIN_TASK_NAME and dict(table)[r["prompt"]] == r["ground_truth"]
     assert len(counts) == 25 and max(counts.values()) - min(counts.values()) <= 1  # balanced
+
+
+def test_builtin_task_held_out_pairs_are_never_trained_on():
+    """The split is disjoint and covers the table; every held-out a+b= has its mirror b+a= in training,
+    and every answer is still trained on, so the held-out accuracy measures generalisation."""
+    train, held = builtin_task_split()
+    assert len(held) == 5 and not {p for p, _ in train} & {p for p, _ in held}
+    assert sorted(train + held) == sorted(builtin_task_table())
+    assert all(f"{p[2]}+{p[0]}=" in dict(train) for p, _ in held)
+    assert {a for _, a in held} <= {a for _, a in train}
+    trained = {r["prompt"] for r in builtin_task_dataset(200, seed=3, split="train")}
+    assert trained == {p for p, _ in train}
+    assert {r["prompt"] for r in builtin_task_dataset(5, seed=3, split="held_out")} == {p for p, _ in held}
+    with pytest.raises(ValueError, match="held_out must be in 0..10"):
+        builtin_task_split(held_out=11)
+
+
+def test_trainer_validation_set_is_disjoint_from_training():
+    from trainer.common import build_datasets
+    from trainer.config import parse_cli
+
+    train, val = build_datasets(parse_cli(["grpo.val_period=10", "grpo.max_val_samples=25"]))
+    trained = {train.records[i]["prompt"] for i in range(len(train))}
+    validated = {val.records[i]["prompt"] for i in range(len(val))}
+    assert len(val) == 5 and validated and not trained & validated
 
 
 def test_builtin_task_records_process_into_short_prompts():

@@ -42,7 +42,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from benchmarks.tq_soak import digest, rows_of
+from tq.testing import digest, rows_of
 from conftest import raw_exchange, wait_until
 from tq import TQClient, TQServer, messages, protocol
 from tq.errors import (

@@ -52,9 +52,99 @@ def test_progress_line_shows_the_step_phases_not_the_driver_and_worker_breakdown
 
     log = MetricsLogger(LoggerConfig(log_dir=str(tmp_path), tensorboard=False, plot=False), "run")
     try:
+        log.start(2, 10)
         log.progress(3, 10, {"reward": 0.5, "step_time_s": 0.123, "timing/generation": 0.061, "timing/training": 0.04,
                              "timing/driver_get": 0.002, "timing/worker_fetch": 0.001})
     finally:
         log.close()
     line = capsys.readouterr().out.strip()
-    assert line == "step 3/10 | reward 0.5000 | time 0.12s | (generation 0.06s, training 0.04s)"
+    assert line == "step 3/10 | reward 0.5000 | time 0.12s | (generation 0.06s, training 0.04s) | elapsed 0:00, ETA 0:00"
+
+
+def test_console_prints_a_step_line_every_n_steps_with_elapsed_and_eta(tmp_path, capsys, monkeypatch):
+    """The step line comes at the first step, every ``logger.console_every`` steps and the last; its
+    ETA is the mean time per step so far times the steps left. Every step still reaches the JSONL."""
+    import json
+
+    from trainer import logger as L
+    from trainer.config import LoggerConfig
+
+    now = [100.0]
+    monkeypatch.setattr(L.time, "perf_counter", lambda: now[0])
+    log = L.MetricsLogger(LoggerConfig(log_dir=str(tmp_path), tensorboard=False, plot=False, console_every=10), "run")
+    try:
+        log.start(0, 25)
+        for step in range(1, 26):
+            now[0] += 3.0  # 3 s per step
+            log.log(step, {"reward": 0.1})
+            log.progress(step, 25, {"reward": 0.1})
+    finally:
+        log.close()
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [ln.split(" | ")[0] for ln in lines] == ["step 1/25", "step 10/25", "step 20/25", "step 25/25"]
+    assert lines[1].endswith("elapsed 0:30, ETA 0:45") and lines[-1].endswith("elapsed 1:15, ETA 0:00")
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 25
+    assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])["reward"] == 0.1
+
+
+def test_count_lists_become_tensorboard_histograms(tmp_path):
+    """``*_counts`` metrics (the async staleness histogram) stay lists in the JSONL and are TensorBoard
+    histograms over 0..len-1."""
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from trainer.config import LoggerConfig
+    from trainer.logger import MetricsLogger
+
+    log = MetricsLogger(LoggerConfig(log_dir=str(tmp_path), plot=False, progress=False), "run")
+    log.log(1, {"async/trajectory_age_counts": [3, 5], "reward": 0.5})
+    log.close()
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text())
+    assert row["async/trajectory_age_counts"] == [3, 5]
+    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    acc.Reload()
+    (h,) = acc.Histograms("train/async/trajectory_age")
+    assert h.histogram_value.num == 8 and h.histogram_value.sum == 5 and h.histogram_value.max == 1
+
+
+def _leaf_fields(model, prefix=""):
+    from pydantic import BaseModel
+
+    for key, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            yield from _leaf_fields(field.annotation, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", field
+
+
+@pytest.mark.parametrize("module", ["grpo", "grpo_sync", "grpo_async"])
+def test_help_lists_every_key_with_its_default_and_description(module, capsys):
+    """``--help`` is generated from the pydantic models: every key, its default, its description, and
+    what the trainer's default recipe sets instead; it exits 0 without starting anything."""
+    import importlib
+
+    from trainer.config import MasterConfig
+
+    assert importlib.import_module(f"trainer.{module}").main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: python -m trainer.{module} [--config FILE] [--print-config]")
+    for key, field in _leaf_fields(MasterConfig):
+        assert field.description, f"{key} has no description"
+        assert f"  {key} (" in out, key
+        assert field.description.split()[0] in out
+    assert "  grpo.max_num_steps (int) = 30  [recipe: 600]" in out
+    age = "  async_grpo.max_trajectory_age_steps (int) = 4"
+    assert (age + "  [recipe: 1]" if module == "grpo_async" else age + "\n") in out
+
+
+def test_print_config_prints_the_resolved_config_and_exits(capsys):
+    import yaml
+
+    from trainer.config import MasterConfig
+    from trainer.grpo_sync import main
+
+    assert main(["--print-config", "grpo.max_num_steps=7", "policy.learning_rate=3e-4"]) == 0
+    printed = MasterConfig.model_validate(yaml.safe_load(capsys.readouterr().out))
+    assert printed == parse_cli(["grpo.max_num_steps=7", "policy.learning_rate=3e-4"])
+    assert main(["--print-config", "grpo.bogus=1"]) == 2 and "grpo.bogus" in capsys.readouterr().err

@@ -43,16 +43,43 @@ def _fit(cls, cfg):
         trainer.shutdown()
 
 
-def test_legacy_and_tq_trainers_produce_the_same_metrics(tmp_path):
-    """Same config and seed: per-step reward, loss and log-prob metrics agree for 5 steps."""
-    legacy, _ = _fit(GRPOTrainer, _cfg(tmp_path))
-    tq, _ = _fit(GRPOSyncTrainer, _cfg(tmp_path))
+def test_legacy_and_tq_trainers_produce_the_same_metrics(tmp_path, monkeypatch):
+    """Same config and seed: per-step reward, loss and log-prob metrics agree for 5 steps. The same
+    runs check the TQ trainer's per-step data-plane metrics, and that Ray's token-authentication
+    warning is not printed (the start-up block explains it instead)."""
+    import logging
+
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)  # as on a fresh shell: Ray warns when it turns token auth on
+    warned: list[str] = []
+    seen = logging.Handler()
+    seen.emit = lambda record: warned.append(record.getMessage())
+    ray_auth_log = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    ray_auth_log.addHandler(seen)
+    try:
+        legacy, _ = _fit(GRPOTrainer, _cfg(tmp_path))
+        tq, _ = _fit(GRPOSyncTrainer, _cfg(tmp_path))
+    finally:
+        ray_auth_log.removeHandler(seen)
     assert len(legacy) == len(tq) == 5
     assert any(h["loss"] != 0 for h in legacy)  # the runs did train
     for step, (a, b) in enumerate(zip(legacy, tq), start=1):
         for key in COMPARED:
             if key in a or key in b:
                 assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-7), f"step {step}: {key} {a[key]} != {b[key]}"
+    assert not [m for m in warned if "Token authentication is enabled" in m], warned
+    # Data plane, every step: the time in TQ calls is part of the step; the rollout's columns, the
+    # workers' log-probs and the driver's advantages are written, the workers read their shards back.
+    assert not any(k.startswith("dataplane/") for k in legacy[0])
+    n = 64  # samples per step
+    for h in tq:
+        assert 0 < h["dataplane/seconds"] < h["step_time_s"] and h["dataplane/frac_of_step"] == h["dataplane/seconds"] / h["step_time_s"]
+        assert h["dataplane/slowest_rank_s"] > 0 and h["dataplane/driver_s"] > 0 and h["dataplane/rollout_put_s"] > 0
+        # input_ids (int64) and token-aligned float32/bool columns of >= 5 tokens per sample, plus
+        # prev_logprobs written back and advantages/sample_mask from the driver
+        assert h["rollout/tq_put_bytes"] >= n * 5 * (8 + 4 + 1)
+        assert h["dataplane/bytes_written"] >= h["rollout/tq_put_bytes"] + n * 5 * 4 + 2 * n * 4
+        assert h["dataplane/bytes_read"] >= n * 5 * (8 + 4 + 1 + 4)  # each rank reads its shard's training columns
+        assert h["dataplane/bytes_moved"] == h["dataplane/bytes_written"] + h["dataplane/bytes_read"] < 10 * h["store_bytes"]
 
 
 def test_tq_driver_receives_per_sample_data_only_and_the_store_empties(tmp_path):
@@ -74,7 +101,7 @@ def test_tq_driver_receives_per_sample_data_only_and_the_store_empties(tmp_path)
     assert max(h["driver_bytes_received"] for h in legacy) > 2 * runs[24]
 
 
-def test_tq_trainer_takes_the_data_plane_secret_from_the_config_alone(tmp_path, monkeypatch):
+def test_tq_trainer_takes_the_data_plane_secret_from_the_config_alone(tmp_path, monkeypatch, capsys):
     """``data_plane.secret`` set in the config only - no ``TQ_SECRET`` in any environment, and Ray already
     running (as in a notebook), so no worker can inherit one: every client the trainer starts (driver,
     DP workers, rollout actor) signs its requests and the secret-protected service serves a step."""
@@ -86,8 +113,15 @@ def test_tq_trainer_takes_the_data_plane_secret_from_the_config_alone(tmp_path, 
     with TQServer(storage_units=1, capacity=128 << 20, secret=secret) as server:
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
         cfg = _cfg(tmp_path, "grpo.max_num_steps=1", "grpo.num_prompts_per_step=4", "policy.train_global_batch_size=32",
-                   f"data_plane.address={server.address}", f"data_plane.secret={secret}")
-        history, _ = _fit(GRPOSyncTrainer, cfg)
+                   f"data_plane.address={server.address}", f"data_plane.secret={secret}", "logger.progress=true")
+        history, trainer = _fit(GRPOSyncTrainer, cfg)
+        # The console: the start-up block with the resolved config's key facts, then the step line.
+        out = capsys.readouterr().out
+        for fact in ("grpo_sync: GRPO (synchronous, TQ path", "model       tiny-random", "steps       1 x 4 prompts x 8 samples",
+                     "DP          2 policy worker(s)", f"data plane  {server.address} (a running tq-controller)",
+                     f"logs        {trainer.logger.run_dir}", "ray         local: token authentication"):
+            assert fact in out, fact
+        assert "step 1/1 | reward" in out and "| elapsed 0:" in out and ", ETA 0:00" in out
         assert len(history) == 1 and "seq_logprob_error" in history[0]  # worker-written columns were read back
         assert "TQ_SECRET" not in os.environ  # the driver's environment is left alone
         with TQClient(server.address, secret=secret) as client:

@@ -12,12 +12,14 @@ import resource
 import signal
 import sys
 import time
+from pathlib import Path
 from abc import ABC, abstractmethod
 from collections import defaultdict
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import ray
 import torch
+import yaml
 
 from policy.loss import ClippedPGLossFn
 from policy.traffic import ActorCalls, DriverTraffic
@@ -25,8 +27,8 @@ from rollout.actors import SyncRolloutActor
 from tq.errors import TQError
 
 from .checkpoint import latest_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
-from .common import build_dataloader, build_datasets, init_ray, run_name
-from .config import ConfigError, MasterConfig, check_local_paths, parse_cli
+from .common import build_dataloader, build_datasets, init_ray, ray_auth_note, run_name
+from .config import DEFAULT_CONFIG, ConfigError, MasterConfig, check_local_paths, config_help, parse_cli
 from .driver import DriverRecord
 from .ledger import PromptLedger
 from .logger import MetricsLogger
@@ -50,6 +52,8 @@ class GRPOTrainerBase(ABC):
     """One run of GRPO. ``fit()`` trains ``grpo.max_num_steps`` steps (resuming from a checkpoint)."""
 
     name = "grpo"
+    #: Whether step data moves through TQ (then every step logs the ``dataplane/*`` metrics).
+    uses_dataplane = False
 
     def __init__(self, cfg: MasterConfig) -> None:
         self.cfg = cfg
@@ -91,6 +95,44 @@ class GRPOTrainerBase(ABC):
         self._maybe_resume()
         self.start_step = self.step
         self.ledger.start(self.step, self.resume_from, self.loader.state_dict())
+        if cfg.logger.progress:
+            print("\n".join(self.startup_lines()), flush=True)
+
+    def startup_lines(self) -> list[str]:
+        """The start-up block: the resolved config's key facts and where the logs go."""
+        cfg, g, p = self.cfg, self.cfg.grpo, self.cfg.policy
+        resumed = f", resuming at step {self.step}" if self.step else ""
+        val = "off"
+        if g.val_period and self.val_dataset is not None:
+            what = "held-out operand pairs (never trained on)" if cfg.data.dataset == "builtin" else f"prompts of {cfg.data.val_dataset}"
+            val = f"every {g.val_period} steps, greedy, on {len(self.val_dataset)} {what}"
+        return [
+            f"{self.name}: {self.algorithm_line()}",
+            f"  model       {p.model_name} ({p.dtype}, policy on {p.device}, {cfg.generation.backend} generation)",
+            f"  steps       {g.max_num_steps} x {g.num_prompts_per_step} prompts x {g.num_generations_per_prompt} samples{resumed}; "
+            f"optimizer batch {p.train_global_batch_size}, lr {p.learning_rate:g}",
+            f"  DP          {p.dp_size} policy worker(s)",
+            f"  data        {cfg.data.dataset} ({len(self.loader.dataset)} prompts); validation {val}",
+            f"  data plane  {self.dataplane_line()}",
+            f"  ray         {cfg.cluster.ray_address or 'local'}: {ray_auth_note()}",
+            f"  logs        {self.logger.run_dir} (metrics.jsonl{', tensorboard/' if cfg.logger.tensorboard else ''}"
+            f"{', curves.png at the end' if cfg.logger.plot else ''})",
+        ]
+
+    def algorithm_line(self) -> str:
+        """What the run trains with (the start-up block's first line)."""
+        kl = self.cfg.loss.reference_policy_kl_penalty
+        return f"GRPO (synchronous, {self.path_name}){f', KL penalty {kl:g}' if kl else ''}"
+
+    path_name = "legacy path: batches through the driver"
+
+    def dataplane_line(self) -> str:
+        """Where step data lives (the start-up block)."""
+        return "none: rollouts come back to the driver as batches"
+
+    @classmethod
+    def check_config(cls, cfg: MasterConfig) -> None:
+        """What this trainer needs of the configuration beyond the schema (raises :class:`ConfigError`)."""
 
     # ------------------------------------------------------------------ what the two paths implement
     @abstractmethod
@@ -164,21 +206,48 @@ class GRPOTrainerBase(ABC):
             out[k] += v
         return dict(out)
 
-    def _data_movement_metrics(self) -> dict[str, float]:
-        """A step's data-movement metrics: the driver's peak RSS, and with ``logger.data_movement_metrics``
+    def _pop_dataplane(self) -> dict[str, float]:
+        """The driver's TQ calls since the last call (trainer and policy together), then reset."""
+        out = self.calls.pop_dataplane()
+        for k, v in self.policy.calls.pop_dataplane().items() if hasattr(self.policy, "calls") else ():
+            out[k] += v
+        return out
+
+    @staticmethod
+    def _dataplane_metrics(step: Mapping[str, Any], driver: Mapping[str, float], ranks: list[dict[str, Any]]) -> dict[str, float]:
+        """A step's ``dataplane/*`` metrics: seconds in data-plane calls on the step's path - the
+        driver's own TQ calls, the rollout's put (sync; the async collector's run beside the step)
+        and the slowest DP rank's gets and write-backs - as seconds and as a fraction of the step
+        time; and the tensor bytes written to and read from TQ (rollout, driver and every rank)."""
+        rank_s = max((r["tq_get_s"] + r["write_back_s"] for r in ranks), default=0.0)
+        put_s = float(step.get("rollout/tq_put_seconds", 0.0))
+        seconds = driver["seconds"] + put_s + rank_s
+        written = float(step.get("rollout/tq_put_bytes", 0.0)) + driver["bytes_written"] + sum(r["write_back_bytes"] for r in ranks)
+        read = driver["bytes_read"] + sum(r["tq_get_bytes"] for r in ranks)
+        return {"dataplane/frac_of_step": seconds / step["step_time_s"] if step.get("step_time_s") else 0.0,
+                "dataplane/seconds": seconds, "dataplane/driver_s": driver["seconds"], "dataplane/rollout_put_s": put_s,
+                "dataplane/slowest_rank_s": rank_s, "dataplane/bytes_written": written, "dataplane/bytes_read": read,
+                "dataplane/bytes_moved": written + read}
+
+    def _data_movement_metrics(self, step: Mapping[str, Any]) -> dict[str, float]:
+        """A step's data-movement metrics: on the TQ path ``dataplane/*`` (:meth:`_dataplane_metrics`),
+        the driver's peak RSS, and with ``logger.data_movement_metrics``
         its bytes received / sent, its seconds sending, unpacking results and in TQ calls, each DP
         rank's fetch seconds, and the slowest rank's dispatch / TQ get / write-back / compute seconds."""
         c = self._pop_driver_counters()
+        driver_tq = self._pop_dataplane()
         out = {"driver_peak_rss_bytes": float(peak_rss_bytes())}
+        timings = getattr(self.policy, "worker_timings", None)
+        ranks = timings() if timings is not None and (self.uses_dataplane or self.calls.instrumented) else None
+        if self.uses_dataplane:
+            out.update(self._dataplane_metrics(step, driver_tq, ranks or []))
         if not self.calls.instrumented:
             return out
         out.update({
             "driver_bytes_received": c["bytes_received"], "driver_bytes_sent": c["bytes_sent"],
             **{f"timing/{k[:-2]}": c.get(k, 0.0) for k in ("driver_send_s", "driver_get_s", "driver_tq_s")},
         })
-        timings = getattr(self.policy, "worker_timings", None)
-        if timings is not None:
-            ranks = timings()
+        if ranks is not None:
             for r in ranks:
                 out[f"fetch/rank{r['rank']}_s"] = r["fetch_s"]
             for k in ("fetch_s", "dispatch_s", "tq_get_s", "write_back_s", "compute_s"):
@@ -215,8 +284,10 @@ class GRPOTrainerBase(ABC):
         try:
             if g.val_period and g.val_at_start and self.step == 0 and self.val_dataset is not None:
                 self.logger.log(0, self.validate(), prefix="val")
+            self.logger.start(self.step, g.max_num_steps)
             while self.step < g.max_num_steps:
                 self._pop_driver_counters()  # start the step's traffic count at zero
+                self._pop_dataplane()
                 t0 = time.perf_counter()
                 batches = BatchSource(self.loader)
                 metrics = self.train_step(batches)
@@ -226,14 +297,16 @@ class GRPOTrainerBase(ABC):
                 self.refit_generation()
                 metrics["timing/refit"] = time.perf_counter() - t1
                 metrics["step_time_s"] = time.perf_counter() - t0
-                metrics.update(self._data_movement_metrics())  # after the clock: instrumentation only
+                metrics.update(self._data_movement_metrics(metrics))  # after the clock: instrumentation only
                 self.logger.log(self.step, metrics)
                 self.logger.progress(self.step, g.max_num_steps, metrics)
                 history.append(metrics)
                 if g.val_period and self.step % g.val_period == 0 and self.val_dataset is not None:
                     val = self.validate()
                     self.logger.log(self.step, val, prefix="val")
-                    print(f"validation at step {self.step}: " + ", ".join(f"{k} {v:.3f}" for k, v in val.items()), flush=True)
+                    if self.cfg.logger.progress:
+                        self.logger.write(f"validation at step {self.step} ({len(self.val_dataset)} prompts): "
+                                          + ", ".join(f"{k} {v:.3f}" for k, v in val.items()))
                 if ck.enabled and self.step % ck.save_period == 0:
                     self._checkpoint()
             if ck.enabled and self.step % ck.save_period:
@@ -298,10 +371,51 @@ class BatchSource:
             )
 
 
-def run(trainer_cls: type[GRPOTrainerBase], argv: Sequence[str] | None = None) -> int:
-    """Command-line entry: parse the config, train, shut down cleanly (also on Ctrl-C)."""
+def usage(trainer_cls: type[GRPOTrainerBase], recipe: str) -> str:
+    """``--help``: the command line, what the trainer does, and every configuration key."""
+    doc = (sys.modules[trainer_cls.__module__].__doc__ or "").strip().split("\n\n")[0].replace("``", "")
+    shown = recipe
+    if Path(recipe).resolve().is_relative_to(DEFAULT_CONFIG.parents[2]):  # a recipe of this repository
+        shown = str(Path(recipe).resolve().relative_to(DEFAULT_CONFIG.parents[2]))
+    return "\n".join([
+        f"usage: python -m trainer.{trainer_cls.name} [--config FILE] [--print-config] [section.key=value ...]",
+        "",
+        doc,
+        "",
+        "options:",
+        "  -h, --help          show this help (every configuration key) and exit",
+        f"  --config FILE       the YAML recipe to start from (default: {shown}; others in trainer/configs/)",
+        "  --print-config      print the resolved configuration (recipe + overrides, validated) as YAML and exit",
+        "  section.key=value   override one key; the value is parsed as YAML (3e-4, true, null, [1, 2])",
+        "",
+        "configuration: key (type) = schema default  [recipe: what the recipe sets instead]",
+        "",
+        config_help(recipe),
+    ])
+
+
+def run(trainer_cls: type[GRPOTrainerBase], argv: Sequence[str] | None = None, *, default_config: str | None = None) -> int:
+    """Command-line entry: ``--help``, ``--print-config``, or parse the config, train and shut down
+    cleanly (also on Ctrl-C). ``default_config``: the recipe without ``--config`` (default: the
+    offline CPU recipe)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if default_config is not None and "--config" not in argv:
+        argv = ["--config", str(default_config), *argv]
+    if "-h" in argv or "--help" in argv:
+        recipe = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else str(DEFAULT_CONFIG)
+        try:
+            print(usage(trainer_cls, recipe))
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    print_config = "--print-config" in argv
     try:
-        cfg = parse_cli(sys.argv[1:] if argv is None else argv)
+        cfg = parse_cli([a for a in argv if a != "--print-config"])
+        trainer_cls.check_config(cfg)
+        if print_config:  # a recipe may name paths of the machine it is for: printed without checking them
+            print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+            return 0
         check_local_paths(cfg)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -314,7 +428,10 @@ def run(trainer_cls: type[GRPOTrainerBase], argv: Sequence[str] | None = None) -
         if history:
             first, last = history[0]["reward"], sum(h["reward"] for h in history[-5:]) / min(5, len(history))
             resumed = f" (resumed at step {trainer.start_step})" if trainer.start_step else ""
-            print(f"done: {len(history)} steps{resumed}, reward {first:.3f} -> {last:.3f} (mean of the last 5 steps)", flush=True)
+            val = [r for r in trainer.logger.history if r["split"] == "val" and "accuracy" in r]
+            held = f"; validation accuracy {val[-1]['accuracy']:.3f} at step {val[-1]['step']}" if val else ""
+            print(f"done: {len(history)} steps{resumed}, training reward {first:.3f} -> {last:.3f} (mean of the last 5 steps){held}",
+                  flush=True)
         return 0
     except KeyboardInterrupt:
         kept = "; the last checkpoint stays loadable" if cfg.checkpointing.enabled else ""

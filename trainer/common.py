@@ -6,6 +6,7 @@ makes the two paths produce the same numbers; they differ only in where bulk dat
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -21,12 +22,32 @@ from . import algorithms as A
 from .config import GRPOConfig, MasterConfig
 
 
+class _RayTokenAuthNotice(logging.Filter):
+    """Drops Ray's warning that it turned token authentication on for a new local cluster (printed on
+    every run); the trainer's start-up block says it instead, once, with how to turn it off."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Token authentication is enabled for this Ray cluster" not in record.getMessage()
+
+
+_RAY_TOKEN_NOTICE = _RayTokenAuthNotice()  # one instance: addFilter ignores a filter already added
+
+
+def ray_auth_note() -> str:
+    """One line on Ray's token authentication for the start-up block (security unchanged: Ray's own
+    default, token authentication on, stays; only its warning is replaced by this line)."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+        return "token authentication on (Ray's default; token in ~/.ray/auth_token, RAY_AUTH_MODE=disabled turns it off)"
+    return f"token authentication off (RAY_AUTH_MODE={os.environ.get('RAY_AUTH_MODE', 'unset')})"
+
+
 def init_ray(cfg: MasterConfig) -> None:
     """Connect to the configured Ray cluster, or start a local one (fractional actors fit 2 cores)."""
     import ray
 
     if ray.is_initialized():
         return
+    logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(_RAY_TOKEN_NOTICE)
     if cfg.cluster.ray_address:
         # No secret travels through the environment: every actor gets the data plane's TQConnection.
         ray.init(address=cfg.cluster.ray_address, log_to_driver=True)
@@ -43,9 +64,15 @@ def build_datasets(cfg: MasterConfig) -> tuple[PromptDataset, PromptDataset | No
     """The training prompts and (when validation is on) the validation prompts."""
     tok = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
     if cfg.data.dataset == "builtin":
-        train = PromptDataset(builtin_task_dataset(cfg.data.num_builtin_prompts, seed=cfg.grpo.seed), tok, cfg.data.processor)
-        val_records = builtin_task_dataset(cfg.grpo.max_val_samples, seed=cfg.grpo.seed + 1) if cfg.grpo.val_period else None
-        val = PromptDataset(val_records, tok, cfg.data.processor) if val_records else None
+        # Validation is held out: operand pairs the run never trains on (each once; greedy decoding
+        # would score a repeat the same).
+        held_out = cfg.data.builtin_held_out_pairs
+        train = PromptDataset(builtin_task_dataset(cfg.data.num_builtin_prompts, seed=cfg.grpo.seed, split="train", held_out=held_out),
+                              tok, cfg.data.processor)
+        val = None
+        if cfg.grpo.val_period:
+            n = min(cfg.grpo.max_val_samples, held_out)
+            val = PromptDataset(builtin_task_dataset(n, seed=cfg.grpo.seed + 1, split="held_out", held_out=held_out), tok, cfg.data.processor)
         return train, val
     # Missing files: trainer.config.check_local_paths names the key before anything starts; from_path
     # raises FileNotFoundError naming the path for callers that skip it.

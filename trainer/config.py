@@ -9,6 +9,7 @@ values are rejected with a message naming the dotted key.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
@@ -34,72 +35,71 @@ class _Strict(BaseModel):
 
 
 class RewardScalingConfig(_Strict):
-    enabled: bool = False
-    source_min: float = 0.0
-    source_max: float = 1.0
-    target_min: float = 0.0
-    target_max: float = 1.0
+    enabled: bool = Field(False, description="Map rewards linearly from [source_min, source_max] to [target_min, target_max] (clamped) before the baselines.")
+    source_min: float = Field(0.0, description="Lower end of the raw reward range.")
+    source_max: float = Field(1.0, description="Upper end of the raw reward range.")
+    target_min: float = Field(0.0, description="What source_min maps to.")
+    target_max: float = Field(1.0, description="What source_max maps to.")
 
 
 class OverlongShapingConfig(_Strict):
     """DAPO's soft overlong punishment over the last ``buffer_length`` tokens before the maximum."""
 
-    enabled: bool = False
-    max_response_length: int = Field(1024, ge=1)
-    buffer_length: int = Field(128, ge=1)
-    penalty: float = Field(1.0, ge=0.0)
+    enabled: bool = Field(False, description="Apply DAPO's soft overlong punishment to the rewards.")
+    max_response_length: int = Field(1024, ge=1, description="Response length (tokens) at which the full penalty applies.")
+    buffer_length: int = Field(128, ge=1, description="Tokens before max_response_length over which the penalty ramps up linearly.")
+    penalty: float = Field(1.0, ge=0.0, description="Reward subtracted at max_response_length.")
 
 
 class GRPOConfig(_Strict):
-    num_prompts_per_step: int = Field(16, ge=1)
-    num_generations_per_prompt: int = Field(8, ge=1)
-    max_num_steps: int = Field(30, ge=1)
-    max_rollout_turns: int = Field(1, ge=1)
-    max_new_tokens: int = Field(16, ge=1)
-    normalize_rewards: bool = True  # divide advantages by the group's reward std
-    use_leave_one_out_baseline: bool = True
-    advantage_clip: float | None = Field(None, gt=0.0)
-    reward_scaling: RewardScalingConfig = Field(default_factory=RewardScalingConfig)
-    overlong_reward_shaping: OverlongShapingConfig = Field(default_factory=OverlongShapingConfig)
-    overlong_filtering: bool = False  # truncated samples get sample_mask 0
-    use_dynamic_sampling: bool = False  # drop zero-std groups, refill from more generation batches
-    dynamic_sampling_max_gen_batches: int = Field(4, ge=1)
-    seq_logprob_error_threshold: float | None = Field(None, gt=0.0)
-    # Per-message advantage penalties: role -> amount subtracted from a sample's advantage for each
-    # message of that role in its conversation (e.g. {"environment": 0.05} favours fewer turns).
-    message_advantage_penalties: dict[str, float] = Field(default_factory=dict)
-    val_period: int = Field(0, ge=0)  # 0: no validation
-    val_at_start: bool = False
-    max_val_samples: int = Field(32, ge=1)
-    val_num_generations: int = Field(1, ge=1)  # > 1 reports pass@k
-    seed: int = 42
+    num_prompts_per_step: int = Field(16, ge=1, description="Prompts (groups) per training step.")
+    num_generations_per_prompt: int = Field(8, ge=1, description="Samples generated per prompt (the group the baseline is computed over)")
+    max_num_steps: int = Field(30, ge=1, description="Training steps of the run (a resumed run continues up to it)")
+    max_rollout_turns: int = Field(1, ge=1, description="Model turns per conversation (multi-turn environments)")
+    max_new_tokens: int = Field(16, ge=1, description="Tokens generated per turn at most.")
+    normalize_rewards: bool = Field(True, description="Divide advantages by the group's reward std.")
+    use_leave_one_out_baseline: bool = Field(True, description="Baseline of a sample: the mean reward of the other samples of its group (else the group mean)")
+    advantage_clip: float | None = Field(None, gt=0.0, description="Clip advantages to [-advantage_clip, advantage_clip] (null: no clipping)")
+    reward_scaling: RewardScalingConfig = Field(default_factory=RewardScalingConfig, description="Linear reward rescaling.")
+    overlong_reward_shaping: OverlongShapingConfig = Field(default_factory=OverlongShapingConfig, description="DAPO's soft overlong punishment.")
+    overlong_filtering: bool = Field(False, description="Drop truncated samples from the loss (sample_mask 0).")
+    use_dynamic_sampling: bool = Field(False, description="Drop groups whose rewards are all equal (no signal) and refill from more generation batches.")
+    dynamic_sampling_max_gen_batches: int = Field(4, ge=1, description="Generation batches a step may draw under dynamic sampling before it fails.")
+    seq_logprob_error_threshold: float | None = Field(None, gt=0.0, description="Mask samples whose mean per-token |generation log-prob - policy log-prob| exceeds this (null: off)")
+    message_advantage_penalties: dict[str, float] = Field(default_factory=dict, description="Per-message advantage penalties: role -> amount subtracted from a sample's advantage for each message of that role in its conversation (e.g. {\"environment\": 0.05} favours fewer turns).")
+    val_period: int = Field(0, ge=0, description="Validate every N steps (0: no validation).")
+    val_at_start: bool = Field(False, description="Validate once before the first step.")
+    max_val_samples: int = Field(32, ge=1, description="Validation prompts used at most.")
+    val_num_generations: int = Field(1, ge=1, description="Samples per validation prompt; > 1 samples (not greedy) and reports pass@k.")
+    seed: int = Field(42, description="Seed of the run: model init, data order, sampling.")
 
 
 class DataConfig(_Strict):
-    dataset: str = "builtin"  # "builtin" (the offline task) or a JSONL/Parquet file or datasets-on-disk dir
-    num_builtin_prompts: int = Field(64, ge=1)
-    val_dataset: str | None = None  # default: the built-in task's held-out draw, or none
-    split: str | None = None
-    shuffle: bool = True
-    processor: DataProcessorConfig = Field(default_factory=DataProcessorConfig)
+    dataset: str = Field("builtin", description="Training prompts: \"builtin\" (the offline addition task) or a JSONL/Parquet file or a datasets-on-disk directory.")
+    num_builtin_prompts: int = Field(64, ge=1, description="Training records of the built-in task (drawn evenly from its training prompts)")
+    builtin_held_out_pairs: int = Field(5, ge=1, le=10, description="Operand pairs of the built-in task never trained on: validation scores exactly these.")
+    val_dataset: str | None = Field(None, description="Validation prompts (a file like data.dataset); the built-in task validates on its held-out pairs.")
+    split: str | None = Field(None, description="Split of a datasets-on-disk directory (null: the only one)")
+    shuffle: bool = Field(True, description="Shuffle the training prompts every epoch.")
+    processor: DataProcessorConfig = Field(default_factory=DataProcessorConfig, description="How a dataset row becomes a prompt.")
 
 
 class EnvConfig(_Strict):
-    name: Literal["builtin_add", "math", "two_turn_guess"] = "builtin_add"  # also the task name records carry
-    num_workers: int = Field(0, ge=0)  # math: verifier actors (0 = in process)
+    name: Literal["builtin_add", "math", "two_turn_guess"] = Field("builtin_add", description="The environment that scores responses (also the task name the records carry).")
+    num_workers: int = Field(0, ge=0, description="math: verifier actors (0: verify in process).")
 
 
 class DataPlaneConfig(_Strict):
     """The TQ service and how every process reaches it: the driver turns this section into one
     :class:`~tq.TQConnection` (:meth:`connection`) that every actor and worker gets at start-up."""
 
-    address: str | None = None  # a running tq-controller; None: bootstrap one on the driver
-    storage_units: int = Field(1, ge=1)
-    capacity_bytes: int = Field(2 << 30, ge=1 << 20)
-    secret: str | None = None  # None: $TQ_SECRET of the driver, if set
-    timeout_s: float = Field(60.0, gt=0.0)  # every TQ call, and every wait for fields to be produced
-    transport: Literal["auto", "tcp"] = "auto"  # auto: same-host readers map the storage arenas
-    capacity_wait_s: float = Field(0.0, ge=0.0)  # a write into a full storage unit waits this long for room
+    address: str | None = Field(None, description="Address (tcp://host:port) of a running tq-controller; null: start one on the driver for the run.")
+    storage_units: int = Field(1, ge=1, description="Storage units of a bootstrapped service.")
+    capacity_bytes: int = Field(2 << 30, ge=1 << 20, description="Bytes of shared memory per storage unit of a bootstrapped service.")
+    secret: str | None = Field(None, description="Shared secret of the TQ service (null: $TQ_SECRET of the driver, if set).")
+    timeout_s: float = Field(60.0, gt=0.0, description="Bound (s) on every TQ call and every wait for fields to be produced.")
+    transport: Literal["auto", "tcp"] = Field("auto", description="auto: same-host readers map the storage arenas (no copy over TCP); tcp: always stream bytes.")
+    capacity_wait_s: float = Field(0.0, ge=0.0, description="A write into a full storage unit waits this long for room.")
 
     @field_validator("address")
     @classmethod
@@ -123,28 +123,28 @@ class DataPlaneConfig(_Strict):
 
 
 class LoggerConfig(_Strict):
-    log_dir: str = "logs"
-    run_name: str | None = None  # default: <trainer>-<timestamp>
-    tensorboard: bool = True
-    wandb: bool = False
-    wandb_project: str = "tq-rl"
-    plot: bool = True
-    progress: bool = True
-    # Measure data movement each step (driver_bytes_*, timing/driver_*, timing/worker_*, fetch/rank*_s):
-    # the driver re-pickles every actor call's payload to count its bytes, so benchmarks turn it on.
-    data_movement_metrics: bool = False
+    log_dir: str = Field("logs", description="Directory of the run directories (<log_dir>/<run_name>/: metrics.jsonl, tensorboard/, curves.png, config.json)")
+    run_name: str | None = Field(None, description="Run directory name (null: <trainer>-<timestamp>).")
+    tensorboard: bool = Field(True, description="Write TensorBoard events.")
+    wandb: bool = Field(False, description="Log to Weights & Biases (needs wandb installed)")
+    wandb_project: str = Field("tq-rl", description="Weights & Biases project.")
+    plot: bool = Field(True, description="Write curves.png (reward, validation accuracy, loss) at the end.")
+    progress: bool = Field(True, description="Console output: the start-up block, the progress bar and the step lines.")
+    progress_bar: bool = Field(True, description="A tqdm bar on stderr (only when it is a terminal)")
+    console_every: int = Field(10, ge=1, description="A step line every N steps (and the first and last); every step goes to metrics.jsonl.")
+    data_movement_metrics: bool = Field(False, description="Measure data movement each step (driver_bytes_*, timing/driver_*, timing/worker_*, fetch/rank*_s): the driver re-pickles every actor call's payload to count its bytes, so benchmarks turn it on.")
 
 
 class CheckpointingConfig(_Strict):
-    enabled: bool = False
-    checkpoint_dir: str = "checkpoints"
-    save_period: int = Field(10, ge=1)
-    resume: bool = True  # continue from the latest checkpoint in checkpoint_dir if there is one
+    enabled: bool = Field(False, description="Save checkpoints (policy, optimizer, data position, generation state)")
+    checkpoint_dir: str = Field("checkpoints", description="Where checkpoints go (one driver per directory)")
+    save_period: int = Field(10, ge=1, description="Save every N steps (and at the end)")
+    resume: bool = Field(True, description="Continue from the latest checkpoint in checkpoint_dir if there is one.")
 
 
 class ClusterConfig(_Strict):
-    ray_address: str | None = None  # connect to a running Ray cluster; None: start one locally
-    num_cpus: float | None = None  # logical CPUs of a local Ray (default: the machine's)
+    ray_address: str | None = Field(None, description="Connect to a running Ray cluster; None: start one locally.")
+    num_cpus: float | None = Field(None, description="Logical CPUs of a local Ray (default: the machine's)")
 
 
 class AsyncGRPOConfig(_Strict):
@@ -154,32 +154,28 @@ class AsyncGRPOConfig(_Strict):
     ``t - v <= max_trajectory_age_steps`` (NeMo-RL's bound); see ``trainer.async_collector``.
     """
 
-    enabled: bool = False  # set by the async recipe; requires loss.use_importance_sampling_correction
-    max_trajectory_age_steps: int = Field(4, ge=1)
-    # Groups (prompts) held awaiting training, in flight included; None: (age + 1) * num_prompts_per_step.
-    # A full buffer makes the collector back off (nothing is dropped).
-    max_buffered_groups: int | None = Field(None, ge=1)
-    # Prompts generated together in one backend call (batching is what makes CPU generation fast);
-    # None: a whole step's prompts at once.
-    groups_per_generation: int | None = Field(None, ge=1)
-    max_failed_generations: int = Field(3, ge=0)  # failed generation calls tolerated before the run fails
-    wait_timeout_s: float = Field(600.0, gt=0.0)  # bound on every wait for trajectories or in-flight generations
-    collector_num_cpus: float = Field(0.25, ge=0.0)
-    partition_id: str = "async_replay"
+    enabled: bool = Field(False, description="Set by the async recipe; requires loss.use_importance_sampling_correction.")
+    max_trajectory_age_steps: int = Field(4, ge=1, description="A sample generated on weights v may train at step t only if t - v <= this.")
+    max_buffered_groups: int | None = Field(None, ge=1, description="Groups (prompts) held awaiting training, in flight included; None: (age + 1) * num_prompts_per_step. A full buffer makes the collector back off (nothing is dropped).")
+    groups_per_generation: int | None = Field(None, ge=1, description="Prompts generated together in one backend call (batching is what makes CPU generation fast); None: a whole step's prompts at once.")
+    max_failed_generations: int = Field(3, ge=0, description="Failed generation calls tolerated before the run fails.")
+    wait_timeout_s: float = Field(600.0, gt=0.0, description="Bound on every wait for trajectories or in-flight generations.")
+    collector_num_cpus: float = Field(0.25, ge=0.0, description="Logical CPUs of the collector actor.")
+    partition_id: str = Field("async_replay", description="TQ partition the collector writes to.")
 
 
 class MasterConfig(_Strict):
-    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
-    loss: ClippedPGLossConfig = Field(default_factory=ClippedPGLossConfig)
-    policy: PolicyConfig = Field(default_factory=PolicyConfig)
-    generation: GenerationBackendConfig = Field(default_factory=GenerationBackendConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    env: EnvConfig = Field(default_factory=EnvConfig)
-    data_plane: DataPlaneConfig = Field(default_factory=DataPlaneConfig)
-    logger: LoggerConfig = Field(default_factory=LoggerConfig)
-    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
-    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
-    async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="The GRPO algorithm: steps, group size, advantages, validation.")
+    loss: ClippedPGLossConfig = Field(default_factory=ClippedPGLossConfig, description="The clipped policy-gradient loss (NeMo-RL's names and meanings).")
+    policy: PolicyConfig = Field(default_factory=PolicyConfig, description="The trained model, its optimizer and its data-parallel workers.")
+    generation: GenerationBackendConfig = Field(default_factory=GenerationBackendConfig, description="How rollouts are generated (transformers, vLLM) and sampled.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Training and validation prompts.")
+    env: EnvConfig = Field(default_factory=EnvConfig, description="The environment that scores responses.")
+    data_plane: DataPlaneConfig = Field(default_factory=DataPlaneConfig, description="The TQ service step data moves through (TQ trainers).")
+    logger: LoggerConfig = Field(default_factory=LoggerConfig, description="Console, metrics.jsonl, TensorBoard, wandb, curves.png.")
+    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig, description="Checkpoints and resume.")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="The Ray cluster.")
+    async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig, description="Async GRPO (python -m trainer.grpo_async): generation runs ahead of training.")
 
     @model_validator(mode="after")
     def _check(self) -> "MasterConfig":
@@ -270,6 +266,57 @@ def check_local_paths(cfg: MasterConfig) -> None:
                for key, v in paths.items() if v is not None and not os.path.exists(os.path.expanduser(v))]
     if missing:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(missing))
+
+
+def _type_name(annotation: Any) -> str:
+    name = getattr(annotation, "__name__", None) if not getattr(annotation, "__args__", None) else None
+    return name or str(annotation).replace("typing.", "").replace("NoneType", "None")
+
+
+def _shown(value: Any) -> str:
+    return "null" if value is None else yaml.safe_dump(value, default_flow_style=True, width=1 << 16).strip().removesuffix("...").strip()
+
+
+def config_help(recipe: str | os.PathLike | None = None, width: int = 100) -> str:
+    """Every config section and key, with its type, default and description, generated from the
+    pydantic models (:class:`MasterConfig`). Where ``recipe`` (default: the offline CPU recipe) sets
+    another value, it is shown as ``recipe: <value>``."""
+    import textwrap
+
+    from pydantic_core import PydanticUndefined
+
+    recipe_cfg = load_config(recipe).model_dump(mode="json")
+    lines: list[str] = []
+
+    def section(model: type[BaseModel], name: str, recipe_node: Any, about: str | None) -> None:
+        # The field's description, else the first sentence of the model's docstring (roles stripped).
+        doc = about or re.sub(r":\w+:`~?([^`]+)`", r"\1", " ".join((model.__doc__ or "").split("\n\n")[0].split()).replace("``", ""))
+        lines.extend(["", f"{name}:" + (f"  {doc}" if doc else "")])
+        subsections = []
+        for key, field in model.model_fields.items():
+            ann, sub = field.annotation, recipe_node.get(key) if isinstance(recipe_node, dict) else None
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                subsections.append((ann, f"{name}.{key}", sub, field.description))
+                continue
+            default = field.default_factory() if field.default is PydanticUndefined and field.default_factory else field.default
+            head = f"  {name}.{key} ({_type_name(ann)}) = {_shown(default)}"
+            if isinstance(recipe_node, dict) and key in recipe_node and sub != _jsonable(default):
+                head += f"  [recipe: {_shown(sub)}]"
+            lines.append(head)
+            lines.extend(textwrap.wrap(field.description or "", width=width, initial_indent="      ", subsequent_indent="      "))
+        for args in subsections:
+            section(*args)
+
+    for name, field in MasterConfig.model_fields.items():
+        section(field.annotation, name, recipe_cfg.get(name), field.description)
+    return "\n".join(lines).lstrip("\n")
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` as ``model_dump(mode="json")`` writes it (tuples as lists), for comparing with a recipe."""
+    import json
+
+    return json.loads(json.dumps(value, default=str))
 
 
 def parse_cli(argv: Sequence[str]) -> MasterConfig:

@@ -45,7 +45,7 @@ from .async_collector import AsyncTrajectoryCollector
 from .base import BatchSource, run
 from .checkpoint import load_checkpoint
 from .common import compute_step_targets
-from .config import CONFIG_DIR, ConfigError, MasterConfig, parse_cli, validate_async
+from .config import CONFIG_DIR, ConfigError, MasterConfig, validate_async
 from .grpo_sync import GRPOSyncTrainer
 
 ASYNC_CONFIG = CONFIG_DIR / "grpo_async_cpu.yaml"
@@ -61,11 +61,15 @@ class GRPOAsyncTrainer(GRPOSyncTrainer):
 
     name = "grpo_async"
 
-    def __init__(self, cfg: MasterConfig) -> None:
+    @classmethod
+    def check_config(cls, cfg: MasterConfig) -> None:
         try:
             validate_async(cfg)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+
+    def __init__(self, cfg: MasterConfig) -> None:
+        self.check_config(cfg)
         self._resume_state: dict[str, Any] | None = None
         self.collector: Any = None
         super().__init__(cfg)
@@ -77,6 +81,11 @@ class GRPOAsyncTrainer(GRPOSyncTrainer):
 
     def owned_partitions(self) -> list[str]:
         return [*super().owned_partitions(), self.cfg.async_grpo.partition_id]
+
+    def algorithm_line(self) -> str:
+        a = self.cfg.async_grpo
+        return (f"GRPO (asynchronous: generation runs ahead on weights at most {a.max_trajectory_age_steps} step(s) old, "
+                f"importance-sampling correction; {self.path_name})")
 
     # ------------------------------------------------------------------ collector
     def _start_collector(self) -> None:
@@ -132,7 +141,8 @@ class GRPOAsyncTrainer(GRPOSyncTrainer):
     # ------------------------------------------------------------------ a step
     def _take_step_meta(self, step: int) -> tuple[KVBatchMeta, dict[str, Any]]:
         stats = self.get(self.collector.wait_for_target.remote(step), f"trajectories of step {step}")
-        meta = self.policy.client.get_meta(self.cfg.async_grpo.partition_id)
+        with self.policy.calls.driver_tq():
+            meta = self.policy.client.get_meta(self.cfg.async_grpo.partition_id)
         tags = meta.tags.get("target_step", ())
         meta = meta.select([i for i, t in enumerate(tags) if t == step])
         g = self.cfg.grpo
@@ -164,8 +174,12 @@ class GRPOAsyncTrainer(GRPOSyncTrainer):
         self.policy.finish_step(meta, clear_partition=False)  # later steps' groups share the partition
         self.get(self.collector.release_target.remote(step), "collector release_target")
 
-        ages = torch.tensor([step - v for v in meta.tags["weight_version"]], dtype=torch.float32)
-        out.update({"async/trajectory_age_mean": float(ages.mean()), "async/trajectory_age_max": float(ages.max()),
+        ages = torch.tensor([step - v for v in meta.tags["weight_version"]], dtype=torch.int64)
+        # The staleness histogram: samples consumed this step per policy-version lag 0..max age.
+        counts = torch.bincount(ages, minlength=self.cfg.async_grpo.max_trajectory_age_steps + 1).tolist()
+        ages = ages.to(torch.float32)
+        out.update({"async/trajectory_age_counts": counts,
+                    "async/trajectory_age_mean": float(ages.mean()), "async/trajectory_age_max": float(ages.max()),
                     "async/buffered_groups": float(stats["held_groups"]), "async/failed_generations": float(stats["failed_generations"])})
         return out
 
@@ -200,16 +214,7 @@ class GRPOAsyncTrainer(GRPOSyncTrainer):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry; without ``--config`` the async CPU recipe is the base config."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--config" not in argv:
-        argv = ["--config", str(ASYNC_CONFIG), *argv]
-    try:
-        cfg = parse_cli(argv)
-        validate_async(cfg)
-    except (ConfigError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return run(GRPOAsyncTrainer, argv)
+    return run(GRPOAsyncTrainer, argv, default_config=str(ASYNC_CONFIG))
 
 
 if __name__ == "__main__":

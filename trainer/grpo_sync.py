@@ -31,6 +31,8 @@ class GRPOSyncTrainer(GRPOTrainerBase):
     """GRPO whose data plane is TQ (see module docstring)."""
 
     name = "grpo_sync"
+    uses_dataplane = True
+    path_name = "TQ path: workers fetch their shards from the data plane"
 
     def __init__(self, cfg: MasterConfig) -> None:
         if cfg.grpo.message_advantage_penalties:
@@ -83,6 +85,13 @@ class GRPOSyncTrainer(GRPOTrainerBase):
                         pass
         except Exception as exc:  # the service may be gone; exiting must not fail on it
             print(f"warning: could not drop the TQ partitions {self.owned_partitions()}: {exc!r}", file=sys.stderr, flush=True)
+
+    def dataplane_line(self) -> str:
+        dp = self.cfg.data_plane
+        if self.tq_server is not None:
+            return (f"{self.connection.address} (started here: {dp.storage_units} storage unit(s), "
+                    f"{dp.capacity_bytes / 2**20:.0f} MiB; stops with the run)")
+        return f"{self.connection.address} (a running tq-controller)"
 
     @property
     def tq_address(self) -> str:

@@ -1,5 +1,10 @@
-"""Run logging: a live progress line per step, JSONL metrics, TensorBoard, wandb (when installed and
-enabled) and a PNG of the reward and loss curves at the end of a run."""
+"""Run logging: a progress bar and a step line every ``logger.console_every`` steps on the console,
+every step's metrics in JSONL, TensorBoard and wandb (when installed and enabled), and a PNG of the
+reward and loss curves at the end of a run.
+
+A metric whose name ends in ``_counts`` and whose value is a list of counts is a histogram over the
+integers ``0..len-1`` (e.g. the async trainer's ``async/trajectory_age_counts``): the JSONL keeps the
+list, TensorBoard gets a histogram."""
 
 from __future__ import annotations
 
@@ -10,7 +15,11 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
+
 from .config import LoggerConfig
+
+HISTOGRAM_SUFFIX = "_counts"
 
 
 def _scalar(v: Any) -> float | None:
@@ -19,6 +28,13 @@ def _scalar(v: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return f if math.isfinite(f) else None
+
+
+def format_duration(seconds: float) -> str:
+    """``M:SS`` or ``H:MM:SS``."""
+    s = max(0, int(round(seconds)))
+    h, rem = divmod(s, 3600)
+    return f"{h}:{rem // 60:02d}:{rem % 60:02d}" if h else f"{rem // 60}:{rem % 60:02d}"
 
 
 def read_metrics_lineage(path: Path, upto: int | None = None) -> list[dict[str, Any]]:
@@ -78,6 +94,25 @@ class MetricsLogger:
                 self._wandb = wandb.init(project=cfg.wandb_project, name=run_name, config=dict(config_dump or {}))
         if config_dump is not None:
             (self.run_dir / "config.json").write_text(json.dumps(config_dump, indent=1, default=str))
+        self._bar: Any = None
+        self._clock: tuple[float, int] | None = None  # (start time, start step) of this process's steps
+
+    def start(self, step: int, total: int) -> None:
+        """Training starts (or resumes) at ``step`` of ``total``: the clock for elapsed / ETA starts, and
+        the progress bar (tqdm, on stderr when it is a terminal) appears."""
+        self._clock = (time.perf_counter(), step)
+        if self.cfg.progress and self.cfg.progress_bar and total > step:
+            from tqdm import tqdm
+
+            # disable=None: no bar when stderr is not a terminal (a log file gets the step lines only)
+            self._bar = tqdm(total=total, initial=step, unit="step", dynamic_ncols=True, disable=None, leave=False)
+
+    def write(self, line: str) -> None:
+        """A console line (through the bar, so it does not tear it)."""
+        if self._bar is not None and not self._bar.disable:
+            self._bar.write(line)
+        else:
+            print(line, flush=True)
 
     def log(self, step: int, metrics: Mapping[str, Any], prefix: str = "train") -> None:
         """Record ``metrics`` (non-scalars are kept in the JSONL only) for ``step``."""
@@ -88,12 +123,28 @@ class MetricsLogger:
         if self._tb is not None:
             for k, s in scalars.items():
                 self._tb.add_scalar(k, s, step)
+            for k, v in metrics.items():
+                if k.endswith(HISTOGRAM_SUFFIX) and isinstance(v, (list, tuple)) and sum(v) > 0:
+                    values = np.repeat(np.arange(len(v)), np.asarray(v, dtype=np.int64))
+                    self._tb.add_histogram(f"{prefix}/{k.removesuffix(HISTOGRAM_SUFFIX)}", values, step,
+                                           bins=np.arange(len(v) + 1) - 0.5)
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
 
     def progress(self, step: int, total: int, metrics: Mapping[str, Any]) -> None:
-        """One live line per step: reward, loss, step time and the timing breakdown."""
+        """Advance the bar; every ``logger.console_every`` steps (and the first and last) one line:
+        reward, loss, step time, the timing breakdown, elapsed and ETA."""
         if not self.cfg.progress:
+            return
+        start_time, start_step = self._clock or (time.perf_counter(), step - 1)
+        elapsed = time.perf_counter() - start_time
+        done = step - start_step
+        eta = elapsed / done * (total - step) if done > 0 else 0.0
+        if self._bar is not None:
+            self._bar.update(step - self._bar.n)
+            if (r := _scalar(metrics.get("reward"))) is not None:
+                self._bar.set_postfix(reward=f"{r:.3f}", refresh=False)
+        if not (step % self.cfg.console_every == 0 or done == 1 or step == total):
             return
         parts = [f"step {step}/{total}"]
         for key, label in (("reward", "reward"), ("loss", "loss"), ("token_mult_prob_error", "mult_prob_err"), ("step_time_s", "time")):
@@ -104,7 +155,10 @@ class MetricsLogger:
                   if k.startswith("timing/") and not k.startswith(("timing/driver_", "timing/worker_"))]
         if timing:
             parts.append("(" + ", ".join(timing) + ")")
-        print(" | ".join(parts), flush=True)
+        if (f := _scalar(metrics.get("dataplane/frac_of_step"))) is not None:
+            parts.append(f"data plane {100 * f:.0f}% of step")
+        parts.append(f"elapsed {format_duration(elapsed)}, ETA {format_duration(eta)}")
+        self.write(" | ".join(parts))
 
     def plot(self) -> Path | None:
         """reward and loss against step, as ``curves.png`` in the run directory."""
@@ -147,6 +201,9 @@ class MetricsLogger:
         return out
 
     def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
         self._jsonl.close()
         if self._tb is not None:
             self._tb.close()

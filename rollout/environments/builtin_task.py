@@ -12,6 +12,11 @@ init with the character-level tokenizer:
   wrong digit) makes the early signal denser still;
 - the mapping is a 25-entry table, within reach of a 2-layer, 64-wide model.
 
+Held out: :func:`builtin_task_split` keeps some operand pairs out of training (``split="train"``) for
+validation (``split="held_out"``): pairs ``a+b=`` with ``a > b`` whose mirror ``b+a=`` is trained on,
+so every answer and every operand is still seen in training and the held-out accuracy measures
+whether the model generalises (commutativity), not whether it memorised the table.
+
 Use it without a chat template (``builtin_task_processor_config``): the response starts right after
 the ``=``. Reward: 1 when the response, after leading whitespace, starts with the answer and is not
 followed by another digit (``"7"``, ``" 7"``, ``"7<|im_end|>"`` score for 7; ``"72"`` does not).
@@ -21,7 +26,7 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 import torch
 
@@ -31,6 +36,20 @@ from rollout.interfaces import EnvironmentInterface, EnvironmentReturn, Message
 BUILTIN_TASK_NAME = "builtin_add"
 BUILTIN_TASK_MAX_NEW_TOKENS = 2  # the answer token, plus one for an end-of-turn token
 _LEADING_NUMBER = re.compile(r"\s*(\d+)")
+DEFAULT_HELD_OUT_PAIRS = 5
+_SPLIT_SEED = 20240521  # the split is a property of the task, not of a run's seed
+
+
+def builtin_task_split(max_operand: int = 4, held_out: int = DEFAULT_HELD_OUT_PAIRS) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """``(train, held_out)`` pairs of the table: ``held_out`` pairs ``a+b=`` with ``a > b`` (a fixed
+    choice), whose mirrors ``b+a=`` stay in ``train``; disjoint, together the whole table."""
+    table = builtin_task_table(max_operand)
+    candidates = [i for i, (p, _) in enumerate(table) if p[0] > p[2]]
+    if not 0 <= held_out <= len(candidates):
+        raise ValueError(f"held_out must be in 0..{len(candidates)} (pairs a+b= with a > b) for max_operand={max_operand}, got {held_out}")
+    random.Random(_SPLIT_SEED).shuffle(candidates)
+    out = set(candidates[:held_out])
+    return [t for i, t in enumerate(table) if i not in out], [t for i, t in enumerate(table) if i in out]
 
 
 def builtin_task_table(max_operand: int = 4) -> list[tuple[str, str]]:
@@ -40,15 +59,25 @@ def builtin_task_table(max_operand: int = 4) -> list[tuple[str, str]]:
     return [(f"{a}+{b}=", str(a + b)) for a in range(max_operand + 1) for b in range(max_operand + 1)]
 
 
-def builtin_task_dataset(n: int, seed: int = 0, *, max_operand: int = 4) -> list[dict[str, Any]]:
-    """``n`` records ``{"prompt", "ground_truth", "task_name"}``, balanced over the distinct prompts.
+def builtin_task_dataset(n: int, seed: int = 0, *, max_operand: int = 4,
+                         split: Literal["all", "train", "held_out"] = "all",
+                         held_out: int = DEFAULT_HELD_OUT_PAIRS) -> list[dict[str, Any]]:
+    """``n`` records ``{"prompt", "ground_truth", "task_name"}``, balanced over the distinct prompts
+    of ``split``: the whole table, or the training or held-out part of :func:`builtin_task_split`.
 
-    The records cycle through seeded shuffles of the full table, so every prompt appears
-    ``n // table_size`` or one more times, and the same ``(n, seed)`` gives the same list.
+    The records cycle through seeded shuffles of those prompts, so every prompt appears
+    ``n // len(prompts)`` or one more times, and the same arguments give the same list.
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    table = builtin_task_table(max_operand)
+    if split == "all":
+        table = builtin_task_table(max_operand)
+    elif split in ("train", "held_out"):
+        table = builtin_task_split(max_operand, held_out)[split == "held_out"]
+    else:
+        raise ValueError(f"split must be 'all', 'train' or 'held_out', got {split!r}")
+    if not table and n:
+        raise ValueError(f"the {split!r} split of the built-in task is empty (held_out={held_out})")
     rng = random.Random(seed)
     records: list[dict[str, Any]] = []
     while len(records) < n:

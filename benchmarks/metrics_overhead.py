@@ -27,7 +27,7 @@ from benchmarks.outputs import add_output_args, code_version, cpu_model, open_ru
 from benchmarks.tq_throughput import bench_control_ops
 
 TARGET = 1.05  # p99 with metrics / p99 without
-SCRAPE_EVERY_S = 1.0
+SCRAPE_EVERY_S = 1.0  # default; Prometheus' own default is 15 s
 
 
 def _free_port() -> int:
@@ -52,11 +52,11 @@ while True:
 
 
 class Scraper:
-    """Scrapes ``url`` every SCRAPE_EVERY_S from another process; ``stop`` returns how many scrapes
+    """Scrapes ``url`` every ``every_s`` seconds from another process; ``stop`` returns how many scrapes
     returned TQ metrics."""
 
-    def __init__(self, url: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", _SCRAPER, url, str(SCRAPE_EVERY_S)], stdout=subprocess.PIPE, text=True)
+    def __init__(self, url: str, every_s: float) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _SCRAPER, url, str(every_s)], stdout=subprocess.PIPE, text=True)
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -65,14 +65,14 @@ class Scraper:
         return int(out.strip() or 0)
 
 
-def run_table(metrics: bool, iters: int) -> tuple[dict[str, dict[str, float]], int]:
+def run_table(metrics: bool, iters: int, scrape_every_s: float) -> tuple[dict[str, dict[str, float]], int]:
     """tq_throughput's control table against a service with or without metrics; (table, scrapes)."""
     if not metrics:
         os.environ.pop("TQ_METRICS_PORT", None)
         return bench_control_ops(iters), 0
     port = _free_port()
     os.environ["TQ_METRICS_PORT"] = str(port)
-    scraper = Scraper(f"http://127.0.0.1:{port}/metrics")
+    scraper = Scraper(f"http://127.0.0.1:{port}/metrics", scrape_every_s)
     try:
         table = bench_control_ops(iters)
     finally:
@@ -85,16 +85,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--control-iters", type=int, default=2000, help="timed calls per op, service and round")
     p.add_argument("--rounds", type=int, default=4, help="rounds; each runs both services (A-B, then B-A)")
+    p.add_argument("--scrape-every", type=float, default=SCRAPE_EVERY_S, metavar="S",
+                   help="seconds between scrapes of the metrics service (Prometheus' default: 15)")
     add_output_args(p, "metrics_overhead")
     a = p.parse_args()
-    if a.control_iters < 100 or a.rounds < 1:
-        p.error("--control-iters must be >= 100 (a p99 needs them) and --rounds >= 1")
+    if a.control_iters < 100 or a.rounds < 1 or a.scrape_every <= 0:
+        p.error("--control-iters must be >= 100 (a p99 needs them), --rounds >= 1 and --scrape-every > 0")
     out = open_run("metrics_overhead", a.run_dir)
     tables: dict[bool, list[dict[str, dict[str, float]]]] = {False: [], True: []}
     scrapes = 0
     for r in range(a.rounds):
         for metrics in ((False, True) if r % 2 == 0 else (True, False)):
-            table, n = run_table(metrics, a.control_iters)
+            table, n = run_table(metrics, a.control_iters, a.scrape_every)
             tables[metrics].append(table)
             scrapes += n
             print(f"round {r + 1}/{a.rounds}, metrics {'on' if metrics else 'off'}: "
@@ -114,12 +116,12 @@ def main() -> None:
     worst = max(v["p99_ratio"] for v in rows.values())
     machine = f"{platform.node()} - {len(os.sched_getaffinity(0))} usable CPUs ({cpu_model()}), Python {platform.python_version()}"
     res = {"machine": machine, "code": code_version(), "control_iters": a.control_iters, "rounds": a.rounds, "scrapes": scrapes,
-           "scrape_every_s": SCRAPE_EVERY_S, "ops": rows, "per_round": {"off": tables[False], "on": tables[True]},
+           "scrape_every_s": a.scrape_every, "ops": rows, "per_round": {"off": tables[False], "on": tables[True]},
            "p99_sum_ms": {"off": total_off, "on": total_on, "ratio": ratio}, "worst_op_p99_ratio": worst,
            "target": {"p99_ratio_max": TARGET, "met": ratio <= TARGET}}
     lines = ["# Metrics overhead: tq_throughput's control ops without and with `--metrics-port`\n",
              f"Machine: {machine}. {a.rounds} rounds x {a.control_iters} calls per op and service, services alternating "
-             f"A-B/B-A, medians over rounds; the metrics service scraped every {SCRAPE_EVERY_S:g} s ({scrapes} scrapes).\n",
+             f"A-B/B-A, medians over rounds; the metrics service scraped every {a.scrape_every:g} s ({scrapes} scrapes).\n",
              "| op | p50 off ms | p50 on ms | p99 off ms | p99 on ms | p99 on/off |", "|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {n} | {v['p50_ms_off']:.3f} | {v['p50_ms_on']:.3f} | {v['p99_ms_off']:.3f} | {v['p99_ms_on']:.3f} | "
               f"{v['p99_ratio']:.3f} |" for n, v in rows.items()]

@@ -308,9 +308,10 @@ def measure_step(path: str, policy: Any, source: Any, point: Point, timeout: flo
 
 # ----------------------------------------------------------------------------- a sweep on one Ray session
 def run_sweep(points: Sequence[Point], *, steps: int, storage_units: int = 1, cpus_per_rank: float = 1.0,
-              timeout: float = 600.0, log: Any = print) -> list[dict[str, Any]]:
+              timeout: float = 600.0, log: Any = print, rows_file: str | None = None) -> list[dict[str, Any]]:
     """Every point on both paths (one warm-up step each, then ``steps`` timed steps, the paths
-    alternating step by step); DP groups are started once per DP size. Returns one row per (point, path)."""
+    alternating step by step); DP groups are started once per DP size. Returns one row per (point, path),
+    each also appended to ``rows_file`` (JSON lines) as it is measured."""
     import ray
 
     from policy.config import PolicyConfig
@@ -363,6 +364,9 @@ def run_sweep(points: Sequence[Point], *, steps: int, storage_units: int = 1, cp
                         row = summarize(p, path, per_path[path], payload)
                         row["store_bytes_after"] = store_left if path == "tq" else 0
                         rows.append(row)
+                        if rows_file:
+                            with open(rows_file, "a") as f:
+                                f.write(json.dumps(row) + "\n")
                         log(f"  {p.key:>28s} {path:6s}: data movement {row['data_movement_s']:.3f}s "
                             f"(step {row['step_s']:.3f}s), driver {row['driver_bytes'] / MiB:.2f} MiB, "
                             f"peak RSS +{row['peak_rss_growth'] / MiB:.0f} MiB, fetch/rank max {1e3 * row['rank_fetch_max_s']:.1f} ms, "
@@ -668,7 +672,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(kind: str, steps: int, *, sweep_names: Sequence[str] | None = None, storage_units: int = 1,
-        cpus_per_rank: float = 1.0, transferqueue: bool = True, log: Any = print) -> dict[str, Any]:
+        cpus_per_rank: float = 1.0, transferqueue: bool = True, log: Any = print,
+        rows_file: str | None = None) -> dict[str, Any]:
     """Run sweep ``kind`` (``quick``, ``cpu`` or ``large``) and the get sweep; returns the result dict."""
     sweeps = build_sweep(kind)
     if sweep_names is not None:
@@ -683,7 +688,8 @@ def run(kind: str, steps: int, *, sweep_names: Sequence[str] | None = None, stor
     log(f"get sweep: {json.dumps({k: v for k, v in gets.items() if k in ('tq', 'transferqueue')}, default=str)[:600]}")
     points = unique(sweeps)
     log(f"dataplane_scale: {len(points)} points x 2 paths, {steps} timed steps each, {cores} cores")
-    rows = run_sweep(points, steps=steps, storage_units=storage_units, cpus_per_rank=cpus_per_rank, log=log)
+    rows = run_sweep(points, steps=steps, storage_units=storage_units, cpus_per_rank=cpus_per_rank, log=log,
+                     rows_file=rows_file)
     result = {"kind": kind, "quick": kind == "quick", "steps": steps, "cores": cores,
               "machine": f"{cores} CPUs ({cpu_model()})", "code": code_version(),
               "sweeps": {k: [asdict(p) for p in v] for k, v in sweeps.items()}, "rows": rows, "gets": gets,
@@ -706,7 +712,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = open_run("dataplane_scale", a.run_dir)
     result = run(kind, steps, sweep_names=names, storage_units=a.storage_units, cpus_per_rank=a.cpus_per_rank,
-                 transferqueue=not a.skip_transferqueue)
+                 transferqueue=not a.skip_transferqueue, rows_file=out.path("_rows.jsonl"))
     with open(out.path(".json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
     md = markdown(result)

@@ -322,9 +322,8 @@ def run_sweep(points: Sequence[Point], *, steps: int, storage_units: int = 1, cp
     biggest = max(p.payload_bytes() for p in points)
     max_dp = max(p.dp for p in points)
     capacity = max(256 * MiB, 3 * biggest)
-    ray.init(address="local", num_cpus=max_dp * cpus_per_rank + 2, include_dashboard=False, log_to_driver=False,
-             object_store_memory=max(512 * MiB, 4 * biggest),
-             runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+    # Ray's default object store (30% of RAM) holds the legacy path's batches; the workers inherit PYTHONPATH.
+    ray.init(address="local", num_cpus=int(max_dp * cpus_per_rank + 2), include_dashboard=False, log_to_driver=False)
     server = TQServer(storage_units=storage_units, capacity=capacity)
     rows: list[dict[str, Any]] = []
 
@@ -682,14 +681,14 @@ def run(kind: str, steps: int, *, sweep_names: Sequence[str] | None = None, stor
     t0 = time.perf_counter()
     n, length, iters = {"quick": (32, 256, 2), "cpu": (256, 1024, 5), "large": (1024, 4096, 5)}[kind]
     counts = (1, 32) if kind == "quick" else (1, 2, 8, 32)
-    gets: dict[str, Any] = {"n": n, "length": length, "tq": get_sweep_tq(n, length, counts, iters)}
-    if transferqueue:
-        gets["transferqueue"] = get_sweep_transferqueue(n, length, counts, iters)
-    log(f"get sweep: {json.dumps({k: v for k, v in gets.items() if k in ('tq', 'transferqueue')}, default=str)[:600]}")
     points = unique(sweeps)
     log(f"dataplane_scale: {len(points)} points x 2 paths, {steps} timed steps each, {cores} cores")
     rows = run_sweep(points, steps=steps, storage_units=storage_units, cpus_per_rank=cpus_per_rank, log=log,
                      rows_file=rows_file)
+    gets: dict[str, Any] = {"n": n, "length": length, "tq": get_sweep_tq(n, length, counts, iters)}
+    if transferqueue:
+        gets["transferqueue"] = get_sweep_transferqueue(n, length, counts, iters)
+    log(f"get sweep: {json.dumps({k: v for k, v in gets.items() if k in ('tq', 'transferqueue')}, default=str)[:600]}")
     result = {"kind": kind, "quick": kind == "quick", "steps": steps, "cores": cores,
               "machine": f"{cores} CPUs ({cpu_model()})", "code": code_version(),
               "sweeps": {k: [asdict(p) for p in v] for k, v in sweeps.items()}, "rows": rows, "gets": gets,

@@ -567,7 +567,7 @@ def check_targets(rows: Sequence[dict[str, Any]], sweeps: Mapping[str, Sequence[
         theirs = (f"; transferqueue {other[32]['gb_s'] / other[1]['gb_s']:.2f}x" if isinstance(other, dict) and 1 in other and 32 in other
                   else "")
         out.append({"target": "TQ get with 32 fields >= 0.8x its 1-field GB/s (same bytes)", "point": "get sweep",
-                    "value": f"{tq_gets[32]['gb_s']:.2f} / {tq_gets[1]['gb_s']:.2f} GB/s = {r:.2f}x{theirs}",
+                    "value": f"{tq_gets[32]['gb_s']:.2f} / {tq_gets[1]['gb_s']:.2f} GB/s = {r:.3f}x{theirs}",
                     "ratio": r, "passed": r >= 0.8})
     return out
 
@@ -581,8 +581,10 @@ def markdown(result: dict[str, Any]) -> str:
     rows, sweeps = result["rows"], {k: [Point(**p) for p in v] for k, v in result["sweeps"].items()}
     lines = [f"# Data plane at scale: one GRPO step's data movement, legacy vs TQ{' (quick)' if result['quick'] else ''}", "",
              f"Machine: {result['machine']}; code {result['code'].get('commit', '?')}. {result['steps']} timed steps per "
-             f"(point, path) after one warm-up, medians; {result['wall_s'] / 60:.1f} min in all. "
-             "Compute is a no-op that reads every byte a rank received; *data movement* = step wall time minus the "
+             f"(point, path) after one warm-up, medians"
+             + (f"; {result['wall_s'] / 60:.1f} min in all. " if result["wall_s"] == result["wall_s"] else ". ")
+             + (f"**Cut short** by its time limit: not measured {', '.join(result['cut_short'])}. " if result.get("cut_short") else "")
+             + "Compute is a no-op that reads every byte a rank received; *data movement* = step wall time minus the "
              "slowest rank's no-op. Driver bytes: pickled sizes received / sent. Peak RSS: the driver's, above its RSS "
              "before the step. Fetch: per rank and step (legacy: Ray delivering the shard with the call; TQ: its gets).", ""]
     for name, pts in sweeps.items():
@@ -666,8 +668,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--storage-units", type=int, default=1, help="TQ storage units (default 1)")
     p.add_argument("--cpus-per-rank", type=float, default=1.0, help="Ray logical CPUs per DP rank (default 1)")
     p.add_argument("--skip-transferqueue", action="store_true", help="leave the transferqueue package out of the get sweep")
+    g = p.add_argument_group("re-rendering a run cut short (its rows came back, its report did not)")
+    g.add_argument("--from-rows", default=None, help="the run's dataplane_scale_rows.jsonl; with the run's --quick/--large")
+    g.add_argument("--gets", default=None, help="the run's get sweep as it printed it: JSON {\"tq\": {fields: {...}}, ...}")
+    g.add_argument("--host", default=None, help="the measuring host, e.g. '32 CPUs (Intel Xeon) of a 2x H100 machine'")
+    g.add_argument("--host-cores", type=int, default=None, help="the measuring host's cores (the per-rank fetch target needs it)")
     add_output_args(p, "dataplane_scale")
     return p
+
+
+def from_rows(kind: str, steps: int, rows_path: str, gets_json: str | None, host: str, cores: int) -> dict[str, Any]:
+    """The result of a run cut short, from the rows it wrote (the sweep keeps the points that ran)."""
+    with open(rows_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    done = {r["point"] for r in rows}
+    sweeps = {k: [p for p in v if p.key in done] for k, v in build_sweep(kind).items()}
+    gets = {"n": 0, "length": 0, "tq": {}}
+    if gets_json:
+        gets.update(json.loads(gets_json))
+        gets["tq"] = {int(k): v for k, v in gets["tq"].items()}
+    missing = [p.key for v in build_sweep(kind).values() for p in v if p.key not in done]
+    result = {"kind": kind, "quick": kind == "quick", "steps": steps, "cores": cores, "machine": host,
+              "code": code_version(), "sweeps": {k: [asdict(p) for p in v] for k, v in sweeps.items()}, "rows": rows,
+              "gets": gets, "wall_s": float("nan"), "cut_short": sorted(set(missing))}
+    result["targets"] = check_targets(rows, sweeps, gets, cores)
+    return result
 
 
 def run(kind: str, steps: int, *, sweep_names: Sequence[str] | None = None, storage_units: int = 1,
@@ -710,8 +735,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --sweeps: unknown sub-sweeps {sorted(unknown)} (have dp, payload, fields, multimodal)", file=sys.stderr)
         return 2
     out = open_run("dataplane_scale", a.run_dir)
-    result = run(kind, steps, sweep_names=names, storage_units=a.storage_units, cpus_per_rank=a.cpus_per_rank,
-                 transferqueue=not a.skip_transferqueue, rows_file=out.path("_rows.jsonl"))
+    if a.from_rows:
+        if not (a.host and a.host_cores):
+            print("error: --from-rows needs --host and --host-cores (the measuring machine)", file=sys.stderr)
+            return 2
+        result = from_rows(kind, steps, a.from_rows, a.gets, a.host, a.host_cores)
+    else:
+        result = run(kind, steps, sweep_names=names, storage_units=a.storage_units, cpus_per_rank=a.cpus_per_rank,
+                     transferqueue=not a.skip_transferqueue, rows_file=out.path("_rows.jsonl"))
     with open(out.path(".json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
     md = markdown(result)

@@ -50,6 +50,7 @@ import json
 import os
 import statistics
 import sys
+import textwrap
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
@@ -650,7 +651,7 @@ def plot(result: dict[str, Any], out: RunOutput) -> None:
     for ax in axes:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(result["machine"], fontsize=9)
+    fig.suptitle(textwrap.fill(result["machine"], 120), fontsize=8)
     fig.tight_layout()
     fig.savefig(out.path("_fetch.png"), dpi=110)
     plt.close(fig)

@@ -324,7 +324,8 @@ def run_sweep(points: Sequence[Point], *, steps: int, storage_units: int = 1, cp
     max_dp = max(p.dp for p in points)
     capacity = max(256 * MiB, 3 * biggest)
     # Ray's default object store (30% of RAM) holds the legacy path's batches; the workers inherit PYTHONPATH.
-    ray.init(address="local", num_cpus=int(max_dp * cpus_per_rank + 2), include_dashboard=False, log_to_driver=False)
+    # Both paths' ranks are up at once (a legacy and a TQ group per DP size): logical CPUs for both.
+    ray.init(address="local", num_cpus=int(2 * max_dp * cpus_per_rank + 2), include_dashboard=False, log_to_driver=False)
     server = TQServer(storage_units=storage_units, capacity=capacity)
     rows: list[dict[str, Any]] = []
 

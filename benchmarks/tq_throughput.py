@@ -62,8 +62,10 @@ MAX_LEN = 4096
 # small operation (1-key puts and gets included) against the project's 1 ms; TQ's cold get; and the
 # slowest warm TQ get against its median (a buffer-pool miss shows up there).
 TARGETS = {"get_vs_transferqueue": 5.0, "get_vs_ray": 2.0, "get_vs_memcpy": 0.4, "put_vs_transferqueue": 3.0,
-           "tcp_get_vs_transferqueue": 2.0}
+           "tcp_get_vs_transferqueue": 2.0, "borrowed_vs_ray_views": 1.0}
 CONTROL_P99_MS = 1.0
+# 1-key puts and gets on the same host have a tighter bar (issue 22): one round trip each
+CONTROL_P99_BARS_MS = {"put, 1 key (same host)": 0.5, "get, 1 key (same host)": 0.5}
 COLD_GET_GBPS = 2.0
 WARM_FLOOR = 0.5
 FIELDS = ("input_ids", "generation_logprobs", "prev_logprobs", "token_mask")
@@ -206,7 +208,7 @@ def bench_tq(sizes: list[int], iters: int, transport: str) -> dict[int, dict[str
         proc.start()
         try:
             for size in sizes:
-                res = results.setdefault(size, {"put": [], "get": []})
+                res = results.setdefault(size, {"put": [], "get": [], **({"borrowed": []} if transport == "auto" else {})})
                 for it in range(_iters(size, iters)):
                     seed = size // MiB * 1000 + it
                     parent.send((size, seed, partition))
@@ -222,12 +224,170 @@ def bench_tq(sizes: list[int], iters: int, transport: str) -> dict[int, dict[str
                     if it == 0:
                         _check(got, make_batch(size, seed))
                     del got
+                    if transport == "auto":  # the borrowed get: read-only views of the arena, nothing copied
+                        t0 = time.perf_counter()
+                        got = client.get(meta, [*FIELDS, "rewards"], layout="jagged", copy=False)
+                        res["borrowed"].append(nbytes / (time.perf_counter() - t0))
+                        if it == 0:
+                            _check_jagged(got, make_batch(size, seed))
+                        got.release()
+                        del got
                     client.discard(meta)
         finally:
             parent.send(None)
             proc.join(30)
             client.close()
     return results
+
+
+# ----------------------------------------------------------------------------- concurrent writers and readers
+WRITERS_TARGET = 2.5  # aggregate put with 4 writers over one writer (a host with >= 8 cores)
+
+
+def _sweep_worker(address: str, partition: str, wid: int, nbytes: int, n_puts: int, conn: Any) -> None:
+    """One writer and reader of the sweep: builds its batches up front, then on each command puts them
+    all (or gets them all back padded, or discards them) and reports when it started and finished.
+    With a profile asked for, the put pass runs under cProfile and sends its top functions."""
+    import cProfile
+    import io
+    import pstats
+
+    from tq import JaggedTensor, TQClient
+
+    _one_torch_thread()
+    client = TQClient(address, timeout=120)
+    batches = []
+    for i in range(n_puts):
+        b = make_batch(nbytes, 10_000 * (wid + 1) + i)
+        cols: dict[str, Any] = {f: JaggedTensor(b[f], b["offsets"]) for f in FIELDS}
+        cols["rewards"] = b["rewards"]
+        batches.append((payload_bytes(nbytes, 10_000 * (wid + 1) + i), cols))
+    conn.send(sum(n for n, _ in batches))
+    metas: list[Any] = []
+    while (msg := conn.recv()) is not None:
+        op, tag, profile = msg
+        prof = cProfile.Profile() if profile else None
+        t0 = time.monotonic()  # CLOCK_MONOTONIC: comparable across the processes of one host
+        if op == "put":
+            if prof:
+                prof.enable()
+            metas = [client.put(partition, [f"w{wid}-{tag}-{i}-{j}" for j in range(len(cols["rewards"]))], cols)
+                     for i, (_, cols) in enumerate(batches)]
+            if prof:
+                prof.disable()
+        elif op == "get":
+            for m in metas:
+                client.get(m)
+        else:
+            for m in metas:
+                client.discard(m)
+        t1 = time.monotonic()
+        top = ""
+        if prof:
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(8)
+            top = buf.getvalue()
+        conn.send((t0, t1, top))
+    client.close()
+
+
+def bench_writers(counts: list[int], nbytes: int, n_puts: int, profile_at: int = 4) -> dict[str, Any]:
+    """Aggregate put and get GB/s of ``n`` concurrent writer (then reader) processes for each ``n`` in
+    ``counts``: each puts ``n_puts`` batches of ``nbytes`` into one service (one storage unit), then
+    gets its own back padded. Each count runs twice: into an arena whose free pages were given back
+    to the OS (``cold``: every write faults fresh pages in) and again into the same, now warm, pages."""
+    from tq import TQClient, TQServer
+
+    ctx = mp.get_context("spawn")
+    top = max(counts)
+    capacity = top * n_puts * (nbytes + 4 * MiB) + 256 * MiB
+    out: dict[str, Any] = {"counts": counts, "batch_bytes": nbytes, "puts_per_writer": n_puts, "cores": os.cpu_count(),
+                           "rows": [], "profiles": {}}
+    with TQServer(storage_units=1, capacity=capacity) as server, TQClient(server.address, timeout=120) as admin:
+        partition = f"sweep-{uuid.uuid4().hex[:6]}"
+        admin.register_partition(partition)
+        pipes, procs = [], []
+        for w in range(top):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_sweep_worker, args=(server.address, partition, w, nbytes, n_puts, child), daemon=True)
+            proc.start()
+            pipes.append(parent)
+            procs.append(proc)
+        try:
+            payload = [p.recv() for p in pipes]
+
+            def run(n: int, op: str, tag: str, profile: bool = False) -> float:
+                for i, p in enumerate(pipes[:n]):
+                    p.send((op, tag, profile and i == 0))
+                got = [p.recv() for p in pipes[:n]]
+                if got[0][2]:
+                    out["profiles"][f"{n} writers, {tag}"] = got[0][2]
+                return sum(payload[:n]) / (max(t1 for _, t1, _ in got) - min(t0 for t0, _, _ in got))
+
+            def freed() -> None:
+                """Wait until the unit applied the discards' frees (they are sent after the reply): the
+                next pass then reuses the same pages instead of faulting fresh ones in."""
+                deadline = time.monotonic() + 30
+                while admin.stats()["unit_stats"][0]["bytes_used"] and time.monotonic() < deadline:
+                    time.sleep(0.01)
+
+            for n in counts:
+                row: dict[str, Any] = {"writers": n}
+                for tag in ("cold", "warm", "warm2", "warm3"):
+                    freed()
+                    if tag == "cold":
+                        admin.trim()  # free pages back to the OS: this pass faults them in again
+                    row[f"put_{tag}"] = run(n, "put", tag, profile=n == profile_at and tag in ("cold", "warm"))
+                    row[f"get_{tag}"] = run(n, "get", tag)
+                    run(n, "discard", tag)
+                for op in ("put", "get"):  # warm: the median of three passes over the same pages
+                    row[f"{op}_warm_passes"] = [row.pop(f"{op}_{t}") for t in ("warm", "warm2", "warm3")]
+                    row[f"{op}_warm"] = statistics.median(row[f"{op}_warm_passes"])
+                out["rows"].append(row)
+                print(f"  {n} writers: put {row['put_cold'] / 1e9:.2f} cold, {row['put_warm'] / 1e9:.2f} warm GB/s; "
+                      f"get {row['get_warm'] / 1e9:.2f} GB/s", file=sys.stderr, flush=True)
+            st = admin.stats()
+            out["controller_ops"] = {k: v for k, v in st["ops"].items() if k in ("commit", "locate", "discard")}
+            out["unit_ops"] = {k: v for k, v in st["unit_stats"][0]["ops"].items() if k in ("alloc", "store", "adopt")}
+        finally:
+            for p in pipes:
+                try:
+                    p.send(None)
+                except OSError:
+                    pass
+            for proc in procs:
+                proc.join(30)
+    return out
+
+
+def writers_report(res: dict[str, Any]) -> str:
+    """The sweep's table and its target (aggregate put with 4 writers over one writer, warm)."""
+    rows = res["rows"]
+    one = next((r for r in rows if r["writers"] == 1), None)
+    lines = [f"Machine: {res.get('machine', machine_info())}", "",
+             f"Concurrent writers, then readers, of one service (1 storage unit): each puts {res['puts_per_writer']} "
+             f"GRPO-shaped batches of {res['batch_bytes'] // MiB} MiB, then gets them back padded. GB/s of payload "
+             "over the wall time from the first start to the last finish. cold: the arena's free pages were given "
+             "back to the OS first (every write faults fresh pages in); warm: the same pages again (the median of "
+             "three passes, each after the unit applied the previous pass's frees).", "",
+             "| writers | put GB/s cold | put GB/s warm | warm put / 1 writer | get GB/s cold | get GB/s warm | warm get / 1 reader |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['writers']} | {r['put_cold'] / 1e9:.2f} | {r['put_warm'] / 1e9:.2f} | "
+                     f"{r['put_warm'] / one['put_warm']:.2f}x | {r['get_cold'] / 1e9:.2f} | {r['get_warm'] / 1e9:.2f} | "
+                     f"{r['get_warm'] / one['get_warm']:.2f}x |" if one else "")
+    four = next((r for r in rows if r["writers"] == 4), None)
+    if one and four:
+        ratio = four["put_warm"] / one["put_warm"]
+        cores_ok = (res.get("cores") or 0) >= 8
+        met = ratio >= WRITERS_TARGET
+        res["target"] = {"target": WRITERS_TARGET, "measured": ratio, "met": met, "cores": res.get("cores")}
+        lines += ["", f"Target: aggregate put with 4 writers >= {WRITERS_TARGET}x one writer (warm), on >= 8 cores: "
+                  f"{ratio:.2f}x on {res.get('cores')} cores - " + ("met" if met else "NOT met")
+                  + ("" if cores_ok else " (this host has fewer than 8 cores: not the target's host)")]
+    for name, text in res.get("profiles", {}).items():
+        lines += ["", f"Profile of writer 0's puts ({name}), top functions by own time:", "", "```", text.strip(), "```"]
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- the baselines' two forms
@@ -519,6 +679,15 @@ def machine_info() -> str:
             f"torch {torch.__version__}")
 
 
+def _check_jagged(got: dict[str, Any], batch: dict[str, Any]) -> None:
+    """A borrowed get's jagged views hold the batch's values and offsets."""
+    for f in FIELDS:
+        if not (torch.equal(got[f].values, batch[f]) and torch.equal(got[f].offsets, batch["offsets"])):
+            raise AssertionError(f"field {f} came back different (borrowed)")
+    if not torch.equal(got["rewards"], batch["rewards"]):
+        raise AssertionError("rewards came back different (borrowed)")
+
+
 FORM_TAGS = {"put": "jagged", "put_padded": "padded", "get": "pad", "get_views": "views"}
 
 
@@ -546,14 +715,14 @@ def report(all_res: dict[str, Any], sizes: list[int]) -> str:
         "nothing copied. A baseline's put and transferqueue's get show the faster of its two forms: [jagged] or "
         "[padded] tensors put; [pad]: the get's flat rows padded, [views]: padded rows stored and viewed.",
         "",
-        "| batch | payload MB | memcpy | TQ put | TQ get | TQ tcp put | TQ tcp get | Ray put | Ray get | Ray views "
+        "| batch | payload MB | memcpy | TQ put | TQ get | TQ borrowed | TQ tcp put | TQ tcp get | Ray put | Ray get | Ray views "
         "| transferqueue put | transferqueue get |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     cold_lines = ["", "Cold gets: GB/s of the first get of each size (fresh pages faulted in); the last column is "
                   "the slowest warm TQ get over the warm median.", "",
-                  "| batch | memcpy | TQ get | TQ tcp get | Ray get | Ray views | transferqueue get | TQ slowest warm get / median |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| batch | memcpy | TQ get | TQ borrowed | TQ tcp get | Ray get | Ray views | transferqueue get | TQ slowest warm get / median |",
+                  "|---|---|---|---|---|---|---|---|---|"]
     ratios = []
     for size in sizes:
         mc, tq = all_res["memcpy"][size], all_res["tq"][size]
@@ -564,10 +733,10 @@ def report(all_res: dict[str, Any], sizes: list[int]) -> str:
         tag = lambda k: f" [{FORM_TAGS[k]}]" if k else ""  # noqa: E731
         lines.append("| " + " | ".join([
             f"{size // MiB} MiB", f"{tq['bytes'] / 1e6:.0f}", warm(mc, "copy"), warm(tq, "put"), warm(tq, "get"),
-            warm(tcp, "put"), warm(tcp, "get"), warm(ray_, rput) + tag(rput), warm(ray_, "get"), warm(ray_, "get_views"),
+            warm(tq, "borrowed"), warm(tcp, "put"), warm(tcp, "get"), warm(ray_, rput) + tag(rput), warm(ray_, "get"), warm(ray_, "get_views"),
             warm(ptq, pput) + tag(pput), warm(ptq, pget) + tag(pget)]) + " |")
         cold_lines.append("| " + " | ".join([
-            f"{size // MiB} MiB", cold(mc, "copy"), cold(tq, "get"), cold(tcp, "get"), cold(ray_, "get"),
+            f"{size // MiB} MiB", cold(mc, "copy"), cold(tq, "get"), cold(tq, "borrowed"), cold(tcp, "get"), cold(ray_, "get"),
             cold(ray_, "get_views"), cold(ptq, pget) + tag(pget), f"{_floor(tq['get']):.2f}"]) + " |")
         med = lambda r, k: _warm(r[k])  # noqa: E731
         r = {"size": f"{size // MiB} MiB", "get_vs_memcpy": med(tq, "get") / med(mc, "copy"),
@@ -575,6 +744,8 @@ def report(all_res: dict[str, Any], sizes: list[int]) -> str:
         if ray_:
             r.update(get_vs_ray=med(tq, "get") / med(ray_, "get"), get_vs_ray_views=med(tq, "get") / med(ray_, "get_views"),
                      put_vs_ray=med(tq, "put") / med(ray_, rput))
+            if tq.get("borrowed"):
+                r["borrowed_vs_ray_views"] = med(tq, "borrowed") / med(ray_, "get_views")
         if ptq:
             r.update(get_vs_transferqueue=med(tq, "get") / med(ptq, pget), put_vs_transferqueue=med(tq, "put") / med(ptq, pput))
         if ptq and tcp:
@@ -582,26 +753,29 @@ def report(all_res: dict[str, Any], sizes: list[int]) -> str:
         ratios.append(r)
     lines += cold_lines
     lines += ["", "Ratios of warm medians (targets: get >= 5x transferqueue, >= 2x Ray, >= 0.4x memcpy; put >= 3x "
-              "transferqueue; TCP get >= 2x transferqueue; Ray views is reported, not a target):", "",
-              "| batch | TQ get / memcpy | TQ get / Ray | TQ get / Ray views | TQ get / transferqueue | TQ put / Ray "
-              "| TQ put / transferqueue | TQ tcp get / transferqueue |",
-              "|---|---|---|---|---|---|---|---|"]
+              "transferqueue; TCP get >= 2x transferqueue; borrowed get >= 1x Ray views; the copying get against Ray "
+              "views is reported, not a target):", "",
+              "| batch | TQ get / memcpy | TQ get / Ray | TQ get / Ray views | TQ borrowed / Ray views | TQ get / transferqueue "
+              "| TQ put / Ray | TQ put / transferqueue | TQ tcp get / transferqueue |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in ratios:
         f = lambda k: f"{r[k]:.2f}x" if k in r else "n/a"  # noqa: E731
-        lines.append(f"| {r['size']} | {f('get_vs_memcpy')} | {f('get_vs_ray')} | {f('get_vs_ray_views')} | "
+        lines.append(f"| {r['size']} | {f('get_vs_memcpy')} | {f('get_vs_ray')} | {f('get_vs_ray_views')} | {f('borrowed_vs_ray_views')} | "
                      f"{f('get_vs_transferqueue')} | {f('put_vs_ray')} | {f('put_vs_transferqueue')} | "
                      f"{f('tcp_get_vs_transferqueue')} |")
-    lines += ["", f"Small operations (TQ; target p99 < {CONTROL_P99_MS:g} ms each):", "",
-              "| operation | p50 ms | p99 ms |", "|---|---|---|"]
+    lines += ["", f"Small operations (TQ; target p99 <= {CONTROL_P99_MS:g} ms each, "
+              + ", ".join(f"{k} <= {v:g} ms" for k, v in CONTROL_P99_BARS_MS.items()) + "):", "",
+              "| operation | p50 ms | p99 ms | bar ms |", "|---|---|---|---|"]
     for name, v in all_res["control_ops"].items():
-        lines.append(f"| {name} | {v['p50_ms']:.3f} | {v['p99_ms']:.3f} |")
+        lines.append(f"| {name} | {v['p50_ms']:.3f} | {v['p99_ms']:.3f} | {CONTROL_P99_BARS_MS.get(name, CONTROL_P99_MS):g} |")
     targets = {}
     for key, bar in TARGETS.items():
         got = [r[key] for r in ratios if key in r]
         if got:
             targets[key] = {"target": bar, "worst": min(got), "met": min(got) >= bar}
-    p99 = max((v["p99_ms"] for v in all_res["control_ops"].values()), default=0.0)
-    targets["control_p99_ms"] = {"target": CONTROL_P99_MS, "worst": p99, "met": p99 < CONTROL_P99_MS}
+    # each operation's p99 over its bar: the worst (highest) ratio must be <= 1
+    over = max((v["p99_ms"] / CONTROL_P99_BARS_MS.get(k, CONTROL_P99_MS) for k, v in all_res["control_ops"].items()), default=0.0)
+    targets["control_p99_over_bar"] = {"target": 1.0, "worst": over, "met": over <= 1.0}
     worst_cold = min(r["tq_cold_get_gbps"] for r in ratios)
     targets["cold_get_gbps"] = {"target": COLD_GET_GBPS, "worst": worst_cold, "met": worst_cold >= COLD_GET_GBPS}
     floor = min(r["tq_warm_floor"] for r in ratios)
@@ -641,6 +815,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed calls of each small operation, after 50 untimed ones (default 2000)")
     p.add_argument("--from-json", default=None,
                    help="only rebuild the report (tables, ratios, targets) of an earlier run's JSON, into a fresh run directory")
+    p.add_argument("--writers", type=int, nargs="+", default=None,
+                   help="only the concurrent writers/readers sweep, e.g. --writers 1 2 4 8 16 (its own run: tq_writers)")
+    p.add_argument("--writer-mib", type=int, default=32, help="batch MiB each writer puts in the sweep (default 32)")
+    p.add_argument("--writer-puts", type=int, default=4, help="batches each writer puts in the sweep (default 4)")
     p.add_argument("--note", action="append", default=[],
                    help="a line for the report's notes, e.g. what else ran on the machine (repeatable)")
     add_output_args(p, "tq_throughput")
@@ -654,6 +832,19 @@ def main(argv: list[str] | None = None) -> int:
         a.sizes_mib, a.iters, a.rounds = [8, 32], 4, 1
     if a.rounds < 1 or a.iters < 1 or a.control_iters < 1 or min(a.sizes_mib) < 1:
         p.error("--rounds, --iters, --control-iters and --sizes-mib must be >= 1")
+    if a.writers:
+        out = open_run("tq_writers", a.run_dir)
+        res = {"command": " ".join(["python -m benchmarks.tq_throughput", *(sys.argv[1:] if argv is None else argv)]),
+               "started": time.strftime("%Y-%m-%d %H:%M"), "code": code_version(), "machine": machine_info(),
+               **bench_writers(a.writers, a.writer_mib * MiB, a.writer_puts)}
+        table = writers_report(res)
+        with open(out.path(".json"), "w") as f:
+            json.dump(res, f, indent=1, default=str)
+        with open(out.path(".md"), "w") as f:
+            f.write(f"# TQ concurrent writers\n\n`{res['command']}` ({res['started']})\n\n{table}\n")
+        print(table)
+        out.finish(a.publish, a.machine)
+        return 0
     out = open_run("tq_throughput", a.run_dir)
     if a.from_json:
         with open(a.from_json) as f:

@@ -2,9 +2,11 @@
 
 Data never passes through the controller: the client asks the controller where (key, field) pairs
 live, then moves bytes straight to or from the storage units. On the same host it writes into a
-unit's shared-memory arena and reads rows at the arena offsets the controller located, so a get is one
-round trip (to the controller) plus one memory copy into the result; elsewhere bytes stream over TCP
-as raw frames (one round trip per unit, all units asked in parallel). On the controller's host a get
+unit's shared-memory arena (blocks carved out of a slab the unit granted, so a put is one round trip:
+its commit) and reads rows at the arena offsets the controller located, so a get is one round trip
+(to the controller) plus one memory copy into the result, or no copy at all when borrowed
+(``get(copy=False)``); elsewhere bytes stream over TCP as raw frames (one round trip per unit, all
+units asked in parallel). On the controller's host a get
 of a meta the service handed out needs no round trip at all: the client reads the locations from the
 controller's shared location table (:mod:`tq.locations`) and falls back to asking whenever it cannot
 trust what it read.
@@ -13,8 +15,12 @@ trust what it read.
 from __future__ import annotations
 
 import itertools
+import mmap
 import os
 import threading
+import time
+import warnings
+import weakref
 from collections import abc
 from typing import Any, Callable, Literal, Mapping, NamedTuple, Sequence, TypeVar
 
@@ -43,7 +49,7 @@ from .protocol import LOC_BLOCK as BLOCK, LOC_COLUMNS, LOC_NBYTES as NBYTES, LOC
 from .protocol import LOC_ROW as ROW, LOC_UNIT as UNIT  # record columns
 from .rowcopy import copy_rows, write_chunks
 from .rpc import RpcChannel, time_budget, time_left
-from .schema import JAGGED, OBJECT, FieldSchema
+from .schema import DTYPES, JAGGED, OBJECT, FieldSchema
 
 ReadsArgsT = TypeVar("ReadsArgsT", bound=messages.ReadsArgs)
 
@@ -53,7 +59,11 @@ _FIELD_ALIGN = 64
 _default_pool = HostBufferPool()
 # Copies out of a shared arena that raced a free are redone this often before the units send the rows.
 SHM_READ_TRIES = 3
+# Same-host puts carve blocks out of slabs: SLAB_BYTES and SLAB_IDS blocks per grant, used for at most
+# SLAB_USE_S (well inside the unit's 60 s allocation lease); a put above a quarter slab gets its own.
+SLAB_BYTES, SLAB_IDS, SLAB_USE_S = 4 << 20, 1024, 20.0
 ABORT_PROBE_S = 0.5  # after a commit got no reply: how long to ask whether it landed
+DEFAULT_LEASE_S = 30.0  # a borrowed get's lease term; a live holder renews it every third of it
 UNIT_STATS_TIMEOUT_S = 2.0  # stats wait this long for each storage unit before showing it down
 
 
@@ -109,13 +119,35 @@ def _byte_range(chunks: Sequence[np.ndarray], start: int, stop: int) -> list[np.
 
 class _StoredPart(NamedTuple):
     """Rows ``[start, stop)`` of a write, stored as ``block`` of ``unit``; ``starts`` maps each field
-    to the arena offset where its bytes begin."""
+    to the arena offset where its bytes begin; ``slab``: ``(slab id, start, size)`` when the block was
+    carved out of a slab (its unit learns of it from the controller, once committed)."""
 
     unit: int
     block: int
     start: int
     stop: int
     starts: dict[str, int]
+    slab: tuple[int, int, int] | None = None
+
+
+class _Slab:
+    """A range of a same-host unit's arena and a range of block ids granted to this client: puts
+    carve blocks out of it with no request to the unit."""
+
+    __slots__ = ("aid", "pos", "end", "next_id", "end_id", "use_until")
+
+    def __init__(self, aid: int, start: int, size: int, first_id: int, n_ids: int, use_until: float) -> None:
+        self.aid, self.pos, self.end = aid, start, start + size
+        self.next_id, self.end_id, self.use_until = first_id, first_id + n_ids, use_until
+
+    def carve(self, nbytes: int, now: float) -> tuple[int, int] | None:
+        """(start, block id) of a block of ``nbytes`` (ALIGN-rounded), or None if it does not fit."""
+        if self.pos + nbytes > self.end or self.next_id >= self.end_id or now > self.use_until:
+            return None
+        start, bid = self.pos, self.next_id
+        self.pos += nbytes
+        self.next_id += 1
+        return start, bid
 
 
 class _UnitRestarted(Exception):
@@ -201,6 +233,121 @@ def _in_arena(arena: np.ndarray, schemas: list[FieldSchema], fields: list[str], 
                            None if totals is None else totals[f]) for f, name in enumerate(fields)}
 
 
+class BorrowedBatch(dict):
+    """What ``get(..., copy=False)`` returns: field -> value, where the fields named in ``viewed`` are
+    read-only tensors viewing the storage arena (nothing copied) and the others are copies.
+
+    The viewed bytes stay valid, whatever other clients discard, clear or overwrite meanwhile, until
+    every tensor viewing them (slices and views of them included) is garbage collected, or until
+    :meth:`release` (also on leaving a ``with`` block): after that the tensors must not be read.
+    Writing to a viewed tensor is refused by the OS (the arena is mapped read-only here): ``clone()``
+    one to modify it."""
+
+    def __init__(self, values: dict[str, Any], viewed: frozenset[str], release: Callable[[], None] | None) -> None:
+        super().__init__(values)
+        self.viewed = viewed
+        self._release = release
+
+    def release(self) -> None:
+        """Give the views up now (idempotent): the storage they view may be freed and reused."""
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def __enter__(self) -> "BorrowedBatch":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+class _LeaseKeeper:
+    """The leases of a client's borrowed gets: renews those with live views every third of their
+    term and gives up each one once its last view is collected (from a thread of its own, since a
+    collection may run in the middle of any request of the client's own threads)."""
+
+    def __init__(self, client: "TQClient") -> None:
+        self._client = weakref.ref(client)
+        self._views: dict[int, int] = {}  # lease id -> tensors' arrays still alive
+        self._ended: list[int] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def hold(self, lease: int, arrays: list[np.ndarray]) -> Callable[[], None]:
+        """Track ``lease`` until every array handed to torch for it is collected; returns the
+        explicit release."""
+        with self._lock:
+            self._views[lease] = len(arrays)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tq-lease-keeper", daemon=True)
+                self._thread.start()
+        for a in arrays:
+            weakref.finalize(a, self._collected, lease)
+        return lambda: self.release_now(lease)
+
+    def _collected(self, lease: int) -> None:
+        with self._lock:
+            left = self._views.get(lease)
+            if left is None:
+                return
+            if left > 1:
+                self._views[lease] = left - 1
+                return
+            del self._views[lease]
+            self._ended.append(lease)
+        self._wake.set()
+
+    def release_now(self, lease: int) -> None:
+        with self._lock:
+            if self._views.pop(lease, None) is None:
+                return
+        client = self._client()
+        if client is not None:
+            client._call(Op.LEASES, messages.Leases(release=[lease]))
+
+    def _run(self) -> None:
+        while not self._stopped:
+            client = self._client()
+            if client is None:
+                return
+            period = client.lease_s / 3
+            del client
+            self._wake.wait(period)
+            self._wake.clear()
+            self.flush()
+
+    def flush(self) -> None:
+        """Renew the leases still viewed, give up the others."""
+        with self._lock:
+            renew, ended, self._ended = list(self._views), self._ended, []
+        client = self._client()
+        if client is None or not (renew or ended):
+            return
+        try:
+            reply = client._call(Op.LEASES, messages.Leases(renew=renew, release=ended), timeout=min(client.timeout, client.lease_s / 3))
+        except TQError:  # the controller is away: try again next period (leases are journaled)
+            with self._lock:
+                self._ended.extend(ended)
+            return
+        if reply.get("ended"):
+            warnings.warn(f"{len(reply['ended'])} borrowed gets outlived their lease: their views may show reused storage",
+                          RuntimeWarning, stacklevel=1)
+
+    def stop(self) -> None:
+        """Give every lease up (the client closes) and stop the thread."""
+        self._stopped = True
+        with self._lock:
+            self._ended.extend(self._views)
+            self._views.clear()
+        try:
+            self.flush()
+        except TQError:
+            pass
+        self._wake.set()
+
+
 class TQClient:
     """A long-lived, thread-safe connection to a TQ service (controller + storage units).
 
@@ -214,6 +361,8 @@ class TQClient:
         capacity_wait_s: a write that finds its storage unit full waits up to this long for room
             (backpressure) before :class:`~tq.errors.CapacityError`; 0 fails at once. Nothing stored is
             ever evicted to make room.
+        lease_s: the term of a borrowed get's lease (``get(..., copy=False)``): this client renews
+            it while the views live; if the client dies, the controller ends it after this long.
     """
 
     def __init__(
@@ -225,12 +374,20 @@ class TQClient:
         transport: Literal["auto", "tcp"] = "auto",
         buffer_pool: HostBufferPool | None = None,
         capacity_wait_s: float = 0.0,
+        lease_s: float = DEFAULT_LEASE_S,
     ) -> None:
         if transport not in ("auto", "tcp"):
             raise InvalidRequestError(f"transport must be 'auto' or 'tcp', got {transport!r}")
         secret = secret if secret is not None else os.environ.get("TQ_SECRET")
         self.address, self.timeout, self.transport = address, timeout, transport
         self.capacity_wait_s = capacity_wait_s
+        if not 0.0 < lease_s <= 86400.0:
+            raise InvalidRequestError(f"lease_s must be in (0, 86400] seconds, got {lease_s!r}")
+        self.lease_s = lease_s
+        self._leases = _LeaseKeeper(self)
+        self._ro_views: dict[int, np.ndarray] = {}  # unit -> its arena mapped read-only (borrowed views)
+        self._slabs: dict[int, _Slab] = {}  # unit -> the slab this client's same-host puts carve from
+        self._slab_lock = threading.Lock()
         self._secret = secret.encode() if secret else None
         self._pool = buffer_pool or _default_pool
         self._ctrl = RpcChannel(address, secret=self._secret, timeout=timeout, name="controller")
@@ -306,7 +463,13 @@ class TQClient:
         return fits[next(self._rr) % len(fits)]
 
     def close(self) -> None:
-        """Close every connection and unmap every arena."""
+        """Give up every lease, close every connection and unmap every arena."""
+        if hasattr(self, "_leases"):
+            self._leases.stop()
+            with self._slab_lock:
+                for unit, slab in list(self._slabs.items()):
+                    self._give_back(unit, slab)
+                self._slabs.clear()
         self._ctrl.close()
         for chan in self._unit_chans.values():
             chan.close()
@@ -430,6 +593,7 @@ class TQClient:
         tags: Mapping[str, Sequence[Any]] | None, sequence_lengths: Sequence[int] | None, overwrite: bool,
     ) -> dict[str, Any]:
         parts = self._store_parts(encoded, len(keys))
+        slabs = [p.slab for p in parts if p.slab is not None]
         cbufs: list[Any] = []
         commit = messages.Commit(
             partition=partition_id, keys=keys, mode=mode, blocks=[(p.unit, p.block, p.stop - p.start) for p in parts],
@@ -439,6 +603,7 @@ class TQClient:
                     for n, c in encoded.items()},
             overwrite=overwrite, tags={k: list(v) for k, v in tags.items()} if tags else None,
             sequence_lengths=[int(s) for s in sequence_lengths] if sequence_lengths is not None else None,
+            slabs=slabs if len(slabs) == len(parts) else None,
         )
         probe_s = min(ABORT_PROBE_S, 0.25 * self.timeout)
         try:
@@ -465,7 +630,8 @@ class TQClient:
         space. A part stored before a later one failed is given back (fenced by the controller)."""
         need = self._stored_bytes(encoded, 0, n)
         try:
-            return [self._store(self._pick_unit(need), encoded, 0, n)]
+            unit = self._pick_unit(need)
+            return [self._put_here(unit, encoded, n, need) if self._is_local(unit) else self._store(unit, encoded, 0, n)]
         except CapacityError as exc:
             if not getattr(exc, "retryable", True) and len(self._units) < 2:
                 raise
@@ -480,6 +646,53 @@ class TQClient:
             self._abort_parts(parts)
             raise
         return parts
+
+    def _put_here(self, unit: int, encoded: dict[str, EncodedColumn], n: int, need: int) -> _StoredPart:
+        """Write all rows into a block carved out of this client's slab on ``unit`` (a unit of this
+        host): no request to the unit, so the put's commit is its only round trip."""
+        aid, base, bid = self._carve(unit, need)
+        view, starts, pos = self._arena(unit).view, {}, base
+        for name, col in encoded.items():
+            nb = int(col.row_offsets[n] - col.row_offsets[0])
+            write_chunks(view[pos : pos + nb], col.chunks)
+            starts[name] = pos
+            pos = align_up(pos + nb, _FIELD_ALIGN)
+        return _StoredPart(unit, bid, 0, n, starts, (aid, base, need))
+
+    def _carve(self, unit: int, need: int) -> tuple[int, int, int]:
+        """(slab id, arena offset, block id) of ``need`` bytes on ``unit``: from this client's slab,
+        else from a new one (a request to the unit, once per SLAB_IDS puts or SLAB_BYTES), or a slab of
+        its own for a put above a quarter slab."""
+        with self._slab_lock:
+            now = time.monotonic()
+            slab = self._slabs.get(unit)
+            got = slab.carve(need, now) if slab is not None else None
+            if got is not None:
+                return slab.aid, got[0], got[1]  # type: ignore[union-attr]
+            if need > SLAB_BYTES // 4:
+                g = self._unit_call(unit, UnitOp.ALLOC, messages.Alloc(nbytes=need, wait_s=self.capacity_wait_s, ids=1), [])
+                return g["alloc"], g["offset"], g["first_block"]
+            if slab is not None:
+                del self._slabs[unit]
+                self._give_back(unit, slab)
+            try:
+                g = self._unit_call(unit, UnitOp.ALLOC, messages.Alloc(nbytes=SLAB_BYTES, ids=SLAB_IDS), [])
+            except CapacityError:  # no room for a whole slab: one just for this put (waiting for room)
+                g = self._unit_call(unit, UnitOp.ALLOC, messages.Alloc(nbytes=need, wait_s=self.capacity_wait_s, ids=1), [])
+                return g["alloc"], g["offset"], g["first_block"]
+            slab = self._slabs[unit] = _Slab(g["alloc"], g["offset"], SLAB_BYTES, g["first_block"], SLAB_IDS, now + SLAB_USE_S)
+            start, bid = slab.carve(need, now)  # type: ignore[misc]
+            return slab.aid, start, bid
+
+    def _give_back(self, unit: int, slab: _Slab) -> None:
+        """Have the ids this client never used fenced, so the unit closes the slab and frees what no
+        block took now instead of after its lease (best effort: the lease settles it otherwise)."""
+        if slab.next_id < slab.end_id:
+            try:
+                self._call(Op.ABORT_BLOCKS, messages.AbortBlocks(blocks=[(unit, b) for b in range(slab.next_id, slab.end_id)]),
+                           timeout=min(self.timeout, 2.0))
+            except TQError:
+                pass
 
     def _unit_call(self, unit: int, op: UnitOp, args: messages.Args, buffers: list[Any]) -> Any:
         """A write request to ``unit`` (waiting for room up to ``capacity_wait_s``), asked again at the
@@ -725,6 +938,7 @@ class TQClient:
         pad_to: int | None = None,
         pad_value: float | int | bool | Mapping[str, float | int | bool] = 0,
         wait_timeout: float | None = None,
+        copy: bool = True,
     ) -> dict[str, Any]:
         """Fetch ``fields`` (default: ``meta.fields``) for the meta's keys, in key order.
 
@@ -735,6 +949,12 @@ class TQClient:
         map); ``"jagged"`` - a :class:`JaggedTensor`; ``"list"`` - one tensor per sample.
         ``wait_timeout`` first waits up to that long for the fields to be produced (parked on the
         controller within the same round trip; :class:`~tq.errors.TQTimeoutError` if they are not).
+
+        ``copy=False`` borrows instead of copying where the layout allows: a field whose rows lie back
+        to back in one arena of this host (as a put stored them, read in the same key order) comes
+        back as read-only tensors viewing the arena - fixed-shape fields, ``"jagged"`` values (the
+        offsets are computed), ``"list"`` rows, and ``"padded"`` rows that need no padding - pinned
+        by a lease (see :class:`BorrowedBatch`, which is returned); other fields are copied.
         """
         if layout not in ("padded", "jagged", "list"):
             raise InvalidRequestError(f"layout must be 'padded', 'jagged' or 'list', got {layout!r}")
@@ -742,7 +962,98 @@ class TQClient:
         if not fields:
             raise InvalidRequestError("get needs at least one field (the meta names none)")
         with time_budget(self.timeout + (wait_timeout or 0.0)):  # every request of the get, in all
+            if not copy:
+                return self._get_borrowed(meta, fields, layout, pad_to, pad_value, wait_timeout)
             return self._get_within(meta, fields, layout, pad_to, pad_value, wait_timeout)
+
+    def _read_only(self, unit: int) -> np.ndarray:
+        """``unit``'s arena mapped read-only: a write through a borrowed view faults instead of
+        changing stored bytes."""
+        view = self._ro_views.get(unit)
+        if view is None:
+            u = self._units[unit]
+            fd = os.open(u["arena_path"], os.O_RDONLY)
+            try:
+                view = np.frombuffer(mmap.mmap(fd, u["arena_size"], prot=mmap.PROT_READ), dtype=np.uint8)
+            finally:
+                os.close(fd)
+            self._ro_views[unit] = view
+        return view
+
+    def _get_borrowed(self, meta: KVBatchMeta, fields: list[str], layout: Layout, pad_to: int | None,
+                      pad_value: Any, wait_timeout: float | None) -> BorrowedBatch:
+        """One locate that also leases the rows; views of the fields that lie back to back in one
+        arena of this host, a copying get of the rest."""
+        if not meta.keys or self.transport != "auto":
+            return BorrowedBatch(self._get_within(meta, fields, layout, pad_to, pad_value, wait_timeout), frozenset(), None)
+        args = messages.Locate(partition=meta.partition_id, keys=list(meta.keys), fields=fields, timeout=wait_timeout,
+                               lease_s=self.lease_s)
+        located, lmsg = self._ctrl.call(Op.LOCATE, self._with_reads(args), timeout=self.timeout + (wait_timeout or 0.0))
+        if located["units_version"] != self._units_version:
+            self._refresh_units()
+        lease = located.get("lease")
+        n = len(meta.keys)
+        loc = protocol.unpack_array(located["loc"], lmsg.buffers, name="loc", dtype="<i8")
+        if loc.shape != (len(fields), n, LOC_COLUMNS) or not isinstance(lease, int):
+            raise MalformedMessageError(f"borrowing locate reply has shape {loc.shape} and lease {lease!r}")
+        values: dict[str, Any] = {}
+        arrays: list[np.ndarray] = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch warns of the read-only arrays it is handed
+            for f, name in enumerate(fields):
+                view = self._view_field(FieldSchema.from_wire(located["schemas"][name]), loc[f], name, meta, layout, pad_to, arrays)
+                if view is not None:
+                    values[name] = view
+        release = self._leases.hold(lease, arrays)
+        if not arrays:
+            release()
+        rest = [f for f in fields if f not in values]
+        if rest:
+            values.update(self._get_within(meta, rest, layout, pad_to, pad_value, None))
+        return BorrowedBatch({f: values[f] for f in fields}, frozenset(fields) - frozenset(rest), release if arrays else None)
+
+    def _view_field(self, schema: FieldSchema, rec: np.ndarray, name: str, meta: KVBatchMeta, layout: Layout,
+                    pad_to: int | None, arrays: list[np.ndarray]) -> Any:
+        """The field as tensors viewing the arena, or None when its rows cannot be viewed as asked.
+        Every array handed to torch is added to ``arrays`` (the lease lives as long as they do)."""
+        unit = int(rec[0, UNIT])
+        starts, sizes = rec[:, OFFSET], rec[:, NBYTES]
+        if schema.kind == OBJECT or (rec[:, UNIT] != unit).any() or not self._is_local(unit):
+            return None
+        if (starts[1:] != starts[:-1] + sizes[:-1]).any():  # not back to back in key order
+            return None
+        self._arena_view(unit, starts, sizes, lambda i: (name, meta.keys[i]))  # bounds, naming a bad row
+        total, n = int(sizes.sum()), sizes.size
+        raw = self._read_only(unit)[int(starts[0]) : int(starts[0]) + total]
+        row_bytes = max(schema.itemsize * schema.row_elems, 1)
+        if schema.kind == JAGGED:
+            if layout == "padded":
+                target = pad_to if pad_to is not None else meta.extra_info.get("global_forward_pad_seqlen")
+                multiple = meta.extra_info.get("pad_to_multiple")
+                if target is None:
+                    target = int(sizes.max()) // row_bytes
+                if multiple:
+                    target = -(-target // multiple) * multiple
+                if (sizes != target * row_bytes).any():  # padding needs a copy
+                    return None
+                return self._borrow_tensor(raw, schema, (n, target, *schema.shape), arrays)
+            values = self._borrow_tensor(raw, schema, (total // row_bytes, *schema.shape), arrays)
+            offsets = torch.zeros(n + 1, dtype=torch.int64)
+            torch.cumsum(torch.from_numpy(sizes // row_bytes), 0, out=offsets[1:])
+            jt = JaggedTensor(values, offsets)
+            return jt if layout == "jagged" else jt.unbind()
+        return self._borrow_tensor(raw, schema, (n, *schema.shape), arrays)
+
+    @staticmethod
+    def _borrow_tensor(raw: np.ndarray, schema: FieldSchema, shape: tuple[int, ...], arrays: list[np.ndarray]) -> torch.Tensor:
+        # the array torch is handed is the one whose collection ends the view (numpy collapses the
+        # bases of views, so only this object lives exactly as long as the tensor's storage)
+        if not raw.size:
+            return to_tensor(raw, schema, shape)
+        arr = raw if schema.dtype == "bfloat16" else raw.view(DTYPES[schema.dtype][1]).reshape(shape)
+        arrays.append(arr)
+        t = torch.from_numpy(arr)
+        return t.view(torch.bfloat16).reshape(shape) if schema.dtype == "bfloat16" else t
 
     def _get_within(self, meta: KVBatchMeta, fields: list[str], layout: Layout, pad_to: int | None,
                     pad_value: Any, wait_timeout: float | None) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from .errors import (
 )
 from .arena import host_identity
 from .journal import Journal
+from .leases import LeaseBook
 from .locations import LocationTable, remove_orphans
 from .messages import ControllerOp as Op
 from .partition import Partition, Waiter
@@ -106,6 +107,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         self.bytes_committed = 0
         self.bytes_read: dict[int, int] = {}  # per storage unit, counted at locate
         self.recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)
+        self.lease_book = LeaseBook()  # blocks borrowed gets view in place (see tq.leases)
         self.serve_ops(messages.CONTROLLER_REQUESTS, {
             Op.HELLO: self.op_hello,
             Op.REGISTER_UNIT: self.op_register_unit,
@@ -121,6 +123,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             Op.DISCARD: self.op_discard,
             Op.GET_META: self.op_get_meta,
             Op.SET_TAGS: self.op_set_tags,
+            Op.LEASES: self.op_leases,
             Op.UNIT_STATUS: self.op_unit_status,
             Op.STATS: lambda a, b, c: self._count_reads(a) or self.stats(),
             Op.SHUTDOWN: self.op_shutdown,
@@ -224,10 +227,48 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         loop (:meth:`_flush_units`), after the op that freed them is journaled: a controller killed in
         between must not come back pointing at rows its units already freed."""
         part.table.freed()
+        rows = self.lease_book.hold(rows)  # rows of borrowed blocks wait for their leases to end
         if self._replaying:
             return
         for unit in np.unique(rows[:, UNIT]).tolist():
             self.ledgers[unit].frees.append(rows[rows[:, UNIT] == unit][:, [BLOCK, ROW]])
+
+    # -- leases of borrowed gets (tq.leases)
+    def _take_lease(self, loc: np.ndarray, ttl: float) -> int:
+        """Pin every block these location records name; journaled, so a restarted controller keeps
+        the pins (each for a fresh term) and its ``retain`` keeps their rows."""
+        # (unit, block) as one int64, deduplicated run by run first: a get's rows come block by block,
+        # and np.unique over [n, 2] rows sorts them as opaque records (25 ms for 15,000 rows)
+        flat = (loc[..., UNIT] * (1 << 40) + loc[..., BLOCK]).ravel()
+        runs = flat[np.flatnonzero(np.diff(flat, prepend=-1))] if flat.size else flat
+        blocks = [divmod(int(x), 1 << 40) for x in np.unique(runs).tolist()]
+        lease_id = int.from_bytes(os.urandom(7), "little")
+        self.lease_book.take(lease_id, ttl, blocks)  # type: ignore[arg-type]
+        if self.journal is not None:
+            self.journal.append(["__lease__", {"id": lease_id, "ttl": ttl, "blocks": blocks}, []])
+        return lease_id
+
+    def _release_leases(self, ids: list[int]) -> None:
+        """End these leases: rows freed under them (no other lease holding their block) are freed now."""
+        if not any(i in self.lease_book.leases for i in ids):
+            return
+        if self.journal is not None:
+            self.journal.append(["__release__", {"ids": ids}, []])
+        rows = self.lease_book.release(ids)
+        if self._replaying:
+            return
+        for unit in np.unique(rows[:, UNIT]).tolist():
+            self.ledgers[unit].frees.append(rows[rows[:, UNIT] == unit][:, [BLOCK, ROW]])
+
+    def op_leases(self, args: messages.Leases, buffers: list, call: Call) -> dict:
+        """Renew the leases a borrower still holds, end those it gave up; answers which of the renewed
+        ones had already ended (their term ran out: the borrower must not trust those views)."""
+        self._release_leases(args.release)
+        return {"ended": self.lease_book.renew(args.renew)}
+
+    def _rows_on(self, unit: int) -> np.ndarray:
+        """What ``unit`` must keep: rows live keys reference, and rows freed under a lease."""
+        return np.unique(np.concatenate([super()._rows_on(unit), self.lease_book.held_on(unit)]), axis=0)
 
     # -- partitions
     def op_create_partition(self, args: messages.CreatePartition, buffers: list, call: Call) -> dict:
@@ -317,18 +358,51 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
                    if b in self.ledgers[u].fenced else "is settled: reclaimed, or committed by an earlier request")
             raise FencedCommitError(f"block {b} of storage unit {u} {how}: this commit makes nothing visible")
         try:
+            adopts = self._adopts(args, buffers, parts)
             result = self._apply_commit(args, buffers, keys, parts)
         except TQError:
             for unit, block, _ in parts:  # this put will never land: its storage goes back now
                 self._fence(unit, [block])
             raise
-        for unit, block, _ in parts:
-            self.ledgers[unit].pending[block] = digest
-            self.ledgers[unit].claims.append(block)
+        for i, (unit, block, _) in enumerate(parts):
+            led = self.ledgers[unit]
+            led.pending[block] = digest
+            if adopts:  # carved out of a slab: the unit learns of the block from us (after the journal)
+                led.adopts[block] = adopts[i]
+                led.adopt_queue.append(block)
+            else:
+                led.claims.append(block)
             self.recent_commits[(unit, block)] = digest
         while len(self.recent_commits) > RECENT_COMMITS:
             self.recent_commits.popitem(last=False)
         return result
+
+    @staticmethod
+    def _adopts(args: messages.Commit, buffers: list, parts: list[tuple[int, int, int]]) -> list[messages.AdoptBlock] | None:
+        """For a commit of blocks carved out of slabs: each block's layout, as its unit registers it
+        (every field's rows of a part back to back, inside the part's range)."""
+        if args.slabs is None:
+            return None
+        if len(args.slabs) != len(parts):
+            raise InvalidRequestError(f"commit names {len(args.slabs)} slabs for {len(parts)} blocks")
+        cols = {n: (protocol.unpack_array(f.row_nbytes, buffers, name=f"{n}.row_nbytes", dtype="<i8"),
+                    protocol.unpack_array(f.arena_offsets, buffers, name=f"{n}.arena_offsets", dtype="<i8"), f.schema)
+                for n, f in args.fields.items()}
+        out, first = [], 0
+        for (_, block, rows), (slab, start, size) in zip(parts, args.slabs):
+            fields = {}
+            for name, (nbytes, offsets, schema) in cols.items():
+                nb, off = nbytes[first : first + rows], offsets[first : first + rows]
+                if nb.size != rows or off.size != rows:
+                    raise InvalidRequestError(f"field {name!r}: row sizes and arena offsets for {nb.size} of {rows} rows")
+                ro = np.zeros(rows + 1, dtype=np.int64)
+                np.cumsum(nb, out=ro[1:])
+                if (off != off[0] + ro[:-1]).any() or off[0] < start or off[0] + ro[-1] > start + size:
+                    raise InvalidRequestError(f"field {name!r} of block {block}: rows not back to back inside its slab range")
+                fields[name] = messages.AdoptField(schema, int(off[0]), ro.tobytes())
+            out.append(messages.AdoptBlock(block, slab, start, size, fields))
+            first += rows
+        return out
 
     def _commit_parts(self, parts: list[tuple[int, int, int]], n_keys: int) -> list[tuple[int, int, int]]:
         for unit, _, _ in parts:
@@ -502,15 +576,15 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         its fields still costs one round trip."""
         self._count_reads(args)
         part = self._partition(args.partition)
-        keys, fields, timeout = args.keys, args.fields, args.timeout
+        keys, fields, timeout, lease_s = args.keys, args.fields, args.timeout, args.lease_s
         if timeout is not None:
             if self._missing(part, keys, fields)[0]:
                 self.waiters.append(Waiter(call, part.pid, keys, fields, time.monotonic() + timeout,
-                                           lambda: self._locate(self.partitions[part.pid], keys, fields)))
+                                           lambda: self._locate(self.partitions[part.pid], keys, fields, lease_s)))
                 return DEFERRED
-        return self._locate(part, keys, fields)
+        return self._locate(part, keys, fields, lease_s)
 
-    def _locate(self, part: Partition, keys: list[str], fields: list[str]) -> tuple[dict, list]:
+    def _locate(self, part: Partition, keys: list[str], fields: list[str], lease_s: float | None = None) -> tuple[dict, list]:
         slots = part.slots_of(keys)
         loc = np.empty((len(fields), len(keys), LOC_COLUMNS), dtype=np.int64)
         for f, name in enumerate(fields):
@@ -543,8 +617,11 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
                 self.bytes_read[unit] = self.bytes_read.get(unit, 0) + int(nb)
         frames: list[Any] = []
         schemas = {name: part.schemas[name].to_wire() for name in fields}
-        return {"schemas": schemas, "loc": protocol.pack_array(loc, frames), "units_version": self.units_version,
-                "table": part.table.descriptor(), "frees": part.table.frees}, frames
+        reply = {"schemas": schemas, "loc": protocol.pack_array(loc, frames), "units_version": self.units_version,
+                 "table": part.table.descriptor(), "frees": part.table.frees}
+        if lease_s is not None:
+            reply["lease"] = self._take_lease(loc, lease_s)
+        return reply, frames
 
     def op_wait(self, args: messages.Wait, buffers: list, call: Call) -> Any:
         part = self._partition(args.partition)
@@ -567,11 +644,18 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
 
     def next_deadline(self) -> float | None:
         times = [w.deadline for w in self.waiters] + [d for _, d in self.hello_waiters]
+        lease_end = self.lease_book.next_deadline()
+        if lease_end is not None:
+            times.append(lease_end)
         if self.unit_socks:
             times.append(self._next_heartbeat)
         return min(times, default=None)
 
     def on_tick(self, now: float) -> None:
+        expired = self.lease_book.expired(now)
+        if expired:  # their holders stopped renewing them (died, or hung): the rows they pinned go
+            log.warning("%d leases of borrowed gets ran out without a renewal", len(expired))
+            self._release_leases(expired)
         self._flush_units()
         self._heartbeat(now)
         if self._running:  # once stopping (shutdown, SIGTERM, Ctrl-C), units that exit are not crashes
@@ -665,6 +749,11 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             "bytes_read_total": {str(u): b for u, b in self.bytes_read.items()},
             "put_bytes_per_s_60s": sum(b for _, b in window) / 60.0,
             "parked_waits": len(self.waiters),
+            "leases": len(self.lease_book.leases),
+            # what the controller remembers of each unit's unsettled blocks (bounded by its low-water mark)
+            "unit_ledgers": {str(u): {"low_water": led.low_water, "pending": len(led.pending), "fenced": len(led.fenced),
+                                      "adopts": len(led.adopts)} for u, led in self.ledgers.items()},
+            "rows_waiting_for_leases": self.lease_book.waiting_rows(),
         }
 
 

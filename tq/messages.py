@@ -50,6 +50,7 @@ class ControllerOp(enum.StrEnum):
     DISCARD = "discard"
     GET_META = "get_meta"
     SET_TAGS = "set_tags"
+    LEASES = "leases"
     UNIT_STATUS = "unit_status"
     STATS = "stats"
     SHUTDOWN = "shutdown"
@@ -66,6 +67,7 @@ class UnitOp(enum.StrEnum):
     FREE_BLOCKS = "free_blocks"
     RETAIN = "retain"
     CLAIM = "claim"
+    ADOPT = "adopt"
     TRIM = "trim"
     STATS = "stats"
     SHUTDOWN = "shutdown"
@@ -151,6 +153,9 @@ class Commit(KeysArgs):
     tags: Union[dict[str, list[TagValue]], None] = None
     sequence_lengths: Union[list[int], None] = None
     overwrite: bool = False
+    # same-host puts: per part of ``blocks``, the slab (allocation id) it was carved from and its
+    # arena range ``(slab, start, size)``; the controller has the unit adopt each block once committed
+    slabs: Union[list[tuple[Count, Count, Count]], None] = None
 
 
 class AbortBlocks(Args):
@@ -171,6 +176,9 @@ class Locate(ReadsArgs, kw_only=True):
     keys: list[str]
     fields: list[str]
     timeout: Union[Seconds, None] = None  # first wait (parked) until every pair is produced
+    # a borrowed get: pin the located rows for this many seconds (renewed with ``leases``) so that
+    # no discard, clear or overwrite frees them while the reader views them in the arena
+    lease_s: Union[Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)], None] = None
 
 
 class Wait(PartitionArgs):
@@ -190,6 +198,13 @@ class GetMeta(PartitionArgs):
 
 class SetTags(KeysArgs):
     tags: dict[str, list[TagValue]]
+
+
+class Leases(Args):
+    """A borrower renews the leases it still holds (for their full term again) and gives up others."""
+
+    renew: list[Count] = []
+    release: list[Count] = []
 
 
 class UnitStatus(Args):
@@ -219,6 +234,7 @@ CONTROLLER_REQUESTS: dict[ControllerOp, type[Args]] = {
     ControllerOp.DISCARD: Discard,
     ControllerOp.GET_META: GetMeta,
     ControllerOp.SET_TAGS: SetTags,
+    ControllerOp.LEASES: Leases,
     ControllerOp.UNIT_STATUS: UnitStatus,
     ControllerOp.STATS: Stats,
     ControllerOp.SHUTDOWN: Shutdown,
@@ -233,6 +249,9 @@ class Ping(Args):
 class Alloc(Args):
     nbytes: Count
     wait_s: Seconds = 0.0  # wait this long for room instead of failing at once
+    # a slab: also grant this many block ids; the writer carves blocks out of the range itself and
+    # names them in its commit, which the controller forwards (``adopt``): one round trip per put
+    ids: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0
 
 
 class StoreField(msgspec.Struct):
@@ -271,6 +290,7 @@ class FreeRows(BlockRows):
 
 class Retain(BlockRows):
     claimed: Union[ArrayRef, None] = None  # blocks the controller committed
+    adopts: Union[list[AdoptBlock], None] = None  # committed slab blocks the unit may not have adopted
 
 
 class FreeBlocks(Args):
@@ -279,6 +299,26 @@ class FreeBlocks(Args):
 
 class Claim(Args):
     blocks: ArrayRef
+
+
+class AdoptField(msgspec.Struct, array_like=True):
+    schema: Any
+    start: Count  # absolute arena offset of the field's first byte
+    row_offsets: bytes  # int64 little-endian, n_rows + 1, from 0
+
+
+class AdoptBlock(msgspec.Struct, array_like=True):
+    """A block a writer carved out of its slab and the controller committed: the unit registers it."""
+
+    block: BlockId
+    slab: Count  # the slab's allocation id
+    start: Count
+    size: Count
+    fields: dict[str, AdoptField]
+
+
+class Adopt(Args):
+    blocks: list[AdoptBlock]
 
 
 class Trim(Args):
@@ -302,6 +342,7 @@ UNIT_REQUESTS: dict[UnitOp, type[Args]] = {
     UnitOp.FREE_BLOCKS: FreeBlocks,
     UnitOp.RETAIN: Retain,
     UnitOp.CLAIM: Claim,
+    UnitOp.ADOPT: Adopt,
     UnitOp.TRIM: Trim,
     UnitOp.STATS: UnitStats,
     UnitOp.SHUTDOWN: UnitShutdown,

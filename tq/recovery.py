@@ -17,10 +17,12 @@ import collections
 import logging
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from .journal import Journal
-from .messages import ControllerOp as Op
+from .leases import LeaseBook
+from .messages import AdoptBlock, ControllerOp as Op
 from .rpc import Call
 from .schema import FieldSchema
 from .supervision import UnitLedger
@@ -58,6 +60,10 @@ class JournalRecovery:
                     self.ledgers[args["unit"]].fenced.update(args["blocks"])
                 elif op == "__water__":
                     self._raise_water(args["unit"], args["low_water"])
+                elif op == "__lease__":  # a fresh term from now: its holder renews it if it still lives
+                    self.lease_book.take(args["id"], args["ttl"], [(u, b) for u, b in args["blocks"]])
+                elif op == "__release__":
+                    self._release_leases(args["ids"])
                 else:  # args: msgpack bytes, or a map (journals written before args were kept raw)
                     self.handle(op, args, [memoryview(b) for b in bufs], Call(b"", None, op, 0.0))
                 n += 1
@@ -69,9 +75,11 @@ class JournalRecovery:
     def _snapshot(self) -> dict[str, Any]:
         return {
             "units": self.units, "units_version": self.units_version,
-            "ledgers": {str(u): [led.low_water, [[b, d] for b, d in led.pending.items()], sorted(led.fenced)]
+            "ledgers": {str(u): [led.low_water, [[b, d] for b, d in led.pending.items()], sorted(led.fenced),
+                                 msgspec.to_builtins(list(led.adopts.values()), builtin_types=(bytes,))]
                         for u, led in self.ledgers.items()},
             "recent_commits": [[u, b, d] for (u, b), d in self.recent_commits.items()],
+            "leases": self.lease_book.snapshot(),
             "partitions": {
                 pid: {"slot_keys": p.slot_keys, "seq_lens": p.seq_lens, "tags": p.tags,
                       "schemas": {f: s.to_wire() for f, s in p.schemas.items()},
@@ -84,9 +92,12 @@ class JournalRecovery:
         self.units = list(snap["units"])
         self.units_version = int(snap["units_version"])
         self.ledgers.clear()
-        for u, (low_water, pending, fenced) in snap.get("ledgers", {}).items():
-            self.ledgers[int(u)] = UnitLedger(low_water, {b: d for b, d in pending}, set(fenced))
+        for u, (low_water, pending, fenced, *adopts) in snap.get("ledgers", {}).items():
+            led = self.ledgers[int(u)] = UnitLedger(low_water, {b: d for b, d in pending}, set(fenced))
+            for ad in msgspec.convert(adopts[0] if adopts else [], list[AdoptBlock]):
+                led.adopts[ad.block] = ad
         self.recent_commits = collections.OrderedDict(((u, b), d) for u, b, d in snap.get("recent_commits", []))
+        self.lease_book = LeaseBook.restore(snap.get("leases"))
         for u in self.units:
             self._connect_unit(u["unit_id"], u["address"])
         for part in self.partitions.values():

@@ -3,9 +3,10 @@
 The unit knows nothing of keys or partitions - the controller maps (key, field) to (unit, block, row).
 A *block* is what one put or write-back stored: one arena range holding each of its fields as one
 contiguous buffer (values back to back, per-row byte offsets beside), never one object per sample.
-Same-host clients write blocks straight into the arena (``alloc`` then ``store``) and read rows at the
-arena offsets the controller hands out with their locations, without a request to the unit; other
-clients send the bytes as frames and ``fetch`` them back as frames.
+Same-host clients carve blocks out of a *slab* (an arena range and block ids granted by ``alloc``),
+write them straight into the arena and commit them to the controller, which has this unit ``adopt``
+them; they read rows at the arena offsets the controller hands out with their locations, without a
+request to the unit. Other clients send the bytes as frames (``store``) and ``fetch`` them back as frames.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from . import argtypes, launch, messages, protocol
-from .arena import Arena, RangeAllocator, check_shm_room, host_identity
+from .arena import ALIGN, Arena, RangeAllocator, align_up, check_shm_room, host_identity
 from .journal import Journal
 from .errors import CapacityError, InvalidRequestError, StorageUnitError
 from .bufferpool import HostBufferPool
@@ -38,6 +39,7 @@ DEFAULT_ALLOC_LEASE_S = 60.0  # a writer fills its allocation within this (secon
 # asks the controller to resolve it: claim it, or fence it and have it freed. Never freed unasked.
 DEFAULT_COMMIT_LEASE_S = 30.0
 MAX_EXPIRED_REPORT = 4096  # tentative blocks reported per heartbeat reply
+FETCH_ADOPT_WAIT_S = 2.0  # a fetch of a committed block waits this long for the controller's adopt
 
 
 @dataclass
@@ -57,6 +59,35 @@ class Block:
     # False until the controller claims the block (its commit was applied): a tentative block is
     # freed only when the controller says so, since a commit naming it may still be on its way
     claimed: bool = True
+
+
+@dataclass
+class Slab:
+    """A range granted to one same-host writer with a range of block ids: the writer carves blocks
+    out of it and commits them straight to the controller, which has this unit adopt them. An id is
+    *unsettled* until adopted or fenced; once every id is settled the bytes never adopted go back."""
+
+    start: int
+    size: int
+    first_id: int
+    n_ids: int
+    expiry: float  # past it, the unsettled ids are reported to the controller (it adopts or fences each)
+    unsettled: set[int]
+    carved: list[tuple[int, int]]  # (start, size) of every block adopted from it
+
+    def holds(self, bid: int) -> bool:
+        return self.first_id <= bid < self.first_id + self.n_ids
+
+    def gaps(self) -> list[tuple[int, int]]:
+        """The slab's ranges no adopted block ever took."""
+        out, pos = [], self.start
+        for a, n in sorted(self.carved):
+            if a > pos:
+                out.append((pos, a - pos))
+            pos = max(pos, a + n)
+        if pos < self.start + self.size:
+            out.append((pos, self.start + self.size - pos))
+        return out
 
 
 def validate_layout(schema: FieldSchema, row_offsets: np.ndarray, name: str) -> None:
@@ -102,6 +133,8 @@ class StorageUnit(RpcServer):
         self.managed = managed  # started by the controller, which restarts it if it dies
         self._next_id = 1
         self.pending: dict[int, tuple[int, int, float]] = {}  # alloc id -> (start, size, expiry)
+        self.slabs: dict[int, Slab] = {}  # alloc id -> slab (see Slab)
+        self.parked_fetches: list[tuple[messages.Fetch, list, Call, float]] = []  # rows of blocks not adopted yet
         self.alloc_lease_s = alloc_lease_s
         if recover_arena is None:
             check_shm_room(shm_dir, capacity)
@@ -128,6 +161,7 @@ class StorageUnit(RpcServer):
             Op.FREE_BLOCKS: self.op_free_blocks,
             Op.RETAIN: self.op_retain,
             Op.CLAIM: self.op_claim,
+            Op.ADOPT: self.op_adopt,
             Op.TRIM: self.op_trim,
             Op.STATS: lambda a, b, c: self.stats(),
             Op.SHUTDOWN: self.op_shutdown,
@@ -154,16 +188,20 @@ class StorageUnit(RpcServer):
         ``low_water`` is claimed or freed), which tentative blocks waited past their lease for a
         claim (the controller claims or fences each) and the free bytes (placement by free space)."""
         now = self._last_ping = time.monotonic()  # only the controller pings: its heartbeat
-        expired = [bid for bid, exp in self.tentative.items() if exp <= now][:MAX_EXPIRED_REPORT]
+        expired = [bid for bid, exp in self.tentative.items() if exp <= now]
+        for slab in self.slabs.values():
+            if slab.expiry <= now:
+                expired.extend(sorted(slab.unsettled))
+        expired = expired[:MAX_EXPIRED_REPORT]
         return {"unit_id": self.unit_id, "low_water": self.low_water(), "expired": expired,
                 "free_bytes": self.alloc.largest_free()}
 
     def low_water(self) -> int:
-        """The lowest block id still waiting for its claim (every lower id is settled)."""
-        return min(self.tentative, default=self._next_id)
+        """The lowest block id still waiting for its claim or adoption (every lower id is settled)."""
+        return min([min(self.tentative, default=self._next_id), *(min(s.unsettled) for s in self.slabs.values() if s.unsettled)])
 
     def next_deadline(self) -> float | None:
-        times = [exp for _, _, exp in self.pending.values()] + [p[4] for p in self.parked]
+        times = [exp for _, _, exp in self.pending.values()] + [p[4] for p in self.parked] + [p[3] for p in self.parked_fetches]
         if self.orphan_timeout_s is not None:
             times.append(self._last_ping + self.orphan_timeout_s)
         return min(times, default=None)
@@ -179,6 +217,7 @@ class StorageUnit(RpcServer):
                 self.alloc.free(start, size)
                 self.journal.append(["X", aid])
         self._retry_parked(now)
+        self._retry_fetches(now)
 
     def _check_fits_at_all(self, nbytes: int) -> None:
         if nbytes > self.arena.size:
@@ -225,6 +264,13 @@ class StorageUnit(RpcServer):
         self._check_fits_at_all(nbytes)
         start = self.alloc.allocate(nbytes)
         aid = self._new_id()
+        if args.ids:  # a slab: the writer names its blocks (these ids) in its commit
+            size, first = align_up(max(nbytes, 1)), self._next_id
+            self._next_id += args.ids
+            self.slabs[aid] = Slab(start, size, first, args.ids, time.monotonic() + self.alloc_lease_s,
+                                   set(range(first, first + args.ids)), [])
+            self.journal.append(["G", aid, start, size, first, args.ids])  # a restarted unit keeps it
+            return {"alloc": aid, "offset": start, "first_block": first}
         self.pending[aid] = (start, nbytes, time.monotonic() + self.alloc_lease_s)
         # journaled: a writer may still be filling the range when this unit is killed and restarted,
         # so the restarted unit must not hand the range to anyone else before the lease ends
@@ -327,8 +373,10 @@ class StorageUnit(RpcServer):
             sizes[sel] = lay.row_offsets[r + 1] - lay.row_offsets[r]
         return starts, sizes
 
-    def op_fetch(self, args: messages.Fetch, buffers: list, call: Call) -> tuple[dict, list]:
-        """Serve ``entries`` ([field index, block, row]) gathered back to back into frames of whole rows."""
+    def op_fetch(self, args: messages.Fetch, buffers: list, call: Call, park_until: float | None = -1.0) -> Any:
+        """Serve ``entries`` ([field index, block, row]) gathered back to back into frames of whole rows.
+        Rows of a block committed but not adopted yet (its adopt is on its way from the controller)
+        wait for it, up to ``FETCH_ADOPT_WAIT_S``."""
         fields = args.fields
         entries = protocol.unpack_array(args.entries, buffers, name="entries", dtype="<i8")
         if entries.ndim != 2 or entries.shape[1] != 3:
@@ -337,7 +385,14 @@ class StorageUnit(RpcServer):
             raise InvalidRequestError("fetch entries name a field index out of range")
         if entries.size and (entries[:, 1].min() < 0 or entries[:, 1].max() >= 1 << 40):
             raise InvalidRequestError("fetch entries name a block id out of range")
-        starts, sizes = self._locate(fields, entries)
+        try:
+            starts, sizes = self._locate(fields, entries)
+        except StorageUnitError:
+            waiting = any((s := self._slab_of(b)) is not None and b in s[1].unsettled for b in np.unique(entries[:, 1]).tolist())
+            if not waiting or park_until is None:
+                raise
+            self.parked_fetches.append((args, buffers, call, time.monotonic() + FETCH_ADOPT_WAIT_S if park_until < 0 else park_until))
+            return DEFERRED
         total = int(sizes.sum())
         self.bytes_served += total
         frames: list[Any] = []
@@ -367,6 +422,73 @@ class StorageUnit(RpcServer):
             self.journal.append(["F", bid])
             self._maybe_compact()
             self._retry_parked(time.monotonic())
+            return
+        slab = self._slab_of(bid)
+        if slab is not None and bid in slab[1].unsettled:  # fenced before it was adopted: never will be
+            self.journal.append(["F", bid])
+            slab[1].unsettled.discard(bid)
+            self._settled(*slab)
+
+    def _slab_of(self, bid: int) -> tuple[int, Slab] | None:
+        return next(((aid, s) for aid, s in self.slabs.items() if s.holds(bid)), None)
+
+    def _settled(self, aid: int, slab: Slab) -> None:
+        """Close a slab whose every id is adopted or fenced: the bytes no block took go back."""
+        if slab.unsettled:
+            return
+        del self.slabs[aid]
+        for start, size in slab.gaps():
+            self.alloc.free(start, size)
+        self.journal.append(["Y", aid])
+        self._retry_parked(time.monotonic())
+
+    def _adopt(self, ad: messages.AdoptBlock) -> None:
+        """Register a committed block carved out of a slab (idempotent)."""
+        if ad.block in self.blocks:
+            return
+        found = self._slab_of(ad.block)
+        if found is None or ad.block not in found[1].unsettled:
+            log.warning("storage unit %d: adopt of block %d, which no open slab holds unsettled", self.unit_id, ad.block)
+            return
+        aid, slab = found
+        if (aid != ad.slab or ad.start < slab.start or ad.start + ad.size > slab.start + slab.size or ad.start % ALIGN
+                or any(a < ad.start + ad.size and ad.start < a + n for a, n in slab.carved)):
+            raise InvalidRequestError(f"adopt: block {ad.block} at [{ad.start}, {ad.start + ad.size}) is not a free part of slab {aid}")
+        fields, n_rows = {}, None
+        for name, f in ad.fields.items():
+            schema = FieldSchema.from_wire(f.schema)
+            ro = np.frombuffer(f.row_offsets, dtype="<i8").astype(np.int64)
+            validate_layout(schema, ro, name)
+            if n_rows not in (None, ro.size - 1) or f.start < ad.start or f.start + int(ro[-1]) > ad.start + ad.size:
+                raise InvalidRequestError(f"adopt: field {name!r} of block {ad.block} does not fit it")
+            n_rows = ro.size - 1
+            fields[name] = FieldLayout(schema, f.start, ro)
+        block = Block(ad.start, ad.size, fields, np.ones(n_rows or 0, dtype=bool), n_rows or 0)
+        self.blocks[ad.block] = block
+        self.journal.append(self._store_record(ad.block, block))
+        slab.unsettled.discard(ad.block)
+        slab.carved.append((ad.start, ad.size))
+        self.bytes_stored += sum(int(f.row_offsets[-1]) for f in fields.values())
+        self._settled(aid, slab)
+
+    def op_adopt(self, args: messages.Adopt, buffers: list, call: Call) -> dict:
+        """The controller committed these blocks, carved out of slabs by their writers: register them."""
+        for ad in args.blocks:
+            self._adopt(ad)
+        self._retry_fetches(time.monotonic())
+        # journaled now: the controller need not keep (nor send again) these blocks' layouts
+        return {"adopted": [ad.block for ad in args.blocks if ad.block in self.blocks]}
+
+    def _retry_fetches(self, now: float) -> None:
+        parked, self.parked_fetches = self.parked_fetches, []
+        for args, buffers, call, deadline in parked:
+            try:
+                out = self.op_fetch(args, buffers, call, park_until=deadline if deadline > now else None)
+            except Exception as exc:
+                self.reply_error(call, exc)
+                continue
+            if out is not DEFERRED:
+                self.reply(call, *out)
 
     # -- crash recovery: every stored block and every free is journaled next to the arena
     @staticmethod
@@ -380,16 +502,31 @@ class StorageUnit(RpcServer):
         ("F") frees, allocations a writer may still be filling ("A", and "X" once released) and the next
         id ("N", so ids are never reused after a compaction)."""
         allocs: dict[int, tuple[int, int]] = {}
+        slabs: dict[int, Slab] = {}
         for rec in Journal.replay(path):
             kind, bid = rec[0], rec[1]
+            slab = next((sl for sl in slabs.values() if sl.holds(bid)), None) if kind in ("S", "F") else None
             if kind == "S":
                 _, _, start, size, n_rows, fields, dead, claimed = rec
                 live = np.ones(n_rows, dtype=bool)
                 live[np.frombuffer(dead, dtype=np.int64)] = False
                 lays = {n: FieldLayout(FieldSchema.from_wire(w), fs, np.frombuffer(ro, dtype=np.int64).copy()) for n, w, fs, ro in fields}
                 self.blocks[bid] = Block(start, size, lays, live, int(live.sum()), claimed)
+                if slab is not None and bid in slab.unsettled:  # adopted out of its slab
+                    slab.unsettled.discard(bid)
+                    slab.carved.append((start, size))
             elif kind == "F":
                 self.blocks.pop(bid, None)
+                if slab is not None:  # fenced before it was adopted
+                    slab.unsettled.discard(bid)
+            elif kind == "G":  # a slab (with its state when written by a compaction)
+                _, aid, start, size, first, n, *state = rec
+                unsettled = set(np.frombuffer(state[0], dtype=np.int64).tolist()) if state else set(range(first, first + n))
+                carved = [(a, z) for a, z in np.frombuffer(state[1], dtype=np.int64).reshape(-1, 2).tolist()] if state else []
+                slabs[aid] = Slab(start, size, first, n, 0.0, unsettled, carved)
+                self._next_id = max(self._next_id, first + n)
+            elif kind == "Y":
+                slabs.pop(bid, None)
             elif kind == "R" and bid in self.blocks:
                 b = self.blocks[bid]
                 b.live[np.frombuffer(rec[2], dtype=np.int64)] = False
@@ -408,17 +545,27 @@ class StorageUnit(RpcServer):
         now = time.monotonic()  # fresh leases: the controller and the writers may be back too
         self.tentative = {bid: now + self.commit_lease_s for bid, b in self.blocks.items() if not b.claimed}
         self.pending = {a: (start, size, now + self.alloc_lease_s) for a, (start, size) in allocs.items()}
+        # a slab whose ids were all settled before a crash let it close is closed now (its gaps stay free)
+        self.slabs = {aid: sl for aid, sl in slabs.items() if sl.unsettled}
+        for sl in self.slabs.values():
+            sl.expiry = now + self.alloc_lease_s
         for b in self.blocks.values():
             self.alloc.reserve(b.start, b.size)
         for start, size, _ in self.pending.values():
             self.alloc.reserve(start, size)
+        for sl in self.slabs.values():
+            for start, size in sl.gaps():
+                self.alloc.reserve(start, size)
         log.warning("storage unit %d recovered %d blocks (%d awaiting their claim) from %s", self.unit_id, len(self.blocks),
                     len(self.tentative), path)
 
     def _maybe_compact(self) -> None:
         if self.journal.appended > 4 * len(self.blocks) + 1024:
             self.journal.rewrite([["N", self._next_id - 1], *(self._store_record(bid, b) for bid, b in self.blocks.items()),
-                                  *(["A", aid, start, size] for aid, (start, size, _) in self.pending.items())])
+                                  *(["A", aid, start, size] for aid, (start, size, _) in self.pending.items()),
+                                  *(["G", aid, sl.start, sl.size, sl.first_id, sl.n_ids,
+                                     np.array(sorted(sl.unsettled), dtype=np.int64).tobytes(),
+                                     np.array(sl.carved, dtype=np.int64).reshape(-1, 2).tobytes()] for aid, sl in self.slabs.items())])
 
     def _claim(self, bids: list[int]) -> None:
         claimed = [b for b in bids if b in self.tentative]
@@ -442,6 +589,8 @@ class StorageUnit(RpcServer):
         it committed), and anything freed meanwhile is freed here too. Blocks still waiting for their
         claim are left alone: a commit naming one may still arrive."""
         blocks, rows = self._rows_of(args, buffers, "retain")
+        for ad in args.adopts or ():  # committed while this unit was away: adopted before anything is freed
+            self._adopt(ad)
         if args.claimed is not None:
             claimed = protocol.unpack_array(args.claimed, buffers, name="retain.claimed", dtype="<i8")
             self._claim(claimed.ravel().tolist())
@@ -501,16 +650,20 @@ class StorageUnit(RpcServer):
         return {"stopping": True}
 
     def stats(self) -> dict[str, Any]:
+        slab_free = sum(size for s in self.slabs.values() for _, size in s.gaps())
         return {
             **self.describe(),
             **self.server_stats(),
             "blocks": len(self.blocks),
-            "bytes_used": self.alloc.used,
+            # slab space no block took yet is reserved for its writer, not used: shown on its own
+            "bytes_used": self.alloc.used - slab_free,
+            "slab_bytes_reserved": slab_free,
             "largest_free_bytes": self.alloc.largest_free(),
             "bytes_live": int(sum(int(b.fields[f].row_offsets[-1]) for b in self.blocks.values() for f in b.fields)),
             "bytes_stored_total": self.bytes_stored,
             "bytes_served_total": self.bytes_served,
             "pending_allocs": len(self.pending),
+            "slabs": len(self.slabs),
             "tentative_blocks": len(self.tentative),
             "parked_writes": len(self.parked),
         }

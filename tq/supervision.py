@@ -47,6 +47,9 @@ class UnitLedger:
     claims: list[int] = field(default_factory=list)
     frees: list[np.ndarray] = field(default_factory=list)  # [n, 2] (block, row) pairs to free
     resync: bool = False
+    # committed blocks carved out of slabs, until settled (the unit adopted them), and those to send
+    adopts: dict[int, messages.AdoptBlock] = field(default_factory=dict)
+    adopt_queue: list[int] = field(default_factory=list)
 
     def settled(self, block: int) -> bool:
         """Claimed or freed long ago, or fenced: no commit of this block may be applied any more."""
@@ -113,6 +116,11 @@ class UnitSupervision:
             return
         if isinstance(result, dict) and isinstance(result.get("low_water"), int):  # a heartbeat's reply
             self._on_unit_heartbeat(unit, result)
+        if isinstance(result, dict) and isinstance(result.get("adopted"), list):  # journaled by the unit:
+            adopts = self.ledgers[unit].adopts  # their layouts are not needed any more
+            for b in result["adopted"]:
+                if isinstance(b, int):
+                    adopts.pop(b, None)
         if self.ledgers[unit].resync:
             self._resync(unit)
 
@@ -127,7 +135,8 @@ class UnitSupervision:
         if isinstance(expired, list) and expired:
             led = self.ledgers[unit]
             bids = [b for b in expired if isinstance(b, int) and 0 <= b < MAX_BLOCK_ID]
-            led.claims.extend(b for b in bids if b in led.pending)
+            led.claims.extend(b for b in bids if b in led.pending and b not in led.adopts)
+            led.adopt_queue.extend(b for b in bids if b in led.adopts)  # its adopt never arrived: again
             self._fence(unit, [b for b in bids if b not in led.pending])
 
     def _raise_water(self, unit: int, low_water: int) -> bool:
@@ -136,6 +145,7 @@ class UnitSupervision:
             return False
         led.low_water = low_water
         led.pending = {b: d for b, d in led.pending.items() if b >= low_water}
+        led.adopts = {b: a for b, a in led.adopts.items() if b >= low_water}
         led.fenced = {b for b in led.fenced if b >= low_water}
         return True
 
@@ -160,7 +170,8 @@ class UnitSupervision:
         led = self.ledgers[unit]
         bufs: list[Any] = []
         args = messages.Retain(**block_rows(self._rows_on(unit), bufs),
-                               claimed=protocol.pack_array(np.array(sorted(led.pending), dtype=np.int64), bufs))
+                               claimed=protocol.pack_array(np.array(sorted(led.pending), dtype=np.int64), bufs),
+                               adopts=list(led.adopts.values()) or None)
         led.resync = False
         self._send_to_unit(unit, messages.UnitOp.RETAIN, args, bufs)  # sets resync again if it could not go out
 
@@ -250,6 +261,10 @@ class UnitSupervision:
     def _flush_units(self) -> None:
         """Send each unit the claims and frees of the ops applied (and journaled) since the last tick."""
         for unit, led in self.ledgers.items():
+            if led.adopt_queue:
+                adopts = [led.adopts[b] for b in dict.fromkeys(led.adopt_queue) if b in led.adopts]
+                self._send_to_unit(unit, messages.UnitOp.ADOPT, messages.Adopt(blocks=adopts), [])
+                led.adopt_queue = []
             if led.claims:
                 bufs: list[Any] = []
                 blocks = protocol.pack_array(np.array(led.claims, dtype=np.int64), bufs)

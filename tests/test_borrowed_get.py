@@ -1,0 +1,202 @@
+"""Borrowed (zero-copy) gets: read-only views of the storage arena, pinned by a controller lease."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tq import TQClient
+from tq.jagged import JaggedTensor
+
+from conftest import unique_keys
+
+
+def _batch(n: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 300, (n,), generator=g)
+    offsets = torch.zeros(n + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    return {
+        "tokens": JaggedTensor(torch.randint(0, 50_000, (int(offsets[-1]),), generator=g, dtype=torch.int32), offsets),
+        "reward": torch.randn(n, generator=g),
+        "note": [f"sample {seed}-{i}" for i in range(n)],
+    }
+
+
+def _stats_until(c: TQClient, pred, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = c.stats()
+        if pred(st) or time.monotonic() > deadline:
+            return st
+        time.sleep(0.05)
+
+
+def _used(st: dict) -> int:
+    return sum(u["bytes_live"] for u in st["unit_stats"])
+
+
+def test_borrowed_views_keep_their_bytes_while_another_client_discards_and_reputs(tq_server, client, partition):
+    keys = unique_keys(64)
+    batch = _batch(64, seed=1)
+    meta = client.put(partition, keys, batch)
+    with TQClient(tq_server.address, timeout=10.0) as reader:
+        got = reader.get(meta, copy=False, layout="jagged")
+        assert got.viewed == {"tokens", "reward"}  # the object column is copied
+        tokens, reward = got["tokens"], got["reward"]
+        assert torch.equal(tokens.values, batch["tokens"].values) and torch.equal(reward, batch["reward"])
+        rows = got["tokens"].unbind()
+        del got
+        for round_ in range(6):  # the same keys again and again, plus others, into the space just freed
+            client.discard(meta)
+            other = client.put(partition, unique_keys(64), _batch(64, seed=100 + round_))
+            meta = client.put(partition, keys, _batch(64, seed=200 + round_))
+            client.discard(other)
+        assert torch.equal(tokens.values, batch["tokens"].values), "a borrowed view changed under its reader"
+        assert torch.equal(reward, batch["reward"])
+        assert all(torch.equal(r, e) for r, e in zip(rows, batch["tokens"].unbind()))
+        # the re-put keys read back their own, new bytes
+        fresh = reader.get(meta, layout="jagged")
+        assert torch.equal(fresh["tokens"].values, _batch(64, seed=205)["tokens"].values)
+
+
+def test_lease_ends_when_the_views_are_collected_and_the_rows_are_freed(tq_server, client, partition):
+    prior = _used(client.stats())
+    meta = client.put(partition, unique_keys(32), _batch(32, seed=2))
+    with TQClient(tq_server.address, timeout=10.0, lease_s=3.0) as reader:
+        got = reader.get(meta, ["tokens"], copy=False, layout="list")
+        one_row = got["tokens"][5]  # a view of a view keeps the lease too
+        before = _used(_stats_until(client, lambda s: _used(s) > prior))  # the unit adopts the block after the commit
+        client.discard(meta)
+        st = client.stats()
+        assert st["leases"] >= 1 and st["rows_waiting_for_leases"] > 0
+        assert _used(st) == before  # discarded, not freed: a reader still views the rows
+        del got
+        gc.collect()
+        time.sleep(0.5)
+        assert client.stats()["rows_waiting_for_leases"] > 0
+        del one_row
+        gc.collect()
+        st = _stats_until(client, lambda s: s["rows_waiting_for_leases"] == 0 and _used(s) < before, timeout=5.0)
+        assert st["rows_waiting_for_leases"] == 0 and _used(st) < before
+
+
+def test_explicit_release_and_the_copy_fallbacks(tq_server, client, partition):
+    keys = unique_keys(16)
+    batch = _batch(16, seed=3)
+    meta = client.put(partition, keys, batch)
+    with TQClient(tq_server.address, timeout=10.0) as reader:
+        with reader.get(meta, copy=False) as got:  # padded jagged rows need padding: copied
+            assert got.viewed == {"reward"}
+            assert torch.equal(got["reward"], batch["reward"])
+        assert client.stats()["leases"] == 0
+        rev = meta.select(list(range(15, -1, -1)))  # rows not back to back in the order asked: copied
+        got = reader.get(rev, ["reward"], copy=False)
+        assert got.viewed == frozenset() and torch.equal(got["reward"], batch["reward"].flip(0))
+    with TQClient(tq_server.address, timeout=10.0, transport="tcp") as remote:  # no arena to view: a copy
+        got = remote.get(meta, copy=False, layout="jagged")
+        assert got.viewed == frozenset() and torch.equal(got["tokens"].values, batch["tokens"].values)
+
+
+_HOLDER = """
+import sys, time
+from tq import TQClient
+from tq.meta import KVBatchMeta
+c = TQClient(sys.argv[1], timeout=10.0, lease_s=1.0)
+got = c.get(KVBatchMeta(sys.argv[2], tuple(sys.argv[3:])), ["reward"], copy=False)
+assert got.viewed == {"reward"}
+print("borrowed", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_dead_holders_lease_runs_out(tq_server, client, partition):
+    prior = _used(client.stats())
+    meta = client.put(partition, unique_keys(8), _batch(8, seed=4))
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, tq_server.address, partition, *meta.keys],
+                              stdout=subprocess.PIPE, env={**os.environ})
+    try:
+        assert holder.stdout.readline().strip() == b"borrowed"
+        before = _used(_stats_until(client, lambda s: _used(s) > prior))  # the unit adopts the block after the commit
+        client.discard(meta)
+        time.sleep(1.5)  # past one term: the live holder renewed it
+        assert client.stats()["rows_waiting_for_leases"] > 0
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(5)
+        st = _stats_until(client, lambda s: s["rows_waiting_for_leases"] == 0 and _used(s) < before, timeout=5.0)
+        assert st["rows_waiting_for_leases"] == 0 and _used(st) < before
+    finally:
+        holder.kill()
+        holder.wait(5)
+
+
+def test_lease_term_is_checked():
+    with pytest.raises(Exception, match="lease_s"):
+        TQClient("tcp://127.0.0.1:1", lease_s=0.0)
+
+
+def test_leases_survive_a_controller_restart_from_its_journal(tmp_path):
+    """A borrowed block's rows, discarded, stay pinned across a controller restart (the lease and the
+    discard are journaled; the restarted controller's retain keeps them) until the lease ends."""
+    import msgspec
+    import numpy as np
+    import zmq
+
+    from tq import protocol
+    from tq.controller import Controller
+    from tq.leases import LeaseBook
+    from tq.rpc import Call
+
+    unit = zmq.Context.instance().socket(zmq.ROUTER)
+    port = unit.bind_to_random_port("tcp://127.0.0.1")
+    call = Call(b"", None, "test", 0.0)
+
+    def apply(ctrl: Controller, op: str, args: dict, bufs: list = ()) -> object:  # handler, then journal
+        out = ctrl.handle(op, args, list(bufs), call)
+        ctrl.on_applied(op, msgspec.msgpack.encode(args), list(bufs))
+        ctrl.on_tick(time.monotonic())
+        return out
+
+    def heard(timeout_ms: int = 300) -> list[str]:
+        ops = []
+        while unit.poll(timeout_ms):
+            op = protocol.decode(unit.recv_multipart()[1:], None).header["op"]
+            ops += [] if op in ("ping", "retain") else [op]
+            timeout_ms = 50
+        return ops
+
+    ctrl = Controller("tcp://127.0.0.1:0", journal_dir=str(tmp_path), shm_dir=None)
+    try:
+        apply(ctrl, "register_unit", {"address": f"tcp://127.0.0.1:{port}", "arena_size": 1 << 20, "pid": 1, "host": "h",
+                                      "arena_path": "/nonexistent"})
+        apply(ctrl, "create_partition", {"partition": "p"})
+        bufs: list = []
+        fields = {"x": {"schema": ["tensor", "int64", []], "row_nbytes": protocol.pack_array(np.array([8, 8]), bufs),
+                        "arena_offsets": protocol.pack_array(np.array([0, 8]), bufs)}}
+        apply(ctrl, "commit", {"partition": "p", "keys": ["a", "b"], "mode": "put", "blocks": [[0, 5, 2]], "fields": fields}, bufs)
+        reply, _ = apply(ctrl, "locate", {"partition": "p", "keys": ["a", "b"], "fields": ["x"], "lease_s": 60.0})
+        lease = reply["lease"]
+        apply(ctrl, "discard", {"partition": "p", "keys": ["a"]})
+        assert "free_rows" not in heard()
+    finally:
+        ctrl.close()  # as if killed: the journal stays
+
+    ctrl = Controller("tcp://127.0.0.1:0", journal_dir=str(tmp_path), shm_dir=None)
+    try:
+        assert lease in ctrl.lease_book.leases
+        assert ctrl._rows_on(0).tolist() == [[5, 0], [5, 1]]  # its retain keeps the discarded row
+        snap = LeaseBook.restore(ctrl.lease_book.snapshot())  # and so does a compacted journal
+        assert list(snap.leases) == [lease] and snap.held_on(0).tolist() == [[5, 0]]
+        heard()
+        apply(ctrl, "leases", {"release": [lease]})
+        assert "free_rows" in heard() and ctrl._rows_on(0).tolist() == [[5, 1]]
+    finally:
+        ctrl.close()
+        unit.close(0)

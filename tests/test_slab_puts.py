@@ -1,0 +1,104 @@
+"""One round trip per same-host put: blocks carved out of a unit-granted slab, committed straight to
+the controller, which has the unit adopt them - and the crash guarantees of issue 16 still hold."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import wait_until
+from tq import TQClient, TQServer, protocol
+from tq.errors import FencedCommitError, KeyNotFoundError
+
+
+def _unit_ops(c: TQClient) -> dict[str, int]:
+    return {op: s["count"] for op, s in c.stats()["unit_stats"][0].get("ops", {}).items()}
+
+
+def test_a_same_host_put_asks_only_the_controller_and_reads_back_everywhere():
+    with TQServer(storage_units=1, capacity=32 << 20) as server:
+        with TQClient(server.address, timeout=10.0) as c, TQClient(server.address, timeout=10.0, transport="tcp") as tcp:
+            c.register_partition("p")
+            c.put("p", ["first"], {"x": torch.arange(3)[None]})  # takes the slab
+            before = _unit_ops(c)
+            metas = [c.put("p", [f"k{i}"], {"x": (torch.arange(3) + i)[None], "s": [f"v{i}"]}) for i in range(20)]
+            after = _unit_ops(c)
+            assert after.get("alloc", 0) == before.get("alloc", 0) and after.get("store", 0) == before.get("store", 0)
+            for i, m in enumerate(metas):
+                assert torch.equal(c.get(m, ["x"])["x"][0], torch.arange(3) + i)
+                got = tcp.get(m)  # the unit serves it: it adopted the block
+                assert torch.equal(got["x"][0], torch.arange(3) + i) and got["s"] == [f"v{i}"]
+            big = torch.randn(4, 1 << 18)  # 4 MiB: above a quarter slab, a slab of its own
+            m = c.put("p", ["b0", "b1", "b2", "b3"], {"big": big})
+            assert torch.equal(tcp.get(m)["big"], big) and torch.equal(c.get(m)["big"], big)
+        with TQClient(server.address, timeout=10.0) as admin:  # the closed client gave its unused ids back
+            assert wait_until(lambda: admin.stats()["unit_stats"][0]["slabs"] == 0, timeout=5)
+
+
+def test_a_commit_naming_a_slab_block_given_up_is_refused_and_the_slab_space_returns():
+    with TQServer(storage_units=1, capacity=16 << 20) as server, TQClient(server.address, timeout=10.0) as c:
+        c.register_partition("p")
+        used = c.stats()["unit_stats"][0]["bytes_used"]
+        g, _ = c._unit_chans[0].call("alloc", {"nbytes": 1 << 20, "ids": 4})
+        assert c.stats()["unit_stats"][0]["slabs"] == 1
+        c._arena(0).view[g["offset"] : g["offset"] + 8] = np.array([7], dtype=np.int64).view(np.uint8)
+        c._ctrl.call("abort_blocks", {"blocks": [[0, b] for b in range(g["first_block"], g["first_block"] + 4)]})
+        bufs: list = []
+        commit = {"partition": "p", "keys": ["late"], "mode": "put", "blocks": [[0, g["first_block"], 1]],
+                  "slabs": [[g["alloc"], g["offset"], 4096]],
+                  "fields": {"x": {"schema": ["tensor", "int64", []], "row_nbytes": protocol.pack_array(np.array([8]), bufs),
+                                   "arena_offsets": protocol.pack_array(np.array([g["offset"]]), bufs)}}}
+        with pytest.raises(FencedCommitError):
+            c._ctrl.call("commit", commit, bufs)
+        with pytest.raises(KeyNotFoundError):
+            c.get_meta("p", ["late"])
+        st = c.stats()["unit_stats"][0]
+        assert st["slabs"] == 0 and st["bytes_used"] == used
+
+
+def test_a_put_acknowledged_while_its_unit_was_stopped_survives_the_units_kill():
+    """The adopt of a committed block is queued for a stopped unit, which is then killed: the adopt is
+    lost with it. The restarted unit keeps the slab (journaled), the controller's retain carries the
+    adopt again, and the key reads back exactly - through the arena and from the unit."""
+    with TQServer(storage_units=1, capacity=16 << 20) as server:
+        with TQClient(server.address, timeout=10.0) as c, TQClient(server.address, timeout=10.0, transport="tcp") as tcp:
+            c.register_partition("p")
+            c.put("p", ["warm"], {"x": torch.arange(4)[None]})
+            old = c.stats()["units"][0]
+            os.kill(old["pid"], signal.SIGSTOP)
+            try:
+                x = torch.arange(1000, dtype=torch.float64)
+                meta = c.put("p", ["acked"], {"y": x[None]})  # nothing asked of the stopped unit
+            finally:
+                os.kill(old["pid"], signal.SIGKILL)
+                os.kill(old["pid"], signal.SIGCONT)
+            assert wait_until(lambda: (u := c.stats()["units"][0])["pid"] != old["pid"] and u["alive"], timeout=20)
+            assert torch.equal(c.get(meta)["y"][0], x)
+            assert torch.equal(tcp.get(meta)["y"][0], x)
+            assert torch.equal(tcp.get(c.get_meta("p", ["warm"]))["x"][0], torch.arange(4))
+
+
+def test_a_fetch_of_a_committed_block_waits_for_its_adopt():
+    """A remote reader may ask the unit for a block the controller committed before the unit adopted
+    it (the adopt goes out after the commit's reply): the fetch waits for the adopt, then is served."""
+    with TQServer(storage_units=1, capacity=16 << 20) as server, TQClient(server.address, timeout=10.0) as c:
+        c.register_partition("p")
+        unit = c._unit_chans[0]
+        g, _ = unit.call("alloc", {"nbytes": 1 << 20, "ids": 2})
+        bid, off = g["first_block"], g["offset"]
+        c._arena(0).view[off : off + 8] = np.array([42], dtype=np.int64).view(np.uint8)
+        fbufs: list = []
+        rid = unit.send("fetch", {"fields": ["x"], "entries": protocol.pack_array(np.array([[0, bid, 0]]), fbufs)}, fbufs)
+        bufs: list = []
+        c._ctrl.call("commit", {"partition": "p", "keys": ["k"], "mode": "put", "blocks": [[0, bid, 1]],
+                                "slabs": [[g["alloc"], off, 4096]],
+                                "fields": {"x": {"schema": ["tensor", "int64", []],
+                                                 "row_nbytes": protocol.pack_array(np.array([8]), bufs),
+                                                 "arena_offsets": protocol.pack_array(np.array([off]), bufs)}}}, bufs)
+        reply, msg = unit.recv(rid, "fetch")
+        frame = protocol.unpack_array(reply["frames"][0], msg.buffers, dtype="|u1")
+        assert frame.view(np.int64).tolist() == [42]

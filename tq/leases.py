@@ -1,0 +1,111 @@
+"""Leases of borrowed gets: the controller's record of which stored blocks readers view in place.
+
+A borrowed get (``TQClient.get(..., copy=False)``) hands out tensors that view a storage arena, so the
+bytes under them must not be freed or reused while they live. The controller takes a lease on every
+(unit, block) the get located, in the same request; a discard, clear or overwrite of a borrowed key
+still removes the key at once, but the rows it frees wait here until no lease holds their block. A
+lease ends when its holder releases it (its tensors were collected, or it said so) or when its term
+runs out without a renewal: a holder that died pins nothing for longer than one term.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+UNIT, BLOCK, ROW = 0, 1, 2  # columns of the rows kept here, as in the location records
+
+
+@dataclass
+class Lease:
+    ttl: float
+    deadline: float
+    blocks: list[tuple[int, int]]
+
+
+@dataclass
+class LeaseBook:
+    """Leases by id, how many hold each (unit, block), and the rows freed under them."""
+
+    leases: dict[int, Lease] = field(default_factory=dict)
+    refs: collections.Counter[tuple[int, int]] = field(default_factory=collections.Counter)
+    deferred: dict[tuple[int, int], list[np.ndarray]] = field(default_factory=dict)  # [n, 3] (unit, block, row)
+
+    def take(self, lease_id: int, ttl: float, blocks: list[tuple[int, int]], now: float | None = None) -> None:
+        """Pin ``blocks`` for ``ttl`` seconds under ``lease_id``."""
+        now = time.monotonic() if now is None else now
+        self.leases[lease_id] = Lease(ttl, now + ttl, blocks)
+        self.refs.update(blocks)
+
+    def renew(self, ids: list[int], now: float | None = None) -> list[int]:
+        """Extend each lease by its full term; returns the ids that are not (or no longer) held."""
+        now = time.monotonic() if now is None else now
+        gone = []
+        for i in ids:
+            lease = self.leases.get(i)
+            if lease is None:
+                gone.append(i)
+            else:
+                lease.deadline = now + lease.ttl
+        return gone
+
+    def release(self, ids: list[int]) -> np.ndarray:
+        """End these leases; returns the rows (``[n, 3]`` unit, block, row) no lease holds any more."""
+        free = [np.empty((0, 3), np.int64)]
+        for i in ids:
+            lease = self.leases.pop(i, None)
+            if lease is None:
+                continue
+            for b in lease.blocks:
+                self.refs[b] -= 1
+                if self.refs[b] <= 0:
+                    del self.refs[b]
+                    free.extend(self.deferred.pop(b, ()))
+        return np.concatenate(free)
+
+    def expired(self, now: float) -> list[int]:
+        return [i for i, lease in self.leases.items() if lease.deadline <= now]
+
+    def next_deadline(self) -> float | None:
+        return min((lease.deadline for lease in self.leases.values()), default=None)
+
+    def hold(self, rows: np.ndarray) -> np.ndarray:
+        """Keep the rows (location records: unit, block, row first) whose block a lease holds; returns
+        the others, which can be freed now."""
+        if not self.refs or not rows.size:
+            return rows
+        keys = rows[:, UNIT] * (1 << 40) + rows[:, BLOCK]  # (unit, block) as one int64, as block ids stay below 2**40
+        held = np.isin(keys, np.fromiter((u * (1 << 40) + b for u, b in self.refs), dtype=np.int64, count=len(self.refs)))
+        for key in np.unique(keys[held]).tolist():
+            sel = held & (keys == key)
+            self.deferred.setdefault(divmod(key, 1 << 40), []).append(np.ascontiguousarray(rows[sel][:, [UNIT, BLOCK, ROW]]))
+        return rows[~held]
+
+    def held_on(self, unit: int) -> np.ndarray:
+        """(block, row) pairs of ``unit`` freed under a lease (a unit must keep them)."""
+        rows = [r[:, [BLOCK, ROW]] for (u, _), rs in self.deferred.items() if u == unit for r in rs]
+        return np.concatenate(rows) if rows else np.empty((0, 2), np.int64)
+
+    def waiting_rows(self) -> int:
+        return sum(r.shape[0] for rs in self.deferred.values() for r in rs)
+
+    def snapshot(self) -> dict[str, Any]:
+        deferred = [r for rs in self.deferred.values() for r in rs]
+        return {"leases": [[i, lease.ttl, [list(b) for b in lease.blocks]] for i, lease in self.leases.items()],
+                "deferred": np.concatenate(deferred).astype(np.int64).tobytes() if deferred else b""}
+
+    @classmethod
+    def restore(cls, snap: dict[str, Any] | None) -> "LeaseBook":
+        """The book of a snapshot, every lease given a fresh term (its holder may renew it again)."""
+        book = cls()
+        if not snap:
+            return book
+        for i, ttl, blocks in snap["leases"]:
+            book.take(int(i), float(ttl), [(int(u), int(b)) for u, b in blocks])
+        rows = np.frombuffer(snap["deferred"], dtype=np.int64).reshape(-1, 3)
+        book.hold(rows)
+        return book

@@ -14,6 +14,11 @@ user runs on several machines:
    different nodes (each worker node offers 2 logical CPUs and a DP worker asks for 1.5, so no node
    can hold two), reading their shards across nodes.
 
+``--fault`` adds a cluster on which a worker node leaves mid-read: a reader on the head gets rows held
+by the head's unit and by the last worker node's unit in a loop while every process of that node's
+namespace (raylet, Ray workers, storage unit) is killed; it records the error the get in flight
+raised and how long it took, then reads the head's rows back (they must be intact).
+
 Everything it creates is removed at the end, whatever happens: processes (every pid left in its
 namespaces is killed), namespaces, temporary and shared-memory dirs. Traffic goes only between the
 namespaces it made (10.213.<n>.0/24, chosen per run). Needs root and ``ip``/``unshare``; it says so
@@ -21,6 +26,7 @@ and exits 2 where namespaces cannot be made.
 
     python -m benchmarks.multinode                     # 1 head + 2 worker nodes, 4 GRPO steps (~3 min on 2 cores)
     python -m benchmarks.multinode --link-rate 10gbit  # tc-limited links
+    python -m benchmarks.multinode --link-rate none,10gbit,25gbit --fault   # one cluster per rate, then the fault check
     python -m benchmarks.multinode --publish           # also writes benchmarks/results/multinode_<machine>.{json,md}
 """
 
@@ -46,6 +52,7 @@ TQ_PORT = 5555
 NODE_CPUS = 2  # logical CPUs a worker node offers: one DP worker (1.5) plus small actors (0.25 each)
 DP_WORKER_CPUS = 1.5
 XFER_MIB = 64
+FAULT_ROWS = 64  # rows of the fault check's batch on each of two units
 
 
 class SetupError(RuntimeError):
@@ -71,6 +78,7 @@ class NetnsCluster:
         self.ips = [f"10.213.{self.net}.{i + 1}" for i in range(nodes)]
         self.procs: list[subprocess.Popen] = []
         self.made: list[str] = []
+        self.qdiscs: list[str] = []  # ``tc qdisc show`` of each rate-limited link (the limit is in place)
 
     # -------------------------------------------------------------------- network
     def up(self) -> None:
@@ -101,6 +109,7 @@ class NetnsCluster:
             if self.link_rate:
                 _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf",
                      "rate", self.link_rate, "burst", "4mb", "latency", "50ms")
+                self.qdiscs.append(_run("ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", "eth0").stdout.strip())
 
     @staticmethod
     def _ip(*args: str) -> None:
@@ -126,6 +135,16 @@ class NetnsCluster:
             _killpg(p, signal.SIGKILL)
             raise TimeoutError(f"{' '.join(cmd[:4])} ... did not finish within {timeout:.0f}s (log: {log})") from None
 
+    def kill_node(self, node: int) -> int:
+        """SIGKILL every process in node ``node``'s namespace (the node leaves); returns how many."""
+        pids = _run("ip", "netns", "pids", self.ns[node], check=False).stdout.split()
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+        return len(pids)
+
     def down(self) -> None:
         """Stop everything this cluster started and remove what it made (idempotent, bounded)."""
         for p in reversed(self.procs):  # ray start --block stops its Ray processes on SIGTERM
@@ -136,13 +155,9 @@ class NetnsCluster:
                 p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 _killpg(p, signal.SIGKILL)
-        for ns in self.made:  # anything still running in our namespaces (Ray workers, storage units)
-            pids = _run("ip", "netns", "pids", ns, check=False).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
+        for i in range(len(self.ns)):  # anything still running in our namespaces (Ray workers, storage units)
+            if self.ns[i] in self.made:
+                self.kill_node(i)
         time.sleep(0.5)
         for ns in reversed(self.made):
             _run("ip", "netns", "del", ns, check=False)
@@ -181,9 +196,11 @@ def _wait_port(cluster: NetnsCluster, node: int, ip: str, port: int, timeout: fl
 
 
 # ------------------------------------------------------------------------ in-cluster driver parts
-def place_and_probe(ray_address: str, tq_address: str, shm_dir: str, capacity: int, out: str, nodes: int) -> None:
+def place_and_probe(ray_address: str, tq_address: str, shm_dir: str, capacity: int, out: str, nodes: int,
+                    fault: bool = False) -> None:
     """Runs on the head: place one storage unit per node, measure a cross-node get, keep the units up
-    (they live as long as this driver) until SIGTERM."""
+    (they live as long as this driver) until SIGTERM. With ``fault``, also write partition ``"step"``:
+    rows ``h*`` into the head's unit and rows ``w*`` into the last worker node's unit."""
     import numpy as np
     import ray
     import torch
@@ -226,6 +243,19 @@ def place_and_probe(ray_address: str, tq_address: str, shm_dir: str, capacity: i
         c.close()
         return {"best_s": best, "nbytes": int(x.numel()), "sum": total, "host": socket.gethostname()}
 
+    @ray.remote(num_cpus=0)
+    def put_rows(prefix: str, n: int) -> dict[str, Any]:
+        """``n`` rows of 64 KiB under keys ``<prefix><i>`` in partition "step" (this node's unit)."""
+        c = TQClient(tq_address)
+        try:
+            c.register_partition("step")
+        except Exception:  # noqa: BLE001 - the other writer made it first
+            pass
+        x = torch.from_numpy(np.random.default_rng(len(prefix) + ord(prefix[0])).integers(0, 255, size=(n, 64 << 10), dtype=np.uint8))
+        c.put("step", [f"{prefix}{i}" for i in range(n)], {"x": x})
+        c.close()
+        return {"host": socket.gethostname(), "ip": ray.util.get_node_ip_address(), "sum": int(x.sum()), "rows": n}
+
     def on(node: dict, fn: Any, *args: Any) -> Any:
         return fn.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote(*args)
 
@@ -243,6 +273,12 @@ def place_and_probe(ray_address: str, tq_address: str, shm_dir: str, capacity: i
         }
         with TQClient(tq_address) as c:
             c.drop_partition("xfer")
+    if fault and workers:
+        head = next(n for n in nodes if n["NodeManagerAddress"] == here)
+        report["fault_data"] = {
+            "head": ray.get(on(head, put_rows, "h", FAULT_ROWS), timeout=120),
+            "worker": ray.get(on(workers[-1], put_rows, "w", FAULT_ROWS), timeout=120),
+        }
     Path(out).write_text(json.dumps(report))
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
@@ -252,9 +288,69 @@ def place_and_probe(ray_address: str, tq_address: str, shm_dir: str, capacity: i
     ray.shutdown()
 
 
+def read_through_node_loss(tq_address: str, out: str, ready: str, budget_s: float = 120.0) -> None:
+    """Runs on the head as a DP rank would: get partition "step" (rows on the head's unit and on a
+    worker node's) again and again until a get fails - the worker node is killed meanwhile - then
+    read the head's rows alone. Writes what happened to ``out``; never waits past ``budget_s``."""
+    from tq import TQClient
+
+    report: dict[str, Any] = {}
+    with TQClient(tq_address, timeout=30.0) as c:
+        meta = c.get_meta("step")
+        gets, end = 0, time.monotonic() + budget_s
+        while time.monotonic() < end:
+            try:
+                c.get(meta, ["x"])
+            except Exception as exc:  # noqa: BLE001 - what the failing step sees is the result
+                report.update(error_type=type(exc).__name__, error=str(exc), error_at=time.time())
+                break
+            gets += 1
+            if gets == 1:
+                Path(ready).write_text("1")
+        report["gets_before_error"] = gets
+        survivors = meta.select([k.startswith("h") for k in meta.keys])
+        t = time.perf_counter()
+        x = c.get(survivors, ["x"])["x"]
+        report["survivors"] = {"rows": len(survivors), "sum": int(x.sum()), "get_s": time.perf_counter() - t}
+        report["partitions_after"] = [p["partition"] for p in c.list_partitions()]
+    Path(out).write_text(json.dumps(report))
+
+
+def node_leaves(cluster: NetnsCluster, tq_address: str, data: dict[str, Any], run_dir: Path, env: dict[str, str]) -> dict[str, Any]:
+    """Kill the last worker node (its raylet, workers and storage unit: every process in its namespace)
+    while a reader on the head is getting rows from it; returns what the reader saw and when."""
+    work = run_dir / "work"
+    out, ready = work / "fault.json", work / "fault.ready"
+    reader = cluster.spawn(0, [sys.executable, "-m", "benchmarks.multinode", "_read", "--tq-address", tq_address,
+                               "--out", str(out), "--ready", str(ready)], run_dir / "fault.log", env)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        if time.monotonic() > deadline or reader.poll() is not None:
+            raise RuntimeError(f"the fault check's reader did not start reading (log: {run_dir / 'fault.log'})")
+        time.sleep(0.1)
+    time.sleep(0.5)  # a few gets in flight
+    killed_at = time.time()
+    victim = len(cluster.ns) - 1
+    killed = cluster.kill_node(victim)
+    try:
+        reader.wait(150)
+    except subprocess.TimeoutExpired:
+        _killpg(reader, signal.SIGKILL)
+        raise TimeoutError(f"the reader hung after node {victim} left (log: {run_dir / 'fault.log'})") from None
+    if not out.exists():
+        raise RuntimeError(f"the fault check's reader exited {reader.returncode} (log: {run_dir / 'fault.log'})")
+    seen = json.loads(out.read_text())
+    seen.update(node=cluster.ips[victim], processes_killed=killed, expected=data,
+                error_after_s=round(seen["error_at"] - killed_at, 2) if "error_at" in seen else None)
+    return seen
+
+
 # ------------------------------------------------------------------------ the whole run
-def run(nodes: int, steps: int, link_rate: str | None, run_dir: Path, log: Any = print) -> dict[str, Any]:
-    """Set the cluster up, run the transfer check and (``steps`` > 0) the GRPO job, tear down; returns the report."""
+def run(nodes: int, steps: int, link_rate: str | None, run_dir: Path, log: Any = print, fault: bool = False) -> dict[str, Any]:
+    """Set the cluster up, run the transfer check and (``steps`` > 0) the GRPO job, tear down; returns the report.
+
+    ``fault``: instead of the job, the last worker node leaves (every process in its namespace is
+    killed) while a reader on the head gets rows from its storage unit (see :func:`node_leaves`)."""
     work = run_dir / "work"
     work.mkdir(parents=True, exist_ok=True)
     cluster = NetnsCluster(nodes, link_rate)
@@ -295,7 +391,8 @@ def run(nodes: int, steps: int, link_rate: str | None, run_dir: Path, log: Any =
         tq_address = f"tcp://{head}:{TQ_PORT}"
         probe_out = work / "probe.json"
         cluster.spawn(0, [sys.executable, "-m", "benchmarks.multinode", "_place", "--ray-address", f"{head}:{RAY_PORT}",
-                          "--tq-address", tq_address, "--shm-dir", shm_dir, "--out", str(probe_out), "--nodes", str(nodes)],
+                          "--tq-address", tq_address, "--shm-dir", shm_dir, "--out", str(probe_out), "--nodes", str(nodes),
+                          *(["--fault"] if fault else [])],
                       run_dir / "placement.log", env)
         deadline = time.monotonic() + 240
         while not probe_out.exists():
@@ -303,7 +400,13 @@ def run(nodes: int, steps: int, link_rate: str | None, run_dir: Path, log: Any =
                 raise TimeoutError(f"storage units not placed within 240s (log: {run_dir / 'placement.log'})")
             time.sleep(0.5)
         report["placement"] = json.loads(probe_out.read_text())
+        report["tc"] = cluster.qdiscs
         log(f"storage units on {report['placement']['units']} nodes; transfer: {json.dumps(report['placement'].get('xfer'))}")
+        if fault:
+            report["fault"] = node_leaves(cluster, tq_address, report["placement"]["fault_data"], run_dir, env)
+            log(f"node {report['fault']['node']} left: {report['fault'].get('error_type')} after "
+                f"{report['fault'].get('error_after_s')} s: {report['fault'].get('error')}")
+            return report
         if steps <= 0:
             return report
         t0 = time.monotonic()
@@ -330,12 +433,21 @@ def run(nodes: int, steps: int, link_rate: str | None, run_dir: Path, log: Any =
     return report
 
 
-def render_md(report: dict[str, Any], machine: str) -> str:
-    """The report as a short markdown page (what the README quotes)."""
-    lines = ["# Multi-node TQ on an emulated Ray cluster", "",
-             f"`python -m benchmarks.multinode` on {machine}: {report['nodes']} network namespaces (a head + "
-             f"{report['nodes'] - 1} worker nodes) bridged by veth pairs, links {report['link_rate'] or 'not rate-limited'}; "
-             f"code {report.get('code', {}).get('commit', '?')}; {report['total_s']} s in all.", ""]
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
+def _step_s(r: dict[str, Any]) -> float:
+    return sum(v for k, v in r.items() if k in ("timing/generation", "timing/logprobs", "timing/training", "timing/refit"))
+
+
+def render_section(report: dict[str, Any]) -> list[str]:
+    """One cluster run (one link rate, or the fault check) as markdown lines."""
+    lines = [f"## {'A worker node leaves' if report.get('fault') else 'Links ' + (report['link_rate'] or 'not rate-limited')}", "",
+             f"{report['nodes']} network namespaces (a head + {report['nodes'] - 1} worker nodes) bridged by veth pairs; "
+             f"{report['total_s']} s in all."
+             + (f" Every node's link: `{report['tc'][0]}`." if report.get("tc") else ""), ""]
     x = report.get("placement", {}).get("xfer")
     if x:
         lines += [f"Storage units placed on {report['placement']['units']} nodes. A {x['mib']} MiB batch put on a worker node, "
@@ -349,10 +461,38 @@ def render_md(report: dict[str, Any], machine: str) -> str:
                   f"{len(t['steps'])} steps in {t['wall_s']} s (including start-up).", "",
                   "| step | step s | data movement s | rank fetch s (max) | driver bytes in / out |", "|---|---|---|---|---|"]
         for i, r in enumerate(t["steps"], 1):
-            total = sum(v for k, v in r.items() if k in ("timing/generation", "timing/logprobs", "timing/training", "timing/refit"))
-            lines.append(f"| {i} | {total:.2f} | {r.get('timing/data_movement', 0):.3f} | {r.get('timing/worker_fetch', 0):.3f} | "
+            lines.append(f"| {i} | {_step_s(r):.2f} | {r.get('timing/data_movement', 0):.3f} | {r.get('timing/worker_fetch', 0):.3f} | "
                          f"{int(r.get('driver_bytes_received', 0))} / {int(r.get('driver_bytes_sent', 0))} |")
-    return "\n".join(lines) + "\n"
+        lines.append("")
+    f = report.get("fault")
+    if f:
+        e, s = f["expected"], f["survivors"]
+        lines += [f"A reader on the head gets partition `step` ({e['head']['rows']} rows on the head's unit, "
+                  f"{e['worker']['rows']} on the unit of worker node {f['node']}) in a loop; every process of that "
+                  f"node's namespace (raylet, Ray workers, its storage unit: {f['processes_killed']}) is killed mid-loop.", "",
+                  f"- the get in flight failed after {f['error_after_s']} s ({f['gets_before_error']} gets before it) with "
+                  f"`{f.get('error_type')}: {f.get('error')}`",
+                  f"- the head's {s['rows']} rows read back afterwards: sum {'matches' if s['sum'] == e['head']['sum'] else 'DIFFERS'} "
+                  f"({s['get_s']:.3f} s); partitions still listed: {f['partitions_after']}", ""]
+    return lines
+
+
+def render_md(reports: list[dict[str, Any]], machine: str, code: dict[str, Any]) -> str:
+    """Every cluster run of one invocation as a markdown page (what the README quotes)."""
+    lines = ["# Multi-node TQ on an emulated Ray cluster", "",
+             f"`python -m benchmarks.multinode` on {machine}; code {code.get('commit', '?')}.", ""]
+    rated = [r for r in reports if not r.get("fault") and r.get("placement", {}).get("xfer")]
+    if len(rated) > 1:
+        lines += ["| links | cross-node get GB/s | same-node get GB/s | GRPO step s (median) | rank fetch s (median of max) |",
+                  "|---|---|---|---|---|"]
+        for r in rated:
+            x, steps = r["placement"]["xfer"], r.get("train", {}).get("steps", [])[1:]  # step 1 warms up
+            lines.append(f"| {r['link_rate'] or 'no limit'} | {x['cross_node']['gb_s']:.2f} | {x['same_node']['gb_s']:.2f} | "
+                         f"{_median([_step_s(s) for s in steps]):.2f} | {_median([s.get('timing/worker_fetch', 0) for s in steps]):.3f} |")
+        lines.append("")
+    for r in reports:
+        lines += render_section(r)
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -365,29 +505,46 @@ def main(argv: list[str] | None = None) -> int:
             place.add_argument(flag, required=True)
         place.add_argument("--capacity", type=int, default=512 << 20)
         place.add_argument("--nodes", type=int, required=True)
+        place.add_argument("--fault", action="store_true")
         a = place.parse_args(argv[1:])
-        place_and_probe(a.ray_address, a.tq_address, a.shm_dir, a.capacity, a.out, a.nodes)
+        place_and_probe(a.ray_address, a.tq_address, a.shm_dir, a.capacity, a.out, a.nodes, a.fault)
+        return 0
+    if argv[:1] == ["_read"]:  # internal: the fault check's reader, inside the head namespace
+        read = argparse.ArgumentParser(prog="python -m benchmarks.multinode _read")
+        for flag in ("--tq-address", "--out", "--ready"):
+            read.add_argument(flag, required=True)
+        a = read.parse_args(argv[1:])
+        read_through_node_loss(a.tq_address, a.out, a.ready)
         return 0
     ap = argparse.ArgumentParser(prog="python -m benchmarks.multinode", description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=3, help="emulated nodes: a head (driver, controller) + worker nodes (default 3)")
     ap.add_argument("--steps", type=int, default=4, help="GRPO steps of the job (default 4; 0: only the cluster and the transfer check)")
-    ap.add_argument("--link-rate", default=None, help="tc rate limit of every node's link, e.g. 10gbit (default: none)")
+    ap.add_argument("--link-rate", default=None,
+                    help="tc rate limit of every node's link, e.g. 10gbit; a comma list runs a cluster per rate, "
+                         "'none' for no limit (e.g. none,10gbit,25gbit; default: none)")
+    ap.add_argument("--fault", action="store_true",
+                    help="also run the fault check on a cluster of its own: a worker node leaves while a reader gets its rows")
     add_output_args(ap, "multinode")
     args = ap.parse_args(argv)
+    rates = [None if r in ("", "none") else r for r in (args.link_rate or "none").split(",")]
     out = open_run("multinode", args.run_dir)
+    reports = []
     try:
-        report = run(args.nodes, args.steps, args.link_rate, Path(out.run_dir))
+        for rate in rates:
+            reports.append(run(args.nodes, args.steps, rate, Path(out.run_dir) / f"links-{rate or 'none'}"))
+        if args.fault:
+            reports.append(run(max(2, args.nodes), 0, None, Path(out.run_dir) / "fault", fault=True))
     except SetupError as exc:
         print(f"multinode: cannot emulate nodes on this machine: {exc}", file=sys.stderr)
         return 2
-    report["code"] = code_version()
+    code = code_version()
     machine = f"{os.cpu_count()} CPUs ({cpu_model()})"
-    Path(out.path(".json")).write_text(json.dumps(report, indent=1))
-    md = render_md(report, machine)
+    Path(out.path(".json")).write_text(json.dumps({"code": code, "machine": machine, "runs": reports}, indent=1))
+    md = render_md(reports, machine, code)
     Path(out.path(".md")).write_text(md)
     print(md)
     out.finish(args.publish, args.machine or machine_tag())
-    return 0 if report.get("train", {}).get("rc", 0) == 0 else 1
+    return 0 if all(r.get("train", {}).get("rc", 0) == 0 for r in reports) else 1
 
 
 if __name__ == "__main__":

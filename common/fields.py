@@ -38,12 +38,15 @@ TOKEN_FIELDS = ("input_ids", "generation_logprobs", "token_mask", "prev_logprobs
 
 
 def tensor_nbytes(obj: Any) -> int:
-    """Bytes of the tensors and arrays in ``obj`` (itself, the values of a mapping, the items of a list
-    or tuple, nested; a jagged column is a list of tensors): a sum of ``nbytes``, no serialization,
-    so cheap enough to count every data-plane call. Anything else (objects, strings) counts 0."""
+    """Bytes of the tensors and arrays in ``obj``: itself, the values of a mapping, the items of a list
+    or tuple, nested (a jagged column is a list of tensors or a ``tq.JaggedTensor``). A sum of
+    ``nbytes``, no serialization, so cheap enough to count every data-plane call. Anything else
+    (objects, strings) counts 0."""
     if isinstance(obj, dict):
         return sum(tensor_nbytes(v) for v in obj.values())
     if isinstance(obj, (tuple, list)):
         return sum(tensor_nbytes(v) for v in obj) if obj and not isinstance(obj[0], (str, int, float)) else 0
+    if hasattr(obj, "values") and hasattr(obj, "offsets"):  # tq.JaggedTensor: its values and row offsets
+        return tensor_nbytes(obj.values) + tensor_nbytes(obj.offsets)
     n = getattr(obj, "nbytes", None)  # torch.Tensor and np.ndarray
     return int(n) if isinstance(n, int) else 0

@@ -46,7 +46,8 @@ class PolicyConfig(_Strict):
     neither dynamic batching nor sequence packing is on (those use token budgets instead).
     """
 
-    model_name: str = Field(TINY_MODEL, description="Hugging Face model name or local checkpoint path; tiny-random: the built-in 2-layer model (no download)")
+    model_name: str = Field(TINY_MODEL, description=(
+        "Hugging Face model name or local checkpoint path; tiny-random: the built-in 2-layer model (no download)"))
     tokenizer_name: str | None = Field(None, description="Tokenizer (null: model_name).")
     dtype: Literal[tuple(DTYPES)] = Field("float32", description="Compute dtype (weights stay float32).")  # type: ignore[valid-type]
     tiny_overrides: dict[str, Any] | None = Field(None, description="Config overrides of the built-in tiny model.")
@@ -61,7 +62,8 @@ class PolicyConfig(_Strict):
     warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear learning-rate warm-up.")
     lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Learning-rate schedule after warm-up.")
     max_steps: int | None = Field(None, gt=0, description="Optimizer steps; the cosine schedule's horizon.")
-    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="The cosine schedule's final learning rate, as a fraction of learning_rate.")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description=(
+        "The cosine schedule's final learning rate, as a fraction of learning_rate."))
     max_grad_norm: float | None = Field(1.0, gt=0.0, description="Clip the gradient norm to this (null: no clipping)")
 
     train_global_batch_size: int = Field(32, ge=1, description="Samples per optimizer step, across all DP ranks.")
@@ -71,7 +73,9 @@ class PolicyConfig(_Strict):
     sequence_packing: SequencePackingConfig = Field(default_factory=SequencePackingConfig)
 
     reference_model_on_cpu: bool = Field(True, description="Keep the frozen reference model (KL penalty) in CPU memory.")
-    deterministic: bool = Field(False, description="Deterministic kernels (torch.use_deterministic_algorithms): on CUDA, atomics in backward passes otherwise make two identical training steps differ in the last bits. Slower; CPU is deterministic anyway.")
+    deterministic: bool = Field(False, description=(
+        "Deterministic kernels (torch.use_deterministic_algorithms): on CUDA, atomics in backward passes otherwise make two identical"
+        " training steps differ in the last bits. Slower; CPU is deterministic anyway."))
     num_cpus_per_worker: float = Field(0.5, ge=0.0, description="Logical CPUs Ray reserves per policy worker.")
     num_gpus_per_worker: float = Field(0.0, ge=0.0, description="GPUs per policy worker (0: CPU training)")
     torch_num_threads: int | None = Field(None, ge=1, description="torch threads per worker (null: max(1, int(num_cpus_per_worker))).")

@@ -120,14 +120,17 @@ class ClippedPGLossConfig(BaseModel):
     ratio_clip_min: float = Field(0.2, ge=0.0, description="Lower clip epsilon: the ratio is clipped at 1 - ratio_clip_min.")
     ratio_clip_max: float = Field(0.2, ge=0.0, description="Upper clip epsilon: the ratio is clipped at 1 + ratio_clip_max.")
     ratio_clip_c: float | None = Field(None, description="Dual-clip constant (> 1) for negative advantages (null: off)")
-    reference_policy_kl_penalty: float = Field(0.0, ge=0.0, description="Weight of the KL term to the reference (initial) policy (0: no reference model)")
+    reference_policy_kl_penalty: float = Field(0.0, ge=0.0, description=(
+        "Weight of the KL term to the reference (initial) policy (0: no reference model)"))
     reference_policy_kl_type: KLType = Field("k3", description="KL estimator (k1, k2, k3)")
     kl_clamp: float | None = Field(10.0, gt=0.0, description="Clamp the per-token KL to [-kl_clamp, kl_clamp] (null: off)")
     kl_input_clamp: float | None = Field(20.0, gt=0.0, description="Clamp the log-ratio entering the KL estimator (null: off)")
     use_on_policy_kl_approximation: bool = Field(False, description="Weight the KL term by the importance ratio (an on-policy estimate)")
     token_level_loss: bool = Field(True, description="Average the loss over tokens (else over sequences)")
-    use_importance_sampling_correction: bool = Field(False, description="Weight the loss by pi_old / pi_generation per token (required in async mode)")
-    truncated_importance_sampling_ratio: float | None = Field(None, gt=0.0, description="Cap the importance-sampling weight at this (null: no cap)")
+    use_importance_sampling_correction: bool = Field(False, description=(
+        "Weight the loss by pi_old / pi_generation per token (required in async mode)"))
+    truncated_importance_sampling_ratio: float | None = Field(None, gt=0.0, description=(
+        "Cap the importance-sampling weight at this (null: no cap)"))
 
     @model_validator(mode="after")
     def _check(self) -> "ClippedPGLossConfig":

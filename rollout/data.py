@@ -57,13 +57,15 @@ class DataProcessorConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     prompt_key: str = Field("prompt", description="Row field holding the prompt text.")
-    prompt_template: str | None = Field(None, description="Python format string over the row's fields for the user message (null: prompt_key's field)")
+    prompt_template: str | None = Field(None, description=(
+        "Python format string over the row's fields for the user message (null: prompt_key's field)"))
     messages_key: str | None = Field(None, description="Row field holding a list of {role, content} messages (takes precedence)")
     system_prompt: str | None = Field(None, description="System message prepended to every conversation.")
     use_chat_template: bool = Field(True, description="Render messages with the tokenizer's chat template (else tokenize the prompt as is)")
     ground_truth_key: str | None = Field("ground_truth", description="Row field the environment scores against.")
     extra_env_keys: list[str] = Field(default_factory=list, description="More row fields passed to the environment.")
-    max_seq_length: int = Field(default=1024, ge=1, description="Prompt tokens at most (longer prompts are truncated and masked out of the loss)")
+    max_seq_length: int = Field(default=1024, ge=1, description=(
+        "Prompt tokens at most (longer prompts are truncated and masked out of the loss)"))
     task_name: str | None = Field(None, description="Environment of every row (null: the row's task_name field, else \"default\")")
 
 

@@ -81,8 +81,10 @@ def test_start_status_put_stop(cli_env):
         assert "tq_units 2.0" in r.read().decode().splitlines()
     assert os.path.exists(state["log"])
     controller = psutil.Process(state["pid"])
-    units = controller.children(recursive=True)
+    units = [c for c in controller.children(recursive=True) if "tq.storage" in c.cmdline()]
     assert len(units) == 2
+    (endpoint,) = [c for c in controller.children() if "tq.metrics" in c.cmdline()]
+    units.append(endpoint)  # stopped with the service as well
 
     # A second start must refuse while the first one runs.
     again = run_cli("start", env=cli_env)

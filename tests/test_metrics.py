@@ -150,3 +150,21 @@ def test_metrics_port_in_use_fails_fast_naming_it(how):
                            env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and f"cannot serve metrics on 127.0.0.1:{port}" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_op_stats_window():
+    """p50/p99 over the last LATENCY_WINDOW latencies (the ring wraps); the count over all."""
+    import numpy as np
+
+    from tq.rpc import LATENCY_WINDOW, OpStats
+
+    lat = np.random.default_rng(0).exponential(1e-3, LATENCY_WINDOW + 904)
+    st = OpStats()
+    for x in lat.tolist():
+        st.add(x)
+    s = st.summary()
+    recent = lat[-LATENCY_WINDOW:] * 1e3
+    assert s["count"] == lat.size
+    assert s["p50_ms"] == np.percentile(recent, 50, method="lower")
+    assert s["p99_ms"] == np.percentile(recent, 99, method="lower")
+    assert OpStats().summary() == {"count": 0, "errors": 0, "p50_ms": 0.0, "p99_ms": 0.0}

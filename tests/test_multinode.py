@@ -1,6 +1,7 @@
 """A real multi-node Ray cluster on one machine (network namespaces + veth pairs): storage units on
 every node, a batch written on one node and read bit-exact over TCP on another, and (slow) a GRPO job
-whose DP ranks sit on different nodes. Skipped where namespaces cannot be made (not root, no ``ip``)."""
+whose DP ranks sit on different nodes, a rate-limited link, and a worker node leaving mid-read.
+Skipped where namespaces cannot be made (not root, no ``ip``)."""
 
 from __future__ import annotations
 
@@ -54,4 +55,32 @@ def test_cross_node_get_on_an_emulated_cluster(tmp_path):
 def test_grpo_job_with_dp_ranks_on_different_nodes(tmp_path):
     report = multinode.run(nodes=3, steps=2, link_rate=None, run_dir=tmp_path)
     assert report["train"]["rc"] == 0 and len(report["train"]["steps"]) == 2
+    assert _left_behind(f"tqmn{os.getpid() % 100000}") == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(WHY is not None, reason=WHY or "")
+@pytest.mark.timeout(400)
+def test_a_worker_node_leaving_fails_the_read_naming_its_unit_and_the_rest_stays_readable(tmp_path):
+    report = multinode.run(nodes=2, steps=0, link_rate=None, run_dir=tmp_path, fault=True)
+    f = report["fault"]
+    assert f["processes_killed"] > 0 and f["gets_before_error"] >= 1
+    # The get in flight failed - no hang - with an error naming the unit and the node it was on.
+    assert f["error_type"] == "StorageUnitError", f
+    assert "storage unit" in f["error"] and f["node"] in f["error"], f["error"]
+    assert f["error_after_s"] < 60
+    # The head's unit still serves its rows, bit-exact (the writer's checksum), and the controller answers.
+    assert f["survivors"]["rows"] == f["expected"]["head"]["rows"]
+    assert f["survivors"]["sum"] == f["expected"]["head"]["sum"]
+    assert "step" in f["partitions_after"]
+    assert _left_behind(f"tqmn{os.getpid() % 100000}") == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(WHY is not None, reason=WHY or "")
+@pytest.mark.timeout(300)
+def test_link_rate_puts_a_tbf_qdisc_on_every_link(tmp_path):
+    report = multinode.run(nodes=2, steps=0, link_rate="10gbit", run_dir=tmp_path)
+    assert len(report["tc"]) == 2 and all("tbf" in q and "10Gbit" in q for q in report["tc"]), report["tc"]
+    assert report["placement"]["xfer"]["cross_node"]["gb_s"] < 10 / 8 * 1.05  # cannot beat the link
     assert _left_behind(f"tqmn{os.getpid() % 100000}") == []

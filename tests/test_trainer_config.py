@@ -44,12 +44,14 @@ def test_bad_command_lines():
         parse_cli(["--fast"])
 
 
-def test_progress_line_shows_the_step_phases_not_the_driver_and_worker_breakdowns(tmp_path, capsys):
+def test_progress_line_shows_the_step_phases_not_the_driver_and_worker_breakdowns(tmp_path, capsys, monkeypatch):
     """The live line stays readable: the phases of a step with 2 decimals; the instrumented
     driver_*/worker_* breakdowns go to metrics.jsonl only."""
+    from trainer import logger as L
     from trainer.config import LoggerConfig
     from trainer.logger import MetricsLogger
 
+    monkeypatch.setattr(L.time, "perf_counter", lambda: 5.0)  # no time passes: elapsed and ETA 0:00
     log = MetricsLogger(LoggerConfig(log_dir=str(tmp_path), tensorboard=False, plot=False), "run")
     try:
         log.start(2, 10)

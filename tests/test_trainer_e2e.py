@@ -85,10 +85,11 @@ def test_legacy_and_tq_trainers_produce_the_same_metrics(tmp_path, monkeypatch):
 def test_tq_driver_receives_per_sample_data_only_and_the_store_empties(tmp_path):
     """The driver's received bytes per step (instrumented) stay within per-sample scalars, do not grow
     with response length, and are far below the legacy path's; no key is left in TQ after a step."""
+    # One step per run: a step is all of its data movement (the three runs share the first one's Ray).
     with TQServer(storage_units=1, capacity=256 << 20) as server:
         runs = {}
         for tokens in (2, 24):
-            cfg = _cfg(tmp_path, "grpo.max_num_steps=2", f"grpo.max_new_tokens={tokens}", f"data_plane.address={server.address}",
+            cfg = _cfg(tmp_path, "grpo.max_num_steps=1", f"grpo.max_new_tokens={tokens}", f"data_plane.address={server.address}",
                        "logger.data_movement_metrics=true")
             history, _ = _fit(GRPOSyncTrainer, cfg)
             runs[tokens] = max(h["driver_bytes_received"] for h in history)
@@ -97,7 +98,7 @@ def test_tq_driver_receives_per_sample_data_only_and_the_store_empties(tmp_path)
     n = 64
     assert runs[24] <= 600 * n + 8192, runs  # a few hundred bytes of scalars per sample, plus keys
     assert runs[24] < 1.25 * runs[2]  # 12x longer responses: (almost) the same driver traffic
-    legacy, _ = _fit(GRPOTrainer, _cfg(tmp_path, "grpo.max_num_steps=2", "grpo.max_new_tokens=24", "logger.data_movement_metrics=true"))
+    legacy, _ = _fit(GRPOTrainer, _cfg(tmp_path, "grpo.max_num_steps=1", "grpo.max_new_tokens=24", "logger.data_movement_metrics=true"))
     assert max(h["driver_bytes_received"] for h in legacy) > 2 * runs[24]
 
 

@@ -88,6 +88,51 @@ def test_configs_refuse_a_refit_transport_they_cannot_use():
         load_config(CONFIG_DIR / "grpo_gpu_vllm_async_2gpu.yaml", ["generation.refit_transport=nccl"])
 
 
+def test_two_gpu_recipes_cap_the_kv_cache_at_a_step():
+    """Without a cap vLLM sizes its KV cache from memory: ~10M blocks for the tiny model at these
+    fractions, and each refit's prefix-cache reset walks them all (0.58 s a step on 2 x H100). The cap
+    must still hold a whole step's samples at once, so generation is never throttled by it."""
+    from trainer.config import CONFIG_DIR, load_config
+
+    for name in ("grpo_gpu_vllm_2gpu", "grpo_gpu_vllm_async_2gpu"):
+        cfg = load_config(CONFIG_DIR / f"{name}.yaml")
+        blocks = cfg.generation.vllm_extra_kwargs.get("num_gpu_blocks_override")
+        assert blocks is not None and blocks <= 65536, f"{name}: KV cache not capped ({blocks})"
+        per_sample = -(-(cfg.data.processor.max_seq_length + cfg.grpo.max_new_tokens) // 16)  # 16-token blocks
+        assert blocks >= cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt * per_sample, name
+
+
+def test_benchmark_writes_its_run_dir_only_and_summarizes_a_run(tmp_path, capsys):
+    import json
+
+    from benchmarks import vllm_gpu
+    from benchmarks.outputs import snapshot
+
+    sub = next(a for a in vllm_gpu.build_parser()._actions if a.dest == "cmd")
+    for name, parser in sub.choices.items():
+        missing = [a.option_strings or a.dest for a in parser._actions if not (a.help or "").strip()]
+        assert not missing, f"{name}: options without help: {missing}"
+    before = snapshot()
+    assert vllm_gpu.main(["run", "--models", str(tmp_path / "no-model"), "--run-dir", str(tmp_path / "run")]) == 0
+    rows = json.loads((tmp_path / "run" / "vllm_gpu.json").read_text())["rows"]
+    assert rows[0]["model"] == str(tmp_path / "no-model") and rows[0]["error"]  # no vLLM here, or no such model
+    assert snapshot() == before  # benchmarks/results/ only changes with --publish
+
+    metrics, t0 = tmp_path / "metrics.jsonl", 1000.0
+    with open(metrics, "w") as f:
+        for step in range(1, 31):  # reward step / 20: the 10-step mean first reaches 0.8 at step 21 (mean of 12..21 = 0.82)
+            f.write(json.dumps({"step": step, "split": "train", "time": t0 + 10 + step, "reward": min(1.0, step / 20),
+                                "step_time_s": 1.0, "timing/refit": 4.0 if step == 1 else 0.01, "token_mult_prob_error": 1.01,
+                                "async/trajectory_age_mean": 1.0, "async/trajectory_age_max": 1.0,
+                                "async/generation_refit_s": 0.02}) + "\n")
+        f.write(json.dumps({"step": 20, "split": "val", "time": t0 + 31, "accuracy": 0.5}) + "\n")
+    out = vllm_gpu.summarize_run(str(metrics), launched=t0)
+    assert out["first_step_10_step_mean_reward_ge_0.8"] == 21 and out["time_to_10_step_mean_reward_ge_0.8_s"] == 31.0
+    assert out["start_up_s"] == 10.0 and out["first_refit_s"] == 4.0 and out["median_refit_s"] == 0.01
+    assert out["mean_trajectory_age"] == 1.0 and out["median_generation_refit_s"] == 0.02
+    assert out["validation_accuracy"] == [[20, 0.5]] and len(out["reward"]) == 30
+
+
 # ---------------------------------------------------------------------- vLLM on a GPU
 @pytest.fixture(scope="module")
 def tok():

@@ -312,9 +312,10 @@ def _await_service(proc: subprocess.Popen, ready_file: str, units: int, secret: 
             registered = len(chan.call(ControllerOp.STATS, Stats())[0]["units"])
             if registered >= units:
                 return ready
-            try:
-                running = [c for c in psutil.Process(proc.pid).children() if launch.pid_running(c.pid)]
-            except psutil.NoSuchProcess:
+            try:  # the storage units among the controller's children (the metrics endpoint is one too)
+                running = [c for c in psutil.Process(proc.pid).children()
+                           if launch.pid_running(c.pid) and "tq.storage" in c.cmdline()]
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
                 running = []
             if proc.poll() is not None or len(running) < units:
                 raise failed(f"a storage unit exited before registering ({registered} of {units} registered)")

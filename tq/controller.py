@@ -803,21 +803,26 @@ def serve(
 
     check_bind_allowed(bind, secret)
     ctrl = Controller(bind, secret=secret, expected_units=storage_units, journal_dir=journal_dir, fsync=fsync)
+    env = launch.service_env(secret.decode() if secret else None)
     metrics = None
-    if metrics_port is not None:
-        from .metrics import MetricsServer
-
-        ctrl.metrics = True
+    if metrics_port is not None:  # the endpoint is a process of its own: a scrape never holds our GIL
+        ready = launch.new_ready_file("tq-metrics-ready-")
+        metrics = subprocess.Popen(launch.metrics_command(controller=ctrl.address, host=bind.split("://", 1)[1].rsplit(":", 1)[0],
+                                                          port=metrics_port, ready_file=ready, pid=os.getpid()),
+                                   env=env, preexec_fn=_die_with_parent)
         try:
-            metrics = MetricsServer(bind.split("://", 1)[1].rsplit(":", 1)[0], metrics_port, ctrl.address, secret)
-        except OSError as exc:
+            info = launch.await_ready_file(ready, alive=lambda: metrics.poll() is None or os.path.exists(ready), timeout=60,
+                                           what="the metrics endpoint")
+        except TQError as exc:
+            info = {"error": str(exc)}
+        if "error" in info:
+            launch.stop_process(metrics, 5.0)
             ctrl.close()
-            raise SystemExit(f"tq.controller: {exc.strerror}") from None
-        ctrl.metrics_url = metrics.url
+            raise SystemExit(f"tq.controller: {info['error']}")
+        ctrl.metrics, ctrl.metrics_url = True, info["url"]
     recovered = bool(ctrl.units)
     ctrl.stop_units_on_close = journal_dir is not None  # they do not die with us: stop them on a clean exit
     host = unit_host or bind.split("://", 1)[1].rsplit(":", 1)[0]
-    env = launch.service_env(secret.decode() if secret else None)
     per_unit = capacity // max(storage_units, 1)
 
     def spawn(unit_id: int, recover_arena: str | None = None) -> subprocess.Popen:
@@ -843,7 +848,7 @@ def serve(
         ctrl.serve_forever()
     finally:
         if metrics is not None:
-            metrics.close()
+            launch.stop_process(metrics, 5.0)
         for p in ctrl.children:  # all at once, then wait: they clean up in parallel
             if p.poll() is None:
                 p.terminate()

@@ -53,6 +53,12 @@ def controller_command(
     return cmd
 
 
+def metrics_command(*, controller: str, host: str, port: int, ready_file: str, pid: int) -> list[str]:
+    """The command line of a service's metrics endpoint (``python -m tq.metrics``, see :mod:`tq.metrics`)."""
+    return [sys.executable, "-m", "tq.metrics", "--controller", controller, "--host", host, "--port", str(port),
+            "--ready-file", ready_file, "--pid", str(pid)]
+
+
 def storage_unit_command(*, unit_id: int, bind: str, controller: str, capacity: int, shm_dir: str, **options: Any) -> list[str]:
     """The command line of a storage-unit process (``python -m tq.storage``). ``options`` are its
     other flags by their Python names (``ready_file="/tmp/x"`` -> ``--ready-file /tmp/x``); ``True``

@@ -11,7 +11,8 @@ controller always knows where its units are. So one scrape target covers the ser
 is down shows as ``tq_unit_up{unit="1"} 0`` instead of as a failed target.
 
 The serving loops pay only for plain integer counters (see :class:`tq.rpc.OpStats`): nothing is
-locked or allocated per request; the metric families are built at scrape time, in the HTTP thread.
+locked or allocated per request. The endpoint runs in a process of its own (``python -m tq.metrics``,
+started by the controller), so building a scrape's answer never holds the controller loop's GIL.
 """
 
 from __future__ import annotations
@@ -188,16 +189,17 @@ class ServiceCollector:
 
 
 class MetricsServer:
-    """The HTTP endpoint (``/metrics``) of a TQ service, served by one daemon thread."""
+    """The HTTP endpoint (``/metrics``) of the TQ service at ``address``, served by one daemon thread;
+    ``pid`` is the process whose CPU and memory the ``process_*`` metrics describe (the controller's)."""
 
-    def __init__(self, host: str, port: int, address: str, secret: bytes | None) -> None:
+    def __init__(self, host: str, port: int, address: str, secret: bytes | None, pid: int | None = None) -> None:
         from prometheus_client import CollectorRegistry, ProcessCollector
         from prometheus_client.exposition import MetricsHandler
 
         self.collector = ServiceCollector(address, secret)
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self.collector)
-        ProcessCollector(registry=registry)
+        ProcessCollector(registry=registry, pid=(lambda: pid) if pid else (lambda: "self"))
         try:
             self.httpd = HTTPServer((host, port), MetricsHandler.factory(registry))
         except OSError as exc:
@@ -213,3 +215,38 @@ class MetricsServer:
         self.httpd.server_close()
         self._thread.join(5.0)
         self.collector.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m tq.metrics``: the metrics endpoint as its own process, started by the controller
+    (``--metrics-port``) so that building a scrape's answer never holds the controller loop's GIL.
+    Writes ``{"url": ...}`` (or ``{"error": ...}``) to ``--ready-file``; serves until SIGTERM."""
+    import argparse
+    import os
+    import signal
+
+    from . import argtypes, launch
+
+    p = argparse.ArgumentParser(description="Serve a TQ service's Prometheus metrics (normally started by the controller).")
+    p.add_argument("--controller", required=True, help="the controller's address")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=argtypes.port, default=0)
+    p.add_argument("--pid", type=argtypes.count, help="the process the process_* metrics describe (default: this one)")
+    p.add_argument("--ready-file", required=True)
+    a = p.parse_args(argv)
+    secret = os.environ.get("TQ_SECRET")
+    try:
+        server = MetricsServer(a.host, a.port, a.controller, secret.encode() if secret else None, a.pid)
+    except OSError as exc:
+        launch.write_json(a.ready_file, {"error": exc.strerror})
+        raise SystemExit(1) from None
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    launch.write_json(a.ready_file, {"url": server.url})
+    stop.wait()
+    server.close()
+
+
+if __name__ == "__main__":
+    main()

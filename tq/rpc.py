@@ -160,24 +160,37 @@ class Call:
 LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
-class OpStats:
-    """Per-operation counters and a window of recent latencies (for p50/p99); with metrics on also a
-    latency histogram (counts per :data:`LATENCY_BUCKETS` bucket, not cumulative) and bytes in/out."""
+LATENCY_WINDOW = 4096  # recent latencies per op kept for p50/p99 (a power of two: the ring's index is a mask)
 
-    __slots__ = ("count", "errors", "latencies", "buckets", "sum_s", "bytes_in", "bytes_out")
+
+class OpStats:
+    """Per-operation counters and a ring of the last LATENCY_WINDOW latencies (for p50/p99); with
+    metrics on also a latency histogram (counts per :data:`LATENCY_BUCKETS` bucket, not cumulative) and
+    bytes in/out. The ring is a numpy array, so a summary (every ``stats`` request: each ``status``,
+    each metrics scrape) reads it without converting 4096 Python floats while the loop waits."""
+
+    __slots__ = ("count", "errors", "window", "buckets", "sum_s", "bytes_in", "bytes_out")
 
     def __init__(self) -> None:
         self.count = 0
         self.errors = 0
-        self.latencies: collections.deque[float] = collections.deque(maxlen=4096)
+        self.window = np.zeros(LATENCY_WINDOW)
         self.buckets = [0] * (len(LATENCY_BUCKETS) + 1)
         self.sum_s = 0.0
         self.bytes_in = 0
         self.bytes_out = 0
 
+    def add(self, latency: float) -> None:
+        """Count one request that took ``latency`` seconds (its errors are counted by the caller)."""
+        self.window[self.count & (LATENCY_WINDOW - 1)] = latency
+        self.count += 1
+
     def summary(self, histogram: bool = False) -> dict[str, Any]:
-        lat = np.asarray(self.latencies, dtype=np.float64)
-        p50, p99 = (np.percentile(lat, [50, 99]) * 1e3).tolist() if lat.size else (0.0, 0.0)
+        lat = self.window[: min(self.count, LATENCY_WINDOW)]
+        p50 = p99 = 0.0
+        if lat.size:
+            ranks = [(lat.size - 1) // 2, (lat.size - 1) * 99 // 100]  # nearest-rank, as a partition finds them
+            p50, p99 = (np.partition(lat, ranks)[ranks] * 1e3).tolist()
         out: dict[str, Any] = {"count": self.count, "errors": self.errors, "p50_ms": p50, "p99_ms": p99}
         if histogram:
             out.update(buckets=list(self.buckets), sum_s=self.sum_s, bytes_in=self.bytes_in, bytes_out=self.bytes_out)
@@ -278,10 +291,9 @@ class RpcServer:
 
     def _record(self, call: Call, frames: Sequence[Any], *, ok: bool) -> None:
         st = self.op_stats[call.op]
-        st.count += 1
-        st.errors += 0 if ok else 1
         latency = time.perf_counter() - call.started
-        st.latencies.append(latency)
+        st.add(latency)
+        st.errors += 0 if ok else 1
         if self.metrics:  # plain ints, no lock: the loop is the only writer (a scrape reads via the stats op)
             st.buckets[bisect.bisect_left(LATENCY_BUCKETS, latency)] += 1
             st.sum_s += latency

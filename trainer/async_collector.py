@@ -295,7 +295,8 @@ class AsyncTrajectoryCollectorImpl:
         self.failed_generations = 0
         self._last_failure: BaseException | None = None
         self._staged_weights: Mapping[str, torch.Tensor] | None = None
-        self.counters = {"generation_calls": 0, "groups": 0, "samples": 0, "idle_waits": 0, "staged_refits": 0}
+        self.counters = {"generation_calls": 0, "groups": 0, "samples": 0, "idle_waits": 0, "staged_refits": 0,
+                         "last_refit_s": 0.0}
         # When each generation call ran and what it targeted (monotonic seconds; for overlap profiles).
         self.timeline: deque[tuple[float, float, int, int]] = deque(maxlen=10_000)
         self.timeout_s = a.wait_timeout_s
@@ -337,7 +338,9 @@ class AsyncTrajectoryCollectorImpl:
         """At a generation boundary (``self._cond`` held): load staged weights, if any."""
         if self._staged_weights is None or self.sched.in_flight or self.sched.refitting:
             return
+        t = time.perf_counter()
         self.rollout.update_weights(self._staged_weights, self.sched.staged_version)
+        self.counters["last_refit_s"] = time.perf_counter() - t  # the generator's load, overlapping training
         self.sched.apply_staged()
         self._staged_weights = None
         self.counters["staged_refits"] += 1

@@ -180,7 +180,8 @@ class GRPOAsyncTrainer(GRPOSyncTrainer):
         ages = ages.to(torch.float32)
         out.update({"async/trajectory_age_counts": counts,
                     "async/trajectory_age_mean": float(ages.mean()), "async/trajectory_age_max": float(ages.max()),
-                    "async/buffered_groups": float(stats["held_groups"]), "async/failed_generations": float(stats["failed_generations"])})
+                    "async/buffered_groups": float(stats["held_groups"]), "async/failed_generations": float(stats["failed_generations"]),
+                    "async/generation_refit_s": float(stats["last_refit_s"])})
         return out
 
     def fit(self) -> list[dict[str, Any]]:

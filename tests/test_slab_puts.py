@@ -102,3 +102,47 @@ def test_a_fetch_of_a_committed_block_waits_for_its_adopt():
         reply, msg = unit.recv(rid, "fetch")
         frame = protocol.unpack_array(reply["frames"][0], msg.buffers, dtype="|u1")
         assert frame.view(np.int64).tolist() == [42]
+
+
+def test_a_socket_closed_by_an_earlier_message_of_the_same_poll_does_not_stop_the_server():
+    """A unit that rejoins gets a new socket, the old one is closed while a reply on it may still be in
+    the same poll's batch: the chaos run's controller died of a KeyError there (more replies on unit
+    sockets since blocks are adopted)."""
+    import time
+
+    import zmq
+
+    from tq.rpc import RpcServer
+
+    server = RpcServer("t", "tcp://127.0.0.1:0", secret=None, max_message_bytes=1 << 20)
+    ctx = zmq.Context.instance()
+    pairs = []
+    for i in range(2):
+        a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        a.bind(f"inproc://slab-poll-{os.getpid()}-{i}")
+        b.connect(f"inproc://slab-poll-{os.getpid()}-{i}")
+        pairs.append((a, b))
+    seen = []
+
+    def first(msg: list) -> None:  # like a rejoin: the other socket goes
+        seen.append("first")
+        server.remove_socket(pairs[1][0])
+        server.stop()
+
+    def second(msg: list) -> None:
+        seen.append("second")
+        server.remove_socket(pairs[0][0])
+        server.stop()
+
+    server.add_socket(pairs[0][0], first)
+    server.add_socket(pairs[1][0], second)
+    for _, b in pairs:
+        b.send(b"x")
+    time.sleep(0.1)  # both readable in the first poll
+    try:
+        server.serve_forever()  # raised KeyError before
+    finally:
+        for a, b in pairs:
+            a.close(0)
+            b.close(0)
+    assert len(seen) == 1

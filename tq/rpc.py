@@ -315,7 +315,9 @@ class RpcServer:
                 elif sock is self._monitor:
                     self._on_refused_handshake()
                 else:
-                    self._extra_sockets[sock](sock.recv_multipart())
+                    on_message = self._extra_sockets.get(sock)
+                    if on_message is not None:  # None: closed by a message earlier in this batch (a unit rejoined)
+                        on_message(sock.recv_multipart())
             self.on_tick(time.monotonic())
         self.close()
 

@@ -62,6 +62,7 @@ SHM_READ_TRIES = 3
 # Same-host puts carve blocks out of slabs: SLAB_BYTES and SLAB_IDS blocks per grant, used for at most
 # SLAB_USE_S (well inside the unit's 60 s allocation lease); a put above a quarter slab gets its own.
 SLAB_BYTES, SLAB_IDS, SLAB_USE_S = 4 << 20, 1024, 20.0
+GIVE_BACK_S = 0.25  # how long giving a slab's unused ids back may wait (close() must not hang on a dead controller)
 ABORT_PROBE_S = 0.5  # after a commit got no reply: how long to ask whether it landed
 DEFAULT_LEASE_S = 30.0  # a borrowed get's lease term; a live holder renews it every third of it
 UNIT_STATS_TIMEOUT_S = 2.0  # stats wait this long for each storage unit before showing it down
@@ -690,7 +691,7 @@ class TQClient:
         if slab.next_id < slab.end_id:
             try:
                 self._call(Op.ABORT_BLOCKS, messages.AbortBlocks(blocks=[(unit, b) for b in range(slab.next_id, slab.end_id)]),
-                           timeout=min(self.timeout, 2.0))
+                           timeout=min(self.timeout, GIVE_BACK_S))
             except TQError:
                 pass
 

@@ -103,6 +103,35 @@ def test_scrape_reports_what_the_test_did(service):
     assert {name for name, _ in s} <= exported_names()
 
 
+def test_a_unit_started_without_the_flag_records_metrics_once_registered(tmp_path):
+    """A unit started as tq.ray_placement starts one (``python -m tq.storage`` with no ``--metrics``)
+    learns from its registration that the service exports metrics: its latency histogram is served."""
+    ready = launch.new_ready_file("tq-metrics-test-")
+    ctl = subprocess.Popen(launch.controller_command(host="127.0.0.1", port=0, storage_units=0, capacity=8 << 20, shm_dir="/dev/shm",
+                                                     ready_file=ready, metrics_port=0), env=launch.service_env(SECRET),
+                           stdout=subprocess.DEVNULL)
+    unit = None
+    try:
+        info = launch.await_ready_file(ready, alive=lambda: ctl.poll() is None, timeout=60, what="the TQ controller")
+        unit_ready = str(tmp_path / "unit.json")
+        cmd = launch.storage_unit_command(unit_id=0, bind="tcp://127.0.0.1:0", controller=info["address"], capacity=8 << 20,
+                                          shm_dir="/dev/shm", ready_file=unit_ready)
+        assert "--metrics" not in cmd
+        unit = subprocess.Popen(cmd, env=launch.service_env(SECRET))
+        launch.await_ready_file(unit_ready, alive=lambda: unit.poll() is None, timeout=30, what="the storage unit")
+        with TQClient(info["address"], secret=SECRET, transport="tcp") as client:
+            client.register_partition("u")
+            meta = client.put("u", ["a", "b"], {"x": torch.ones(2, 8)})
+            assert client.get(meta, ["x"])["x"].sum() == 16
+        s = scrape(info["metrics_url"])
+        assert value(s, "tq_op_latency_seconds_count", server="unit-0", op="store") == 1
+        assert value(s, "tq_op_latency_seconds_count", server="unit-0", op="fetch") == 1
+    finally:
+        if unit is not None:
+            launch.stop_process(unit, 10.0)
+        launch.stop_process(ctl, 15.0, tree=True)
+
+
 def test_dashboard_and_scrape_config_use_exported_names(service):
     """Every metric an expression of deploy/grafana/tq-dashboard.json names is in a live scrape."""
     import yaml

@@ -189,7 +189,9 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             log.warning("storage unit %d rejoined at %s", uid, info["address"])
         self.units_version += 1
         self._publish_status()
-        return {"unit_id": uid}
+        # metrics: whether the service exports them, so a unit started elsewhere (tq.ray_placement, a
+        # rejoin) records its latency histograms and bytes without being told on its command line
+        return {"unit_id": uid, "metrics": self.metrics}
 
     def op_unit_status(self, args: messages.UnitStatus, buffers: list, call: Call) -> dict:
         unit = args.unit

@@ -737,6 +737,7 @@ def run_storage_unit(
         registered, _ = chan.call(messages.ControllerOp.REGISTER_UNIT, messages.RegisterUnit(**unit.describe(), rejoin=rejoin))
         chan.close()
         unit.unit_id = registered["unit_id"]  # the controller numbers units in registration order
+        unit.metrics = metrics or bool(registered.get("metrics"))
         if ready_file:
             launch.write_json(ready_file, {**unit.describe(), "unit_id": registered["unit_id"]})
         for sig in (signal.SIGTERM, signal.SIGINT):

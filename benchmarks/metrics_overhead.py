@@ -8,7 +8,7 @@ slow phase of a shared machine does not land on one of them; each op's p50/p99 i
     python -m benchmarks.metrics_overhead                 # --control-iters 2000, 4 rounds
     python -m benchmarks.metrics_overhead --publish       # also benchmarks/results/metrics_overhead_<machine>.*
 
-Target (issue 20): the control ops' p99 with metrics at most 5% above it without.
+Target: the control ops' p99 with metrics at most 5% above it without.
 """
 
 from __future__ import annotations

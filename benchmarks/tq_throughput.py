@@ -64,7 +64,7 @@ MAX_LEN = 4096
 TARGETS = {"get_vs_transferqueue": 5.0, "get_vs_ray": 2.0, "get_vs_memcpy": 0.4, "put_vs_transferqueue": 3.0,
            "tcp_get_vs_transferqueue": 2.0, "borrowed_vs_ray_views": 1.0}
 CONTROL_P99_MS = 1.0
-# 1-key puts and gets on the same host have a tighter bar (issue 22): one round trip each
+# 1-key puts and gets on the same host have a tighter bar: one round trip each
 CONTROL_P99_BARS_MS = {"put, 1 key (same host)": 0.5, "get, 1 key (same host)": 0.5}
 COLD_GET_GBPS = 2.0
 WARM_FLOOR = 0.5

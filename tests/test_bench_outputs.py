@@ -13,8 +13,10 @@ import pytest
 
 from benchmarks.outputs import REPO, RESULTS_DIR, add_output_args, machine_tag, open_run
 
-# Benchmarks whose command lines are built by a ``build_parser()`` (tq_chaos builds its own in main).
-PARSERS = ("async_vs_sync", "compare_paths", "policy_gpu_check", "tq_soak", "tq_throughput")
+BENCHMARKS = sorted(f[:-3] for f in os.listdir(os.path.join(REPO, "benchmarks"))
+                    if f.endswith(".py") and f not in ("__init__.py", "outputs.py"))
+# Benchmarks whose command lines are built by a ``build_parser()`` (the others build theirs in main).
+PARSERS = tuple(m for m in BENCHMARKS if "def build_parser(" in open(os.path.join(REPO, "benchmarks", f"{m}.py")).read())
 
 
 def test_a_run_writes_its_own_directory_and_publishes_only_when_asked(tmp_path):
@@ -51,7 +53,13 @@ def test_the_default_run_directory_is_fresh_under_logs_and_results_is_refused():
 @pytest.mark.parametrize("module", PARSERS)
 def test_every_benchmark_option_has_help_and_the_output_options(module):
     parser: argparse.ArgumentParser = importlib.import_module(f"benchmarks.{module}").build_parser()
-    opts = [a for a in parser._actions if a.help != argparse.SUPPRESS and not isinstance(a, argparse._HelpAction)]
+    parsers, opts = [parser], []
+    while parsers:  # the parser and its subcommands' parsers
+        for a in parsers.pop()._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                parsers.extend(a.choices.values())
+            elif a.help != argparse.SUPPRESS and not isinstance(a, argparse._HelpAction):
+                opts.append(a)
     missing = [a.option_strings for a in opts if not (a.help or "").strip()]
     assert not missing, f"{module}: options without help: {missing}"
     names = {s for a in opts for s in a.option_strings}
@@ -62,7 +70,8 @@ def test_every_benchmark_option_has_help_and_the_output_options(module):
 
 def test_no_benchmark_speaks_of_tracker_issues_in_what_users_see():
     """Help, docstrings, printed lines and result files talk about the benchmark, not the tracker."""
-    for module in PARSERS:
+    assert {"tq_throughput", "dataplane_scale"} <= set(PARSERS) and "tq_chaos" in BENCHMARKS
+    for module in BENCHMARKS:
         src = open(os.path.join(REPO, "benchmarks", f"{module}.py")).read()
         assert not re.search(r"\bissue \d", src, re.I), module
     for name in os.listdir(RESULTS_DIR):

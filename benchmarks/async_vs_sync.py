@@ -37,17 +37,29 @@ import ray
 
 from benchmarks.outputs import add_output_args, cpu_model, open_run
 
+
 def _overrides(args: argparse.Namespace, log_dir: str, dp_size: int) -> list[str]:
     n = args.prompts * args.generations
     return [
-        f"grpo.num_prompts_per_step={args.prompts}", f"grpo.num_generations_per_prompt={args.generations}",
-        f"grpo.max_num_steps={args.steps}", f"grpo.max_new_tokens={args.max_new_tokens}",
-        f"generation.max_new_tokens={args.max_new_tokens}", "grpo.val_period=0",
-        f"policy.train_global_batch_size={n}", f"policy.train_micro_batch_size={min(n, 32)}", f"policy.logprob_batch_size={n}",
-        f"policy.dp_size={dp_size}", "policy.torch_num_threads=1",
-        "data.num_builtin_prompts=200", "logger.tensorboard=false", "logger.plot=false", "logger.progress=false",
+        f"grpo.num_prompts_per_step={args.prompts}",
+        f"grpo.num_generations_per_prompt={args.generations}",
+        f"grpo.max_num_steps={args.steps}",
+        f"grpo.max_new_tokens={args.max_new_tokens}",
+        f"generation.max_new_tokens={args.max_new_tokens}",
+        "grpo.val_period=0",
+        f"policy.train_global_batch_size={n}",
+        f"policy.train_micro_batch_size={min(n, 32)}",
+        f"policy.logprob_batch_size={n}",
+        f"policy.dp_size={dp_size}",
+        "policy.torch_num_threads=1",
+        "data.num_builtin_prompts=200",
+        "logger.tensorboard=false",
+        "logger.plot=false",
+        "logger.progress=false",
         "logger.data_movement_metrics=true",
-        f"logger.log_dir={log_dir}", f"cluster.num_cpus={args.num_cpus}", "checkpointing.enabled=false",
+        f"logger.log_dir={log_dir}",
+        f"cluster.num_cpus={args.num_cpus}",
+        "checkpointing.enabled=false",
         f"data.processor.max_seq_length={64 + args.max_new_tokens}",
     ]
 
@@ -65,8 +77,12 @@ def _measure(trainer_cls: type, cfg: Any) -> dict[str, Any]:
     timed = history[1:-1]
     wall = sum(h["step_time_s"] for h in timed)
     out: dict[str, Any] = {
-        "steps": len(history), "timed_steps": len(timed), "steps_per_min": 60.0 * len(timed) / wall, "fit_s": total,
-        "mean_step_s": wall / len(timed), "reward_last": history[-1]["reward"],
+        "steps": len(history),
+        "timed_steps": len(timed),
+        "steps_per_min": 60.0 * len(timed) / wall,
+        "fit_s": total,
+        "mean_step_s": wall / len(timed),
+        "reward_last": history[-1]["reward"],
         "timing_mean_s": {k: statistics.fmean(h.get(k, 0.0) for h in timed) for k in sorted(timed[0]) if k.startswith("timing/")},
     }
     if timeline:  # how busy the generator was over the timed steps: 1.0 = generating all the time
@@ -79,16 +95,20 @@ def _measure(trainer_cls: type, cfg: Any) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (every option with its help)."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1]
+    )
     p.add_argument("--steps", type=int, default=20, help="GRPO steps per run; the first and the last are not timed (default 20)")
     p.add_argument("--prompts", type=int, default=8, help="prompts per step (default 8)")
     p.add_argument("--generations", type=int, default=8, help="responses generated per prompt (default 8)")
-    p.add_argument("--max-new-tokens", type=int, default=256,
-                   help="tokens generated per response: longer responses make generation dominate a step (default 256)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=256,
+        help="tokens generated per response: longer responses make generation dominate a step (default 256)",
+    )
     p.add_argument("--dp-sizes", type=int, nargs="+", default=[1, 2], help="DP worker layouts, each run on both sides (default 1 2)")
-    p.add_argument("--max-age", type=int, default=None,
-                   help="async_grpo.max_trajectory_age_steps (default: the async recipe's)")
+    p.add_argument("--max-age", type=int, default=None, help="async_grpo.max_trajectory_age_steps (default: the async recipe's)")
     p.add_argument("--num-cpus", type=float, default=2, help="logical CPUs Ray is given, the same on both sides (default 2)")
     p.add_argument("--rounds", type=int, default=2, help="each (layout, side) this many times, interleaved (default 2)")
     add_output_args(p, "async_vs_sync")
@@ -112,19 +132,28 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for dp in args.dp_sizes:
-                for side, cls, base in (("sync", GRPOSyncTrainer, ["loss.use_importance_sampling_correction=true"]),
-                                        ("async", GRPOAsyncTrainer, ["--config", str(ASYNC_CONFIG), *age])):
+                for side, cls, base in (
+                    ("sync", GRPOSyncTrainer, ["loss.use_importance_sampling_correction=true"]),
+                    ("async", GRPOAsyncTrainer, ["--config", str(ASYNC_CONFIG), *age]),
+                ):
                     name = f"{side}_dp{dp}"
                     res = _measure(cls, parse_cli([*base, *_overrides(args, tmp, dp)]))
                     runs.setdefault(name, []).append(res)
-                    print(f"round {r + 1} {name:9s}: {res['steps_per_min']:6.1f} steps/min (mean step {res['mean_step_s']:.3f}s "
-                          f"over {res['timed_steps']} steps) "
-                          + " ".join(f"{k[7:]}={v:.3f}" for k, v in res["timing_mean_s"].items() if not k.startswith("timing/worker_")),
-                          flush=True)
+                    print(
+                        f"round {r + 1} {name:9s}: {res['steps_per_min']:6.1f} steps/min (mean step {res['mean_step_s']:.3f}s "
+                        f"over {res['timed_steps']} steps) "
+                        + " ".join(f"{k[7:]}={v:.3f}" for k, v in res["timing_mean_s"].items() if not k.startswith("timing/worker_")),
+                        flush=True,
+                    )
     rate = {}
     for name, rs in runs.items():  # pooled over rounds: total timed steps / total timed seconds
         rate[name] = 60.0 * sum(x["timed_steps"] for x in rs) / sum(x["timed_steps"] * x["mean_step_s"] for x in rs)
-    results: dict[str, Any] = {"machine": f"{os.cpu_count()} CPUs ({cpu_model()})", "config": vars(args), "steps_per_min": rate, "runs": runs}
+    results: dict[str, Any] = {
+        "machine": f"{os.cpu_count()} CPUs ({cpu_model()})",
+        "config": vars(args),
+        "steps_per_min": rate,
+        "runs": runs,
+    }
     results["config"]["max_age"] = parse_cli(["--config", str(ASYNC_CONFIG), *age]).async_grpo.max_trajectory_age_steps
     results["ratio_same_layout"] = {f"dp{dp}": rate[f"async_dp{dp}"] / rate[f"sync_dp{dp}"] for dp in args.dp_sizes}
     best_sync = max((k for k in rate if k.startswith("sync")), key=rate.get)

@@ -143,35 +143,69 @@ def overrides(point: Point, mode: str, steps: int, log_dir: str, gpu: bool) -> l
     tiny = {**(MODEL_113M if gpu else {}), "max_position_embeddings": max(positions, MODEL_113M["max_position_embeddings"] if gpu else 0)}
     tiny_yaml = json.dumps(tiny)
     ov = [
-        f"grpo.num_prompts_per_step={point.prompts}", f"grpo.num_generations_per_prompt={point.generations}",
-        f"grpo.max_num_steps={steps}", "grpo.val_period=0", f"grpo.max_new_tokens={L}",
-        f"generation.max_new_tokens={L}", f"generation.backend={'synthetic' if mode == 'synthetic' else 'hf'}",
-        f"generation.tiny_overrides={tiny_yaml}", f"policy.tiny_overrides={tiny_yaml}",
-        f"policy.dp_size={point.dp}", f"policy.train_global_batch_size={n}",
-        f"data.num_builtin_prompts={max(200, 2 * point.prompts)}", f"data.processor.max_seq_length={PROMPT_TOKENS}",
-        "logger.tensorboard=false", "logger.plot=false", "logger.progress=false", f"logger.log_dir={log_dir}",
+        f"grpo.num_prompts_per_step={point.prompts}",
+        f"grpo.num_generations_per_prompt={point.generations}",
+        f"grpo.max_num_steps={steps}",
+        "grpo.val_period=0",
+        f"grpo.max_new_tokens={L}",
+        f"generation.max_new_tokens={L}",
+        f"generation.backend={'synthetic' if mode == 'synthetic' else 'hf'}",
+        f"generation.tiny_overrides={tiny_yaml}",
+        f"policy.tiny_overrides={tiny_yaml}",
+        f"policy.dp_size={point.dp}",
+        f"policy.train_global_batch_size={n}",
+        f"data.num_builtin_prompts={max(200, 2 * point.prompts)}",
+        f"data.processor.max_seq_length={PROMPT_TOKENS}",
+        "logger.tensorboard=false",
+        "logger.plot=false",
+        "logger.progress=false",
+        f"logger.log_dir={log_dir}",
         "logger.data_movement_metrics=true",
-        "checkpointing.enabled=false", f"data_plane.capacity_bytes={max(256 * MiB, 64 * n * (PROMPT_TOKENS + L))}",
+        "checkpointing.enabled=false",
+        f"data_plane.capacity_bytes={max(256 * MiB, 64 * n * (PROMPT_TOKENS + L))}",
     ]
     if gpu:
         share = 0.5 if mode == "real" else 1.0  # real mode: the generation actor shares the GPU
         ov += [
-            "policy.dtype=bfloat16", f"policy.num_gpus_per_worker={share}", "policy.num_cpus_per_worker=1",
-            "policy.reference_model_on_cpu=false", "policy.train_micro_batch_size=8", "policy.logprob_batch_size=16",
+            "policy.dtype=bfloat16",
+            f"policy.num_gpus_per_worker={share}",
+            "policy.num_cpus_per_worker=1",
+            "policy.reference_model_on_cpu=false",
+            "policy.train_micro_batch_size=8",
+            "policy.logprob_batch_size=16",
             "policy.learning_rate=1e-5",
         ]
         if mode == "real":
-            ov += ["generation.device=cuda", "generation.dtype=bfloat16", "generation.ray_workers=1",
-                   "generation.num_gpus_per_worker=0.5", "generation.num_cpus_per_worker=1"]
+            ov += [
+                "generation.device=cuda",
+                "generation.dtype=bfloat16",
+                "generation.ray_workers=1",
+                "generation.num_gpus_per_worker=0.5",
+                "generation.num_cpus_per_worker=1",
+            ]
     else:
-        ov += ["policy.train_micro_batch_size=16", "policy.logprob_batch_size=32",
-               f"cluster.num_cpus={max(2, point.dp)}"]  # logical CPUs: 4 ranks x 0.5 + the rollout actor
+        ov += [
+            "policy.train_micro_batch_size=16",
+            "policy.logprob_batch_size=32",
+            f"cluster.num_cpus={max(2, point.dp)}",
+        ]  # logical CPUs: 4 ranks x 0.5 + the rollout actor
     return ov
 
 
 # ----------------------------------------------------------------------------- one run (child process)
-KEPT_PREFIXES = ("timing/", "fetch/", "driver_", "step_time_s", "store_bytes", "rollout/tq_put_seconds",
-                 "generation/generated_tokens", "rollout/mean_response_length", "rollout/mean_input_length", "loss", "reward")
+KEPT_PREFIXES = (
+    "timing/",
+    "fetch/",
+    "driver_",
+    "step_time_s",
+    "store_bytes",
+    "rollout/tq_put_seconds",
+    "generation/generated_tokens",
+    "rollout/mean_response_length",
+    "rollout/mean_input_length",
+    "loss",
+    "reward",
+)
 
 
 def run_one(path: str, overrides_: Sequence[str]) -> dict[str, Any]:
@@ -196,24 +230,39 @@ def run_one(path: str, overrides_: Sequence[str]) -> dict[str, Any]:
     finally:
         trainer.shutdown()
         ray.shutdown()
-    steps = [{k: float(v) for k, v in h.items() if k.startswith(KEPT_PREFIXES) and isinstance(v, (int, float))}
-             for h in history]
-    return {"path": path, "startup_s": startup_s, "rss_after_startup_bytes": rss_start,
-            "peak_rss_after_startup_bytes": peak_start, "peak_rss_bytes": peak_rss_bytes(), "steps": steps}
+    steps = [{k: float(v) for k, v in h.items() if k.startswith(KEPT_PREFIXES) and isinstance(v, (int, float))} for h in history]
+    return {
+        "path": path,
+        "startup_s": startup_s,
+        "rss_after_startup_bytes": rss_start,
+        "peak_rss_after_startup_bytes": peak_start,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "steps": steps,
+    }
 
 
 def _spawn(path: str, point: Point, ov: list[str], log_path: str, timeout_s: float) -> dict[str, Any]:
     """Run one (path, point) in a fresh Python process; its output goes to ``log_path``."""
     with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as f:
         out_path = f.name
-    cmd = [sys.executable, "-m", "benchmarks.compare_paths", "--child", json.dumps({"path": path, "overrides": ov}),
-           "--child-out", out_path]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.compare_paths",
+        "--child",
+        json.dumps({"path": path, "overrides": ov}),
+        "--child-out",
+        out_path,
+    ]
     t0 = time.perf_counter()
     with open(log_path, "ab") as log:
         log.write(f"\n===== {path} {point.key}\n".encode())
         log.flush()
-        env = {**os.environ, "PYTHONWARNINGS": "ignore",
-               "PYTHONPATH": os.pathsep.join(x for x in (ROOT, os.environ.get("PYTHONPATH")) if x)}
+        env = {
+            **os.environ,
+            "PYTHONWARNINGS": "ignore",
+            "PYTHONPATH": os.pathsep.join(x for x in (ROOT, os.environ.get("PYTHONPATH")) if x),
+        }
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, cwd=ROOT, env=env)
     wall = time.perf_counter() - t0
     try:
@@ -234,8 +283,7 @@ def _median(xs: Iterable[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
 
 
-DATA_PARTS = ("timing/driver_get", "timing/driver_tq", "timing/worker_fetch", "timing/worker_write_back",
-              "rollout/tq_put_seconds")
+DATA_PARTS = ("timing/driver_get", "timing/driver_tq", "timing/worker_fetch", "timing/worker_write_back", "rollout/tq_put_seconds")
 
 
 def summarize_run(run: dict[str, Any], point: Point) -> dict[str, Any]:
@@ -250,18 +298,31 @@ def summarize_run(run: dict[str, Any], point: Point) -> dict[str, Any]:
     data_s = _median(sum(s.get(k, 0.0) for k in DATA_PARTS) for s in steps)
     step_s = med("step_time_s")
     return {
-        "point": point.key, "path": run["path"], **asdict(point), "batch": point.batch, "tokens": point.tokens,
-        "steps_timed": len(steps), "step_s": step_s,
+        "point": point.key,
+        "path": run["path"],
+        **asdict(point),
+        "batch": point.batch,
+        "tokens": point.tokens,
+        "steps_timed": len(steps),
+        "step_s": step_s,
         "step_s_all": [s["step_time_s"] for s in run["steps"]],
-        "generation_s": med("timing/generation"), "logprobs_s": med("timing/logprobs"),
-        "training_s": med("timing/training"), "refit_s": med("timing/refit"),
-        "driver_get_s": med("timing/driver_get"), "driver_send_s": med("timing/driver_send"),
-        "driver_tq_s": med("timing/driver_tq"), "worker_fetch_s": med("timing/worker_fetch"),
-        "worker_dispatch_s": med("timing/worker_dispatch"), "worker_tq_get_s": med("timing/worker_tq_get"),
-        "worker_write_back_s": med("timing/worker_write_back"), "rollout_tq_put_s": med("rollout/tq_put_seconds"),
+        "generation_s": med("timing/generation"),
+        "logprobs_s": med("timing/logprobs"),
+        "training_s": med("timing/training"),
+        "refit_s": med("timing/refit"),
+        "driver_get_s": med("timing/driver_get"),
+        "driver_send_s": med("timing/driver_send"),
+        "driver_tq_s": med("timing/driver_tq"),
+        "worker_fetch_s": med("timing/worker_fetch"),
+        "worker_dispatch_s": med("timing/worker_dispatch"),
+        "worker_tq_get_s": med("timing/worker_tq_get"),
+        "worker_write_back_s": med("timing/worker_write_back"),
+        "rollout_tq_put_s": med("rollout/tq_put_seconds"),
         "worker_compute_s": med("timing/worker_compute"),
-        "data_movement_s": data_s, "data_share": data_s / step_s if step_s > 0 else float("nan"),
-        "driver_bytes_received": med("driver_bytes_received"), "driver_bytes_sent": med("driver_bytes_sent"),
+        "data_movement_s": data_s,
+        "data_share": data_s / step_s if step_s > 0 else float("nan"),
+        "driver_bytes_received": med("driver_bytes_received"),
+        "driver_bytes_sent": med("driver_bytes_sent"),
         "driver_bytes": med("driver_bytes_received") + med("driver_bytes_sent"),
         "peak_rss_bytes": run["peak_rss_bytes"],
         "peak_rss_growth_bytes": run["peak_rss_bytes"] - run["peak_rss_after_startup_bytes"],
@@ -270,7 +331,8 @@ def summarize_run(run: dict[str, Any], point: Point) -> dict[str, Any]:
         "fetch_rank_mean_s": statistics.fmean(per_rank) if per_rank else float("nan"),
         "fetch_rank_max_s": max(per_rank) if per_rank else float("nan"),
         "mean_response_length": med("rollout/mean_response_length"),
-        "startup_s": run["startup_s"], "process_wall_s": run.get("process_wall_s", float("nan")),
+        "startup_s": run["startup_s"],
+        "process_wall_s": run.get("process_wall_s", float("nan")),
     }
 
 
@@ -302,12 +364,24 @@ def check_targets(rows: list[dict[str, Any]], sweeps: dict[str, list[Point]]) ->
     if largest is not None:
         k, a, b = largest
         ratio = b["driver_bytes"] / a["driver_bytes"] if a["driver_bytes"] else float("inf")
-        out.append({"target": "TQ driver bytes/step <= 1% of legacy's at the largest point", "point": k,
-                    "value": f"{100 * ratio:.2f}% ({b['driver_bytes'] / MiB:.3f} vs {a['driver_bytes'] / MiB:.2f} MiB)",
-                    "ratio": ratio, "passed": bool(ratio <= 0.01)})
+        out.append(
+            {
+                "target": "TQ driver bytes/step <= 1% of legacy's at the largest point",
+                "point": k,
+                "value": f"{100 * ratio:.2f}% ({b['driver_bytes'] / MiB:.3f} vs {a['driver_bytes'] / MiB:.2f} MiB)",
+                "ratio": ratio,
+                "passed": bool(ratio <= 0.01),
+            }
+        )
     else:
-        out.append({"target": "TQ driver bytes/step <= 1% of legacy's at the largest point", "point": "",
-                    "value": "no point ran on both paths", "passed": None})
+        out.append(
+            {
+                "target": "TQ driver bytes/step <= 1% of legacy's at the largest point",
+                "point": "",
+                "value": "no point ran on both paths",
+                "passed": None,
+            }
+        )
 
     batch = sorted(sweeps.get("batch", []), key=lambda p: p.batch)
     pair = next(((lo, hi) for lo in batch for hi in batch if hi.batch == 8 * lo.batch), None)
@@ -315,29 +389,50 @@ def check_targets(rows: list[dict[str, Any]], sweeps: dict[str, list[Point]]) ->
     if pair is not None and all(_find(rows, pth, pt.key) for pth in PATHS for pt in pair):
         lo, hi = pair
         g = {pth: _find(rows, pth, hi.key)["peak_rss_bytes"] / _find(rows, pth, lo.key)["peak_rss_bytes"] - 1 for pth in PATHS}
-        out.append({"target": name, "point": f"{lo.key} -> {hi.key}",
-                    "value": f"TQ {100 * g['tq']:+.1f}%, legacy {100 * g['legacy']:+.1f}%",
-                    "tq_growth": g["tq"], "legacy_growth": g["legacy"],
-                    "passed": bool(g["tq"] < 0.20 and g["legacy"] > g["tq"])})
+        out.append(
+            {
+                "target": name,
+                "point": f"{lo.key} -> {hi.key}",
+                "value": f"TQ {100 * g['tq']:+.1f}%, legacy {100 * g['legacy']:+.1f}%",
+                "tq_growth": g["tq"],
+                "legacy_growth": g["legacy"],
+                "passed": bool(g["tq"] < 0.20 and g["legacy"] > g["tq"]),
+            }
+        )
     else:
         out.append({"target": name, "point": "", "value": "no 8x batch pair in the sweep", "passed": None})
 
     if paired:
         ratios = {k: a["step_s"] / b["step_s"] for k, a, b in paired}
         slower = {k: r for k, r in ratios.items() if r < 1.0}
-        out.append({"target": "TQ step time <= legacy's at every point", "point": f"{len(ratios)} points",
-                    "value": f"legacy/TQ {min(ratios.values()):.2f}x .. {max(ratios.values()):.2f}x"
-                             + ("; TQ slower at " + ", ".join(f"{k} ({100 * (1 / r - 1):.1f}%)" for k, r in slower.items())
-                                if slower else ""),
-                    "ratios": ratios, "passed": not slower})
+        out.append(
+            {
+                "target": "TQ step time <= legacy's at every point",
+                "point": f"{len(ratios)} points",
+                "value": f"legacy/TQ {min(ratios.values()):.2f}x .. {max(ratios.values()):.2f}x"
+                + ("; TQ slower at " + ", ".join(f"{k} ({100 * (1 / r - 1):.1f}%)" for k, r in slower.items()) if slower else ""),
+                "ratios": ratios,
+                "passed": not slower,
+            }
+        )
         k, a, b = largest
         share = a.get("data_share")
-        out.append({"target": "TQ >= 1.5x faster at the largest point", "point": k,
-                    "value": f"legacy/TQ {ratios[k]:.2f}x ({a['step_s']:.3f} s vs {b['step_s']:.3f} s)"
-                             + (f"; legacy's measured data movement is {100 * share:.1f}% of its step" if share is not None else "")
-                             + (f"; step minus the slowest rank's compute: {a['step_s'] - a['worker_compute_s']:.3f} s vs "
-                                f"{b['step_s'] - b['worker_compute_s']:.3f} s" if "worker_compute_s" in a and "worker_compute_s" in b else ""),
-                    "ratio": ratios[k], "passed": bool(ratios[k] >= 1.5)})
+        out.append(
+            {
+                "target": "TQ >= 1.5x faster at the largest point",
+                "point": k,
+                "value": f"legacy/TQ {ratios[k]:.2f}x ({a['step_s']:.3f} s vs {b['step_s']:.3f} s)"
+                + (f"; legacy's measured data movement is {100 * share:.1f}% of its step" if share is not None else "")
+                + (
+                    f"; step minus the slowest rank's compute: {a['step_s'] - a['worker_compute_s']:.3f} s vs "
+                    f"{b['step_s'] - b['worker_compute_s']:.3f} s"
+                    if "worker_compute_s" in a and "worker_compute_s" in b
+                    else ""
+                ),
+                "ratio": ratios[k],
+                "passed": bool(ratios[k] >= 1.5),
+            }
+        )
     else:
         for name in ("TQ step time <= legacy's at every point", "TQ >= 1.5x faster at the largest point"):
             out.append({"target": name, "point": "", "value": "no point ran on both paths", "passed": None})
@@ -349,10 +444,18 @@ def check_targets(rows: list[dict[str, Any]], sweeps: dict[str, list[Point]]) ->
         base = _find(rows, "tq", have[0].key)["fetch_rank_mean_s"]
         rel = {p.dp: _find(rows, "tq", p.key)["fetch_rank_mean_s"] / base for p in have}
         legacy = {p.dp: (_find(rows, "legacy", p.key) or {}).get("fetch_rank_mean_s", float("nan")) for p in have}
-        out.append({"target": name, "point": ", ".join(p.key for p in have),
-                    "value": "TQ " + ", ".join(f"DP={d}: {1e3 * r * base:.1f} ms ({r:.2f}x)" for d, r in rel.items())
-                             + "; legacy " + ", ".join(f"DP={d}: {1e3 * v:.1f} ms" for d, v in legacy.items()),
-                    "relative": rel, "passed": all(abs(r - 1) <= 0.25 for r in rel.values())})
+        out.append(
+            {
+                "target": name,
+                "point": ", ".join(p.key for p in have),
+                "value": "TQ "
+                + ", ".join(f"DP={d}: {1e3 * r * base:.1f} ms ({r:.2f}x)" for d, r in rel.items())
+                + "; legacy "
+                + ", ".join(f"DP={d}: {1e3 * v:.1f} ms" for d, v in legacy.items()),
+                "relative": rel,
+                "passed": all(abs(r - 1) <= 0.25 for r in rel.values()),
+            }
+        )
     else:
         out.append({"target": name, "point": "", "value": "no DP sweep from DP=1", "passed": None})
     return out
@@ -370,9 +473,11 @@ def _ms(s: float) -> str:
 def compact_table(rows: list[dict[str, Any]]) -> list[str]:
     """One row per point, both paths side by side (legacy / TQ)."""
     order = sorted({r["point"] for r in rows}, key=lambda k: next((r["tokens"], r["dp"]) for r in rows if r["point"] == k))
-    lines = ["| batch | response tokens (max) | DP | step s | legacy / TQ | compute s | step - compute s | data movement s "
-             "| driver MiB/step (received + sent) | TQ / legacy bytes | driver peak RSS MiB | TQ store MiB | fetch per rank ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| batch | response tokens (max) | DP | step s | legacy / TQ | compute s | step - compute s | data movement s "
+        "| driver MiB/step (received + sent) | TQ / legacy bytes | driver peak RSS MiB | TQ store MiB | fetch per rank ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for k in order:
         a, b = _find(rows, "legacy", k), _find(rows, "tq", k)
         if a and b:
@@ -385,7 +490,8 @@ def compact_table(rows: list[dict[str, Any]]) -> list[str]:
                 f"| {a['data_movement_s']:.3f} / {b['data_movement_s']:.3f} "
                 f"| {_mib(a['driver_bytes'])} / {_mib(b['driver_bytes'])} | {100 * b['driver_bytes'] / a['driver_bytes']:.2f}% "
                 f"| {a['peak_rss_bytes'] / MiB:.0f} / {b['peak_rss_bytes'] / MiB:.0f} | {_mib(b['store_bytes'])} "
-                f"| {_ms(a['fetch_rank_mean_s'])} / {_ms(b['fetch_rank_mean_s'])} |")
+                f"| {_ms(a['fetch_rank_mean_s'])} / {_ms(b['fetch_rank_mean_s'])} |"
+            )
     return lines
 
 
@@ -416,8 +522,9 @@ def markdown(result: dict[str, Any]) -> str:
             r = _find(rows, path, k)
             if r is None:
                 continue
-            length = f"{r['response_len']}" + (f" (mean {r['mean_response_length']:.0f})"
-                                                if abs(r["mean_response_length"] - r["response_len"]) >= 1 else "")
+            length = f"{r['response_len']}" + (
+                f" (mean {r['mean_response_length']:.0f})" if abs(r["mean_response_length"] - r["response_len"]) >= 1 else ""
+            )
             lines.append(
                 f"| {r['batch']} ({r['prompts']}x{r['generations']}) | {length} | {r['dp']} | {path} | {r['step_s']:.3f} "
                 f"| {r['generation_s']:.3f} | {r['logprobs_s']:.3f} | {r['training_s']:.3f} | {r['refit_s']:.3f} "
@@ -492,8 +599,14 @@ def machine_info(gpu: bool) -> dict[str, Any]:
     device = f"{os.cpu_count()}-CPU {platform.machine()}"
     if gpu and torch.cuda.is_available():
         device = f"{torch.cuda.get_device_name(0)} ({torch.cuda.device_count()} GPU) + {os.cpu_count()} CPUs"
-    return {"device": device, "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "ray": ray.__version__, "platform": platform.platform()}
+    return {
+        "device": device,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+        "platform": platform.platform(),
+    }
 
 
 def run_name(mode: str) -> str:
@@ -503,21 +616,31 @@ def run_name(mode: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (every option with its help)."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--mode", choices=("synthetic", "real"), default="synthetic",
-                   help="synthetic: random tokens of the requested length, no model (default); real: the tiny model generates")
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1]
+    )
+    p.add_argument(
+        "--mode",
+        choices=("synthetic", "real"),
+        default="synthetic",
+        help="synthetic: random tokens of the requested length, no model (default); real: the tiny model generates",
+    )
     p.add_argument("--quick", action="store_true", help="2 points, 2 steps each (< 2 minutes on 2 cores)")
     p.add_argument("--gpu", action="store_true", help="CUDA: a 113M-parameter decoder in bf16, one DP rank per GPU")
-    p.add_argument("--steps", type=int, default=None,
-                   help="steps per run (default 4; --mode real on CPU 8; --quick 2); the first is excluded")
+    p.add_argument(
+        "--steps", type=int, default=None, help="steps per run (default 4; --mode real on CPU 8; --quick 2); the first is excluded"
+    )
     p.add_argument("--points", default=None, help="only these points of the sweep, e.g. b64_L1024_dp2,b256_L1024_dp2")
-    p.add_argument("--custom-points", default=None,
-                   help="run these points instead of the sweep (as its batch sweep), e.g. 2x4x64@1,16x4x64@1 "
-                        "(prompts x generations x response tokens @ DP ranks)")
+    p.add_argument(
+        "--custom-points",
+        default=None,
+        help="run these points instead of the sweep (as its batch sweep), e.g. 2x4x64@1,16x4x64@1 "
+        "(prompts x generations x response tokens @ DP ranks)",
+    )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per (path, point) run (default 900)")
-    p.add_argument("--from-json", default=None,
-                   help="only re-render the markdown and plots of an earlier run's JSON (into a fresh run directory)")
+    p.add_argument(
+        "--from-json", default=None, help="only re-render the markdown and plots of an earlier run's JSON (into a fresh run directory)"
+    )
     add_output_args(p, "compare_paths[_real]")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
@@ -550,8 +673,11 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         if not torch.cuda.is_available():
-            print("error: --gpu needs a CUDA device, and torch.cuda.is_available() is False here "
-                  f"(torch {torch.__version__}); run without --gpu for the CPU sweep", file=sys.stderr)
+            print(
+                "error: --gpu needs a CUDA device, and torch.cuda.is_available() is False here "
+                f"(torch {torch.__version__}); run without --gpu for the CPU sweep",
+                file=sys.stderr,
+            )
             return 2
         gpus = torch.cuda.device_count()
     steps = a.steps or (2 if a.quick else 8 if a.mode == "real" and not a.gpu else 4)  # real CPU steps are short and vary more
@@ -577,8 +703,11 @@ def main(argv: list[str] | None = None) -> int:
     log_path = out.path(".log")
     open(log_path, "w").close()
     model = "113M-parameter decoder (common.models.MODEL_113M), bf16" if a.gpu else "tiny-random (2 layers, 64 wide), float32"
-    print(f"compare_paths: mode={a.mode}{' (quick)' if a.quick else ''}{' gpu' if a.gpu else ''}, {len(points)} points x 2 paths, "
-          f"{steps} steps each; run logs in {log_path}", flush=True)
+    print(
+        f"compare_paths: mode={a.mode}{' (quick)' if a.quick else ''}{' gpu' if a.gpu else ''}, {len(points)} points x 2 paths, "
+        f"{steps} steps each; run logs in {log_path}",
+        flush=True,
+    )
 
     t_start = time.perf_counter()
     runs: list[dict[str, Any]] = []
@@ -590,14 +719,24 @@ def main(argv: list[str] | None = None) -> int:
                 res["point"] = asdict(pt)
                 runs.append(res)
                 s = summarize_run(res, pt)
-                print(f"  {pt.key:>18s} {path:6s}: step {s['step_s']:.3f}s, data movement {s['data_movement_s']:.3f}s, "
-                      f"driver {s['driver_bytes'] / MiB:.3f} MiB, peak RSS {s['peak_rss_bytes'] / MiB:.0f} MiB, "
-                      f"fetch/rank {_ms(s['fetch_rank_mean_s'])} ms  ({res['process_wall_s']:.0f}s wall)", flush=True)
+                print(
+                    f"  {pt.key:>18s} {path:6s}: step {s['step_s']:.3f}s, data movement {s['data_movement_s']:.3f}s, "
+                    f"driver {s['driver_bytes'] / MiB:.3f} MiB, peak RSS {s['peak_rss_bytes'] / MiB:.0f} MiB, "
+                    f"fetch/rank {_ms(s['fetch_rank_mean_s'])} ms  ({res['process_wall_s']:.0f}s wall)",
+                    flush=True,
+                )
     summary = [summarize_run(r, Point(**r["point"])) for r in runs]
     result = {
-        "mode": a.mode, "quick": a.quick, "gpu": a.gpu, "steps": steps, "model": model,
-        "machine": machine_info(a.gpu), "sweeps": {k: [asdict(pt) for pt in v] for k, v in sweeps.items()},
-        "wall_s": time.perf_counter() - t_start, "summary": summary, "runs": runs,
+        "mode": a.mode,
+        "quick": a.quick,
+        "gpu": a.gpu,
+        "steps": steps,
+        "model": model,
+        "machine": machine_info(a.gpu),
+        "sweeps": {k: [asdict(pt) for pt in v] for k, v in sweeps.items()},
+        "wall_s": time.perf_counter() - t_start,
+        "summary": summary,
+        "runs": runs,
     }
     result["targets"] = check_targets(summary, sweeps)
     write_reports(result, out)

@@ -54,13 +54,23 @@ def run_workload(tq: Any, samples: int, seq_len: int, steps: int) -> dict[str, A
             times[op].append(time.perf_counter() - t0)
             return out
 
-        timed("put_new", lambda: tq.kv_batch_put(keys=keys, partition_id=part, tags=[{"step": step}] * samples,
-                                                 fields=TensorDict({"input_ids": ids, "attention_mask": mask}, batch_size=samples)))
-        timed("put_field", lambda: tq.kv_batch_put(keys=keys, partition_id=part,
-                                                   fields=TensorDict({"old_log_probs": logp}, batch_size=samples)))
+        timed(
+            "put_new",
+            lambda: tq.kv_batch_put(
+                keys=keys,
+                partition_id=part,
+                tags=[{"step": step}] * samples,
+                fields=TensorDict({"input_ids": ids, "attention_mask": mask}, batch_size=samples),
+            ),
+        )
+        timed(
+            "put_field",
+            lambda: tq.kv_batch_put(keys=keys, partition_id=part, fields=TensorDict({"old_log_probs": logp}, batch_size=samples)),
+        )
         timed("put_tags", lambda: tq.kv_batch_put(keys=keys, partition_id=part, tags=[{"status": "trained"}] * samples))
-        got = timed("get", lambda: tq.kv_batch_get(keys=keys, partition_id=part,
-                                                   select_fields=["input_ids", "attention_mask", "old_log_probs"]))
+        got = timed(
+            "get", lambda: tq.kv_batch_get(keys=keys, partition_id=part, select_fields=["input_ids", "attention_mask", "old_log_probs"])
+        )
         listed = timed("list", lambda: tq.kv_list(partition_id=part))
         timed("clear", lambda: tq.kv_clear(keys=keys, partition_id=part))
         back = got["old_log_probs"]
@@ -101,8 +111,10 @@ def bench_transferqueue(samples: int, seq_len: int, steps: int) -> dict[str, Any
 def summarize(results: dict[str, dict[str, Any]]) -> str:
     """A markdown table: per op, each implementation's warm median ms (cold in parentheses) and MB/s."""
     names = list(results)
-    lines = ["| op | " + " | ".join(f"{n} ms" for n in names) + " | " + " | ".join(f"{n} MB/s" for n in names) + " |",
-             "|---" * (1 + 2 * len(names)) + "|"]
+    lines = [
+        "| op | " + " | ".join(f"{n} ms" for n in names) + " | " + " | ".join(f"{n} MB/s" for n in names) + " |",
+        "|---" * (1 + 2 * len(names)) + "|",
+    ]
     for op in OPS:
         ms, rates = [], []
         for n in names:

@@ -165,8 +165,15 @@ def token_fields(point: Point) -> list[str]:
 
 
 def train_fields(point: Point) -> list[str]:
-    return ["input_ids", "input_lengths", "prev_logprobs", "advantages", "sample_mask", *token_fields(point),
-            *(["images"] if point.images else [])]
+    return [
+        "input_ids",
+        "input_lengths",
+        "prev_logprobs",
+        "advantages",
+        "sample_mask",
+        *token_fields(point),
+        *(["images"] if point.images else []),
+    ]
 
 
 # ----------------------------------------------------------------------------- the rollout actor
@@ -297,19 +304,35 @@ def measure_step(path: str, policy: Any, source: Any, point: Point, timeout: flo
     moved = max(step_s - compute, 1e-9)
     rank_bytes = [r["bytes"] for r in ranks]
     return {
-        "step_s": step_s, "data_movement_s": moved, "rank_compute_max_s": compute,
+        "step_s": step_s,
+        "data_movement_s": moved,
+        "rank_compute_max_s": compute,
         "driver_s": drv.get("driver_send_s", 0.0) + drv.get("driver_get_s", 0.0) + drv.get("driver_tq_s", 0.0),
-        "driver_bytes_in": drv["bytes_received"], "driver_bytes_out": drv["bytes_sent"],
-        "rank_fetch_s": [r["fetch_s"] for r in ranks], "rank_write_back_s": [r["write_back_s"] for r in ranks],
+        "driver_bytes_in": drv["bytes_received"],
+        "driver_bytes_out": drv["bytes_sent"],
+        "rank_fetch_s": [r["fetch_s"] for r in ranks],
+        "rank_write_back_s": [r["write_back_s"] for r in ranks],
         "slowest_rank_s": max(r["fetch_s"] + r["write_back_s"] for r in ranks),
-        "rank_bytes": rank_bytes, "gb_s": sum(rank_bytes) / moved / 1e9,
-        "rss_before": rss0, "peak_rss": hwm, "peak_rss_growth": hwm - rss0 if reset else float("nan"), **extra,
+        "rank_bytes": rank_bytes,
+        "gb_s": sum(rank_bytes) / moved / 1e9,
+        "rss_before": rss0,
+        "peak_rss": hwm,
+        "peak_rss_growth": hwm - rss0 if reset else float("nan"),
+        **extra,
     }
 
 
 # ----------------------------------------------------------------------------- a sweep on one Ray session
-def run_sweep(points: Sequence[Point], *, steps: int, storage_units: int = 1, cpus_per_rank: float = 1.0,
-              timeout: float = 600.0, log: Any = print, rows_file: str | None = None) -> list[dict[str, Any]]:
+def run_sweep(
+    points: Sequence[Point],
+    *,
+    steps: int,
+    storage_units: int = 1,
+    cpus_per_rank: float = 1.0,
+    timeout: float = 600.0,
+    log: Any = print,
+    rows_file: str | None = None,
+) -> list[dict[str, Any]]:
     """Every point on both paths (one warm-up step each, then ``steps`` timed steps, the paths
     alternating step by step); DP groups are started once per DP size. Returns one row per (point, path),
     each also appended to ``rows_file`` (JSON lines) as it is measured."""
@@ -368,10 +391,12 @@ def run_sweep(points: Sequence[Point], *, steps: int, storage_units: int = 1, cp
                         if rows_file:
                             with open(rows_file, "a") as f:
                                 f.write(json.dumps(row) + "\n")
-                        log(f"  {p.key:>28s} {path:6s}: data movement {row['data_movement_s']:.3f}s "
+                        log(
+                            f"  {p.key:>28s} {path:6s}: data movement {row['data_movement_s']:.3f}s "
                             f"(step {row['step_s']:.3f}s), driver {row['driver_bytes'] / MiB:.2f} MiB, "
                             f"peak RSS +{row['peak_rss_growth'] / MiB:.0f} MiB, fetch/rank max {1e3 * row['rank_fetch_max_s']:.1f} ms, "
-                            f"{row['gb_s']:.2f} GB/s")
+                            f"{row['gb_s']:.2f} GB/s"
+                        )
             finally:
                 for pol in policies.values():
                     pol.shutdown()
@@ -388,8 +413,19 @@ def _med(xs: Sequence[float]) -> float:
 
 def summarize(p: Point, path: str, steps: list[dict[str, Any]], payload: int) -> dict[str, Any]:
     """Medians over the timed steps of one (point, path)."""
-    keys = ("step_s", "data_movement_s", "rank_compute_max_s", "driver_s", "driver_bytes_in", "driver_bytes_out",
-            "slowest_rank_s", "gb_s", "peak_rss", "peak_rss_growth", "rss_before")
+    keys = (
+        "step_s",
+        "data_movement_s",
+        "rank_compute_max_s",
+        "driver_s",
+        "driver_bytes_in",
+        "driver_bytes_out",
+        "slowest_rank_s",
+        "gb_s",
+        "peak_rss",
+        "peak_rss_growth",
+        "rss_before",
+    )
     row: dict[str, Any] = {"point": p.key, "path": path, **asdict(p), "payload_bytes": payload, "steps": len(steps)}
     row.update({k: _med([s[k] for s in steps]) for k in keys})
     row["driver_bytes"] = row["driver_bytes_in"] + row["driver_bytes_out"]
@@ -413,9 +449,15 @@ def field_columns(n: int, length: int, fields: int, seed: int) -> tuple[dict[str
     offsets = torch.zeros(n + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(lengths, 0)
     width = 32 // fields
-    cols = {f"f{i:02d}": JaggedTensor(torch.from_numpy(rng.standard_normal((int(offsets[-1]), width), dtype=np.float32)).squeeze(1)
-                                      if width == 1 else torch.from_numpy(rng.standard_normal((int(offsets[-1]), width), dtype=np.float32)),
-                                      offsets) for i in range(fields)}
+    cols = {
+        f"f{i:02d}": JaggedTensor(
+            torch.from_numpy(rng.standard_normal((int(offsets[-1]), width), dtype=np.float32)).squeeze(1)
+            if width == 1
+            else torch.from_numpy(rng.standard_normal((int(offsets[-1]), width), dtype=np.float32)),
+            offsets,
+        )
+        for i in range(fields)
+    }
     return cols, lengths
 
 
@@ -493,8 +535,12 @@ def build_sweep(kind: str) -> dict[str, list[Point]]:
     """Named sub-sweeps: ``dp`` (ranks grow, per-rank shard fixed), ``payload`` (response length grows),
     ``fields`` (per-token columns), ``multimodal`` (images per sample)."""
     if kind == "quick":
-        return {"dp": [Point(1, 16, 128, 2), Point(2, 32, 128, 2)], "payload": [Point(2, 32, 128, 2), Point(2, 32, 512, 2)],
-                "fields": [], "multimodal": [Point(2, 16, 128, 2, 1)]}
+        return {
+            "dp": [Point(1, 16, 128, 2), Point(2, 32, 128, 2)],
+            "payload": [Point(2, 32, 128, 2), Point(2, 32, 512, 2)],
+            "fields": [],
+            "multimodal": [Point(2, 16, 128, 2, 1)],
+        }
     if kind == "large":
         return {
             "dp": [Point(d, 256 * d, 2048) for d in (1, 2, 4, 8, 16)],
@@ -528,8 +574,9 @@ def _slope(rows: Sequence[dict[str, Any]], pts: Sequence[Point], path: str, key:
     return (b[key] - a[key]) / max(1, b["payload_bytes"] - a["payload_bytes"])
 
 
-def check_targets(rows: Sequence[dict[str, Any]], sweeps: Mapping[str, Sequence[Point]],
-                  gets: Mapping[str, Any], cores: int) -> list[dict[str, Any]]:
+def check_targets(
+    rows: Sequence[dict[str, Any]], sweeps: Mapping[str, Sequence[Point]], gets: Mapping[str, Any], cores: int
+) -> list[dict[str, Any]]:
     """The four targets as ratios of this run's measurements (``passed`` None: not measurable here)."""
     out = []
     both = [p for p in unique(sweeps) if _row(rows, p, "legacy") and _row(rows, p, "tq")]
@@ -537,40 +584,68 @@ def check_targets(rows: Sequence[dict[str, Any]], sweeps: Mapping[str, Sequence[
         big = max(both, key=lambda p: (p.payload_bytes(), p.dp))
         a, b = _row(rows, big, "legacy"), _row(rows, big, "tq")
         r = a["data_movement_s"] / b["data_movement_s"]
-        out.append({"target": "TQ data movement >= 5x lower than legacy at the largest point", "point": big.key,
-                    "value": f"legacy {a['data_movement_s']:.3f} s / TQ {b['data_movement_s']:.3f} s = {r:.1f}x",
-                    "ratio": r, "passed": r >= 5.0})
+        out.append(
+            {
+                "target": "TQ data movement >= 5x lower than legacy at the largest point",
+                "point": big.key,
+                "value": f"legacy {a['data_movement_s']:.3f} s / TQ {b['data_movement_s']:.3f} s = {r:.1f}x",
+                "ratio": r,
+                "passed": r >= 5.0,
+            }
+        )
     dps = [p for p in sweeps.get("dp", []) if _row(rows, p, "tq")]
     if len(dps) > 1 and dps[0].dp == 1:
         base = _row(rows, dps[0], "tq")["rank_fetch_mean_s"]
         rel = {p.dp: _row(rows, p, "tq")["rank_fetch_mean_s"] / base for p in dps}
         enough = cores >= max(rel) + 1
-        out.append({"target": "TQ per-rank fetch within +-25% of DP=1's (fixed shard per rank)",
-                    "point": ", ".join(p.key for p in dps),
-                    "value": ", ".join(f"DP={d}: {r:.2f}x" for d, r in rel.items()) + f" ({cores} cores)",
-                    "relative": rel, "passed": all(abs(r - 1) <= 0.25 for r in rel.values()) if enough else None,
-                    "note": "" if enough else f"n/a: {cores} cores cannot give each of {max(rel)} ranks a core"})
+        out.append(
+            {
+                "target": "TQ per-rank fetch within +-25% of DP=1's (fixed shard per rank)",
+                "point": ", ".join(p.key for p in dps),
+                "value": ", ".join(f"DP={d}: {r:.2f}x" for d, r in rel.items()) + f" ({cores} cores)",
+                "relative": rel,
+                "passed": all(abs(r - 1) <= 0.25 for r in rel.values()) if enough else None,
+                "note": "" if enough else f"n/a: {cores} cores cannot give each of {max(rel)} ranks a core",
+            }
+        )
     pay = [p for p in sweeps.get("payload", []) if _row(rows, p, "tq") and _row(rows, p, "legacy")]
     if len(pay) > 1:
         sb = {path: _slope(rows, pay, path, "driver_bytes") for path in PATHS}
         sr = {path: _slope(rows, pay, path, "peak_rss_growth") for path in PATHS}
-        out.append({"target": "TQ driver bytes independent of payload (slope <= 0.01 byte per payload byte)",
-                    "point": f"{pay[0].key} .. {pay[-1].key}",
-                    "value": f"TQ {sb['tq']:.5f}, legacy {sb['legacy']:.2f} bytes per payload byte", "slope": sb,
-                    "passed": sb["tq"] <= 0.01})
-        out.append({"target": "TQ driver peak RSS independent of payload (slope <= 0.05)",
-                    "point": f"{pay[0].key} .. {pay[-1].key}",
-                    "value": f"TQ {sr['tq']:.4f}, legacy {sr['legacy']:.2f} bytes of peak RSS growth per payload byte",
-                    "slope": sr, "passed": sr["tq"] <= 0.05 if sr["tq"] == sr["tq"] else None})
+        out.append(
+            {
+                "target": "TQ driver bytes independent of payload (slope <= 0.01 byte per payload byte)",
+                "point": f"{pay[0].key} .. {pay[-1].key}",
+                "value": f"TQ {sb['tq']:.5f}, legacy {sb['legacy']:.2f} bytes per payload byte",
+                "slope": sb,
+                "passed": sb["tq"] <= 0.01,
+            }
+        )
+        out.append(
+            {
+                "target": "TQ driver peak RSS independent of payload (slope <= 0.05)",
+                "point": f"{pay[0].key} .. {pay[-1].key}",
+                "value": f"TQ {sr['tq']:.4f}, legacy {sr['legacy']:.2f} bytes of peak RSS growth per payload byte",
+                "slope": sr,
+                "passed": sr["tq"] <= 0.05 if sr["tq"] == sr["tq"] else None,
+            }
+        )
     tq_gets = gets.get("tq")
     if isinstance(tq_gets, dict) and 1 in tq_gets and 32 in tq_gets:
         r = tq_gets[32]["gb_s"] / tq_gets[1]["gb_s"]
         other = gets.get("transferqueue")
-        theirs = (f"; transferqueue {other[32]['gb_s'] / other[1]['gb_s']:.2f}x" if isinstance(other, dict) and 1 in other and 32 in other
-                  else "")
-        out.append({"target": "TQ get with 32 fields >= 0.8x its 1-field GB/s (same bytes)", "point": "get sweep",
-                    "value": f"{tq_gets[32]['gb_s']:.2f} / {tq_gets[1]['gb_s']:.2f} GB/s = {r:.3f}x{theirs}",
-                    "ratio": r, "passed": r >= 0.8})
+        theirs = (
+            f"; transferqueue {other[32]['gb_s'] / other[1]['gb_s']:.2f}x" if isinstance(other, dict) and 1 in other and 32 in other else ""
+        )
+        out.append(
+            {
+                "target": "TQ get with 32 fields >= 0.8x its 1-field GB/s (same bytes)",
+                "point": "get sweep",
+                "value": f"{tq_gets[32]['gb_s']:.2f} / {tq_gets[1]['gb_s']:.2f} GB/s = {r:.3f}x{theirs}",
+                "ratio": r,
+                "passed": r >= 0.8,
+            }
+        )
     return out
 
 
@@ -581,21 +656,28 @@ def _mib(b: float) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     rows, sweeps = result["rows"], {k: [Point(**p) for p in v] for k, v in result["sweeps"].items()}
-    lines = [f"# Data plane at scale: one GRPO step's data movement, legacy vs TQ{' (quick)' if result['quick'] else ''}", "",
-             f"Machine: {result['machine']}; code {result['code'].get('commit', '?')}. {result['steps']} timed steps per "
-             f"(point, path) after one warm-up, medians"
-             + (f"; {result['wall_s'] / 60:.1f} min in all. " if result["wall_s"] == result["wall_s"] else ". ")
-             + (f"**Cut short** by its time limit: not measured {', '.join(result['cut_short'])}. " if result.get("cut_short") else "")
-             + "Compute is a no-op that reads every byte a rank received; *data movement* = step wall time minus the "
-             "slowest rank's no-op. Driver bytes: pickled sizes received / sent. Peak RSS: the driver's, above its RSS "
-             "before the step. Fetch: per rank and step (legacy: Ray delivering the shard with the call; TQ: its gets).", ""]
+    lines = [
+        f"# Data plane at scale: one GRPO step's data movement, legacy vs TQ{' (quick)' if result['quick'] else ''}",
+        "",
+        f"Machine: {result['machine']}; code {result['code'].get('commit', '?')}. {result['steps']} timed steps per "
+        f"(point, path) after one warm-up, medians"
+        + (f"; {result['wall_s'] / 60:.1f} min in all. " if result["wall_s"] == result["wall_s"] else ". ")
+        + (f"**Cut short** by its time limit: not measured {', '.join(result['cut_short'])}. " if result.get("cut_short") else "")
+        + "Compute is a no-op that reads every byte a rank received; *data movement* = step wall time minus the "
+        "slowest rank's no-op. Driver bytes: pickled sizes received / sent. Peak RSS: the driver's, above its RSS "
+        "before the step. Fetch: per rank and step (legacy: Ray delivering the shard with the call; TQ: its gets).",
+        "",
+    ]
     for name, pts in sweeps.items():
         if not pts:
             continue
-        lines += [f"## {name}", "",
-                  "| DP | batch | response (max) | token fields | images | payload MiB | path | data movement s | driver s "
-                  "| slowest rank s | driver MiB in / out | driver peak RSS + MiB | fetch per rank ms (mean / max) | GB/s | legacy / TQ |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {name}",
+            "",
+            "| DP | batch | response (max) | token fields | images | payload MiB | path | data movement s | driver s "
+            "| slowest rank s | driver MiB in / out | driver peak RSS + MiB | fetch per rank ms (mean / max) | GB/s | legacy / TQ |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for p in pts:
             a = _row(rows, p, "legacy")
             for path in PATHS:
@@ -607,18 +689,26 @@ def markdown(result: dict[str, Any]) -> str:
                     f"| {p.dp} | {p.batch} | {p.response} | {p.fields} | {p.images} | {_mib(r['payload_bytes'])} | {path} "
                     f"| {r['data_movement_s']:.3f} | {r['driver_s']:.3f} | {r['slowest_rank_s']:.3f} "
                     f"| {_mib(r['driver_bytes_in'])} / {_mib(r['driver_bytes_out'])} | {r['peak_rss_growth'] / MiB:.0f} "
-                    f"| {1e3 * r['rank_fetch_mean_s']:.1f} / {1e3 * r['rank_fetch_max_s']:.1f} | {r['gb_s']:.2f} | {speed} |")
+                    f"| {1e3 * r['rank_fetch_mean_s']:.1f} / {1e3 * r['rank_fetch_max_s']:.1f} | {r['gb_s']:.2f} | {speed} |"
+                )
         lines.append("")
     gets = result["gets"]
-    lines += ["## One rank's get: the same bytes in 1..32 per-token fields", "",
-              f"{gets['n']} samples of up to {gets['length']} tokens, 32 float32 per token in all "
-              "(``[L_i, 32 / fields]`` per field), padded; median of the warm gets.", "",
-              "| fields | MiB | TQ get s | TQ GB/s | transferqueue get s | transferqueue GB/s |", "|---|---|---|---|---|---|"]
+    lines += [
+        "## One rank's get: the same bytes in 1..32 per-token fields",
+        "",
+        f"{gets['n']} samples of up to {gets['length']} tokens, 32 float32 per token in all "
+        "(``[L_i, 32 / fields]`` per field), padded; median of the warm gets.",
+        "",
+        "| fields | MiB | TQ get s | TQ GB/s | transferqueue get s | transferqueue GB/s |",
+        "|---|---|---|---|---|---|",
+    ]
     theirs = gets.get("transferqueue")
     for k, v in sorted((int(k), v) for k, v in gets["tq"].items()):
         o = theirs.get(k) or theirs.get(str(k)) if isinstance(theirs, dict) else None
-        lines.append(f"| {k} | {_mib(v['bytes'])} | {v['get_s']:.4f} | {v['gb_s']:.2f} | "
-                     + (f"{o['get_s']:.4f} | {o['gb_s']:.2f} |" if o else "n/a | n/a |"))
+        lines.append(
+            f"| {k} | {_mib(v['bytes'])} | {v['get_s']:.4f} | {v['gb_s']:.2f} | "
+            + (f"{o['get_s']:.4f} | {o['gb_s']:.2f} |" if o else "n/a | n/a |")
+        )
     if isinstance(theirs, str):
         lines += ["", f"transferqueue: {theirs}"]
     lines += ["", "## Targets", "", "| target | points | measured | result |", "|---|---|---|---|"]
@@ -660,8 +750,12 @@ def plot(result: dict[str, Any], out: RunOutput) -> None:
 
 # ----------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.dataplane_scale", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.dataplane_scale",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     g = p.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_true", help="3 small points, DP 1 and 2, 1 timed step (seconds, for CI)")
     g.add_argument("--large", action="store_true", help="DP up to 16, batch up to 4096, 16k tokens (a host with >= 32 cores)")
@@ -672,7 +766,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-transferqueue", action="store_true", help="leave the transferqueue package out of the get sweep")
     g = p.add_argument_group("re-rendering a run cut short (its rows came back, its report did not)")
     g.add_argument("--from-rows", default=None, help="the run's dataplane_scale_rows.jsonl; with the run's --quick/--large")
-    g.add_argument("--gets", default=None, help="the run's get sweep as it printed it: JSON {\"tq\": {fields: {...}}, ...}")
+    g.add_argument("--gets", default=None, help='the run\'s get sweep as it printed it: JSON {"tq": {fields: {...}}, ...}')
     g.add_argument("--host", default=None, help="the measuring host, e.g. '32 CPUs (Intel Xeon) of a 2x H100 machine'")
     g.add_argument("--host-cores", type=int, default=None, help="the measuring host's cores (the per-rank fetch target needs it)")
     add_output_args(p, "dataplane_scale")
@@ -690,16 +784,34 @@ def from_rows(kind: str, steps: int, rows_path: str, gets_json: str | None, host
         gets.update(json.loads(gets_json))
         gets["tq"] = {int(k): v for k, v in gets["tq"].items()}
     missing = [p.key for v in build_sweep(kind).values() for p in v if p.key not in done]
-    result = {"kind": kind, "quick": kind == "quick", "steps": steps, "cores": cores, "machine": host,
-              "code": code_version(), "sweeps": {k: [asdict(p) for p in v] for k, v in sweeps.items()}, "rows": rows,
-              "gets": gets, "wall_s": float("nan"), "cut_short": sorted(set(missing))}
+    result = {
+        "kind": kind,
+        "quick": kind == "quick",
+        "steps": steps,
+        "cores": cores,
+        "machine": host,
+        "code": code_version(),
+        "sweeps": {k: [asdict(p) for p in v] for k, v in sweeps.items()},
+        "rows": rows,
+        "gets": gets,
+        "wall_s": float("nan"),
+        "cut_short": sorted(set(missing)),
+    }
     result["targets"] = check_targets(rows, sweeps, gets, cores)
     return result
 
 
-def run(kind: str, steps: int, *, sweep_names: Sequence[str] | None = None, storage_units: int = 1,
-        cpus_per_rank: float = 1.0, transferqueue: bool = True, log: Any = print,
-        rows_file: str | None = None) -> dict[str, Any]:
+def run(
+    kind: str,
+    steps: int,
+    *,
+    sweep_names: Sequence[str] | None = None,
+    storage_units: int = 1,
+    cpus_per_rank: float = 1.0,
+    transferqueue: bool = True,
+    log: Any = print,
+    rows_file: str | None = None,
+) -> dict[str, Any]:
     """Run sweep ``kind`` (``quick``, ``cpu`` or ``large``) and the get sweep; returns the result dict."""
     sweeps = build_sweep(kind)
     if sweep_names is not None:
@@ -710,16 +822,23 @@ def run(kind: str, steps: int, *, sweep_names: Sequence[str] | None = None, stor
     counts = (1, 32) if kind == "quick" else (1, 2, 8, 32)
     points = unique(sweeps)
     log(f"dataplane_scale: {len(points)} points x 2 paths, {steps} timed steps each, {cores} cores")
-    rows = run_sweep(points, steps=steps, storage_units=storage_units, cpus_per_rank=cpus_per_rank, log=log,
-                     rows_file=rows_file)
+    rows = run_sweep(points, steps=steps, storage_units=storage_units, cpus_per_rank=cpus_per_rank, log=log, rows_file=rows_file)
     gets: dict[str, Any] = {"n": n, "length": length, "tq": get_sweep_tq(n, length, counts, iters)}
     if transferqueue:
         gets["transferqueue"] = get_sweep_transferqueue(n, length, counts, iters)
     log(f"get sweep: {json.dumps({k: v for k, v in gets.items() if k in ('tq', 'transferqueue')}, default=str)[:600]}")
-    result = {"kind": kind, "quick": kind == "quick", "steps": steps, "cores": cores,
-              "machine": f"{cores} CPUs ({cpu_model()})", "code": code_version(),
-              "sweeps": {k: [asdict(p) for p in v] for k, v in sweeps.items()}, "rows": rows, "gets": gets,
-              "wall_s": time.perf_counter() - t0}
+    result = {
+        "kind": kind,
+        "quick": kind == "quick",
+        "steps": steps,
+        "cores": cores,
+        "machine": f"{cores} CPUs ({cpu_model()})",
+        "code": code_version(),
+        "sweeps": {k: [asdict(p) for p in v] for k, v in sweeps.items()},
+        "rows": rows,
+        "gets": gets,
+        "wall_s": time.perf_counter() - t0,
+    }
     result["targets"] = check_targets(rows, sweeps, gets, cores)
     return result
 
@@ -743,8 +862,15 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         result = from_rows(kind, steps, a.from_rows, a.gets, a.host, a.host_cores)
     else:
-        result = run(kind, steps, sweep_names=names, storage_units=a.storage_units, cpus_per_rank=a.cpus_per_rank,
-                     transferqueue=not a.skip_transferqueue, rows_file=out.path("_rows.jsonl"))
+        result = run(
+            kind,
+            steps,
+            sweep_names=names,
+            storage_units=a.storage_units,
+            cpus_per_rank=a.cpus_per_rank,
+            transferqueue=not a.skip_transferqueue,
+            rows_file=out.path("_rows.jsonl"),
+        )
     with open(out.path(".json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
     md = markdown(result)

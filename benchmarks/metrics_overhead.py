@@ -111,8 +111,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--control-iters", type=int, default=2000, help="timed calls per op, service and round")
     p.add_argument("--rounds", type=int, default=4, help="rounds; each runs both services (A-B, then B-A)")
-    p.add_argument("--scrape-every", type=float, default=SCRAPE_EVERY_S, metavar="S",
-                   help="seconds between scrapes of the metrics service (Prometheus' default: 15)")
+    p.add_argument(
+        "--scrape-every",
+        type=float,
+        default=SCRAPE_EVERY_S,
+        metavar="S",
+        help="seconds between scrapes of the metrics service (Prometheus' default: 15)",
+    )
     add_output_args(p, "metrics_overhead")
     a = p.parse_args()
     if a.control_iters < 100 or a.rounds < 1 or a.scrape_every <= 0:
@@ -121,12 +126,15 @@ def main() -> None:
     tables: dict[bool, list[dict[str, dict[str, float]]]] = {False: [], True: []}
     scrapes = 0
     for r in range(a.rounds):
-        for metrics in ((False, True) if r % 2 == 0 else (True, False)):
+        for metrics in (False, True) if r % 2 == 0 else (True, False):
             table, n = run_table(metrics, a.control_iters, a.scrape_every)
             tables[metrics].append(table)
             scrapes += n
-            print(f"round {r + 1}/{a.rounds}, metrics {'on' if metrics else 'off'}: "
-                  f"worst p99 {max(v['p99_ms'] for v in table.values()):.3f} ms", flush=True)
+            print(
+                f"round {r + 1}/{a.rounds}, metrics {'on' if metrics else 'off'}: "
+                f"worst p99 {max(v['p99_ms'] for v in table.values()):.3f} ms",
+                flush=True,
+            )
     record_ns = recording_cost_ns()
     if not scrapes:
         raise SystemExit("metrics_overhead: no scrape of the metrics service returned TQ metrics: nothing was measured")
@@ -142,21 +150,40 @@ def main() -> None:
     ratio = total_on / total_off  # the table's p99s summed: no single noisy op decides
     worst = max(v["p99_ratio"] for v in rows.values())
     machine = f"{platform.node()} - {len(os.sched_getaffinity(0))} usable CPUs ({cpu_model()}), Python {platform.python_version()}"
-    res = {"machine": machine, "code": code_version(), "control_iters": a.control_iters, "rounds": a.rounds, "scrapes": scrapes,
-           "scrape_every_s": a.scrape_every, "ops": rows, "per_round": {"off": tables[False], "on": tables[True]},
-           "p99_sum_ms": {"off": total_off, "on": total_on, "ratio": ratio}, "record_ns_per_request": record_ns, "worst_op_p99_ratio": worst,
-           "target": {"p99_ratio_max": TARGET, "met": ratio <= TARGET}}
-    lines = ["# Metrics overhead: tq_throughput's control ops without and with `--metrics-port`\n",
-             f"Machine: {machine}. {a.rounds} rounds x {a.control_iters} calls per op and service, services alternating "
-             f"A-B/B-A, medians over rounds; the metrics service scraped every {a.scrape_every:g} s ({scrapes} scrapes).\n",
-             "| op | p50 off ms | p50 on ms | p99 off ms | p99 on ms | p99 on/off |", "|---|---:|---:|---:|---:|---:|"]
-    lines += [f"| {n} | {v['p50_ms_off']:.3f} | {v['p50_ms_on']:.3f} | {v['p99_ms_off']:.3f} | {v['p99_ms_on']:.3f} | "
-              f"{v['p99_ratio']:.3f} |" for n, v in rows.items()]
-    lines += [f"| **sum of the p99s** | | | {total_off:.3f} | {total_on:.3f} | **{ratio:.3f}** |", "",
-              f"Target: the control table's p99 with metrics at most {TARGET:.2f}x without: "
-              f"{'met' if ratio <= TARGET else 'NOT met'} ({ratio:.3f}x; the worst single op {worst:.3f}x).", "",
-              f"A server's own bookkeeping per request (count, latency window; with metrics also the histogram "
-              f"and bytes in/out), timed alone: {record_ns['off']:.0f} ns off, {record_ns['on']:.0f} ns on."]
+    res = {
+        "machine": machine,
+        "code": code_version(),
+        "control_iters": a.control_iters,
+        "rounds": a.rounds,
+        "scrapes": scrapes,
+        "scrape_every_s": a.scrape_every,
+        "ops": rows,
+        "per_round": {"off": tables[False], "on": tables[True]},
+        "p99_sum_ms": {"off": total_off, "on": total_on, "ratio": ratio},
+        "record_ns_per_request": record_ns,
+        "worst_op_p99_ratio": worst,
+        "target": {"p99_ratio_max": TARGET, "met": ratio <= TARGET},
+    }
+    lines = [
+        "# Metrics overhead: tq_throughput's control ops without and with `--metrics-port`\n",
+        f"Machine: {machine}. {a.rounds} rounds x {a.control_iters} calls per op and service, services alternating "
+        f"A-B/B-A, medians over rounds; the metrics service scraped every {a.scrape_every:g} s ({scrapes} scrapes).\n",
+        "| op | p50 off ms | p50 on ms | p99 off ms | p99 on ms | p99 on/off |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {n} | {v['p50_ms_off']:.3f} | {v['p50_ms_on']:.3f} | {v['p99_ms_off']:.3f} | {v['p99_ms_on']:.3f} | {v['p99_ratio']:.3f} |"
+        for n, v in rows.items()
+    ]
+    lines += [
+        f"| **sum of the p99s** | | | {total_off:.3f} | {total_on:.3f} | **{ratio:.3f}** |",
+        "",
+        f"Target: the control table's p99 with metrics at most {TARGET:.2f}x without: "
+        f"{'met' if ratio <= TARGET else 'NOT met'} ({ratio:.3f}x; the worst single op {worst:.3f}x).",
+        "",
+        f"A server's own bookkeeping per request (count, latency window; with metrics also the histogram "
+        f"and bytes in/out), timed alone: {record_ns['off']:.0f} ns off, {record_ns['on']:.0f} ns on.",
+    ]
     with open(out.path(".json"), "w") as f:
         json.dump(res, f, indent=1)
     with open(out.path(".md"), "w") as f:

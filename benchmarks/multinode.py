@@ -107,8 +107,25 @@ class NetnsCluster:
             self._ip("-n", self.hub, "link", "set", b, "master", "br0")
             self._ip("-n", self.hub, "link", "set", b, "up")
             if self.link_rate:
-                _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf",
-                     "rate", self.link_rate, "burst", "4mb", "latency", "50ms")
+                _run(
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    "eth0",
+                    "root",
+                    "tbf",
+                    "rate",
+                    self.link_rate,
+                    "burst",
+                    "4mb",
+                    "latency",
+                    "50ms",
+                )
                 self.qdiscs.append(_run("ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", "eth0").stdout.strip())
 
     @staticmethod
@@ -122,8 +139,9 @@ class NetnsCluster:
         inner = f"hostname {host} && exec " + shlex.join(cmd)
         full = ["ip", "netns", "exec", self.ns[node], "unshare", "--uts", "sh", "-c", inner]
         out = open(log, "ab")
-        p = subprocess.Popen(full, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
-                             env={**os.environ, **(env or {})})
+        p = subprocess.Popen(
+            full, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True, env={**os.environ, **(env or {})}
+        )
         self.procs.append(p)
         return p
 
@@ -196,8 +214,7 @@ def _wait_port(cluster: NetnsCluster, node: int, ip: str, port: int, timeout: fl
 
 
 # ------------------------------------------------------------------------ in-cluster driver parts
-def place_and_probe(ray_address: str, tq_address: str, shm_dir: str, capacity: int, out: str, nodes: int,
-                    fault: bool = False) -> None:
+def place_and_probe(ray_address: str, tq_address: str, shm_dir: str, capacity: int, out: str, nodes: int, fault: bool = False) -> None:
     """Runs on the head: place one storage unit per node, measure a cross-node get, keep the units up
     (they live as long as this driver) until SIGTERM. With ``fault``, also write partition ``"step"``:
     rows ``h*`` into the head's unit and rows ``w*`` into the last worker node's unit."""
@@ -267,7 +284,8 @@ def place_and_probe(ray_address: str, tq_address: str, shm_dir: str, capacity: i
         local = ray.get(on(workers[0], get_batch, 5), timeout=120)
         assert remote["sum"] == written["sum"] == local["sum"], "cross-node get read other bytes"
         report["xfer"] = {
-            "mib": XFER_MIB, "writer_host": written["host"],
+            "mib": XFER_MIB,
+            "writer_host": written["host"],
             "cross_node": {"host": remote["host"], "best_s": remote["best_s"], "gb_s": remote["nbytes"] / remote["best_s"] / 1e9},
             "same_node": {"host": local["host"], "best_s": local["best_s"], "gb_s": local["nbytes"] / local["best_s"] / 1e9},
         }
@@ -321,8 +339,12 @@ def node_leaves(cluster: NetnsCluster, tq_address: str, data: dict[str, Any], ru
     while a reader on the head is getting rows from it; returns what the reader saw and when."""
     work = run_dir / "work"
     out, ready = work / "fault.json", work / "fault.ready"
-    reader = cluster.spawn(0, [sys.executable, "-m", "benchmarks.multinode", "_read", "--tq-address", tq_address,
-                               "--out", str(out), "--ready", str(ready)], run_dir / "fault.log", env)
+    reader = cluster.spawn(
+        0,
+        [sys.executable, "-m", "benchmarks.multinode", "_read", "--tq-address", tq_address, "--out", str(out), "--ready", str(ready)],
+        run_dir / "fault.log",
+        env,
+    )
     deadline = time.monotonic() + 60
     while not ready.exists():
         if time.monotonic() > deadline or reader.poll() is not None:
@@ -340,8 +362,12 @@ def node_leaves(cluster: NetnsCluster, tq_address: str, data: dict[str, Any], ru
     if not out.exists():
         raise RuntimeError(f"the fault check's reader exited {reader.returncode} (log: {run_dir / 'fault.log'})")
     seen = json.loads(out.read_text())
-    seen.update(node=cluster.ips[victim], processes_killed=killed, expected=data,
-                error_after_s=round(seen["error_at"] - killed_at, 2) if "error_at" in seen else None)
+    seen.update(
+        node=cluster.ips[victim],
+        processes_killed=killed,
+        expected=data,
+        error_after_s=round(seen["error_at"] - killed_at, 2) if "error_at" in seen else None,
+    )
     return seen
 
 
@@ -357,11 +383,16 @@ def run(nodes: int, steps: int, link_rate: str | None, run_dir: Path, log: Any =
     secret = secrets.token_hex(16)
     # Ray's token authentication stays on (a real cluster needs it): one token per run, given to every
     # node and driver through the environment, as the TQ secret is.
-    env = {"TQ_SECRET": secret, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
-           "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(REPO),
-           # The emulated hosts' names resolve nowhere: tell gloo (the DP ranks' CPU collectives) which
-           # interface to use, as on any cluster whose hostnames do not resolve to the node's address.
-           "GLOO_SOCKET_IFNAME": "eth0"}
+    env = {
+        "TQ_SECRET": secret,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(32),
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "PYTHONPATH": str(REPO),
+        # The emulated hosts' names resolve nowhere: tell gloo (the DP ranks' CPU collectives) which
+        # interface to use, as on any cluster whose hostnames do not resolve to the node's address.
+        "GLOO_SOCKET_IFNAME": "eth0",
+    }
     shm_dir = f"/dev/shm/{cluster.tag}"
     os.makedirs(shm_dir, exist_ok=True)
     head = cluster.ips[0]
@@ -372,12 +403,31 @@ def run(nodes: int, steps: int, link_rate: str | None, run_dir: Path, log: Any =
         log(f"namespaces up: {', '.join(f'{ns}={ip}' for ns, ip in zip(cluster.ns, cluster.ips))}")
         ray_bin = shutil.which("ray") or "ray"
         common = ["--block", "--disable-usage-stats"]
-        cluster.spawn(0, [ray_bin, "start", "--head", f"--node-ip-address={head}", f"--port={RAY_PORT}",
-                          "--num-cpus=0", "--include-dashboard=false", *common], run_dir / "ray-n0.log", env)
+        cluster.spawn(
+            0,
+            [
+                ray_bin,
+                "start",
+                "--head",
+                f"--node-ip-address={head}",
+                f"--port={RAY_PORT}",
+                "--num-cpus=0",
+                "--include-dashboard=false",
+                *common,
+            ],
+            run_dir / "ray-n0.log",
+            env,
+        )
         _wait_port(cluster, 0, head, RAY_PORT, 90, "Ray GCS")
         for i in range(1, nodes):  # one at a time: raylets starting together on a busy 2-core machine time out
-            cmd = [ray_bin, "start", f"--address={head}:{RAY_PORT}", f"--node-ip-address={cluster.ips[i]}",
-                   f"--num-cpus={NODE_CPUS}", *common]
+            cmd = [
+                ray_bin,
+                "start",
+                f"--address={head}:{RAY_PORT}",
+                f"--node-ip-address={cluster.ips[i]}",
+                f"--num-cpus={NODE_CPUS}",
+                *common,
+            ]
             for attempt in (1, 2):
                 p = cluster.spawn(i, cmd, run_dir / f"ray-n{i}.log", env)
                 if _ray_started(p, run_dir / f"ray-n{i}.log", 120):
@@ -385,15 +435,37 @@ def run(nodes: int, steps: int, link_rate: str | None, run_dir: Path, log: Any =
                 log(f"Ray node {i} failed to start (attempt {attempt}); see {run_dir / f'ray-n{i}.log'}")
             else:
                 raise RuntimeError(f"Ray node {i} did not start; see {run_dir / f'ray-n{i}.log'}")
-        cluster.spawn(0, [sys.executable, "-m", "tq.controller", "--host", head, "--port", str(TQ_PORT),
-                          "--storage-units", "0", "--shm-dir", shm_dir], run_dir / "controller.log", env)
+        cluster.spawn(
+            0,
+            [sys.executable, "-m", "tq.controller", "--host", head, "--port", str(TQ_PORT), "--storage-units", "0", "--shm-dir", shm_dir],
+            run_dir / "controller.log",
+            env,
+        )
         _wait_port(cluster, 0, head, TQ_PORT, 60, "tq controller")
         tq_address = f"tcp://{head}:{TQ_PORT}"
         probe_out = work / "probe.json"
-        cluster.spawn(0, [sys.executable, "-m", "benchmarks.multinode", "_place", "--ray-address", f"{head}:{RAY_PORT}",
-                          "--tq-address", tq_address, "--shm-dir", shm_dir, "--out", str(probe_out), "--nodes", str(nodes),
-                          *(["--fault"] if fault else [])],
-                      run_dir / "placement.log", env)
+        cluster.spawn(
+            0,
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.multinode",
+                "_place",
+                "--ray-address",
+                f"{head}:{RAY_PORT}",
+                "--tq-address",
+                tq_address,
+                "--shm-dir",
+                shm_dir,
+                "--out",
+                str(probe_out),
+                "--nodes",
+                str(nodes),
+                *(["--fault"] if fault else []),
+            ],
+            run_dir / "placement.log",
+            env,
+        )
         deadline = time.monotonic() + 240
         while not probe_out.exists():
             if time.monotonic() > deadline:
@@ -404,18 +476,29 @@ def run(nodes: int, steps: int, link_rate: str | None, run_dir: Path, log: Any =
         log(f"storage units on {report['placement']['units']} nodes; transfer: {json.dumps(report['placement'].get('xfer'))}")
         if fault:
             report["fault"] = node_leaves(cluster, tq_address, report["placement"]["fault_data"], run_dir, env)
-            log(f"node {report['fault']['node']} left: {report['fault'].get('error_type')} after "
-                f"{report['fault'].get('error_after_s')} s: {report['fault'].get('error')}")
+            log(
+                f"node {report['fault']['node']} left: {report['fault'].get('error_type')} after "
+                f"{report['fault'].get('error_after_s')} s: {report['fault'].get('error')}"
+            )
             return report
         if steps <= 0:
             return report
         t0 = time.monotonic()
         train_cmd = [
-            sys.executable, "-m", "trainer.grpo_sync", f"cluster.ray_address={head}:{RAY_PORT}",
-            f"data_plane.address={tq_address}", f"data_plane.secret={secret}", f"grpo.max_num_steps={steps}",
-            f"policy.dp_size={nodes - 1}", f"policy.num_cpus_per_worker={DP_WORKER_CPUS}",
-            f"logger.log_dir={run_dir / 'train'}", "logger.run_name=multinode", "logger.data_movement_metrics=true",
-            "logger.tensorboard=false", "logger.plot=false",
+            sys.executable,
+            "-m",
+            "trainer.grpo_sync",
+            f"cluster.ray_address={head}:{RAY_PORT}",
+            f"data_plane.address={tq_address}",
+            f"data_plane.secret={secret}",
+            f"grpo.max_num_steps={steps}",
+            f"policy.dp_size={nodes - 1}",
+            f"policy.num_cpus_per_worker={DP_WORKER_CPUS}",
+            f"logger.log_dir={run_dir / 'train'}",
+            "logger.run_name=multinode",
+            "logger.data_movement_metrics=true",
+            "logger.tensorboard=false",
+            "logger.plot=false",
         ]
         rc = cluster.run(0, train_cmd, run_dir / "train.log", timeout=480, env=env)
         report["train"] = {"rc": rc, "wall_s": round(time.monotonic() - t0, 1)}
@@ -444,51 +527,77 @@ def _step_s(r: dict[str, Any]) -> float:
 
 def render_section(report: dict[str, Any]) -> list[str]:
     """One cluster run (one link rate, or the fault check) as markdown lines."""
-    lines = [f"## {'A worker node leaves' if report.get('fault') else 'Links ' + (report['link_rate'] or 'not rate-limited')}", "",
-             f"{report['nodes']} network namespaces (a head + {report['nodes'] - 1} worker nodes) bridged by veth pairs; "
-             f"{report['total_s']} s in all."
-             + (f" Every node's link: `{report['tc'][0]}`." if report.get("tc") else ""), ""]
+    lines = [
+        f"## {'A worker node leaves' if report.get('fault') else 'Links ' + (report['link_rate'] or 'not rate-limited')}",
+        "",
+        f"{report['nodes']} network namespaces (a head + {report['nodes'] - 1} worker nodes) bridged by veth pairs; "
+        f"{report['total_s']} s in all." + (f" Every node's link: `{report['tc'][0]}`." if report.get("tc") else ""),
+        "",
+    ]
     x = report.get("placement", {}).get("xfer")
     if x:
-        lines += [f"Storage units placed on {report['placement']['units']} nodes. A {x['mib']} MiB batch put on a worker node, "
-                  "read back bit-exact (best of 5 gets):", "",
-                  "| reader | path | get s | GB/s |", "|---|---|---|---|",
-                  f"| same node | shared memory | {x['same_node']['best_s']:.4f} | {x['same_node']['gb_s']:.2f} |",
-                  f"| other node | TCP over the veth bridge | {x['cross_node']['best_s']:.4f} | {x['cross_node']['gb_s']:.2f} |", ""]
+        lines += [
+            f"Storage units placed on {report['placement']['units']} nodes. A {x['mib']} MiB batch put on a worker node, "
+            "read back bit-exact (best of 5 gets):",
+            "",
+            "| reader | path | get s | GB/s |",
+            "|---|---|---|---|",
+            f"| same node | shared memory | {x['same_node']['best_s']:.4f} | {x['same_node']['gb_s']:.2f} |",
+            f"| other node | TCP over the veth bridge | {x['cross_node']['best_s']:.4f} | {x['cross_node']['gb_s']:.2f} |",
+            "",
+        ]
     t = report.get("train")
     if t:
-        lines += [f"GRPO job (`trainer.grpo_sync`, tiny model, DP ranks on different nodes): exit {t['rc']}, "
-                  f"{len(t['steps'])} steps in {t['wall_s']} s (including start-up).", "",
-                  "| step | step s | data movement s | rank fetch s (max) | driver bytes in / out |", "|---|---|---|---|---|"]
+        lines += [
+            f"GRPO job (`trainer.grpo_sync`, tiny model, DP ranks on different nodes): exit {t['rc']}, "
+            f"{len(t['steps'])} steps in {t['wall_s']} s (including start-up).",
+            "",
+            "| step | step s | data movement s | rank fetch s (max) | driver bytes in / out |",
+            "|---|---|---|---|---|",
+        ]
         for i, r in enumerate(t["steps"], 1):
-            lines.append(f"| {i} | {_step_s(r):.2f} | {r.get('timing/data_movement', 0):.3f} | {r.get('timing/worker_fetch', 0):.3f} | "
-                         f"{int(r.get('driver_bytes_received', 0))} / {int(r.get('driver_bytes_sent', 0))} |")
+            lines.append(
+                f"| {i} | {_step_s(r):.2f} | {r.get('timing/data_movement', 0):.3f} | {r.get('timing/worker_fetch', 0):.3f} | "
+                f"{int(r.get('driver_bytes_received', 0))} / {int(r.get('driver_bytes_sent', 0))} |"
+            )
         lines.append("")
     f = report.get("fault")
     if f:
         e, s = f["expected"], f["survivors"]
-        lines += [f"A reader on the head gets partition `step` ({e['head']['rows']} rows on the head's unit, "
-                  f"{e['worker']['rows']} on the unit of worker node {f['node']}) in a loop; every process of that "
-                  f"node's namespace (raylet, Ray workers, its storage unit: {f['processes_killed']}) is killed mid-loop.", "",
-                  f"- the get in flight failed after {f['error_after_s']} s ({f['gets_before_error']} gets before it) with "
-                  f"`{f.get('error_type')}: {f.get('error')}`",
-                  f"- the head's {s['rows']} rows read back afterwards: sum {'matches' if s['sum'] == e['head']['sum'] else 'DIFFERS'} "
-                  f"({s['get_s']:.3f} s); partitions still listed: {f['partitions_after']}", ""]
+        lines += [
+            f"A reader on the head gets partition `step` ({e['head']['rows']} rows on the head's unit, "
+            f"{e['worker']['rows']} on the unit of worker node {f['node']}) in a loop; every process of that "
+            f"node's namespace (raylet, Ray workers, its storage unit: {f['processes_killed']}) is killed mid-loop.",
+            "",
+            f"- the get in flight failed after {f['error_after_s']} s ({f['gets_before_error']} gets before it) with "
+            f"`{f.get('error_type')}: {f.get('error')}`",
+            f"- the head's {s['rows']} rows read back afterwards: sum {'matches' if s['sum'] == e['head']['sum'] else 'DIFFERS'} "
+            f"({s['get_s']:.3f} s); partitions still listed: {f['partitions_after']}",
+            "",
+        ]
     return lines
 
 
 def render_md(reports: list[dict[str, Any]], machine: str, code: dict[str, Any]) -> str:
     """Every cluster run of one invocation as a markdown page (what the README quotes)."""
-    lines = ["# Multi-node TQ on an emulated Ray cluster", "",
-             f"`python -m benchmarks.multinode` on {machine}; code {code.get('commit', '?')}.", ""]
+    lines = [
+        "# Multi-node TQ on an emulated Ray cluster",
+        "",
+        f"`python -m benchmarks.multinode` on {machine}; code {code.get('commit', '?')}.",
+        "",
+    ]
     rated = [r for r in reports if not r.get("fault") and r.get("placement", {}).get("xfer")]
     if len(rated) > 1:
-        lines += ["| links | cross-node get GB/s | same-node get GB/s | GRPO step s (median) | rank fetch s (median of max) |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "| links | cross-node get GB/s | same-node get GB/s | GRPO step s (median) | rank fetch s (median of max) |",
+            "|---|---|---|---|---|",
+        ]
         for r in rated:
             x, steps = r["placement"]["xfer"], r.get("train", {}).get("steps", [])[1:]  # step 1 warms up
-            lines.append(f"| {r['link_rate'] or 'no limit'} | {x['cross_node']['gb_s']:.2f} | {x['same_node']['gb_s']:.2f} | "
-                         f"{_median([_step_s(s) for s in steps]):.2f} | {_median([s.get('timing/worker_fetch', 0) for s in steps]):.3f} |")
+            lines.append(
+                f"| {r['link_rate'] or 'no limit'} | {x['cross_node']['gb_s']:.2f} | {x['same_node']['gb_s']:.2f} | "
+                f"{_median([_step_s(s) for s in steps]):.2f} | {_median([s.get('timing/worker_fetch', 0) for s in steps]):.3f} |"
+            )
         lines.append("")
     for r in reports:
         lines += render_section(r)
@@ -519,11 +628,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.multinode", description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=3, help="emulated nodes: a head (driver, controller) + worker nodes (default 3)")
     ap.add_argument("--steps", type=int, default=4, help="GRPO steps of the job (default 4; 0: only the cluster and the transfer check)")
-    ap.add_argument("--link-rate", default=None,
-                    help="tc rate limit of every node's link, e.g. 10gbit; a comma list runs a cluster per rate, "
-                         "'none' for no limit (e.g. none,10gbit,25gbit; default: none)")
-    ap.add_argument("--fault", action="store_true",
-                    help="also run the fault check on a cluster of its own: a worker node leaves while a reader gets its rows")
+    ap.add_argument(
+        "--link-rate",
+        default=None,
+        help="tc rate limit of every node's link, e.g. 10gbit; a comma list runs a cluster per rate, "
+        "'none' for no limit (e.g. none,10gbit,25gbit; default: none)",
+    )
+    ap.add_argument(
+        "--fault",
+        action="store_true",
+        help="also run the fault check on a cluster of its own: a worker node leaves while a reader gets its rows",
+    )
     add_output_args(ap, "multinode")
     args = ap.parse_args(argv)
     rates = [None if r in ("", "none") else r for r in (args.link_rate or "none").split(",")]

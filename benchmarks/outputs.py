@@ -55,6 +55,7 @@ def cpu_model() -> str:
 def code_version() -> dict[str, object]:
     """The commit a run measured and the files under tq/ that differed from it (a published figure
     names the code it is of)."""
+
     def git(*args: str) -> str:
         try:
             return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.rstrip()
@@ -68,14 +69,18 @@ def code_version() -> dict[str, object]:
 def add_output_args(p: argparse.ArgumentParser, name: str) -> None:
     """``--run-dir``, ``--publish`` and ``--machine``, with help that names where files go."""
     g = p.add_argument_group("output")
-    g.add_argument("--run-dir", default=None,
-                   help=f"directory for this run's files (default: a fresh logs/{name}/<timestamp>/)")
-    g.add_argument("--publish", action="store_true",
-                   help=f"also copy this run's files over the published benchmarks/results/{name}_<machine>.* "
-                        "(the files the README cites); without it nothing under benchmarks/results/ is written")
-    g.add_argument("--machine", default=None,
-                   help="machine tag of the published file names (default: cpu<cores>, or with a GPU its model "
-                        "and count, e.g. h200, h100x4)")
+    g.add_argument("--run-dir", default=None, help=f"directory for this run's files (default: a fresh logs/{name}/<timestamp>/)")
+    g.add_argument(
+        "--publish",
+        action="store_true",
+        help=f"also copy this run's files over the published benchmarks/results/{name}_<machine>.* "
+        "(the files the README cites); without it nothing under benchmarks/results/ is written",
+    )
+    g.add_argument(
+        "--machine",
+        default=None,
+        help="machine tag of the published file names (default: cpu<cores>, or with a GPU its model and count, e.g. h200, h100x4)",
+    )
 
 
 @dataclass
@@ -95,8 +100,7 @@ class RunOutput:
             self.written.append(p)
         return p
 
-    def finish(self, publish: bool, machine: str | None = None, *, gpu: bool = False,
-               results_dir: str = RESULTS_DIR) -> list[str]:
+    def finish(self, publish: bool, machine: str | None = None, *, gpu: bool = False, results_dir: str = RESULTS_DIR) -> list[str]:
         """With ``publish``, copy every file of this run that exists to ``<results_dir>/<name>_<machine><suffix>``
         (``machine`` defaults to :func:`machine_tag`); returns the published paths. Prints where the
         run's files are either way."""
@@ -106,7 +110,7 @@ class RunOutput:
             tag = machine or machine_tag(gpu)
             os.makedirs(results_dir, exist_ok=True)
             for p in mine:
-                dst = os.path.join(results_dir, f"{self.name}_{tag}{os.path.basename(p)[len(self.name):]}")
+                dst = os.path.join(results_dir, f"{self.name}_{tag}{os.path.basename(p)[len(self.name) :]}")
                 shutil.copyfile(p, dst)
                 published.append(dst)
         self.log(f"{self.name}: this run's files are in {self.run_dir}/ ({', '.join(os.path.basename(p) for p in mine)})")
@@ -140,8 +144,10 @@ def open_run(name: str, run_dir: str | None = None, *, log: Callable[[str], None
             run_dir = f"{base}-{n}"
     run_dir = os.path.abspath(run_dir)
     if os.path.commonpath([run_dir, RESULTS_DIR]) == RESULTS_DIR:
-        raise SystemExit(f"error: --run-dir {run_dir} is inside benchmarks/results/, which holds the published "
-                         "files only: pick another directory and pass --publish to replace them")
+        raise SystemExit(
+            f"error: --run-dir {run_dir} is inside benchmarks/results/, which holds the published "
+            "files only: pick another directory and pass --publish to replace them"
+        )
     os.makedirs(run_dir, exist_ok=True)
     log(f"{name}: writing this run's files to {run_dir}/")
     return RunOutput(name, run_dir, log)

@@ -22,13 +22,16 @@ import torch
 
 from benchmarks.outputs import add_output_args, open_run
 from common.models import MODEL_113M
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line (every option with its help)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--samples", type=int, default=256, help="samples in the synthetic GRPO batch (default 256)")
     p.add_argument("--max-len", type=int, default=1024, help="longest sample in tokens; lengths range from a quarter of it (default 1024)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                   help="autocast dtype of both policies (default bfloat16)")
+    p.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="autocast dtype of both policies (default bfloat16)"
+    )
     p.add_argument("--dp", type=int, default=0, help="DP ranks (default: one per visible GPU)")
     add_output_args(p, "policy_gpu_check")
     return p
@@ -54,32 +57,65 @@ def main(argv: list[str] | None = None) -> None:
     say(f"ray up, {gpus} GPU worker(s)")
     tiny = MODEL_113M
     # Both policies live at once, one worker per GPU each: half a GPU per worker so Ray can place them.
-    cfg = PolicyConfig(dp_size=gpus, dtype=a.dtype, tiny_overrides=tiny, num_gpus_per_worker=0.5, num_cpus_per_worker=1,
-                       train_global_batch_size=a.samples, train_micro_batch_size=16, logprob_batch_size=32,
-                       learning_rate=1e-5, deterministic=True, seed=3, reference_model_on_cpu=False)
+    cfg = PolicyConfig(
+        dp_size=gpus,
+        dtype=a.dtype,
+        tiny_overrides=tiny,
+        num_gpus_per_worker=0.5,
+        num_cpus_per_worker=1,
+        train_global_batch_size=a.samples,
+        train_micro_batch_size=16,
+        logprob_batch_size=32,
+        learning_rate=1e-5,
+        deterministic=True,
+        seed=3,
+        reference_model_on_cpu=False,
+    )
     loss = ClippedPGLossFn({"reference_policy_kl_penalty": 0.01})
     batch = synthetic_batch(a.samples, min_len=a.max_len // 4, max_len=a.max_len, prompt_len=32, seed=1)
     fields = ("input_ids", "input_lengths", "token_mask", "sample_mask", "generation_logprobs")
-    out: dict = {"device": torch.cuda.get_device_name(0), "gpus": gpus, "torch": torch.__version__,
-                 "samples": a.samples, "max_len": a.max_len, "tokens": int(batch["input_lengths"].sum()), "dtype": a.dtype}
-    with TQServer(storage_units=1, capacity=4 << 30) as server, Policy(cfg, calls=DriverTraffic()) as legacy, \
-            TQPolicy(cfg, TQConnection(server.address), calls=DriverTraffic()) as tqp:
+    out: dict = {
+        "device": torch.cuda.get_device_name(0),
+        "gpus": gpus,
+        "torch": torch.__version__,
+        "samples": a.samples,
+        "max_len": a.max_len,
+        "tokens": int(batch["input_lengths"].sum()),
+        "dtype": a.dtype,
+    }
+    with (
+        TQServer(storage_units=1, capacity=4 << 30) as server,
+        Policy(cfg, calls=DriverTraffic()) as legacy,
+        TQPolicy(cfg, TQConnection(server.address), calls=DriverTraffic()) as tqp,
+    ):
         out["params_m"] = sum(v.numel() for v in legacy.get_weights().values()) / 1e6
         say(f"policies up: {out['params_m']:.0f}M parameters")
         data = batch.select_columns(fields + ("advantages",))
         t = {}
-        t0 = time.perf_counter(); data["prev_logprobs"] = legacy.get_logprobs(data)["logprobs"]; t["legacy_logprobs_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter(); data["reference_policy_logprobs"] = legacy.get_reference_policy_logprobs(data)["reference_logprobs"]; t["legacy_ref_logprobs_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter(); m_legacy = legacy.train(data, loss); t["legacy_train_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        data["prev_logprobs"] = legacy.get_logprobs(data)["logprobs"]
+        t["legacy_logprobs_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        data["reference_policy_logprobs"] = legacy.get_reference_policy_logprobs(data)["reference_logprobs"]
+        t["legacy_ref_logprobs_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        m_legacy = legacy.train(data, loss)
+        t["legacy_train_s"] = time.perf_counter() - t0
 
         say(f"legacy done: {t}")
         tqp.prepare_step(a.samples, 4)
         keys = [f"p{i // 4}_g{i % 4}" for i in range(a.samples)]
         meta = tqp.client.put(tqp.train_partition, keys, to_tq_columns(batch.select_columns(fields)))
-        t0 = time.perf_counter(); meta = tqp.get_logprobs_from_meta(meta); t["tq_logprobs_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter(); meta = tqp.get_reference_policy_logprobs_from_meta(meta); t["tq_ref_logprobs_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        meta = tqp.get_logprobs_from_meta(meta)
+        t["tq_logprobs_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        meta = tqp.get_reference_policy_logprobs_from_meta(meta)
+        t["tq_ref_logprobs_s"] = time.perf_counter() - t0
         meta = tqp.write_to_dataplane(meta, {"advantages": batch["advantages"]})
-        t0 = time.perf_counter(); m_tq = tqp.train_from_meta(meta, loss); t["tq_train_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        m_tq = tqp.train_from_meta(meta, loss)
+        t["tq_train_s"] = time.perf_counter() - t0
         got = tqp.client.get(meta, ["prev_logprobs"], pad_to=data["input_ids"].shape[1])["prev_logprobs"]
         wl, wt = legacy.get_weights(), tqp.get_weights()
         out.update(t)

@@ -73,7 +73,9 @@ MAX_BATCH = 8
 # tq.controller restarts a crashed unit at most 3 times within 60 s, then gives up on it and removes its
 # arena (crash-loop protection): the driver never kills one unit more often than that (with a margin).
 UNIT_KILLS_PER_WINDOW, UNIT_KILL_WINDOW_S = 3, 63.0
-HANG_MARGIN_S = 0.5  # a call may overrun its timeout by this much: scheduling on a loaded 2-core VM (the timeout bounds all of a call's requests)
+HANG_MARGIN_S = (
+    0.5  # a call may overrun its timeout by this much: scheduling on a loaded 2-core VM (the timeout bounds all of a call's requests)
+)
 UNIT_RESTART_P99_S = 2.0
 CONTROLLER_RESTART_P99_S = 3.0
 RSS_GROWTH_LIMIT = 0.10
@@ -95,11 +97,15 @@ class Held:
     broken: set[str] = field(default_factory=set)  # fields found in a state no write explains: not read again
 
     def select(self, idx: list[int]) -> "Held":
-        return Held([self.keys[i] for i in idx], [self.lengths[i] for i in idx],
-                    {f: [s[i] for i in idx] for f, s in self.sums.items()}, set(self.acked),
-                    None if self.meta is None else self.meta.select(idx),
-                    {f: (None if o is None else [o[i] for i in idx], [n[i] for i in idx], a) for f, (o, n, a) in self.unsure.items()},
-                    set(self.broken))
+        return Held(
+            [self.keys[i] for i in idx],
+            [self.lengths[i] for i in idx],
+            {f: [s[i] for i in idx] for f, s in self.sums.items()},
+            set(self.acked),
+            None if self.meta is None else self.meta.select(idx),
+            {f: (None if o is None else [o[i] for i in idx], [n[i] for i in idx], a) for f, (o, n, a) in self.unsure.items()},
+            set(self.broken),
+        )
 
 
 class ChaosClient(RowMaker):
@@ -172,8 +178,14 @@ class ChaosClient(RowMaker):
             self.inflight[self.idx] = 0.0
             if took > self.slow_s:  # longer than the client timeout: what and when (to match with faults)
                 exc = sys.exc_info()[1]
-                self.slow.append({"call": kind, "s": round(took, 3), "t_s": round(m0 - self.go_at, 2),
-                                  "error": None if exc is None else f"{type(exc).__name__}: {exc}"[:200]})
+                self.slow.append(
+                    {
+                        "call": kind,
+                        "s": round(took, 3),
+                        "t_s": round(m0 - self.go_at, 2),
+                        "error": None if exc is None else f"{type(exc).__name__}: {exc}"[:200],
+                    }
+                )
         self.call_ok[kind] += 1
         return out
 
@@ -192,7 +204,7 @@ class ChaosClient(RowMaker):
         matched, problems = compare_rows(got, layout, want, [h.lengths[i] for i in idx])
         self.verified += matched
         for name, j, problem in problems:
-            for r in (range(len(idx)) if j is None else [j]):
+            for r in range(len(idx)) if j is None else [j]:
                 self.wrong += 1
                 if name in h.acked:
                     self.lost.add((h.keys[idx[r]], name))
@@ -426,8 +438,7 @@ class ChaosClient(RowMaker):
             got = self._call("get", lambda: self.client.get(meta, [name], layout="list"))
             rows = [digest(r) for r in rows_of(got[name])]
         except FieldNotProducedError:
-            have = [i for i, k in enumerate(h.keys)
-                    if name in self._call("get_meta", lambda: self.client.get_meta(self.pid, [k])).fields]  # noqa: B023
+            have = [i for i, k in enumerate(h.keys) if name in self._call("get_meta", lambda: self.client.get_meta(self.pid, [k])).fields]  # noqa: B023
             del h.unsure[name]
             if old is None and not have:
                 self.outcomes["write_back_not_applied"] += 1
@@ -438,8 +449,10 @@ class ChaosClient(RowMaker):
             self.wrong += len(bad)
             if old is not None and was_acked:
                 self.lost.update((h.keys[i], name) for i in bad)
-            self.note(f"WRONG OUTCOME: a write-back of {name!r} that raised left the field on {len(have)} of "
-                      f"{len(h.keys)} keys (it {'had' if old is not None else 'had not'} been written before)")
+            self.note(
+                f"WRONG OUTCOME: a write-back of {name!r} that raised left the field on {len(have)} of "
+                f"{len(h.keys)} keys (it {'had' if old is not None else 'had not'} been written before)"
+            )
             return
         except TQError:
             raise
@@ -461,8 +474,10 @@ class ChaosClient(RowMaker):
         self.wrong += len(neither) or len(rows)  # rows that match nothing, or a half-applied write
         if was_acked:
             self.lost.update((h.keys[i], name) for i in neither)
-        self.note(f"WRONG OUTCOME: a write-back of {name!r} that raised left {sum(is_new)} new, {sum(is_old)} old "
-                  f"and {len(neither)} unknown rows of {len(rows)}")
+        self.note(
+            f"WRONG OUTCOME: a write-back of {name!r} that raised left {sum(is_new)} new, {sum(is_old)} old "
+            f"and {len(neither)} unknown rows of {len(rows)}"
+        )
 
     def _check_fields(self, h: Held) -> None:
         """Every settled field of ``h`` is still produced for every key."""
@@ -552,8 +567,7 @@ class ChaosClient(RowMaker):
                 except Exception as exc:
                     if not hasattr(exc, "tq_chaos_call"):
                         self.internal_errors += 1
-                        self.note(f"INTERNAL ERROR in the final verification: {type(exc).__name__}: {exc} "
-                                  f"{traceback.format_exc()[-800:]}")
+                        self.note(f"INTERNAL ERROR in the final verification: {type(exc).__name__}: {exc} {traceback.format_exc()[-800:]}")
                         done.add(id(h))
                     last_error = f"{type(exc).__name__}: {exc}"[:300]
             left = [h for h in self.live if id(h) not in done]
@@ -570,8 +584,7 @@ class ChaosClient(RowMaker):
                 self.wrong += len(h.keys)
                 self.outcomes["write_back_unsettled"] += 1
                 self.note(f"UNSETTLED at the end: a write-back of {name!r} that raised ({last_error})")
-        self.final = {"attempts": attempts, "live_keys": self._live_keys(), "unverified_keys": unverified,
-                      "last_error": last_error}
+        self.final = {"attempts": attempts, "live_keys": self._live_keys(), "unverified_keys": unverified, "last_error": last_error}
         try:
             keys = list(self._call("get_meta", lambda: self.client.get_meta(self.pid)).keys)
             for i in range(0, len(keys), 256):
@@ -585,19 +598,32 @@ class ChaosClient(RowMaker):
         self.client.close()
 
     def report(self) -> dict[str, Any]:
-        return {"client": self.idx, "calls": dict(self.calls), "call_ok": dict(self.call_ok),
-                "errors": {k: dict(v) for k, v in self.errors.items()}, "error_samples": self.error_samples,
-                "op_failed": dict(self.op_failed),
-                "lat": {k: np.asarray(v, np.float64) for k, v in self.lat.items()},
-                "wrong": self.wrong, "lost": len(self.lost), "verified": self.verified, "outcomes": dict(self.outcomes),
-                "phantoms": len(self.phantoms), "resurrected": len(self.resurrected), "unknown": len(self.unknown),
-                "non_tq_errors": self.non_tq_errors, "internal_errors": self.internal_errors, "final": self.final,
-                "slow": self.slow[:50],
-                "notes": self.notes}
+        return {
+            "client": self.idx,
+            "calls": dict(self.calls),
+            "call_ok": dict(self.call_ok),
+            "errors": {k: dict(v) for k, v in self.errors.items()},
+            "error_samples": self.error_samples,
+            "op_failed": dict(self.op_failed),
+            "lat": {k: np.asarray(v, np.float64) for k, v in self.lat.items()},
+            "wrong": self.wrong,
+            "lost": len(self.lost),
+            "verified": self.verified,
+            "outcomes": dict(self.outcomes),
+            "phantoms": len(self.phantoms),
+            "resurrected": len(self.resurrected),
+            "unknown": len(self.unknown),
+            "non_tq_errors": self.non_tq_errors,
+            "internal_errors": self.internal_errors,
+            "final": self.final,
+            "slow": self.slow[:50],
+            "notes": self.notes,
+        }
 
 
-def client_main(idx: int, address: str, cfg: dict[str, Any], ready: Any, go: Any, go_at: Any, faults_done: Any,
-                inflight: Any, results: Any) -> None:
+def client_main(
+    idx: int, address: str, cfg: dict[str, Any], ready: Any, go: Any, go_at: Any, faults_done: Any, inflight: Any, results: Any
+) -> None:
     """Entry point of one spawned client process."""
     is_ready = False
     try:
@@ -637,9 +663,25 @@ class Service:
         self.ready_file = os.path.join(run_dir, "controller.ready")
         self.port = free_port()
         self.address = f"tcp://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "tq.controller", "--host", "127.0.0.1", "--port", str(self.port),
-                    "--storage-units", str(units), "--capacity", str(capacity), "--shm-dir", self.shm_dir,
-                    "--journal-dir", self.state_dir, "--ready-file", self.ready_file]
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "tq.controller",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--storage-units",
+            str(units),
+            "--capacity",
+            str(capacity),
+            "--shm-dir",
+            self.shm_dir,
+            "--journal-dir",
+            self.state_dir,
+            "--ready-file",
+            self.ready_file,
+        ]
         self.procs: list[subprocess.Popen] = []
 
     @property
@@ -657,8 +699,7 @@ class Service:
             if os.path.exists(self.ready_file):
                 return time.monotonic() - t0
             if self.proc.poll() is not None:
-                raise RuntimeError(f"controller exited with code {self.proc.returncode} before it was ready; "
-                                   f"log: {self.log_tail()}")
+                raise RuntimeError(f"controller exited with code {self.proc.returncode} before it was ready; log: {self.log_tail()}")
             time.sleep(0.01)
         raise RuntimeError(f"controller not ready within {timeout:.0f}s")
 
@@ -739,8 +780,9 @@ class Service:
         pids = {str(p.pid) for p in self.procs}
         for d in {"/dev/shm", self.shm_dir}:
             if os.path.isdir(d):
-                found += [os.path.join(d, n) for n in sorted(os.listdir(d))
-                          if n.startswith(PREFIX) and n[len(PREFIX):].split("-", 1)[0] in pids]
+                found += [
+                    os.path.join(d, n) for n in sorted(os.listdir(d)) if n.startswith(PREFIX) and n[len(PREFIX) :].split("-", 1)[0] in pids
+                ]
         return sorted(set(found))
 
     def remove_files(self) -> list[str]:
@@ -803,9 +845,19 @@ class Canary:
 class FaultDriver:
     """Injects faults one at a time, at random, and times each recovery (see the module docstring)."""
 
-    def __init__(self, service: Service, canary: Canary, admin: Any, rng: np.random.Generator, kinds: tuple[str, ...],
-                 faults_min: int, stop_s: tuple[float, float], recovery_timeout: float, log: Callable[[str], None],
-                 t0: float) -> None:
+    def __init__(
+        self,
+        service: Service,
+        canary: Canary,
+        admin: Any,
+        rng: np.random.Generator,
+        kinds: tuple[str, ...],
+        faults_min: int,
+        stop_s: tuple[float, float],
+        recovery_timeout: float,
+        log: Callable[[str], None],
+        t0: float,
+    ) -> None:
         self.service, self.canary, self.admin, self.rng = service, canary, admin, rng
         self.kinds, self.faults_min, self.stop_s = kinds, faults_min, stop_s
         self.recovery_timeout, self.log = recovery_timeout, log
@@ -822,8 +874,7 @@ class FaultDriver:
         return [u for u in units if isinstance(u.get("pid"), int) and self.service.is_unit(u["pid"])]
 
     def _killable(self, now: float) -> list[int]:
-        return [u for u in range(self.service.units)
-                if sum(now - t < UNIT_KILL_WINDOW_S for t in self.kills[u]) < UNIT_KILLS_PER_WINDOW]
+        return [u for u in range(self.service.units) if sum(now - t < UNIT_KILL_WINDOW_S for t in self.kills[u]) < UNIT_KILLS_PER_WINDOW]
 
     def pick(self) -> str | None:
         now = time.monotonic()
@@ -906,8 +957,9 @@ class FaultDriver:
         cost = [3.0]  # seconds a fault takes until recovered, running estimate
         while time.monotonic() < until and len(self.records) < max_faults:
             if self.service.proc.poll() is not None:  # died on its own: recover the operator's way, say so
-                self.anomalies.append(f"the controller exited by itself (code {self.service.proc.returncode}): "
-                                      f"{self.service.log_tail(600)}")
+                self.anomalies.append(
+                    f"the controller exited by itself (code {self.service.proc.returncode}): {self.service.log_tail(600)}"
+                )
                 if self._restart() is None:
                     self.unrecovered = {"kind": "controller exited by itself", "error": "could not be restarted"}
                     return
@@ -951,24 +1003,46 @@ def machine() -> dict[str, Any]:
             model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     except OSError:
         pass
-    return {"platform": platform.platform(), "machine": platform.machine(), "cpu": model,
-            "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "python": sys.version.split()[0]}
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu": model,
+        "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "python": sys.version.split()[0],
+    }
 
 
 def _percentiles(values: list[float]) -> dict[str, Any]:
     a = np.asarray(values, dtype=np.float64)
     if not a.size:
         return {"n": 0}
-    return {"n": int(a.size), "p50_s": round(float(np.percentile(a, 50)), 3), "p99_s": round(float(np.percentile(a, 99)), 3),
-            "max_s": round(float(a.max()), 3)}
+    return {
+        "n": int(a.size),
+        "p50_s": round(float(np.percentile(a, 50)), 3),
+        "p99_s": round(float(np.percentile(a, 99)), 3),
+        "max_s": round(float(a.max()), 3),
+    }
 
 
 def run_chaos(
-    duration: float = 600.0, clients: int = 8, faults_min: int = 50, seed: int = 0, *, run_dir: str | None = None,
-    units: int = 2, capacity: int = 512 << 20, client_timeout: float = 2.0, kinds: tuple[str, ...] = KINDS,
-    stop_s: tuple[float, float] = (0.5, 5.0), warmup_s: float | None = None, recovery_timeout: float = 30.0,
-    final_timeout: float = 60.0, max_faults: int = 2000, think_ms: float = 5.0, settle_s: float = 10.0,
+    duration: float = 600.0,
+    clients: int = 8,
+    faults_min: int = 50,
+    seed: int = 0,
+    *,
+    run_dir: str | None = None,
+    units: int = 2,
+    capacity: int = 512 << 20,
+    client_timeout: float = 2.0,
+    kinds: tuple[str, ...] = KINDS,
+    stop_s: tuple[float, float] = (0.5, 5.0),
+    warmup_s: float | None = None,
+    recovery_timeout: float = 30.0,
+    final_timeout: float = 60.0,
+    max_faults: int = 2000,
+    think_ms: float = 5.0,
+    settle_s: float = 10.0,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run the chaos benchmark and return its report (see the module docstring); ``report["ok"]`` is
@@ -1008,11 +1082,25 @@ def run_chaos(
         go_at = ctx.Value("d", 0.0, lock=False)
         inflight = ctx.Array("d", clients, lock=False)
         start_timeout = 120.0 + 10.0 * clients
-        cfg = {"seed": seed, "client_timeout": client_timeout, "duration": duration, "think_s": think_ms / 1e3,
-               "start_timeout": start_timeout, "final_timeout": final_timeout, "faults_done_wait": recovery_timeout + stop_s[1] + 60.0}
-        n_ready = start_processes(ctx, workers, clients, "tq-chaos", client_main, ready, start_timeout,
-                                  lambda i: (i, svc.address, {**cfg, "transport": ("auto", "tcp")[i % 2]}, ready, go, go_at,
-                                             faults_done, inflight, results))
+        cfg = {
+            "seed": seed,
+            "client_timeout": client_timeout,
+            "duration": duration,
+            "think_s": think_ms / 1e3,
+            "start_timeout": start_timeout,
+            "final_timeout": final_timeout,
+            "faults_done_wait": recovery_timeout + stop_s[1] + 60.0,
+        }
+        n_ready = start_processes(
+            ctx,
+            workers,
+            clients,
+            "tq-chaos",
+            client_main,
+            ready,
+            start_timeout,
+            lambda i: (i, svc.address, {**cfg, "transport": ("auto", "tcp")[i % 2]}, ready, go, go_at, faults_done, inflight, results),
+        )
 
         import psutil
 
@@ -1027,16 +1115,17 @@ def run_chaos(
                     if t > 0:
                         max_inflight[i] = max(max_inflight[i], now - t)
                 if now >= next_rss:
-                    rss["samples"].append({"t_s": round(now - go_at.value, 1), "cpu_percent": psutil.cpu_percent(None),
-                                           **svc.rss()})
+                    rss["samples"].append({"t_s": round(now - go_at.value, 1), "cpu_percent": psutil.cpu_percent(None), **svc.rss()})
                     next_rss = now + 10.0
 
         phases["clients_ready_s"] = round(time.monotonic() - t_start, 1)
         go_at.value = time.monotonic()
         go.set()
         threading.Thread(target=monitor, name="chaos-monitor", daemon=True).start()
-        log(f"{n_ready}/{clients} clients ready; {duration:.0f}s of load, faults from {warmup_s:.0f}s "
-            f"(>= {faults_min} of each of {', '.join(kinds)})")
+        log(
+            f"{n_ready}/{clients} clients ready; {duration:.0f}s of load, faults from {warmup_s:.0f}s "
+            f"(>= {faults_min} of each of {', '.join(kinds)})"
+        )
         time.sleep(warmup_s)
         admin.trim()
         rss["start"] = svc.rss()
@@ -1049,8 +1138,10 @@ def run_chaos(
             faults_done.set()
         phases["faults_done_s"] = round(time.monotonic() - t_start, 1)
         healthy = canary.wait(units, recovery_timeout)
-        log(f"faults done ({len(driver.records)}); service {'healthy' if healthy is not None else 'NOT healthy'}; "
-            "clients verify and clean up")
+        log(
+            f"faults done ({len(driver.records)}); service {'healthy' if healthy is not None else 'NOT healthy'}; "
+            "clients verify and clean up"
+        )
         end = go_at.value + duration + recovery_timeout + stop_s[1] + 60.0 + final_timeout + 60.0
         while len(reports) < clients and time.monotonic() < end:
             try:
@@ -1087,8 +1178,14 @@ def run_chaos(
             time.sleep(0.05)
         if svc.proc.poll() is None or svc.ours():
             run_errors.append(f"shutdown: the service was still running {time.monotonic() - t:.0f}s after shutdown")
-        shutdown.update({"controller_exit_code": svc.proc.poll(), "shutdown_s": round(time.monotonic() - t, 2),
-                         "processes_left": [p.pid for p in svc.ours()], "shm_files_left": svc.files()})
+        shutdown.update(
+            {
+                "controller_exit_code": svc.proc.poll(),
+                "shutdown_s": round(time.monotonic() - t, 2),
+                "processes_left": [p.pid for p in svc.ours()],
+                "shm_files_left": svc.files(),
+            }
+        )
     finally:
         stop_monitor.set()
         for p in workers:
@@ -1155,9 +1252,16 @@ def _report(v: dict[str, Any]) -> dict[str, Any]:
     longest = (0.0, "")
     for k in sorted(calls):
         a = np.concatenate(lat[k]) if lat[k] else np.empty(0)
-        ops[k] = {"calls": calls[k], "ok": ok[k], "failed": calls[k] - ok[k], "errors": dict(errors[k]),
-                  "error_samples": samples.get(k, {}),
-                  "p50_ms": round(_pct(a, 50), 2), "p99_ms": round(_pct(a, 99), 2), "max_ms": round(_pct(a, 100), 1)}
+        ops[k] = {
+            "calls": calls[k],
+            "ok": ok[k],
+            "failed": calls[k] - ok[k],
+            "errors": dict(errors[k]),
+            "error_samples": samples.get(k, {}),
+            "p50_ms": round(_pct(a, 50), 2),
+            "p99_ms": round(_pct(a, 99), 2),
+            "max_ms": round(_pct(a, 100), 1),
+        }
         if a.size and a.max() > longest[0]:
             longest = (float(a.max()), k)
     in_flight = max(v["max_inflight"], default=0.0)
@@ -1165,8 +1269,11 @@ def _report(v: dict[str, Any]) -> dict[str, Any]:
     faults = {}
     for k in kinds:
         recs = [r for r in records if r["kind"] == k]
-        faults[k] = {"injected": len(recs), "recovered": sum(r["recovery_s"] is not None for r in recs),
-                     "recovery": _percentiles([r["recovery_s"] for r in recs if r["recovery_s"] is not None])}
+        faults[k] = {
+            "injected": len(recs),
+            "recovered": sum(r["recovery_s"] is not None for r in recs),
+            "recovery": _percentiles([r["recovery_s"] for r in recs if r["recovery_s"] is not None]),
+        }
         if k == "controller_kill":
             faults[k]["ready"] = _percentiles([r["ready_s"] for r in recs if "ready_s" in r])
             faults[k]["journal_bytes_max"] = max((r.get("journal_bytes", 0) for r in recs), default=0)
@@ -1174,8 +1281,10 @@ def _report(v: dict[str, Any]) -> dict[str, Any]:
             faults[k]["stopped"] = _percentiles([r["stopped_s"] for r in recs])
     start, end = rss.get("start"), rss.get("end")
     growth = (end["total"] - start["total"]) / start["total"] if start and end and start["total"] else None
-    units_after = [{k: u.get(k) for k in ("unit_id", "bytes_used", "blocks", "pending_allocs", "parked_writes", "alive")}
-                   for u in (v.get("units_after") or [])]
+    units_after = [
+        {k: u.get(k) for k in ("unit_id", "bytes_used", "blocks", "pending_allocs", "parked_writes", "alive")}
+        for u in (v.get("units_after") or [])
+    ]
     shutdown = v["shutdown"]
     longest_s = max(longest[0], in_flight)
     hang_limit = client_timeout + HANG_MARGIN_S
@@ -1193,52 +1302,105 @@ def _report(v: dict[str, Any]) -> dict[str, Any]:
 
     target("acknowledged writes lost", totals["lost"], "0", totals["lost"] == 0 and missing == 0 and not totals["crashed"])
     target("wrong-bytes reads", totals["wrong"], "0", totals["wrong"] == 0 and missing == 0 and not totals["crashed"])
-    target("longest client call (s)", round(longest_s, 2), f"<= client timeout {client_timeout:g} s + {HANG_MARGIN_S:g} s",
-           longest_s <= hang_limit and not v["stragglers"])
+    target(
+        "longest client call (s)",
+        round(longest_s, 2),
+        f"<= client timeout {client_timeout:g} s + {HANG_MARGIN_S:g} s",
+        longest_s <= hang_limit and not v["stragglers"],
+    )
     for k in kinds:
         target(f"{k} faults injected", faults[k]["injected"], f">= {faults_min}", faults[k]["injected"] >= faults_min)
-    target("every fault recovered", sum(f["recovered"] for f in faults.values()), f"= {len(records)} injected",
-           all(f["recovered"] == f["injected"] for f in faults.values()) and driver is not None and driver.unrecovered is None)
+    target(
+        "every fault recovered",
+        sum(f["recovered"] for f in faults.values()),
+        f"= {len(records)} injected",
+        all(f["recovered"] == f["injected"] for f in faults.values()) and driver is not None and driver.unrecovered is None,
+    )
     if "unit_kill" in kinds:
         m = p99("unit_kill")
         target("unit restart to serving, p99 (s)", m, f"<= {UNIT_RESTART_P99_S:g}", m is not None and m <= UNIT_RESTART_P99_S)
     if "controller_kill" in kinds:
         m = p99("controller_kill")
-        target("controller restart (journal) to serving, p99 (s)", m, f"<= {CONTROLLER_RESTART_P99_S:g}",
-               m is not None and m <= CONTROLLER_RESTART_P99_S)
-    target("service RSS growth, warm-up -> end", None if growth is None else f"{growth:+.1%}", f"< {RSS_GROWTH_LIMIT:.0%}",
-           growth is not None and growth < RSS_GROWTH_LIMIT)
+        target(
+            "controller restart (journal) to serving, p99 (s)",
+            m,
+            f"<= {CONTROLLER_RESTART_P99_S:g}",
+            m is not None and m <= CONTROLLER_RESTART_P99_S,
+        )
+    target(
+        "service RSS growth, warm-up -> end",
+        None if growth is None else f"{growth:+.1%}",
+        f"< {RSS_GROWTH_LIMIT:.0%}",
+        growth is not None and growth < RSS_GROWTH_LIMIT,
+    )
     target("client calls raising a non-TQ error", totals["non_tq_errors"], "0", totals["non_tq_errors"] == 0)
     if totals["internal_errors"] or totals["crashed"] or missing or v["run_errors"]:
-        target("the run itself completed (no client crashed, no benchmark bug, final discard and shutdown worked)",
-               f"{totals['internal_errors']} internal errors, {totals['crashed']} crashed, {missing} never reported, "
-               f"{len(v['run_errors'])} run errors", "0", False)
+        target(
+            "the run itself completed (no client crashed, no benchmark bug, final discard and shutdown worked)",
+            f"{totals['internal_errors']} internal errors, {totals['crashed']} crashed, {missing} never reported, "
+            f"{len(v['run_errors'])} run errors",
+            "0",
+            False,
+        )
     return {
-        "config": {"duration_s": v["duration"], "clients": clients, "transports": "half auto (shared memory), half tcp",
-                   "faults_min": faults_min, "seed": v["seed"], "units": v["units"], "capacity_bytes": v["capacity"],
-                   "client_timeout_s": client_timeout, "kinds": list(kinds), "stop_s": list(v["stop_s"]),
-                   "warmup_s": v["warmup_s"], "recovery_timeout_s": v["recovery_timeout"], "think_ms": v["think_ms"],
-                   "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(v["started"])), "run_dir": v["run_dir"]},
-        "machine": machine(), "code": code_version(),
-        "elapsed_s": round(v.get("elapsed", 0.0), 1), "phases": v["phases"],
-        "ops": ops, "total_calls": sum(calls.values()), "failed_ops": dict(op_failed),
-        "lost_acked_writes": totals["lost"], "wrong_bytes_reads": totals["wrong"], "verified_rows": totals["verified"],
+        "config": {
+            "duration_s": v["duration"],
+            "clients": clients,
+            "transports": "half auto (shared memory), half tcp",
+            "faults_min": faults_min,
+            "seed": v["seed"],
+            "units": v["units"],
+            "capacity_bytes": v["capacity"],
+            "client_timeout_s": client_timeout,
+            "kinds": list(kinds),
+            "stop_s": list(v["stop_s"]),
+            "warmup_s": v["warmup_s"],
+            "recovery_timeout_s": v["recovery_timeout"],
+            "think_ms": v["think_ms"],
+            "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(v["started"])),
+            "run_dir": v["run_dir"],
+        },
+        "machine": machine(),
+        "code": code_version(),
+        "elapsed_s": round(v.get("elapsed", 0.0), 1),
+        "phases": v["phases"],
+        "ops": ops,
+        "total_calls": sum(calls.values()),
+        "failed_ops": dict(op_failed),
+        "lost_acked_writes": totals["lost"],
+        "wrong_bytes_reads": totals["wrong"],
+        "verified_rows": totals["verified"],
         "failed_op_outcomes": dict(outcomes),
-        "phantom_keys": totals["phantoms"], "resurrected_keys": totals["resurrected"], "unknown_keys": totals["unknown"],
-        "non_tq_errors": totals["non_tq_errors"], "internal_errors": totals["internal_errors"],
-        "clients_crashed": totals["crashed"], "clients_missing": missing, "clients_killed": len(v["stragglers"]),
-        "longest_call_s": round(longest[0], 3), "longest_call_kind": longest[1], "longest_in_flight_s": round(in_flight, 3),
+        "phantom_keys": totals["phantoms"],
+        "resurrected_keys": totals["resurrected"],
+        "unknown_keys": totals["unknown"],
+        "non_tq_errors": totals["non_tq_errors"],
+        "internal_errors": totals["internal_errors"],
+        "clients_crashed": totals["crashed"],
+        "clients_missing": missing,
+        "clients_killed": len(v["stragglers"]),
+        "longest_call_s": round(longest[0], 3),
+        "longest_call_kind": longest[1],
+        "longest_in_flight_s": round(in_flight, 3),
         "calls_over_timeout": sorted(slow, key=lambda c: -c["s"])[:40],
-        "faults": faults, "faults_total": len(records), "fault_log": records,
-        "unrecovered": driver.unrecovered if driver else None, "driver_anomalies": driver.anomalies if driver else [],
+        "faults": faults,
+        "faults_total": len(records),
+        "fault_log": records,
+        "unrecovered": driver.unrecovered if driver else None,
+        "driver_anomalies": driver.anomalies if driver else [],
         "run_errors": v["run_errors"],
         "canary": {"attempts": v["canary"].n if v["canary"] else 0, "errors": dict(v["canary"].errors) if v["canary"] else {}},
         "rss": {"start": start, "end": end, "growth": None if growth is None else round(growth, 4), "samples": rss["samples"]},
         "machine_cpu_percent_mean": round(float(np.mean([s["cpu_percent"] for s in rss["samples"][1:]])), 1)
-        if len(rss["samples"]) > 1 else None,
-        "units_after_discard": units_after, "leftover_keys_discarded_by_driver": v.get("leftover_keys", {}),
-        "client_final": finals, "shutdown": shutdown,
-        "targets": targets, "ok": all(t["ok"] for t in targets), "notes": notes[:80],
+        if len(rss["samples"]) > 1
+        else None,
+        "units_after_discard": units_after,
+        "leftover_keys_discarded_by_driver": v.get("leftover_keys", {}),
+        "client_final": finals,
+        "shutdown": shutdown,
+        "targets": targets,
+        "ok": all(t["ok"] for t in targets),
+        "notes": notes[:80],
     }
 
 
@@ -1256,26 +1418,38 @@ def summary(r: dict[str, Any]) -> str:
     ]
     for k, o in r["ops"].items():
         errs = ", ".join(f"{t} {n}" for t, n in sorted(o["errors"].items(), key=lambda x: -x[1])) or "-"
-        lines.append(f"| {k} | {o['calls']} | {o['ok']} | {o['failed']} | {errs} | {o['p50_ms']:.1f} | {o['p99_ms']:.1f} | {o['max_ms']:.0f} |")
+        lines.append(
+            f"| {k} | {o['calls']} | {o['ok']} | {o['failed']} | {errs} | {o['p50_ms']:.1f} | {o['p99_ms']:.1f} | {o['max_ms']:.0f} |"
+        )
     lines += ["", "| fault | injected | recovered | recovery p50 / p99 / max s |", "|---|---|---|---|"]
     for k, f in r["faults"].items():
         rec = f["recovery"]
-        lines.append(f"| {k} | {f['injected']} | {f['recovered']} | "
-                     + (f"{rec['p50_s']:.2f} / {rec['p99_s']:.2f} / {rec['max_s']:.2f} |" if rec["n"] else "- |"))
+        lines.append(
+            f"| {k} | {f['injected']} | {f['recovered']} | "
+            + (f"{rec['p50_s']:.2f} / {rec['p99_s']:.2f} / {rec['max_s']:.2f} |" if rec["n"] else "- |")
+        )
     o = r["failed_op_outcomes"]
-    lines += ["", "failed ops settled as: " + (", ".join(f"{k} {n}" for k, n in sorted(o.items())) or "-"),
-              f"verified rows {r['verified_rows']}; phantom keys {r['phantom_keys']}, resurrected {r['resurrected_keys']}, "
-              f"unknown {r['unknown_keys']}; machine CPU busy {r['machine_cpu_percent_mean']}% (mean over the run)",
-              "RSS (controller + units, MiB): after warm-up {}, end {} ({}); anon {} -> {}".format(
-                  *(f"{x / MiB:.0f}" if x else "?" for x in ((r["rss"]["start"] or {}).get("total"), (r["rss"]["end"] or {}).get("total"))),
-                  "?" if r["rss"]["growth"] is None else f"{r['rss']['growth']:+.1%}",
-                  *(f"{x / MiB:.0f}" if x else "?" for x in ((r["rss"]["start"] or {}).get("anon"), (r["rss"]["end"] or {}).get("anon")))),
-              "units after the final discard: " + ", ".join(
-                  f"unit {u['unit_id']} {u['bytes_used']} B in {u['blocks']} blocks, {u['pending_allocs']} pending allocations"
-                  for u in r["units_after_discard"]),
-              f"shutdown: {r['shutdown'].get('shutdown_s')} s, controller exit code {r['shutdown'].get('controller_exit_code')}, "
-              f"processes left {r['shutdown'].get('processes_left')}, shm files left {r['shutdown'].get('shm_files_left')}",
-              "", "| target | measured | want | result |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "failed ops settled as: " + (", ".join(f"{k} {n}" for k, n in sorted(o.items())) or "-"),
+        f"verified rows {r['verified_rows']}; phantom keys {r['phantom_keys']}, resurrected {r['resurrected_keys']}, "
+        f"unknown {r['unknown_keys']}; machine CPU busy {r['machine_cpu_percent_mean']}% (mean over the run)",
+        "RSS (controller + units, MiB): after warm-up {}, end {} ({}); anon {} -> {}".format(
+            *(f"{x / MiB:.0f}" if x else "?" for x in ((r["rss"]["start"] or {}).get("total"), (r["rss"]["end"] or {}).get("total"))),
+            "?" if r["rss"]["growth"] is None else f"{r['rss']['growth']:+.1%}",
+            *(f"{x / MiB:.0f}" if x else "?" for x in ((r["rss"]["start"] or {}).get("anon"), (r["rss"]["end"] or {}).get("anon"))),
+        ),
+        "units after the final discard: "
+        + ", ".join(
+            f"unit {u['unit_id']} {u['bytes_used']} B in {u['blocks']} blocks, {u['pending_allocs']} pending allocations"
+            for u in r["units_after_discard"]
+        ),
+        f"shutdown: {r['shutdown'].get('shutdown_s')} s, controller exit code {r['shutdown'].get('controller_exit_code')}, "
+        f"processes left {r['shutdown'].get('processes_left')}, shm files left {r['shutdown'].get('shm_files_left')}",
+        "",
+        "| target | measured | want | result |",
+        "|---|---|---|---|",
+    ]
     for t in r["targets"]:
         lines.append(f"| {t['target']} | {t['measured']} | {t['want']} | {'PASS' if t['ok'] else 'FAIL'} |")
     lines.append(f"\nverdict: {'OK' if r['ok'] else 'FAILED'}")
@@ -1283,8 +1457,12 @@ def summary(r: dict[str, Any]) -> str:
         lines.append(f"  ! not recovered: {r['unrecovered']}")
     over = r["calls_over_timeout"]
     if over:
-        lines.append(f"  calls longer than the client timeout: {len(over)}" + ("+" if len(over) >= 40 else "") + "; longest: "
-                     + "; ".join(f"{c['call']} {c['s']:.2f}s at t={c['t_s']:.1f}s ({c['error'] or 'ok'})" for c in over[:3]))
+        lines.append(
+            f"  calls longer than the client timeout: {len(over)}"
+            + ("+" if len(over) >= 40 else "")
+            + "; longest: "
+            + "; ".join(f"{c['call']} {c['s']:.2f}s at t={c['t_s']:.1f}s ({c['error'] or 'ok'})" for c in over[:3])
+        )
     lines += [f"  ! {a}" for a in r["driver_anomalies"][:5] + r["run_errors"]]
     lines += [f"  ! {n}" for n in r["notes"][:15]]
     return "\n".join(lines)
@@ -1315,8 +1493,17 @@ def main(argv: list[str] | None = None) -> int:
     kinds = tuple(k for k in a.kinds.split(",") if k)
     if set(kinds) - set(KINDS):
         p.error(f"unknown fault kinds {sorted(set(kinds) - set(KINDS))}; known: {', '.join(KINDS)}")
-    r = run_chaos(a.duration, a.clients, a.faults_min, a.seed, run_dir=a.run_dir, client_timeout=a.client_timeout,
-                  capacity=a.capacity, kinds=kinds, think_ms=a.think_ms)
+    r = run_chaos(
+        a.duration,
+        a.clients,
+        a.faults_min,
+        a.seed,
+        run_dir=a.run_dir,
+        client_timeout=a.client_timeout,
+        capacity=a.capacity,
+        kinds=kinds,
+        think_ms=a.think_ms,
+    )
     text = summary(r)
     paths = [os.path.join(r["config"]["run_dir"], "report")]
     if a.publish:

@@ -51,8 +51,7 @@ OPS = ("put", "get", "write_back", "discard", "clear", "meta")
 WEIGHTS = np.array([26, 36, 14, 12, 2, 10], dtype=np.float64)
 # Field name -> what it holds. One name, one schema: processes share a partition, so they must agree.
 JAGGED = {"ids": "int64", "lp": "float32", "bf": "bfloat16", "mask": "bool"}
-FIXED = {"emb": ("float32", (4,)), "grid": ("float32", (2, 3)), "score": ("float64", ()), "tok": ("int32", (8,)),
-         "h": ("bfloat16", (16,))}
+FIXED = {"emb": ("float32", (4,)), "grid": ("float32", (2, 3)), "score": ("float64", ()), "tok": ("int32", (8,)), "h": ("bfloat16", (16,))}
 OBJECTS = ("msgs", "info")
 WRITE_BACK = ("adv", "plp", "note")  # fixed float32 scalar, jagged float32 aligned with ids, object
 MAX_LIVE_KEYS = 256  # per process: bounds memory, so the soak can run for hours
@@ -61,8 +60,9 @@ RSS_GROWTH_LIMIT = 64 * MiB  # controller RSS after the final clear vs. after wa
 
 
 # ----------------------------------------------------------------------------- checksums
-def compare_rows(got: dict[str, Any], layout: str, want: dict[str, list[str]], lengths: list[int]
-                 ) -> tuple[int, list[tuple[str, int | None, str]]]:
+def compare_rows(
+    got: dict[str, Any], layout: str, want: dict[str, list[str]], lengths: list[int]
+) -> tuple[int, list[tuple[str, int | None, str]]]:
     """Check a get's result row by row against the digests of what was written (``want[field][j]``
     for row j). Jagged fields of a padded result are cut at ``lengths[j]`` and their padding must be
     zero. Returns (rows that matched, problems as (field, row index or None for the whole field, what
@@ -169,11 +169,19 @@ class RowMaker:
         for _ in range(n):
             k = int(self.rng.integers(0, 4))
             if name == "msgs":
-                out.append([{"role": "user" if i % 2 == 0 else "assistant",
-                             "content": "x" * int(self.rng.integers(0, 200))} for i in range(k)])
+                out.append(
+                    [{"role": "user" if i % 2 == 0 else "assistant", "content": "x" * int(self.rng.integers(0, 200))} for i in range(k)]
+                )
             else:
-                out.append({"i": int(self.rng.integers(-(2**62), 2**62)), "f": float(self.rng.standard_normal()),
-                            "b": self.rng.bytes(int(self.rng.integers(0, 32))), "l": list(range(k)), "n": None})
+                out.append(
+                    {
+                        "i": int(self.rng.integers(-(2**62), 2**62)),
+                        "f": float(self.rng.standard_normal()),
+                        "b": self.rng.bytes(int(self.rng.integers(0, 32))),
+                        "l": list(range(k)),
+                        "n": None,
+                    }
+                )
         return out
 
     def _column(self, name: str, n: int, lengths: list[int]) -> Any:
@@ -225,17 +233,21 @@ class SoakWorker(RowMaker):
 
     def _check_rows(self, b: Batch, idx: list[int], got: dict[str, Any], layout: str, what: str) -> None:
         """Compare every row of a get's result with the digests of what was written."""
-        self._check(got, layout, {f: [b.sums[f][i] for i in idx] for f in got}, [b.lengths[i] for i in idx],
-                    [b.keys[i] for i in idx], b.pid, what)
+        self._check(
+            got, layout, {f: [b.sums[f][i] for i in idx] for f in got}, [b.lengths[i] for i in idx], [b.keys[i] for i in idx], b.pid, what
+        )
 
-    def _check(self, got: dict[str, Any], layout: str, want: dict[str, list[str]], lengths: list[int], keys: list[str],
-               pid: str, what: str) -> None:
+    def _check(
+        self, got: dict[str, Any], layout: str, want: dict[str, list[str]], lengths: list[int], keys: list[str], pid: str, what: str
+    ) -> None:
         matched, problems = compare_rows(got, layout, want, lengths)
         self.t.verified += matched
         for name, j, problem in problems:
             self.t.corrupted += len(keys) if j is None else 1
-            self.t.note("corrupted", f"{what}: {problem} ({len(keys)} keys)" if j is None else
-                        f"{what}: {name!r} of {keys[j]!r} in {pid!r}: {problem}")
+            self.t.note(
+                "corrupted",
+                f"{what}: {problem} ({len(keys)} keys)" if j is None else f"{what}: {name!r} of {keys[j]!r} in {pid!r}: {problem}",
+            )
 
     # -- ops
     def op_put(self) -> None:
@@ -267,8 +279,14 @@ class SoakWorker(RowMaker):
         self._check_rows(b, idx, got, layout, "get")
         if self.prev_get is not None:  # a result stays valid while held (pooled buffers are not reused under it)
             self._check(*self.prev_get, "held result of the previous get")
-        self.prev_get = (got, layout, {f: [b.sums[f][i] for i in idx] for f in got}, [b.lengths[i] for i in idx],
-                         [b.keys[i] for i in idx], b.pid)
+        self.prev_get = (
+            got,
+            layout,
+            {f: [b.sums[f][i] for i in idx] for f in got},
+            [b.lengths[i] for i in idx],
+            [b.keys[i] for i in idx],
+            b.pid,
+        )
 
     def op_write_back(self) -> None:
         b = self.batches[int(self.rng.integers(len(self.batches)))]
@@ -301,10 +319,14 @@ class SoakWorker(RowMaker):
             except KeyNotFoundError:
                 pass
         if keep:
-            self.batches[i] = Batch(b.pid, [b.keys[j] for j in keep], [b.lengths[j] for j in keep],
-                                    {f: [s[j] for j in keep] for f, s in b.sums.items()},
-                                    {t: [v[j] for j in keep] for t, v in b.tags.items()},
-                                    None if b.meta is None else b.meta.select(keep))
+            self.batches[i] = Batch(
+                b.pid,
+                [b.keys[j] for j in keep],
+                [b.lengths[j] for j in keep],
+                {f: [s[j] for j in keep] for f, s in b.sums.items()},
+                {t: [v[j] for j in keep] for t, v in b.tags.items()},
+                None if b.meta is None else b.meta.select(keep),
+            )
         else:
             del self.batches[i]
         self.prev_get = None
@@ -324,21 +346,34 @@ class SoakWorker(RowMaker):
         want = {k for b in self.batches if b.pid == self.own for k in b.keys}
         if set(m.keys) != want:
             self.t.lost += len(want - set(m.keys)) + len(set(m.keys) - want)
-            self.t.note("lost", f"{self.own!r} holds {len(m.keys)} keys, expected {len(want)} "
-                                f"(missing {sorted(want - set(m.keys))[:3]}, extra {sorted(set(m.keys) - want)[:3]})")
+            self.t.note(
+                "lost",
+                f"{self.own!r} holds {len(m.keys)} keys, expected {len(want)} "
+                f"(missing {sorted(want - set(m.keys))[:3]}, extra {sorted(set(m.keys) - want)[:3]})",
+            )
         if self.batches:
             b = self.batches[int(self.rng.integers(len(self.batches)))]
             m = self._timed("meta", lambda: self.client.get_meta(b.pid, b.keys))
-            if list(m.keys) != b.keys or list(m.sequence_lengths or ()) != b.lengths or \
-                    {t: list(v) for t, v in m.tags.items() if t in b.tags} != b.tags or not set(b.sums) <= set(m.fields):
+            if (
+                list(m.keys) != b.keys
+                or list(m.sequence_lengths or ()) != b.lengths
+                or {t: list(v) for t, v in m.tags.items() if t in b.tags} != b.tags
+                or not set(b.sums) <= set(m.fields)
+            ):
                 self.t.corrupted += 1
                 self.t.note("corrupted", f"metadata of a batch in {b.pid!r} changed: {m.keys[:2]} {m.fields}")
 
     # -- loop
     def run(self, duration: float) -> None:
         deadline = time.monotonic() + duration
-        ops = {"put": self.op_put, "get": self.op_get, "write_back": self.op_write_back, "discard": self.op_discard,
-               "clear": self.op_clear, "meta": self.op_meta}
+        ops = {
+            "put": self.op_put,
+            "get": self.op_get,
+            "write_back": self.op_write_back,
+            "discard": self.op_discard,
+            "clear": self.op_clear,
+            "meta": self.op_meta,
+        }
         p = WEIGHTS / WEIGHTS.sum()
         while time.monotonic() < deadline and self.t.errors < 50:
             op = str(self.rng.choice(OPS, p=p))
@@ -360,6 +395,7 @@ class SoakWorker(RowMaker):
 
     def finish(self) -> None:
         """Verify everything still live, then free it all: own partition cleared, shared keys discarded."""
+
         def verify_all() -> None:
             for b in self.batches:
                 got = self._timed("get", lambda: self.client.get(self._meta(b), list(b.sums), layout="list"))
@@ -382,9 +418,18 @@ class SoakWorker(RowMaker):
         self.client.close()
 
     def report(self) -> dict[str, Any]:
-        return {"worker": self.idx, "ops": dict(self.t.ops), "lat": {k: np.asarray(v, np.float64) for k, v in self.t.lat.items()},
-                "errors": self.t.errors, "corrupted": self.t.corrupted, "lost": self.t.lost, "verified": self.t.verified,
-                "samples_written": self.t.samples_written, "bytes_written": self.t.bytes_written, "notes": self.t.notes}
+        return {
+            "worker": self.idx,
+            "ops": dict(self.t.ops),
+            "lat": {k: np.asarray(v, np.float64) for k, v in self.t.lat.items()},
+            "errors": self.t.errors,
+            "corrupted": self.t.corrupted,
+            "lost": self.t.lost,
+            "verified": self.t.verified,
+            "samples_written": self.t.samples_written,
+            "bytes_written": self.t.bytes_written,
+            "notes": self.t.notes,
+        }
 
 
 def _nbytes(col: Any) -> int:
@@ -397,8 +442,9 @@ def _nbytes(col: Any) -> int:
     return col.numel() * col.element_size()
 
 
-def worker_main(idx: int, address: str, duration: float, seed: int, transport: str, ready: Any, go: Any, results: Any,
-                start_timeout: float) -> None:
+def worker_main(
+    idx: int, address: str, duration: float, seed: int, transport: str, ready: Any, go: Any, results: Any, start_timeout: float
+) -> None:
     """Entry point of one spawned client process."""
     is_ready = False
     try:
@@ -414,8 +460,7 @@ def worker_main(idx: int, address: str, duration: float, seed: int, transport: s
         rep = w.report()
         rep["transport"] = transport
     except BaseException as exc:  # a worker that cannot even run reports it rather than vanishing
-        rep = {"worker": idx, "errors": 1, "notes": [f"worker crashed: {type(exc).__name__}: {exc}",
-                                                     traceback.format_exc()[-1500:]]}
+        rep = {"worker": idx, "errors": 1, "notes": [f"worker crashed: {type(exc).__name__}: {exc}", traceback.format_exc()[-1500:]]}
         if not is_ready:
             ready.put(idx)
     results.put(rep)
@@ -436,12 +481,25 @@ def _sample(admin: Any, controller_pid: int, t0: float) -> dict[str, Any]:
     units = []
     for u in st["unit_stats"]:
         journal = f"{u.get('arena_path')}.journal"
-        units.append({"unit_id": u["unit_id"], "bytes_used": u.get("bytes_used"), "blocks": u.get("blocks"),
-                      "pending_allocs": u.get("pending_allocs"), "parked_writes": u.get("parked_writes"),
-                      "rss": _rss(u["pid"]), "journal_bytes": os.path.getsize(journal) if os.path.exists(journal) else None})
-    return {"t_s": round(time.monotonic() - t0, 1), "controller_rss": _rss(controller_pid), "units": units,
-            "keys": sum(p["keys"] for p in st["partitions"]), "partitions": len(st["partitions"]),
-            "parked_waits": st.get("parked_waits")}
+        units.append(
+            {
+                "unit_id": u["unit_id"],
+                "bytes_used": u.get("bytes_used"),
+                "blocks": u.get("blocks"),
+                "pending_allocs": u.get("pending_allocs"),
+                "parked_writes": u.get("parked_writes"),
+                "rss": _rss(u["pid"]),
+                "journal_bytes": os.path.getsize(journal) if os.path.exists(journal) else None,
+            }
+        )
+    return {
+        "t_s": round(time.monotonic() - t0, 1),
+        "controller_rss": _rss(controller_pid),
+        "units": units,
+        "keys": sum(p["keys"] for p in st["partitions"]),
+        "partitions": len(st["partitions"]),
+        "parked_waits": st.get("parked_waits"),
+    }
 
 
 def _settled(admin: Any, timeout: float) -> dict[str, Any]:
@@ -449,8 +507,10 @@ def _settled(admin: Any, timeout: float) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
         units = admin.stats()["unit_stats"]
-        if all(u.get("bytes_used") == 0 and u.get("blocks") == 0 and u.get("pending_allocs") == 0 for u in units) \
-                or time.monotonic() > deadline:  # a unit reported down has no counts: not settled
+        if (
+            all(u.get("bytes_used") == 0 and u.get("blocks") == 0 and u.get("pending_allocs") == 0 for u in units)
+            or time.monotonic() > deadline
+        ):  # a unit reported down has no counts: not settled
             return units
         time.sleep(0.2)
 
@@ -459,8 +519,7 @@ def _pct(values: np.ndarray, q: float) -> float:
     return float(np.percentile(values, q) * 1e3) if values.size else 0.0
 
 
-def start_processes(ctx: Any, workers: list[Any], n: int, name: str, target: Any, ready: Any, timeout: float,
-                    args: Any) -> int:
+def start_processes(ctx: Any, workers: list[Any], n: int, name: str, target: Any, ready: Any, timeout: float, args: Any) -> int:
     """Start ``n`` daemon processes ``target(*args(i))`` (appended to ``workers``) and wait until each
     put something on ``ready``, all of them died, or ``timeout`` ran out; returns how many got ready."""
     for i in range(n):
@@ -479,8 +538,15 @@ def start_processes(ctx: Any, workers: list[Any], n: int, name: str, target: Any
 
 
 def run_soak(
-    procs: int = 32, duration: float = 600.0, *, units: int = 2, capacity: int = 1 << 30, seed: int = 0,
-    sample_every: float = 30.0, transport: str = "mixed", log: Any = print,
+    procs: int = 32,
+    duration: float = 600.0,
+    *,
+    units: int = 2,
+    capacity: int = 1 << 30,
+    seed: int = 0,
+    sample_every: float = 30.0,
+    transport: str = "mixed",
+    log: Any = print,
 ) -> dict[str, Any]:
     """Run the soak and return its report (see the module docstring); ``report["ok"]`` is the verdict."""
     from tq import TQClient, TQServer
@@ -497,9 +563,25 @@ def run_soak(
         workers: list[Any] = []
         try:
             n_ready = start_processes(
-                ctx, workers, procs, "tq-soak", worker_main, ready, start_timeout,
-                lambda i: (i, server.address, duration, seed, transport if transport != "mixed" else ("auto", "tcp")[i % 2],
-                           ready, go, results, start_timeout))
+                ctx,
+                workers,
+                procs,
+                "tq-soak",
+                worker_main,
+                ready,
+                start_timeout,
+                lambda i: (
+                    i,
+                    server.address,
+                    duration,
+                    seed,
+                    transport if transport != "mixed" else ("auto", "tcp")[i % 2],
+                    ready,
+                    go,
+                    results,
+                    start_timeout,
+                ),
+            )
             log(f"{n_ready}/{procs} client processes ready after {time.monotonic() - t0:.0f}s; running {duration:.0f}s")
             go.set()
             t_go = time.monotonic()
@@ -514,8 +596,10 @@ def run_soak(
                 if time.monotonic() >= next_sample and time.monotonic() < t_go + duration:
                     s = _sample(admin, server.proc.pid, t0)
                     memory["during"].append(s)
-                    log(f"  t={s['t_s']:.0f}s keys={s['keys']} controller RSS {s['controller_rss'] / MiB:.0f} MiB, "
-                        f"units used {[round(u['bytes_used'] / MiB, 1) for u in s['units']]} MiB")
+                    log(
+                        f"  t={s['t_s']:.0f}s keys={s['keys']} controller RSS {s['controller_rss'] / MiB:.0f} MiB, "
+                        f"units used {[round(u['bytes_used'] / MiB, 1) for u in s['units']]} MiB"
+                    )
                     next_sample += sample_every
                 if len(reports) < procs and not any(p.is_alive() for p in workers) and results.empty():
                     break
@@ -557,8 +641,15 @@ def run_soak(
     totals["errors"] += missing + len(stragglers)
     if missing or stragglers:
         notes.append(f"{missing} process(es) never reported, {len(stragglers)} had to be killed")
-    latency = {op: {"count": int(sum(a.size for a in v)), "p50_ms": _pct(np.concatenate(v), 50), "p99_ms": _pct(np.concatenate(v), 99),
-                    "max_ms": _pct(np.concatenate(v), 100)} for op, v in sorted(lat.items())}
+    latency = {
+        op: {
+            "count": int(sum(a.size for a in v)),
+            "p50_ms": _pct(np.concatenate(v), 50),
+            "p99_ms": _pct(np.concatenate(v), 99),
+            "max_ms": _pct(np.concatenate(v), 100),
+        }
+        for op, v in sorted(lat.items())
+    }
     all_lat = np.concatenate([a for v in lat.values() for a in v]) if lat else np.empty(0)
     warm = memory["during"][0] if memory["during"] else memory["start"]
     during = [(d["t_s"], d["controller_rss"]) for d in memory["during"] if d["controller_rss"]]
@@ -566,26 +657,47 @@ def run_soak(
     drift = round(float(np.polyfit(*zip(*during), 1)[0]) * 60 / MiB, 2) if long_enough else None  # MiB per minute
     ctrl_after = memory["after_clear"]["controller_rss"] or 0
     rss_growth = ctrl_after - (warm["controller_rss"] or 0)
-    units_clean = all(u["bytes_used"] == 0 and u["blocks"] == 0 and u["pending_allocs"] == 0 and u["parked_writes"] == 0
-                      for u in units_after)
+    units_clean = all(
+        u["bytes_used"] == 0 and u["blocks"] == 0 and u["pending_allocs"] == 0 and u["parked_writes"] == 0 for u in units_after
+    )
     leak = not units_clean or leftover_keys > 0 or leftover_shared > 0 or rss_growth > RSS_GROWTH_LIMIT
     total_ops = sum(ops.values())
     report = {
-        "config": {"procs": procs, "duration_s": duration, "units": units, "capacity_bytes": capacity, "seed": seed,
-                   "transport": transport, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "python": sys.version.split()[0],
-                   "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))},
+        "config": {
+            "procs": procs,
+            "duration_s": duration,
+            "units": units,
+            "capacity_bytes": capacity,
+            "seed": seed,
+            "transport": transport,
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+            "python": sys.version.split()[0],
+            "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
+        },
         "elapsed_s": round(elapsed, 1),
-        "ops": dict(ops), "total_ops": total_ops, "ops_per_s": round(total_ops / max(elapsed, 1e-9), 1),
-        "latency_ms": latency, "p99_ms_all": _pct(all_lat, 99), "p50_ms_all": _pct(all_lat, 50),
-        "errors": totals["errors"], "corrupted": totals["corrupted"], "lost": totals["lost"],
-        "verified_samples": totals["verified"], "samples_written": totals["samples_written"],
+        "ops": dict(ops),
+        "total_ops": total_ops,
+        "ops_per_s": round(total_ops / max(elapsed, 1e-9), 1),
+        "latency_ms": latency,
+        "p99_ms_all": _pct(all_lat, 99),
+        "p50_ms_all": _pct(all_lat, 50),
+        "errors": totals["errors"],
+        "corrupted": totals["corrupted"],
+        "lost": totals["lost"],
+        "verified_samples": totals["verified"],
+        "samples_written": totals["samples_written"],
         "bytes_written": totals["bytes_written"],
-        "leftover_keys": leftover_keys + leftover_shared, "units_after_clear": [
-            {k: u[k] for k in ("unit_id", "bytes_used", "blocks", "pending_allocs", "parked_writes")} for u in units_after],
-        "controller_rss_growth_after_warmup": rss_growth, "leak": leak,
+        "leftover_keys": leftover_keys + leftover_shared,
+        "units_after_clear": [
+            {k: u[k] for k in ("unit_id", "bytes_used", "blocks", "pending_allocs", "parked_writes")} for u in units_after
+        ],
+        "controller_rss_growth_after_warmup": rss_growth,
+        "leak": leak,
         # Reported, not judged: how fast the controller's RSS climbed under load while live keys stayed flat.
         "controller_rss_drift_mib_per_min": drift,
-        "memory": memory, "server_ops": server_ops, "notes": notes[:60],
+        "memory": memory,
+        "server_ops": server_ops,
+        "notes": notes[:60],
     }
     report["ok"] = report["errors"] == 0 and report["corrupted"] == 0 and report["lost"] == 0 and not leak
     return report
@@ -593,24 +705,30 @@ def run_soak(
 
 def summary(r: dict[str, Any]) -> str:
     m = r["memory"]
-    ctrl = [m["start"]["controller_rss"], max((s["controller_rss"] or 0) for s in m["during"]) if m["during"] else None,
-            m["after_clear"]["controller_rss"]]
+    ctrl = [
+        m["start"]["controller_rss"],
+        max((s["controller_rss"] or 0) for s in m["during"]) if m["during"] else None,
+        m["after_clear"]["controller_rss"],
+    ]
     peak_used = max((sum(u["bytes_used"] for u in s["units"]) for s in m["during"]), default=0)
     lines = [
         f"TQ soak: {r['config']['procs']} processes x {r['elapsed_s']:.0f}s, {r['config']['units']} storage units "
         f"({r['config']['machine']})",
         f"  {r['total_ops']} ops ({r['ops_per_s']:.0f}/s), {r['samples_written']} samples / {r['bytes_written'] / MiB:.0f} MiB "
         f"written, {r['verified_samples']} (key, field) rows verified by sha256",
-        "  latency p50 / p99 / max (ms): " + ", ".join(
-            f"{op} {v['p50_ms']:.1f} / {v['p99_ms']:.1f} / {v['max_ms']:.0f}" for op, v in r["latency_ms"].items()),
+        "  latency p50 / p99 / max (ms): "
+        + ", ".join(f"{op} {v['p50_ms']:.1f} / {v['p99_ms']:.1f} / {v['max_ms']:.0f}" for op, v in r["latency_ms"].items()),
         f"  all ops: p50 {r['p50_ms_all']:.1f} ms, p99 {r['p99_ms_all']:.1f} ms",
         f"  errors {r['errors']}, corrupted {r['corrupted']}, lost {r['lost']}, keys left {r['leftover_keys']}",
         f"  storage used: start {sum(u['bytes_used'] for u in m['start']['units'])} B, peak {peak_used / MiB:.1f} MiB, "
         f"after clear {sum(u['bytes_used'] for u in r['units_after_clear'])} B",
         "  controller RSS (MiB): start {}, peak {}, after clear {} (growth after warm-up {:+.1f}{})".format(
-            *(f"{v / MiB:.0f}" if v else "?" for v in ctrl), r["controller_rss_growth_after_warmup"] / MiB,
-            "" if r["controller_rss_drift_mib_per_min"] is None else
-            f"; drift under load {r['controller_rss_drift_mib_per_min']:+.2f} MiB/min"),
+            *(f"{v / MiB:.0f}" if v else "?" for v in ctrl),
+            r["controller_rss_growth_after_warmup"] / MiB,
+            ""
+            if r["controller_rss_drift_mib_per_min"] is None
+            else f"; drift under load {r['controller_rss_drift_mib_per_min']:+.2f} MiB/min",
+        ),
         f"  verdict: {'OK' if r['ok'] else 'FAILED'}" + ("" if r["ok"] else f" (leak: {r['leak']})"),
     ]
     lines += [f"  ! {n}" for n in r["notes"][:10]]
@@ -619,16 +737,21 @@ def summary(r: dict[str, Any]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (every option with its help)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1]
+    )
     p.add_argument("--procs", type=int, default=32, help="concurrent client processes (default 32)")
     p.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")
     p.add_argument("--units", type=int, default=2, help="storage units (default 2)")
     p.add_argument("--capacity", type=int, default=1 << 30, help="total storage bytes, split over the units (default 1 GiB)")
     p.add_argument("--seed", type=int, default=0, help="seed of every process's random operations and shapes (default 0)")
-    p.add_argument("--transport", choices=["mixed", "auto", "tcp"], default="mixed",
-                   help="how clients reach the storage units: mixed = half shared memory, half TCP (default); "
-                        "auto = shared memory where on the same host; tcp = TCP only")
+    p.add_argument(
+        "--transport",
+        choices=["mixed", "auto", "tcp"],
+        default="mixed",
+        help="how clients reach the storage units: mixed = half shared memory, half TCP (default); "
+        "auto = shared memory where on the same host; tcp = TCP only",
+    )
     p.add_argument("--sample-every", type=float, default=30.0, help="seconds between memory samples (default 30)")
     add_output_args(p, "tq_soak")
     return p
@@ -640,8 +763,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.procs < 1 or a.units < 1 or a.duration <= 0 or a.capacity <= 0 or a.sample_every <= 0:
         p.error("--procs, --units, --duration, --capacity and --sample-every must be positive")
     out = open_run("tq_soak", a.run_dir)
-    r = run_soak(a.procs, a.duration, units=a.units, capacity=a.capacity, seed=a.seed, sample_every=a.sample_every,
-                 transport=a.transport)
+    r = run_soak(a.procs, a.duration, units=a.units, capacity=a.capacity, seed=a.seed, sample_every=a.sample_every, transport=a.transport)
     text = summary(r)
     with open(out.path(".json"), "w") as f:
         json.dump(r, f, indent=1, default=str)

@@ -61,8 +61,14 @@ MAX_LEN = 4096
 # The bars: ratios of warm medians measured in the same run (at every batch size); the p99 of every
 # small operation (1-key puts and gets included) against the project's 1 ms; TQ's cold get; and the
 # slowest warm TQ get against its median (a buffer-pool miss shows up there).
-TARGETS = {"get_vs_transferqueue": 5.0, "get_vs_ray": 2.0, "get_vs_memcpy": 0.4, "put_vs_transferqueue": 3.0,
-           "tcp_get_vs_transferqueue": 2.0, "borrowed_vs_ray_views": 1.0}
+TARGETS = {
+    "get_vs_transferqueue": 5.0,
+    "get_vs_ray": 2.0,
+    "get_vs_memcpy": 0.4,
+    "put_vs_transferqueue": 3.0,
+    "tcp_get_vs_transferqueue": 2.0,
+    "borrowed_vs_ray_views": 1.0,
+}
 CONTROL_P99_MS = 1.0
 # 1-key puts and gets on the same host have a tighter bar: one round trip each
 CONTROL_P99_BARS_MS = {"put, 1 key (same host)": 0.5, "get, 1 key (same host)": 0.5}
@@ -271,8 +277,10 @@ def _sweep_worker(address: str, partition: str, wid: int, nbytes: int, n_puts: i
         if op == "put":
             if prof:
                 prof.enable()
-            metas = [client.put(partition, [f"w{wid}-{tag}-{i}-{j}" for j in range(len(cols["rewards"]))], cols)
-                     for i, (_, cols) in enumerate(batches)]
+            metas = [
+                client.put(partition, [f"w{wid}-{tag}-{i}-{j}" for j in range(len(cols["rewards"]))], cols)
+                for i, (_, cols) in enumerate(batches)
+            ]
             if prof:
                 prof.disable()
         elif op == "get":
@@ -301,8 +309,14 @@ def bench_writers(counts: list[int], nbytes: int, n_puts: int, profile_at: int =
     ctx = mp.get_context("spawn")
     top = max(counts)
     capacity = top * n_puts * (nbytes + 4 * MiB) + 256 * MiB
-    out: dict[str, Any] = {"counts": counts, "batch_bytes": nbytes, "puts_per_writer": n_puts, "cores": os.cpu_count(),
-                           "rows": [], "profiles": {}}
+    out: dict[str, Any] = {
+        "counts": counts,
+        "batch_bytes": nbytes,
+        "puts_per_writer": n_puts,
+        "cores": os.cpu_count(),
+        "rows": [],
+        "profiles": {},
+    }
     with TQServer(storage_units=1, capacity=capacity) as server, TQClient(server.address, timeout=120) as admin:
         partition = f"sweep-{uuid.uuid4().hex[:6]}"
         admin.register_partition(partition)
@@ -344,8 +358,12 @@ def bench_writers(counts: list[int], nbytes: int, n_puts: int, profile_at: int =
                     row[f"{op}_warm_passes"] = [row.pop(f"{op}_{t}") for t in ("warm", "warm2", "warm3")]
                     row[f"{op}_warm"] = statistics.median(row[f"{op}_warm_passes"])
                 out["rows"].append(row)
-                print(f"  {n} writers: put {row['put_cold'] / 1e9:.2f} cold, {row['put_warm'] / 1e9:.2f} warm GB/s; "
-                      f"get {row['get_warm'] / 1e9:.2f} GB/s", file=sys.stderr, flush=True)
+                print(
+                    f"  {n} writers: put {row['put_cold'] / 1e9:.2f} cold, {row['put_warm'] / 1e9:.2f} warm GB/s; "
+                    f"get {row['get_warm'] / 1e9:.2f} GB/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
             st = admin.stats()
             out["controller_ops"] = {k: v for k, v in st["ops"].items() if k in ("commit", "locate", "discard")}
             out["unit_ops"] = {k: v for k, v in st["unit_stats"][0]["ops"].items() if k in ("alloc", "store", "adopt")}
@@ -364,35 +382,51 @@ def writers_report(res: dict[str, Any]) -> str:
     """The sweep's table and its target (aggregate put with 4 writers over one writer, warm)."""
     rows = res["rows"]
     one = next((r for r in rows if r["writers"] == 1), None)
-    lines = [f"Machine: {res.get('machine', machine_info())}", "",
-             f"Concurrent writers, then readers, of one service (1 storage unit): each puts {res['puts_per_writer']} "
-             f"GRPO-shaped batches of {res['batch_bytes'] // MiB} MiB, then gets them back padded. GB/s of payload "
-             "over the wall time from the first start to the last finish. cold: the arena's free pages were given "
-             "back to the OS first (every write faults fresh pages in); warm: the same pages again (the median of "
-             "three passes, each after the unit applied the previous pass's frees).", "",
-             "| writers | put GB/s cold | put GB/s warm | warm put / 1 writer | get GB/s cold | get GB/s warm | warm get / 1 reader |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Machine: {res.get('machine', machine_info())}",
+        "",
+        f"Concurrent writers, then readers, of one service (1 storage unit): each puts {res['puts_per_writer']} "
+        f"GRPO-shaped batches of {res['batch_bytes'] // MiB} MiB, then gets them back padded. GB/s of payload "
+        "over the wall time from the first start to the last finish. cold: the arena's free pages were given "
+        "back to the OS first (every write faults fresh pages in); warm: the same pages again (the median of "
+        "three passes, each after the unit applied the previous pass's frees).",
+        "",
+        "| writers | put GB/s cold | put GB/s warm | warm put / 1 writer | get GB/s cold | get GB/s warm | warm get / 1 reader |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['writers']} | {r['put_cold'] / 1e9:.2f} | {r['put_warm'] / 1e9:.2f} | "
-                     f"{r['put_warm'] / one['put_warm']:.2f}x | {r['get_cold'] / 1e9:.2f} | {r['get_warm'] / 1e9:.2f} | "
-                     f"{r['get_warm'] / one['get_warm']:.2f}x |" if one else "")
+        lines.append(
+            f"| {r['writers']} | {r['put_cold'] / 1e9:.2f} | {r['put_warm'] / 1e9:.2f} | "
+            f"{r['put_warm'] / one['put_warm']:.2f}x | {r['get_cold'] / 1e9:.2f} | {r['get_warm'] / 1e9:.2f} | "
+            f"{r['get_warm'] / one['get_warm']:.2f}x |"
+            if one
+            else ""
+        )
     four = next((r for r in rows if r["writers"] == 4), None)
     if one and four:
         ratio = four["put_warm"] / one["put_warm"]
         cores_ok = (res.get("cores") or 0) >= 8
         met = ratio >= WRITERS_TARGET
         res["target"] = {"target": WRITERS_TARGET, "measured": ratio, "met": met, "cores": res.get("cores")}
-        lines += ["", f"Target: aggregate put with 4 writers >= {WRITERS_TARGET}x one writer (warm), on >= 8 cores: "
-                  f"{ratio:.2f}x on {res.get('cores')} cores - " + ("met" if met else "NOT met")
-                  + ("" if cores_ok else " (this host has fewer than 8 cores: not the target's host)")]
+        lines += [
+            "",
+            f"Target: aggregate put with 4 writers >= {WRITERS_TARGET}x one writer (warm), on >= 8 cores: "
+            f"{ratio:.2f}x on {res.get('cores')} cores - "
+            + ("met" if met else "NOT met")
+            + ("" if cores_ok else " (this host has fewer than 8 cores: not the target's host)"),
+        ]
     for name, text in res.get("profiles", {}).items():
         lines += ["", f"Profile of writer 0's puts ({name}), top functions by own time:", "", "```", text.strip(), "```"]
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- the baselines' two forms
-def run_forms(sizes: list[int], iters: int, put: Callable[[int, int, str], tuple[float, Any]],
-              get: Callable[[Any, str], tuple[dict[str, torch.Tensor], Callable[[], None]]]) -> dict[int, dict[str, Any]]:
+def run_forms(
+    sizes: list[int],
+    iters: int,
+    put: Callable[[int, int, str], tuple[float, Any]],
+    get: Callable[[Any, str], tuple[dict[str, torch.Tensor], Callable[[], None]]],
+) -> dict[int, dict[str, Any]]:
     """Time a baseline in both forms at every size: ``pad`` (the flat columns stored, padded after the
     get; ``put``/``get``) and ``views`` (padded tensors stored; ``put_padded``/``get_views``).
     ``put(size, seed, form)`` stores a batch elsewhere and returns (its put seconds, a handle);
@@ -427,8 +461,10 @@ def _import_ray_zero_copy() -> Any:
     from ray._private import ray_constants
 
     if not ray_constants.RAY_ENABLE_ZERO_COPY_TORCH_TENSORS:
-        raise Unavailable("Ray was imported before its zero-copy tensors could be switched on: run the benchmark "
-                          "in a fresh process (python -m benchmarks.tq_throughput)")
+        raise Unavailable(
+            "Ray was imported before its zero-copy tensors could be switched on: run the benchmark "
+            "in a fresh process (python -m benchmarks.tq_throughput)"
+        )
     return ray
 
 
@@ -453,8 +489,14 @@ def bench_ray(sizes: list[int], iters: int) -> dict[int, dict[str, Any]]:
     pool = HostBufferPool()
     # Ray's documented way to switch it on in every worker too: the job's runtime_env. A cluster of its
     # own ("local"): ray.init() would join any cluster `ray start` left on this machine.
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": RAY_ZERO_COPY_ENV},
-             object_store_memory=max(sizes) * 4 + (512 * MiB))
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": RAY_ZERO_COPY_ENV},
+        object_store_memory=max(sizes) * 4 + (512 * MiB),
+    )
     try:
         prod = Producer.remote()
 
@@ -513,8 +555,14 @@ def bench_transferqueue(sizes: list[int], iters: int) -> dict[int, dict[str, Any
     pool = HostBufferPool()
     # The package reserves a whole logical CPU per controller and storage actor: give Ray enough
     # logical CPUs that its init does not wait forever on a 2-core machine.
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": RAY_ZERO_COPY_ENV},
-             object_store_memory=512 * MiB)
+    ray.init(
+        address="local",
+        num_cpus=8,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": RAY_ZERO_COPY_ENV},
+        object_store_memory=512 * MiB,
+    )
     try:
         transfer_queue.init()  # its defaults: SimpleStorage with 2 storage units
         prod = Producer.remote()
@@ -618,8 +666,11 @@ def bench_control_ops(n: int) -> dict[str, dict[str, float]]:
     from tq import TQClient, TQServer
 
     out = {}
-    with (TQServer(storage_units=1, capacity=64 * MiB) as server, TQClient(server.address) as client,
-          TQClient(server.address, transport="tcp") as tcp):
+    with (
+        TQServer(storage_units=1, capacity=64 * MiB) as server,
+        TQClient(server.address) as client,
+        TQClient(server.address, transport="tcp") as tcp,
+    ):
         client.register_partition("ctl")
         client.register_partition("ctl-put")
         meta = client.put("ctl", [f"k{i}" for i in range(8)], {"x": torch.arange(8)})
@@ -675,8 +726,7 @@ def _floor(x: list[float]) -> float:
 
 def machine_info() -> str:
     """The machine, as the published table names it."""
-    return (f"{platform.node()} - {os.cpu_count()} CPUs ({cpu_model()}), Python {platform.python_version()}, "
-            f"torch {torch.__version__}")
+    return f"{platform.node()} - {os.cpu_count()} CPUs ({cpu_model()}), Python {platform.python_version()}, torch {torch.__version__}"
 
 
 def _check_jagged(got: dict[str, Any], batch: dict[str, Any]) -> None:
@@ -719,10 +769,14 @@ def report(all_res: dict[str, Any], sizes: list[int]) -> str:
         "| transferqueue put | transferqueue get |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    cold_lines = ["", "Cold gets: GB/s of the first get of each size (fresh pages faulted in); the last column is "
-                  "the slowest warm TQ get over the warm median.", "",
-                  "| batch | memcpy | TQ get | TQ borrowed | TQ tcp get | Ray get | Ray views | transferqueue get | TQ slowest warm get / median |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+    cold_lines = [
+        "",
+        "Cold gets: GB/s of the first get of each size (fresh pages faulted in); the last column is "
+        "the slowest warm TQ get over the warm median.",
+        "",
+        "| batch | memcpy | TQ get | TQ borrowed | TQ tcp get | Ray get | Ray views | transferqueue get | TQ slowest warm get / median |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     ratios = []
     for size in sizes:
         mc, tq = all_res["memcpy"][size], all_res["tq"][size]
@@ -731,19 +785,57 @@ def report(all_res: dict[str, Any], sizes: list[int]) -> str:
         # transferqueue's either get (its views copy inside kv_batch_get); Ray's get pads like TQ's.
         rput, pput, pget = _faster(ray_, ("put", "put_padded")), _faster(ptq, ("put", "put_padded")), _faster(ptq, ("get", "get_views"))
         tag = lambda k: f" [{FORM_TAGS[k]}]" if k else ""  # noqa: E731
-        lines.append("| " + " | ".join([
-            f"{size // MiB} MiB", f"{tq['bytes'] / 1e6:.0f}", warm(mc, "copy"), warm(tq, "put"), warm(tq, "get"),
-            warm(tq, "borrowed"), warm(tcp, "put"), warm(tcp, "get"), warm(ray_, rput) + tag(rput), warm(ray_, "get"), warm(ray_, "get_views"),
-            warm(ptq, pput) + tag(pput), warm(ptq, pget) + tag(pget)]) + " |")
-        cold_lines.append("| " + " | ".join([
-            f"{size // MiB} MiB", cold(mc, "copy"), cold(tq, "get"), cold(tq, "borrowed"), cold(tcp, "get"), cold(ray_, "get"),
-            cold(ray_, "get_views"), cold(ptq, pget) + tag(pget), f"{_floor(tq['get']):.2f}"]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    f"{size // MiB} MiB",
+                    f"{tq['bytes'] / 1e6:.0f}",
+                    warm(mc, "copy"),
+                    warm(tq, "put"),
+                    warm(tq, "get"),
+                    warm(tq, "borrowed"),
+                    warm(tcp, "put"),
+                    warm(tcp, "get"),
+                    warm(ray_, rput) + tag(rput),
+                    warm(ray_, "get"),
+                    warm(ray_, "get_views"),
+                    warm(ptq, pput) + tag(pput),
+                    warm(ptq, pget) + tag(pget),
+                ]
+            )
+            + " |"
+        )
+        cold_lines.append(
+            "| "
+            + " | ".join(
+                [
+                    f"{size // MiB} MiB",
+                    cold(mc, "copy"),
+                    cold(tq, "get"),
+                    cold(tq, "borrowed"),
+                    cold(tcp, "get"),
+                    cold(ray_, "get"),
+                    cold(ray_, "get_views"),
+                    cold(ptq, pget) + tag(pget),
+                    f"{_floor(tq['get']):.2f}",
+                ]
+            )
+            + " |"
+        )
         med = lambda r, k: _warm(r[k])  # noqa: E731
-        r = {"size": f"{size // MiB} MiB", "get_vs_memcpy": med(tq, "get") / med(mc, "copy"),
-             "tq_cold_get_gbps": tq["get"][0] / 1e9, "tq_warm_floor": _floor(tq["get"])}
+        r = {
+            "size": f"{size // MiB} MiB",
+            "get_vs_memcpy": med(tq, "get") / med(mc, "copy"),
+            "tq_cold_get_gbps": tq["get"][0] / 1e9,
+            "tq_warm_floor": _floor(tq["get"]),
+        }
         if ray_:
-            r.update(get_vs_ray=med(tq, "get") / med(ray_, "get"), get_vs_ray_views=med(tq, "get") / med(ray_, "get_views"),
-                     put_vs_ray=med(tq, "put") / med(ray_, rput))
+            r.update(
+                get_vs_ray=med(tq, "get") / med(ray_, "get"),
+                get_vs_ray_views=med(tq, "get") / med(ray_, "get_views"),
+                put_vs_ray=med(tq, "put") / med(ray_, rput),
+            )
             if tq.get("borrowed"):
                 r["borrowed_vs_ray_views"] = med(tq, "borrowed") / med(ray_, "get_views")
         if ptq:
@@ -752,20 +844,32 @@ def report(all_res: dict[str, Any], sizes: list[int]) -> str:
             r["tcp_get_vs_transferqueue"] = med(tcp, "get") / med(ptq, pget)
         ratios.append(r)
     lines += cold_lines
-    lines += ["", "Ratios of warm medians (targets: get >= 5x transferqueue, >= 2x Ray, >= 0.4x memcpy; put >= 3x "
-              "transferqueue; TCP get >= 2x transferqueue; borrowed get >= 1x Ray views; the copying get against Ray "
-              "views is reported, not a target):", "",
-              "| batch | TQ get / memcpy | TQ get / Ray | TQ get / Ray views | TQ borrowed / Ray views | TQ get / transferqueue "
-              "| TQ put / Ray | TQ put / transferqueue | TQ tcp get / transferqueue |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "Ratios of warm medians (targets: get >= 5x transferqueue, >= 2x Ray, >= 0.4x memcpy; put >= 3x "
+        "transferqueue; TCP get >= 2x transferqueue; borrowed get >= 1x Ray views; the copying get against Ray "
+        "views is reported, not a target):",
+        "",
+        "| batch | TQ get / memcpy | TQ get / Ray | TQ get / Ray views | TQ borrowed / Ray views | TQ get / transferqueue "
+        "| TQ put / Ray | TQ put / transferqueue | TQ tcp get / transferqueue |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in ratios:
         f = lambda k: f"{r[k]:.2f}x" if k in r else "n/a"  # noqa: E731
-        lines.append(f"| {r['size']} | {f('get_vs_memcpy')} | {f('get_vs_ray')} | {f('get_vs_ray_views')} | {f('borrowed_vs_ray_views')} | "
-                     f"{f('get_vs_transferqueue')} | {f('put_vs_ray')} | {f('put_vs_transferqueue')} | "
-                     f"{f('tcp_get_vs_transferqueue')} |")
-    lines += ["", f"Small operations (TQ; target p99 <= {CONTROL_P99_MS:g} ms each, "
-              + ", ".join(f"{k} <= {v:g} ms" for k, v in CONTROL_P99_BARS_MS.items()) + "):", "",
-              "| operation | p50 ms | p99 ms | bar ms |", "|---|---|---|---|"]
+        lines.append(
+            f"| {r['size']} | {f('get_vs_memcpy')} | {f('get_vs_ray')} | {f('get_vs_ray_views')} | {f('borrowed_vs_ray_views')} | "
+            f"{f('get_vs_transferqueue')} | {f('put_vs_ray')} | {f('put_vs_transferqueue')} | "
+            f"{f('tcp_get_vs_transferqueue')} |"
+        )
+    lines += [
+        "",
+        f"Small operations (TQ; target p99 <= {CONTROL_P99_MS:g} ms each, "
+        + ", ".join(f"{k} <= {v:g} ms" for k, v in CONTROL_P99_BARS_MS.items())
+        + "):",
+        "",
+        "| operation | p50 ms | p99 ms | bar ms |",
+        "|---|---|---|---|",
+    ]
     for name, v in all_res["control_ops"].items():
         lines.append(f"| {name} | {v['p50_ms']:.3f} | {v['p99_ms']:.3f} | {CONTROL_P99_BARS_MS.get(name, CONTROL_P99_MS):g} |")
     targets = {}
@@ -780,17 +884,24 @@ def report(all_res: dict[str, Any], sizes: list[int]) -> str:
     targets["cold_get_gbps"] = {"target": COLD_GET_GBPS, "worst": worst_cold, "met": worst_cold >= COLD_GET_GBPS}
     floor = min(r["tq_warm_floor"] for r in ratios)
     targets["warm_get_floor"] = {"target": WARM_FLOOR, "worst": floor, "met": floor >= WARM_FLOOR}
-    lines += ["", "Targets (worst batch size): " + "; ".join(
-        f"{k} {v['worst']:.2f} vs {v['target']} - {'met' if v['met'] else 'NOT met'}" for k, v in targets.items())]
+    lines += [
+        "",
+        "Targets (worst batch size): "
+        + "; ".join(f"{k} {v['worst']:.2f} vs {v['target']} - {'met' if v['met'] else 'NOT met'}" for k, v in targets.items()),
+    ]
     notes = [f"{name}: n/a - {why}" for name, why in all_res.get("unavailable", {}).items()]
     code = all_res.get("code")
     if code:
-        notes.append(f"code: commit {code['commit']}" + (f", with uncommitted changes in {', '.join(code['tq_uncommitted'])}"
-                                                         if code["tq_uncommitted"] else ""))
+        notes.append(
+            f"code: commit {code['commit']}"
+            + (f", with uncommitted changes in {', '.join(code['tq_uncommitted'])}" if code["tq_uncommitted"] else "")
+        )
     load = all_res.get("load_avg")
     if load:
-        notes.append(f"machine load (1/5/15-minute averages): {' / '.join(f'{x:.2f}' for x in load['start'])} at the start, "
-                     f"{' / '.join(f'{x:.2f}' for x in load['end'])} at the end")
+        notes.append(
+            f"machine load (1/5/15-minute averages): {' / '.join(f'{x:.2f}' for x in load['start'])} at the start, "
+            f"{' / '.join(f'{x:.2f}' for x in load['end'])} at the end"
+        )
     notes += all_res.get("notes", [])
     if notes:
         lines += ["", "Notes:", *(f"- {n}" for n in notes)]
@@ -800,27 +911,47 @@ def report(all_res: dict[str, Any], sizes: list[int]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (every option with its help)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--sizes-mib", type=int, nargs="+", default=[8, 32, 128, 512],
-                   help="batch sizes in MiB of payload (default 8 32 128 512)")
-    p.add_argument("--iters", type=int, default=5,
-                   help="gets per size and system, the first one cold; 3x this up to 32 MiB (default 5)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1]
+    )
+    p.add_argument(
+        "--sizes-mib", type=int, nargs="+", default=[8, 32, 128, 512], help="batch sizes in MiB of payload (default 8 32 128 512)"
+    )
+    p.add_argument("--iters", type=int, default=5, help="gets per size and system, the first one cold; 3x this up to 32 MiB (default 5)")
     p.add_argument("--quick", action="store_true", help="8 and 32 MiB, 4 iterations, 1 round")
-    p.add_argument("--skip", nargs="*", default=[], choices=["ray", "transferqueue", "tcp"],
-                   help="systems to leave out: Ray's object store, the transferqueue package, TQ over TCP")
-    p.add_argument("--rounds", type=int, default=2,
-                   help="run every system this many times in turn and pool their warm iterations (default 2; --quick 1)")
-    p.add_argument("--control-iters", type=int, default=2000,
-                   help="timed calls of each small operation, after 50 untimed ones (default 2000)")
-    p.add_argument("--from-json", default=None,
-                   help="only rebuild the report (tables, ratios, targets) of an earlier run's JSON, into a fresh run directory")
-    p.add_argument("--writers", type=int, nargs="+", default=None,
-                   help="only the concurrent writers/readers sweep, e.g. --writers 1 2 4 8 16 (its own run: tq_writers)")
+    p.add_argument(
+        "--skip",
+        nargs="*",
+        default=[],
+        choices=["ray", "transferqueue", "tcp"],
+        help="systems to leave out: Ray's object store, the transferqueue package, TQ over TCP",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="run every system this many times in turn and pool their warm iterations (default 2; --quick 1)",
+    )
+    p.add_argument(
+        "--control-iters", type=int, default=2000, help="timed calls of each small operation, after 50 untimed ones (default 2000)"
+    )
+    p.add_argument(
+        "--from-json",
+        default=None,
+        help="only rebuild the report (tables, ratios, targets) of an earlier run's JSON, into a fresh run directory",
+    )
+    p.add_argument(
+        "--writers",
+        type=int,
+        nargs="+",
+        default=None,
+        help="only the concurrent writers/readers sweep, e.g. --writers 1 2 4 8 16 (its own run: tq_writers)",
+    )
     p.add_argument("--writer-mib", type=int, default=32, help="batch MiB each writer puts in the sweep (default 32)")
     p.add_argument("--writer-puts", type=int, default=4, help="batches each writer puts in the sweep (default 4)")
-    p.add_argument("--note", action="append", default=[],
-                   help="a line for the report's notes, e.g. what else ran on the machine (repeatable)")
+    p.add_argument(
+        "--note", action="append", default=[], help="a line for the report's notes, e.g. what else ran on the machine (repeatable)"
+    )
     add_output_args(p, "tq_throughput")
     return p
 
@@ -834,9 +965,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--rounds, --iters, --control-iters and --sizes-mib must be >= 1")
     if a.writers:
         out = open_run("tq_writers", a.run_dir)
-        res = {"command": " ".join(["python -m benchmarks.tq_throughput", *(sys.argv[1:] if argv is None else argv)]),
-               "started": time.strftime("%Y-%m-%d %H:%M"), "code": code_version(), "machine": machine_info(),
-               **bench_writers(a.writers, a.writer_mib * MiB, a.writer_puts)}
+        res = {
+            "command": " ".join(["python -m benchmarks.tq_throughput", *(sys.argv[1:] if argv is None else argv)]),
+            "started": time.strftime("%Y-%m-%d %H:%M"),
+            "code": code_version(),
+            "machine": machine_info(),
+            **bench_writers(a.writers, a.writer_mib * MiB, a.writer_puts),
+        }
         table = writers_report(res)
         with open(out.path(".json"), "w") as f:
             json.dump(res, f, indent=1, default=str)
@@ -854,10 +989,16 @@ def main(argv: list[str] | None = None) -> int:
         res["notes"] = res.get("notes", []) + a.note
         return write_run(res, out, a.publish, a.machine)
     sizes = [s * MiB for s in a.sizes_mib]
-    res: dict[str, Any] = {"sizes": sizes, "rounds": a.rounds, "unavailable": {}, "notes": list(a.note),
-                           "command": " ".join(["python -m benchmarks.tq_throughput", *(sys.argv[1:] if argv is None else argv)]),
-                           "started": time.strftime("%Y-%m-%d %H:%M"),
-                           "load_avg": {"start": list(os.getloadavg())}, "code": code_version()}
+    res: dict[str, Any] = {
+        "sizes": sizes,
+        "rounds": a.rounds,
+        "unavailable": {},
+        "notes": list(a.note),
+        "command": " ".join(["python -m benchmarks.tq_throughput", *(sys.argv[1:] if argv is None else argv)]),
+        "started": time.strftime("%Y-%m-%d %H:%M"),
+        "load_avg": {"start": list(os.getloadavg())},
+        "code": code_version(),
+    }
     t0 = time.time()
     systems: dict[str, Callable[[], Any]] = {
         "memcpy": lambda: bench_memcpy(sizes, a.iters),
@@ -895,8 +1036,10 @@ def write_run(res: dict[str, Any], out: Any, publish: bool, machine: str | None)
     with open(out.path(".json"), "w") as f:
         json.dump(res, f, indent=1, default=str)
     with open(out.path(".md"), "w") as f:
-        f.write(f"# TQ throughput\n\n`{res.get('command', 'python -m benchmarks.tq_throughput')}` "
-                f"({res.get('started', '?')}, {res.get('wall_s', 0) / 60:.1f} min)\n\n{table}\n")
+        f.write(
+            f"# TQ throughput\n\n`{res.get('command', 'python -m benchmarks.tq_throughput')}` "
+            f"({res.get('started', '?')}, {res.get('wall_s', 0) / 60:.1f} min)\n\n{table}\n"
+        )
     print(table)
     out.finish(publish, machine)
     return 0

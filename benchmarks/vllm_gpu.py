@@ -58,8 +58,16 @@ def make_model(size: str, out: str) -> int:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tok = build_tiny_tokenizer()
-    cfg = Qwen2Config(vocab_size=151936, max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=1e6,
-                      bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **SIZES[size])
+    cfg = Qwen2Config(
+        vocab_size=151936,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **SIZES[size],
+    )
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = Qwen2ForCausalLM(cfg)
@@ -109,9 +117,17 @@ def bench_model(path: str, args: argparse.Namespace) -> dict[str, Any]:
     name = TINY_MODEL if path == "tiny" else path
     tok = build_tiny_tokenizer()
     t0 = time.perf_counter()
-    gen = VllmGenerationBackend(GenerationBackendConfig(
-        backend="vllm", model_name=name, dtype="bfloat16", vllm_enforce_eager=True, vllm_gpu_memory_utilization=0.35,
-        vllm_max_model_len=1024, ray_timeout_s=600))
+    gen = VllmGenerationBackend(
+        GenerationBackendConfig(
+            backend="vllm",
+            model_name=name,
+            dtype="bfloat16",
+            vllm_enforce_eager=True,
+            vllm_gpu_memory_utilization=0.35,
+            vllm_max_model_len=1024,
+            ray_timeout_s=600,
+        )
+    )
     start_s = time.perf_counter() - t0
     model = load_model(name, tokenizer=tok, device="cuda")  # float32, like a training worker's master weights
     n_params = sum(p.numel() for p in model.parameters())
@@ -119,7 +135,9 @@ def bench_model(path: str, args: argparse.Namespace) -> dict[str, Any]:
     row: dict[str, Any] = {"model": path, "params": n_params, "engine_start_s": round(start_s, 1)}
     try:
         version = iter(range(1, 10_000))
-        row["refit_cuda_ipc_s"] = _timed(lambda: gen.update_weights(sender.cuda_ipc_bucket(model, torch.bfloat16, 0), next(version)), args.reps)
+        row["refit_cuda_ipc_s"] = _timed(
+            lambda: gen.update_weights(sender.cuda_ipc_bucket(model, torch.bfloat16, 0), next(version)), args.reps
+        )
         row["refit_bytes_s"] = _timed(lambda: gen.update_weights(model.state_dict(), next(version)), max(1, args.reps // 2))
         row["refit_bucket_bytes"] = int(sender._flat.numel())
         row["token_mult_prob_error"] = _mult_prob_error(gen, model, 64, 64)
@@ -149,9 +167,18 @@ def bench_nccl(path: str, reps: int) -> dict[str, Any]:
     from rollout.generation.ray_worker import RayGenerationPool
 
     name = TINY_MODEL if path == "tiny" else path
-    pool = RayGenerationPool(GenerationBackendConfig(
-        backend="vllm", model_name=name, dtype="bfloat16", vllm_enforce_eager=True, vllm_gpu_memory_utilization=0.35,
-        vllm_max_model_len=1024, ray_timeout_s=600, num_gpus_per_worker=1))
+    pool = RayGenerationPool(
+        GenerationBackendConfig(
+            backend="vllm",
+            model_name=name,
+            dtype="bfloat16",
+            vllm_enforce_eager=True,
+            vllm_gpu_memory_utilization=0.35,
+            vllm_max_model_len=1024,
+            ray_timeout_s=600,
+            num_gpus_per_worker=1,
+        )
+    )
     sender = ray.remote(num_gpus=1)(StandaloneWeightSender).remote(name)
     try:
         group = ray.get(sender.group.remote(2))
@@ -163,15 +190,19 @@ def bench_nccl(path: str, reps: int) -> dict[str, Any]:
             t = time.perf_counter()
             nccl_refit(pool, sender, group, v)
             times.append(time.perf_counter() - t)
-        return {"model": path, "refit_nccl_s": statistics.median(times), "refit_nccl_first_s": first,
-                "refit_bucket_bytes": bucket["nbytes"]}
+        return {
+            "model": path,
+            "refit_nccl_s": statistics.median(times),
+            "refit_nccl_first_s": first,
+            "refit_bucket_bytes": bucket["nbytes"],
+        }
     finally:
         pool.shutdown()
         ray.kill(sender)
 
 
 def _window_mean(xs: list[float], n: int) -> list[float]:
-    return [statistics.fmean(xs[max(0, i + 1 - n): i + 1]) for i in range(len(xs))]
+    return [statistics.fmean(xs[max(0, i + 1 - n) : i + 1]) for i in range(len(xs))]
 
 
 def summarize_run(metrics_path: str, launched: float | None = None, threshold: float = 0.8) -> dict[str, Any]:
@@ -190,7 +221,7 @@ def summarize_run(metrics_path: str, launched: float | None = None, threshold: f
     hit = next((i for i, m in enumerate(mean10) if i >= 9 and m >= threshold), None)
 
     def med(key: str, skip_first: bool = False) -> float | None:
-        xs = [float(r[key]) for r in train[1 if skip_first else 0:] if r.get(key) is not None]
+        xs = [float(r[key]) for r in train[1 if skip_first else 0 :] if r.get(key) is not None]
         return round(statistics.median(xs), 4) if xs else None
 
     out: dict[str, Any] = {
@@ -205,7 +236,8 @@ def summarize_run(metrics_path: str, launched: float | None = None, threshold: f
         "median_refit_s": med("timing/refit", skip_first=True),
         "median_timing_s": {k[7:]: med(k, skip_first=True) for k in sorted(train[-1]) if k.startswith("timing/")},
         "mean_token_mult_prob_error": round(statistics.fmean(float(r["token_mult_prob_error"]) for r in train), 5)
-        if all("token_mult_prob_error" in r for r in train) else None,
+        if all("token_mult_prob_error" in r for r in train)
+        else None,
         "validation_accuracy": [[r["step"], round(float(r["accuracy"]), 3)] for r in rows if r.get("split") == "val"],
         "reward": [round(x, 4) for x in reward],
     }
@@ -271,9 +303,13 @@ def main(argv: list[str] | None = None) -> int:
         vllm_version = importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
         vllm_version = None
-    result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device",
-              "torch": torch.__version__, "vllm": vllm_version,
-              "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"), "rows": rows}
+    result = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device",
+        "torch": torch.__version__,
+        "vllm": vllm_version,
+        "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"),
+        "rows": rows,
+    }
     with open(run.path("_nccl.json" if args.cmd == "run-nccl" else ".json"), "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result, indent=1))

@@ -117,7 +117,8 @@ class BatchedDataDict(dict):
                     width = max(v.shape[1] for v in vals)
                     vals = [
                         torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + (0, width - v.shape[1]), value=pads.get(k, 0))
-                        if v.shape[1] < width else v
+                        if v.shape[1] < width
+                        else v
                         for v in vals
                     ]
                 out[k] = torch.cat(vals, dim=0)

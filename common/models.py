@@ -24,8 +24,14 @@ CHATML_TEMPLATE = (
 )
 # The built-in tiny config scaled to about 113M parameters (``tiny_overrides`` of a policy/generation
 # config): the model of the GPU benchmarks, random init with the character vocabulary.
-MODEL_113M = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-                  num_key_value_heads=12, max_position_embeddings=4096)
+MODEL_113M = dict(
+    hidden_size=768,
+    intermediate_size=3072,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=12,
+    max_position_embeddings=4096,
+)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -42,7 +48,11 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerBase:
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(specials)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token=PAD, eos_token=EOS, bos_token=None, unk_token=UNK,
+        tokenizer_object=tok,
+        pad_token=PAD,
+        eos_token=EOS,
+        bos_token=None,
+        unk_token=UNK,
         additional_special_tokens=[IM_START, IM_END],
     )
     fast.chat_template = CHATML_TEMPLATE
@@ -76,9 +86,15 @@ def tiny_config(vocab_size: int, **overrides: Any) -> Any:
     from transformers import Qwen2Config
 
     kw = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        tie_word_embeddings=True, rope_theta=10000.0,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
     )
     kw.update(overrides)
     return Qwen2Config(**kw)

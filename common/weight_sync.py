@@ -23,8 +23,10 @@ import torch
 
 TRANSPORTS = ("bytes", "cuda_ipc", "nccl")
 ALIGN = 256  # every tensor starts at a multiple of this many bytes (any dtype's alignment, coalesced copies)
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
-                                                      torch.int64, torch.int32, torch.uint8, torch.bool)}
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8, torch.bool)
+}
 
 
 def is_weight_bucket(obj: Any) -> bool:
@@ -40,8 +42,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def bucket_layout(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None,
-                  transport: str = "bytes", version: int = 0) -> dict[str, Any]:
+def bucket_layout(
+    named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None, transport: str = "bytes", version: int = 0
+) -> dict[str, Any]:
     """A bucket without its payload: where each tensor goes in the flat buffer, cast to ``dtype``
     (floating-point tensors only; ``None`` keeps each tensor's own dtype)."""
     if transport not in TRANSPORTS:
@@ -55,22 +58,30 @@ def bucket_layout(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype 
         shapes.append(list(t.shape))
         offsets.append(nbytes)
         nbytes += -(-t.numel() * dt.itemsize // ALIGN) * ALIGN
-    return {"transport": transport, "version": int(version), "nbytes": nbytes, "names": names, "dtypes": dtypes,
-            "shapes": shapes, "offsets": offsets}
+    return {
+        "transport": transport,
+        "version": int(version),
+        "nbytes": nbytes,
+        "names": names,
+        "dtypes": dtypes,
+        "shapes": shapes,
+        "offsets": offsets,
+    }
 
 
 def bucket_views(flat: torch.Tensor, bucket: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` views into ``flat`` (a uint8 tensor of ``bucket["nbytes"]``), no copies."""
     if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() < bucket["nbytes"]:
-        raise ValueError(f"a bucket's buffer must be a 1-d uint8 tensor of >= {bucket['nbytes']} bytes, "
-                         f"got {flat.dtype} of shape {tuple(flat.shape)}")
+        raise ValueError(
+            f"a bucket's buffer must be a 1-d uint8 tensor of >= {bucket['nbytes']} bytes, got {flat.dtype} of shape {tuple(flat.shape)}"
+        )
     out = []
     for name, dt, shape, off in zip(bucket["names"], bucket["dtypes"], bucket["shapes"], bucket["offsets"]):
         dtype = _DTYPES[dt]
         n = 1
         for s in shape:
             n *= int(s)
-        out.append((name, flat[off: off + n * dtype.itemsize].view(dtype).view([int(s) for s in shape])))
+        out.append((name, flat[off : off + n * dtype.itemsize].view(dtype).view([int(s) for s in shape])))
     return out
 
 
@@ -87,8 +98,9 @@ def fill_bucket(flat: torch.Tensor, bucket: Mapping[str, Any], tensors: Iterable
             dst.copy_(src)
 
 
-def bytes_buckets(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None,
-                  limit: int = 512 << 20, version: int = 0) -> list[dict[str, Any]]:
+def bytes_buckets(
+    state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None, limit: int = 512 << 20, version: int = 0
+) -> list[dict[str, Any]]:
     """A state dict as ``"bytes"`` buckets of at most ``limit`` bytes each (one tensor at least): the
     fallback transport, for CPU senders and tests. Tensors are cast to ``dtype`` (floating point only)."""
     groups: list[list[tuple[str, torch.Tensor]]] = [[]]
@@ -156,6 +168,15 @@ def open_cuda_ipc(handle: list[Any], device: torch.device | int | None = None) -
 
 
 __all__ = [
-    "ALIGN", "TRANSPORTS", "bucket_layout", "bucket_views", "bytes_bucket_views", "bytes_buckets", "cuda_ipc_handle",
-    "dtype_name", "fill_bucket", "is_weight_bucket", "open_cuda_ipc",
+    "ALIGN",
+    "TRANSPORTS",
+    "bucket_layout",
+    "bucket_views",
+    "bytes_bucket_views",
+    "bytes_buckets",
+    "cuda_ipc_handle",
+    "dtype_name",
+    "fill_bucket",
+    "is_weight_bucket",
+    "open_cuda_ipc",
 ]

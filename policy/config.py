@@ -46,8 +46,9 @@ class PolicyConfig(_Strict):
     neither dynamic batching nor sequence packing is on (those use token budgets instead).
     """
 
-    model_name: str = Field(TINY_MODEL, description=(
-        "Hugging Face model name or local checkpoint path; tiny-random: the built-in 2-layer model (no download)"))
+    model_name: str = Field(
+        TINY_MODEL, description=("Hugging Face model name or local checkpoint path; tiny-random: the built-in 2-layer model (no download)")
+    )
     tokenizer_name: str | None = Field(None, description="Tokenizer (null: model_name).")
     dtype: Literal[tuple(DTYPES)] = Field("float32", description="Compute dtype (weights stay float32).")  # type: ignore[valid-type]
     tiny_overrides: dict[str, Any] | None = Field(None, description="Config overrides of the built-in tiny model.")
@@ -62,8 +63,9 @@ class PolicyConfig(_Strict):
     warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear learning-rate warm-up.")
     lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Learning-rate schedule after warm-up.")
     max_steps: int | None = Field(None, gt=0, description="Optimizer steps; the cosine schedule's horizon.")
-    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description=(
-        "The cosine schedule's final learning rate, as a fraction of learning_rate."))
+    min_lr_ratio: float = Field(
+        0.0, ge=0.0, le=1.0, description=("The cosine schedule's final learning rate, as a fraction of learning_rate.")
+    )
     max_grad_norm: float | None = Field(1.0, gt=0.0, description="Clip the gradient norm to this (null: no clipping)")
 
     train_global_batch_size: int = Field(32, ge=1, description="Samples per optimizer step, across all DP ranks.")
@@ -73,9 +75,13 @@ class PolicyConfig(_Strict):
     sequence_packing: SequencePackingConfig = Field(default_factory=SequencePackingConfig)
 
     reference_model_on_cpu: bool = Field(True, description="Keep the frozen reference model (KL penalty) in CPU memory.")
-    deterministic: bool = Field(False, description=(
-        "Deterministic kernels (torch.use_deterministic_algorithms): on CUDA, atomics in backward passes otherwise make two identical"
-        " training steps differ in the last bits. Slower; CPU is deterministic anyway."))
+    deterministic: bool = Field(
+        False,
+        description=(
+            "Deterministic kernels (torch.use_deterministic_algorithms): on CUDA, atomics in backward passes otherwise make two identical"
+            " training steps differ in the last bits. Slower; CPU is deterministic anyway."
+        ),
+    )
     num_cpus_per_worker: float = Field(0.5, ge=0.0, description="Logical CPUs Ray reserves per policy worker.")
     num_gpus_per_worker: float = Field(0.0, ge=0.0, description="GPUs per policy worker (0: CPU training)")
     torch_num_threads: int | None = Field(None, ge=1, description="torch threads per worker (null: max(1, int(num_cpus_per_worker))).")
@@ -87,15 +93,15 @@ class PolicyConfig(_Strict):
     @classmethod
     def _removed_keys(cls, data: Any) -> Any:
         if isinstance(data, dict) and "tq_timeout_s" in data:
-            raise ValueError("policy.tq_timeout_s was removed: set data_plane.timeout_s (the one timeout of "
-                             "every TQ client, TQConnection.timeout_s)")
+            raise ValueError(
+                "policy.tq_timeout_s was removed: set data_plane.timeout_s (the one timeout of every TQ client, TQConnection.timeout_s)"
+            )
         return data
 
     @model_validator(mode="after")
     def _check(self) -> "PolicyConfig":
         if self.dynamic_batching.enabled and self.sequence_packing.enabled:
-            raise ValueError("policy.dynamic_batching.enabled and policy.sequence_packing.enabled cannot both be "
-                             "true: enable at most one")
+            raise ValueError("policy.dynamic_batching.enabled and policy.sequence_packing.enabled cannot both be true: enable at most one")
         for name in ("dynamic_batching", "sequence_packing"):
             sub = getattr(self, name)
             if sub.enabled:
@@ -103,8 +109,10 @@ class PolicyConfig(_Strict):
                     if getattr(sub, key) is None:
                         raise ValueError(f"policy.{name}.{key} must be set when policy.{name}.enabled is true")
         if self.train_global_batch_size < self.dp_size:
-            raise ValueError(f"policy.train_global_batch_size ({self.train_global_batch_size}) must be >= "
-                             f"policy.dp_size ({self.dp_size}): every rank needs a sample")
+            raise ValueError(
+                f"policy.train_global_batch_size ({self.train_global_batch_size}) must be >= "
+                f"policy.dp_size ({self.dp_size}): every rank needs a sample"
+            )
         if self.lr_schedule == "cosine" and self.max_steps is None:
             raise ValueError("policy.max_steps must be set when policy.lr_schedule is 'cosine'")
         if self.lr_schedule == "cosine" and self.max_steps is not None and self.max_steps <= self.warmup_steps:

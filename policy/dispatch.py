@@ -42,8 +42,12 @@ def shard_for_dp(meta: KVBatchMeta, config, purpose: Purpose) -> list[KVBatchMet
     if mode_cfg is not None:
         budget = mode_cfg.train_mb_tokens if purpose == "train" else mode_cfg.logprob_mb_tokens
     return shard_meta_for_dp(
-        meta, config.dp_size, sequence_packing=packing.enabled, dynamic_batching=dynamic.enabled,
-        max_tokens_per_microbatch=budget, sequence_length_round=pad_multiple(config),
+        meta,
+        config.dp_size,
+        sequence_packing=packing.enabled,
+        dynamic_batching=dynamic.enabled,
+        max_tokens_per_microbatch=budget,
+        sequence_length_round=pad_multiple(config),
     )
 
 
@@ -61,8 +65,7 @@ def global_batches(meta: KVBatchMeta, global_batch_size: int) -> list[KVBatchMet
 
 def index_meta(lengths: Sequence[int]) -> KVBatchMeta:
     """A meta whose keys are the positions ``"0".."n-1"`` of a driver-side batch (legacy path)."""
-    return KVBatchMeta(LEGACY_PARTITION, tuple(str(i) for i in range(len(lengths))),
-                       sequence_lengths=tuple(int(x) for x in lengths))
+    return KVBatchMeta(LEGACY_PARTITION, tuple(str(i) for i in range(len(lengths))), sequence_lengths=tuple(int(x) for x in lengths))
 
 
 def shard_rows(shard: KVBatchMeta) -> list[int]:

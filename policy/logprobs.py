@@ -50,18 +50,14 @@ def num_valid_tokens(token_mask: torch.Tensor) -> torch.Tensor:
     return token_mask.bool().sum(-1).to(torch.int64)
 
 
-def per_sequence_logprob_error(
-    prev_logprobs: torch.Tensor, generation_logprobs: torch.Tensor, token_mask: torch.Tensor
-) -> torch.Tensor:
+def per_sequence_logprob_error(prev_logprobs: torch.Tensor, generation_logprobs: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
     """Per-sample mean ``|prev_logprobs - generation_logprobs|`` over ``token_mask`` (float32 ``[n]``; 0 if none)."""
     m = token_mask.bool()
     err = torch.where(m, (prev_logprobs.float() - generation_logprobs.float()).abs(), 0.0)
     return err.sum(-1) / m.sum(-1).clamp(min=1)
 
 
-def per_sequence_mult_prob_error(
-    prev_logprobs: torch.Tensor, generation_logprobs: torch.Tensor, token_mask: torch.Tensor
-) -> torch.Tensor:
+def per_sequence_mult_prob_error(prev_logprobs: torch.Tensor, generation_logprobs: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
     """Per-sample mean ``exp(|prev - generation|)`` over ``token_mask`` (NeMo-RL's ``seq_mult_prob_error``; 0 if none)."""
     m = token_mask.bool()
     err = torch.where(m, torch.exp((prev_logprobs.float() - generation_logprobs.float()).abs()), 0.0)

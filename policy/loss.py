@@ -47,7 +47,10 @@ class LossFunction(Protocol):
     input_fields: tuple[str, ...]
 
     def __call__(
-        self, curr_logprobs: torch.Tensor, data: Mapping[str, Any], global_valid_seqs: torch.Tensor,
+        self,
+        curr_logprobs: torch.Tensor,
+        data: Mapping[str, Any],
+        global_valid_seqs: torch.Tensor,
         global_valid_toks: torch.Tensor,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
@@ -83,8 +86,11 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> t
 
 
 def calculate_kl(
-    logprobs: torch.Tensor, reference_logprobs: torch.Tensor, kl_type: KLType = "k3",
-    input_clamp: float | None = 20.0, output_clamp: float | None = 10.0,
+    logprobs: torch.Tensor,
+    reference_logprobs: torch.Tensor,
+    kl_type: KLType = "k3",
+    input_clamp: float | None = 20.0,
+    output_clamp: float | None = 10.0,
 ) -> torch.Tensor:
     """Per-token KL(pi || pi_ref) estimators of Schulman (2020), with ``r = log pi_ref - log pi``.
 
@@ -120,17 +126,20 @@ class ClippedPGLossConfig(BaseModel):
     ratio_clip_min: float = Field(0.2, ge=0.0, description="Lower clip epsilon: the ratio is clipped at 1 - ratio_clip_min.")
     ratio_clip_max: float = Field(0.2, ge=0.0, description="Upper clip epsilon: the ratio is clipped at 1 + ratio_clip_max.")
     ratio_clip_c: float | None = Field(None, description="Dual-clip constant (> 1) for negative advantages (null: off)")
-    reference_policy_kl_penalty: float = Field(0.0, ge=0.0, description=(
-        "Weight of the KL term to the reference (initial) policy (0: no reference model)"))
+    reference_policy_kl_penalty: float = Field(
+        0.0, ge=0.0, description=("Weight of the KL term to the reference (initial) policy (0: no reference model)")
+    )
     reference_policy_kl_type: KLType = Field("k3", description="KL estimator (k1, k2, k3)")
     kl_clamp: float | None = Field(10.0, gt=0.0, description="Clamp the per-token KL to [-kl_clamp, kl_clamp] (null: off)")
     kl_input_clamp: float | None = Field(20.0, gt=0.0, description="Clamp the log-ratio entering the KL estimator (null: off)")
     use_on_policy_kl_approximation: bool = Field(False, description="Weight the KL term by the importance ratio (an on-policy estimate)")
     token_level_loss: bool = Field(True, description="Average the loss over tokens (else over sequences)")
-    use_importance_sampling_correction: bool = Field(False, description=(
-        "Weight the loss by pi_old / pi_generation per token (required in async mode)"))
-    truncated_importance_sampling_ratio: float | None = Field(None, gt=0.0, description=(
-        "Cap the importance-sampling weight at this (null: no cap)"))
+    use_importance_sampling_correction: bool = Field(
+        False, description=("Weight the loss by pi_old / pi_generation per token (required in async mode)")
+    )
+    truncated_importance_sampling_ratio: float | None = Field(
+        None, gt=0.0, description=("Cap the importance-sampling weight at this (null: no cap)")
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "ClippedPGLossConfig":
@@ -184,9 +193,7 @@ class ClippedPGLossFn:
         self.config = config
         need_ref = config.reference_policy_kl_penalty > 0
         # Only what the loss reads is fetched from the data plane (no reference pass needed without KL).
-        self.input_fields: tuple[str, ...] = tuple(
-            f for f in DP_TRAIN_FIELDS if need_ref or f != "reference_policy_logprobs"
-        )
+        self.input_fields: tuple[str, ...] = tuple(f for f in DP_TRAIN_FIELDS if need_ref or f != "reference_policy_logprobs")
 
     def __call__(
         self,

@@ -142,8 +142,7 @@ def build_micro_batch(
 
 def micro_batch_logprobs(model: torch.nn.Module, mb: ModelInputs) -> torch.Tensor:
     """Forward one micro-batch; float32 log-probs ``[k, mb.width]`` in per-sample layout (grad if enabled)."""
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                   use_cache=False).logits
+    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids, use_cache=False).logits
     lp = token_logprobs(logits, mb.input_ids)
     t = torch.arange(mb.width, device=lp.device).unsqueeze(0)
     if not mb.packed:
@@ -163,8 +162,14 @@ def logprobs_for_plan(
     for rows in plan.micro_batches:
         if not rows:
             continue  # an equalisation filler: nothing to compute (no per-micro-batch collective here)
-        mb = build_micro_batch(input_ids, lengths, rows, packed=plan.mode == "packed", pad_token_id=pad_token_id,
-                               sequence_length_round=plan.sequence_length_round)
+        mb = build_micro_batch(
+            input_ids,
+            lengths,
+            rows,
+            packed=plan.mode == "packed",
+            pad_token_id=pad_token_id,
+            sequence_length_round=plan.sequence_length_round,
+        )
         out[torch.as_tensor(rows, device=out.device), : mb.width] = micro_batch_logprobs(model, mb)
     return out
 
@@ -199,8 +204,14 @@ def forward_backward(
     for rows in plan.micro_batches:
         if not rows:
             continue
-        mb = build_micro_batch(data["input_ids"], data["input_lengths"], rows, packed=plan.mode == "packed",
-                               pad_token_id=pad_token_id, sequence_length_round=plan.sequence_length_round)
+        mb = build_micro_batch(
+            data["input_ids"],
+            data["input_lengths"],
+            rows,
+            packed=plan.mode == "packed",
+            pad_token_id=pad_token_id,
+            sequence_length_round=plan.sequence_length_round,
+        )
         lp = micro_batch_logprobs(model, mb)
         mb_data = data.select_indices(rows)
         for k, v in mb_data.items():

@@ -30,12 +30,10 @@ def lr_factor(step: int, *, warmup_steps: int, schedule: str, max_steps: int | N
 def build_optimizer(model: torch.nn.Module, cfg: PolicyConfig) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=cfg.learning_rate, betas=cfg.adam_betas, eps=cfg.adam_eps,
-                             weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.learning_rate, betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: PolicyConfig) -> torch.optim.lr_scheduler.LambdaLR:
     """LambdaLR applying :func:`lr_factor` (stepped once per optimizer step)."""
-    fn = partial(lr_factor, warmup_steps=cfg.warmup_steps, schedule=cfg.lr_schedule, max_steps=cfg.max_steps,
-                 min_lr_ratio=cfg.min_lr_ratio)
+    fn = partial(lr_factor, warmup_steps=cfg.warmup_steps, schedule=cfg.lr_schedule, max_steps=cfg.max_steps, min_lr_ratio=cfg.min_lr_ratio)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

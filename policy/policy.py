@@ -45,8 +45,9 @@ class _WorkerGroup:
 
     worker_cls: type = DPPolicyWorker
 
-    def __init__(self, config: PolicyConfig | Mapping[str, Any], *, calls: ActorCalls | None = None,
-                 connection: TQConnection | None = None) -> None:
+    def __init__(
+        self, config: PolicyConfig | Mapping[str, Any], *, calls: ActorCalls | None = None, connection: TQConnection | None = None
+    ) -> None:
         import ray
 
         if not ray.is_initialized():
@@ -141,8 +142,10 @@ class Policy(_WorkerGroup):
     def _logprobs(self, data: BatchedDataDict, reference: bool) -> torch.Tensor:
         data = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
         shards = self._shards(data, "logprob")
-        results = self._get([self._call(w, "get_logprobs", data.select_indices(rows), info, reference)
-                             for w, (rows, info) in zip(self.workers, shards)], "get_logprobs")
+        results = self._get(
+            [self._call(w, "get_logprobs", data.select_indices(rows), info, reference) for w, (rows, info) in zip(self.workers, shards)],
+            "get_logprobs",
+        )
         out = torch.zeros(data["input_ids"].shape, dtype=torch.float32)
         for (rows, _), res in zip(shards, results):  # back to the batch's order
             lp = res["logprobs"]
@@ -183,8 +186,7 @@ class TQPolicy(_WorkerGroup):
         calls: how worker calls are sent (see :class:`_WorkerGroup`).
     """
 
-    def __init__(self, config: PolicyConfig | Mapping[str, Any], connection: TQConnection, *,
-                 calls: ActorCalls | None = None) -> None:
+    def __init__(self, config: PolicyConfig | Mapping[str, Any], connection: TQConnection, *, calls: ActorCalls | None = None) -> None:
         if not isinstance(connection, TQConnection):
             raise TypeError(f"TQPolicy needs a tq.TQConnection (address, secret, timeout), got {type(connection).__name__}")
         super().__init__(config, calls=calls, connection=connection)
@@ -255,8 +257,10 @@ class TQPolicy(_WorkerGroup):
         """
         bulky = [f for f in fields if f in TOKEN_FIELDS]
         if bulky and not allow_token_fields:
-            raise ValueError(f"read_from_dataplane refuses token-aligned fields {bulky} on the driver "
-                             "(workers reduce them; pass allow_token_fields=True to override)")
+            raise ValueError(
+                f"read_from_dataplane refuses token-aligned fields {bulky} on the driver "
+                "(workers reduce them; pass allow_token_fields=True to override)"
+            )
         with self.calls.driver_tq(sent=meta):
             out = self.client.get(meta, list(fields), wait_timeout=self.connection.timeout_s)
         self.calls.received(out)
@@ -284,8 +288,10 @@ class TQPolicy(_WorkerGroup):
     def _logprob_pass(self, meta: KVBatchMeta, reference: bool, reductions: bool = False) -> KVBatchMeta:
         meta = self._with_lengths(meta)
         shards = self._worker_shards(meta, "logprob")
-        results = self._get([self._call(w, "get_logprobs_from_meta", s, reference, reductions=reductions)
-                             for w, s in zip(self.workers, shards)], "get_logprobs_from_meta")
+        results = self._get(
+            [self._call(w, "get_logprobs_from_meta", s, reference, reductions=reductions) for w, s in zip(self.workers, shards)],
+            "get_logprobs_from_meta",
+        )
         return meta.add_fields(results[0]["fields"])
 
     def get_logprobs_from_meta(self, meta: KVBatchMeta, *, with_reductions: bool = False) -> KVBatchMeta:
@@ -302,9 +308,10 @@ class TQPolicy(_WorkerGroup):
     def compute_per_token_reductions(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Workers write ``PER_SAMPLE_REDUCTION_FIELDS`` (per-sequence log-prob error, token counts)."""
         meta = self._with_lengths(meta)
-        results = self._get([self._call(w, "compute_per_token_reductions", s)
-                             for w, s in zip(self.workers, self._worker_shards(meta, "logprob"))],
-                            "compute_per_token_reductions")
+        results = self._get(
+            [self._call(w, "compute_per_token_reductions", s) for w, s in zip(self.workers, self._worker_shards(meta, "logprob"))],
+            "compute_per_token_reductions",
+        )
         return meta.add_fields(results[0]["fields"])
 
     def train_from_meta(self, meta: KVBatchMeta, loss_fn: Any) -> dict[str, Any]:
@@ -314,6 +321,5 @@ class TQPolicy(_WorkerGroup):
         for gb in global_batches(meta, self.config.train_global_batch_size):
             for r, shard in enumerate(self._worker_shards(gb, "train")):
                 per_rank[r].append(shard)
-        results = self._get([self._call(w, "train_from_meta", p, loss_fn) for w, p in zip(self.workers, per_rank)],
-                            "train_from_meta")
+        results = self._get([self._call(w, "train_from_meta", p, loss_fn) for w, p in zip(self.workers, per_rank)], "train_from_meta")
         return results[0]

@@ -22,7 +22,12 @@ __all__ = ["synthetic_batch", "to_tq_columns"]
 
 
 def synthetic_batch(
-    n: int, *, min_len: int = 4, max_len: int = 32, prompt_len: int = 3, vocab: tuple[int, int] = (4, 90),
+    n: int,
+    *,
+    min_len: int = 4,
+    max_len: int = 32,
+    prompt_len: int = 3,
+    vocab: tuple[int, int] = (4, 90),
     seed: int = 0,
 ) -> BatchedDataDict:
     """``n`` right-padded samples of lengths in ``[min_len, max_len]`` (padded to the longest).
@@ -40,8 +45,12 @@ def synthetic_batch(
     token_mask = valid & (torch.arange(L).unsqueeze(0) >= prompt_len)
     gen = (-torch.rand(n, L, generator=g) * 3.0) * token_mask
     return BatchedDataDict(
-        input_ids=input_ids, input_lengths=lengths, token_mask=token_mask, sample_mask=torch.ones(n),
-        generation_logprobs=gen, advantages=torch.randn(n, generator=g),
+        input_ids=input_ids,
+        input_lengths=lengths,
+        token_mask=token_mask,
+        sample_mask=torch.ones(n),
+        generation_logprobs=gen,
+        advantages=torch.randn(n, generator=g),
     )
 
 

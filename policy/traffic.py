@@ -31,7 +31,6 @@ from common.fields import tensor_nbytes
 __all__ = ["ActorCalls", "DriverTraffic", "payload_nbytes"]
 
 
-
 def _tensor_stub(shape: tuple[int, ...], dtype: str) -> None:  # pragma: no cover - never unpickled
     """Stands in for a tensor in :func:`payload_nbytes`' pickle stream (its bytes are counted apart)."""
 

@@ -74,8 +74,7 @@ class WeightBucketSender:
         bucket["ipc"] = self._ipc
         return bucket
 
-    def nccl_bucket(self, model: torch.nn.Module, dtype: torch.dtype, version: int,
-                    group: Mapping[str, Any]) -> dict[str, Any]:
+    def nccl_bucket(self, model: torch.nn.Module, dtype: torch.dtype, version: int, group: Mapping[str, Any]) -> dict[str, Any]:
         """Cast the model's weights into the buffer; returns the ``"nccl"`` bucket receivers need to
         join ``group`` (``host``, ``port``, ``world_size``; this rank is 0) and receive it. Call
         :meth:`broadcast` while the receivers load the bucket."""
@@ -83,8 +82,12 @@ class WeightBucketSender:
         if missing:
             raise ValueError(f"an NCCL refit group needs {sorted(missing)}")
         bucket = self._fill(model, dtype, "nccl", version)
-        bucket["group"] = {"host": str(group["host"]), "port": int(group["port"]),
-                           "world_size": int(group["world_size"]), "rank_offset": int(group.get("rank_offset", 1))}
+        bucket["group"] = {
+            "host": str(group["host"]),
+            "port": int(group["port"]),
+            "world_size": int(group["world_size"]),
+            "rank_offset": int(group.get("rank_offset", 1)),
+        }
         return bucket
 
     def broadcast(self) -> int:
@@ -98,8 +101,7 @@ class WeightBucketSender:
             from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
             from vllm.distributed.utils import StatelessProcessGroup
 
-            pg = StatelessProcessGroup.create(host=group["host"], port=group["port"], rank=0,
-                                              world_size=group["world_size"])
+            pg = StatelessProcessGroup.create(host=group["host"], port=group["port"], rank=0, world_size=group["world_size"])
             self._comm, self._group_key = PyNcclCommunicator(pg, device=self._flat.device), key
         self._comm.broadcast(self._flat, src=0, stream=torch.cuda.current_stream(self._flat.device))
         torch.cuda.synchronize(self._flat.device)
@@ -160,8 +162,8 @@ def token_mult_prob_error(policy: torch.nn.Module, prompts: list[torch.Tensor], 
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         for p, ids, lp_gen in zip(prompts, out.response_ids, out.logprobs):
             seq = torch.cat([p, ids]).to("cuda")[None]
-            logits = policy(seq).logits.float()[0, len(p) - 1: -1]
-            lp = torch.log_softmax(logits, -1).gather(-1, seq[0, len(p):, None])[:, 0].cpu()
+            logits = policy(seq).logits.float()[0, len(p) - 1 : -1]
+            lp = torch.log_softmax(logits, -1).gather(-1, seq[0, len(p) :, None])[:, 0].cpu()
             errs.append(torch.exp((lp - lp_gen).abs()))
     return float(torch.cat(errs).mean())
 

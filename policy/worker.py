@@ -68,8 +68,9 @@ class DPPolicyWorker:
         connection: the data plane (the TQ path's entry points need it; the legacy path passes None).
     """
 
-    def __init__(self, config: PolicyConfig | Mapping[str, Any], rank: int, world_size: int,
-                 connection: TQConnection | None = None) -> None:
+    def __init__(
+        self, config: PolicyConfig | Mapping[str, Any], rank: int, world_size: int, connection: TQConnection | None = None
+    ) -> None:
         self.cfg = config if isinstance(config, PolicyConfig) else PolicyConfig(**config)
         self.rank, self.world_size = rank, world_size
         self.connection = connection
@@ -82,8 +83,14 @@ class DPPolicyWorker:
         self.pad_token_id = int(self.tokenizer.pad_token_id)
         # Mixed precision: float32 master weights (AdamW updates of ~lr * 1e-3 vanish in bf16 weights),
         # forward passes autocast to ``dtype``.
-        self.model = load_model(self.cfg.model_name, dtype="float32", device=self.device, seed=self.cfg.seed,
-                                tokenizer=self.tokenizer, tiny_overrides=self.cfg.tiny_overrides)
+        self.model = load_model(
+            self.cfg.model_name,
+            dtype="float32",
+            device=self.device,
+            seed=self.cfg.seed,
+            tokenizer=self.tokenizer,
+            tiny_overrides=self.cfg.tiny_overrides,
+        )
         self.compute_dtype = DTYPES[self.cfg.dtype]
         self.reference: torch.nn.Module | None = None  # built once the weights are synced across ranks
         self.optimizer = build_optimizer(self.model, self.cfg)
@@ -104,8 +111,11 @@ class DPPolicyWorker:
         """Join the process group (bounded by ``dist_timeout_s``), sync weights from rank 0, build the reference."""
         if self.world_size > 1:
             dist.init_process_group(
-                backend=self.cfg.backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
-                world_size=self.world_size, timeout=timedelta(seconds=self.cfg.dist_timeout_s),
+                backend=self.cfg.backend,
+                init_method=f"tcp://{master_addr}:{master_port}",
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=timedelta(seconds=self.cfg.dist_timeout_s),
             )
             self._dist = True
             # Same seed gives the same init, but a broadcast makes it a guarantee (and covers hub loads).
@@ -148,8 +158,10 @@ class DPPolicyWorker:
         and optimizer passes and reductions, collectives included), ``calls``, and the tensor bytes
         of the TQ gets (as delivered: padded) and write-backs, ``tq_get_bytes`` / ``write_back_bytes``."""
         t, self._timings = self._timings, defaultdict(float)
-        out = {k: float(t.get(k, 0.0)) for k in ("fetch_s", "dispatch_s", "tq_get_s", "write_back_s", "compute_s", "calls",
-                                                 "tq_get_bytes", "write_back_bytes")}
+        out = {
+            k: float(t.get(k, 0.0))
+            for k in ("fetch_s", "dispatch_s", "tq_get_s", "write_back_s", "compute_s", "calls", "tq_get_bytes", "write_back_bytes")
+        }
         out["rank"] = self.rank
         return out
 
@@ -157,15 +169,16 @@ class DPPolicyWorker:
         """This rank's TQ client, connected on first use with the connection given at start-up."""
         if self._tq is None:
             if self.connection is None:
-                raise RuntimeError("this DP worker was started without a data-plane connection: the TQ entry "
-                                   "points need one (TQPolicy passes its TQConnection to every worker)")
+                raise RuntimeError(
+                    "this DP worker was started without a data-plane connection: the TQ entry "
+                    "points need one (TQPolicy passes its TQConnection to every worker)"
+                )
             self._tq = self.connection.connect()
         return self._tq
 
     def _autocast(self, device: torch.device):
         """Autocast to the configured compute dtype on ``device`` (a no-op for float32)."""
-        return torch.autocast(device_type=device.type, dtype=self.compute_dtype,
-                              enabled=self.compute_dtype != torch.float32)
+        return torch.autocast(device_type=device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32)
 
     # ------------------------------------------------------------------ collectives
     def _all_reduce(self, t: torch.Tensor, op: Any = None) -> torch.Tensor:
@@ -221,8 +234,7 @@ class DPPolicyWorker:
         t = time.perf_counter()
         try:
             with self._autocast(dev):
-                return logprobs_for_plan(model, data["input_ids"].to(dev), data["input_lengths"].to(dev), plan,
-                                         self.pad_token_id)
+                return logprobs_for_plan(model, data["input_ids"].to(dev), data["input_lengths"].to(dev), plan, self.pad_token_id)
         finally:
             model.train(was_training)
             self._timings["compute_s"] += time.perf_counter() - t
@@ -267,15 +279,17 @@ class DPPolicyWorker:
         return plan_from_extra_info(extra_info, n, size)
 
     # ------------------------------------------------------------------ legacy path
-    def get_logprobs(self, data: BatchedDataDict, extra_info: Mapping[str, Any], reference: bool = False,
-                     sent_at: float | None = None) -> BatchedDataDict:
+    def get_logprobs(
+        self, data: BatchedDataDict, extra_info: Mapping[str, Any], reference: bool = False, sent_at: float | None = None
+    ) -> BatchedDataDict:
         """Log-probs ``[n, L]`` (float32, CPU) of a shard; ``reference`` uses the frozen reference model."""
         self._arrived(sent_at, shard_in_args=True)
         lp = self._logprobs(data, self._plan(extra_info, data.size, "logprob"), reference)
         return BatchedDataDict(logprobs=lp.cpu())
 
-    def train(self, shards: Sequence[tuple[BatchedDataDict, Mapping[str, Any]]], loss_fn: Any,
-              sent_at: float | None = None) -> dict[str, Any]:
+    def train(
+        self, shards: Sequence[tuple[BatchedDataDict, Mapping[str, Any]]], loss_fn: Any, sent_at: float | None = None
+    ) -> dict[str, Any]:
         """One optimizer step per ``(shard of a global batch, its extra_info)``; returns metrics."""
         self._arrived(sent_at, shard_in_args=True)
         return self._train([(d, self._plan(info, d.size, "train")) for d, info in shards], loss_fn)
@@ -284,8 +298,7 @@ class DPPolicyWorker:
     def _fetch(self, meta: KVBatchMeta, fields: Sequence[str]) -> BatchedDataDict:
         client = self._client()
         t = time.perf_counter()
-        cols = client.get(meta, list(fields), layout="padded", pad_value={"input_ids": self.pad_token_id},
-                          wait_timeout=client.timeout)
+        cols = client.get(meta, list(fields), layout="padded", pad_value={"input_ids": self.pad_token_id}, wait_timeout=client.timeout)
         waited = time.perf_counter() - t
         self._timings["tq_get_s"] += waited
         self._timings["fetch_s"] += waited
@@ -298,9 +311,14 @@ class DPPolicyWorker:
         self._timings["write_back_s"] += time.perf_counter() - t
         self._timings["write_back_bytes"] += tensor_nbytes(columns)
 
-    def get_logprobs_from_meta(self, meta: KVBatchMeta, reference: bool = False,
-                               output_field: str | None = None, sent_at: float | None = None,
-                               reductions: bool = False) -> dict[str, Any]:
+    def get_logprobs_from_meta(
+        self,
+        meta: KVBatchMeta,
+        reference: bool = False,
+        output_field: str | None = None,
+        sent_at: float | None = None,
+        reductions: bool = False,
+    ) -> dict[str, Any]:
         """Fetch the shard's inputs, compute log-probs, write them back as ``output_field`` (jagged).
 
         ``output_field`` defaults to ``prev_logprobs`` (``reference_policy_logprobs`` with ``reference``).
@@ -323,11 +341,9 @@ class DPPolicyWorker:
             cols.update(per_sample_reductions({"prev_logprobs": lp, **{f: data[f] for f in extra}}))
             self._timings["compute_s"] += time.perf_counter() - t
         self._write_back(meta, cols)
-        return {"rank": self.rank, "samples": len(meta), "tokens": int(lengths.sum()), "field": field,
-                "fields": sorted(cols)}
+        return {"rank": self.rank, "samples": len(meta), "tokens": int(lengths.sum()), "field": field, "fields": sorted(cols)}
 
-    def train_from_meta(self, metas: Sequence[KVBatchMeta], loss_fn: Any,
-                        sent_at: float | None = None) -> dict[str, Any]:
+    def train_from_meta(self, metas: Sequence[KVBatchMeta], loss_fn: Any, sent_at: float | None = None) -> dict[str, Any]:
         """One optimizer step per meta (this rank's shard of each global batch); returns metrics only."""
         self._arrived(sent_at, shard_in_args=False)
         fields = list(dict.fromkeys(("input_ids", "input_lengths", *getattr(loss_fn, "input_fields", ()))))
@@ -359,8 +375,10 @@ class DPPolicyWorker:
         if self.rank == 0:
             os.makedirs(path, exist_ok=True)
             torch.save(self.model.state_dict(), os.path.join(path, "model.pt"))
-            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                        "step": self.step}, os.path.join(path, "optim.pt"))
+            torch.save(
+                {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "step": self.step},
+                os.path.join(path, "optim.pt"),
+            )
         if self._dist:
             dist.barrier()
         return path if self.rank == 0 else None
@@ -374,7 +392,6 @@ class DPPolicyWorker:
         self.scheduler.load_state_dict(opt["scheduler"])
         self.step = int(opt["step"])
         return self.step
-
 
     # ------------------------------------------------------------------ GPU refit senders (policy.weight_sync)
     def _weight_sender(self) -> Any:

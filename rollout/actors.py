@@ -63,8 +63,10 @@ def _carry_value(record: Mapping[str, Any], key: str, pos: int) -> Any:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if type(value) not in _CARRY_TYPES:
-        raise TypeError(f"carry key {key!r} of prompt {pos} is a {type(value).__name__}; driver_carry holds "
-                        "per-sample scalars only (None, bool, int, float, str)")
+        raise TypeError(
+            f"carry key {key!r} of prompt {pos} is a {type(value).__name__}; driver_carry holds "
+            "per-sample scalars only (None, bool, int, float, str)"
+        )
     return value
 
 
@@ -179,8 +181,13 @@ class SyncRolloutImpl:
         self.prepare_for_generation()
         try:
             finished, rollout_metrics, generation_metrics = run_multi_turn_rollout(
-                self.generation, self.tokenizer, repeated, self.task_to_env, self.limits,
-                prompt_ids=[p for p in prompt_ids for _ in range(group_size)], greedy=greedy,
+                self.generation,
+                self.tokenizer,
+                repeated,
+                self.task_to_env,
+                self.limits,
+                prompt_ids=[p for p in prompt_ids for _ in range(group_size)],
+                greedy=greedy,
             )
         finally:
             if not (validation or keep_warm):
@@ -191,8 +198,13 @@ class SyncRolloutImpl:
         return records, uids, prompt_ids, completions, rollout_metrics, generation_metrics
 
     def _carry(
-        self, records: list[dict[str, Any]], uids: list[str], prompt_ids: list[int], completions: list[Completion],
-        group_size: int, carry_keys: Sequence[str],
+        self,
+        records: list[dict[str, Any]],
+        uids: list[str],
+        prompt_ids: list[int],
+        completions: list[Completion],
+        group_size: int,
+        carry_keys: Sequence[str],
     ) -> dict[str, Any]:
         def per_sample(values: Sequence[Any]) -> list[Any]:
             return [v for v in values for _ in range(group_size)]

@@ -133,8 +133,10 @@ def resolve_environments(
         elif isinstance(spec, Mapping) and isinstance(spec.get("name"), str):
             out[task] = make_environment(spec["name"], **{k: v for k, v in spec.items() if k != "name"})
         else:
-            raise TypeError(f"environment for task {task!r} must be an EnvironmentInterface, a name or a "
-                            f"{{'name': ..., **kwargs}} dict; got {type(spec).__name__}")
+            raise TypeError(
+                f"environment for task {task!r} must be an EnvironmentInterface, a name or a "
+                f"{{'name': ..., **kwargs}} dict; got {type(spec).__name__}"
+            )
     return out
 
 

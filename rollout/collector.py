@@ -150,8 +150,9 @@ class TQReplayBuffer:
             except KeyNotFoundError:
                 continue
 
-    def _wait_until(self, condition: Callable[[], bool], timeout_s: float, what: Callable[[], str],
-                    abort: Callable[[], bool] | None = None) -> None:
+    def _wait_until(
+        self, condition: Callable[[], bool], timeout_s: float, what: Callable[[], str], abort: Callable[[], bool] | None = None
+    ) -> None:
         """Return once ``condition()`` is true; ``TimeoutError(what())`` after ``timeout_s``,
         ``WriteAborted`` once ``abort()`` is true (checked at each wake-up, and at least every second).
 
@@ -211,9 +212,7 @@ class TQReplayBuffer:
         """Samples ready to be sampled."""
         return len(self._ready_positions(self._all()))
 
-    def extend(
-        self, groups: PromptGroupRecord | Sequence[PromptGroupRecord], *, abort: Callable[[], bool] | None = None
-    ) -> Any:
+    def extend(self, groups: PromptGroupRecord | Sequence[PromptGroupRecord], *, abort: Callable[[], bool] | None = None) -> Any:
         """Write finished groups (one put); waits for room while the buffer is full (``write_timeout_s``,
         or until ``abort()`` is true: ``WriteAborted``). Returns their meta."""
         groups = [groups] if isinstance(groups, PromptGroupRecord) else list(groups)
@@ -229,16 +228,24 @@ class TQReplayBuffer:
             held[0] = self.stored()
             return held[0] + n <= self.capacity
 
-        self._wait_until(room, self.write_timeout_s, lambda: (
-            f"replay buffer {self.partition_id!r} stayed full for {self.write_timeout_s:.0f}s: {held[0]} of "
-            f"{self.capacity} samples held, {n} to write (sample() and release() make room)"), abort)
+        self._wait_until(
+            room,
+            self.write_timeout_s,
+            lambda: (
+                f"replay buffer {self.partition_id!r} stayed full for {self.write_timeout_s:.0f}s: {held[0]} of "
+                f"{self.capacity} samples held, {n} to write (sample() and release() make room)"
+            ),
+            abort,
+        )
         scalars = group_sample_scalars(groups)
         # rb_seq orders samples oldest first: wall-clock ns, kept strictly increasing for this writer
         first = max(time.time_ns(), self._seq + 1)
         self._seq = first + n - 1
         tags = {
-            "uid": scalars["uids"], "group_id": scalars["prompt_ids"].tolist(),
-            "policy_version": scalars["policy_version"].tolist(), "rb_seq": list(range(first, first + n)),
+            "uid": scalars["uids"],
+            "group_id": scalars["prompt_ids"].tolist(),
+            "policy_version": scalars["policy_version"].tolist(),
+            "rb_seq": list(range(first, first + n)),
         }
         meta = self.client.put(self.partition_id, scalars["keys"], completions_to_columns(completions), tags=tags)
         self.wake_waiters()
@@ -258,9 +265,11 @@ class TQReplayBuffer:
             found[1] = self._ready_positions(found[0])
             return len(found[1]) >= n
 
-        self._wait_until(enough, timeout_s, lambda: (
-            f"replay buffer {self.partition_id!r} has {len(found[1])} samples ready, {n} asked for, "
-            f"after waiting {timeout_s:.0f}s"))
+        self._wait_until(
+            enough,
+            timeout_s,
+            lambda: f"replay buffer {self.partition_id!r} has {len(found[1])} samples ready, {n} asked for, after waiting {timeout_s:.0f}s",
+        )
         meta = found[0].select(found[1][:n])
         self.client.set_tags(meta.stamp_tags(rb_taken=True))
         return meta
@@ -351,8 +360,13 @@ class LLMCollector:
             if not callable(getattr(dataloader, method, None)):
                 raise TypeError(f"the dataloader needs a {method}() method (use rollout.data.StatefulDataLoader)")
         self.manager = RolloutManager(
-            generation=generation, tokenizer=tokenizer, environments=environments, limits=limits,
-            num_generations_per_prompt=group_size, max_concurrent_groups=max_concurrent_groups, seed=seed,
+            generation=generation,
+            tokenizer=tokenizer,
+            environments=environments,
+            limits=limits,
+            num_generations_per_prompt=group_size,
+            max_concurrent_groups=max_concurrent_groups,
+            seed=seed,
         )
         self.dataloader = dataloader
         self.group_size = group_size
@@ -568,8 +582,7 @@ class LLMCollector:
                 raise TimeoutError(f"the collector thread did not stop within {self.timeout_s:.0f}s")
             self._thread = None
         if self._held:
-            log.warning("shutdown(): %d finished groups the full replay buffer could not take were not written",
-                        len(self._held))
+            log.warning("shutdown(): %d finished groups the full replay buffer could not take were not written", len(self._held))
         if self.replay_buffer is not None:
             self.replay_buffer.close()
         if self.manager.owns_generation and hasattr(self.manager.generation, "shutdown"):
@@ -652,5 +665,8 @@ class LLMCollector:
             self._started = int(state.get("started", self.counters["groups"]))
             self._policy_version = int(state.get("policy_version", self._policy_version))
         if self._policy_version != self.manager.generation.weight_version:
-            log.warning("restored policy_version %d but generation runs weight version %d: refit it",
-                        self._policy_version, self.manager.generation.weight_version)
+            log.warning(
+                "restored policy_version %d but generation runs weight version %d: refit it",
+                self._policy_version,
+                self.manager.generation.weight_version,
+            )

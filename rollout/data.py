@@ -57,16 +57,18 @@ class DataProcessorConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     prompt_key: str = Field("prompt", description="Row field holding the prompt text.")
-    prompt_template: str | None = Field(None, description=(
-        "Python format string over the row's fields for the user message (null: prompt_key's field)"))
+    prompt_template: str | None = Field(
+        None, description=("Python format string over the row's fields for the user message (null: prompt_key's field)")
+    )
     messages_key: str | None = Field(None, description="Row field holding a list of {role, content} messages (takes precedence)")
     system_prompt: str | None = Field(None, description="System message prepended to every conversation.")
     use_chat_template: bool = Field(True, description="Render messages with the tokenizer's chat template (else tokenize the prompt as is)")
     ground_truth_key: str | None = Field("ground_truth", description="Row field the environment scores against.")
     extra_env_keys: list[str] = Field(default_factory=list, description="More row fields passed to the environment.")
-    max_seq_length: int = Field(default=1024, ge=1, description=(
-        "Prompt tokens at most (longer prompts are truncated and masked out of the loss)"))
-    task_name: str | None = Field(None, description="Environment of every row (null: the row's task_name field, else \"default\")")
+    max_seq_length: int = Field(
+        default=1024, ge=1, description=("Prompt tokens at most (longer prompts are truncated and masked out of the loss)")
+    )
+    task_name: str | None = Field(None, description='Environment of every row (null: the row\'s task_name field, else "default")')
 
 
 # ---------------------------------------------------------------------------------------- loading
@@ -184,7 +186,9 @@ def validate_record(row: Any, idx: int, config: DataProcessorConfig) -> None:
         if not isinstance(row.get(config.prompt_key), str):
             if config.prompt_key not in row or row[config.prompt_key] is None:
                 raise DatasetError(f"row {idx}: field {config.prompt_key!r} (prompt) is missing")
-            raise DatasetError(f"row {idx}: field {config.prompt_key!r} (prompt) must be a string, got {type(row[config.prompt_key]).__name__}")
+            raise DatasetError(
+                f"row {idx}: field {config.prompt_key!r} (prompt) must be a string, got {type(row[config.prompt_key]).__name__}"
+            )
     if config.ground_truth_key is not None:
         _check_scalar(row, config.ground_truth_key, idx, "ground truth")
     for key in config.extra_env_keys:
@@ -219,14 +223,12 @@ def render_chat_messages(messages: list[dict[str, str]], tokenizer: PreTrainedTo
         full = tokenizer.apply_chat_template(messages[: k + 1], tokenize=False, add_generation_prompt=last)
         if not full.startswith(prev):
             raise DatasetError("the chat template does not render messages as a growing prefix; use a message list of one user turn")
-        pieces.append(full[len(prev):])
+        pieces.append(full[len(prev) :])
         prev = full
     return pieces
 
 
-def process_record(
-    row: Mapping[str, Any], idx: int, tokenizer: PreTrainedTokenizerBase, config: DataProcessorConfig
-) -> DatumSpec:
+def process_record(row: Mapping[str, Any], idx: int, tokenizer: PreTrainedTokenizerBase, config: DataProcessorConfig) -> DatumSpec:
     """Turn one validated row into a ``DatumSpec`` (truncating and masking an over-long prompt)."""
     messages = _user_messages(row, config)
     if config.use_chat_template:
@@ -258,15 +260,21 @@ def process_record(
         extra[key] = row[key]
     task = config.task_name or (row.get("task_name") if isinstance(row.get("task_name"), str) else None) or "default"
     return DatumSpec(
-        message_log=message_log, length=sum(len(t) for t in token_lists), extra_env_info=extra,
-        loss_multiplier=loss_multiplier, idx=idx, task_name=task,
+        message_log=message_log,
+        length=sum(len(t) for t in token_lists),
+        extra_env_info=extra,
+        loss_multiplier=loss_multiplier,
+        idx=idx,
+        task_name=task,
     )
 
 
 class PromptDataset(Sequence[DatumSpec]):
     """Rows processed into ``DatumSpec`` on access; all rows validated up front."""
 
-    def __init__(self, records: Sequence[Mapping[str, Any]], tokenizer: PreTrainedTokenizerBase, config: DataProcessorConfig | None = None) -> None:
+    def __init__(
+        self, records: Sequence[Mapping[str, Any]], tokenizer: PreTrainedTokenizerBase, config: DataProcessorConfig | None = None
+    ) -> None:
         self.records = list(records)
         self.tokenizer = tokenizer
         self.config = config or DataProcessorConfig()
@@ -334,9 +342,7 @@ class StatefulDataLoader:
         self.drop_last = drop_last
         self.collate_fn = collate_fn
         if len(self) == 0:
-            raise ValueError(
-                f"a dataset of {len(dataset)} rows gives no batch of {batch_size}" + (" with drop_last" if drop_last else "")
-            )
+            raise ValueError(f"a dataset of {len(dataset)} rows gives no batch of {batch_size}" + (" with drop_last" if drop_last else ""))
         self.epoch = 0
         self.batch_in_epoch = 0
         self._cached_order: tuple[tuple[int, int], np.ndarray] | None = None
@@ -360,7 +366,7 @@ class StatefulDataLoader:
         return [int(i) for i in self._order(epoch)[: len(self) * self.batch_size]]
 
     def _batch(self, order: np.ndarray, b: int) -> Any:
-        items = [self.dataset[int(i)] for i in order[b * self.batch_size: (b + 1) * self.batch_size]]
+        items = [self.dataset[int(i)] for i in order[b * self.batch_size : (b + 1) * self.batch_size]]
         return self.collate_fn(items) if self.collate_fn else items
 
     def __iter__(self) -> Iterator[Any]:
@@ -387,8 +393,12 @@ class StatefulDataLoader:
     def state_dict(self) -> dict[str, Any]:
         """The position (plus the settings it is only valid with); plain ints/bools, JSON-serialisable."""
         return {
-            "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "seed": self.seed,
-            "shuffle": self.shuffle, "batch_size": self.batch_size, "drop_last": self.drop_last,
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "batch_size": self.batch_size,
+            "drop_last": self.drop_last,
             "dataset_len": len(self.dataset),
         }
 

@@ -57,8 +57,11 @@ class GenerationInterface(ABC):
         import asyncio
 
         return await asyncio.to_thread(
-            self.generate, [prompt], max_new_tokens=max_new_tokens,
-            stop_strings=[stop_strings] if stop_strings is not None else None, greedy=greedy,
+            self.generate,
+            [prompt],
+            max_new_tokens=max_new_tokens,
+            stop_strings=[stop_strings] if stop_strings is not None else None,
+            greedy=greedy,
         )
 
     def prepare_for_generation(self) -> None:

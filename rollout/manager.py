@@ -112,8 +112,11 @@ class AsyncRolloutImpl:
         num_generations_per_prompt: int = 1,
         seed: int | None = None,
     ) -> None:
-        if isinstance(num_generations_per_prompt, bool) or not isinstance(num_generations_per_prompt, int) \
-                or num_generations_per_prompt < 1:
+        if (
+            isinstance(num_generations_per_prompt, bool)
+            or not isinstance(num_generations_per_prompt, int)
+            or num_generations_per_prompt < 1
+        ):
             raise ValueError(f"num_generations_per_prompt must be an int >= 1, got {num_generations_per_prompt!r}")
         self.tokenizer = resolve_tokenizer(tokenizer, generation)
         self.generation, self.owns_generation = resolve_generation(generation, tokenizer=self.tokenizer, seed=seed)
@@ -147,17 +150,31 @@ class AsyncRolloutImpl:
         env = self.task_to_env[sample["task_name"]]
         stats = GenerationStats(weight_version=self.generation.weight_version)
         t0 = time.perf_counter()
-        records = await asyncio.gather(*(
-            run_conversation_async(self._generate, self.tokenizer, sample, env, self.limits,
-                                   weight_version=self.generation.weight_version, greedy=greedy, stats=stats)
-            for _ in range(self.num_generations_per_prompt)
-        ))
+        records = await asyncio.gather(
+            *(
+                run_conversation_async(
+                    self._generate,
+                    self.tokenizer,
+                    sample,
+                    env,
+                    self.limits,
+                    weight_version=self.generation.weight_version,
+                    greedy=greedy,
+                    stats=stats,
+                )
+                for _ in range(self.num_generations_per_prompt)
+            )
+        )
         env_metrics = postprocess_rewards(records, self.task_to_env, [prompt_id] * len(records))
         return PromptGroupRecord(
-            uid=uid, prompt_id=prompt_id, task_name=sample["task_name"],
+            uid=uid,
+            prompt_id=prompt_id,
+            task_name=sample["task_name"],
             extra_env_info=dict(sample.get("extra_env_info") or {}),
-            completions=[Completion.from_record(r) for r in records], env_metrics=env_metrics,
-            generation=stats, seconds=time.perf_counter() - t0,
+            completions=[Completion.from_record(r) for r in records],
+            env_metrics=env_metrics,
+            generation=stats,
+            seconds=time.perf_counter() - t0,
         )
 
 

@@ -117,9 +117,7 @@ def _observation_tokens(tokenizer: Any, content: str) -> torch.Tensor:
     A tokenizer without a chat template gets the raw content (the environment formats it).
     """
     if getattr(tokenizer, "chat_template", None):
-        content = tokenizer.apply_chat_template(
-            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
-        )
+        content = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
     return torch.tensor(tokenizer(content, add_special_tokens=False)["input_ids"], dtype=torch.int64)
 
 
@@ -130,9 +128,18 @@ def _start(record: Mapping[str, Any], limits: RolloutLimits, version: int) -> di
     lm = r.get("loss_multiplier", 1.0)
     r.update(
         loss_multiplier=float(lm.item() if isinstance(lm, torch.Tensor) else lm),
-        total_reward=0.0, truncated=False, terminated=False, num_turns=0, env_error=False,
-        empty_generation=False, weight_version=None, finish_reason=None, answer=None,
-        prompt_length=prompt_len, response_length=0, stop_strings=None,
+        total_reward=0.0,
+        truncated=False,
+        terminated=False,
+        num_turns=0,
+        env_error=False,
+        empty_generation=False,
+        weight_version=None,
+        finish_reason=None,
+        answer=None,
+        prompt_length=prompt_len,
+        response_length=0,
+        stop_strings=None,
         env_metadata=dict(r.get("extra_env_info") or {}),
     )
     r["_active"] = prompt_len < limits.max_seq_len
@@ -158,12 +165,14 @@ def _take_generation(
     if ids.numel() == 0:  # no token carries a log-prob: nothing to train on
         r.update(empty_generation=True, loss_multiplier=0.0, total_reward=0.0, _active=False)
         return False
-    r["message_log"].append({
-        "role": "assistant",
-        "content": tokenizer.decode(ids.tolist(), skip_special_tokens=True),
-        "token_ids": ids,
-        "generation_logprobs": lps,
-    })
+    r["message_log"].append(
+        {
+            "role": "assistant",
+            "content": tokenizer.decode(ids.tolist(), skip_special_tokens=True),
+            "token_ids": ids,
+            "generation_logprobs": lps,
+        }
+    )
     r["num_turns"] += 1
     r["response_length"] += int(ids.numel())
     r["finish_reason"] = "length" if cut else reason
@@ -186,8 +195,11 @@ def _split_env_return(ret: Any, n: int, task: str) -> list[_EnvStep]:
     rewards = torch.as_tensor(ret.rewards, dtype=torch.float32).flatten()
     terms = torch.as_tensor(ret.terminateds, dtype=torch.bool).flatten()
     sizes = {
-        "observations": len(ret.observations), "metadata": len(ret.metadata),
-        "next_stop_strings": len(ret.next_stop_strings), "rewards": rewards.numel(), "terminateds": terms.numel(),
+        "observations": len(ret.observations),
+        "metadata": len(ret.metadata),
+        "next_stop_strings": len(ret.next_stop_strings),
+        "rewards": rewards.numel(),
+        "terminateds": terms.numel(),
     }
     if ret.answers:
         sizes["answers"] = len(ret.answers)
@@ -196,8 +208,12 @@ def _split_env_return(ret: Any, n: int, task: str) -> list[_EnvStep]:
         raise EnvironmentContractError(f"environment for task {task!r} stepped {n} conversations but returned {wrong}")
     return [
         _EnvStep(
-            dict(ret.observations[k]), dict(ret.metadata[k] or {}), ret.next_stop_strings[k], float(rewards[k]),
-            bool(terms[k]), ret.answers[k] if ret.answers else None,
+            dict(ret.observations[k]),
+            dict(ret.metadata[k] or {}),
+            ret.next_stop_strings[k],
+            float(rewards[k]),
+            bool(terms[k]),
+            ret.answers[k] if ret.answers else None,
         )
         for k in range(n)
     ]
@@ -216,8 +232,7 @@ def _step_env(env: EnvironmentInterface, task: str, records: list[dict[str, Any]
         if len(records) > 1:
             return [_step_env(env, task, [r])[0] for r in records]
         r = records[0]
-        log.warning("environment for task %r raised on dataset row %s; it scores 0 and is masked",
-                    task, r.get("idx"), exc_info=True)
+        log.warning("environment for task %r raised on dataset row %s; it scores 0 and is masked", task, r.get("idx"), exc_info=True)
         return [None]
     return _split_env_return(ret, len(records), task)
 
@@ -319,8 +334,10 @@ class GenerationStats:
     def metrics(self, wall_seconds: float | None = None) -> dict[str, float]:
         """Counts plus throughput: tokens per second of generate time (and of wall time when given)."""
         m = {
-            "generate_calls": float(self.calls), "generation_requests": float(self.requests),
-            "generated_tokens": float(self.tokens), "generation_seconds": self.seconds,
+            "generate_calls": float(self.calls),
+            "generation_requests": float(self.requests),
+            "generated_tokens": float(self.tokens),
+            "generation_seconds": self.seconds,
             "generated_tokens_per_s": self.tokens / self.seconds if self.seconds > 0 else 0.0,
             "length_finish_fraction": self.length_finishes / self.requests if self.requests else 0.0,
             "weight_version": float(self.weight_version),
@@ -380,8 +397,9 @@ def run_multi_turn_rollout(
         by_task: dict[str, list[int]] = {}
         for j, i in enumerate(active):
             out[i]["_active"] = False
-            if _take_generation(out[i], result.response_ids[j], result.logprobs[j], result.finish_reasons[j],
-                                budgets[j], result.weight_version, tokenizer):
+            if _take_generation(
+                out[i], result.response_ids[j], result.logprobs[j], result.finish_reasons[j], budgets[j], result.weight_version, tokenizer
+            ):
                 by_task.setdefault(out[i]["task_name"], []).append(i)
         for task, idxs in by_task.items():
             steps = _step_env(task_to_env[task], task, [out[i] for i in idxs])
@@ -422,8 +440,9 @@ async def run_conversation_async(
         if stats is not None:
             stats.add(result, time.perf_counter() - t)
         r["_active"] = False
-        if _take_generation(r, result.response_ids[0], result.logprobs[0], result.finish_reasons[0], budget,
-                            result.weight_version, tokenizer):
+        if _take_generation(
+            r, result.response_ids[0], result.logprobs[0], result.finish_reasons[0], budget, result.weight_version, tokenizer
+        ):
             (step,) = await asyncio.to_thread(_step_env, env, task, [r])
             _take_env(r, step, tokenizer, limits)
     return _finish(r)
@@ -482,11 +501,20 @@ class Completion:
             mask.append(torch.full((t.numel(),), gen, dtype=torch.bool))
             lps.append(m["generation_logprobs"].to(torch.float32) if gen else torch.zeros(t.numel(), dtype=torch.float32))
         return cls(
-            token_ids=torch.cat(ids), logprobs=torch.cat(lps), token_mask=torch.cat(mask),
-            prompt_length=int(r["prompt_length"]), reward=float(r["total_reward"]), finish_reason=r["finish_reason"],
-            weight_version=int(r["weight_version"]), env_answer=r.get("answer"), truncated=bool(r["truncated"]),
-            terminated=bool(r["terminated"]), env_error=bool(r["env_error"]), empty_generation=bool(r["empty_generation"]),
-            num_turns=int(r["num_turns"]), loss_multiplier=float(r["loss_multiplier"]),
+            token_ids=torch.cat(ids),
+            logprobs=torch.cat(lps),
+            token_mask=torch.cat(mask),
+            prompt_length=int(r["prompt_length"]),
+            reward=float(r["total_reward"]),
+            finish_reason=r["finish_reason"],
+            weight_version=int(r["weight_version"]),
+            env_answer=r.get("answer"),
+            truncated=bool(r["truncated"]),
+            terminated=bool(r["terminated"]),
+            env_error=bool(r["env_error"]),
+            empty_generation=bool(r["empty_generation"]),
+            num_turns=int(r["num_turns"]),
+            loss_multiplier=float(r["loss_multiplier"]),
             message_log=_as_message_log(r["message_log"]),
         )
 
@@ -569,8 +597,7 @@ def summarize_completions(completions: Sequence[Completion]) -> dict[str, float]
         "env_error_fraction": mean(c.env_error for c in completions),
         "empty_generation_fraction": mean(c.empty_generation for c in completions),
         "empty_response_fraction": mean(
-            c.num_turns > 0 and all(m["content"] == "" for m in c.message_log if m["role"] == "assistant")
-            for c in completions
+            c.num_turns > 0 and all(m["content"] == "" for m in c.message_log if m["role"] == "assistant") for c in completions
         ),
         "masked_fraction": mean(c.loss_multiplier == 0.0 for c in completions),
         "mean_response_length": mean(c.response_length for c in completions),

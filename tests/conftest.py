@@ -130,7 +130,11 @@ def ray_session():
 
 # ----------------------------------------------------------------------------- bit-exact tensors
 _BITS = {
-    "float32": "int32", "float16": "int16", "bfloat16": "int16", "float64": "int64", "bool": "uint8",
+    "float32": "int32",
+    "float16": "int16",
+    "bfloat16": "int16",
+    "float64": "int64",
+    "bool": "uint8",
 }
 
 

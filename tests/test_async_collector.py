@@ -18,11 +18,20 @@ from trainer.grpo_async import ASYNC_CONFIG
 
 @pytest.fixture()
 def collector(tq_server):
-    cfg = load_config(ASYNC_CONFIG, [
-        "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "grpo.max_new_tokens=2",
-        "generation.max_new_tokens=2", "policy.train_global_batch_size=4", "grpo.val_period=0",
-        "data.num_builtin_prompts=20", "async_grpo.max_trajectory_age_steps=1", "async_grpo.wait_timeout_s=60",
-    ])
+    cfg = load_config(
+        ASYNC_CONFIG,
+        [
+            "grpo.num_prompts_per_step=2",
+            "grpo.num_generations_per_prompt=2",
+            "grpo.max_new_tokens=2",
+            "generation.max_new_tokens=2",
+            "policy.train_global_batch_size=4",
+            "grpo.val_period=0",
+            "data.num_builtin_prompts=20",
+            "async_grpo.max_trajectory_age_steps=1",
+            "async_grpo.wait_timeout_s=60",
+        ],
+    )
     buffer = TQReplayBuffer(TQConnection(tq_server.address), capacity=16, partition_id=unique_keys(1, "async")[0])
     c = AsyncTrajectoryCollectorImpl(cfg.generation.model_dump(), None, {cfg.env.name: {"name": cfg.env.name}}, cfg, buffer, 0)
     yield c

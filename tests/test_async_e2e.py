@@ -19,15 +19,29 @@ AGE = 2
 
 
 def _cfg(tmp_path, *extra: str):
-    return parse_cli([
-        "--config", str(ASYNC_CONFIG),
-        "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "grpo.val_period=0",
-        "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8", "policy.logprob_batch_size=16",
-        "data.num_builtin_prompts=40", "logger.tensorboard=false", "logger.plot=false", "logger.progress=false",
-        f"logger.log_dir={tmp_path}/logs", "cluster.num_cpus=2", f"async_grpo.max_trajectory_age_steps={AGE}",
-        "checkpointing.enabled=true", "checkpointing.save_period=2", f"checkpointing.checkpoint_dir={tmp_path}/ckpt",
-        *extra,
-    ])
+    return parse_cli(
+        [
+            "--config",
+            str(ASYNC_CONFIG),
+            "grpo.num_prompts_per_step=4",
+            "grpo.num_generations_per_prompt=4",
+            "grpo.val_period=0",
+            "policy.train_global_batch_size=16",
+            "policy.train_micro_batch_size=8",
+            "policy.logprob_batch_size=16",
+            "data.num_builtin_prompts=40",
+            "logger.tensorboard=false",
+            "logger.plot=false",
+            "logger.progress=false",
+            f"logger.log_dir={tmp_path}/logs",
+            "cluster.num_cpus=2",
+            f"async_grpo.max_trajectory_age_steps={AGE}",
+            "checkpointing.enabled=true",
+            "checkpointing.save_period=2",
+            f"checkpointing.checkpoint_dir={tmp_path}/ckpt",
+            *extra,
+        ]
+    )
 
 
 @pytest.fixture(autouse=True)

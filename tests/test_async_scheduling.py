@@ -103,13 +103,21 @@ def test_async_config_requires_importance_sampling():
     assert load_config(CONFIG_DIR / "grpo_async_cpu.yaml").async_grpo.max_trajectory_age_steps == 1  # the recipe (README)
 
 
-ACTIONS = st.lists(st.tuples(st.sampled_from(["start", "finish", "fail", "train", "pause", "resume", "refit", "boundary"]),
-                             st.integers(0, 7)), max_size=200)
+ACTIONS = st.lists(
+    st.tuples(st.sampled_from(["start", "finish", "fail", "train", "pause", "resume", "refit", "boundary"]), st.integers(0, 7)),
+    max_size=200,
+)
 
 
 @settings(max_examples=200, deadline=None)
-@given(actions=ACTIONS, groups=st.integers(1, 3), age=st.integers(1, 4), chunk=st.integers(1, 3),
-       extra_capacity=st.integers(0, 4), start=st.integers(0, 5))
+@given(
+    actions=ACTIONS,
+    groups=st.integers(1, 3),
+    age=st.integers(1, 4),
+    chunk=st.integers(1, 3),
+    extra_capacity=st.integers(0, 4),
+    start=st.integers(0, 5),
+)
 def test_random_interleavings_keep_invariants(actions, groups, age, chunk, extra_capacity, start):
     """The trainer's protocol (train step t, wait for t + 1, then refit: quiescent - prepare_for_refit,
     wait in flight, set_weight_version, resume - or staged - stage_weight_version, applied at a later
@@ -117,8 +125,9 @@ def test_random_interleavings_keep_invariants(actions, groups, age, chunk, extra
     pause/resume: every generated group is trained exactly once, never beyond the age bound, the
     trainer never waits for a step no version can reach, weights never go backwards or change with
     generations in flight, and nothing starts while paused or refitting."""
-    s = TrajectoryScheduler(groups_per_step=groups, max_age=age, start_step=start,
-                            capacity_groups=2 * groups + extra_capacity, chunk_groups=chunk)
+    s = TrajectoryScheduler(
+        groups_per_step=groups, max_age=age, start_step=start, capacity_groups=2 * groups + extra_capacity, chunk_groups=chunk
+    )
     in_flight = []
     generated = trained = 0
     step = start
@@ -200,4 +209,3 @@ def test_random_interleavings_keep_invariants(actions, groups, age, chunk, extra
     buffered = sum(t.generated_groups() for k, t in s.targets.items() if k >= step)
     assert generated == trained + buffered  # none lost, none used twice
     assert all(t.in_flight == 0 for t in s.targets.values())
-

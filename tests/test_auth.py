@@ -48,8 +48,6 @@ def _pid() -> str:
     return f"auth-{uuid.uuid4().hex[:8]}"
 
 
-
-
 def _ok(reply: protocol.Message | None):
     assert reply is not None, "no reply"
     return protocol.raise_for_reply(reply)
@@ -160,6 +158,7 @@ def test_servers_in_one_process_share_the_zap_handler_and_keep_their_own_secrets
         for name, secret in (("a", b"secret-a"), ("b", b"secret-b"), ("open", None))
     }
     threads = []
+
     class Echo(Args):
         n: str = ""
 
@@ -278,4 +277,4 @@ def test_a_request_frame_over_the_limit_fails_on_the_client_naming_it():
     big = np.zeros(protocol.MAX_FRAME_BYTES + 1, np.uint8)
     with pytest.raises(MessageTooLargeError, match="'commit'.*frame limit"):
         protocol.request("commit", 1, {"x": 1}, [big], None)
-    assert len(protocol.request("commit", 1, {"x": 1}, [big[:protocol.MAX_FRAME_BYTES]], None)) == 3
+    assert len(protocol.request("commit", 1, {"x": 1}, [big[: protocol.MAX_FRAME_BYTES]], None)) == 3

@@ -13,8 +13,9 @@ import pytest
 
 from benchmarks.outputs import REPO, RESULTS_DIR, add_output_args, machine_tag, open_run
 
-BENCHMARKS = sorted(f[:-3] for f in os.listdir(os.path.join(REPO, "benchmarks"))
-                    if f.endswith(".py") and f not in ("__init__.py", "outputs.py"))
+BENCHMARKS = sorted(
+    f[:-3] for f in os.listdir(os.path.join(REPO, "benchmarks")) if f.endswith(".py") and f not in ("__init__.py", "outputs.py")
+)
 # Benchmarks whose command lines are built by a ``build_parser()`` (the others build theirs in main).
 PARSERS = tuple(m for m in BENCHMARKS if "def build_parser(" in open(os.path.join(REPO, "benchmarks", f"{m}.py")).read())
 
@@ -30,8 +31,7 @@ def test_a_run_writes_its_own_directory_and_publishes_only_when_asked(tmp_path):
     assert run.finish(False, "cpu9", results_dir=str(results)) == []
     assert not results.exists() and "untouched" in said[-1]
     published = run.finish(True, "cpu9", results_dir=str(results))
-    assert sorted(os.path.basename(p) for p in published) == ["demo_bench_cpu9.json", "demo_bench_cpu9.md",
-                                                              "demo_bench_cpu9_plot.png"]
+    assert sorted(os.path.basename(p) for p in published) == ["demo_bench_cpu9.json", "demo_bench_cpu9.md", "demo_bench_cpu9_plot.png"]
     assert (results / "demo_bench_cpu9.md").read_text() == "# t"
     assert sorted(os.listdir(tmp_path / "run")) == ["demo_bench.json", "demo_bench.md", "demo_bench_plot.png"]
     assert str(tmp_path / "run") in said[0]

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from benchmarks.outputs import RESULTS_DIR, snapshot
-from benchmarks.tq_throughput import (FIELDS, MiB, Unavailable, main, make_batch, merge_rounds, pad_batch, padded,
-                                      payload_bytes, report)
+from benchmarks.tq_throughput import FIELDS, MiB, Unavailable, main, make_batch, merge_rounds, pad_batch, padded, payload_bytes, report
 
 
 def test_payload_bytes_counts_exactly_the_batch_bytes():
@@ -45,10 +44,15 @@ def _system(size: int, put: float, get: float, **more: float) -> dict:
 
 def test_report_computes_ratios_against_baselines_of_the_same_run():
     size = 8 * MiB
-    res = {"memcpy": {size: {"copy": [10e9, 20e9], "bytes": 8_000_000}},
-           "tq": {size: {"put": [3e9, 4e9], "get": [2.5e9, 10e9, 8e9, 10e9], "bytes": 8_000_000}}, "tq_tcp": _system(size, 1e9, 2e9),
-           "ray": _system(size, 0.5e9, 2.5e9, put_padded=0.4e9, get_views=20e9), "transferqueue": _system(size, 0.5e9, 0.2e9),
-           "control_ops": {"put, 1 key (same host)": {"p50_ms": 0.3, "p99_ms": 0.6}}, "unavailable": {}}
+    res = {
+        "memcpy": {size: {"copy": [10e9, 20e9], "bytes": 8_000_000}},
+        "tq": {size: {"put": [3e9, 4e9], "get": [2.5e9, 10e9, 8e9, 10e9], "bytes": 8_000_000}},
+        "tq_tcp": _system(size, 1e9, 2e9),
+        "ray": _system(size, 0.5e9, 2.5e9, put_padded=0.4e9, get_views=20e9),
+        "transferqueue": _system(size, 0.5e9, 0.2e9),
+        "control_ops": {"put, 1 key (same host)": {"p50_ms": 0.3, "p99_ms": 0.6}},
+        "unavailable": {},
+    }
     table = report(res, [size])
     r = res["ratios"][0]
     assert (r["get_vs_memcpy"], r["get_vs_ray"], r["get_vs_transferqueue"]) == (0.5, 4.0, 50.0)
@@ -77,9 +81,15 @@ def test_report_computes_ratios_against_baselines_of_the_same_run():
 
 def test_a_system_that_did_not_run_reads_n_a_with_the_reason_and_sets_no_target():
     size = 8 * MiB
-    res = {"memcpy": {size: {"copy": [1.0, 20e9], "bytes": 8_000_000}}, "tq": _system(size, 4e9, 10e9), "tq_tcp": None,
-           "ray": None, "transferqueue": None, "control_ops": {},
-           "unavailable": {"transferqueue": "transferqueue not installed: pip install -e '.[bench]'"}}
+    res = {
+        "memcpy": {size: {"copy": [1.0, 20e9], "bytes": 8_000_000}},
+        "tq": _system(size, 4e9, 10e9),
+        "tq_tcp": None,
+        "ray": None,
+        "transferqueue": None,
+        "control_ops": {},
+        "unavailable": {"transferqueue": "transferqueue not installed: pip install -e '.[bench]'"},
+    }
     table = report(res, [size])
     assert "| 8 MiB | 0.50x | n/a | n/a | n/a | n/a | n/a | n/a | n/a |" in table
     assert "- transferqueue: n/a - transferqueue not installed: pip install -e '.[bench]'" in table
@@ -121,8 +131,27 @@ def test_rounds_pool_every_rounds_warm_iterations_behind_the_first_cold_one():
 def test_a_tiny_run_writes_its_run_dir_and_leaves_the_published_results_alone(tmp_path, capsys):
     before = snapshot(RESULTS_DIR)
     run = tmp_path / "run"
-    assert main(["--sizes-mib", "1", "--iters", "1", "--rounds", "1", "--skip", "ray", "transferqueue", "tcp",
-                 "--control-iters", "20", "--run-dir", str(run)]) == 0
+    assert (
+        main(
+            [
+                "--sizes-mib",
+                "1",
+                "--iters",
+                "1",
+                "--rounds",
+                "1",
+                "--skip",
+                "ray",
+                "transferqueue",
+                "tcp",
+                "--control-iters",
+                "20",
+                "--run-dir",
+                str(run),
+            ]
+        )
+        == 0
+    )
     assert snapshot(RESULTS_DIR) == before
     assert sorted(p.name for p in run.iterdir()) == ["tq_throughput.json", "tq_throughput.md"]
     res = json.loads((run / "tq_throughput.json").read_text())
@@ -141,8 +170,10 @@ def test_a_tiny_run_writes_its_run_dir_and_leaves_the_published_results_alone(tm
 def test_writers_report_rates_four_writers_against_one_warm():
     from benchmarks.tq_throughput import writers_report
 
-    rows = [{"writers": n, "put_cold": 1e9 * n ** 0.5, "put_warm": w, "get_cold": 2e9, "get_warm": 4e9 * n}
-            for n, w in ((1, 2e9), (2, 4e9), (4, 6e9))]
+    rows = [
+        {"writers": n, "put_cold": 1e9 * n**0.5, "put_warm": w, "get_cold": 2e9, "get_warm": 4e9 * n}
+        for n, w in ((1, 2e9), (2, 4e9), (4, 6e9))
+    ]
     res = {"rows": rows, "puts_per_writer": 4, "batch_bytes": 32 * MiB, "cores": 32, "machine": "m", "profiles": {}}
     table = writers_report(res)
     assert "| 4 | 2.00 | 6.00 | 3.00x | 2.00 | 16.00 | 4.00x |" in table

@@ -120,8 +120,9 @@ time.sleep(60)
 def test_a_dead_holders_lease_runs_out(tq_server, client, partition):
     prior = _used(client.stats())
     meta = client.put(partition, unique_keys(8), _batch(8, seed=4))
-    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, tq_server.address, partition, *meta.keys],
-                              stdout=subprocess.PIPE, env={**os.environ})
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, tq_server.address, partition, *meta.keys], stdout=subprocess.PIPE, env={**os.environ}
+    )
     try:
         assert holder.stdout.readline().strip() == b"borrowed"
         before = _used(_stats_until(client, lambda s: _used(s) > prior))  # the unit adopts the block after the commit
@@ -174,12 +175,20 @@ def test_leases_survive_a_controller_restart_from_its_journal(tmp_path):
 
     ctrl = Controller("tcp://127.0.0.1:0", journal_dir=str(tmp_path), shm_dir=None)
     try:
-        apply(ctrl, "register_unit", {"address": f"tcp://127.0.0.1:{port}", "arena_size": 1 << 20, "pid": 1, "host": "h",
-                                      "arena_path": "/nonexistent"})
+        apply(
+            ctrl,
+            "register_unit",
+            {"address": f"tcp://127.0.0.1:{port}", "arena_size": 1 << 20, "pid": 1, "host": "h", "arena_path": "/nonexistent"},
+        )
         apply(ctrl, "create_partition", {"partition": "p"})
         bufs: list = []
-        fields = {"x": {"schema": ["tensor", "int64", []], "row_nbytes": protocol.pack_array(np.array([8, 8]), bufs),
-                        "arena_offsets": protocol.pack_array(np.array([0, 8]), bufs)}}
+        fields = {
+            "x": {
+                "schema": ["tensor", "int64", []],
+                "row_nbytes": protocol.pack_array(np.array([8, 8]), bufs),
+                "arena_offsets": protocol.pack_array(np.array([0, 8]), bufs),
+            }
+        }
         apply(ctrl, "commit", {"partition": "p", "keys": ["a", "b"], "mode": "put", "blocks": [[0, 5, 2]], "fields": fields}, bufs)
         reply, _ = apply(ctrl, "locate", {"partition": "p", "keys": ["a", "b"], "fields": ["x"], "lease_s": 60.0})
         lease = reply["lease"]

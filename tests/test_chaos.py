@@ -23,9 +23,21 @@ TIMEOUT = 2.0
 @pytest.mark.timeout(240)
 def test_short_chaos_loses_nothing_and_leaves_nothing(tmp_path):
     lines: list[str] = []
-    report = run_chaos(duration=36.0, clients=4, faults_min=2, seed=3, run_dir=str(tmp_path / "run"), units=2,
-                       capacity=256 << 20, client_timeout=TIMEOUT, warmup_s=2.0, recovery_timeout=15.0,
-                       final_timeout=15.0, settle_s=5.0, log=lines.append)
+    report = run_chaos(
+        duration=36.0,
+        clients=4,
+        faults_min=2,
+        seed=3,
+        run_dir=str(tmp_path / "run"),
+        units=2,
+        capacity=256 << 20,
+        client_timeout=TIMEOUT,
+        warmup_s=2.0,
+        recovery_timeout=15.0,
+        final_timeout=15.0,
+        settle_s=5.0,
+        log=lines.append,
+    )
     print("\n".join(lines) + "\n" + summary(report))
     notes = report["notes"][:20] + report["driver_anomalies"] + report["run_errors"]
     assert report["total_calls"] > 500 and report["verified_rows"] > 1000, notes  # it did real work

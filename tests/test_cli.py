@@ -24,9 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_cli(*args: str, env: dict[str, str], timeout: float = 60.0) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "tq.cli", *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout
-    )
+    return subprocess.run([sys.executable, "-m", "tq.cli", *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
 def _kill_recorded(run_file: str) -> None:
@@ -171,15 +169,18 @@ def test_start_fails_fast_when_units_cannot_start(cli_env):
     assert not os.path.exists(os.path.join(cli_env["TQ_RUN_DIR"], "controller.json"))
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["start", "--port", "99999"], "port must be in 0..65535"),
-    (["start", "--port", "-1"], "port must be in 0..65535"),
-    (["start", "--port", "http"], "invalid port 'http'"),
-    (["start", "--storage-units", "-1"], "must be >= 0"),
-    (["start", "--capacity", "0"], "size must be positive"),
-    (["status", "--timeout", "0"], "finite number of seconds > 0"),
-    (["status", "--timeout", "nan"], "finite number of seconds > 0"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["start", "--port", "99999"], "port must be in 0..65535"),
+        (["start", "--port", "-1"], "port must be in 0..65535"),
+        (["start", "--port", "http"], "invalid port 'http'"),
+        (["start", "--storage-units", "-1"], "must be >= 0"),
+        (["start", "--capacity", "0"], "size must be positive"),
+        (["status", "--timeout", "0"], "finite number of seconds > 0"),
+        (["status", "--timeout", "nan"], "finite number of seconds > 0"),
+    ],
+)
 def test_numeric_arguments_are_checked_at_parse_time(cli_env, argv, message):
     """A bad number is refused before anything starts (a port of 99999 used to listen on 34463)."""
     r = run_cli(*argv, env=cli_env)
@@ -188,12 +189,15 @@ def test_numeric_arguments_are_checked_at_parse_time(cli_env, argv, message):
     assert not os.path.exists(os.path.join(cli_env["TQ_RUN_DIR"], "controller.json"))
 
 
-@pytest.mark.parametrize("module, argv", [
-    ("tq.controller", ["--port", "99999"]),
-    ("tq.controller", ["--commit-lease", "-1"]),
-    ("tq.storage", ["--unit-id", "-2", "--bind", "tcp://127.0.0.1:0", "--controller", "tcp://127.0.0.1:1", "--capacity", "1M"]),
-    ("tq.storage", ["--unit-id", "0", "--bind", "tcp://127.0.0.1:0", "--controller", "tcp://127.0.0.1:1", "--capacity", "-5"]),
-])
+@pytest.mark.parametrize(
+    "module, argv",
+    [
+        ("tq.controller", ["--port", "99999"]),
+        ("tq.controller", ["--commit-lease", "-1"]),
+        ("tq.storage", ["--unit-id", "-2", "--bind", "tcp://127.0.0.1:0", "--controller", "tcp://127.0.0.1:1", "--capacity", "1M"]),
+        ("tq.storage", ["--unit-id", "0", "--bind", "tcp://127.0.0.1:0", "--controller", "tcp://127.0.0.1:1", "--capacity", "-5"]),
+    ],
+)
 def test_service_modules_check_numbers_at_parse_time(cli_env, module, argv):
     r = subprocess.run([sys.executable, "-m", module, *argv], env=cli_env, cwd=REPO, capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "error: argument" in r.stderr and "Traceback" not in r.stderr, r.stderr
@@ -217,9 +221,14 @@ def test_status_into_a_closed_pipe_exits_quietly(cli_env, json_out):
     from tq import TQServer
 
     with TQServer(storage_units=1, capacity=16 << 20) as server:
-        proc = subprocess.Popen([sys.executable, "-m", "tq.cli", "status", "--address", server.address,
-                                 *(["--json"] if json_out else [])],
-                                env=cli_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tq.cli", "status", "--address", server.address, *(["--json"] if json_out else [])],
+            env=cli_env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         proc.stdout.close()  # the reader is gone before the first line is written
         err = proc.stderr.read()
         proc.wait(timeout=60)
@@ -235,8 +244,9 @@ def test_status_watch_redraws_until_ctrl_c(cli_env, tmp_path):
     watch = [sys.executable, "-m", "tq.cli", "status", "--watch", "--timeout", "1", "--interval"]
     out, err = tmp_path / "stdout", tmp_path / "stderr"
     with TQServer(storage_units=1, capacity=16 << 20) as server:
-        piped = subprocess.Popen([*watch, "0.1", "--address", server.address], env=cli_env, cwd=REPO,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        piped = subprocess.Popen(
+            [*watch, "0.1", "--address", server.address], env=cli_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         assert "TQ service at" in piped.stdout.readline()
         piped.stdout.close()
         assert piped.stderr.read() == "" and piped.wait(timeout=60) == 141
@@ -261,18 +271,32 @@ def test_status_watch_redraws_until_ctrl_c(cli_env, tmp_path):
 
 
 CTRL_C_LAUNCHERS = {
-    "tq-controller start --foreground": [sys.executable, "-m", "tq.cli", "start", "--foreground", "--storage-units", "2",
-                                         "--capacity", "32M"],
+    "tq-controller start --foreground": [
+        sys.executable,
+        "-m",
+        "tq.cli",
+        "start",
+        "--foreground",
+        "--storage-units",
+        "2",
+        "--capacity",
+        "32M",
+    ],
     # the trainer's way: a TQServer embedded in a Python program that stops on KeyboardInterrupt
-    "embedded TQServer": [sys.executable, "-c", (
-        "import sys, time\n"
-        "from tq import TQServer\n"
-        "try:\n"
-        "    with TQServer(storage_units=2, capacity=32 << 20) as s:\n"
-        "        print(s.address, flush=True)\n"
-        "        time.sleep(120)\n"
-        "except KeyboardInterrupt:\n"
-        "    sys.exit(130)\n")],
+    "embedded TQServer": [
+        sys.executable,
+        "-c",
+        (
+            "import sys, time\n"
+            "from tq import TQServer\n"
+            "try:\n"
+            "    with TQServer(storage_units=2, capacity=32 << 20) as s:\n"
+            "        print(s.address, flush=True)\n"
+            "        time.sleep(120)\n"
+            "except KeyboardInterrupt:\n"
+            "    sys.exit(130)\n"
+        ),
+    ],
 }
 
 
@@ -284,12 +308,14 @@ def test_ctrl_c_stops_the_service_quietly(cli_env, launcher, tmp_path):
     17-line KeyboardInterrupt traceback)."""
     out, err = tmp_path / "stdout", tmp_path / "stderr"
     with open(out, "w") as o, open(err, "w") as e:  # files, not pipes: nothing here can block on a read
-        proc = subprocess.Popen(CTRL_C_LAUNCHERS[launcher], env=cli_env, cwd=REPO, stdout=o, stderr=e,
-                                start_new_session=True)  # its own process group: our "terminal"
+        proc = subprocess.Popen(
+            CTRL_C_LAUNCHERS[launcher], env=cli_env, cwd=REPO, stdout=o, stderr=e, start_new_session=True
+        )  # its own process group: our "terminal"
     try:
         # Started once the launcher printed the address (the controller prints "TQ_READY <address>" too).
-        started = wait_until(lambda: any(ln.startswith("tcp://") for ln in out.read_text().splitlines()) or proc.poll() is not None,
-                             timeout=60.0)
+        started = wait_until(
+            lambda: any(ln.startswith("tcp://") for ln in out.read_text().splitlines()) or proc.poll() is not None, timeout=60.0
+        )
         assert started and proc.poll() is None, err.read_text()
         group = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
         assert len(group) >= 4  # launcher, controller, 2 units

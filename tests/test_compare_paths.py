@@ -87,8 +87,17 @@ def test_payload_nbytes_counts_pickled_bytes_and_whole_storages():
 # ----------------------------------------------------------------------------- target checks
 def _row(point, path, *, step, bytes_, rss, fetch=0.01, tokens=None, batch=None):
     p = next(p for p in POINTS if p.key == point)
-    return {"point": point, "path": path, "tokens": tokens or p.tokens, "batch": batch or p.batch, "step_s": step,
-            "driver_bytes": bytes_, "peak_rss_bytes": rss, "fetch_rank_mean_s": fetch, "data_share": 0.1}
+    return {
+        "point": point,
+        "path": path,
+        "tokens": tokens or p.tokens,
+        "batch": batch or p.batch,
+        "step_s": step,
+        "driver_bytes": bytes_,
+        "peak_rss_bytes": rss,
+        "fetch_rank_mean_s": fetch,
+        "data_share": 0.1,
+    }
 
 
 POINTS = [cp.Point(2, 8, 64, 1), cp.Point(16, 8, 64, 1), cp.Point(4, 8, 64, 2), cp.Point(8, 8, 64, 4)]
@@ -98,10 +107,14 @@ SWEEPS = {"batch": POINTS[:2], "seq": [], "dp": [POINTS[0], POINTS[2], POINTS[3]
 def test_check_targets_passes_and_fails_as_the_numbers_say():
     MiB = 1 << 20
     good = [
-        _row("b16_L64_dp1", "legacy", step=1.0, bytes_=10 * MiB, rss=500 * MiB), _row("b16_L64_dp1", "tq", step=0.5, bytes_=0.05 * MiB, rss=400 * MiB, fetch=0.010),
-        _row("b128_L64_dp1", "legacy", step=8.0, bytes_=80 * MiB, rss=600 * MiB), _row("b128_L64_dp1", "tq", step=4.0, bytes_=0.4 * MiB, rss=420 * MiB),
-        _row("b32_L64_dp2", "legacy", step=2.0, bytes_=20 * MiB, rss=500 * MiB), _row("b32_L64_dp2", "tq", step=1.0, bytes_=0.1 * MiB, rss=400 * MiB, fetch=0.011),
-        _row("b64_L64_dp4", "legacy", step=4.0, bytes_=40 * MiB, rss=500 * MiB), _row("b64_L64_dp4", "tq", step=2.0, bytes_=0.2 * MiB, rss=400 * MiB, fetch=0.012),
+        _row("b16_L64_dp1", "legacy", step=1.0, bytes_=10 * MiB, rss=500 * MiB),
+        _row("b16_L64_dp1", "tq", step=0.5, bytes_=0.05 * MiB, rss=400 * MiB, fetch=0.010),
+        _row("b128_L64_dp1", "legacy", step=8.0, bytes_=80 * MiB, rss=600 * MiB),
+        _row("b128_L64_dp1", "tq", step=4.0, bytes_=0.4 * MiB, rss=420 * MiB),
+        _row("b32_L64_dp2", "legacy", step=2.0, bytes_=20 * MiB, rss=500 * MiB),
+        _row("b32_L64_dp2", "tq", step=1.0, bytes_=0.1 * MiB, rss=400 * MiB, fetch=0.011),
+        _row("b64_L64_dp4", "legacy", step=4.0, bytes_=40 * MiB, rss=500 * MiB),
+        _row("b64_L64_dp4", "tq", step=2.0, bytes_=0.2 * MiB, rss=400 * MiB, fetch=0.012),
     ]
     checks = cp.check_targets(good, SWEEPS)
     assert [c["passed"] for c in checks] == [True] * 5, checks
@@ -207,5 +220,9 @@ def test_a_rerun_leaves_the_published_results_alone_and_publish_replaces_them(tm
     out = open_run("compare_paths", str(tmp_path / "run"), log=lambda _: None)
     cp.write_reports(json.loads(copy.read_text()), out)
     assert sorted(os.path.basename(p) for p in out.finish(True, "cpu2", results_dir=str(results))) == [
-        "compare_paths_cpu2.json", "compare_paths_cpu2.md", "compare_paths_cpu2_driver_bytes.png",
-        "compare_paths_cpu2_fetch.png", "compare_paths_cpu2_step_time.png"]
+        "compare_paths_cpu2.json",
+        "compare_paths_cpu2.md",
+        "compare_paths_cpu2_driver_bytes.png",
+        "compare_paths_cpu2_fetch.png",
+        "compare_paths_cpu2_step_time.png",
+    ]

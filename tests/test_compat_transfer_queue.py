@@ -36,13 +36,16 @@ def kv(tq_server, monkeypatch):
 def test_values_round_trip_in_transfer_queue_types(kv):
     keys = ["k0", "k1", "k2"]
     rows = [torch.arange(n, dtype=torch.int64) for n in (3, 1, 4)]
-    fields = TensorDict({
-        "responses": torch.nested.as_nested_tensor(rows, layout=torch.jagged),
-        "reward": torch.tensor([0.5, -1.0, 2.0]),
-        "logprobs": torch.randn(3, 5).to(torch.bfloat16),
-        "prompt": NonTensorStack("a", "bb", "ccc"),
-        "info": NonTensorStack({"turns": 1}, {"turns": 2}, {"turns": [1, 2]}),
-    }, batch_size=3)
+    fields = TensorDict(
+        {
+            "responses": torch.nested.as_nested_tensor(rows, layout=torch.jagged),
+            "reward": torch.tensor([0.5, -1.0, 2.0]),
+            "logprobs": torch.randn(3, 5).to(torch.bfloat16),
+            "prompt": NonTensorStack("a", "bb", "ccc"),
+            "info": NonTensorStack({"turns": 1}, {"turns": 2}, {"turns": [1, 2]}),
+        },
+        batch_size=3,
+    )
     meta = kv.kv_batch_put(keys, "p", fields, tags=[{"step": 1}] * 3)
     assert meta.fields == sorted(fields.keys()) and meta.tags == [{"step": 1}] * 3
     out = kv.kv_batch_get_by_meta(meta)
@@ -56,12 +59,16 @@ def test_values_round_trip_in_transfer_queue_types(kv):
 
 
 def test_overwrite_and_mixed_new_and_existing_keys(kv):
-    kv.kv_batch_put(["a", "b"], "p", TensorDict({"x": torch.tensor([[1, 1], [2, 2]])}, batch_size=2),
-                    tags=[{"v": 1, "keep": "yes"}, {"v": 1}])
+    kv.kv_batch_put(
+        ["a", "b"], "p", TensorDict({"x": torch.tensor([[1, 1], [2, 2]])}, batch_size=2), tags=[{"v": 1, "keep": "yes"}, {"v": 1}]
+    )
     # "b" exists (its x is overwritten), "c" is new; both get field y; a's tags are untouched
-    meta = kv.kv_batch_put(["b", "c"], "p", TensorDict({"x": torch.tensor([[5, 5], [6, 6]]),
-                                                       "y": torch.tensor([7, 8])}, batch_size=2),
-                           tags=[{"v": 2}, {"v": 2}])
+    meta = kv.kv_batch_put(
+        ["b", "c"],
+        "p",
+        TensorDict({"x": torch.tensor([[5, 5], [6, 6]]), "y": torch.tensor([7, 8])}, batch_size=2),
+        tags=[{"v": 2}, {"v": 2}],
+    )
     assert meta.fields == ["x", "y"] and meta.tags == [{"v": 2}, {"v": 2}]
     got = kv.kv_batch_get(["a", "b", "c"], "p", select_fields="x")
     assert [r.tolist() for r in got["x"].unbind()] == [[1, 1], [5, 5], [6, 6]]
@@ -120,8 +127,9 @@ def test_async_twins_and_data_parser(kv):
         batch["url"] = [f"fetched:{u}" for u in batch["url"]]
 
     async def run():
-        meta = await kv.async_kv_batch_put(["u0", "u1"], "p", TensorDict({"url": NonTensorStack("x", "y")}, batch_size=2),
-                                           data_parser=parse)
+        meta = await kv.async_kv_batch_put(
+            ["u0", "u1"], "p", TensorDict({"url": NonTensorStack("x", "y")}, batch_size=2), data_parser=parse
+        )
         return await kv.async_kv_batch_get_by_meta(meta)
 
     assert asyncio.run(run())["url"] == ["fetched:x", "fetched:y"]

@@ -11,14 +11,17 @@ from tq import TQConnection, TQServer
 from tq.errors import AuthenticationError, InvalidRequestError, TQConnectionError
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"address": "localhost:5555"}, "address"),
-    ({"address": "tcp://127.0.0.1:1", "timeout_s": 0}, "timeout_s"),
-    ({"address": "tcp://127.0.0.1:1", "timeout_s": float("inf")}, "timeout_s"),
-    ({"address": "tcp://127.0.0.1:1", "capacity_wait_s": -1}, "capacity_wait_s"),
-    ({"address": "tcp://127.0.0.1:1", "transport": "udp"}, "transport"),
-    ({"address": "tcp://127.0.0.1:1", "secret": b"bytes"}, "secret"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"address": "localhost:5555"}, "address"),
+        ({"address": "tcp://127.0.0.1:1", "timeout_s": 0}, "timeout_s"),
+        ({"address": "tcp://127.0.0.1:1", "timeout_s": float("inf")}, "timeout_s"),
+        ({"address": "tcp://127.0.0.1:1", "capacity_wait_s": -1}, "capacity_wait_s"),
+        ({"address": "tcp://127.0.0.1:1", "transport": "udp"}, "transport"),
+        ({"address": "tcp://127.0.0.1:1", "secret": b"bytes"}, "secret"),
+    ],
+)
 def test_bad_settings_fail_at_construction_naming_the_field(kwargs, message):
     with pytest.raises(InvalidRequestError, match=message):
         TQConnection(**kwargs)

@@ -30,8 +30,6 @@ from tq import TQClient, TQServer, protocol
 from tq.errors import KeyNotFoundError, StorageUnitError, TQConnectionError, TQError
 
 
-
-
 def _read_or_absent(c: TQClient, pid: str, key: str) -> torch.Tensor | None:
     """The key's ``x`` if it exists (None if absent); any other failure is raised."""
     try:
@@ -163,8 +161,24 @@ def _start_unit(address: str, *extra: str) -> tuple[subprocess.Popen, dict]:
     fd, ready = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     os.unlink(ready)
-    proc = subprocess.Popen([sys.executable, "-m", "tq.storage", "--unit-id", "0", "--bind", "tcp://127.0.0.1:0",
-                             "--controller", address, "--capacity", str(16 << 20), "--ready-file", ready, *extra])
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tq.storage",
+            "--unit-id",
+            "0",
+            "--bind",
+            "tcp://127.0.0.1:0",
+            "--controller",
+            address,
+            "--capacity",
+            str(16 << 20),
+            "--ready-file",
+            ready,
+            *extra,
+        ]
+    )
     assert wait_until(lambda: os.path.exists(ready) or proc.poll() is not None, timeout=30)
     with open(ready) as f:
         info = json.load(f)
@@ -244,9 +258,12 @@ def test_unsupported_tensors_raise_a_tq_error_naming_the_field(client, partition
     InvalidRequestError naming the field - before, torch's NotImplementedError/RuntimeError leaked."""
     from tq.errors import InvalidRequestError
 
-    value = {"sparse": torch.randn(2, 3).to_sparse(), "meta": torch.empty(2, 3, device="meta"),
-             "sparse-row": [torch.randn(3), torch.randn(2).to_sparse()],
-             "meta-row": [torch.randn(3), torch.empty(2, device="meta")]}[column]
+    value = {
+        "sparse": torch.randn(2, 3).to_sparse(),
+        "meta": torch.empty(2, 3, device="meta"),
+        "sparse-row": [torch.randn(3), torch.randn(2).to_sparse()],
+        "meta-row": [torch.randn(3), torch.empty(2, device="meta")],
+    }[column]
     with pytest.raises(InvalidRequestError, match=r"field 'odd'"):
         client.put(partition, ["a", "b"], {"ok": torch.ones(2), "odd": value})
     assert client.get_meta(partition).keys == ()
@@ -262,8 +279,12 @@ def test_status_right_after_a_unit_dies_shows_it_down():
             os.kill(victim["pid"], signal.SIGSTOP)  # silent, not yet reported down (its process lives)
             try:
                 t0 = time.monotonic()
-                out = subprocess.run([sys.executable, "-m", "tq.cli", "status", "--json", "--address", server.address],
-                                     capture_output=True, text=True, timeout=30)
+                out = subprocess.run(
+                    [sys.executable, "-m", "tq.cli", "status", "--json", "--address", server.address],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                )
                 assert out.returncode == 0, out.stderr
                 assert time.monotonic() - t0 < 8
                 stats = json.loads(out.stdout)
@@ -288,17 +309,29 @@ def test_block_never_committed_is_reclaimed_after_its_lease_and_a_late_commit_is
             c.register_partition("p")
             unit = c._unit_chans[0]
             bufs: list = []
-            spec = {"schema": ["tensor", "int64", []], "row_offsets": protocol.pack_array(np.array([0, 8], dtype=np.int64), bufs),
-                    "data": protocol.pack_array(np.arange(1, dtype=np.int64).view(np.uint8), bufs)}
+            spec = {
+                "schema": ["tensor", "int64", []],
+                "row_offsets": protocol.pack_array(np.array([0, 8], dtype=np.int64), bufs),
+                "data": protocol.pack_array(np.arange(1, dtype=np.int64).view(np.uint8), bufs),
+            }
             stored, _ = unit.call("store", {"n_rows": 1, "fields": {"x": spec}}, bufs)  # then the writer "dies"
             kept = c.put("p", ["kept"], {"x": torch.tensor([5])})
             assert c.stats()["unit_stats"][0]["tentative_blocks"] == 1
             assert wait_until(lambda: c.stats()["unit_stats"][0]["tentative_blocks"] == 0, timeout=10)
             cbufs: list = []
-            commit = {"partition": "p", "keys": ["late"], "mode": "put", "blocks": [[0, stored["block"], 1]],
-                      "fields": {"x": {"schema": ["tensor", "int64", []],
-                                       "row_nbytes": protocol.pack_array(np.array([8], dtype=np.int64), cbufs),
-                                       "arena_offsets": protocol.pack_array(np.array([stored["starts"]["x"]], dtype=np.int64), cbufs)}}}
+            commit = {
+                "partition": "p",
+                "keys": ["late"],
+                "mode": "put",
+                "blocks": [[0, stored["block"], 1]],
+                "fields": {
+                    "x": {
+                        "schema": ["tensor", "int64", []],
+                        "row_nbytes": protocol.pack_array(np.array([8], dtype=np.int64), cbufs),
+                        "arena_offsets": protocol.pack_array(np.array([stored["starts"]["x"]], dtype=np.int64), cbufs),
+                    }
+                },
+            }
             with pytest.raises(FencedCommitError, match=f"block {stored['block']} of storage unit 0 (was reclaimed|is settled)"):
                 c._ctrl.call("commit", commit, cbufs)
             with pytest.raises(KeyNotFoundError):
@@ -355,14 +388,30 @@ def test_allocation_being_filled_survives_a_unit_restart_and_is_not_handed_out_a
             mine = torch.full((1, nbytes // 4), -1.0)
             c._arena(0).view[lo:hi] = mine.view(torch.uint8).numpy().ravel()  # the writer finishes its copy
             bufs: list = []
-            spec = {"schema": ["tensor", "float32", [nbytes // 4]], "offset": 0,
-                    "row_offsets": protocol.pack_array(np.array([0, nbytes], dtype=np.int64), bufs)}
+            spec = {
+                "schema": ["tensor", "float32", [nbytes // 4]],
+                "offset": 0,
+                "row_offsets": protocol.pack_array(np.array([0, nbytes], dtype=np.int64), bufs),
+            }
             stored, _ = c._unit_chans[0].call("store", {"n_rows": 1, "fields": {"x": spec}, "alloc": alloc["alloc"]}, bufs)
             cbufs: list = []
-            c._ctrl.call("commit", {"partition": "p", "keys": ["slow"], "mode": "put", "blocks": [[0, stored["block"], 1]],
-                                    "fields": {"x": {"schema": spec["schema"],
-                                                     "row_nbytes": protocol.pack_array(np.array([nbytes], dtype=np.int64), cbufs),
-                                                     "arena_offsets": protocol.pack_array(np.array([lo], dtype=np.int64), cbufs)}}}, cbufs)
+            c._ctrl.call(
+                "commit",
+                {
+                    "partition": "p",
+                    "keys": ["slow"],
+                    "mode": "put",
+                    "blocks": [[0, stored["block"], 1]],
+                    "fields": {
+                        "x": {
+                            "schema": spec["schema"],
+                            "row_nbytes": protocol.pack_array(np.array([nbytes], dtype=np.int64), cbufs),
+                            "arena_offsets": protocol.pack_array(np.array([lo], dtype=np.int64), cbufs),
+                        }
+                    },
+                },
+                cbufs,
+            )
             assert torch.equal(c.get(c.get_meta("p", ["slow"]), ["x"])["x"], mine)
             for i, m in enumerate(others):
                 assert torch.equal(c.get(m, ["x"])["x"], torch.full((1, nbytes // 4), float(i)))
@@ -381,10 +430,28 @@ def test_a_second_unit_process_can_never_take_over_a_live_units_arena():
             c.register_partition("p")
             meta = c.put("p", ["a"], {"x": torch.arange(5).reshape(1, 5)})
             owner = c.stats()["units"][0]
-            second = subprocess.run([sys.executable, "-m", "tq.storage", "--unit-id", "0", "--bind", "tcp://127.0.0.1:0",
-                                     "--controller", server.address, "--capacity", str(8 << 20),
-                                     "--recover-arena", owner["arena_path"], "--rejoin", "0"],
-                                    capture_output=True, text=True, timeout=60)
+            second = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "tq.storage",
+                    "--unit-id",
+                    "0",
+                    "--bind",
+                    "tcp://127.0.0.1:0",
+                    "--controller",
+                    server.address,
+                    "--capacity",
+                    str(8 << 20),
+                    "--recover-arena",
+                    owner["arena_path"],
+                    "--rejoin",
+                    "0",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             assert second.returncode != 0 and "in use by another storage-unit process" in second.stderr
             assert os.path.exists(owner["arena_path"]) and os.path.exists(owner["arena_path"] + ".journal")
             now = c.stats()["units"][0]
@@ -458,12 +525,19 @@ def test_frees_leave_the_controller_only_after_the_op_that_freed_them_is_journal
         return [op for op, _, _ in Journal.replay(str(tmp_path / "controller.journal"))]
 
     try:
-        apply("register_unit", {"address": f"tcp://127.0.0.1:{port}", "arena_size": 1 << 20, "pid": 1, "host": "h",
-                                "arena_path": "/nonexistent"})
+        apply(
+            "register_unit",
+            {"address": f"tcp://127.0.0.1:{port}", "arena_size": 1 << 20, "pid": 1, "host": "h", "arena_path": "/nonexistent"},
+        )
         apply("create_partition", {"partition": "p"})
         bufs: list = []
-        fields = {"x": {"schema": ["tensor", "int64", []], "row_nbytes": protocol.pack_array(np.array([8, 8]), bufs),
-                        "arena_offsets": protocol.pack_array(np.array([0, 8]), bufs)}}
+        fields = {
+            "x": {
+                "schema": ["tensor", "int64", []],
+                "row_nbytes": protocol.pack_array(np.array([8, 8]), bufs),
+                "arena_offsets": protocol.pack_array(np.array([0, 8]), bufs),
+            }
+        }
         apply("commit", {"partition": "p", "keys": ["a", "b"], "mode": "put", "blocks": [[0, 5, 2]], "fields": fields}, bufs)
         ctrl.on_tick(time.monotonic())  # the loop's tick, after every journaled op
         assert heard() == ["claim"]

@@ -38,17 +38,31 @@ PROMPTS, PER_STEP = 16, 4  # 4 steps per epoch
 
 # Short runs: 16 prompts, 4 per step (4 steps an epoch), 4 samples each, one DP worker (start-up is
 # most of these runs' time), checkpoints every 2 steps.
-QUICK = [f"grpo.num_prompts_per_step={PER_STEP}", "grpo.num_generations_per_prompt=4", f"data.num_builtin_prompts={PROMPTS}",
-         "policy.dp_size=1", "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8",
-         "policy.logprob_batch_size=16", "checkpointing.save_period=2"]
+QUICK = [
+    f"grpo.num_prompts_per_step={PER_STEP}",
+    "grpo.num_generations_per_prompt=4",
+    f"data.num_builtin_prompts={PROMPTS}",
+    "policy.dp_size=1",
+    "policy.train_global_batch_size=16",
+    "policy.train_micro_batch_size=8",
+    "policy.logprob_batch_size=16",
+    "checkpointing.save_period=2",
+]
 
 
 def _args(root: Path, address: str, steps: int, *extra: str) -> list[str]:
     return [
-        f"grpo.max_num_steps={steps}", "grpo.val_period=0", *extra,
-        "checkpointing.enabled=true", f"checkpointing.checkpoint_dir={root}/ckpt",
-        f"logger.log_dir={root}/logs", "logger.tensorboard=false", "logger.plot=false", "cluster.num_cpus=2",
-        f"data_plane.address={address}", f"data_plane.secret={SECRET}",
+        f"grpo.max_num_steps={steps}",
+        "grpo.val_period=0",
+        *extra,
+        "checkpointing.enabled=true",
+        f"checkpointing.checkpoint_dir={root}/ckpt",
+        f"logger.log_dir={root}/logs",
+        "logger.tensorboard=false",
+        "logger.plot=false",
+        "cluster.num_cpus=2",
+        f"data_plane.address={address}",
+        f"data_plane.secret={SECRET}",
     ]
 
 
@@ -57,8 +71,24 @@ def tq_service(tmp_path):
     """A ``tq-controller start --journal-dir`` service (own state file), stopped after the test."""
     state = tmp_path / "tq" / "controller.json"
     env = {**os.environ, "TQ_SECRET": SECRET}
-    out = subprocess.run(["tq-controller", "start", "--journal-dir", str(tmp_path / "tq" / "journal"), "--run-file", str(state),
-                          "--storage-units", "1", "--capacity", "256M"], env=env, capture_output=True, text=True, timeout=90)
+    out = subprocess.run(
+        [
+            "tq-controller",
+            "start",
+            "--journal-dir",
+            str(tmp_path / "tq" / "journal"),
+            "--run-file",
+            str(state),
+            "--storage-units",
+            "1",
+            "--capacity",
+            "256M",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
     assert out.returncode == 0, out.stderr
     address = out.stdout.strip().splitlines()[-1]
     try:
@@ -107,8 +137,9 @@ def _ledger_steps(tmp_path: Path) -> list[int]:
     return steps
 
 
-def _run_with_kill(module: str, args: list[str], tmp_path: Path, address: str, partition: str, timeout: float = 240,
-                   min_checkpoint: int = 1):
+def _run_with_kill(
+    module: str, args: list[str], tmp_path: Path, address: str, partition: str, timeout: float = 240, min_checkpoint: int = 1
+):
     """Start the trainer, SIGKILL it once it has checkpointed (step >= ``min_checkpoint``), trained past
     the checkpoint, and holds keys in ``partition``; return (killed driver's pid, its checkpoint step,
     the steps it had logged, the keys it left in TQ)."""
@@ -117,7 +148,9 @@ def _run_with_kill(module: str, args: list[str], tmp_path: Path, address: str, p
     try:
         deadline = time.monotonic() + timeout
         while True:
-            assert proc.poll() is None, f"the run ended (code {proc.returncode}) before it could be killed: " + (tmp_path / "killed.log").read_text()[-3000:]
+            assert proc.poll() is None, (
+                f"the run ended (code {proc.returncode}) before it could be killed: " + (tmp_path / "killed.log").read_text()[-3000:]
+            )
             assert time.monotonic() < deadline, "no checkpoint and step past it in time: " + (tmp_path / "killed.log").read_text()[-3000:]
             ck = latest_checkpoint(tmp_path / "ckpt")
             if ck is not None and int(ck.name.split("_")[1]) >= min_checkpoint:
@@ -137,10 +170,13 @@ def _run_with_kill(module: str, args: list[str], tmp_path: Path, address: str, p
     return proc.pid, int(ck.name.split("_")[1]), _ledger_steps(tmp_path), left
 
 
-def _run(module: str, args: list[str], tmp_path: Path, timeout: float = 300, name: str = "resumed") -> tuple[subprocess.CompletedProcess, int]:
+def _run(
+    module: str, args: list[str], tmp_path: Path, timeout: float = 300, name: str = "resumed"
+) -> tuple[subprocess.CompletedProcess, int]:
     """Run the trainer to its end; (its completed process, its pid)."""
-    proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except BaseException:
@@ -170,8 +206,9 @@ def _check_no_leftovers(address: str, *sids: int) -> None:
     assert not any(left.values()), f"processes left running: {left}"
 
 
-def _crash_and_resume(module: str, partition: str, tmp_path: Path, address: str, steps: int, *extra: str,
-                      min_checkpoint: int = 1, timeout: float = 300):
+def _crash_and_resume(
+    module: str, partition: str, tmp_path: Path, address: str, steps: int, *extra: str, min_checkpoint: int = 1, timeout: float = 300
+):
     """Kill a run mid-way, resume it to the end; check the lineage trained every prompt of every epoch
     exactly once and nothing is left behind. Returns (checkpoint step resumed from, steps the dead run logged)."""
     args = _args(tmp_path, address, steps, *extra)
@@ -221,8 +258,7 @@ def test_async_driver_killed_mid_run_resumes_exactly_once(tmp_path, tq_service):
     resumes: every prompt trained once per epoch over the lineage (the prompts the dead collector had
     pulled for later steps are regenerated, none lost), no trajectory older than the bound."""
     steps = 8
-    _crash_and_resume("trainer.grpo_async", "async_replay", tmp_path, tq_service, steps, *QUICK,
-                      "async_grpo.max_trajectory_age_steps=1")
+    _crash_and_resume("trainer.grpo_async", "async_replay", tmp_path, tq_service, steps, *QUICK, "async_grpo.max_trajectory_age_steps=1")
     rows = [r for r in _metrics(tmp_path) if r["split"] == "train"]
     assert all(0 <= r["async/trajectory_age_max"] <= 1 for r in rows)
 
@@ -249,11 +285,24 @@ def test_ledger_lineage_forgets_the_dead_runs_steps_past_its_checkpoint(tmp_path
     lineage[4]["trained"].append([1, 1])
     lineage.pop(2)
     assert check_exactly_once(lineage, range(4), [0, 1]) == [
-        "steps [2] are missing from the lineage", "epoch 1: prompts [1] drawn more than once", "epoch 0: prompts [2, 3] never trained on"]
+        "steps [2] are missing from the lineage",
+        "epoch 1: prompts [1] drawn more than once",
+        "epoch 0: prompts [2, 3] never trained on",
+    ]
 
-    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [
-        {"step": 1, "split": "train"}, {"step": 2, "split": "train"}, {"step": 3, "split": "train"},
-        {"step": 2, "split": "resume"}, {"step": 3, "split": "train", "x": 1}, {"step": 4, "split": "train"}]))
+    (tmp_path / "metrics.jsonl").write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"step": 1, "split": "train"},
+                {"step": 2, "split": "train"},
+                {"step": 3, "split": "train"},
+                {"step": 2, "split": "resume"},
+                {"step": 3, "split": "train", "x": 1},
+                {"step": 4, "split": "train"},
+            ]
+        )
+    )
     assert [(r["step"], r.get("x")) for r in read_metrics_lineage(tmp_path / "metrics.jsonl")] == [(1, None), (2, None), (3, 1), (4, None)]
 
 
@@ -278,9 +327,17 @@ def test_driver_record_refuses_a_live_driver_and_reaps_a_dead_ones_processes(tmp
     from trainer.driver import FILE_NAME, DriverConflictError, DriverRecord
 
     def record(pid, ct, processes=()):
-        (tmp_path / FILE_NAME).write_text(json.dumps({
-            "pid": pid, "create_time": ct, "host": socket.gethostname(), "boot_time": psutil.boot_time(),
-            "processes": [{"pid": p.pid, "create_time": psutil.Process(p.pid).create_time()} for p in processes]}))
+        (tmp_path / FILE_NAME).write_text(
+            json.dumps(
+                {
+                    "pid": pid,
+                    "create_time": ct,
+                    "host": socket.gethostname(),
+                    "boot_time": psutil.boot_time(),
+                    "processes": [{"pid": p.pid, "create_time": psutil.Process(p.pid).create_time()} for p in processes],
+                }
+            )
+        )
 
     live = subprocess.Popen(["sleep", "60"])  # stands in for a driver still running
     leftover = subprocess.Popen(["sleep", "60"])  # stands in for the Ray agent a killed driver left
@@ -328,8 +385,9 @@ def test_killed_learning_run_ends_like_an_uninterrupted_one(tmp_path, tq_service
 
     crashed_dir = tmp_path / "crashed"
     crashed_dir.mkdir()
-    _crash_and_resume(module, partition, crashed_dir, tq_service, LONG_STEPS, "checkpointing.save_period=40",
-                      min_checkpoint=80, timeout=400)
+    _crash_and_resume(
+        module, partition, crashed_dir, tq_service, LONG_STEPS, "checkpointing.save_period=40", min_checkpoint=80, timeout=400
+    )
     from trainer.logger import read_metrics_lineage
 
     lineage = {r["step"]: r for r in read_metrics_lineage(next((crashed_dir / "logs").glob("*/metrics.jsonl"))) if r["split"] == "train"}

@@ -71,8 +71,14 @@ def test_missing_path_and_unsupported_files(tmp_path):
 
 
 def test_chat_template_processing(tok):
-    cfg = DataProcessorConfig(prompt_template="Q: {problem}", ground_truth_key="answer", extra_env_keys=["level"],
-                              system_prompt="Be brief.", task_name="math", max_seq_length=256)
+    cfg = DataProcessorConfig(
+        prompt_template="Q: {problem}",
+        ground_truth_key="answer",
+        extra_env_keys=["level"],
+        system_prompt="Be brief.",
+        task_name="math",
+        max_seq_length=256,
+    )
     ds = PromptDataset(ROWS, tok, cfg)
     assert len(ds) == 3
     d = ds[1]
@@ -94,14 +100,19 @@ def test_chat_template_processing(tok):
 
 
 def test_plain_prompt_and_message_list_rows(tok):
-    ds = PromptDataset([{"prompt": "2+3=", "ground_truth": 5, "task_name": "builtin_add"}], tok,
-                       DataProcessorConfig(use_chat_template=False))
+    ds = PromptDataset(
+        [{"prompt": "2+3=", "ground_truth": 5, "task_name": "builtin_add"}], tok, DataProcessorConfig(use_chat_template=False)
+    )
     d = ds[0]
     assert [m["role"] for m in d["message_log"]] == ["user"]
     assert d["message_log"][0]["token_ids"].tolist() == tok("2+3=")["input_ids"]
     assert d["extra_env_info"]["ground_truth"] == "5" and d["task_name"] == "builtin_add"
-    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "3?"}],
-             "ground_truth": "3"}]
+    rows = [
+        {
+            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "3?"}],
+            "ground_truth": "3",
+        }
+    ]
     d = PromptDataset(rows, tok, DataProcessorConfig(messages_key="messages"))[0]
     assert [m["role"] for m in d["message_log"]] == ["user", "assistant", "user"]
     expected = tok.apply_chat_template(rows[0]["messages"], add_generation_prompt=True, tokenize=True)["input_ids"]
@@ -125,10 +136,18 @@ def test_overlong_prompt_is_truncated_and_masked(tok):
     "rows, cfg, match",
     [
         ([{"prompt": "a", "ground_truth": "1"}, {"prompt": "b"}], {}, "row 1: field 'ground_truth' .* is missing"),
-        ([{"prompt": "a", "ground_truth": "1"}] * 2 + [{"prompt": 7, "ground_truth": "1"}], {}, "row 2: field 'prompt' .* must be a string, got int"),
+        (
+            [{"prompt": "a", "ground_truth": "1"}] * 2 + [{"prompt": 7, "ground_truth": "1"}],
+            {},
+            "row 2: field 'prompt' .* must be a string, got int",
+        ),
         ([{"ground_truth": "1"}], {}, "row 0: field 'prompt' .* is missing"),
         ([{"prompt": "a", "ground_truth": ["1"]}], {}, "row 0: field 'ground_truth' .* must be a string or number, got list"),
-        ([{"problem": "a", "ground_truth": "1"}, {"ground_truth": "1"}], {"prompt_template": "Q: {problem}"}, "row 1: field 'problem' .*prompt_template.* is missing"),
+        (
+            [{"problem": "a", "ground_truth": "1"}, {"ground_truth": "1"}],
+            {"prompt_template": "Q: {problem}"},
+            "row 1: field 'problem' .*prompt_template.* is missing",
+        ),
         ([["not", "a", "dict"]], {}, "row 0: expected a mapping"),
         ([{"messages": [{"role": "user"}], "ground_truth": "1"}], {"messages_key": "messages"}, "row 0: field 'messages'.*message 0"),
         ([{"prompt": "a", "ground_truth": "1"}], {"extra_env_keys": ["level"]}, "row 0: field 'level'"),

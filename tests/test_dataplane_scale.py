@@ -34,8 +34,15 @@ def test_targets_are_computed_from_the_rows():
     pts = {"dp": [ds.Point(1, 8, 64), ds.Point(2, 16, 64)], "payload": [ds.Point(2, 16, 64), ds.Point(2, 16, 256)]}
 
     def row(p, path, moved, fetch, nbytes, rss):
-        return {"point": p.key, "path": path, "data_movement_s": moved, "rank_fetch_mean_s": fetch,
-                "driver_bytes": nbytes, "peak_rss_growth": rss, "payload_bytes": p.payload_bytes()}
+        return {
+            "point": p.key,
+            "path": path,
+            "data_movement_s": moved,
+            "rank_fetch_mean_s": fetch,
+            "driver_bytes": nbytes,
+            "peak_rss_growth": rss,
+            "payload_bytes": p.payload_bytes(),
+        }
 
     rows = []
     for p in pts["dp"] + pts["payload"][1:]:

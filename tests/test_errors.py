@@ -50,8 +50,6 @@ TRANSPORTS = ["auto", "tcp"]
 new_keys = unique_keys
 
 
-
-
 # ----------------------------------------------------------------------------- reference data
 class Reference:
     """Batches stored at the start of the module (on both units, over both transports) and re-read
@@ -71,8 +69,7 @@ class Reference:
             lp.values[0:1].view(torch.int16).fill_(0x7FC1)  # a NaN with a payload
             reward = torch.randn(4, generator=g, dtype=torch.float64)
             msgs = [[{"role": "user", "content": f"q{i}-{j}"}] for j in range(4)]
-            meta = self.clients[transport].put(self.pid, new_keys(4, f"ref{i}-"),
-                                               {"ids": ids, "lp": lp, "reward": reward, "msgs": msgs})
+            meta = self.clients[transport].put(self.pid, new_keys(4, f"ref{i}-"), {"ids": ids, "lp": lp, "reward": reward, "msgs": msgs})
             self.batches.append((meta, ids, lp, reward, msgs))
 
     def check(self) -> None:
@@ -293,15 +290,37 @@ def _hdr(**kv) -> bytes:
 
 
 def _bad_ref_fetch() -> list:
-    return [_hdr(v=1, rid=5, op="fetch", bs=[8], args={"mode": "tcp", "fields": ["x"],
-                                                       "entries": {"b": 9, "d": "<i8", "s": [1, 3]}}), b"", b"\0" * 8]
+    return [
+        _hdr(v=1, rid=5, op="fetch", bs=[8], args={"mode": "tcp", "fields": ["x"], "entries": {"b": 9, "d": "<i8", "s": [1, 3]}}),
+        b"",
+        b"\0" * 8,
+    ]
 
 
 def _bad_dtype_ref_commit(pid: str) -> list:
-    return [_hdr(v=1, rid=5, op="commit", bs=[8], args={
-        "partition": pid, "keys": ["a"], "mode": "put", "blocks": [[0, 10**9, 1]],  # no real block
-        "fields": {"f": {"schema": ["tensor", "float32", []], "row_nbytes": {"b": 0, "d": "|O", "s": [1]},
-                         "arena_offsets": {"b": 0, "d": "<i8", "s": [1]}}}}), b"", b"\0" * 8]
+    return [
+        _hdr(
+            v=1,
+            rid=5,
+            op="commit",
+            bs=[8],
+            args={
+                "partition": pid,
+                "keys": ["a"],
+                "mode": "put",
+                "blocks": [[0, 10**9, 1]],  # no real block
+                "fields": {
+                    "f": {
+                        "schema": ["tensor", "float32", []],
+                        "row_nbytes": {"b": 0, "d": "|O", "s": [1]},
+                        "arena_offsets": {"b": 0, "d": "<i8", "s": [1]},
+                    }
+                },
+            },
+        ),
+        b"",
+        b"\0" * 8,
+    ]
 
 
 HOSTILE = {
@@ -322,8 +341,6 @@ HOSTILE = {
     "single-frame": ([_hdr(v=1, rid=3, op="stats", args={}, bs=[])], None, "1 frame"),
     "bad-array-ref": (_bad_ref_fetch(), None, None),  # per target below
 }
-
-
 
 
 def _target_address(tq_server_client: TQClient, target: str) -> str:
@@ -403,8 +420,21 @@ def test_storage_unit_enforces_its_message_size_limit():
     fake_ctrl.setsockopt(zmq.LINGER, 0)
     port = fake_ctrl.bind_to_random_port("tcp://127.0.0.1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tq.storage", "--unit-id", "0", "--bind", "tcp://127.0.0.1:0",
-         "--controller", f"tcp://127.0.0.1:{port}", "--capacity", str(1 << 20), "--max-message-bytes", "4096"],
+        [
+            sys.executable,
+            "-m",
+            "tq.storage",
+            "--unit-id",
+            "0",
+            "--bind",
+            "tcp://127.0.0.1:0",
+            "--controller",
+            f"tcp://127.0.0.1:{port}",
+            "--capacity",
+            str(1 << 20),
+            "--max-message-bytes",
+            "4096",
+        ],
         stdout=subprocess.DEVNULL,
     )
     try:
@@ -419,9 +449,16 @@ def test_storage_unit_enforces_its_message_size_limit():
             bufs: list = []
             data = np.arange(nbytes, dtype=np.int64).astype(np.uint8)
             ro = np.array([0, nbytes], dtype=np.int64)
-            args = {"n_rows": 1, "fields": {"f": {"schema": ["jagged", "uint8", []],
-                                                  "row_offsets": protocol.pack_array(ro, bufs),
-                                                  "data": protocol.pack_array(data, bufs)}}}
+            args = {
+                "n_rows": 1,
+                "fields": {
+                    "f": {
+                        "schema": ["jagged", "uint8", []],
+                        "row_offsets": protocol.pack_array(ro, bufs),
+                        "data": protocol.pack_array(data, bufs),
+                    }
+                },
+            }
             return raw_exchange(info["address"], protocol.request("store", 1, args, bufs, None)), data
 
         reply, _ = store(8192)
@@ -744,8 +781,10 @@ def test_killed_storage_unit_is_restarted_and_recovers_its_data():
         try:
             c.register_partition("p")
             data = [torch.randn(3, 4) + i for i in range(4)]
-            metas = [(c if i % 2 else tcp).put("p", [f"u{i}_{j}" for j in range(3)], {"x": d, "lp": [d[j, : j + 1] for j in range(3)]})
-                     for i, d in enumerate(data)]
+            metas = [
+                (c if i % 2 else tcp).put("p", [f"u{i}_{j}" for j in range(3)], {"x": d, "lp": [d[j, : j + 1] for j in range(3)]})
+                for i, d in enumerate(data)
+            ]
             c.discard(metas[3].select([0]))  # a partial free before the crash must survive recovery too
             units = [_unit_of(c, m, "x") for m in metas]
             assert set(units) == {0, 1}
@@ -779,7 +818,9 @@ def test_killed_storage_unit_is_restarted_and_recovers_its_data():
                     assert torch.equal(torch.stack(list(got["x"])), want)
                     assert all(torch.equal(a, b) for a, b in zip(got["lp"], [want[j, : j + 1 + (i == 3)] for j in range(len(want))]))
             c.clear_partition("p")  # and frees after recovery work: the store empties
-            assert wait_until(lambda: all(u.get("bytes_used") == 0 for u in c.stats()["unit_stats"]), timeout=10), [(u["unit_id"], u["bytes_used"], u["blocks"], u["pending_allocs"], u["pid"]) for u in c.stats()["unit_stats"]]
+            assert wait_until(lambda: all(u.get("bytes_used") == 0 for u in c.stats()["unit_stats"]), timeout=10), [
+                (u["unit_id"], u["bytes_used"], u["blocks"], u["pending_allocs"], u["pid"]) for u in c.stats()["unit_stats"]
+            ]
         finally:
             c.close()
             tcp.close()
@@ -797,8 +838,12 @@ def test_controller_killed_and_restarted_recovers_its_state(tmp_path):
     second = None
     try:
         c.register_partition("p")
-        a = c.put("p", [f"a{i}" for i in range(4)], {"x": torch.randn(4, 3), "ids": [torch.arange(i + 1) for i in range(4)]},
-                  tags={"group": [0, 0, 1, 1]})
+        a = c.put(
+            "p",
+            [f"a{i}" for i in range(4)],
+            {"x": torch.randn(4, 3), "ids": [torch.arange(i + 1) for i in range(4)]},
+            tags={"group": [0, 0, 1, 1]},
+        )
         b = c.put("p", ["b0", "b1"], {"x": torch.randn(2, 3), "ids": [torch.arange(5), torch.arange(2)]})
         a = c.write_back(a, {"lp": [torch.randn(i + 1) for i in range(4)]})
         c.discard(b.select([1]))
@@ -829,4 +874,3 @@ def test_controller_killed_and_restarted_recovers_its_state(tmp_path):
             if server is not None:
                 server.shutdown()
     assert wait_until(lambda: not any(pid_alive(p) for p in unit_pids), timeout=10)  # stopped with the new controller
-

@@ -57,8 +57,7 @@ from tq.rpc import RpcChannel
 # The ops and their argument names come from the request definitions the servers decode with.
 CONTROLLER_OPS = tuple(op.value for op in messages.CONTROLLER_REQUESTS)
 UNIT_OPS = tuple(op.value for op in messages.UNIT_REQUESTS)
-DESTRUCTIVE = frozenset({"shutdown", "drop_partition", "clear_partition", "discard", "free_rows", "free_blocks",
-                         "retain", "register_unit"})
+DESTRUCTIVE = frozenset({"shutdown", "drop_partition", "clear_partition", "discard", "free_rows", "free_blocks", "retain", "register_unit"})
 DROP_WAIT_S = 0.5  # how long silence is waited for where dropping is allowed (an unreadable header)
 REPLY_TIMEOUT_S = 10.0  # where a reply is required: it comes in milliseconds, but CI machines stall
 MAX_WAIT_S = 0.2  # wait / wait_s timeouts sent are capped so a parked request answers soon
@@ -153,8 +152,7 @@ def env(tq_server):
     ref_blocks = [sorted({int(b) for u_, b in loc[0, :, :2].tolist() if u_ == u["unit_id"]}) for u in units]
     assert all(ref_blocks), "the reference batches should sit on both storage units"
     chans = [RpcChannel(u["address"], secret=None, timeout=10.0, name=f"unit {u['unit_id']}") for u in units]
-    e = FuzzEnv(tq_server.address, ref, client, scratch, [u["address"] for u in units], [u["pid"] for u in units],
-                chans, ref_blocks)
+    e = FuzzEnv(tq_server.address, ref, client, scratch, [u["address"] for u in units], [u["pid"] for u in units], chans, ref_blocks)
     assert ref.verify() == 2 * len(ref.keys) * len(REF_FIELDS)
     yield e
     for ch in chans:
@@ -168,13 +166,19 @@ def env(tq_server):
 
 # ----------------------------------------------------------------------------- value strategies
 SCALARS = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(2**63), max_value=2**64 - 1), st.integers(-3, 8),
-    st.floats(), st.text(max_size=12), st.binary(max_size=16),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**63), max_value=2**64 - 1),
+    st.integers(-3, 8),
+    st.floats(),
+    st.text(max_size=12),
+    st.binary(max_size=16),
 )
 ANY = st.recursive(
     SCALARS,
-    lambda inner: st.one_of(st.lists(inner, max_size=4),
-                            st.dictionaries(st.one_of(st.text(max_size=6), st.integers(-3, 3)), inner, max_size=4)),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.one_of(st.text(max_size=6), st.integers(-3, 3)), inner, max_size=4)
+    ),
     max_leaves=10,
 )
 NAMES = st.one_of(st.sampled_from(REF_FIELDS + ("x", "adv", "nope", "")), st.text(max_size=6))
@@ -196,13 +200,22 @@ def one_in(data, n: int) -> bool:
 def draw_schema(data) -> Any:
     """A field schema ``[kind, dtype, shape]``: mostly a valid one, sometimes an incoherent one, rarely junk."""
     if one_in(data, 4):
-        return maybe(data, st.tuples(st.sampled_from(["tensor", "jagged", "object", "ragged"]), st.sampled_from(SCHEMA_DTYPES),
-                                     st.lists(st.integers(-2, 5), max_size=3)).map(list))
+        return maybe(
+            data,
+            st.tuples(
+                st.sampled_from(["tensor", "jagged", "object", "ragged"]),
+                st.sampled_from(SCHEMA_DTYPES),
+                st.lists(st.integers(-2, 5), max_size=3),
+            ).map(list),
+        )
     kind = data.draw(st.sampled_from(["tensor", "jagged", "object"]))
     if kind == "object":
         return ["object", "object", []]
-    return [kind, data.draw(st.sampled_from(["float32", "bfloat16", "int64", "bool", "uint8"])),
-            data.draw(st.lists(st.integers(0, 4), max_size=2))]
+    return [
+        kind,
+        data.draw(st.sampled_from(["float32", "bfloat16", "int64", "bool", "uint8"])),
+        data.draw(st.lists(st.integers(0, 4), max_size=2)),
+    ]
 
 
 class Bufs:
@@ -228,8 +241,7 @@ class Bufs:
         elif how == "index":
             good["b"] = self.data.draw(st.one_of(st.integers(-3, 8), ANY))
         elif how == "huge":  # element counts whose products overflow int64
-            good["s"] = self.data.draw(st.lists(st.sampled_from([2**31, 2**32, 2**62, 2**63 - 1, 2**64 - 1, 0, 1]),
-                                                min_size=1, max_size=4))
+            good["s"] = self.data.draw(st.lists(st.sampled_from([2**31, 2**32, 2**62, 2**63 - 1, 2**64 - 1, 0, 1]), min_size=1, max_size=4))
         elif how == "junk":
             return self.data.draw(ANY)
         elif how == "missing":
@@ -248,8 +260,7 @@ def _partition(data, env: FuzzEnv) -> Any:
 
 def _keys(data, read_only: bool, env: FuzzEnv) -> Any:
     pool = list(FUZZ_KEYS) + (env.ref.keys if read_only else [])
-    return maybe(data, st.lists(st.one_of(st.sampled_from(pool), st.text(max_size=4)), max_size=5,
-                                unique=not one_in(data, 8)))
+    return maybe(data, st.lists(st.one_of(st.sampled_from(pool), st.text(max_size=4)), max_size=5, unique=not one_in(data, 8)))
 
 
 def _controller_args(data, op: str, env: FuzzEnv, bufs: Bufs) -> Any:
@@ -271,13 +282,15 @@ def _controller_args(data, op: str, env: FuzzEnv, bufs: Bufs) -> Any:
         for name in data.draw(st.lists(NAMES, min_size=1, max_size=2)):
             row_nbytes = _ints(data, data.draw(st.sampled_from([n] * 5 + [n + 1])), -4, 64)
             offsets = _ints(data, data.draw(st.sampled_from([n] * 5 + [n + 1])), -4, 1 << 40)
-            fields[name] = maybe(data, st.just({"schema": draw_schema(data), "row_nbytes": bufs.ref(row_nbytes),
-                                                "arena_offsets": bufs.ref(offsets)}))
+            fields[name] = maybe(
+                data, st.just({"schema": draw_schema(data), "row_nbytes": bufs.ref(row_nbytes), "arena_offsets": bufs.ref(offsets)})
+            )
         # block ids the fuzzer commits never name a real block (real ids are small positive ints)
         block_ids = st.one_of(st.integers(-(2**63), -1), st.integers(10**9, 2**63 - 1))
         part_rows = st.sampled_from([n] * 5 + [n + 1, 0, -1])
         args = {
-            "partition": part, "keys": keys,
+            "partition": part,
+            "keys": keys,
             "mode": maybe(data, st.sampled_from(["put", "write_back"])),
             "blocks": maybe(data, st.lists(st.tuples(st.integers(-1, 3), block_ids, part_rows).map(list), min_size=1, max_size=2)),
             "fields": maybe(data, st.just(fields)),
@@ -305,9 +318,15 @@ def _controller_args(data, op: str, env: FuzzEnv, bufs: Bufs) -> Any:
     if op == "abort_blocks":
         return {"blocks": maybe(data, st.lists(st.tuples(st.integers(-1, 3), st.integers(-(2**63), 2**63 - 1)).map(list), max_size=3))}
     if op == "register_unit":
-        return {"unit_id": data.draw(ANY), "address": data.draw(ANY), "host": data.draw(ANY), "arena_path": data.draw(ANY),
-                "arena_size": maybe(data, st.integers(0, 2**40)), "pid": data.draw(ANY),
-                "rejoin": maybe(data, st.one_of(st.none(), st.integers(-1, 3)))}
+        return {
+            "unit_id": data.draw(ANY),
+            "address": data.draw(ANY),
+            "host": data.draw(ANY),
+            "arena_path": data.draw(ANY),
+            "arena_size": maybe(data, st.integers(0, 2**40)),
+            "pid": data.draw(ANY),
+            "rejoin": maybe(data, st.one_of(st.none(), st.integers(-1, 3))),
+        }
     return _any_args(data, messages.CONTROLLER_REQUESTS[messages.ControllerOp(op)]) if op in CONTROLLER_OPS else {}
 
 
@@ -351,13 +370,17 @@ def _unit_args(data, op: str, env: FuzzEnv, unit: int, bufs: Bufs) -> Any:
     if op == "fetch":
         m = data.draw(st.integers(0, 4))
         real = env.ref_blocks[unit]
-        blocks = data.draw(st.lists(st.one_of(st.sampled_from(real), st.integers(-3, 200), st.integers(-(2**62), 2**62)),
-                                    min_size=m, max_size=m))
+        blocks = data.draw(
+            st.lists(st.one_of(st.sampled_from(real), st.integers(-3, 200), st.integers(-(2**62), 2**62)), min_size=m, max_size=m)
+        )
         entries = np.stack([_ints(data, m, -1, 7), np.array(blocks, dtype=np.int64), _ints(data, m, -1, 6)], axis=1)
         if one_in(data, 5):
             entries = entries.reshape(-1)  # wrong rank
-        return {"fields": maybe(data, st.lists(NAMES, max_size=4)), "mode": maybe(data, st.sampled_from(["shm", "tcp"])),
-                "entries": bufs.ref(entries.astype(np.int64))}
+        return {
+            "fields": maybe(data, st.lists(NAMES, max_size=4)),
+            "mode": maybe(data, st.sampled_from(["shm", "tcp"])),
+            "entries": bufs.ref(entries.astype(np.int64)),
+        }
     if op in ("free_rows", "retain"):
         m = data.draw(st.integers(0, 3))
         return {"blocks": bufs.ref(_ints(data, m, -1, 20)), "rows": bufs.ref(_ints(data, m, -1, 5))}
@@ -443,8 +466,26 @@ def draw_example(data, target: str, env: FuzzEnv, unit: int) -> Example:
     bs: Any = None  # None: the true sizes
     if kind == "request":
         for _ in range(data.draw(st.sampled_from([0, 0, 0, 1, 1, 2, 3]), label="mutations")):
-            what = data.draw(st.sampled_from(["arg", "del-arg", "add-arg", "v", "op", "rid", "args", "header",
-                                              "drop-frame", "add-frame", "big-frame", "cut-frame", "flip", "bs"]))
+            what = data.draw(
+                st.sampled_from(
+                    [
+                        "arg",
+                        "del-arg",
+                        "add-arg",
+                        "v",
+                        "op",
+                        "rid",
+                        "args",
+                        "header",
+                        "drop-frame",
+                        "add-frame",
+                        "big-frame",
+                        "cut-frame",
+                        "flip",
+                        "bs",
+                    ]
+                )
+            )
             if what in ("arg", "del-arg") and isinstance(header, dict) and isinstance(header.get("args"), dict) and header["args"]:
                 k = data.draw(st.sampled_from(sorted(header["args"], key=repr)))
                 if what == "arg":
@@ -509,8 +550,10 @@ def _decodes(frames: list[bytes]) -> protocol.Message | None:
 
 def _state(env: FuzzEnv, target: str, unit: int) -> Any:
     if target == "controller":
-        return sorted((p["partition"], p["keys"], sorted((f, d["produced"], d["schema"]) for f, d in p["fields"].items()), p["bytes"])
-                      for p in env.client.list_partitions())
+        return sorted(
+            (p["partition"], p["keys"], sorted((f, d["produced"], d["schema"]) for f, d in p["fields"].items()), p["bytes"])
+            for p in env.client.list_partitions()
+        )
     s = env.unit_chans[unit].call("stats", {})[0]
     return {k: s[k] for k in ("blocks", "bytes_used", "bytes_live", "pending_allocs", "parked_writes")}
 
@@ -538,7 +581,8 @@ def check_example(env: FuzzEnv, target: str, unit: int, ex: Example) -> None:
         assert _same(reply.header.get("rid"), want_rid), f"reply rid {reply.header.get('rid')!r}, request rid {want_rid!r}"
         if reply.header.get("ok") is True:
             assert msg is not None and msg.header.get("op") in _known_ops(target) and isinstance(msg.header.get("args"), dict), (
-                f"{target} accepted a malformed request: {header!r}")
+                f"{target} accepted a malformed request: {header!r}"
+            )
             assert msg.header["op"] not in DESTRUCTIVE, f"a destructive request got through _defang: {msg.header!r}"
             env.outcomes[f"ok:{msg.header['op']}"] += 1
         else:
@@ -550,6 +594,7 @@ def check_example(env: FuzzEnv, target: str, unit: int, ex: Example) -> None:
                 env.internal[(target, str(header.get("op")) if header else None, str(info.value).split(":")[0])] += 1
             after = _state(env, target, unit)
             assert _same(after, before), f"a refused request changed {target} state:\n{header!r}\n{before!r}\n->\n{after!r}"
+
     # the service keeps serving, with the same processes (a unit that missed a heartbeat on a stalled CI
     # machine gets a few seconds to answer the next one)
     def all_alive() -> dict | None:
@@ -572,8 +617,13 @@ def test_fuzz_hostile_messages(env, target):
     env.outcomes.clear()
     env.internal.clear()
 
-    @settings(max_examples=EXAMPLES_PER_TARGET, deadline=None, database=None, print_blob=True,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+    @settings(
+        max_examples=EXAMPLES_PER_TARGET,
+        deadline=None,
+        database=None,
+        print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+    )
     @given(data=st.data())
     def run(data):
         unit = data.draw(st.integers(0, len(env.unit_addresses) - 1), label="unit") if target == "unit" else 0
@@ -619,8 +669,9 @@ def _call_raw(address: str, op: str, args: dict, bufs: list | None = None, timeo
 
 @pytest.mark.parametrize("timeout", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_finding_wait_with_nonfinite_timeout_is_answered(env, timeout):
-    reply = _call_raw(env.address, "wait", {"partition": env.ref.pid, "keys": env.ref.keys[:1], "fields": ["never"],
-                                            "timeout": timeout}, timeout=2.0)
+    reply = _call_raw(
+        env.address, "wait", {"partition": env.ref.pid, "keys": env.ref.keys[:1], "fields": ["never"], "timeout": timeout}, timeout=2.0
+    )
     assert reply is not None, "no answer: the wait is parked with a deadline that never comes"
     with pytest.raises(InvalidRequestError):
         protocol.raise_for_reply(reply)
@@ -636,8 +687,11 @@ def test_finding_commit_with_overflowing_block_changes_nothing(env):
         bufs: list = []
         nb = protocol.pack_array(np.array([4, 4], dtype=np.int64), bufs)
         offsets = protocol.pack_array(np.array([0, 4], dtype=np.int64), bufs)
-        base = {"partition": pid, "blocks": [[0, 2**63, 2]],
-                "fields": {"adv": {"schema": ["tensor", "float32", []], "row_nbytes": nb, "arena_offsets": offsets}}}
+        base = {
+            "partition": pid,
+            "blocks": [[0, 2**63, 2]],
+            "fields": {"adv": {"schema": ["tensor", "float32", []], "row_nbytes": nb, "arena_offsets": offsets}},
+        }
         put = _call_raw(env.address, "commit", {**base, "keys": ["new1", "new2"], "mode": "put"}, bufs)
         over = _call_raw(env.address, "commit", {**base, "keys": ["a", "b"], "mode": "write_back", "overwrite": True}, bufs)
         problems = []
@@ -673,14 +727,30 @@ def test_commit_locating_rows_outside_the_arena_fails_reads_naming_the_key(env):
         located, msg = c._ctrl.call("locate", {"partition": pid, "keys": ["near"], "fields": ["x"]})
         far_unit = 1 - int(protocol.unpack_array(located["loc"], msg.buffers)[0, 0, 0])  # the other unit
         bufs: list = []  # a real block of the other unit, stored as a client would
-        spec = {"schema": ["tensor", "float32", []], "row_offsets": protocol.pack_array(np.array([0, 4], dtype=np.int64), bufs),
-                "data": protocol.pack_array(np.frombuffer(np.float32(2.5).tobytes(), np.uint8), bufs)}
-        block = protocol.raise_for_reply(_call_raw(env.unit_addresses[far_unit], "store", {"n_rows": 1, "fields": {"x": spec}}, bufs))["block"]
+        spec = {
+            "schema": ["tensor", "float32", []],
+            "row_offsets": protocol.pack_array(np.array([0, 4], dtype=np.int64), bufs),
+            "data": protocol.pack_array(np.frombuffer(np.float32(2.5).tobytes(), np.uint8), bufs),
+        }
+        block = protocol.raise_for_reply(_call_raw(env.unit_addresses[far_unit], "store", {"n_rows": 1, "fields": {"x": spec}}, bufs))[
+            "block"
+        ]
         bufs = []
-        fields = {"x": {"schema": ["tensor", "float32", []], "row_nbytes": protocol.pack_array(np.array([4], dtype=np.int64), bufs),
-                        "arena_offsets": protocol.pack_array(np.array([1 << 40], dtype=np.int64), bufs)}}
-        protocol.raise_for_reply(_call_raw(env.address, "commit", {"partition": pid, "keys": ["far"], "mode": "put",
-                                                                    "blocks": [[far_unit, block, 1]], "fields": fields}, bufs))
+        fields = {
+            "x": {
+                "schema": ["tensor", "float32", []],
+                "row_nbytes": protocol.pack_array(np.array([4], dtype=np.int64), bufs),
+                "arena_offsets": protocol.pack_array(np.array([1 << 40], dtype=np.int64), bufs),
+            }
+        }
+        protocol.raise_for_reply(
+            _call_raw(
+                env.address,
+                "commit",
+                {"partition": pid, "keys": ["far"], "mode": "put", "blocks": [[far_unit, block, 1]], "fields": fields},
+                bufs,
+            )
+        )
         bad = rf"field 'x' of key 'far' is located outside storage unit {far_unit}'s arena"
         with pytest.raises(MalformedMessageError, match=bad):  # every row on one unit
             c.get(c.get_meta(pid, ["far"]), ["x"])
@@ -698,8 +768,11 @@ def test_finding_store_with_a_boolean_count_is_refused_and_changes_nothing(env, 
     before = _state(env, "unit", 0)
     bufs: list = []
     rows = [0] if bad == "n_rows" else [0, 1]  # n_rows=false reads as 0 rows: one row offset
-    spec = {"schema": ["tensor", "uint8", []], "row_offsets": protocol.pack_array(np.array(rows, dtype=np.int64), bufs),
-            **({"data": protocol.pack_array(np.zeros(0, dtype=np.uint8), bufs)} if bad == "n_rows" else {"offset": False})}
+    spec = {
+        "schema": ["tensor", "uint8", []],
+        "row_offsets": protocol.pack_array(np.array(rows, dtype=np.int64), bufs),
+        **({"data": protocol.pack_array(np.zeros(0, dtype=np.uint8), bufs)} if bad == "n_rows" else {"offset": False}),
+    }
     args = {"n_rows": False if bad == "n_rows" else 1, "fields": {"f": spec}}
     if bad == "offset":
         args["alloc"] = protocol.raise_for_reply(_call_raw(env.unit_addresses[0], "alloc", {"nbytes": 64}))["alloc"]

@@ -26,7 +26,7 @@ def expected_logprobs(model, prompt, response, *, temperature=1.0, top_k=0) -> t
     """log p(response[t] | prompt, response[:t]) from one unpadded forward pass, processed like the sampler."""
     full = torch.cat([prompt, response]).unsqueeze(0)
     with torch.no_grad():
-        logits = model(full).logits[0, prompt.numel() - 1: -1].float() / temperature
+        logits = model(full).logits[0, prompt.numel() - 1 : -1].float() / temperature
     if top_k > 0:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -69,11 +69,8 @@ def test_per_prompt_stop_strings(model, tok):
     r0 = ref.response_ids[0].tolist()
     # A two-token stop string that first completes at token k (both tokens printable characters).
     visible = lambda t: tok.decode([t], skip_special_tokens=True).strip() != ""  # noqa: E731
-    k = next(
-        k for k in range(2, 10)
-        if visible(r0[k - 1]) and visible(r0[k]) and tok.decode(r0[k - 1: k + 1]) not in tok.decode(r0[:k])
-    )
-    stop = tok.decode(r0[k - 1: k + 1])
+    k = next(k for k in range(2, 10) if visible(r0[k - 1]) and visible(r0[k]) and tok.decode(r0[k - 1 : k + 1]) not in tok.decode(r0[:k]))
+    stop = tok.decode(r0[k - 1 : k + 1])
     out = backend(model, tok, seed=5).generate(prompts, max_new_tokens=10, stop_strings=[[stop], None])
     assert out.finish_reasons[0] == "stop"
     assert out.response_ids[0].tolist() == r0[: k + 1]
@@ -133,7 +130,7 @@ def test_greedy_is_deterministic_and_batch_invariant(model, tok):
     # Greedy picks the argmax: its log-prob is the largest of the raw distribution.
     p, ids = prompts[0], g1.response_ids[0]
     with torch.no_grad():
-        logits = model(torch.cat([p, ids]).unsqueeze(0)).logits[0, p.numel() - 1: -1]
+        logits = model(torch.cat([p, ids]).unsqueeze(0)).logits[0, p.numel() - 1 : -1]
     assert torch.equal(logits.argmax(-1), ids)
     # The async path (a thread by default) gives the same answer.
     one = asyncio.run(b.generate_async(prompts[1], max_new_tokens=8, greedy=True))

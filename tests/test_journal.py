@@ -111,7 +111,9 @@ def test_flipped_byte_in_a_body_ends_replay_at_the_record_before_it(tmp_path):
     assert _replay(path) == [RECORDS[0], "after"]
 
 
-@pytest.mark.parametrize("body", [b"\xc1", b"\x01\x02", b"", b"\x93\x01\x02"], ids=["never-used-byte", "extra-data", "empty", "short-array"])
+@pytest.mark.parametrize(
+    "body", [b"\xc1", b"\x01\x02", b"", b"\x93\x01\x02"], ids=["never-used-byte", "extra-data", "empty", "short-array"]
+)
 def test_checksummed_body_that_is_not_one_msgpack_value_ends_the_prefix(tmp_path, body):
     """A frame whose length and CRC are right but whose body is not exactly one msgpack value
     (the ExtraData of the bug report among them) ends the valid prefix without raising."""
@@ -127,11 +129,15 @@ def test_checksummed_body_that_is_not_one_msgpack_value_ends_the_prefix(tmp_path
     assert _replay(path) == RECORDS[:3]
 
 
-@pytest.mark.parametrize("garbage", [
-    b"\x05\x00\x00\x00" + b"\xde\xad\xbe\xef" + b"\x92\x01\x02\x03\x04",  # a length that fits, a wrong CRC
-    b"\x00" * 64,  # the zero-filled tail a power loss can leave
-    bytes(range(256)),
-], ids=["plausible-length", "zeros", "bytes"])
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"\x05\x00\x00\x00" + b"\xde\xad\xbe\xef" + b"\x92\x01\x02\x03\x04",  # a length that fits, a wrong CRC
+        b"\x00" * 64,  # the zero-filled tail a power loss can leave
+        bytes(range(256)),
+    ],
+    ids=["plausible-length", "zeros", "bytes"],
+)
 def test_garbage_tail_fails_the_crc_and_is_truncated(tmp_path, garbage):
     path = tmp_path / "j"
     ends = _write(path, RECORDS[:3])
@@ -236,7 +242,7 @@ os.kill(os.getpid(), signal.SIGKILL)  # no close, no flush, no atexit
 
 
 def test_fsync_never_survives_sigkill_and_never_fsyncs(tmp_path, monkeypatch):
-    """"never": every appended record is in the page cache when append returns, so a SIGKILLed
+    """ "never": every appended record is in the page cache when append returns, so a SIGKILLed
     writer loses nothing; and nothing (open, append, rewrite, close) fsyncs."""
     path = tmp_path / "j"
     proc = subprocess.run([sys.executable, "-c", _CHILD_SIGKILL, str(path)], timeout=30)
@@ -322,7 +328,12 @@ def test_unknown_fsync_policy_is_refused(tmp_path):
 
 
 _values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=20) | st.binary(max_size=40),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=20)
+    | st.binary(max_size=40),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
     max_leaves=8,
 )
@@ -400,7 +411,6 @@ def test_controller_survives_two_crashes_with_garbage_journal_tails(tmp_path):
             for p in unit_pids:
                 if pid_alive(p):
                     os.kill(p, signal.SIGKILL)
-
 
 
 def test_controller_replays_requests_journaled_raw_and_as_maps(tmp_path):

@@ -246,7 +246,10 @@ def test_with_fields_and_add_fields():
     m = make_meta()
     assert m.with_fields(["x"]).fields == ("x",)
     assert m.add_fields(["rewards", "input_ids", "adv"]).fields == (
-        "input_ids", "logprobs", "rewards", "adv",
+        "input_ids",
+        "logprobs",
+        "rewards",
+        "adv",
     )
     with pytest.raises(ValueError, match="duplicate field"):
         m.with_fields(["x", "x"])
@@ -275,8 +278,16 @@ def test_with_extra_info_merges():
 
 def test_extra_info_propagates_to_derived_metas():
     m = make_meta(6, micro_batches=[[0, 1]])
-    for d in [m.select([1, 2]), m.select_keys(["k0"]), m.slice(0, 2), m.drop(["k1"]),
-              *m.chunk(3), m.with_fields(["a"]), m.add_fields(["z"]), m.stamp_tags(t=1)]:
+    for d in [
+        m.select([1, 2]),
+        m.select_keys(["k0"]),
+        m.slice(0, 2),
+        m.drop(["k1"]),
+        *m.chunk(3),
+        m.with_fields(["a"]),
+        m.add_fields(["z"]),
+        m.stamp_tags(t=1),
+    ]:
         assert d.extra_info == m.extra_info
 
 
@@ -296,10 +307,17 @@ def test_not_hashable():
 def test_operations_do_not_mutate_original():
     m = make_meta(6, plan=[[0, 1], [2]])
     snapshot = m.to_dict()
-    m.select([0, 1]); m.select_keys(["k2"]); m.slice(1, 3); m.drop(["k0"]); m.chunk(3)
-    m.with_fields(["x"]); m.add_fields(["y"]); m.stamp_tags(group_id=0, new="a")
+    m.select([0, 1])
+    m.select_keys(["k2"])
+    m.slice(1, 3)
+    m.drop(["k0"])
+    m.chunk(3)
+    m.with_fields(["x"])
+    m.add_fields(["y"])
+    m.stamp_tags(group_id=0, new="a")
     m.with_extra_info(global_forward_pad_seqlen=1, z=2)
-    KVBatchMeta.concat(m.chunk(2)); m.to_msgpack()
+    KVBatchMeta.concat(m.chunk(2))
+    m.to_msgpack()
     assert m.to_dict() == snapshot
 
 
@@ -345,8 +363,11 @@ def test_msgpack_rejects_unserialisable_extra_info_naming_key():
 
 
 tag_value = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**63), 2**63 - 1),
-    st.floats(allow_nan=False), st.text(max_size=5),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**63 - 1),
+    st.floats(allow_nan=False),
+    st.text(max_size=5),
 )
 
 
@@ -380,7 +401,10 @@ def test_construction_of_large_meta_is_cheap():
     # smoke test only (no timing assertion): 10k keys with a few tags
     n = 10_000
     m = KVBatchMeta(
-        "p", [f"k{i}" for i in range(n)], ["a"], list(range(n)),
+        "p",
+        [f"k{i}" for i in range(n)],
+        ["a"],
+        list(range(n)),
         {"g": list(range(n)), "s": ["x"] * n, "f": [0.5] * n},
     )
     assert len(m.chunk(8)) == 8 and m.total_tokens == n * (n - 1) // 2
@@ -408,14 +432,17 @@ def test_concat_across_slot_tables_drops_the_slots():
     assert KVBatchMeta.concat([a, KVBatchMeta("p", ["d"], slot_table=1, slots=[5])]).slots == (0, 5)
 
 
-@pytest.mark.parametrize("kwargs, err", [
-    ({"slots": [0, 1]}, ValueError),  # no slot_table
-    ({"slot_table": 1}, ValueError),  # no slots
-    ({"slot_table": 1, "slots": [0]}, ValueError),  # one slot for two keys
-    ({"slot_table": 1, "slots": [0, -1]}, TypeError),
-    ({"slot_table": 1, "slots": [0, 1.0]}, TypeError),
-    ({"slot_table": "1", "slots": [0, 1]}, TypeError),
-])
+@pytest.mark.parametrize(
+    "kwargs, err",
+    [
+        ({"slots": [0, 1]}, ValueError),  # no slot_table
+        ({"slot_table": 1}, ValueError),  # no slots
+        ({"slot_table": 1, "slots": [0]}, ValueError),  # one slot for two keys
+        ({"slot_table": 1, "slots": [0, -1]}, TypeError),
+        ({"slot_table": 1, "slots": [0, 1.0]}, TypeError),
+        ({"slot_table": "1", "slots": [0, 1]}, TypeError),
+    ],
+)
 def test_bad_slots_are_rejected(kwargs, err):
     with pytest.raises(err):
         KVBatchMeta("p", ["a", "b"], **kwargs)

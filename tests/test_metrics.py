@@ -29,8 +29,9 @@ N_PUTS, KEYS_PER_PUT, ROW_BYTES, N_GETS = 5, 4, 100, 3
 def service(tmp_path_factory):
     """``python -m tq.controller --metrics-port 0`` with one storage unit and a secret: (address, metrics URL)."""
     ready = launch.new_ready_file("tq-metrics-test-")
-    cmd = launch.controller_command(host="127.0.0.1", port=0, storage_units=1, capacity=32 << 20, shm_dir="/dev/shm",
-                                    ready_file=ready, metrics_port=0)
+    cmd = launch.controller_command(
+        host="127.0.0.1", port=0, storage_units=1, capacity=32 << 20, shm_dir="/dev/shm", ready_file=ready, metrics_port=0
+    )
     proc = subprocess.Popen(cmd, env=launch.service_env(SECRET), stdout=subprocess.DEVNULL)
     try:
         info = launch.await_ready_file(ready, alive=lambda: proc.poll() is None, timeout=60, what="the TQ controller")
@@ -58,8 +59,10 @@ def test_scrape_reports_what_the_test_did(service):
     row_bytes = KEYS_PER_PUT * ROW_BYTES
     with TQClient(address, secret=SECRET, transport="tcp") as client:  # tcp: every byte goes through the unit's ops
         client.register_partition("m", reuse=True)  # the dashboard test may have made it
-        metas = [client.put("m", [f"k{i}-{j}" for j in range(KEYS_PER_PUT)],
-                            {"x": torch.full((KEYS_PER_PUT, ROW_BYTES), i, dtype=torch.uint8)}) for i in range(N_PUTS)]
+        metas = [
+            client.put("m", [f"k{i}-{j}" for j in range(KEYS_PER_PUT)], {"x": torch.full((KEYS_PER_PUT, ROW_BYTES), i, dtype=torch.uint8)})
+            for i in range(N_PUTS)
+        ]
         for i in range(N_GETS):
             assert int(client.get(metas[i], ["x"])["x"][0, 0]) == i
     with pytest.raises(AuthenticationError):  # no secret: refused at the handshake
@@ -72,13 +75,23 @@ def test_scrape_reports_what_the_test_did(service):
     assert value(s, "tq_rejected_messages_total", **ctl) == 1
     assert value(s, "tq_auth_failures_total", **unit) == 0
     # op counts, errors and latency histograms, by server and op
-    for server, op, n in (("controller", "commit", N_PUTS), ("controller", "locate", N_GETS), ("controller", "create_partition", 1),
-                          ("unit-0", "store", N_PUTS), ("unit-0", "fetch", N_GETS)):
+    for server, op, n in (
+        ("controller", "commit", N_PUTS),
+        ("controller", "locate", N_GETS),
+        ("controller", "create_partition", 1),
+        ("unit-0", "store", N_PUTS),
+        ("unit-0", "fetch", N_GETS),
+    ):
         assert value(s, "tq_op_requests_total", server=server, op=op) == n, (server, op)
         assert value(s, "tq_op_errors_total", server=server, op=op) == 0
         assert value(s, "tq_op_latency_seconds_count", server=server, op=op) == n
-        buckets = sorted(((float(dict(lb)["le"]), v) for (name, lb), v in s.items()
-                          if name == "tq_op_latency_seconds_bucket" and dict(lb)["server"] == server and dict(lb)["op"] == op))
+        buckets = sorted(
+            (
+                (float(dict(lb)["le"]), v)
+                for (name, lb), v in s.items()
+                if name == "tq_op_latency_seconds_bucket" and dict(lb)["server"] == server and dict(lb)["op"] == op
+            )
+        )
         assert [v for _, v in buckets] == sorted(v for _, v in buckets) and buckets[-1] == (float("inf"), n)
         assert 0 < value(s, "tq_op_latency_seconds_sum", server=server, op=op) < 10 * n
     # bytes: the column bytes went in as store frames and out as fetch frames (plus headers)
@@ -107,15 +120,20 @@ def test_a_unit_started_without_the_flag_records_metrics_once_registered(tmp_pat
     """A unit started as tq.ray_placement starts one (``python -m tq.storage`` with no ``--metrics``)
     learns from its registration that the service exports metrics: its latency histogram is served."""
     ready = launch.new_ready_file("tq-metrics-test-")
-    ctl = subprocess.Popen(launch.controller_command(host="127.0.0.1", port=0, storage_units=0, capacity=8 << 20, shm_dir="/dev/shm",
-                                                     ready_file=ready, metrics_port=0), env=launch.service_env(SECRET),
-                           stdout=subprocess.DEVNULL)
+    ctl = subprocess.Popen(
+        launch.controller_command(
+            host="127.0.0.1", port=0, storage_units=0, capacity=8 << 20, shm_dir="/dev/shm", ready_file=ready, metrics_port=0
+        ),
+        env=launch.service_env(SECRET),
+        stdout=subprocess.DEVNULL,
+    )
     unit = None
     try:
         info = launch.await_ready_file(ready, alive=lambda: ctl.poll() is None, timeout=60, what="the TQ controller")
         unit_ready = str(tmp_path / "unit.json")
-        cmd = launch.storage_unit_command(unit_id=0, bind="tcp://127.0.0.1:0", controller=info["address"], capacity=8 << 20,
-                                          shm_dir="/dev/shm", ready_file=unit_ready)
+        cmd = launch.storage_unit_command(
+            unit_id=0, bind="tcp://127.0.0.1:0", controller=info["address"], capacity=8 << 20, shm_dir="/dev/shm", ready_file=unit_ready
+        )
         assert "--metrics" not in cmd
         unit = subprocess.Popen(cmd, env=launch.service_env(SECRET))
         launch.await_ready_file(unit_ready, alive=lambda: unit.poll() is None, timeout=30, what="the storage unit")
@@ -143,8 +161,11 @@ def test_dashboard_and_scrape_config_use_exported_names(service):
     with open(os.path.join(REPO, "deploy", "grafana", "tq-dashboard.json")) as f:
         dashboard = json.load(f)
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
-    exprs += [v["query"]["query"] if isinstance(v.get("query"), dict) else v.get("query", "")
-              for v in dashboard.get("templating", {}).get("list", []) if v.get("type") == "query"]
+    exprs += [
+        v["query"]["query"] if isinstance(v.get("query"), dict) else v.get("query", "")
+        for v in dashboard.get("templating", {}).get("list", [])
+        if v.get("type") == "query"
+    ]
     assert len(exprs) >= 10
     used = {m for e in exprs for m in re.findall(r"\b(?:tq|process)_[a-z0-9_]+\b", e)}
     assert used and used <= live, f"not exported: {sorted(used - live)}"
@@ -157,8 +178,12 @@ def test_dashboard_and_scrape_config_use_exported_names(service):
 
 def test_a_unit_that_is_down_is_reported_down_not_dropped():
     """families() of a service whose unit 1 did not answer: up 0, its capacity still known."""
-    stats = {"ops": {}, "partitions": [], "units": [{"unit_id": 0, "arena_size": 10}, {"unit_id": 1, "arena_size": 20}],
-             "unit_stats": [{"unit_id": 0, "ops": {}, "bytes_used": 5}, {"unit_id": 1, "arena_size": 20}]}
+    stats = {
+        "ops": {},
+        "partitions": [],
+        "units": [{"unit_id": 0, "arena_size": 10}, {"unit_id": 1, "arena_size": 20}],
+        "unit_stats": [{"unit_id": 0, "ops": {}, "bytes_used": 5}, {"unit_id": 1, "arena_size": 20}],
+    }
     got = {(s.name, tuple(s.labels.values())): s.value for f in families(stats) for s in f.samples}
     assert got[("tq_unit_up", ("0",))] == 1 and got[("tq_unit_up", ("1",))] == 0
     assert got[("tq_unit_capacity_bytes", ("1",))] == 20 and ("tq_unit_used_bytes", ("1",)) not in got
@@ -175,8 +200,9 @@ def test_metrics_port_in_use_fails_fast_naming_it(how):
         port = taken.getsockname()[1]
         flag = ["--metrics-port", str(port)] if how == "--metrics-port" else []
         env = {**launch.service_env(None), **({"TQ_METRICS_PORT": str(port)} if not flag else {})}
-        r = subprocess.run([sys.executable, "-m", "tq.controller", "--storage-units", "0", *flag],
-                           env=env, capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [sys.executable, "-m", "tq.controller", "--storage-units", "0", *flag], env=env, capture_output=True, text=True, timeout=60
+        )
     assert r.returncode == 1 and f"cannot serve metrics on 127.0.0.1:{port}" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
 

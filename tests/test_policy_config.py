@@ -9,21 +9,28 @@ from policy.optim import lr_factor
 from policy.policy import PolicyConfig
 
 
-@pytest.mark.parametrize("kwargs,key", [
-    ({"dynamic_batching": {"enabled": True, "train_mb_tokens": 64, "logprob_mb_tokens": 64},
-      "sequence_packing": {"enabled": True, "train_mb_tokens": 64, "logprob_mb_tokens": 64}},
-     "sequence_packing.enabled"),
-    ({"sequence_packing": {"enabled": True, "logprob_mb_tokens": 64}}, "sequence_packing.train_mb_tokens"),
-    ({"dynamic_batching": {"enabled": True, "train_mb_tokens": 64}}, "dynamic_batching.logprob_mb_tokens"),
-    ({"dp_size": 4, "train_global_batch_size": 2}, "train_global_batch_size"),
-    ({"lr_schedule": "cosine"}, "max_steps"),
-    ({"dp_size": 0}, "dp_size"),
-    ({"dtype": "float8"}, "dtype"),
-    ({"learning_rate": 0.0}, "learning_rate"),
-    ({"sequence_packing": {"algorithm": "best_fit"}}, "algorithm"),
-    ({"train_mb_size": 2}, "train_mb_size"),  # unknown keys are rejected, not ignored
-    ({"dist_backend": "nccl"}, "num_gpus_per_worker"),
-])
+@pytest.mark.parametrize(
+    "kwargs,key",
+    [
+        (
+            {
+                "dynamic_batching": {"enabled": True, "train_mb_tokens": 64, "logprob_mb_tokens": 64},
+                "sequence_packing": {"enabled": True, "train_mb_tokens": 64, "logprob_mb_tokens": 64},
+            },
+            "sequence_packing.enabled",
+        ),
+        ({"sequence_packing": {"enabled": True, "logprob_mb_tokens": 64}}, "sequence_packing.train_mb_tokens"),
+        ({"dynamic_batching": {"enabled": True, "train_mb_tokens": 64}}, "dynamic_batching.logprob_mb_tokens"),
+        ({"dp_size": 4, "train_global_batch_size": 2}, "train_global_batch_size"),
+        ({"lr_schedule": "cosine"}, "max_steps"),
+        ({"dp_size": 0}, "dp_size"),
+        ({"dtype": "float8"}, "dtype"),
+        ({"learning_rate": 0.0}, "learning_rate"),
+        ({"sequence_packing": {"algorithm": "best_fit"}}, "algorithm"),
+        ({"train_mb_size": 2}, "train_mb_size"),  # unknown keys are rejected, not ignored
+        ({"dist_backend": "nccl"}, "num_gpus_per_worker"),
+    ],
+)
 def test_bad_config_names_the_key(kwargs, key):
     with pytest.raises(ValidationError, match=key.replace(".", r"\.")):
         PolicyConfig(**kwargs)

@@ -97,12 +97,15 @@ def test_dual_clip_caps_negative_advantage_only():
     assert ClippedPGLossFn(cfg)(curr, data, 1, 1)[0].item() == pytest.approx(-2.4, abs=1e-5)
 
 
-@pytest.mark.parametrize("kl_type,expected", [
-    # r = log pi_ref - log pi = log 0.25 - log 0.5 = -ln 2
-    ("k1", math.log(2)),                      # -r = 0.693147
-    ("k2", math.log(2) ** 2 / 2),             # r^2 / 2 = 0.240227
-    ("k3", 0.5 - 1 + math.log(2)),            # e^r - 1 - r = 0.193147
-])
+@pytest.mark.parametrize(
+    "kl_type,expected",
+    [
+        # r = log pi_ref - log pi = log 0.25 - log 0.5 = -ln 2
+        ("k1", math.log(2)),  # -r = 0.693147
+        ("k2", math.log(2) ** 2 / 2),  # r^2 / 2 = 0.240227
+        ("k3", 0.5 - 1 + math.log(2)),  # e^r - 1 - r = 0.193147
+    ],
+)
 def test_kl_penalty_types(kl_type, expected):
     curr, data = _batch([[1.0, 1.0]], [[0, 1]], [0.0], ref=[[LN(0.25), LN(0.25)]])
     fn = ClippedPGLossFn({"reference_policy_kl_penalty": 0.1, "reference_policy_kl_type": kl_type})
@@ -120,8 +123,9 @@ def test_kl_clamp_and_no_reference_without_penalty():
     fn = ClippedPGLossFn({"reference_policy_kl_penalty": 0.1, "reference_policy_kl_type": "k1", "kl_clamp": 0.1})
     assert fn(curr, data, 1, 1)[0].item() == pytest.approx(0.1 * 0.1, abs=1e-7)  # 0.693 clamped to 0.1
     assert "reference_policy_logprobs" not in ClippedPGLossFn().input_fields
-    assert calculate_kl(torch.tensor([0.0]), torch.tensor([-100.0]), "k3", input_clamp=20.0, output_clamp=None).item() \
-        == pytest.approx(math.exp(-20) - 1 + 20, abs=1e-4)
+    assert calculate_kl(torch.tensor([0.0]), torch.tensor([-100.0]), "k3", input_clamp=20.0, output_clamp=None).item() == pytest.approx(
+        math.exp(-20) - 1 + 20, abs=1e-4
+    )
 
 
 def test_importance_sampling_correction_and_truncation():
@@ -151,17 +155,21 @@ def test_garbage_outside_the_mask_cannot_reach_gradients():
 
 
 def test_reduce_metrics_sums_and_extremes():
-    out = reduce_metrics([{"loss": 0.25, "probs_ratio_min": 0.9, "probs_ratio_max": 1.1},
-                          {"loss": 0.5, "probs_ratio_min": 0.7, "probs_ratio_max": 1.05}])
+    out = reduce_metrics(
+        [{"loss": 0.25, "probs_ratio_min": 0.9, "probs_ratio_max": 1.1}, {"loss": 0.5, "probs_ratio_min": 0.7, "probs_ratio_max": 1.05}]
+    )
     assert {k: v.item() for k, v in out.items()} == pytest.approx({"loss": 0.75, "probs_ratio_min": 0.7, "probs_ratio_max": 1.1})
 
 
-@pytest.mark.parametrize("bad,key", [
-    ({"ratio_clip_c": 1.0}, "ratio_clip_c"),
-    ({"reference_policy_kl_type": "k4"}, "reference_policy_kl_type"),
-    ({"truncated_importance_sampling_ratio": 2.0}, "truncated_importance_sampling_ratio"),
-    ({"ratio_clip_maxx": 0.2}, "ratio_clip_maxx"),
-])
+@pytest.mark.parametrize(
+    "bad,key",
+    [
+        ({"ratio_clip_c": 1.0}, "ratio_clip_c"),
+        ({"reference_policy_kl_type": "k4"}, "reference_policy_kl_type"),
+        ({"truncated_importance_sampling_ratio": 2.0}, "truncated_importance_sampling_ratio"),
+        ({"ratio_clip_maxx": 0.2}, "ratio_clip_maxx"),
+    ],
+)
 def test_bad_loss_config_names_the_key(bad, key):
     with pytest.raises(ValueError, match=key):
         ClippedPGLossConfig(**bad)

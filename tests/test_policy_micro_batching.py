@@ -84,8 +84,7 @@ def test_packed_row_is_block_diagonal_with_restarting_positions(model, tok):
     # Changing the first sequence must not move the second one's log-probs (no cross-attention).
     ids2 = ids.clone()
     ids2[0, :5] = torch.tensor([40, 41, 42, 43, 44])
-    other = micro_batch_logprobs(model, build_micro_batch(ids2, lens, [0, 1], packed=True, pad_token_id=0,
-                                                          sequence_length_round=4))
+    other = micro_batch_logprobs(model, build_micro_batch(ids2, lens, [0, 1], packed=True, pad_token_id=0, sequence_length_round=4))
     torch.testing.assert_close(other[1], base[1], atol=1e-6, rtol=0)
     assert base[1, 0] == 0 and base[1, 3:].eq(0).all()
 
@@ -130,8 +129,9 @@ def test_plan_from_extra_info():
 
 def test_legacy_index_meta_shards_like_real_keys():
     lengths = [7, 30, 3, 12, 25, 9, 14, 2]
-    cfg = PolicyConfig(dp_size=3, train_global_batch_size=8,
-                       dynamic_batching={"enabled": True, "train_mb_tokens": 60, "logprob_mb_tokens": 90})
+    cfg = PolicyConfig(
+        dp_size=3, train_global_batch_size=8, dynamic_batching={"enabled": True, "train_mb_tokens": 60, "logprob_mb_tokens": 90}
+    )
     real = KVBatchMeta("train", tuple(f"p{i}_g0" for i in range(8)), sequence_lengths=tuple(lengths))
     for purpose in ("train", "logprob"):
         legacy = shard_for_dp(index_meta(lengths), cfg, purpose)
@@ -150,5 +150,5 @@ def test_per_sample_reductions():
     gen = torch.tensor([[0.0, -1.5, -1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
     out = per_sample_reductions({"prev_logprobs": prev, "generation_logprobs": gen, "token_mask": tm})
     assert out["seq_logprob_error"].tolist() == pytest.approx([(0.5 + 1.0) / 2, 0.0])
-    assert out["seq_mult_prob_error"].tolist() == pytest.approx([(2.718281828 ** 0.5 + 2.718281828) / 2, 0.0])
+    assert out["seq_mult_prob_error"].tolist() == pytest.approx([(2.718281828**0.5 + 2.718281828) / 2, 0.0])
     assert out["num_valid_tokens"].tolist() == [2, 0]

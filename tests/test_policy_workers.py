@@ -28,8 +28,9 @@ DYNAMIC = dict(dynamic_batching={"enabled": True, "train_mb_tokens": 64, "logpro
 
 
 def _cfg(**kw) -> PolicyConfig:
-    base = dict(dp_size=2, train_global_batch_size=8, train_micro_batch_size=3, logprob_batch_size=4,
-                learning_rate=1e-3, weight_decay=0.0, seed=11)
+    base = dict(
+        dp_size=2, train_global_batch_size=8, train_micro_batch_size=3, logprob_batch_size=4, learning_rate=1e-3, weight_decay=0.0, seed=11
+    )
     return PolicyConfig(**{**base, **kw})
 
 
@@ -109,6 +110,7 @@ def test_dp2_update_matches_dp1(ray_session, batch):
 
 def _small(obj) -> int:
     """Pickled size of a worker's reply, asserting it carries no tensor."""
+
     def walk(x):
         assert not isinstance(x, torch.Tensor), f"a tensor came back through Ray: {x.shape}"
         if isinstance(x, dict):
@@ -117,6 +119,7 @@ def _small(obj) -> int:
         elif isinstance(x, (list, tuple)):
             for v in x:
                 walk(v)
+
     walk(obj)
     return len(pickle.dumps(obj))
 
@@ -132,7 +135,9 @@ def test_tq_path_returns_only_small_dicts_and_leaves_store_empty(ray_session, tq
             for r in ray.get([w.get_logprobs_from_meta.remote(s, reference) for w, s in zip(ws, shards)], timeout=120):
                 assert _small(r) < 512
         meta = meta.add_fields(["prev_logprobs", "reference_policy_logprobs"])
-        for r in ray.get([w.compute_per_token_reductions.remote(s) for w, s in zip(ws, shard_for_dp(meta, tqp.config, "logprob"))], timeout=120):
+        for r in ray.get(
+            [w.compute_per_token_reductions.remote(s) for w, s in zip(ws, shard_for_dp(meta, tqp.config, "logprob"))], timeout=120
+        ):
             assert _small(r) < 512
         meta = tqp.write_to_dataplane(meta, {"advantages": batch["advantages"]})
         per_rank = [[s] for s in shard_for_dp(meta.slice(0, 8), tqp.config, "train")]
@@ -233,4 +238,3 @@ def test_a_dead_actor_is_named_even_when_a_peer_failed_first(ray_session):
     ray.kill(doomed)
     with pytest.raises(ray.exceptions.RayActorError):
         ActorCalls().get([alive.fail.remote(), dead], timeout=30)
-

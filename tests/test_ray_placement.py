@@ -52,8 +52,12 @@ def test_units_on_ray_nodes_round_trip(ray_session, controller):
             client.register_partition("ray")
             ids = [torch.randint(0, 100, (n,)) for n in (3, 9, 1, 6)]
             rewards = torch.tensor([0.5, -1.0, 2.0, 0.0])
-            meta = client.put("ray", ["u0_g0", "u0_g1", "u1_g0", "u1_g1"], {"input_ids": ids, "rewards": rewards},
-                              tags={"group": ["u0", "u0", "u1", "u1"]})
+            meta = client.put(
+                "ray",
+                ["u0_g0", "u0_g1", "u1_g0", "u1_g1"],
+                {"input_ids": ids, "rewards": rewards},
+                tags={"group": ["u0", "u0", "u1", "u1"]},
+            )
             got = client.get(meta, layout="jagged")
             assert isinstance(got["input_ids"], JaggedTensor)
             for a, b in zip(got["input_ids"].unbind(), ids):

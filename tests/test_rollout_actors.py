@@ -41,9 +41,7 @@ def batch_of(dataset, rows):
 def test_rollout_to_tq_keys_columns_bit_exact_and_scalar_carry(tq_server, client, partition, dataset):
     rows, g = [5, 2, 6], 2
     tq_impl, legacy_impl = impl(tq_server), impl(tq_server)
-    meta, carry, rollout_metrics, gen_metrics = tq_impl.rollout_to_tq(
-        batch_of(dataset, rows), partition, g, carry_keys=["ground_truth"]
-    )
+    meta, carry, rollout_metrics, gen_metrics = tq_impl.rollout_to_tq(batch_of(dataset, rows), partition, g, carry_keys=["ground_truth"])
     legacy, legacy_rollout_metrics, _ = legacy_impl.rollout(batch_of(dataset, rows), g, carry_keys=["ground_truth"])
     n = len(rows) * g
     keys = [f"{r}_g{i}" for r in rows for i in range(g)]
@@ -58,8 +56,11 @@ def test_rollout_to_tq_keys_columns_bit_exact_and_scalar_carry(tq_server, client
     # same rollout (same model, same sampling seed) run directly ...
     got = client.get(meta, list(BULK) + ["total_reward", "truncated"], layout="list")
     records, _, _ = run_multi_turn_rollout(
-        HFGenerationBackend(GenerationBackendConfig(**GEN)), build_tiny_tokenizer(),
-        [dataset[r] for r in rows for _ in range(g)], {TWO_TURN_TASK_NAME: TwoTurnGuessEnvironment()}, RolloutLimits(**LIMITS),
+        HFGenerationBackend(GenerationBackendConfig(**GEN)),
+        build_tiny_tokenizer(),
+        [dataset[r] for r in rows for _ in range(g)],
+        {TWO_TURN_TASK_NAME: TwoTurnGuessEnvironment()},
+        RolloutLimits(**LIMITS),
     )
     expected = records_to_columns(records)
     for f in ("input_ids", "generation_logprobs", "token_mask"):
@@ -80,8 +81,9 @@ def test_rollout_to_tq_keys_columns_bit_exact_and_scalar_carry(tq_server, client
     for f, c in (("sample_mask", "loss_multiplier"), ("total_reward", "total_reward"), ("truncated", "truncated")):
         assert torch.equal(got[f], carry[c]) and torch.equal(carry[c], legacy[c])
     timings = ("rollout_seconds", "tq_put_seconds")  # wall times (and the put exists on the TQ path only)
-    assert {k: v for k, v in rollout_metrics.items() if k not in timings} == \
-        {k: v for k, v in legacy_rollout_metrics.items() if k not in timings}
+    assert {k: v for k, v in rollout_metrics.items() if k not in timings} == {
+        k: v for k, v in legacy_rollout_metrics.items() if k not in timings
+    }
     assert gen_metrics["generate_calls"] == 2.0 and gen_metrics["generation_requests"] == 2 * n
 
     # driver_carry: per-sample scalars only - nothing with a token dimension, small.
@@ -130,8 +132,7 @@ def test_bad_batches_fail_before_anything_is_written(tq_server, client, partitio
     with pytest.raises(ValueError, match="prompt uid '3' appears twice"):
         r.rollout_to_tq([dataset[3], dataset[3]], partition, 2)
     with pytest.raises(TypeError, match="driver_carry holds per-sample scalars only"):
-        r.rollout_to_tq([{**dataset[0], "extra_env_info": {"ground_truth": "1", "hints": [1, 2]}}], partition, 1,
-                        carry_keys=["hints"])
+        r.rollout_to_tq([{**dataset[0], "extra_env_info": {"ground_truth": "1", "hints": [1, 2]}}], partition, 1, carry_keys=["hints"])
     assert client.get_meta(partition).keys == ()
     r.shutdown()
 
@@ -141,8 +142,9 @@ def test_ray_actor_with_an_existing_generation_actor(ray_session, tq_server, cli
     from rollout.generation import RayGenerationWorker
 
     worker = ray.remote(RayGenerationWorker).options(num_cpus=0.25).remote({**GEN, "model_seed": 0})
-    actor = SyncRolloutActor.remote(generation=worker, tokenizer_name=TINY_MODEL, environments=ENVS,
-                                    connection=TQConnection(tq_server.address), limits=LIMITS)
+    actor = SyncRolloutActor.remote(
+        generation=worker, tokenizer_name=TINY_MODEL, environments=ENVS, connection=TQConnection(tq_server.address), limits=LIMITS
+    )
     try:
         assert ray.get(actor.ready.remote(), timeout=120) == 0
         meta, carry, rollout_metrics, _ = ray.get(actor.rollout_to_tq.remote(batch_of(dataset, [1, 4]), partition, 3), timeout=120)
@@ -165,7 +167,10 @@ def test_ray_actor_with_an_existing_generation_actor(ray_session, tq_server, cli
 def test_extra_tags_and_carry_columns_reach_tq(tq_server, client, partition, dataset):
     r = impl(tq_server)
     meta, carry, _, _ = r.rollout_to_tq(
-        batch_of(dataset, [1, 4]), partition, 2, extra_tags={"target_step": 7, "shard": [3, 2, 1, 0]},
+        batch_of(dataset, [1, 4]),
+        partition,
+        2,
+        extra_tags={"target_step": 7, "shard": [3, 2, 1, 0]},
         carry_columns=("response_lengths", "loss_multiplier"),
     )
     assert meta.tags["target_step"] == (7,) * 4 and meta.tags["shard"] == (3, 2, 1, 0)
@@ -175,10 +180,12 @@ def test_extra_tags_and_carry_columns_reach_tq(tq_server, client, partition, dat
     assert torch.equal(got["loss_multiplier"], carry["loss_multiplier"])
     assert client.get_meta(partition).tags["target_step"] == (7,) * 4  # stored by the controller, not just echoed
 
-    for kwargs, match in [({"extra_tags": {"weight_version": 3}}, "would replace tags"),
-                          ({"carry_columns": ["total_reward"]}, "would replace bulk columns"),
-                          ({"carry_columns": ["no_such"]}, "not driver_carry entries"),
-                          ({"extra_tags": {"target_step": [1, 2]}}, "2 values for 4 samples")]:
+    for kwargs, match in [
+        ({"extra_tags": {"weight_version": 3}}, "would replace tags"),
+        ({"carry_columns": ["total_reward"]}, "would replace bulk columns"),
+        ({"carry_columns": ["no_such"]}, "not driver_carry entries"),
+        ({"extra_tags": {"target_step": [1, 2]}}, "2 values for 4 samples"),
+    ]:
         with pytest.raises(ValueError, match=match):
             r.rollout_to_tq(batch_of(dataset, [2, 6]), partition, 2, **kwargs)
     assert client.get_meta(partition).keys == meta.keys  # nothing written by the refused calls

@@ -30,15 +30,22 @@ def loader(dataset, batch_size=3):
 
 
 def collector(dataset, **kw) -> LLMCollector:
-    args = dict(generation=GEN, dataloader=loader(dataset), environments=ENVS, limits=LIMITS, group_size=2,
-                dialog_turns_per_batch=4, timeout_s=60)
+    args = dict(
+        generation=GEN, dataloader=loader(dataset), environments=ENVS, limits=LIMITS, group_size=2, dialog_turns_per_batch=4, timeout_s=60
+    )
     args.update(kw)
     return LLMCollector(**args)
 
 
 def buffer(tq_server, capacity, **kw) -> TQReplayBuffer:
-    return TQReplayBuffer(TQConnection(tq_server.address), capacity=capacity, partition_id=f"rb-{uuid.uuid4().hex[:6]}",
-                          write_timeout_s=30, read_timeout_s=30, **kw)
+    return TQReplayBuffer(
+        TQConnection(tq_server.address),
+        capacity=capacity,
+        partition_id=f"rb-{uuid.uuid4().hex[:6]}",
+        write_timeout_s=30,
+        read_timeout_s=30,
+        **kw,
+    )
 
 
 def wait_until(cond, timeout_s=30.0, what="condition"):
@@ -199,9 +206,19 @@ def test_state_dict_resumes_at_the_same_dataloader_position(dataset):
 
 def test_collector_as_a_ray_actor(ray_session, dataset, tok):
     ray = ray_session
-    actor = ray.remote(LLMCollector).options(num_cpus=0.25).remote(
-        generation=GEN, dataloader=loader(dataset), environments=ENVS, limits=LIMITS, group_size=2,
-        dialog_turns_per_batch=4, total_dialog_turns=8, timeout_s=60,
+    actor = (
+        ray.remote(LLMCollector)
+        .options(num_cpus=0.25)
+        .remote(
+            generation=GEN,
+            dataloader=loader(dataset),
+            environments=ENVS,
+            limits=LIMITS,
+            group_size=2,
+            dialog_turns_per_batch=4,
+            total_dialog_turns=8,
+            timeout_s=60,
+        )
     )
     try:
         batch = ray.get(actor.next.remote(), timeout=120)

@@ -78,8 +78,9 @@ def test_two_turns_masks_summed_rewards_and_logprobs_equal_what_the_backend_retu
     # Replay the same two generate calls on a fresh backend with the same seed: bit-identical draws.
     replay = backend(model, tok, seed=3)
     turn1 = replay.generate([r["message_log"][0]["token_ids"] for r in records], max_new_tokens=6, stop_strings=[None] * 3)
-    turn2 = replay.generate([torch.cat([m["token_ids"] for m in r["message_log"][:3]]) for r in out],
-                            max_new_tokens=6, stop_strings=[None] * 3)
+    turn2 = replay.generate(
+        [torch.cat([m["token_ids"] for m in r["message_log"][:3]]) for r in out], max_new_tokens=6, stop_strings=[None] * 3
+    )
     cols = records_to_columns(out)
     for i, r in enumerate(out):
         assert [m["role"] for m in r["message_log"]] == ["user", "assistant", "environment", "assistant"]
@@ -110,19 +111,26 @@ def test_truncation_by_seq_len_by_turns_and_by_token_budget(model, tok):
     prompt_len = records[0]["message_log"][0]["token_ids"].numel()
     env = {TWO_TURN_TASK_NAME: TwoTurnGuessEnvironment()}
     # The hint after turn 1 cannot fit: the conversation ends after one turn, flagged truncated.
-    out, m, _ = run_multi_turn_rollout(backend(model, tok, seed=1), tok, records, env,
-                                       RolloutLimits(max_seq_len=prompt_len + 12, max_new_tokens=4, max_rollout_turns=4))
+    out, m, _ = run_multi_turn_rollout(
+        backend(model, tok, seed=1), tok, records, env, RolloutLimits(max_seq_len=prompt_len + 12, max_new_tokens=4, max_rollout_turns=4)
+    )
     for r in out:
         assert r["num_turns"] == 1 and r["truncated"] and not r["terminated"]
         assert [x["role"] for x in r["message_log"]] == ["user", "assistant"]
     assert m["truncated_fraction"] == 1.0
     # Out of turns before the environment terminated the conversation.
-    out, _, _ = run_multi_turn_rollout(backend(model, tok, seed=1), tok, records, env,
-                                       RolloutLimits(max_seq_len=256, max_new_tokens=4, max_rollout_turns=1))
+    out, _, _ = run_multi_turn_rollout(
+        backend(model, tok, seed=1), tok, records, env, RolloutLimits(max_seq_len=256, max_new_tokens=4, max_rollout_turns=1)
+    )
     assert all(r["num_turns"] == 1 and r["truncated"] and not r["terminated"] for r in out)
     # max_seq_len leaves room for 2 of the 8 new tokens: responses are cut there and flagged.
-    out, _, _ = run_multi_turn_rollout(backend(model, tok, seed=1, stop_token_ids=[0]), tok, records, env,
-                                       RolloutLimits(max_seq_len=prompt_len + 2, max_new_tokens=8, max_rollout_turns=2))
+    out, _, _ = run_multi_turn_rollout(
+        backend(model, tok, seed=1, stop_token_ids=[0]),
+        tok,
+        records,
+        env,
+        RolloutLimits(max_seq_len=prompt_len + 2, max_new_tokens=8, max_rollout_turns=2),
+    )
     for r in out:
         c = Completion.from_record(r)
         assert c.token_ids.numel() == prompt_len + 2 and c.response_length == 2
@@ -134,8 +142,13 @@ def test_prompt_longer_than_the_limit_scores_zero_and_is_masked(model, tok):
     rows = [{"prompt": "1+2=", "ground_truth": "3"}, {"prompt": "1+2=" * 10, "ground_truth": "3"}]
     records = builtin_records(tok, rows, max_seq_length=10)
     assert records[1]["loss_multiplier"] == 0.0 and records[1]["length"] == 10  # the processor truncated it
-    out, m, _ = run_multi_turn_rollout(backend(model, tok, seed=0), tok, records, {BUILTIN_TASK_NAME: BuiltinTaskEnvironment()},
-                                       RolloutLimits(max_seq_len=10, max_new_tokens=2))
+    out, m, _ = run_multi_turn_rollout(
+        backend(model, tok, seed=0),
+        tok,
+        records,
+        {BUILTIN_TASK_NAME: BuiltinTaskEnvironment()},
+        RolloutLimits(max_seq_len=10, max_new_tokens=2),
+    )
     long = Completion.from_record(out[1])
     assert long.reward == 0.0 and long.loss_multiplier == 0.0 and long.truncated and long.num_turns == 0
     assert long.response_length == 0 and long.token_ids.numel() == 10
@@ -145,10 +158,14 @@ def test_prompt_longer_than_the_limit_scores_zero_and_is_masked(model, tok):
 
 
 def test_environment_that_raises_masks_only_its_sample(model, tok):
-    rows = [{"prompt": "1+2=", "ground_truth": "3"}, {"prompt": "2+2=", "ground_truth": "boom"},
-            {"prompt": "0+1=", "ground_truth": "1"}]
-    out, m, _ = run_multi_turn_rollout(backend(model, tok, seed=0), tok, builtin_records(tok, rows),
-                                       {BUILTIN_TASK_NAME: RaisesOnBoom()}, RolloutLimits(max_seq_len=32, max_new_tokens=2))
+    rows = [{"prompt": "1+2=", "ground_truth": "3"}, {"prompt": "2+2=", "ground_truth": "boom"}, {"prompt": "0+1=", "ground_truth": "1"}]
+    out, m, _ = run_multi_turn_rollout(
+        backend(model, tok, seed=0),
+        tok,
+        builtin_records(tok, rows),
+        {BUILTIN_TASK_NAME: RaisesOnBoom()},
+        RolloutLimits(max_seq_len=32, max_new_tokens=2),
+    )
     assert [r["env_error"] for r in out] == [False, True, False]
     assert out[1]["total_reward"] == 0.0 and out[1]["loss_multiplier"] == 0.0
     for r in (out[0], out[2]):  # scored as the real environment scores them
@@ -212,9 +229,12 @@ def test_malformed_rows_and_records_raise_naming_the_row(model, tok):
 def test_rollout_manager_runs_completions_concurrently(model, tok):
     records = two_turn_records(tok, 2)
     manager = RolloutManager(
-        generation=backend(model, tok, seed=5), tokenizer=tok, environments={TWO_TURN_TASK_NAME: ShapedTwoTurnEnv()},
+        generation=backend(model, tok, seed=5),
+        tokenizer=tok,
+        environments={TWO_TURN_TASK_NAME: ShapedTwoTurnEnv()},
         limits={"max_seq_len": 256, "max_new_tokens": 4, "max_rollout_turns": 3},
-        num_generations_per_prompt=4, max_concurrent_groups=2,
+        num_generations_per_prompt=4,
+        max_concurrent_groups=2,
     )
     groups, metrics = manager.run_rollouts(records)
     # Both groups' 4 completions were awaiting the backend at once.

@@ -26,8 +26,13 @@ def _case(rng: np.random.Generator, n: int, max_row: int, row_span: int, offset:
 
 @pytest.mark.parametrize("isa", rowcopy.STREAM_ISAS)  # every streaming-store width this CPU has
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), padded=st.booleans(), pad_width=st.sampled_from([1, 2, 4, 8, 3]),
-       offset=st.integers(0, 17), large=st.booleans())
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    padded=st.booleans(),
+    pad_width=st.sampled_from([1, 2, 4, 8, 3]),
+    offset=st.integers(0, 17),
+    large=st.booleans(),
+)
 def test_c_helper_matches_numpy_on_both_store_paths(seed, padded, pad_width, offset, large, isa):
     rng = np.random.default_rng(seed)
     n, max_row = (64, rowcopy.STREAM_BYTES // 48) if large else (16, 300)

@@ -23,13 +23,23 @@ from tq.errors import InvalidRequestError, KeyNotFoundError, PartitionNotFoundEr
 
 TRANSPORTS = ["auto", "tcp"]
 DTYPES = [
-    torch.float32, torch.float16, torch.bfloat16, torch.float64,
-    torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
 ]
 # Same-size integer views: comparing these compares bits, so NaN payloads and -0.0 count.
 _BITS = {
-    torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
-    torch.float64: torch.int64, torch.bool: torch.uint8,
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+    torch.float64: torch.int64,
+    torch.bool: torch.uint8,
 }
 # Unusual NaN payloads (quiet with payload, signalling, negative) injected into float data.
 _NANS = {
@@ -55,13 +65,11 @@ def rand(shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
     if dtype in _NANS:
         flat = t.reshape(-1)
         ibits = _BITS[dtype]
-        for i, pattern in enumerate(_NANS[dtype][: n]):
+        for i, pattern in enumerate(_NANS[dtype][:n]):
             width = torch.empty(0, dtype=ibits).element_size() * 8
             signed = pattern - (1 << width) if pattern >= 1 << (width - 1) else pattern
             flat[i : i + 1].view(ibits).fill_(signed)
     return t
-
-
 
 
 def assert_rows(got_list, rows) -> None:
@@ -84,7 +92,7 @@ def assert_padded(got: torch.Tensor, rows, target: int, pad) -> None:
     pad_bits = bits(torch.tensor(pad, dtype=got.dtype))
     for i, r in enumerate(rows):
         assert_same(got[i, : r.shape[0]], r)
-        tail = bits(got[i, r.shape[0]:])
+        tail = bits(got[i, r.shape[0] :])
         assert bool((tail == pad_bits).all()), f"row {i}: pad region is not {pad!r}"
 
 
@@ -138,8 +146,11 @@ def test_roundtrip_python_objects(tclient, part):
         "plain",
         "ünïcødé ✓ 漢字",
         None,
-        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},
-         {"role": "assistant", "content": "4", "token_ids": [19, 20, 21], "meta": {"ok": True, "score": 0.5}}],
+        [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4", "token_ids": [19, 20, 21], "meta": {"ok": True, "score": 0.5}},
+        ],
         {"nested": {"deep": [1, [2, [3, None]]], "empty": {}}, "int_key": {1: "one"}},
         [],
         "",
@@ -324,8 +335,13 @@ def test_mint_keys_then_put_and_tags_travel_with_keys(tclient, part):
     assert list(m.keys) == expected and m.fields == ()
     lengths = [2, 4, 1, 3, 5, 2]
     ids = jrows(lengths, torch.int64, 81)
-    tags = {"group": [0, 0, 0, 1, 1, 1], "uid": [u for u in uids for _ in range(3)],
-            "weight_version": [7] * 6, "baseline": [0.5, 0.5, 0.5, None, None, None], "kept": [True, False] * 3}
+    tags = {
+        "group": [0, 0, 0, 1, 1, 1],
+        "uid": [u for u in uids for _ in range(3)],
+        "weight_version": [7] * 6,
+        "baseline": [0.5, 0.5, 0.5, None, None, None],
+        "kept": [True, False] * 3,
+    }
     put_meta = tclient.put(part, list(minted.keys), {"input_ids": ids, "reward": rand((6,), torch.float32, 82)}, tags=tags)
     assert put_meta.sequence_lengths == tuple(lengths)
     got_meta = tclient.get_meta(part)
@@ -506,10 +522,17 @@ def _units_used(c: TQClient) -> list[int]:
 def _fill(c: TQClient, pid: str, batches: int = 4) -> list[KVBatchMeta]:
     metas = []
     for b in range(batches):
-        metas.append(c.put(pid, keys_for(8, prefix=f"f{b}-"), {
-            "ids": jrows([50 + 10 * i for i in range(8)], torch.int64, 160 + b),
-            "r": rand((8,), torch.float32, 170 + b), "o": ["x" * 100] * 8,
-        }))
+        metas.append(
+            c.put(
+                pid,
+                keys_for(8, prefix=f"f{b}-"),
+                {
+                    "ids": jrows([50 + 10 * i for i in range(8)], torch.int64, 160 + b),
+                    "r": rand((8,), torch.float32, 170 + b),
+                    "o": ["x" * 100] * 8,
+                },
+            )
+        )
     return metas
 
 
@@ -659,8 +682,7 @@ def test_client_in_another_process_reads_what_this_one_wrote(tq_server, tclient,
 def test_stats_count_ops_and_report_latency_percentiles(tclient, part):
     def snapshot():
         s = tclient.stats()
-        return s, {op: v["count"] for op, v in s["ops"].items()}, [
-            {op: v["count"] for op, v in u["ops"].items()} for u in s["unit_stats"]]
+        return s, {op: v["count"] for op, v in s["ops"].items()}, [{op: v["count"] for op, v in u["ops"].items()} for u in s["unit_stats"]]
 
     meta = tclient.put(part, keys_for(4), {"x": rand((4, 8), torch.float32, 200)})
     tclient.get(meta)
@@ -704,7 +726,9 @@ def test_write_back_overwrite_replaces_a_field_and_frees_what_only_it_held(tclie
     tclient.write_back(meta, {"sample_mask": torch.tensor([0.0, 1.0])}, overwrite=True)  # shared block row: kept
     tclient.write_back(meta, {"sample_mask": torch.tensor([1.0, 0.0])}, overwrite=True)  # frees the previous one
     got = tclient.get(meta, ["sample_mask", "ids"], layout="list")
-    assert torch.equal(torch.stack(list(got["sample_mask"])) if isinstance(got["sample_mask"], list) else got["sample_mask"], torch.tensor([1.0, 0.0]))
+    assert torch.equal(
+        torch.stack(list(got["sample_mask"])) if isinstance(got["sample_mask"], list) else got["sample_mask"], torch.tensor([1.0, 0.0])
+    )
     assert torch.equal(got["ids"][0], torch.arange(3))
     with pytest.raises(SchemaConflictError, match="sample_mask"):
         tclient.write_back(meta, {"sample_mask": torch.zeros(2, dtype=torch.int64)}, overwrite=True)

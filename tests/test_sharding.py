@@ -118,16 +118,22 @@ def test_sharding_properties(dp, data, mode, rnd):
     budget = data.draw(st.integers(max(max_r, 1), max(max_r, 1) * 6), label="budget")
     meta = make_meta(lengths)
     shards = shard_meta_for_dp(
-        meta, dp,
-        sequence_packing=mode == "packed", dynamic_batching=mode == "dynamic",
-        max_tokens_per_microbatch=budget, sequence_length_round=rnd,
+        meta,
+        dp,
+        sequence_packing=mode == "packed",
+        dynamic_batching=mode == "dynamic",
+        max_tokens_per_microbatch=budget,
+        sequence_length_round=rnd,
     )
     check_shards(meta, shards, dp, mode=mode, budget=budget, rnd=rnd)
     # deterministic
     again = shard_meta_for_dp(
-        meta, dp,
-        sequence_packing=mode == "packed", dynamic_batching=mode == "dynamic",
-        max_tokens_per_microbatch=budget, sequence_length_round=rnd,
+        meta,
+        dp,
+        sequence_packing=mode == "packed",
+        dynamic_batching=mode == "dynamic",
+        max_tokens_per_microbatch=budget,
+        sequence_length_round=rnd,
     )
     assert again == shards
 
@@ -252,8 +258,7 @@ def test_equalize_helper_split_order_and_padding():
 
 def test_packed_with_extra_info_plan_keys():
     meta = make_meta([3, 5, 7, 9], pad_to_multiple=8)
-    shards = shard_meta_for_dp(meta, 2, sequence_packing=True, max_tokens_per_microbatch=16,
-                               sequence_length_round=8)
+    shards = shard_meta_for_dp(meta, 2, sequence_packing=True, max_tokens_per_microbatch=16, sequence_length_round=8)
     check_shards(meta, shards, 2, mode="packed", budget=16, rnd=8)
     for r, s in enumerate(shards):
         assert s.extra_info["pad_to_multiple"] == 8
@@ -287,8 +292,7 @@ def test_error_too_few_samples():
 
 def test_error_both_modes():
     with pytest.raises(ValueError, match="enable at most one of sequence_packing and dynamic_batching"):
-        shard_meta_for_dp(make_meta([1, 2]), 1, sequence_packing=True, dynamic_batching=True,
-                          max_tokens_per_microbatch=10)
+        shard_meta_for_dp(make_meta([1, 2]), 1, sequence_packing=True, dynamic_batching=True, max_tokens_per_microbatch=10)
 
 
 @pytest.mark.parametrize("flag", ["sequence_packing", "dynamic_batching"])
@@ -299,8 +303,7 @@ def test_error_mode_without_sequence_lengths(flag):
 
 
 @pytest.mark.parametrize("flag", ["sequence_packing", "dynamic_batching"])
-@pytest.mark.parametrize("budget,msg", [(None, "requires max_tokens_per_microbatch"),
-                                        (0, "must be > 0"), (-5, "must be > 0")])
+@pytest.mark.parametrize("budget,msg", [(None, "requires max_tokens_per_microbatch"), (0, "must be > 0"), (-5, "must be > 0")])
 def test_error_bad_budget(flag, budget, msg):
     with pytest.raises(ValueError, match=msg):
         shard_meta_for_dp(make_meta([1, 2]), 1, **{flag: True}, max_tokens_per_microbatch=budget)
@@ -308,8 +311,7 @@ def test_error_bad_budget(flag, budget, msg):
 
 def test_error_bad_round():
     with pytest.raises(ValueError, match="sequence_length_round must be >= 1"):
-        shard_meta_for_dp(make_meta([1, 2]), 1, sequence_packing=True,
-                          max_tokens_per_microbatch=10, sequence_length_round=0)
+        shard_meta_for_dp(make_meta([1, 2]), 1, sequence_packing=True, max_tokens_per_microbatch=10, sequence_length_round=0)
 
 
 def test_error_sequence_exceeds_budget_names_key():
@@ -319,8 +321,7 @@ def test_error_sequence_exceeds_budget_names_key():
     # rounding pushes 41 -> 64 over 50
     meta = make_meta([0, 41])
     with pytest.raises(ValueError, match=r"'s1' has length 41 \(rounded to 64"):
-        shard_meta_for_dp(meta, 1, sequence_packing=True, max_tokens_per_microbatch=50,
-                          sequence_length_round=64)
+        shard_meta_for_dp(meta, 1, sequence_packing=True, max_tokens_per_microbatch=50, sequence_length_round=64)
 
 
 def test_plan_micro_batches_errors():
@@ -339,8 +340,6 @@ def test_large_batch_completes(flags):
     rng = np.random.default_rng(0)
     n = 16_384
     lengths = rng.integers(0, 4097, n)
-    meta = KVBatchMeta("p", [f"k{i}" for i in range(n)], ["input_ids"], lengths,
-                       {"group_id": rng.integers(0, 1024, n)})
-    shards = shard_meta_for_dp(meta, 8, max_tokens_per_microbatch=16_384,
-                               sequence_length_round=64, **flags)
+    meta = KVBatchMeta("p", [f"k{i}" for i in range(n)], ["input_ids"], lengths, {"group_id": rng.integers(0, 1024, n)})
+    shards = shard_meta_for_dp(meta, 8, max_tokens_per_microbatch=16_384, sequence_length_round=64, **flags)
     assert sum(map(len, shards)) == n

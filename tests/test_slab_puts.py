@@ -48,10 +48,20 @@ def test_a_commit_naming_a_slab_block_given_up_is_refused_and_the_slab_space_ret
         c._arena(0).view[g["offset"] : g["offset"] + 8] = np.array([7], dtype=np.int64).view(np.uint8)
         c._ctrl.call("abort_blocks", {"blocks": [[0, b] for b in range(g["first_block"], g["first_block"] + 4)]})
         bufs: list = []
-        commit = {"partition": "p", "keys": ["late"], "mode": "put", "blocks": [[0, g["first_block"], 1]],
-                  "slabs": [[g["alloc"], g["offset"], 4096]],
-                  "fields": {"x": {"schema": ["tensor", "int64", []], "row_nbytes": protocol.pack_array(np.array([8]), bufs),
-                                   "arena_offsets": protocol.pack_array(np.array([g["offset"]]), bufs)}}}
+        commit = {
+            "partition": "p",
+            "keys": ["late"],
+            "mode": "put",
+            "blocks": [[0, g["first_block"], 1]],
+            "slabs": [[g["alloc"], g["offset"], 4096]],
+            "fields": {
+                "x": {
+                    "schema": ["tensor", "int64", []],
+                    "row_nbytes": protocol.pack_array(np.array([8]), bufs),
+                    "arena_offsets": protocol.pack_array(np.array([g["offset"]]), bufs),
+                }
+            },
+        }
         with pytest.raises(FencedCommitError):
             c._ctrl.call("commit", commit, bufs)
         with pytest.raises(KeyNotFoundError):
@@ -94,11 +104,24 @@ def test_a_fetch_of_a_committed_block_waits_for_its_adopt():
         fbufs: list = []
         rid = unit.send("fetch", {"fields": ["x"], "entries": protocol.pack_array(np.array([[0, bid, 0]]), fbufs)}, fbufs)
         bufs: list = []
-        c._ctrl.call("commit", {"partition": "p", "keys": ["k"], "mode": "put", "blocks": [[0, bid, 1]],
-                                "slabs": [[g["alloc"], off, 4096]],
-                                "fields": {"x": {"schema": ["tensor", "int64", []],
-                                                 "row_nbytes": protocol.pack_array(np.array([8]), bufs),
-                                                 "arena_offsets": protocol.pack_array(np.array([off]), bufs)}}}, bufs)
+        c._ctrl.call(
+            "commit",
+            {
+                "partition": "p",
+                "keys": ["k"],
+                "mode": "put",
+                "blocks": [[0, bid, 1]],
+                "slabs": [[g["alloc"], off, 4096]],
+                "fields": {
+                    "x": {
+                        "schema": ["tensor", "int64", []],
+                        "row_nbytes": protocol.pack_array(np.array([8]), bufs),
+                        "arena_offsets": protocol.pack_array(np.array([off]), bufs),
+                    }
+                },
+            },
+            bufs,
+        )
         reply, msg = unit.recv(rid, "fetch")
         frame = protocol.unpack_array(reply["frames"][0], msg.buffers, dtype="|u1")
         assert frame.view(np.int64).tolist() == [42]

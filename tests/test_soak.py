@@ -40,8 +40,7 @@ def test_finding_discard_releases_controller_memory():
 
     from tq import TQClient, TQServer
 
-    with TQServer(storage_units=1, capacity=64 << 20) as server, \
-            TQClient(server.address, timeout=30.0, transport="tcp") as c:
+    with TQServer(storage_units=1, capacity=64 << 20) as server, TQClient(server.address, timeout=30.0, transport="tcp") as c:
         c.register_partition("long-lived")
         controller = psutil.Process(server.proc.pid)
         column = {"x": torch.zeros(64, 1)}

@@ -36,8 +36,9 @@ def test_leave_one_out_baseline_ignores_invalid_samples():
 
 
 def test_advantages_normalized_and_clipped():
-    adv = compute_advantages(torch.tensor([1.0, 0.0, 3.0]), torch.tensor([0.5, 0.5, 3.0]), torch.tensor([0.5, 0.5, 0.0]),
-                             normalize_by_std=True)
+    adv = compute_advantages(
+        torch.tensor([1.0, 0.0, 3.0]), torch.tensor([0.5, 0.5, 3.0]), torch.tensor([0.5, 0.5, 0.0]), normalize_by_std=True
+    )
     assert torch.allclose(adv, torch.tensor([1.0, -1.0, 0.0]), atol=1e-5)
     clipped = compute_advantages(torch.tensor([10.0]), torch.tensor([0.0]), torch.tensor([1.0]), normalize_by_std=False, clip=2.0)
     assert clipped.item() == 2.0
@@ -46,8 +47,10 @@ def test_advantages_normalized_and_clipped():
 
 
 def test_reward_scaling_and_overlong_shaping():
-    assert torch.allclose(scale_rewards(torch.tensor([0.0, 0.5, 1.0, 2.0]), source_min=0, source_max=1, target_min=-1, target_max=1),
-                          torch.tensor([-1.0, 0.0, 1.0, 1.0]))
+    assert torch.allclose(
+        scale_rewards(torch.tensor([0.0, 0.5, 1.0, 2.0]), source_min=0, source_max=1, target_min=-1, target_max=1),
+        torch.tensor([-1.0, 0.0, 1.0, 1.0]),
+    )
     shaped = overlong_reward_shaping(torch.ones(4), torch.tensor([10, 16, 18, 25]), max_response_length=20, buffer_length=4, penalty=1.0)
     assert torch.allclose(shaped, torch.tensor([1.0, 1.0, 0.5, 0.0]))
 

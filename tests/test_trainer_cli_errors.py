@@ -10,8 +10,7 @@ from tq import TQServer
 
 
 def _trainer(*overrides: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainer.grpo_sync", *overrides], capture_output=True, text=True,
-                          timeout=120, env=env)
+    return subprocess.run([sys.executable, "-m", "trainer.grpo_sync", *overrides], capture_output=True, text=True, timeout=120, env=env)
 
 
 def test_address_without_a_scheme_is_a_config_error():

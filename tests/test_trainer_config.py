@@ -12,9 +12,17 @@ def test_shipped_recipes_validate(recipe):
 
 
 def test_dotted_overrides_parse_as_yaml_values():
-    cfg = parse_cli(["grpo.num_prompts_per_step=8", "policy.train_global_batch_size=64", "policy.learning_rate=3e-4", "grpo.advantage_clip=null",
-                     "policy.sequence_packing.enabled=true", "policy.sequence_packing.train_mb_tokens=256",
-                     "policy.sequence_packing.logprob_mb_tokens=512"])
+    cfg = parse_cli(
+        [
+            "grpo.num_prompts_per_step=8",
+            "policy.train_global_batch_size=64",
+            "policy.learning_rate=3e-4",
+            "grpo.advantage_clip=null",
+            "policy.sequence_packing.enabled=true",
+            "policy.sequence_packing.train_mb_tokens=256",
+            "policy.sequence_packing.logprob_mb_tokens=512",
+        ]
+    )
     assert cfg.grpo.num_prompts_per_step == 8 and cfg.policy.learning_rate == 3e-4
     assert cfg.policy.sequence_packing.enabled and cfg.grpo.advantage_clip is None
 
@@ -55,8 +63,18 @@ def test_progress_line_shows_the_step_phases_not_the_driver_and_worker_breakdown
     log = MetricsLogger(LoggerConfig(log_dir=str(tmp_path), tensorboard=False, plot=False), "run")
     try:
         log.start(2, 10)
-        log.progress(3, 10, {"reward": 0.5, "step_time_s": 0.123, "timing/generation": 0.061, "timing/training": 0.04,
-                             "timing/driver_get": 0.002, "timing/worker_fetch": 0.001})
+        log.progress(
+            3,
+            10,
+            {
+                "reward": 0.5,
+                "step_time_s": 0.123,
+                "timing/generation": 0.061,
+                "timing/training": 0.04,
+                "timing/driver_get": 0.002,
+                "timing/worker_fetch": 0.001,
+            },
+        )
     finally:
         log.close()
     line = capsys.readouterr().out.strip()

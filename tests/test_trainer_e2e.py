@@ -21,12 +21,25 @@ COMPARED = ("reward", "shaped_reward", "loss", "seq_logprob_error", "advantage_a
 
 
 def _cfg(tmp_path, *extra: str):
-    return parse_cli([
-        "grpo.num_prompts_per_step=8", "grpo.num_generations_per_prompt=8", "grpo.max_num_steps=5", "grpo.val_period=0",
-        "policy.train_global_batch_size=64", "policy.train_micro_batch_size=16", "policy.logprob_batch_size=32",
-        "policy.learning_rate=0.01", "data.num_builtin_prompts=40", "logger.tensorboard=false", "logger.plot=false",
-        "logger.progress=false", f"logger.log_dir={tmp_path}/logs", "cluster.num_cpus=2", *extra,
-    ])
+    return parse_cli(
+        [
+            "grpo.num_prompts_per_step=8",
+            "grpo.num_generations_per_prompt=8",
+            "grpo.max_num_steps=5",
+            "grpo.val_period=0",
+            "policy.train_global_batch_size=64",
+            "policy.train_micro_batch_size=16",
+            "policy.logprob_batch_size=32",
+            "policy.learning_rate=0.01",
+            "data.num_builtin_prompts=40",
+            "logger.tensorboard=false",
+            "logger.plot=false",
+            "logger.progress=false",
+            f"logger.log_dir={tmp_path}/logs",
+            "cluster.num_cpus=2",
+            *extra,
+        ]
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -89,8 +102,13 @@ def test_tq_driver_receives_per_sample_data_only_and_the_store_empties(tmp_path)
     with TQServer(storage_units=1, capacity=256 << 20) as server:
         runs = {}
         for tokens in (2, 24):
-            cfg = _cfg(tmp_path, "grpo.max_num_steps=1", f"grpo.max_new_tokens={tokens}", f"data_plane.address={server.address}",
-                       "logger.data_movement_metrics=true")
+            cfg = _cfg(
+                tmp_path,
+                "grpo.max_num_steps=1",
+                f"grpo.max_new_tokens={tokens}",
+                f"data_plane.address={server.address}",
+                "logger.data_movement_metrics=true",
+            )
             history, _ = _fit(GRPOSyncTrainer, cfg)
             runs[tokens] = max(h["driver_bytes_received"] for h in history)
             with TQClient(server.address) as client:
@@ -113,14 +131,27 @@ def test_tq_trainer_takes_the_data_plane_secret_from_the_config_alone(tmp_path, 
     secret = f"e2e-{uuid.uuid4().hex}"
     with TQServer(storage_units=1, capacity=128 << 20, secret=secret) as server:
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-        cfg = _cfg(tmp_path, "grpo.max_num_steps=1", "grpo.num_prompts_per_step=4", "policy.train_global_batch_size=32",
-                   f"data_plane.address={server.address}", f"data_plane.secret={secret}", "logger.progress=true")
+        cfg = _cfg(
+            tmp_path,
+            "grpo.max_num_steps=1",
+            "grpo.num_prompts_per_step=4",
+            "policy.train_global_batch_size=32",
+            f"data_plane.address={server.address}",
+            f"data_plane.secret={secret}",
+            "logger.progress=true",
+        )
         history, trainer = _fit(GRPOSyncTrainer, cfg)
         # The console: the start-up block with the resolved config's key facts, then the step line.
         out = capsys.readouterr().out
-        for fact in ("grpo_sync: GRPO (synchronous, TQ path", "model       tiny-random", "steps       1 x 4 prompts x 8 samples",
-                     "DP          2 policy worker(s)", f"data plane  {server.address} (a running tq-controller)",
-                     f"logs        {trainer.logger.run_dir}", "ray         local: token authentication"):
+        for fact in (
+            "grpo_sync: GRPO (synchronous, TQ path",
+            "model       tiny-random",
+            "steps       1 x 4 prompts x 8 samples",
+            "DP          2 policy worker(s)",
+            f"data plane  {server.address} (a running tq-controller)",
+            f"logs        {trainer.logger.run_dir}",
+            "ray         local: token authentication",
+        ):
             assert fact in out, fact
         assert "step 1/1 | reward" in out and "| elapsed 0:" in out and ", ETA 0:00" in out
         assert len(history) == 1 and "seq_logprob_error" in history[0]  # worker-written columns were read back
@@ -146,8 +177,9 @@ def test_resumed_run_continues_the_same_curve(tmp_path):
 
 @pytest.mark.slow  # 24 s of training before a validation pass
 def test_validation_reports_accuracy(tmp_path):
-    history, trainer = _fit(GRPOSyncTrainer, _cfg(tmp_path, "grpo.max_num_steps=2", "grpo.val_period=2",
-                                                   "grpo.max_val_samples=8", "grpo.val_num_generations=2"))
+    history, trainer = _fit(
+        GRPOSyncTrainer, _cfg(tmp_path, "grpo.max_num_steps=2", "grpo.val_period=2", "grpo.max_val_samples=8", "grpo.val_num_generations=2")
+    )
     val = [r for r in trainer.logger.history if r["split"] == "val"]
     assert len(val) == 1 and 0.0 <= val[0]["accuracy"] <= 1.0 and "pass@2" in val[0]
 
@@ -185,11 +217,25 @@ def test_ctrl_c_stops_cleanly_without_orphans(tmp_path):
     inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "trainer.grpo_sync", "grpo.max_num_steps=100000", "grpo.num_prompts_per_step=4",
-             "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=16", "checkpointing.enabled=true",
-             "checkpointing.save_period=2", f"checkpointing.checkpoint_dir={ck}", f"logger.log_dir={tmp_path}/logs",
-             "logger.tensorboard=false", "logger.plot=false", "cluster.num_cpus=2"],
-            stderr=subprocess.PIPE, text=True, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "trainer.grpo_sync",
+                "grpo.max_num_steps=100000",
+                "grpo.num_prompts_per_step=4",
+                "grpo.num_generations_per_prompt=4",
+                "policy.train_global_batch_size=16",
+                "checkpointing.enabled=true",
+                "checkpointing.save_period=2",
+                f"checkpointing.checkpoint_dir={ck}",
+                f"logger.log_dir={tmp_path}/logs",
+                "logger.tensorboard=false",
+                "logger.plot=false",
+                "cluster.num_cpus=2",
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
         )
     finally:
         signal.signal(signal.SIGINT, inherited)
@@ -218,8 +264,9 @@ def test_dynamic_sampling_gives_up_after_max_generation_batches(tmp_path, cls):
     batches up to dynamic_sampling_max_gen_batches, then raises naming the setting; on the TQ path the
     dropped keys were discarded from the store at once."""
     with TQServer(storage_units=1, capacity=128 << 20) as server:
-        cfg = _cfg(tmp_path, "grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_gen_batches=2",
-                   f"data_plane.address={server.address}")
+        cfg = _cfg(
+            tmp_path, "grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_gen_batches=2", f"data_plane.address={server.address}"
+        )
         trainer = cls(cfg)
         try:
             with pytest.raises(RuntimeError, match="dynamic_sampling_max_gen_batches=2"):
@@ -243,11 +290,17 @@ def test_actor_dying_mid_run_stops_with_a_clear_error(tmp_path, victim):
     from trainer.checkpoint import latest_checkpoint, load_checkpoint
 
     ck = tmp_path / "ck"
-    cfg = _cfg(tmp_path, "grpo.max_num_steps=1000", "checkpointing.enabled=true", "checkpointing.save_period=1",
-               f"checkpointing.checkpoint_dir={ck}")
+    cfg = _cfg(
+        tmp_path,
+        "grpo.max_num_steps=1000",
+        "checkpointing.enabled=true",
+        "checkpointing.save_period=1",
+        f"checkpointing.checkpoint_dir={ck}",
+    )
     trainer = GRPOSyncTrainer(cfg)
     tq_pid = trainer.tq_server.proc.pid
     try:
+
         def kill_after_first_checkpoint() -> None:
             deadline = time.monotonic() + 120
             while latest_checkpoint(ck) is None and time.monotonic() < deadline:
@@ -266,6 +319,7 @@ def test_actor_dying_mid_run_stops_with_a_clear_error(tmp_path, victim):
     assert state["step"] >= 1
     time.sleep(1)
     import os
+
     assert not os.path.exists(f"/proc/{tq_pid}") or "State:\tZ" in open(f"/proc/{tq_pid}/status").read()
 
 

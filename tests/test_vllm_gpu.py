@@ -121,10 +121,23 @@ def test_benchmark_writes_its_run_dir_only_and_summarizes_a_run(tmp_path, capsys
     metrics, t0 = tmp_path / "metrics.jsonl", 1000.0
     with open(metrics, "w") as f:
         for step in range(1, 31):  # reward step / 20: the 10-step mean first reaches 0.8 at step 21 (mean of 12..21 = 0.82)
-            f.write(json.dumps({"step": step, "split": "train", "time": t0 + 10 + step, "reward": min(1.0, step / 20),
-                                "step_time_s": 1.0, "timing/refit": 4.0 if step == 1 else 0.01, "token_mult_prob_error": 1.01,
-                                "async/trajectory_age_mean": 1.0, "async/trajectory_age_max": 1.0,
-                                "async/generation_refit_s": 0.02}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "step": step,
+                        "split": "train",
+                        "time": t0 + 10 + step,
+                        "reward": min(1.0, step / 20),
+                        "step_time_s": 1.0,
+                        "timing/refit": 4.0 if step == 1 else 0.01,
+                        "token_mult_prob_error": 1.01,
+                        "async/trajectory_age_mean": 1.0,
+                        "async/trajectory_age_max": 1.0,
+                        "async/generation_refit_s": 0.02,
+                    }
+                )
+                + "\n"
+            )
         f.write(json.dumps({"step": 20, "split": "val", "time": t0 + 31, "accuracy": 0.5}) + "\n")
     out = vllm_gpu.summarize_run(str(metrics), launched=t0)
     assert out["first_step_10_step_mean_reward_ge_0.8"] == 21 and out["time_to_10_step_mean_reward_ge_0.8_s"] == 31.0
@@ -146,8 +159,14 @@ def _encode(tok, text):
 def _vllm(**kw):
     from rollout.generation.vllm_backend import VllmGenerationBackend
 
-    cfg = dict(backend="vllm", dtype="bfloat16", vllm_enforce_eager=True, vllm_gpu_memory_utilization=0.15,
-               vllm_max_model_len=256, ray_timeout_s=300)
+    cfg = dict(
+        backend="vllm",
+        dtype="bfloat16",
+        vllm_enforce_eager=True,
+        vllm_gpu_memory_utilization=0.15,
+        vllm_max_model_len=256,
+        ray_timeout_s=300,
+    )
     return VllmGenerationBackend(GenerationBackendConfig(**{**cfg, **kw}))
 
 
@@ -279,9 +298,17 @@ def test_nccl_refit_across_gpus(tok):
 
     ray.init(num_cpus=4, num_gpus=2, include_dashboard=False)
     try:
-        pool = RayGenerationPool(GenerationBackendConfig(
-            backend="vllm", dtype="bfloat16", vllm_enforce_eager=True, vllm_gpu_memory_utilization=0.2,
-            vllm_max_model_len=256, ray_timeout_s=300, num_gpus_per_worker=1))
+        pool = RayGenerationPool(
+            GenerationBackendConfig(
+                backend="vllm",
+                dtype="bfloat16",
+                vllm_enforce_eager=True,
+                vllm_gpu_memory_utilization=0.2,
+                vllm_max_model_len=256,
+                ray_timeout_s=300,
+                num_gpus_per_worker=1,
+            )
+        )
         sender = ray.remote(num_gpus=1)(StandaloneWeightSender).remote(TINY_MODEL, seed=5)
         group = ray.get(sender.group.remote(2))
         for seed, version in ((5, 1), (6, 2)):

@@ -71,9 +71,7 @@ class RangeAllocator:
         """Return a range obtained from :meth:`allocate` (same ``nbytes``)."""
         size = align_up(max(nbytes, 1))
         i = bisect.bisect_left(self._starts, start)
-        if (i < len(self._starts) and self._starts[i] < start + size) or (
-            i > 0 and self._starts[i - 1] + self._sizes[i - 1] > start
-        ):
+        if (i < len(self._starts) and self._starts[i] < start + size) or (i > 0 and self._starts[i - 1] + self._sizes[i - 1] > start):
             raise ValueError(f"double free of range [{start}, {start + size})")
         self._starts.insert(i, start)
         self._sizes.insert(i, size)

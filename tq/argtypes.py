@@ -65,10 +65,10 @@ def deprecated_alias(new: str) -> type[argparse.Action]:
     """An ``argparse`` action for an old option spelling: stores like ``new`` and says it is deprecated."""
 
     class _Alias(argparse.Action):
-        def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                     option_string: str | None = None) -> None:
+        def __call__(
+            self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None
+        ) -> None:
             print(f"{parser.prog}: {option_string} is deprecated, use {new}", file=sys.stderr, flush=True)
             setattr(namespace, self.dest, values)
 
     return _Alias
-

@@ -171,8 +171,17 @@ def render_status(stats: dict[str, Any], *, address: str | None = None, rates: d
         parts.add_row("(none)", "", "", "")
 
     units = Table(title="Storage units", title_justify="left", expand=False)
-    for col, justify in (("unit", "right"), ("health", "left"), ("address", "left"), ("host", "left"), ("used / arena", "right"),
-                         ("blocks", "right"), ("stored total", "right"), ("read total", "right"), ("pid", "right")):
+    for col, justify in (
+        ("unit", "right"),
+        ("health", "left"),
+        ("address", "left"),
+        ("host", "left"),
+        ("used / arena", "right"),
+        ("blocks", "right"),
+        ("stored total", "right"),
+        ("read total", "right"),
+        ("pid", "right"),
+    ):
         units.add_column(col, justify=justify)  # type: ignore[arg-type]
     alive = {u.get("unit_id"): u.get("alive", True) for u in stats.get("units", [])}
     # unit_stats come from the units themselves; fall back to the controller's registry if absent.
@@ -181,10 +190,13 @@ def render_status(stats: dict[str, Any], *, address: str | None = None, rates: d
         used, size = u.get("bytes_used"), u.get("arena_size", 0)
         share = f" ({100 * used / size:.0f}%)" if used is not None and size else ""
         units.add_row(
-            str(u.get("unit_id")), "[green]up[/]" if alive.get(u.get("unit_id"), True) else "[bold red]DOWN[/]",
-            str(u.get("address")), str(u.get("host", "")).split("/", 1)[0],
+            str(u.get("unit_id")),
+            "[green]up[/]" if alive.get(u.get("unit_id"), True) else "[bold red]DOWN[/]",
+            str(u.get("address")),
+            str(u.get("host", "")).split("/", 1)[0],
             f"{format_bytes(used)} / {format_bytes(size)}{share}" if used is not None else f"? / {format_bytes(size)}",
-            str(u.get("blocks", "?")), format_bytes(u.get("bytes_stored_total", 0)),
+            str(u.get("blocks", "?")),
+            format_bytes(u.get("bytes_stored_total", 0)),
             format_bytes(stats.get("bytes_read_total", {}).get(str(u.get("unit_id")), 0)),  # counted by the controller
             str(u.get("pid", "")),
         )
@@ -202,8 +214,15 @@ def render_status(stats: dict[str, Any], *, address: str | None = None, rates: d
     for server, table in servers:
         for op, st in sorted(table.items()):
             rate = [f"{rates.get((server, op), 0.0):.1f}"] if rates is not None else []
-            ops.add_row(server, op, str(st.get("count", 0)), str(st.get("errors", 0)), *rate,
-                        f"{st.get('p50_ms', 0.0):.2f}", f"{st.get('p99_ms', 0.0):.2f}")
+            ops.add_row(
+                server,
+                op,
+                str(st.get("count", 0)),
+                str(st.get("errors", 0)),
+                *rate,
+                f"{st.get('p50_ms', 0.0):.2f}",
+                f"{st.get('p99_ms', 0.0):.2f}",
+            )
     return Group(summary, parts, units, ops)
 
 
@@ -252,9 +271,17 @@ def cmd_start(args: argparse.Namespace) -> int:
     launch.remove_ready_file(ready_file)
 
     env = launch.service_env(secret)
-    cmd = launch.controller_command(host=args.host, port=args.port, storage_units=args.storage_units,
-                                    capacity=args.capacity, shm_dir=args.shm_dir, ready_file=ready_file,
-                                    fsync=args.fsync, journal_dir=args.journal_dir, metrics_port=args.metrics_port)
+    cmd = launch.controller_command(
+        host=args.host,
+        port=args.port,
+        storage_units=args.storage_units,
+        capacity=args.capacity,
+        shm_dir=args.shm_dir,
+        ready_file=ready_file,
+        fsync=args.fsync,
+        journal_dir=args.journal_dir,
+        metrics_port=args.metrics_port,
+    )
 
     if args.foreground:
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
@@ -263,16 +290,24 @@ def cmd_start(args: argparse.Namespace) -> int:
         with open(log_path, "ab") as log:
             log.write(f"--- tq-controller start {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(cmd)}\n".encode())
             log.flush()
-            proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         ready = _await_service(proc, ready_file, args.storage_units, secret, log_path)
     except BaseException:
         launch.stop_process(proc, STOP_TIMEOUT_S, tree=True)
         raise
     address = ready["address"]
-    launch.write_json(run_file, {"address": address, "pid": proc.pid, "log": log_path or None, "metrics_url": ready.get("metrics_url"),
-                              "storage_units": args.storage_units, "started_at": time.time()})
+    launch.write_json(
+        run_file,
+        {
+            "address": address,
+            "pid": proc.pid,
+            "log": log_path or None,
+            "metrics_url": ready.get("metrics_url"),
+            "storage_units": args.storage_units,
+            "started_at": time.time(),
+        },
+    )
     print(address, flush=True)
     if ready.get("metrics_url"):  # stdout is the address alone (ADDR=$(tq-controller start))
         print(f"tq-controller start: Prometheus metrics at {ready['metrics_url']}", file=sys.stderr, flush=True)
@@ -294,8 +329,7 @@ def _await_service(proc: subprocess.Popen, ready_file: str, units: int, secret: 
 
     deadline = time.monotonic() + START_TIMEOUT_S
     try:
-        ready = launch.await_ready_file(ready_file, alive=lambda: proc.poll() is None, timeout=START_TIMEOUT_S,
-                                        what="the TQ controller")
+        ready = launch.await_ready_file(ready_file, alive=lambda: proc.poll() is None, timeout=START_TIMEOUT_S, what="the TQ controller")
         address = ready["address"]
     except TQError as exc:
         code = f" (exit code {proc.returncode})" if proc.poll() is not None else ""
@@ -313,8 +347,7 @@ def _await_service(proc: subprocess.Popen, ready_file: str, units: int, secret: 
             if registered >= units:
                 return ready
             try:  # the storage units among the controller's children (the metrics endpoint is one too)
-                running = [c for c in psutil.Process(proc.pid).children()
-                           if launch.pid_running(c.pid) and "tq.storage" in c.cmdline()]
+                running = [c for c in psutil.Process(proc.pid).children() if launch.pid_running(c.pid) and "tq.storage" in c.cmdline()]
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 running = []
             if proc.poll() is not None or len(running) < units:
@@ -370,8 +403,9 @@ def cmd_stop(args: argparse.Namespace) -> int:
         if not alive:
             if state:
                 _remove(run_file)
-            raise CLIError(f"no TQ controller is running at {address} ({exc})"
-                           + (f"; removed the stale run file {run_file}" if state else "")) from None
+            raise CLIError(
+                f"no TQ controller is running at {address} ({exc})" + (f"; removed the stale run file {run_file}" if state else "")
+            ) from None
         # Alive here but not answering us (wrong secret, wedged): the recorded pid is ours to stop.
         launch.signal_tree(pid, signal.SIGTERM)
     else:
@@ -456,8 +490,9 @@ def _watch(args: argparse.Namespace, address: str) -> int:
                 if client is not None:
                     client.close()
                 client, previous = None, None
-                view: Any = Group(Text(f"TQ controller at {address} is not reachable: {exc}", style="bold red"),
-                                  watch_footer(args.interval))
+                view: Any = Group(
+                    Text(f"TQ controller at {address} is not reachable: {exc}", style="bold red"), watch_footer(args.interval)
+                )
             else:
                 counts = op_counts(stats)
                 rates = {k: (n - previous[1].get(k, 0)) / (now - previous[0]) for k, n in counts.items()} if previous else {}
@@ -485,31 +520,43 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--run-file", metavar="FILE",
-                        help="where `start` records the running service's address, pid and log, and `status`/`stop` "
-                             "look it up (default: $TQ_RUN_DIR/controller.json, TQ_RUN_DIR=~/.cache/tq)")
-        sp.add_argument("--state-file", dest="run_file", action=argtypes.deprecated_alias("--run-file"),
-                        help=argparse.SUPPRESS)
+        sp.add_argument(
+            "--run-file",
+            metavar="FILE",
+            help="where `start` records the running service's address, pid and log, and `status`/`stop` "
+            "look it up (default: $TQ_RUN_DIR/controller.json, TQ_RUN_DIR=~/.cache/tq)",
+        )
+        sp.add_argument("--state-file", dest="run_file", action=argtypes.deprecated_alias("--run-file"), help=argparse.SUPPRESS)
         sp.add_argument("--secret", help="the service's shared secret (default: $TQ_SECRET)")
 
     s = sub.add_parser("start", help="start a controller and its storage units in the background")
     s.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs a secret)")
     s.add_argument("--port", type=argtypes.port, default=0, help="controller port, 0..65535 (0: pick a free one)")
-    s.add_argument("--storage-units", type=argtypes.count, default=1,
-                   help="local storage units (0: units join later, e.g. via Ray)")
+    s.add_argument("--storage-units", type=argtypes.count, default=1, help="local storage units (0: units join later, e.g. via Ray)")
     s.add_argument("--capacity", type=argtypes.size, default=4 << 30, help="total bytes over all units, e.g. 4G or 512M")
     s.add_argument("--shm-dir", default="/dev/shm", help="directory (tmpfs) holding the storage arenas")
     s.add_argument("--foreground", action="store_true", help="stay attached and stop the service on Ctrl-C")
-    s.add_argument("--journal-dir", metavar="DIR",
-                   help="crash recovery: the controller journals its partitions and keys here; started again on the "
-                        "same --port and --journal-dir after a crash, it recovers them and takes its storage units back")
-    s.add_argument("--metrics-port", type=argtypes.port, metavar="PORT",
-                   help="serve Prometheus metrics of the controller and every storage unit at http://HOST:PORT/metrics "
-                        "(0: a free port; the URL is printed on stderr and shown by `status`)")
-    s.add_argument("--fsync", choices=("never", "always", "interval"), default="never",
-                   help="when journals reach the disk: 'never' (the OS page cache: survives any process crash, "
-                        "which is what matters while the data itself lives in tmpfs), 'interval' (fsync about "
-                        "once a second) or 'always' (fsync every record)")
+    s.add_argument(
+        "--journal-dir",
+        metavar="DIR",
+        help="crash recovery: the controller journals its partitions and keys here; started again on the "
+        "same --port and --journal-dir after a crash, it recovers them and takes its storage units back",
+    )
+    s.add_argument(
+        "--metrics-port",
+        type=argtypes.port,
+        metavar="PORT",
+        help="serve Prometheus metrics of the controller and every storage unit at http://HOST:PORT/metrics "
+        "(0: a free port; the URL is printed on stderr and shown by `status`)",
+    )
+    s.add_argument(
+        "--fsync",
+        choices=("never", "always", "interval"),
+        default="never",
+        help="when journals reach the disk: 'never' (the OS page cache: survives any process crash, "
+        "which is what matters while the data itself lives in tmpfs), 'interval' (fsync about "
+        "once a second) or 'always' (fsync every record)",
+    )
     common(s)
     s.set_defaults(func=cmd_start)
 
@@ -521,10 +568,10 @@ def build_parser() -> argparse.ArgumentParser:
             view = sp.add_mutually_exclusive_group()
             view.add_argument("--json", action="store_true", help="print the raw stats as JSON")
             view.add_argument("--watch", action="store_true", help="redraw the tables, with request rates, until Ctrl-C")
-            sp.add_argument("--interval", type=argtypes.positive_seconds, default=WATCH_INTERVAL_S,
-                            help="seconds between redraws with --watch")
-            sp.add_argument("--timeout", type=argtypes.positive_seconds, default=STATUS_TIMEOUT_S,
-                            help="seconds to wait for an answer")
+            sp.add_argument(
+                "--interval", type=argtypes.positive_seconds, default=WATCH_INTERVAL_S, help="seconds between redraws with --watch"
+            )
+            sp.add_argument("--timeout", type=argtypes.positive_seconds, default=STATUS_TIMEOUT_S, help="seconds to wait for an answer")
         sp.set_defaults(func=func)
     return p
 

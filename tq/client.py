@@ -160,8 +160,16 @@ class _Fetched:
 
     __slots__ = ("schema", "sources", "src", "starts", "sizes", "_longest", "_total")
 
-    def __init__(self, schema: FieldSchema, sources: list[np.ndarray], src: np.ndarray, starts: np.ndarray, sizes: np.ndarray,
-                 longest: int | None = None, total: int | None = None) -> None:
+    def __init__(
+        self,
+        schema: FieldSchema,
+        sources: list[np.ndarray],
+        src: np.ndarray,
+        starts: np.ndarray,
+        sizes: np.ndarray,
+        longest: int | None = None,
+        total: int | None = None,
+    ) -> None:
         self.schema, self.sources, self.src, self.starts, self.sizes = schema, sources, src, starts, sizes
         self._longest, self._total = longest, total  # known up front on the location-table path
 
@@ -197,8 +205,9 @@ class _Output:
 
     __slots__ = ("fx", "dst", "span", "pad", "value", "finish")
 
-    def __init__(self, fx: _Fetched, dst: np.ndarray, value: Any = None, finish: Callable[[], Any] | None = None,
-                 span: int = 0, pad: bytes = b"") -> None:
+    def __init__(
+        self, fx: _Fetched, dst: np.ndarray, value: Any = None, finish: Callable[[], Any] | None = None, span: int = 0, pad: bytes = b""
+    ) -> None:
         self.fx, self.dst, self.span, self.pad = fx, dst, span, pad
         self.value, self.finish = value, finish
 
@@ -210,8 +219,13 @@ class _Output:
 
 
 def _place(
-    out: dict[str, _Fetched], fields: list[str], where: np.ndarray, sources: list[np.ndarray], src: np.ndarray,
-    starts: np.ndarray, sizes: np.ndarray,
+    out: dict[str, _Fetched],
+    fields: list[str],
+    where: np.ndarray,
+    sources: list[np.ndarray],
+    src: np.ndarray,
+    starts: np.ndarray,
+    sizes: np.ndarray,
 ) -> None:
     """Record where the rows ``where`` ([field index, key index]) of one unit can be copied from."""
     for f, name in enumerate(fields):
@@ -225,13 +239,24 @@ def _place(
         fx.sources.extend(sources)
 
 
-def _in_arena(arena: np.ndarray, schemas: list[FieldSchema], fields: list[str], starts: np.ndarray, sizes: np.ndarray,
-              longest: Sequence[int] | None = None, totals: Sequence[int] | None = None) -> dict[str, _Fetched]:
+def _in_arena(
+    arena: np.ndarray,
+    schemas: list[FieldSchema],
+    fields: list[str],
+    starts: np.ndarray,
+    sizes: np.ndarray,
+    longest: Sequence[int] | None = None,
+    totals: Sequence[int] | None = None,
+) -> dict[str, _Fetched]:
     """The rows ``[fields, keys]`` at ``starts`` / ``sizes`` of one mapped arena, read where they lie
     (with each field's longest row and byte total where already known)."""
     src = np.zeros(starts.shape[1], dtype=np.int64)
-    return {name: _Fetched(schemas[f], [arena], src, starts[f], sizes[f], None if longest is None else longest[f],
-                           None if totals is None else totals[f]) for f, name in enumerate(fields)}
+    return {
+        name: _Fetched(
+            schemas[f], [arena], src, starts[f], sizes[f], None if longest is None else longest[f], None if totals is None else totals[f]
+        )
+        for f, name in enumerate(fields)
+    }
 
 
 class BorrowedBatch(dict):
@@ -333,8 +358,11 @@ class _LeaseKeeper:
                 self._ended.extend(ended)
             return
         if reply.get("ended"):
-            warnings.warn(f"{len(reply['ended'])} borrowed gets outlived their lease: their views may show reused storage",
-                          RuntimeWarning, stacklevel=1)
+            warnings.warn(
+                f"{len(reply['ended'])} borrowed gets outlived their lease: their views may show reused storage",
+                RuntimeWarning,
+                stacklevel=1,
+            )
 
     def stop(self) -> None:
         """Give every lease up (the client closes) and stop the thread."""
@@ -517,17 +545,22 @@ class TQClient:
         """A meta for the given keys (default: every key), with their tags, lengths and common fields."""
         r = self._call(Op.GET_META, messages.GetMeta(partition=partition_id, keys=list(keys) if keys is not None else None))
         return KVBatchMeta(
-            partition_id, tuple(r["keys"]), tuple(r["fields"]),
+            partition_id,
+            tuple(r["keys"]),
+            tuple(r["fields"]),
             tuple(r["sequence_lengths"]) if r["sequence_lengths"] is not None else None,
             {k: tuple(v) for k, v in r["tags"].items()},
-            slot_table=r.get("slot_table"), slots=r.get("slots"),
+            slot_table=r.get("slot_table"),
+            slots=r.get("slots"),
         )
 
     def set_tags(self, meta: KVBatchMeta) -> None:
         """Store the meta's per-key tags on the controller (so :meth:`get_meta` returns them)."""
         if meta.tags:
-            self._call(Op.SET_TAGS, messages.SetTags(partition=meta.partition_id, keys=list(meta.keys),
-                                                 tags={k: list(v) for k, v in meta.tags.items()}))
+            self._call(
+                Op.SET_TAGS,
+                messages.SetTags(partition=meta.partition_id, keys=list(meta.keys), tags={k: list(v) for k, v in meta.tags.items()}),
+            )
 
     # ------------------------------------------------------------------ writes
     def put(
@@ -552,10 +585,13 @@ class TQClient:
             sequence_lengths = next((c.lengths.tolist() for c in encoded.values() if c.lengths is not None), None)
         r = self._store_and_commit(partition_id, keys, encoded, "put", tags, sequence_lengths)
         return KVBatchMeta(
-            partition_id, tuple(keys), tuple(columns),
+            partition_id,
+            tuple(keys),
+            tuple(columns),
             tuple(int(s) for s in sequence_lengths) if sequence_lengths is not None else None,
             {k: tuple(v) for k, v in (tags or {}).items()},
-            slot_table=r.get("slot_table"), slots=r.get("slots"),
+            slot_table=r.get("slot_table"),
+            slots=r.get("slots"),
         )
 
     def write_back(self, meta: KVBatchMeta, columns: Mapping[str, Any], *, overwrite: bool = False) -> KVBatchMeta:
@@ -580,8 +616,14 @@ class TQClient:
         return {name: encode_column(name, value, len(keys)) for name, value in columns.items()}
 
     def _store_and_commit(
-        self, partition_id: str, keys: list[str], encoded: dict[str, EncodedColumn], mode: str,
-        tags: Mapping[str, Sequence[Any]] | None, sequence_lengths: Sequence[int] | None, overwrite: bool = False,
+        self,
+        partition_id: str,
+        keys: list[str],
+        encoded: dict[str, EncodedColumn],
+        mode: str,
+        tags: Mapping[str, Sequence[Any]] | None,
+        sequence_lengths: Sequence[int] | None,
+        overwrite: bool = False,
     ) -> dict[str, Any]:
         """Store the batch (on one unit, or split over several when none has room for all of it),
         then make it visible with one commit - all keys at once. All of it, the commit's abort probe
@@ -590,19 +632,35 @@ class TQClient:
             return self._store_and_commit_within(partition_id, keys, encoded, mode, tags, sequence_lengths, overwrite)
 
     def _store_and_commit_within(
-        self, partition_id: str, keys: list[str], encoded: dict[str, EncodedColumn], mode: str,
-        tags: Mapping[str, Sequence[Any]] | None, sequence_lengths: Sequence[int] | None, overwrite: bool,
+        self,
+        partition_id: str,
+        keys: list[str],
+        encoded: dict[str, EncodedColumn],
+        mode: str,
+        tags: Mapping[str, Sequence[Any]] | None,
+        sequence_lengths: Sequence[int] | None,
+        overwrite: bool,
     ) -> dict[str, Any]:
         parts = self._store_parts(encoded, len(keys))
         slabs = [p.slab for p in parts if p.slab is not None]
         cbufs: list[Any] = []
         commit = messages.Commit(
-            partition=partition_id, keys=keys, mode=mode, blocks=[(p.unit, p.block, p.stop - p.start) for p in parts],
-            fields={n: messages.CommitField(schema=c.schema.to_wire(), row_nbytes=protocol.pack_array(np.diff(c.row_offsets), cbufs),
-                                       arena_offsets=protocol.pack_array(np.concatenate(
-                                           [p.starts[n] + _rebased(c.row_offsets, p.start, p.stop)[:-1] for p in parts]), cbufs))
-                    for n, c in encoded.items()},
-            overwrite=overwrite, tags={k: list(v) for k, v in tags.items()} if tags else None,
+            partition=partition_id,
+            keys=keys,
+            mode=mode,
+            blocks=[(p.unit, p.block, p.stop - p.start) for p in parts],
+            fields={
+                n: messages.CommitField(
+                    schema=c.schema.to_wire(),
+                    row_nbytes=protocol.pack_array(np.diff(c.row_offsets), cbufs),
+                    arena_offsets=protocol.pack_array(
+                        np.concatenate([p.starts[n] + _rebased(c.row_offsets, p.start, p.stop)[:-1] for p in parts]), cbufs
+                    ),
+                )
+                for n, c in encoded.items()
+            },
+            overwrite=overwrite,
+            tags={k: list(v) for k, v in tags.items()} if tags else None,
             sequence_lengths=[int(s) for s in sequence_lengths] if sequence_lengths is not None else None,
             slabs=slabs if len(slabs) == len(parts) else None,
         )
@@ -615,12 +673,14 @@ class TQClient:
             # or may be lost (a restarted one). Ask: the controller fences blocks not committed, so the
             # outcome is settled either way - never a key pointing at storage that is freed or reused.
             try:
-                landed = self._call(Op.ABORT_BLOCKS, messages.AbortBlocks(blocks=[(p.unit, p.block) for p in parts]),
-                                    timeout=probe_s)["committed"]
+                landed = self._call(Op.ABORT_BLOCKS, messages.AbortBlocks(blocks=[(p.unit, p.block) for p in parts]), timeout=probe_s)[
+                    "committed"
+                ]
             except TQConnectionError:
                 raise TQConnectionError(
                     f"{exc}; the outcome of this {mode} is unknown: its keys are either absent or hold exactly "
-                    "this write's bytes (a commit that arrives late is applied; one that never does is reclaimed)") from None
+                    "this write's bytes (a commit that arrives late is applied; one that never does is reclaimed)"
+                ) from None
             if all(landed):  # it did land (the meta then carries no slots: its gets ask the controller)
                 return {"keys": len(keys)}
             raise TQConnectionError(f"{exc}; this {mode} did not land (its storage was reclaimed): write it again") from None
@@ -690,8 +750,11 @@ class TQClient:
         block took now instead of after its lease (best effort: the lease settles it otherwise)."""
         if slab.next_id < slab.end_id:
             try:
-                self._call(Op.ABORT_BLOCKS, messages.AbortBlocks(blocks=[(unit, b) for b in range(slab.next_id, slab.end_id)]),
-                           timeout=min(self.timeout, GIVE_BACK_S))
+                self._call(
+                    Op.ABORT_BLOCKS,
+                    messages.AbortBlocks(blocks=[(unit, b) for b in range(slab.next_id, slab.end_id)]),
+                    timeout=min(self.timeout, GIVE_BACK_S),
+                )
             except TQError:
                 pass
 
@@ -773,9 +836,14 @@ class TQClient:
         A unit that restarted meanwhile (it keeps its journaled allocations) is asked again, once."""
         buffers: list[Any] = []
         fields: dict[str, messages.StoreField] = {}
-        cols = {name: (col, _rebased(col.row_offsets, start, stop),
-                       _byte_range(col.chunks, int(col.row_offsets[start]), int(col.row_offsets[stop])))
-                for name, col in encoded.items()}
+        cols = {
+            name: (
+                col,
+                _rebased(col.row_offsets, start, stop),
+                _byte_range(col.chunks, int(col.row_offsets[start]), int(col.row_offsets[stop])),
+            )
+            for name, col in encoded.items()
+        }
         if self._is_local(unit):
             offsets, pos = {}, 0
             for name, (_, ro, _) in cols.items():
@@ -786,13 +854,17 @@ class TQClient:
             base = alloc["offset"]
             for name, (col, ro, chunks) in cols.items():
                 write_chunks(view[base + offsets[name] : base + offsets[name] + int(ro[-1])], chunks)
-                fields[name] = messages.StoreField(schema=col.schema.to_wire(), offset=offsets[name],
-                                              row_offsets=protocol.pack_array(ro, buffers))
+                fields[name] = messages.StoreField(
+                    schema=col.schema.to_wire(), offset=offsets[name], row_offsets=protocol.pack_array(ro, buffers)
+                )
             args = messages.Store(n_rows=stop - start, fields=fields, alloc=alloc["alloc"])
         else:
             for name, (col, ro, chunks) in cols.items():
-                fields[name] = messages.StoreField(schema=col.schema.to_wire(), row_offsets=protocol.pack_array(ro, buffers),
-                                              data=[protocol.pack_array(c, buffers) for c in _frames_of(chunks)])
+                fields[name] = messages.StoreField(
+                    schema=col.schema.to_wire(),
+                    row_offsets=protocol.pack_array(ro, buffers),
+                    data=[protocol.pack_array(c, buffers) for c in _frames_of(chunks)],
+                )
             args = messages.Store(n_rows=stop - start, fields=fields, wait_s=self.capacity_wait_s)
         stored = self._unit_call(unit, UnitOp.STORE, args, buffers)
         return _StoredPart(unit, stored["block"], start, stop, stored["starts"])
@@ -801,8 +873,11 @@ class TQClient:
     def wait(self, meta: KVBatchMeta, fields: Sequence[str] | None = None, timeout: float = 60.0) -> None:
         """Block until every key of ``meta`` has ``fields`` (default: ``meta.fields``) or time out."""
         fields = list(fields if fields is not None else meta.fields)
-        self._call(Op.WAIT, messages.Wait(partition=meta.partition_id, keys=list(meta.keys), fields=fields, timeout=timeout),
-                   timeout=timeout + self.timeout)
+        self._call(
+            Op.WAIT,
+            messages.Wait(partition=meta.partition_id, keys=list(meta.keys), fields=fields, timeout=timeout),
+            timeout=timeout + self.timeout,
+        )
 
     def _with_reads(self, args: ReadsArgsT) -> ReadsArgsT:
         """Add the bytes read through location tables since the last report (the controller counts
@@ -854,16 +929,18 @@ class TQClient:
         fetched = _in_arena(arena.view, [schemas[f] for f in fields], fields, rows.offsets, rows.sizes, rows.longest, rows.totals)
         return fetched, lambda: view.unchanged(rows.frees)
 
-    def _on_unit_here(self, unit: int, loc: np.ndarray, schemas: list[FieldSchema], fields: list[str],
-                      meta: KVBatchMeta) -> dict[str, _Fetched]:
+    def _on_unit_here(
+        self, unit: int, loc: np.ndarray, schemas: list[FieldSchema], fields: list[str], meta: KVBatchMeta
+    ) -> dict[str, _Fetched]:
         """Every row on ``unit``, a unit of this host: rows are read where they lie in its arena."""
         n = len(meta.keys)
         starts, sizes = np.ascontiguousarray(loc[:, :, OFFSET]), np.ascontiguousarray(loc[:, :, NBYTES])
         view = self._arena_view(unit, starts.ravel(), sizes.ravel(), lambda i: (fields[i // n], meta.keys[i % n]))
         return _in_arena(view, schemas, fields, starts, sizes)
 
-    def _fetch(self, meta: KVBatchMeta, fields: list[str], wait_timeout: float | None,
-               shm: bool = True) -> tuple[dict[str, _Fetched], Callable[[], bool] | None]:
+    def _fetch(
+        self, meta: KVBatchMeta, fields: list[str], wait_timeout: float | None, shm: bool = True
+    ) -> tuple[dict[str, _Fetched], Callable[[], bool] | None]:
         """Locate the rows (one controller round trip, parked there up to ``wait_timeout`` until they
         are produced). Rows on a unit of this host are then read straight out of its mapped arena at
         the offsets located (unless not ``shm``); the others are fetched as frames from their units,
@@ -894,8 +971,7 @@ class TQClient:
             rec = loc[where[:, 0], where[:, 1]]
             if is_local(unit):
                 read_here = True
-                view = self._arena_view(unit, rec[:, OFFSET], rec[:, NBYTES],
-                                        lambda i: (fields[where[i, 0]], meta.keys[where[i, 1]]))  # noqa: B023
+                view = self._arena_view(unit, rec[:, OFFSET], rec[:, NBYTES], lambda i: (fields[where[i, 0]], meta.keys[where[i, 1]]))  # noqa: B023
                 _place(out, fields, where, [view], np.zeros(where.shape[0], np.int64), rec[:, OFFSET], rec[:, NBYTES])
                 continue
             bufs: list[Any] = []
@@ -927,7 +1003,8 @@ class TQClient:
             field, key = row(i)
             raise MalformedMessageError(
                 f"field {field!r} of key {key!r} is located outside storage unit {unit}'s arena "
-                f"(offset {offsets[i]}, {nbytes[i]} bytes; arena {view.size} bytes)")
+                f"(offset {offsets[i]}, {nbytes[i]} bytes; arena {view.size} bytes)"
+            )
         return view
 
     def get(
@@ -981,14 +1058,14 @@ class TQClient:
             self._ro_views[unit] = view
         return view
 
-    def _get_borrowed(self, meta: KVBatchMeta, fields: list[str], layout: Layout, pad_to: int | None,
-                      pad_value: Any, wait_timeout: float | None) -> BorrowedBatch:
+    def _get_borrowed(
+        self, meta: KVBatchMeta, fields: list[str], layout: Layout, pad_to: int | None, pad_value: Any, wait_timeout: float | None
+    ) -> BorrowedBatch:
         """One locate that also leases the rows; views of the fields that lie back to back in one
         arena of this host, a copying get of the rest."""
         if not meta.keys or self.transport != "auto":
             return BorrowedBatch(self._get_within(meta, fields, layout, pad_to, pad_value, wait_timeout), frozenset(), None)
-        args = messages.Locate(partition=meta.partition_id, keys=list(meta.keys), fields=fields, timeout=wait_timeout,
-                               lease_s=self.lease_s)
+        args = messages.Locate(partition=meta.partition_id, keys=list(meta.keys), fields=fields, timeout=wait_timeout, lease_s=self.lease_s)
         located, lmsg = self._ctrl.call(Op.LOCATE, self._with_reads(args), timeout=self.timeout + (wait_timeout or 0.0))
         if located["units_version"] != self._units_version:
             self._refresh_units()
@@ -1013,8 +1090,16 @@ class TQClient:
             values.update(self._get_within(meta, rest, layout, pad_to, pad_value, None))
         return BorrowedBatch({f: values[f] for f in fields}, frozenset(fields) - frozenset(rest), release if arrays else None)
 
-    def _view_field(self, schema: FieldSchema, rec: np.ndarray, name: str, meta: KVBatchMeta, layout: Layout,
-                    pad_to: int | None, arrays: list[np.ndarray]) -> Any:
+    def _view_field(
+        self,
+        schema: FieldSchema,
+        rec: np.ndarray,
+        name: str,
+        meta: KVBatchMeta,
+        layout: Layout,
+        pad_to: int | None,
+        arrays: list[np.ndarray],
+    ) -> Any:
         """The field as tensors viewing the arena, or None when its rows cannot be viewed as asked.
         Every array handed to torch is added to ``arrays`` (the lease lives as long as they do)."""
         unit = int(rec[0, UNIT])
@@ -1056,8 +1141,9 @@ class TQClient:
         t = torch.from_numpy(arr)
         return t.view(torch.bfloat16).reshape(shape) if schema.dtype == "bfloat16" else t
 
-    def _get_within(self, meta: KVBatchMeta, fields: list[str], layout: Layout, pad_to: int | None,
-                    pad_value: Any, wait_timeout: float | None) -> dict[str, Any]:
+    def _get_within(
+        self, meta: KVBatchMeta, fields: list[str], layout: Layout, pad_to: int | None, pad_value: Any, wait_timeout: float | None
+    ) -> dict[str, Any]:
         attempt = self._locate_here(meta, fields)
         for tries_left in range(SHM_READ_TRIES, -1, -1):
             if attempt is None:  # ask the controller; the last try has the units send the rows
@@ -1075,8 +1161,9 @@ class TQClient:
             attempt = None
         raise AssertionError("unreachable: the last try reads no shared memory")  # pragma: no cover
 
-    def _copy_out(self, fetched: dict[str, _Fetched], fields: list[str], meta: KVBatchMeta, layout: Layout,
-                  pad_to: int | None, pad_value: Any) -> list[_Output]:
+    def _copy_out(
+        self, fetched: dict[str, _Fetched], fields: list[str], meta: KVBatchMeta, layout: Layout, pad_to: int | None, pad_value: Any
+    ) -> list[_Output]:
         outputs = [self._plan(f, fetched[f], meta, layout, pad_to, pad_value) for f in fields]
         for out in outputs:  # the copies, back to back
             out.copy()

@@ -96,9 +96,7 @@ def encode_column(field: str, value: Any, n_rows: int) -> EncodedColumn:
         row = schema.itemsize * schema.row_elems
         return EncodedColumn(schema, np.arange(n_rows + 1, dtype=np.int64) * row, [_raw(value)])
     if not isinstance(value, (list, tuple)):
-        raise InvalidRequestError(
-            f"field {field!r}: expected a tensor, JaggedTensor, nested tensor or list, got {type(value).__name__}"
-        )
+        raise InvalidRequestError(f"field {field!r}: expected a tensor, JaggedTensor, nested tensor or list, got {type(value).__name__}")
     if len(value) != n_rows:
         raise InvalidRequestError(f"field {field!r} has {len(value)} rows for {n_rows} keys")
     if value and all(isinstance(v, torch.Tensor) for v in value):
@@ -109,9 +107,7 @@ def encode_column(field: str, value: Any, n_rows: int) -> EncodedColumn:
         for i, v in enumerate(value):
             _check_storable(v, field)
             if v.dtype != dtype or v.dim() == 0 or tuple(v.shape[1:]) != trailing:
-                raise SchemaConflictError(
-                    f"field {field!r}: row {i} is {v.dtype}{tuple(v.shape)}, row 0 is {dtype}{tuple(first.shape)}"
-                )
+                raise SchemaConflictError(f"field {field!r}: row {i} is {v.dtype}{tuple(v.shape)}, row 0 is {dtype}{tuple(first.shape)}")
         schema = FieldSchema(JAGGED, _dtype_name(first, field), trailing)
         lengths = np.fromiter((v.shape[0] for v in value), dtype=np.int64, count=n_rows)
         return EncodedColumn(schema, _offsets(lengths, schema.itemsize * schema.row_elems), [_raw(v) for v in value], lengths)

@@ -57,8 +57,13 @@ class TQConnection:
             raise InvalidRequestError(f"TQConnection.address must look like tcp://host:port, got {self.address!r}")
         for name in ("timeout_s", "capacity_wait_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 \
-                    or (name == "timeout_s" and value == 0):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value < 0
+                or (name == "timeout_s" and value == 0)
+            ):
                 bound = "> 0" if name == "timeout_s" else ">= 0"
                 raise InvalidRequestError(f"TQConnection.{name} must be a finite number {bound}, got {value!r}")
         if self.transport not in TRANSPORTS:
@@ -75,8 +80,9 @@ class TQConnection:
         from .client import TQClient
 
         # never None: the client must not fall back to this process's own $TQ_SECRET
-        return TQClient(self.address, secret=self.secret, timeout=self.timeout_s, transport=self.transport,
-                        capacity_wait_s=self.capacity_wait_s)
+        return TQClient(
+            self.address, secret=self.secret, timeout=self.timeout_s, transport=self.transport, capacity_wait_s=self.capacity_wait_s
+        )
 
     def replace(self, **changes: Any) -> "TQConnection":
         """A copy with some settings changed (e.g. a short ``timeout_s`` for a liveness probe)."""

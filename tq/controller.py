@@ -108,26 +108,29 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         self.bytes_read: dict[int, int] = {}  # per storage unit, counted at locate
         self.recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)
         self.lease_book = LeaseBook()  # blocks borrowed gets view in place (see tq.leases)
-        self.serve_ops(messages.CONTROLLER_REQUESTS, {
-            Op.HELLO: self.op_hello,
-            Op.REGISTER_UNIT: self.op_register_unit,
-            Op.CREATE_PARTITION: self.op_create_partition,
-            Op.CLEAR_PARTITION: self.op_clear_partition,
-            Op.DROP_PARTITION: self.op_drop_partition,
-            Op.LIST_PARTITIONS: self.op_list_partitions,
-            Op.MINT: self.op_mint,
-            Op.COMMIT: self.op_commit,
-            Op.ABORT_BLOCKS: self.op_abort_blocks,
-            Op.LOCATE: self.op_locate,
-            Op.WAIT: self.op_wait,
-            Op.DISCARD: self.op_discard,
-            Op.GET_META: self.op_get_meta,
-            Op.SET_TAGS: self.op_set_tags,
-            Op.LEASES: self.op_leases,
-            Op.UNIT_STATUS: self.op_unit_status,
-            Op.STATS: lambda a, b, c: self._count_reads(a) or self.stats(),
-            Op.SHUTDOWN: self.op_shutdown,
-        })
+        self.serve_ops(
+            messages.CONTROLLER_REQUESTS,
+            {
+                Op.HELLO: self.op_hello,
+                Op.REGISTER_UNIT: self.op_register_unit,
+                Op.CREATE_PARTITION: self.op_create_partition,
+                Op.CLEAR_PARTITION: self.op_clear_partition,
+                Op.DROP_PARTITION: self.op_drop_partition,
+                Op.LIST_PARTITIONS: self.op_list_partitions,
+                Op.MINT: self.op_mint,
+                Op.COMMIT: self.op_commit,
+                Op.ABORT_BLOCKS: self.op_abort_blocks,
+                Op.LOCATE: self.op_locate,
+                Op.WAIT: self.op_wait,
+                Op.DISCARD: self.op_discard,
+                Op.GET_META: self.op_get_meta,
+                Op.SET_TAGS: self.op_set_tags,
+                Op.LEASES: self.op_leases,
+                Op.UNIT_STATUS: self.op_unit_status,
+                Op.STATS: lambda a, b, c: self._count_reads(a) or self.stats(),
+                Op.SHUTDOWN: self.op_shutdown,
+            },
+        )
         if journal_dir is not None:  # crash recovery: replay what was journaled, then keep journaling
             os.makedirs(journal_dir, exist_ok=True)
             path = os.path.join(journal_dir, "controller.journal")
@@ -172,8 +175,15 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         """Register a new storage unit, or (``rejoin``) a restarted one taking over its old id."""
         # a unit the controller started (``managed``) is supervised: restarted on its arena when it dies,
         # also by a later incarnation of this controller that took it back from the journal
-        info = {"unit_id": args.unit_id, "address": args.address, "host": args.host, "arena_path": args.arena_path,
-                "arena_size": args.arena_size, "pid": args.pid, "managed": args.managed}
+        info = {
+            "unit_id": args.unit_id,
+            "address": args.address,
+            "host": args.host,
+            "arena_path": args.arena_path,
+            "arena_size": args.arena_size,
+            "pid": args.pid,
+            "managed": args.managed,
+        }
         rejoin = args.rejoin
         if rejoin is not None and rejoin >= len(self.units):
             raise InvalidRequestError(f"register_unit: no unit {rejoin!r} to rejoin")
@@ -206,7 +216,9 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         if self.stop_units_on_close:
             for sock in list(self.unit_socks.values()):
                 try:
-                    sock.send_multipart(protocol.request(messages.UnitOp.SHUTDOWN, 0, messages.UnitShutdown(), [], self.secret), flags=zmq.NOBLOCK)
+                    sock.send_multipart(
+                        protocol.request(messages.UnitOp.SHUTDOWN, 0, messages.UnitShutdown(), [], self.secret), flags=zmq.NOBLOCK
+                    )
                 except zmq.ZMQError:
                     pass
                 self._extra_sockets.pop(sock, None)
@@ -356,8 +368,11 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         settled = [(u, b) for u, b, _ in parts if self.ledgers[u].settled(b)]
         if settled:
             u, b = settled[0]
-            how = ("was reclaimed before this commit arrived (its write timed out, was aborted or refused)"
-                   if b in self.ledgers[u].fenced else "is settled: reclaimed, or committed by an earlier request")
+            how = (
+                "was reclaimed before this commit arrived (its write timed out, was aborted or refused)"
+                if b in self.ledgers[u].fenced
+                else "is settled: reclaimed, or committed by an earlier request"
+            )
             raise FencedCommitError(f"block {b} of storage unit {u} {how}: this commit makes nothing visible")
         try:
             adopts = self._adopts(args, buffers, parts)
@@ -388,9 +403,14 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             return None
         if len(args.slabs) != len(parts):
             raise InvalidRequestError(f"commit names {len(args.slabs)} slabs for {len(parts)} blocks")
-        cols = {n: (protocol.unpack_array(f.row_nbytes, buffers, name=f"{n}.row_nbytes", dtype="<i8"),
-                    protocol.unpack_array(f.arena_offsets, buffers, name=f"{n}.arena_offsets", dtype="<i8"), f.schema)
-                for n, f in args.fields.items()}
+        cols = {
+            n: (
+                protocol.unpack_array(f.row_nbytes, buffers, name=f"{n}.row_nbytes", dtype="<i8"),
+                protocol.unpack_array(f.arena_offsets, buffers, name=f"{n}.arena_offsets", dtype="<i8"),
+                f.schema,
+            )
+            for n, f in args.fields.items()
+        }
         out, first = [], 0
         for (_, block, rows), (slab, start, size) in zip(parts, args.slabs):
             fields = {}
@@ -455,12 +475,14 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         fields = args.fields
         schemas = {n: FieldSchema.from_wire(spec.schema) for n, spec in fields.items()}
         nbytes = {n: protocol.unpack_array(spec.row_nbytes, buffers, name=f"{n}.row_nbytes", dtype="<i8") for n, spec in fields.items()}
-        offsets = {n: protocol.unpack_array(spec.arena_offsets, buffers, name=f"{n}.arena_offsets", dtype="<i8")
-                   for n, spec in fields.items()}
+        offsets = {
+            n: protocol.unpack_array(spec.arena_offsets, buffers, name=f"{n}.arena_offsets", dtype="<i8") for n, spec in fields.items()
+        }
         for name, nb in nbytes.items():
             if nb.shape != (len(keys),) or offsets[name].shape != (len(keys),):
                 raise InvalidRequestError(
-                    f"field {name!r}: {nb.size} row sizes and {offsets[name].size} arena offsets for {len(keys)} keys")
+                    f"field {name!r}: {nb.size} row sizes and {offsets[name].size} arena offsets for {len(keys)} keys"
+                )
             if nb.size and (nb.min() < 0 or offsets[name].min() < 0):
                 raise InvalidRequestError(f"field {name!r}: row sizes and arena offsets must be >= 0")
         for name, schema in schemas.items():
@@ -500,7 +522,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         for name in schemas:
             part.loc(name)  # a new field's column (may remap the table): before the records are written
         if len(parts) == 1:
-            (unit, block, _), = parts
+            ((unit, block, _),) = parts
             rows: Any = np.arange(len(keys))
         else:
             counts = [r for _, _, r in parts]
@@ -582,8 +604,16 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         keys, fields, timeout, lease_s = args.keys, args.fields, args.timeout, args.lease_s
         if timeout is not None:
             if self._missing(part, keys, fields)[0]:
-                self.waiters.append(Waiter(call, part.pid, keys, fields, time.monotonic() + timeout,
-                                           lambda: self._locate(self.partitions[part.pid], keys, fields, lease_s)))
+                self.waiters.append(
+                    Waiter(
+                        call,
+                        part.pid,
+                        keys,
+                        fields,
+                        time.monotonic() + timeout,
+                        lambda: self._locate(self.partitions[part.pid], keys, fields, lease_s),
+                    )
+                )
                 return DEFERRED
         return self._locate(part, keys, fields, lease_s)
 
@@ -620,8 +650,13 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
                 self.bytes_read[unit] = self.bytes_read.get(unit, 0) + int(nb)
         frames: list[Any] = []
         schemas = {name: part.schemas[name].to_wire() for name in fields}
-        reply = {"schemas": schemas, "loc": protocol.pack_array(loc, frames), "units_version": self.units_version,
-                 "table": part.table.descriptor(), "frees": part.table.frees}
+        reply = {
+            "schemas": schemas,
+            "loc": protocol.pack_array(loc, frames),
+            "units_version": self.units_version,
+            "table": part.table.descriptor(),
+            "frees": part.table.frees,
+        }
         if lease_s is not None:
             reply["lease"] = self._take_lease(loc, lease_s)
         return reply, frames
@@ -754,8 +789,10 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             "parked_waits": len(self.waiters),
             "leases": len(self.lease_book.leases),
             # what the controller remembers of each unit's unsettled blocks (bounded by its low-water mark)
-            "unit_ledgers": {str(u): {"low_water": led.low_water, "pending": len(led.pending), "fenced": len(led.fenced),
-                                      "adopts": len(led.adopts)} for u, led in self.ledgers.items()},
+            "unit_ledgers": {
+                str(u): {"low_water": led.low_water, "pending": len(led.pending), "fenced": len(led.fenced), "adopts": len(led.adopts)}
+                for u, led in self.ledgers.items()
+            },
             "rows_waiting_for_leases": self.lease_book.waiting_rows(),
         }
 
@@ -809,12 +846,21 @@ def serve(
     metrics = None
     if metrics_port is not None:  # the endpoint is a process of its own: a scrape never holds our GIL
         ready = launch.new_ready_file("tq-metrics-ready-")
-        metrics = subprocess.Popen(launch.metrics_command(controller=ctrl.address, host=bind.split("://", 1)[1].rsplit(":", 1)[0],
-                                                          port=metrics_port, ready_file=ready, pid=os.getpid()),
-                                   env=env, preexec_fn=_die_with_parent)
+        metrics = subprocess.Popen(
+            launch.metrics_command(
+                controller=ctrl.address,
+                host=bind.split("://", 1)[1].rsplit(":", 1)[0],
+                port=metrics_port,
+                ready_file=ready,
+                pid=os.getpid(),
+            ),
+            env=env,
+            preexec_fn=_die_with_parent,
+        )
         try:
-            info = launch.await_ready_file(ready, alive=lambda: metrics.poll() is None or os.path.exists(ready), timeout=60,
-                                           what="the metrics endpoint")
+            info = launch.await_ready_file(
+                ready, alive=lambda: metrics.poll() is None or os.path.exists(ready), timeout=60, what="the metrics endpoint"
+            )
         except TQError as exc:
             info = {"error": str(exc)}
         if "error" in info:
@@ -829,11 +875,20 @@ def serve(
 
     def spawn(unit_id: int, recover_arena: str | None = None) -> subprocess.Popen:
         cmd = launch.storage_unit_command(
-            unit_id=unit_id, bind=f"tcp://{host}:0", controller=ctrl.address, capacity=per_unit, shm_dir=shm_dir,
-            managed=True, fsync=fsync, commit_lease=commit_lease_s, recover_arena=recover_arena,
-            rejoin=unit_id if recover_arena is not None else None, metrics=metrics is not None,
+            unit_id=unit_id,
+            bind=f"tcp://{host}:0",
+            controller=ctrl.address,
+            capacity=per_unit,
+            shm_dir=shm_dir,
+            managed=True,
+            fsync=fsync,
+            commit_lease=commit_lease_s,
+            recover_arena=recover_arena,
+            rejoin=unit_id if recover_arena is not None else None,
+            metrics=metrics is not None,
             # with a journal, a unit outlives a crashed controller until it comes back (or time runs out)
-            orphan_timeout=orphan_timeout_s if journal_dir is not None else None)
+            orphan_timeout=orphan_timeout_s if journal_dir is not None else None,
+        )
         if journal_dir is not None:
             return subprocess.Popen(cmd, env=env)
         return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
@@ -866,17 +921,32 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--capacity", type=argtypes.size, default=4 << 30, help="total bytes over all units, e.g. 4G")
     p.add_argument("--shm-dir", default="/dev/shm")
     p.add_argument("--ready-file")
-    p.add_argument("--journal-dir", metavar="DIR",
-                   help="crash recovery: journal partitions and keys here; a restart on the same address and dir recovers them")
+    p.add_argument(
+        "--journal-dir",
+        metavar="DIR",
+        help="crash recovery: journal partitions and keys here; a restart on the same address and dir recovers them",
+    )
     p.add_argument("--state-dir", dest="journal_dir", action=argtypes.deprecated_alias("--journal-dir"), help=argparse.SUPPRESS)
-    p.add_argument("--fsync", choices=("never", "always", "interval"), default="never",
-                   help="journal fsync policy of the controller and its units (see tq.journal): 'never' survives "
-                        "process crashes, 'interval'/'always' also power loss of the journal (arenas live in tmpfs)")
-    p.add_argument("--commit-lease", type=argtypes.positive_seconds, help="seconds a stored block waits for its commit before its storage "
-                   "unit asks for it to be resolved (claimed or reclaimed); default 30")
-    p.add_argument("--metrics-port", type=argtypes.port, metavar="PORT",
-                   help="serve the service's Prometheus metrics at http://HOST:PORT/metrics (0: a free port; "
-                        "default: $TQ_METRICS_PORT, else no metrics)")
+    p.add_argument(
+        "--fsync",
+        choices=("never", "always", "interval"),
+        default="never",
+        help="journal fsync policy of the controller and its units (see tq.journal): 'never' survives "
+        "process crashes, 'interval'/'always' also power loss of the journal (arenas live in tmpfs)",
+    )
+    p.add_argument(
+        "--commit-lease",
+        type=argtypes.positive_seconds,
+        help="seconds a stored block waits for its commit before its storage "
+        "unit asks for it to be resolved (claimed or reclaimed); default 30",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=argtypes.port,
+        metavar="PORT",
+        help="serve the service's Prometheus metrics at http://HOST:PORT/metrics (0: a free port; "
+        "default: $TQ_METRICS_PORT, else no metrics)",
+    )
     a = p.parse_args(argv)
     if a.metrics_port is None and os.environ.get("TQ_METRICS_PORT"):  # a service a program starts (a trainer's TQServer)
         try:
@@ -886,9 +956,16 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=os.environ.get("TQ_LOG_LEVEL", "WARNING"))
     secret = os.environ.get("TQ_SECRET")
     serve(
-        f"tcp://{a.host}:{a.port}", storage_units=a.storage_units, capacity=a.capacity, shm_dir=a.shm_dir,
-        secret=secret.encode() if secret else None, ready_file=a.ready_file, journal_dir=a.journal_dir, fsync=a.fsync,
-        commit_lease_s=a.commit_lease, metrics_port=a.metrics_port,
+        f"tcp://{a.host}:{a.port}",
+        storage_units=a.storage_units,
+        capacity=a.capacity,
+        shm_dir=a.shm_dir,
+        secret=secret.encode() if secret else None,
+        ready_file=a.ready_file,
+        journal_dir=a.journal_dir,
+        fsync=a.fsync,
+        commit_lease_s=a.commit_lease,
+        metrics_port=a.metrics_port,
     )
 
 

@@ -112,9 +112,14 @@ class DPWorker:
         lengths = shard.sequence_lengths
         out = {"prev_logprobs": [prev[i, :L].clone() for i, L in enumerate(lengths)], "seq_logprob_error": err}
         self.client.write_back(shard, out)
-        return {"rank": self.rank, "samples": len(shard), "tokens": sum(lengths),
-                "micro_batches": len(shard.extra_info.get("micro_batches", [])),
-                "fetched": _nbytes(got), "written": _nbytes(out)}
+        return {
+            "rank": self.rank,
+            "samples": len(shard),
+            "tokens": sum(lengths),
+            "micro_batches": len(shard.extra_info.get("micro_batches", [])),
+            "fetched": _nbytes(got),
+            "written": _nbytes(out),
+        }
 
     def train_step(self, shard: Any) -> dict[str, Any]:
         """Fetch the training fields of this shard (advantages included) and compute a fake GRPO loss."""
@@ -150,13 +155,23 @@ def _wait_store_empty(client: Any, timeout: float = 15.0) -> dict[str, Any]:
         if not held and not live:
             return stats
         if time.monotonic() > deadline:
-            raise AssertionError(f"store not empty {timeout:.0f}s after discard: {held} keys+bytes in partitions, "
-                                 f"{live} live bytes+blocks in units")
+            raise AssertionError(
+                f"store not empty {timeout:.0f}s after discard: {held} keys+bytes in partitions, {live} live bytes+blocks in units"
+            )
         time.sleep(0.05)
 
 
-def run_demo(*, prompts_per_actor: int = 4, group_size: int = 4, rollout_actors: int = 2, dp_size: int = 2,
-             min_len: int = 32, max_len: int = 384, seed: int = 0, ray_address: str | None = None) -> dict[str, Any]:
+def run_demo(
+    *,
+    prompts_per_actor: int = 4,
+    group_size: int = 4,
+    rollout_actors: int = 2,
+    dp_size: int = 2,
+    min_len: int = 32,
+    max_len: int = 384,
+    seed: int = 0,
+    ray_address: str | None = None,
+) -> dict[str, Any]:
     """Run the demo step (see the module docstring), print its summary and return its numbers."""
     import ray
 
@@ -164,8 +179,9 @@ def run_demo(*, prompts_per_actor: int = 4, group_size: int = 4, rollout_actors:
     from tq.cli import format_bytes, print_status
 
     t0 = time.monotonic()
-    ray.init(address=ray_address, num_cpus=None if ray_address else 2, include_dashboard=False,
-             log_to_driver=False, logging_level="WARNING")
+    ray.init(
+        address=ray_address, num_cpus=None if ray_address else 2, include_dashboard=False, log_to_driver=False, logging_level="WARNING"
+    )
     server = TQServer(storage_units=2, capacity=256 << 20)
     try:
         client = TQClient(server.address, timeout=30.0)
@@ -178,10 +194,13 @@ def run_demo(*, prompts_per_actor: int = 4, group_size: int = 4, rollout_actors:
         print(f"TQ demo: Ray + TQ service up in {time.monotonic() - t0:.1f}s (controller {server.address})")
 
         # 1. Rollouts put bulk columns; only handles come back.
-        results = ray.get([
-            a.rollout.remote([f"p{i}-{j}" for j in range(prompts_per_actor)], group_size, seed + i, min_len, max_len)
-            for i, a in enumerate(rollouts)
-        ], timeout=120)
+        results = ray.get(
+            [
+                a.rollout.remote([f"p{i}-{j}" for j in range(prompts_per_actor)], group_size, seed + i, min_len, max_len)
+                for i, a in enumerate(rollouts)
+            ],
+            timeout=120,
+        )
         meta = KVBatchMeta.concat([m for m, _ in results])
         rollout_bytes = sum(b for _, b in results)
         handle_bytes = sum(len(m.to_msgpack()) for m, _ in results)
@@ -203,8 +222,10 @@ def run_demo(*, prompts_per_actor: int = 4, group_size: int = 4, rollout_actors:
         driver_sent = _nbytes(back)
 
         # 5. Workers: the training fetch, now with advantages.
-        train = ray.get([w.train_step.remote(s.add_fields(["prev_logprobs", "advantages", "sample_mask"]))
-                         for w, s in zip(workers, shards)], timeout=120)
+        train = ray.get(
+            [w.train_step.remote(s.add_fields(["prev_logprobs", "advantages", "sample_mask"])) for w, s in zip(workers, shards)],
+            timeout=120,
+        )
 
         # 6. Clean up the step and check nothing is left behind.
         discarded = client.discard(meta)
@@ -214,23 +235,35 @@ def run_demo(*, prompts_per_actor: int = 4, group_size: int = 4, rollout_actors:
         worker_fetched = sum(r["fetched"] for r in lp + train)
         worker_written = sum(r["written"] for r in lp + train)
         out = {
-            "samples": len(meta), "tokens": meta.total_tokens, "discarded": discarded,
-            "rollout_bytes": rollout_bytes, "worker_fetched": worker_fetched, "worker_written": worker_written,
-            "driver_received": driver_received, "driver_sent": driver_sent, "handle_bytes": handle_bytes,
-            "losses": [r["loss"] for r in train], "elapsed_s": elapsed,
+            "samples": len(meta),
+            "tokens": meta.total_tokens,
+            "discarded": discarded,
+            "rollout_bytes": rollout_bytes,
+            "worker_fetched": worker_fetched,
+            "worker_written": worker_written,
+            "driver_received": driver_received,
+            "driver_sent": driver_sent,
+            "handle_bytes": handle_bytes,
+            "losses": [r["loss"] for r in train],
+            "elapsed_s": elapsed,
         }
         worker_total = worker_fetched + worker_written
-        print(f"samples: {len(meta)} ({rollout_actors * prompts_per_actor} prompts x {group_size} generations), "
-              f"tokens: {meta.total_tokens}")
+        print(
+            f"samples: {len(meta)} ({rollout_actors * prompts_per_actor} prompts x {group_size} generations), tokens: {meta.total_tokens}"
+        )
         for r in lp:
             print(f"  dp rank {r['rank']}: {r['samples']} samples, {r['tokens']} tokens, {r['micro_batches']} micro-batches")
         print(f"rollout actors wrote: {rollout_bytes} bytes ({format_bytes(rollout_bytes)})")
         print(f"workers moved: {worker_total} bytes ({format_bytes(worker_total)}; fetched {worker_fetched}, wrote {worker_written})")
-        print(f"driver received: {driver_received} bytes ({', '.join(DRIVER_FIELDS)}: per-sample only; "
-              f"{100.0 * driver_received / max(worker_total, 1):.2f}% of the workers' traffic)")
+        print(
+            f"driver received: {driver_received} bytes ({', '.join(DRIVER_FIELDS)}: per-sample only; "
+            f"{100.0 * driver_received / max(worker_total, 1):.2f}% of the workers' traffic)"
+        )
         print(f"driver sent: {driver_sent} bytes (advantages, sample_mask); handles passed: {handle_bytes} bytes of metas")
-        print(f"group baselines: {sorted(set(round(float(b), 3) for b in baseline))[:4]}...; "
-              f"loss per rank: {', '.join(f'{x:.4f}' for x in out['losses'])}")
+        print(
+            f"group baselines: {sorted(set(round(float(b), 3) for b in baseline))[:4]}...; "
+            f"loss per rank: {', '.join(f'{x:.4f}' for x in out['losses'])}"
+        )
         print(f"store empty after discard: yes ({discarded} keys discarded)")
         print_status(stats, address=server.address)
         print(f"TQ demo finished in {elapsed:.1f}s")
@@ -253,8 +286,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
     a = p.parse_args(argv)
-    run_demo(prompts_per_actor=a.prompts_per_actor, group_size=a.group_size, rollout_actors=a.rollout_actors,
-             dp_size=a.dp_size, max_len=a.max_len, seed=a.seed, ray_address=a.ray_address)
+    run_demo(
+        prompts_per_actor=a.prompts_per_actor,
+        group_size=a.group_size,
+        rollout_actors=a.rollout_actors,
+        dp_size=a.dp_size,
+        max_len=a.max_len,
+        seed=a.seed,
+        ray_address=a.ray_address,
+    )
     return 0
 
 

@@ -38,12 +38,38 @@ def service_env(secret: str | None) -> dict[str, str]:
 
 
 def controller_command(
-    *, host: str, port: int, storage_units: int, capacity: int, shm_dir: str, ready_file: str, fsync: str = "never",
-    journal_dir: str | None = None, commit_lease_s: float | None = None, metrics_port: int | None = None,
+    *,
+    host: str,
+    port: int,
+    storage_units: int,
+    capacity: int,
+    shm_dir: str,
+    ready_file: str,
+    fsync: str = "never",
+    journal_dir: str | None = None,
+    commit_lease_s: float | None = None,
+    metrics_port: int | None = None,
 ) -> list[str]:
     """The command line of a controller process (``python -m tq.controller``) and its local units."""
-    cmd = [sys.executable, "-m", "tq.controller", "--host", host, "--port", str(port), "--storage-units", str(storage_units),
-           "--capacity", str(capacity), "--shm-dir", shm_dir, "--ready-file", ready_file, "--fsync", fsync]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tq.controller",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--storage-units",
+        str(storage_units),
+        "--capacity",
+        str(capacity),
+        "--shm-dir",
+        shm_dir,
+        "--ready-file",
+        ready_file,
+        "--fsync",
+        fsync,
+    ]
     if journal_dir:
         cmd += ["--journal-dir", journal_dir]
     if commit_lease_s is not None:
@@ -55,16 +81,42 @@ def controller_command(
 
 def metrics_command(*, controller: str, host: str, port: int, ready_file: str, pid: int) -> list[str]:
     """The command line of a service's metrics endpoint (``python -m tq.metrics``, see :mod:`tq.metrics`)."""
-    return [sys.executable, "-m", "tq.metrics", "--controller", controller, "--host", host, "--port", str(port),
-            "--ready-file", ready_file, "--pid", str(pid)]
+    return [
+        sys.executable,
+        "-m",
+        "tq.metrics",
+        "--controller",
+        controller,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--ready-file",
+        ready_file,
+        "--pid",
+        str(pid),
+    ]
 
 
 def storage_unit_command(*, unit_id: int, bind: str, controller: str, capacity: int, shm_dir: str, **options: Any) -> list[str]:
     """The command line of a storage-unit process (``python -m tq.storage``). ``options`` are its
     other flags by their Python names (``ready_file="/tmp/x"`` -> ``--ready-file /tmp/x``); ``True``
     is a bare flag, ``None`` and ``False`` are left out."""
-    cmd = [sys.executable, "-m", "tq.storage", "--unit-id", str(unit_id), "--bind", bind, "--controller", controller,
-           "--capacity", str(capacity), "--shm-dir", shm_dir]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tq.storage",
+        "--unit-id",
+        str(unit_id),
+        "--bind",
+        bind,
+        "--controller",
+        controller,
+        "--capacity",
+        str(capacity),
+        "--shm-dir",
+        shm_dir,
+    ]
     for name, value in options.items():
         flag = "--" + name.replace("_", "-")
         if value is True:

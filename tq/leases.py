@@ -95,8 +95,10 @@ class LeaseBook:
 
     def snapshot(self) -> dict[str, Any]:
         deferred = [r for rs in self.deferred.values() for r in rs]
-        return {"leases": [[i, lease.ttl, [list(b) for b in lease.blocks]] for i, lease in self.leases.items()],
-                "deferred": np.concatenate(deferred).astype(np.int64).tobytes() if deferred else b""}
+        return {
+            "leases": [[i, lease.ttl, [list(b) for b in lease.blocks]] for i, lease in self.leases.items()],
+            "deferred": np.concatenate(deferred).astype(np.int64).tobytes() if deferred else b"",
+        }
 
     @classmethod
     def restore(cls, snap: dict[str, Any] | None) -> "LeaseBook":

@@ -54,18 +54,31 @@ except ImportError:  # no compiler at install time: every get asks the controlle
     _read_locations = _c_table_layout = None
 
 MAGIC = 0x5451_4C4F_4354_0001  # "TQLOCT" v1
-H_MAGIC, H_CAPACITY, H_COLUMNS, H_SEQ, H_FREES, H_INCARNATION, H_RETIRED, H_UNITS_VERSION, H_DOWN_UNITS, \
-    H_ALIVE_UNTIL, H_CLEARS = range(11)
+H_MAGIC, H_CAPACITY, H_COLUMNS, H_SEQ, H_FREES, H_INCARNATION, H_RETIRED, H_UNITS_VERSION, H_DOWN_UNITS, H_ALIVE_UNTIL, H_CLEARS = range(11)
 HEADER_WORDS = 16
 ALIVE_S = 3.0  # a table whose controller has not renewed it (every second) for this long is not trusted
 #: Same-host readers use the tables only where stores are seen in program order (see module
 #: docstring), and through the C reader (one call, right after copies that evicted the caches).
 SUPPORTED = platform.machine().lower() in ("x86_64", "amd64") and _read_locations is not None
-_LAYOUT = {"H_MAGIC": H_MAGIC, "H_CAPACITY": H_CAPACITY, "H_COLUMNS": H_COLUMNS, "H_SEQ": H_SEQ, "H_FREES": H_FREES,
-           "H_INCARNATION": H_INCARNATION, "H_RETIRED": H_RETIRED, "H_UNITS_VERSION": H_UNITS_VERSION,
-           "H_DOWN_UNITS": H_DOWN_UNITS, "H_ALIVE_UNTIL": H_ALIVE_UNTIL, "H_CLEARS": H_CLEARS, "HEADER_WORDS": HEADER_WORDS,
-           "LOC_UNIT": LOC_UNIT, "LOC_BLOCK": LOC_BLOCK, "LOC_NBYTES": LOC_NBYTES, "LOC_OFFSET": LOC_OFFSET,
-           "LOC_COLUMNS": LOC_COLUMNS}
+_LAYOUT = {
+    "H_MAGIC": H_MAGIC,
+    "H_CAPACITY": H_CAPACITY,
+    "H_COLUMNS": H_COLUMNS,
+    "H_SEQ": H_SEQ,
+    "H_FREES": H_FREES,
+    "H_INCARNATION": H_INCARNATION,
+    "H_RETIRED": H_RETIRED,
+    "H_UNITS_VERSION": H_UNITS_VERSION,
+    "H_DOWN_UNITS": H_DOWN_UNITS,
+    "H_ALIVE_UNTIL": H_ALIVE_UNTIL,
+    "H_CLEARS": H_CLEARS,
+    "HEADER_WORDS": HEADER_WORDS,
+    "LOC_UNIT": LOC_UNIT,
+    "LOC_BLOCK": LOC_BLOCK,
+    "LOC_NBYTES": LOC_NBYTES,
+    "LOC_OFFSET": LOC_OFFSET,
+    "LOC_COLUMNS": LOC_COLUMNS,
+}
 if _c_table_layout is not None and _c_table_layout() != _LAYOUT:  # the C reader hard-codes the layout
     raise ImportError(f"tq._fastcopy was built for another location-table layout: {_c_table_layout()}")
 
@@ -95,7 +108,7 @@ def remove_orphans(directory: str) -> int:
     the controller instead."""
     removed = 0
     for name in os.listdir(directory):
-        pid = name[len(PREFIX):].split("-", 1)[0]
+        pid = name[len(PREFIX) :].split("-", 1)[0]
         if not (name.startswith(PREFIX) and pid.isdigit()):
             continue
         try:
@@ -309,8 +322,7 @@ class LocationView:
         ncols = self._ncols
         self.columns.update({f: c for f, c in columns.items() if isinstance(c, int) and 0 <= c < ncols})
 
-    def read(self, fields: list[str], slots: Sequence[int], incarnation: int, clears: int,
-             units_version: int) -> LocatedRows | None:
+    def read(self, fields: list[str], slots: Sequence[int], incarnation: int, clears: int, units_version: int) -> LocatedRows | None:
         """Where the rows (``fields`` x ``slots``) lie, when they are all on one storage unit and the
         table can be trusted for them: not retired, its controller alive, ``incarnation`` and
         ``clears`` (when the reader learnt the fields' schemas) still current, the units still at

@@ -68,8 +68,7 @@ def _normalise_tag_values(name: str, values: Any, n: int) -> tuple:
             for i, v in enumerate(vals):
                 if type(v) not in _TAG_TYPES:
                     raise TypeError(
-                        f"tag {name!r} value at index {i} has type {type(v).__name__}; "
-                        "tag values must be None, bool, int, float or str"
+                        f"tag {name!r} value at index {i} has type {type(v).__name__}; tag values must be None, bool, int, float or str"
                     )
     return vals
 
@@ -78,10 +77,7 @@ def _normalise_scalar_tag(name: str, value: Any) -> Any:
     if isinstance(value, np.generic):
         value = value.item()
     if type(value) not in _TAG_TYPES:
-        raise TypeError(
-            f"tag {name!r} scalar has type {type(value).__name__}; "
-            "tag values must be None, bool, int, float or str"
-        )
+        raise TypeError(f"tag {name!r} scalar has type {type(value).__name__}; tag values must be None, bool, int, float or str")
     return value
 
 
@@ -184,10 +180,7 @@ class KVBatchMeta:
                     lens = tuple(int(v) if isinstance(v, np.integer) else v for v in lens)
                 for i, v in enumerate(lens):
                     if type(v) is not int:
-                        raise TypeError(
-                            f"sequence_lengths value at index {i} (key {keys[i]!r}) has type "
-                            f"{type(v).__name__}; expected int"
-                        )
+                        raise TypeError(f"sequence_lengths value at index {i} (key {keys[i]!r}) has type {type(v).__name__}; expected int")
             if lens and min(lens) < 0:
                 i = lens.index(min(lens))
                 raise ValueError(f"sequence_lengths value {lens[i]} for key {keys[i]!r} is negative")
@@ -348,19 +341,14 @@ class KVBatchMeta:
         for i, m in enumerate(metas[1:], start=1):
             if m.partition_id != first.partition_id:
                 raise ValueError(
-                    f"cannot concat metas of different partitions: "
-                    f"{first.partition_id!r} (meta 0) and {m.partition_id!r} (meta {i})"
+                    f"cannot concat metas of different partitions: {first.partition_id!r} (meta 0) and {m.partition_id!r} (meta {i})"
                 )
             if set(m.fields) != field_set:
                 raise ValueError(
-                    f"cannot concat metas with different fields: {sorted(field_set)} (meta 0) "
-                    f"and {sorted(m.fields)} (meta {i})"
+                    f"cannot concat metas with different fields: {sorted(field_set)} (meta 0) and {sorted(m.fields)} (meta {i})"
                 )
             if set(m.tags) != tag_names:
-                raise ValueError(
-                    f"cannot concat metas with different tags: {sorted(tag_names)} (meta 0) "
-                    f"and {sorted(m.tags)} (meta {i})"
-                )
+                raise ValueError(f"cannot concat metas with different tags: {sorted(tag_names)} (meta 0) and {sorted(m.tags)} (meta {i})")
         keys: tuple[str, ...] = tuple(k for m in metas for k in m.keys)
         if any(m.sequence_lengths is None for m in metas):
             lens = None
@@ -474,9 +462,7 @@ class KVBatchMeta:
                 try:
                     msgpack.packb({k: v}, use_bin_type=True)
                 except (TypeError, ValueError, OverflowError) as item_exc:
-                    raise TypeError(
-                        f"extra_info[{k!r}] (type {type(v).__name__}) is not msgpack-serialisable: {item_exc}"
-                    ) from item_exc
+                    raise TypeError(f"extra_info[{k!r}] (type {type(v).__name__}) is not msgpack-serialisable: {item_exc}") from item_exc
             raise TypeError(f"meta is not msgpack-serialisable: {exc}") from exc
 
     @classmethod

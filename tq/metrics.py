@@ -63,8 +63,14 @@ METRICS: dict[str, tuple[str, str]] = {
 def exported_names() -> set[str]:
     """Every sample name the endpoint can export (a histogram's ``_bucket``/``_sum``/``_count``, a
     counter's ``_total``), plus the process metrics prometheus_client adds."""
-    names = {"process_cpu_seconds_total", "process_resident_memory_bytes", "process_virtual_memory_bytes",
-             "process_open_fds", "process_max_fds", "process_start_time_seconds"}
+    names = {
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+        "process_virtual_memory_bytes",
+        "process_open_fds",
+        "process_max_fds",
+        "process_start_time_seconds",
+    }
     for name, (kind, _) in METRICS.items():
         names |= {name + s for s in ("_bucket", "_sum", "_count")} if kind == "histogram" else {name}
     return names
@@ -81,15 +87,28 @@ def families(stats: dict[str, Any]) -> list[Any]:
         # a counter family is named without its _total; prometheus_client adds it to the sample
         return cls(name.removesuffix("_total") if kind == "counter" else name, help_, labels=list(labels))
 
-    out = {name: fam(name, labels) for name, labels in (
-        ("tq_op_requests_total", ("server", "op")), ("tq_op_errors_total", ("server", "op")),
-        ("tq_op_latency_seconds", ("server", "op")), ("tq_op_received_bytes_total", ("server", "op")),
-        ("tq_op_sent_bytes_total", ("server", "op")), ("tq_rejected_messages_total", ("server",)),
-        ("tq_auth_failures_total", ("server",)), ("tq_uptime_seconds", ("server",)), ("tq_journal_bytes", ("server",)),
-        ("tq_partitions", ()), ("tq_partition_keys", ("partition",)), ("tq_partition_bytes", ("partition",)),
-        ("tq_committed_bytes_total", ()), ("tq_read_bytes_total", ("unit",)), ("tq_parked_waits", ()), ("tq_units", ()),
-        *((name, ("unit",)) for name in METRICS if name.startswith("tq_unit_")),
-    )}
+    out = {
+        name: fam(name, labels)
+        for name, labels in (
+            ("tq_op_requests_total", ("server", "op")),
+            ("tq_op_errors_total", ("server", "op")),
+            ("tq_op_latency_seconds", ("server", "op")),
+            ("tq_op_received_bytes_total", ("server", "op")),
+            ("tq_op_sent_bytes_total", ("server", "op")),
+            ("tq_rejected_messages_total", ("server",)),
+            ("tq_auth_failures_total", ("server",)),
+            ("tq_uptime_seconds", ("server",)),
+            ("tq_journal_bytes", ("server",)),
+            ("tq_partitions", ()),
+            ("tq_partition_keys", ("partition",)),
+            ("tq_partition_bytes", ("partition",)),
+            ("tq_committed_bytes_total", ()),
+            ("tq_read_bytes_total", ("unit",)),
+            ("tq_parked_waits", ()),
+            ("tq_units", ()),
+            *((name, ("unit",)) for name in METRICS if name.startswith("tq_unit_")),
+        )
+    }
 
     def server(label: str, st: dict[str, Any]) -> None:
         for op, o in st.get("ops", {}).items():
@@ -129,10 +148,15 @@ def families(stats: dict[str, Any]) -> list[Any]:
         if st is None:
             continue
         server(f"unit-{uid}", st)
-        for name, key in (("tq_unit_used_bytes", "bytes_used"), ("tq_unit_live_bytes", "bytes_live"),
-                          ("tq_unit_blocks", "blocks"), ("tq_unit_stored_bytes_total", "bytes_stored_total"),
-                          ("tq_unit_served_bytes_total", "bytes_served_total"), ("tq_unit_parked_writes", "parked_writes"),
-                          ("tq_unit_tentative_blocks", "tentative_blocks")):
+        for name, key in (
+            ("tq_unit_used_bytes", "bytes_used"),
+            ("tq_unit_live_bytes", "bytes_live"),
+            ("tq_unit_blocks", "blocks"),
+            ("tq_unit_stored_bytes_total", "bytes_stored_total"),
+            ("tq_unit_served_bytes_total", "bytes_served_total"),
+            ("tq_unit_parked_writes", "parked_writes"),
+            ("tq_unit_tentative_blocks", "tentative_blocks"),
+        ):
             out[name].add_metric([uid], st.get(key, 0))
     return list(out.values())
 
@@ -159,8 +183,9 @@ class ServiceCollector:
                 continue
             chan = self.units.get(u["address"])
             if chan is None:
-                chan = self.units[u["address"]] = RpcChannel(u["address"], secret=self.secret, timeout=SCRAPE_TIMEOUT_S,
-                                                             name=f"storage unit {u['unit_id']}")
+                chan = self.units[u["address"]] = RpcChannel(
+                    u["address"], secret=self.secret, timeout=SCRAPE_TIMEOUT_S, name=f"storage unit {u['unit_id']}"
+                )
             try:  # all asked before any answer is awaited: a scrape waits for the slowest, not the sum
                 asked.append((u["unit_id"], chan, chan.send(messages.UnitOp.STATS, messages.UnitStats())))
             except TQError:

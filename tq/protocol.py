@@ -212,8 +212,16 @@ def decode_request(frames: Sequence[Any], secret: bytes | None, *, max_message_b
     except msgspec.DecodeError:  # not msgpack or not a map (say which), or a key that is not a string
         header = _unpack_header(hb)
         args = msgspec.Raw(_packb(header["args"])) if "args" in header else msgspec.Raw()
-        h = _RequestHeader(header.get("v"), header.get("op"), header.get("rid"), args, header.get("bs"),
-                           header.get("sid"), header.get("seq"), header.get("ts"))
+        h = _RequestHeader(
+            header.get("v"),
+            header.get("op"),
+            header.get("rid"),
+            args,
+            header.get("bs"),
+            header.get("sid"),
+            header.get("seq"),
+            header.get("ts"),
+        )
     return Request(h.op, h.rid, h.args, _buffers(h.v, h.bs, frames, max_message_bytes), h.sid, h.seq, h.ts)
 
 
@@ -304,9 +312,7 @@ class ReplayGuard:
 
 
 # ----------------------------------------------------------------------------- requests / replies
-def request(
-    op: str, rid: int, args: Any, buffers: Sequence[Any], secret: bytes | None, sender: Sender | None = None
-) -> list[Any]:
+def request(op: str, rid: int, args: Any, buffers: Sequence[Any], secret: bytes | None, sender: Sender | None = None) -> list[Any]:
     """Frame a request. With a secret it is stamped by ``sender`` (default: one sender per thread, fine
     for a thread that talks to each server over one socket) so the server can refuse replays."""
     header = {"op": op, "rid": rid, "args": args}
@@ -317,7 +323,8 @@ def request(
         n = memoryview(f).nbytes
         if n > MAX_FRAME_BYTES:
             raise MessageTooLargeError(
-                f"request {op!r} has a frame of {n} bytes, over the {MAX_FRAME_BYTES}-byte frame limit: split the batch")
+                f"request {op!r} has a frame of {n} bytes, over the {MAX_FRAME_BYTES}-byte frame limit: split the batch"
+            )
     return frames
 
 

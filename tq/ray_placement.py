@@ -45,31 +45,46 @@ class _StorageUnitHost:
         self.info: dict[str, Any] | None = None
         self._watch_w: int | None = None
 
-    def start(self, controller_address: str, unit_index: int, capacity: int, shm_dir: str,
-              secret: str | None, timeout: float) -> dict[str, Any]:
+    def start(
+        self, controller_address: str, unit_index: int, capacity: int, shm_dir: str, secret: str | None, timeout: float
+    ) -> dict[str, Any]:
         """Start the unit on this node's IP (port 0) and wait until it registered; returns its description."""
         import ray
 
         ip = ray.util.get_node_ip_address()
         if not secret and not _is_loopback(ip):
-            raise AuthenticationError(
-                f"refusing to start a storage unit on {ip} without an auth secret: pass secret= (or set TQ_SECRET)"
-            )
+            raise AuthenticationError(f"refusing to start a storage unit on {ip} without an auth secret: pass secret= (or set TQ_SECRET)")
         ready = launch.new_ready_file("tq-unit-ready-")
         watch_r, self._watch_w = os.pipe()  # both close-on-exec; only watch_r is passed on, explicitly
-        cmd = launch.storage_unit_command(unit_id=unit_index, bind=f"tcp://{ip}:0", controller=controller_address,
-                                          capacity=capacity, shm_dir=shm_dir, ready_file=ready, watch_fd=watch_r)
+        cmd = launch.storage_unit_command(
+            unit_id=unit_index,
+            bind=f"tcp://{ip}:0",
+            controller=controller_address,
+            capacity=capacity,
+            shm_dir=shm_dir,
+            ready_file=ready,
+            watch_fd=watch_r,
+        )
         try:
             # The unit's output goes to the actor's stderr (Ray's worker log); sh prints the unit's pid.
-            sh = subprocess.run(["/bin/sh", "-c", f"{shlex.join(cmd)} 1>&2 & echo $!"], env=launch.service_env(secret),
-                                pass_fds=(watch_r,), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                start_new_session=True, timeout=30, check=True, text=True)
+            sh = subprocess.run(
+                ["/bin/sh", "-c", f"{shlex.join(cmd)} 1>&2 & echo $!"],
+                env=launch.service_env(secret),
+                pass_fds=(watch_r,),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                start_new_session=True,
+                timeout=30,
+                check=True,
+                text=True,
+            )
         finally:
             os.close(watch_r)
         self.pid = int(sh.stdout.split()[-1])
         try:
-            info = launch.await_ready_file(ready, alive=self.alive, timeout=timeout,
-                                           what=f"storage unit on {ip} (registering with {controller_address})")
+            info = launch.await_ready_file(
+                ready, alive=self.alive, timeout=timeout, what=f"storage unit on {ip} (registering with {controller_address})"
+            )
         except TQConnectionError as exc:
             self.stop()
             raise TQConnectionError(f"{exc}; its error is in this actor's Ray worker log") from None
@@ -169,11 +184,9 @@ def start_storage_units_on_ray_nodes(
 
     actor_cls = ray.remote(num_cpus=0, max_restarts=0)(_StorageUnitHost)
     handles = [
-        actor_cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
-        for node_id, _ in targets
+        actor_cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote() for node_id, _ in targets
     ]
-    refs = [h.start.remote(controller_address, i, int(capacity_per_unit), shm_dir, secret, timeout)
-            for i, h in enumerate(handles)]
+    refs = [h.start.remote(controller_address, i, int(capacity_per_unit), shm_dir, secret, timeout) for i, h in enumerate(handles)]
     try:
         # Bounded: the actors' own wait is ``timeout``; allow time for the actor processes to start.
         ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout + 60.0)

@@ -29,8 +29,9 @@ from .supervision import UnitLedger
 
 log = logging.getLogger("tq.controller")
 
-JOURNALED_OPS = frozenset({Op.CREATE_PARTITION, Op.CLEAR_PARTITION, Op.DROP_PARTITION, Op.MINT, Op.COMMIT, Op.DISCARD,
-                           Op.SET_TAGS, Op.REGISTER_UNIT})
+JOURNALED_OPS = frozenset(
+    {Op.CREATE_PARTITION, Op.CLEAR_PARTITION, Op.DROP_PARTITION, Op.MINT, Op.COMMIT, Op.DISCARD, Op.SET_TAGS, Op.REGISTER_UNIT}
+)
 COMPACT_AFTER = 2000  # journal records before it is rewritten as one snapshot
 
 
@@ -74,16 +75,27 @@ class JournalRecovery:
 
     def _snapshot(self) -> dict[str, Any]:
         return {
-            "units": self.units, "units_version": self.units_version,
-            "ledgers": {str(u): [led.low_water, [[b, d] for b, d in led.pending.items()], sorted(led.fenced),
-                                 msgspec.to_builtins(list(led.adopts.values()), builtin_types=(bytes,))]
-                        for u, led in self.ledgers.items()},
+            "units": self.units,
+            "units_version": self.units_version,
+            "ledgers": {
+                str(u): [
+                    led.low_water,
+                    [[b, d] for b, d in led.pending.items()],
+                    sorted(led.fenced),
+                    msgspec.to_builtins(list(led.adopts.values()), builtin_types=(bytes,)),
+                ]
+                for u, led in self.ledgers.items()
+            },
             "recent_commits": [[u, b, d] for (u, b), d in self.recent_commits.items()],
             "leases": self.lease_book.snapshot(),
             "partitions": {
-                pid: {"slot_keys": p.slot_keys, "seq_lens": p.seq_lens, "tags": p.tags,
-                      "schemas": {f: s.to_wire() for f, s in p.schemas.items()},
-                      "locs": {f: [list(loc.shape), loc.tobytes()] for f, loc in p.locs.items()}}
+                pid: {
+                    "slot_keys": p.slot_keys,
+                    "seq_lens": p.seq_lens,
+                    "tags": p.tags,
+                    "schemas": {f: s.to_wire() for f, s in p.schemas.items()},
+                    "locs": {f: [list(loc.shape), loc.tobytes()] for f, loc in p.locs.items()},
+                }
                 for pid, p in self.partitions.items()
             },
         }

@@ -36,22 +36,35 @@ def copy_rows(
     padded); with ``row_span > 0`` fill the rest of each row's span with ``pad``."""
     as64 = lambda a: a.astype(np.int64, copy=False)  # noqa: E731
     if _c_copy_rows is not None:
-        _c_copy_rows(dst, None if dst_starts is None else as64(dst_starts), sources, as64(src_idx), as64(src_starts),
-                     as64(sizes), row_span, pad)
+        _c_copy_rows(
+            dst, None if dst_starts is None else as64(dst_starts), sources, as64(src_idx), as64(src_starts), as64(sizes), row_span, pad
+        )
         return
     if dst_starts is None:
         dst_starts = np.arange(sizes.size, dtype=np.int64) * row_span if row_span > 0 else np.cumsum(sizes) - sizes
     copy_rows_numpy(dst, as64(dst_starts), list(sources), as64(src_idx), as64(src_starts), as64(sizes), row_span, pad)
 
 
-def copy_rows_numpy(dst: np.ndarray, dst_starts: np.ndarray, sources: list[np.ndarray], src_idx: np.ndarray,
-                    src_starts: np.ndarray, sizes: np.ndarray, row_span: int, pad: bytes) -> None:
+def copy_rows_numpy(
+    dst: np.ndarray,
+    dst_starts: np.ndarray,
+    sources: list[np.ndarray],
+    src_idx: np.ndarray,
+    src_starts: np.ndarray,
+    sizes: np.ndarray,
+    row_span: int,
+    pad: bytes,
+) -> None:
     """:func:`copy_rows` in numpy, on int64 index arrays (where the C helper was not built)."""
     n = sizes.size
-    if n and ((src_starts < 0).any() or (dst_starts < 0).any() or (sizes < 0).any()
-              or (row_span > 0 and (sizes > row_span).any())
-              or (dst_starts + (row_span if row_span > 0 else sizes) > dst.size).any()
-              or any((src_starts[src_idx == k] + sizes[src_idx == k] > s.size).any() for k, s in enumerate(sources))):
+    if n and (
+        (src_starts < 0).any()
+        or (dst_starts < 0).any()
+        or (sizes < 0).any()
+        or (row_span > 0 and (sizes > row_span).any())
+        or (dst_starts + (row_span if row_span > 0 else sizes) > dst.size).any()
+        or any((src_starts[src_idx == k] + sizes[src_idx == k] > s.size).any() for k, s in enumerate(sources))
+    ):
         raise ValueError("copy out of bounds")
     pattern = np.frombuffer(pad, dtype=np.uint8) if row_span > 0 else None
     for k, s, d, z in zip(src_idx.tolist(), src_starts.tolist(), dst_starts.tolist(), sizes.tolist()):

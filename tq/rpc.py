@@ -41,9 +41,7 @@ Handler = Callable[[Any, list, "Call"], Any]  # (the op's typed args, buffer fra
 # Failed handshakes: wrong credentials (AUTH), another security mechanism (PROTOCOL), or the peer hung
 # up mid-handshake (NO_DETAIL) - which is how a mechanism mismatch often looks from the side that did
 # not detect it first.
-_HANDSHAKE_FAILED = (
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-)
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 _monitor_ids = itertools.count()
 
 
@@ -133,10 +131,7 @@ def _serve_zap(zap: zmq.Socket) -> None:
                 continue
             _version, request_id, domain, _address, _identity, mechanism, *credentials = msg
             expected = _zap_passwords.get(domain)
-            ok = (
-                mechanism == b"PLAIN" and expected is not None and len(credentials) == 2
-                and hmac.compare_digest(credentials[1], expected)
-            )
+            ok = mechanism == b"PLAIN" and expected is not None and len(credentials) == 2 and hmac.compare_digest(credentials[1], expected)
             reply = [b"200", b"OK", protocol.CONNECTION_USERNAME] if ok else [b"400", b"wrong credentials", b""]
             zap.send_multipart([b"1.0", request_id, *reply, b""])
     except zmq.ContextTerminated:
@@ -443,7 +438,12 @@ class RpcChannel:
         return sock
 
     def send(
-        self, op: str, args: Any, buffers: Sequence[Any] = (), *, timeout: float | None = None,
+        self,
+        op: str,
+        args: Any,
+        buffers: Sequence[Any] = (),
+        *,
+        timeout: float | None = None,
         check: Callable[[], None] | None = None,
     ) -> int:
         """Send a request and return its id; waits at most ``timeout`` for the connection.
@@ -546,8 +546,7 @@ class RpcChannel:
             left = deadline - time.monotonic()
             if left <= 0 or not self._wait(sock, zmq.POLLIN, left, check):
                 raise TQConnectionError(
-                    f"no reply from {self.name} at {self.address} to '{op}' within {timeout:.1f}s: "
-                    "server down, unreachable or overloaded"
+                    f"no reply from {self.name} at {self.address} to '{op}' within {timeout:.1f}s: server down, unreachable or overloaded"
                 )
             frames = sock.recv_multipart(copy=False)
             try:
@@ -567,7 +566,12 @@ class RpcChannel:
             return protocol.raise_for_reply(msg), msg
 
     def call(
-        self, op: str, args: Any, buffers: Sequence[Any] = (), *, timeout: float | None = None,
+        self,
+        op: str,
+        args: Any,
+        buffers: Sequence[Any] = (),
+        *,
+        timeout: float | None = None,
         check: Callable[[], None] | None = None,
     ) -> tuple[Any, protocol.Message]:
         """Send a request and wait for its reply, both within ``timeout`` (default: the channel's)."""

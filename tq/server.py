@@ -30,8 +30,7 @@ def check_bind_allowed(bind: str, secret: bytes | None) -> None:
     host = bind.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
     if not secret and not _is_loopback(host):
         raise AuthenticationError(
-            f"refusing to bind {bind} without an auth secret: a non-loopback address needs --secret "
-            "(or the TQ_SECRET environment variable)"
+            f"refusing to bind {bind} without an auth secret: a non-loopback address needs --secret (or the TQ_SECRET environment variable)"
         )
 
 
@@ -62,13 +61,24 @@ class TQServer:
         self.secret = secret
         ready_file = launch.new_ready_file("tq-ready-")
         self.proc = subprocess.Popen(
-            launch.controller_command(host=host, port=port, storage_units=storage_units, capacity=capacity, shm_dir=shm_dir,
-                                      ready_file=ready_file, fsync=fsync, journal_dir=journal_dir, commit_lease_s=commit_lease_s),
-            env=launch.service_env(secret), stdout=subprocess.DEVNULL,
+            launch.controller_command(
+                host=host,
+                port=port,
+                storage_units=storage_units,
+                capacity=capacity,
+                shm_dir=shm_dir,
+                ready_file=ready_file,
+                fsync=fsync,
+                journal_dir=journal_dir,
+                commit_lease_s=commit_lease_s,
+            ),
+            env=launch.service_env(secret),
+            stdout=subprocess.DEVNULL,
         )
         try:
-            self.address = launch.await_ready_file(ready_file, alive=lambda: self.proc.poll() is None, timeout=start_timeout,
-                                                   what="the TQ controller")["address"]
+            self.address = launch.await_ready_file(
+                ready_file, alive=lambda: self.proc.poll() is None, timeout=start_timeout, what="the TQ controller"
+            )["address"]
             self._await_units(storage_units, start_timeout)
         except BaseException:
             self.shutdown()

@@ -209,10 +209,7 @@ def plan_micro_batches(
     too_long = np.flatnonzero(arr > budget)
     if too_long.size:
         i = int(too_long[0])
-        raise ValueError(
-            f"sequence at index {i} has rounded length {int(arr[i])} "
-            f"> max_tokens={budget}"
-        )
+        raise ValueError(f"sequence at index {i} has rounded length {int(arr[i])} > max_tokens={budget}")
     order = np.argsort(-arr, kind="stable").tolist()
     rounded = arr.tolist()
     if mode == "packed":
@@ -224,9 +221,7 @@ def plan_micro_batches(
     return batches
 
 
-def _equalize_micro_batches(
-    batches: list[list[int]], rounded: list[int], mode: MicroBatchMode, target: int
-) -> list[list[int]]:
+def _equalize_micro_batches(batches: list[list[int]], rounded: list[int], mode: MicroBatchMode, target: int) -> list[list[int]]:
     """Grow ``batches`` to exactly ``target`` micro-batches.
 
     Repeatedly split the micro-batch with the most samples (ties: highest cost,
@@ -323,10 +318,7 @@ def shard_meta_for_dp(
 
     if not (sequence_packing or dynamic_batching):
         base = {k: v for k, v in meta.extra_info.items() if k not in MICRO_BATCH_PLAN_KEYS}
-        return [
-            shard._replace(extra_info={**base, "dp_rank": r, "dp_size": dp})
-            for r, shard in enumerate(meta.chunk(dp))
-        ]
+        return [shard._replace(extra_info={**base, "dp_rank": r, "dp_size": dp}) for r, shard in enumerate(meta.chunk(dp))]
 
     mode: MicroBatchMode = "packed" if sequence_packing else "dynamic"
     option = "sequence_packing" if sequence_packing else "dynamic_batching"

@@ -152,20 +152,23 @@ class StorageUnit(RpcServer):
         self.pool = HostBufferPool(max_cached_bytes=256 << 20)
         self.bytes_served = 0
         Op = messages.UnitOp
-        self.serve_ops(messages.UNIT_REQUESTS, {
-            Op.PING: self.op_ping,
-            Op.ALLOC: self._waiting_for_room(self.op_alloc),
-            Op.STORE: self._waiting_for_room(self.op_store),
-            Op.FETCH: self.op_fetch,
-            Op.FREE_ROWS: self.op_free_rows,
-            Op.FREE_BLOCKS: self.op_free_blocks,
-            Op.RETAIN: self.op_retain,
-            Op.CLAIM: self.op_claim,
-            Op.ADOPT: self.op_adopt,
-            Op.TRIM: self.op_trim,
-            Op.STATS: lambda a, b, c: self.stats(),
-            Op.SHUTDOWN: self.op_shutdown,
-        })
+        self.serve_ops(
+            messages.UNIT_REQUESTS,
+            {
+                Op.PING: self.op_ping,
+                Op.ALLOC: self._waiting_for_room(self.op_alloc),
+                Op.STORE: self._waiting_for_room(self.op_store),
+                Op.FETCH: self.op_fetch,
+                Op.FREE_ROWS: self.op_free_rows,
+                Op.FREE_BLOCKS: self.op_free_blocks,
+                Op.RETAIN: self.op_retain,
+                Op.CLAIM: self.op_claim,
+                Op.ADOPT: self.op_adopt,
+                Op.TRIM: self.op_trim,
+                Op.STATS: lambda a, b, c: self.stats(),
+                Op.SHUTDOWN: self.op_shutdown,
+            },
+        )
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -193,8 +196,7 @@ class StorageUnit(RpcServer):
             if slab.expiry <= now:
                 expired.extend(sorted(slab.unsettled))
         expired = expired[:MAX_EXPIRED_REPORT]
-        return {"unit_id": self.unit_id, "low_water": self.low_water(), "expired": expired,
-                "free_bytes": self.alloc.largest_free()}
+        return {"unit_id": self.unit_id, "low_water": self.low_water(), "expired": expired, "free_bytes": self.alloc.largest_free()}
 
     def low_water(self) -> int:
         """The lowest block id still waiting for its claim or adoption (every lower id is settled)."""
@@ -267,8 +269,9 @@ class StorageUnit(RpcServer):
         if args.ids:  # a slab: the writer names its blocks (these ids) in its commit
             size, first = align_up(max(nbytes, 1)), self._next_id
             self._next_id += args.ids
-            self.slabs[aid] = Slab(start, size, first, args.ids, time.monotonic() + self.alloc_lease_s,
-                                   set(range(first, first + args.ids)), [])
+            self.slabs[aid] = Slab(
+                start, size, first, args.ids, time.monotonic() + self.alloc_lease_s, set(range(first, first + args.ids)), []
+            )
             self.journal.append(["G", aid, start, size, first, args.ids])  # a restarted unit keeps it
             return {"alloc": aid, "offset": start, "first_block": first}
         self.pending[aid] = (start, nbytes, time.monotonic() + self.alloc_lease_s)
@@ -339,8 +342,11 @@ class StorageUnit(RpcServer):
             self.tentative[bid] = time.monotonic() + self.commit_lease_s
             self.journal.append(self._store_record(bid, block))
         self.bytes_stored += rel
-        return {"block": bid, "nbytes": {n: int(ro[-1]) for n, _, _, ro, _ in layouts},
-                "starts": {n: start + off for n, _, off, _, _ in layouts}}  # where each field begins in the arena
+        return {
+            "block": bid,
+            "nbytes": {n: int(ro[-1]) for n, _, _, ro, _ in layouts},
+            "starts": {n: start + off for n, _, off, _, _ in layouts},
+        }  # where each field begins in the arena
 
     @staticmethod
     def _rows_of(args: messages.BlockRows, buffers: list, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -452,8 +458,13 @@ class StorageUnit(RpcServer):
             log.debug("storage unit %d: adopt of block %d, which no open slab holds unsettled", self.unit_id, ad.block)
             return
         aid, slab = found
-        if (aid != ad.slab or ad.start < slab.start or ad.start + ad.size > slab.start + slab.size or ad.start % ALIGN
-                or any(a < ad.start + ad.size and ad.start < a + n for a, n in slab.carved)):
+        if (
+            aid != ad.slab
+            or ad.start < slab.start
+            or ad.start + ad.size > slab.start + slab.size
+            or ad.start % ALIGN
+            or any(a < ad.start + ad.size and ad.start < a + n for a, n in slab.carved)
+        ):
             raise InvalidRequestError(f"adopt: block {ad.block} at [{ad.start}, {ad.start + ad.size}) is not a free part of slab {aid}")
         fields, n_rows = {}, None
         for name, f in ad.fields.items():
@@ -561,16 +572,36 @@ class StorageUnit(RpcServer):
         for sl in self.slabs.values():
             for start, size in sl.gaps():
                 self.alloc.reserve(start, size)
-        log.warning("storage unit %d recovered %d blocks (%d awaiting their claim) from %s", self.unit_id, len(self.blocks),
-                    len(self.tentative), path)
+        log.warning(
+            "storage unit %d recovered %d blocks (%d awaiting their claim) from %s",
+            self.unit_id,
+            len(self.blocks),
+            len(self.tentative),
+            path,
+        )
 
     def _maybe_compact(self) -> None:
         if self.journal.appended > 4 * len(self.blocks) + 1024:
-            self.journal.rewrite([["N", self._next_id - 1], *(self._store_record(bid, b) for bid, b in self.blocks.items()),
-                                  *(["A", aid, start, size] for aid, (start, size, _) in self.pending.items()),
-                                  *(["G", aid, sl.start, sl.size, sl.first_id, sl.n_ids,
-                                     np.array(sorted(sl.unsettled), dtype=np.int64).tobytes(),
-                                     np.array(sl.carved, dtype=np.int64).reshape(-1, 2).tobytes()] for aid, sl in self.slabs.items())])
+            self.journal.rewrite(
+                [
+                    ["N", self._next_id - 1],
+                    *(self._store_record(bid, b) for bid, b in self.blocks.items()),
+                    *(["A", aid, start, size] for aid, (start, size, _) in self.pending.items()),
+                    *(
+                        [
+                            "G",
+                            aid,
+                            sl.start,
+                            sl.size,
+                            sl.first_id,
+                            sl.n_ids,
+                            np.array(sorted(sl.unsettled), dtype=np.int64).tobytes(),
+                            np.array(sl.carved, dtype=np.int64).reshape(-1, 2).tobytes(),
+                        ]
+                        for aid, sl in self.slabs.items()
+                    ),
+                ]
+            )
 
     def _claim(self, bids: list[int]) -> None:
         claimed = [b for b in bids if b in self.tentative]
@@ -707,12 +738,23 @@ def run_storage_unit(
     cleaning its arena up, when that pipe reaches EOF: the launcher closed it or died, however it died.
     With ``metrics`` it records latency histograms and bytes per op for the controller's metrics endpoint.
     """
-    unit = StorageUnit(unit_id, bind, capacity=capacity, shm_dir=shm_dir, secret=secret,
-                       max_message_bytes=max_message_bytes, recover_arena=recover_arena, orphan_timeout_s=orphan_timeout_s,
-                       commit_lease_s=commit_lease_s, fsync=fsync, managed=managed)
+    unit = StorageUnit(
+        unit_id,
+        bind,
+        capacity=capacity,
+        shm_dir=shm_dir,
+        secret=secret,
+        max_message_bytes=max_message_bytes,
+        recover_arena=recover_arena,
+        orphan_timeout_s=orphan_timeout_s,
+        commit_lease_s=commit_lease_s,
+        fsync=fsync,
+        managed=managed,
+    )
     unit.metrics = metrics
     served = threading.Event()
     if watch_fd is not None:
+
         def watch() -> None:
             try:
                 while os.read(watch_fd, 4096):
@@ -725,6 +767,7 @@ def run_storage_unit(
                 served.wait(0.1)
 
         threading.Thread(target=watch, name="tq-unit-watch", daemon=True).start()
+
     def exit_now(*_: Any) -> None:
         raise SystemExit(0)  # before serving: unwind through the cleanup below, removing the arena
 
@@ -762,22 +805,38 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--watch-fd", type=argtypes.count, help="stop when this inherited file descriptor (a pipe) reaches EOF")
     p.add_argument("--recover-arena", help="restart after a crash: reopen this arena and replay its journal")
     p.add_argument("--rejoin", type=argtypes.count, help="take over this unit id at the controller (with --recover-arena)")
-    p.add_argument("--orphan-timeout", type=argtypes.positive_seconds,
-                   help="stop after this many seconds without a controller heartbeat")
-    p.add_argument("--commit-lease", type=argtypes.positive_seconds, default=DEFAULT_COMMIT_LEASE_S,
-                   help="seconds a stored block waits for its commit before the controller is asked to resolve it")
+    p.add_argument("--orphan-timeout", type=argtypes.positive_seconds, help="stop after this many seconds without a controller heartbeat")
+    p.add_argument(
+        "--commit-lease",
+        type=argtypes.positive_seconds,
+        default=DEFAULT_COMMIT_LEASE_S,
+        help="seconds a stored block waits for its commit before the controller is asked to resolve it",
+    )
     p.add_argument("--fsync", choices=("never", "always", "interval"), default="never", help="journal fsync policy")
     p.add_argument("--managed", action="store_true", help="started by the controller, which restarts it on its arena if it dies")
-    p.add_argument("--metrics", action="store_true",
-                   help="record latency histograms and bytes per op (for the controller's --metrics-port endpoint)")
+    p.add_argument(
+        "--metrics", action="store_true", help="record latency histograms and bytes per op (for the controller's --metrics-port endpoint)"
+    )
     a = p.parse_args(argv)
     secret = os.environ.get("TQ_SECRET")
     logging.basicConfig(level=os.environ.get("TQ_LOG_LEVEL", "WARNING"))
     run_storage_unit(
-        a.unit_id, a.bind, a.controller, capacity=a.capacity, shm_dir=a.shm_dir,
-        secret=secret.encode() if secret else None, max_message_bytes=a.max_message_bytes, ready_file=a.ready_file,
-        watch_fd=a.watch_fd, recover_arena=a.recover_arena, rejoin=a.rejoin, orphan_timeout_s=a.orphan_timeout,
-        commit_lease_s=a.commit_lease, fsync=a.fsync, managed=a.managed, metrics=a.metrics,
+        a.unit_id,
+        a.bind,
+        a.controller,
+        capacity=a.capacity,
+        shm_dir=a.shm_dir,
+        secret=secret.encode() if secret else None,
+        max_message_bytes=a.max_message_bytes,
+        ready_file=a.ready_file,
+        watch_fd=a.watch_fd,
+        recover_arena=a.recover_arena,
+        rejoin=a.rejoin,
+        orphan_timeout_s=a.orphan_timeout,
+        commit_lease_s=a.commit_lease,
+        fsync=a.fsync,
+        managed=a.managed,
+        metrics=a.metrics,
     )
 
 

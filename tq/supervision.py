@@ -169,9 +169,11 @@ class UnitSupervision:
         every free and claim it missed (down, restarted, or its queue was full)."""
         led = self.ledgers[unit]
         bufs: list[Any] = []
-        args = messages.Retain(**block_rows(self._rows_on(unit), bufs),
-                               claimed=protocol.pack_array(np.array(sorted(led.pending), dtype=np.int64), bufs),
-                               adopts=list(led.adopts.values()) or None)
+        args = messages.Retain(
+            **block_rows(self._rows_on(unit), bufs),
+            claimed=protocol.pack_array(np.array(sorted(led.pending), dtype=np.int64), bufs),
+            adopts=list(led.adopts.values()) or None,
+        )
         led.resync = False
         self._send_to_unit(unit, messages.UnitOp.RETAIN, args, bufs)  # sets resync again if it could not go out
 
@@ -195,8 +197,13 @@ class UnitSupervision:
         children = {p.pid for p in self.children}
         for unit in self.units:
             uid = unit["unit_id"]
-            if (unit.get("managed") and unit.get("host") == self.host and unit.get("pid") not in children
-                    and uid not in self._restarting and not arena_in_use(unit["arena_path"])):
+            if (
+                unit.get("managed")
+                and unit.get("host") == self.host
+                and unit.get("pid") not in children
+                and uid not in self._restarting
+                and not arena_in_use(unit["arena_path"])
+            ):
                 self._unit_died(unit, f"(pid {unit.get('pid')}) is gone")
 
     def _unit_died(self, unit: dict, how: str) -> None:

@@ -60,9 +60,7 @@ def compute_advantages(
     return adv
 
 
-def scale_rewards(
-    rewards: torch.Tensor, *, source_min: float, source_max: float, target_min: float, target_max: float
-) -> torch.Tensor:
+def scale_rewards(rewards: torch.Tensor, *, source_min: float, source_max: float, target_min: float, target_max: float) -> torch.Tensor:
     """Map rewards linearly from ``[source_min, source_max]`` to ``[target_min, target_max]`` (clamped)."""
     if source_max <= source_min:
         raise ValueError(f"reward scaling needs source_max > source_min, got [{source_min}, {source_max}]")

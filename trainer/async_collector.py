@@ -79,8 +79,15 @@ class TrajectoryScheduler:
         chunk_groups: groups per generation call (at most; the last chunk of a step may be smaller).
     """
 
-    def __init__(self, *, groups_per_step: int, max_age: int, start_step: int = 0, capacity_groups: int | None = None,
-                 chunk_groups: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        groups_per_step: int,
+        max_age: int,
+        start_step: int = 0,
+        capacity_groups: int | None = None,
+        chunk_groups: int | None = None,
+    ) -> None:
         if groups_per_step < 1 or max_age < 1:
             raise ValueError(f"groups_per_step ({groups_per_step}) and max_age ({max_age}) must be >= 1")
         self.groups_per_step, self.max_age = groups_per_step, max_age
@@ -190,8 +197,9 @@ class TrajectoryScheduler:
     def set_weight_version(self, version: int) -> None:
         """Move to new weights; only while refitting with nothing in flight, never backwards."""
         if self.in_flight:
-            raise SchedulingError(f"set_weight_version({version}) with {len(self.in_flight)} generations in flight "
-                                  "(call prepare_for_refit and wait for them)")
+            raise SchedulingError(
+                f"set_weight_version({version}) with {len(self.in_flight)} generations in flight (call prepare_for_refit and wait for them)"
+            )
         if not self.refitting:
             raise SchedulingError("set_weight_version outside prepare_for_refit / resume_after_refit")
         if version < self.weight_version:
@@ -226,8 +234,13 @@ class TrajectoryScheduler:
         self.refitting = False
 
 
-def _wait(cond: threading.Condition, done: Callable[[], bool], timeout_s: float, what: Callable[[], str],
-          error: Callable[[], BaseException | None]) -> None:
+def _wait(
+    cond: threading.Condition,
+    done: Callable[[], bool],
+    timeout_s: float,
+    what: Callable[[], str],
+    error: Callable[[], BaseException | None],
+) -> None:
     """Wait on ``cond`` (held by the caller) until ``done()``; raise the collector's error or a timeout."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -255,8 +268,15 @@ class AsyncTrajectoryCollectorImpl:
         start_step: the first training step (= the initial weight version).
     """
 
-    def __init__(self, generation: Any, tokenizer_name: str | None, task_to_env: Mapping[str, Any], master_config: Any,
-                 replay_buffer: Any, start_step: int = 0) -> None:
+    def __init__(
+        self,
+        generation: Any,
+        tokenizer_name: str | None,
+        task_to_env: Mapping[str, Any],
+        master_config: Any,
+        replay_buffer: Any,
+        start_step: int = 0,
+    ) -> None:
         from rollout.actors import SyncRolloutImpl
 
         from .common import build_dataloader, build_datasets
@@ -269,13 +289,24 @@ class AsyncTrajectoryCollectorImpl:
         self.buffer = replay_buffer
         capacity = a.max_buffered_groups or (a.max_trajectory_age_steps + 1) * g.num_prompts_per_step
         capacity = min(capacity, replay_buffer.capacity // self.group_size)
-        self.sched = TrajectoryScheduler(groups_per_step=g.num_prompts_per_step, max_age=a.max_trajectory_age_steps,
-                                         start_step=start_step, capacity_groups=capacity, chunk_groups=a.groups_per_generation)
+        self.sched = TrajectoryScheduler(
+            groups_per_step=g.num_prompts_per_step,
+            max_age=a.max_trajectory_age_steps,
+            start_step=start_step,
+            capacity_groups=capacity,
+            chunk_groups=a.groups_per_generation,
+        )
         self.rollout = SyncRolloutImpl(
-            generation=generation, tokenizer_name=tokenizer_name, environments=task_to_env, seed=g.seed,
+            generation=generation,
+            tokenizer_name=tokenizer_name,
+            environments=task_to_env,
+            seed=g.seed,
             connection=replay_buffer.connection,
-            limits={"max_seq_len": cfg.data.processor.max_seq_length + g.max_rollout_turns * g.max_new_tokens,
-                    "max_new_tokens": g.max_new_tokens, "max_rollout_turns": g.max_rollout_turns},
+            limits={
+                "max_seq_len": cfg.data.processor.max_seq_length + g.max_rollout_turns * g.max_new_tokens,
+                "max_new_tokens": g.max_new_tokens,
+                "max_rollout_turns": g.max_rollout_turns,
+            },
         )
         # Versions count training steps: the trainer refits (update_weights) with version start_step
         # before start_collection, so every sample's weight_version tag is a training step.
@@ -295,8 +326,7 @@ class AsyncTrajectoryCollectorImpl:
         self.failed_generations = 0
         self._last_failure: BaseException | None = None
         self._staged_weights: Mapping[str, torch.Tensor] | None = None
-        self.counters = {"generation_calls": 0, "groups": 0, "samples": 0, "idle_waits": 0, "staged_refits": 0,
-                         "last_refit_s": 0.0}
+        self.counters = {"generation_calls": 0, "groups": 0, "samples": 0, "idle_waits": 0, "staged_refits": 0, "last_refit_s": 0.0}
         # When each generation call ran and what it targeted (monotonic seconds; for overlap profiles).
         self.timeline: deque[tuple[float, float, int, int]] = deque(maxlen=10_000)
         self.timeout_s = a.wait_timeout_s
@@ -387,19 +417,30 @@ class AsyncTrajectoryCollectorImpl:
     def wait_for_pending_generations(self, timeout_s: float | None = None) -> None:
         t = self.timeout_s if timeout_s is None else timeout_s
         with self._cond:
-            _wait(self._cond, lambda: not self.sched.in_flight, t,
-                  lambda: f"{len(self.sched.in_flight)} generations still in flight after {t:.0f}s", lambda: self._error)
+            _wait(
+                self._cond,
+                lambda: not self.sched.in_flight,
+                t,
+                lambda: f"{len(self.sched.in_flight)} generations still in flight after {t:.0f}s",
+                lambda: self._error,
+            )
 
     def wait_for_target(self, step: int, timeout_s: float | None = None) -> dict[str, Any]:
         """Block until every group of ``step`` is in TQ (async_grpo.wait_timeout_s); re-raises a failure
         of the collection loop. Returns the collector's counters."""
         t = self.timeout_s if timeout_s is None else timeout_s
         with self._cond:
-            _wait(self._cond, lambda: self.sched.ready(step), t, lambda: (
-                f"step {step}: only {self.sched.targets[step].generated_groups() if step in self.sched.targets else 0} of "
-                f"{self.sched.groups_per_step} groups generated after {t:.0f}s (async_grpo.wait_timeout_s); "
-                f"collector: {self.sched.blocked_reason() or 'generating'}, weight version {self.sched.weight_version}"),
-                lambda: self._error)
+            _wait(
+                self._cond,
+                lambda: self.sched.ready(step),
+                t,
+                lambda: (
+                    f"step {step}: only {self.sched.targets[step].generated_groups() if step in self.sched.targets else 0} of "
+                    f"{self.sched.groups_per_step} groups generated after {t:.0f}s (async_grpo.wait_timeout_s); "
+                    f"collector: {self.sched.blocked_reason() or 'generating'}, weight version {self.sched.weight_version}"
+                ),
+                lambda: self._error,
+            )
             return self.stats()
 
     def release_target(self, step: int) -> list[tuple[int, int]]:
@@ -412,8 +453,12 @@ class AsyncTrajectoryCollectorImpl:
             return out
 
     def stats(self) -> dict[str, Any]:
-        return {**self.counters, "failed_generations": self.failed_generations, "weight_version": self.sched.weight_version,
-                "held_groups": self.sched.held_groups()}
+        return {
+            **self.counters,
+            "failed_generations": self.failed_generations,
+            "weight_version": self.sched.weight_version,
+            "held_groups": self.sched.held_groups(),
+        }
 
     def get_timeline(self) -> list[tuple[float, float, int, int]]:
         """``(start, end, target_step, weight_version)`` of recent generation calls, ``time.monotonic``
@@ -432,11 +477,17 @@ class AsyncTrajectoryCollectorImpl:
         with self._cond:
             if self.sched.in_flight or not (self.sched.paused or self.sched.refitting):
                 raise SchedulingError("get_dataloader_state needs pause() or prepare_for_refit() first")
-            targets = {t: list(self._written.get(t, [])) + [int(r["idx"]) for r in self._todo.get(t, ())]
-                       for t in set(self._written) | set(self._todo) if t >= self.sched.next_train_step}
-            return {"loader": self.loader.state_dict(), "generation": self.rollout.generation_state(),
-                    "targets": {str(t): v for t, v in sorted(targets.items())},
-                    "target_epochs": {str(t): self._epochs.get(t, -1) for t in sorted(targets)}}
+            targets = {
+                t: list(self._written.get(t, [])) + [int(r["idx"]) for r in self._todo.get(t, ())]
+                for t in set(self._written) | set(self._todo)
+                if t >= self.sched.next_train_step
+            }
+            return {
+                "loader": self.loader.state_dict(),
+                "generation": self.rollout.generation_state(),
+                "targets": {str(t): v for t, v in sorted(targets.items())},
+                "target_epochs": {str(t): self._epochs.get(t, -1) for t in sorted(targets)},
+            }
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop the loop (bounded) and release the rollout's resources; TQ data stays."""
@@ -485,7 +536,8 @@ class AsyncTrajectoryCollectorImpl:
                         if self.failed_generations > self.cfg.async_grpo.max_failed_generations:
                             raise GenerationBudgetExceeded(
                                 f"{self.failed_generations} generation calls failed (async_grpo.max_failed_generations="
-                                f"{self.cfg.async_grpo.max_failed_generations}); last error: {self._last_failure!r}")
+                                f"{self.cfg.async_grpo.max_failed_generations}); last error: {self._last_failure!r}"
+                            )
                     self._cond.notify_all()
         except BaseException as exc:  # surfaced by every wait_* call
             log.exception("async trajectory collection stopped")
@@ -498,11 +550,19 @@ class AsyncTrajectoryCollectorImpl:
         try:
             uids = [f"t{r.target}-{int(x['idx'])}-{next(self._serial)}" for x in records]  # unique across epochs
             # epoch and prompt_idx: which dataset prompt each sample's group rolls out (the prompt ledger)
-            tags = {"target_step": r.target, "epoch": self._epochs.get(r.target, -1),
-                    "prompt_idx": [int(x["idx"]) for x in records for _ in range(self.group_size)]}
+            tags = {
+                "target_step": r.target,
+                "epoch": self._epochs.get(r.target, -1),
+                "prompt_idx": [int(x["idx"]) for x in records for _ in range(self.group_size)],
+            }
             meta, _, _, _ = self.rollout.rollout_to_tq(
-                records, self.buffer.partition_id, self.group_size, uids=uids, keep_warm=True,
-                extra_tags=tags, carry_columns=("response_lengths", "loss_multiplier"),
+                records,
+                self.buffer.partition_id,
+                self.group_size,
+                uids=uids,
+                keep_warm=True,
+                extra_tags=tags,
+                carry_columns=("response_lengths", "loss_multiplier"),
             )
         except Exception as exc:  # counted against the budget, logged, retried; never swallowed silently
             log.warning("generation for step %d failed (%d so far): %r", r.target, self.failed_generations + 1, exc)
@@ -511,8 +571,9 @@ class AsyncTrajectoryCollectorImpl:
             return False
         n = len(meta)
         if any(v != r.weight_version for v in meta.tags["weight_version"]):  # the age bound relies on it: stop the loop
-            raise SchedulingError(f"step {r.target}: generated on weights {sorted(set(meta.tags['weight_version']))}, "
-                                  f"reserved on {r.weight_version}")
+            raise SchedulingError(
+                f"step {r.target}: generated on weights {sorted(set(meta.tags['weight_version']))}, reserved on {r.weight_version}"
+            )
         self.counters["generation_calls"] += 1
         self.counters["groups"] += r.num_groups
         self.counters["samples"] += n

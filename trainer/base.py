@@ -78,8 +78,11 @@ class GRPOTrainerBase(ABC):
         self.rollout = SyncRolloutActor.remote(
             generation=cfg.generation.model_dump(),
             environments={cfg.env.name: {"name": cfg.env.name, **({"num_workers": cfg.env.num_workers} if cfg.env.name == "math" else {})}},
-            limits={"max_seq_len": cfg.data.processor.max_seq_length + cfg.grpo.max_rollout_turns * cfg.grpo.max_new_tokens,
-                    "max_new_tokens": cfg.grpo.max_new_tokens, "max_rollout_turns": cfg.grpo.max_rollout_turns},
+            limits={
+                "max_seq_len": cfg.data.processor.max_seq_length + cfg.grpo.max_rollout_turns * cfg.grpo.max_new_tokens,
+                "max_new_tokens": cfg.grpo.max_new_tokens,
+                "max_rollout_turns": cfg.grpo.max_rollout_turns,
+            },
             seed=cfg.grpo.seed,
             **self.rollout_kwargs(),
         )
@@ -89,8 +92,7 @@ class GRPOTrainerBase(ABC):
         # logger.run_name says otherwise), so metrics.jsonl and prompts.jsonl hold the whole lineage.
         saved = read_trainer_state(self.resume_from) if self.resume_from is not None else {}
         name = cfg.logger.run_name or saved.get("run_name") or run_name(cfg, self.name)
-        self.logger = MetricsLogger(cfg.logger, name, cfg.model_dump(mode="json"),
-                                    resume_step=int(saved["step"]) if saved else None)
+        self.logger = MetricsLogger(cfg.logger, name, cfg.model_dump(mode="json"), resume_step=int(saved["step"]) if saved else None)
         self.ledger = PromptLedger(self.logger.run_dir)
         self._maybe_resume()
         self.start_step = self.step
@@ -224,10 +226,16 @@ class GRPOTrainerBase(ABC):
         seconds = driver["seconds"] + put_s + rank_s
         written = float(step.get("rollout/tq_put_bytes", 0.0)) + driver["bytes_written"] + sum(r["write_back_bytes"] for r in ranks)
         read = driver["bytes_read"] + sum(r["tq_get_bytes"] for r in ranks)
-        return {"dataplane/frac_of_step": seconds / step["step_time_s"] if step.get("step_time_s") else 0.0,
-                "dataplane/seconds": seconds, "dataplane/driver_s": driver["seconds"], "dataplane/rollout_put_s": put_s,
-                "dataplane/slowest_rank_s": rank_s, "dataplane/bytes_written": written, "dataplane/bytes_read": read,
-                "dataplane/bytes_moved": written + read}
+        return {
+            "dataplane/frac_of_step": seconds / step["step_time_s"] if step.get("step_time_s") else 0.0,
+            "dataplane/seconds": seconds,
+            "dataplane/driver_s": driver["seconds"],
+            "dataplane/rollout_put_s": put_s,
+            "dataplane/slowest_rank_s": rank_s,
+            "dataplane/bytes_written": written,
+            "dataplane/bytes_read": read,
+            "dataplane/bytes_moved": written + read,
+        }
 
     def _data_movement_metrics(self, step: Mapping[str, Any]) -> dict[str, float]:
         """A step's data-movement metrics: on the TQ path ``dataplane/*`` (:meth:`_dataplane_metrics`),
@@ -243,10 +251,13 @@ class GRPOTrainerBase(ABC):
             out.update(self._dataplane_metrics(step, driver_tq, ranks or []))
         if not self.calls.instrumented:
             return out
-        out.update({
-            "driver_bytes_received": c["bytes_received"], "driver_bytes_sent": c["bytes_sent"],
-            **{f"timing/{k[:-2]}": c.get(k, 0.0) for k in ("driver_send_s", "driver_get_s", "driver_tq_s")},
-        })
+        out.update(
+            {
+                "driver_bytes_received": c["bytes_received"],
+                "driver_bytes_sent": c["bytes_sent"],
+                **{f"timing/{k[:-2]}": c.get(k, 0.0) for k in ("driver_send_s", "driver_get_s", "driver_tq_s")},
+            }
+        )
         if ranks is not None:
             for r in ranks:
                 out[f"fetch/rank{r['rank']}_s"] = r["fetch_s"]
@@ -272,8 +283,9 @@ class GRPOTrainerBase(ABC):
     def _save_checkpoint(self, trainer_state: dict[str, Any]) -> None:
         """Write checkpoint ``self.step`` (the ledger's lines up to it reach the disk first)."""
         self.ledger.sync()
-        save_checkpoint(self.cfg.checkpointing.checkpoint_dir, self.step, self.policy,
-                        {**trainer_state, "run_name": self.logger.run_dir.name})
+        save_checkpoint(
+            self.cfg.checkpointing.checkpoint_dir, self.step, self.policy, {**trainer_state, "run_name": self.logger.run_dir.name}
+        )
         if self.driver_record is not None:
             self.driver_record.note_processes()  # actors started since: a successor reaps them too
 
@@ -305,8 +317,10 @@ class GRPOTrainerBase(ABC):
                     val = self.validate()
                     self.logger.log(self.step, val, prefix="val")
                     if self.cfg.logger.progress:
-                        self.logger.write(f"validation at step {self.step} ({len(self.val_dataset)} prompts): "
-                                          + ", ".join(f"{k} {v:.3f}" for k, v in val.items()))
+                        self.logger.write(
+                            f"validation at step {self.step} ({len(self.val_dataset)} prompts): "
+                            + ", ".join(f"{k} {v:.3f}" for k, v in val.items())
+                        )
                 if ck.enabled and self.step % ck.save_period == 0:
                     self._checkpoint()
             if ck.enabled and self.step % ck.save_period:
@@ -377,21 +391,23 @@ def usage(trainer_cls: type[GRPOTrainerBase], recipe: str) -> str:
     shown = recipe
     if Path(recipe).resolve().is_relative_to(DEFAULT_CONFIG.parents[2]):  # a recipe of this repository
         shown = str(Path(recipe).resolve().relative_to(DEFAULT_CONFIG.parents[2]))
-    return "\n".join([
-        f"usage: python -m trainer.{trainer_cls.name} [--config FILE] [--print-config] [section.key=value ...]",
-        "",
-        doc,
-        "",
-        "options:",
-        "  -h, --help          show this help (every configuration key) and exit",
-        f"  --config FILE       the YAML recipe to start from (default: {shown}; others in trainer/configs/)",
-        "  --print-config      print the resolved configuration (recipe + overrides, validated) as YAML and exit",
-        "  section.key=value   override one key; the value is parsed as YAML (3e-4, true, null, [1, 2])",
-        "",
-        "configuration: key (type) = schema default  [recipe: what the recipe sets instead]",
-        "",
-        config_help(recipe),
-    ])
+    return "\n".join(
+        [
+            f"usage: python -m trainer.{trainer_cls.name} [--config FILE] [--print-config] [section.key=value ...]",
+            "",
+            doc,
+            "",
+            "options:",
+            "  -h, --help          show this help (every configuration key) and exit",
+            f"  --config FILE       the YAML recipe to start from (default: {shown}; others in trainer/configs/)",
+            "  --print-config      print the resolved configuration (recipe + overrides, validated) as YAML and exit",
+            "  section.key=value   override one key; the value is parsed as YAML (3e-4, true, null, [1, 2])",
+            "",
+            "configuration: key (type) = schema default  [recipe: what the recipe sets instead]",
+            "",
+            config_help(recipe),
+        ]
+    )
 
 
 def run(trainer_cls: type[GRPOTrainerBase], argv: Sequence[str] | None = None, *, default_config: str | None = None) -> int:
@@ -430,8 +446,10 @@ def run(trainer_cls: type[GRPOTrainerBase], argv: Sequence[str] | None = None, *
             resumed = f" (resumed at step {trainer.start_step})" if trainer.start_step else ""
             val = [r for r in trainer.logger.history if r["split"] == "val" and "accuracy" in r]
             held = f"; validation accuracy {val[-1]['accuracy']:.3f} at step {val[-1]['step']}" if val else ""
-            print(f"done: {len(history)} steps{resumed}, training reward {first:.3f} -> {last:.3f} (mean of the last 5 steps){held}",
-                  flush=True)
+            print(
+                f"done: {len(history)} steps{resumed}, training reward {first:.3f} -> {last:.3f} (mean of the last 5 steps){held}",
+                flush=True,
+            )
         return 0
     except KeyboardInterrupt:
         kept = "; the last checkpoint stays loadable" if cfg.checkpointing.enabled else ""

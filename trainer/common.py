@@ -67,12 +67,17 @@ def build_datasets(cfg: MasterConfig) -> tuple[PromptDataset, PromptDataset | No
         # Validation is held out: operand pairs the run never trains on (each once; greedy decoding
         # would score a repeat the same).
         held_out = cfg.data.builtin_held_out_pairs
-        train = PromptDataset(builtin_task_dataset(cfg.data.num_builtin_prompts, seed=cfg.grpo.seed, split="train", held_out=held_out),
-                              tok, cfg.data.processor)
+        train = PromptDataset(
+            builtin_task_dataset(cfg.data.num_builtin_prompts, seed=cfg.grpo.seed, split="train", held_out=held_out),
+            tok,
+            cfg.data.processor,
+        )
         val = None
         if cfg.grpo.val_period:
             n = min(cfg.grpo.max_val_samples, held_out)
-            val = PromptDataset(builtin_task_dataset(n, seed=cfg.grpo.seed + 1, split="held_out", held_out=held_out), tok, cfg.data.processor)
+            val = PromptDataset(
+                builtin_task_dataset(n, seed=cfg.grpo.seed + 1, split="held_out", held_out=held_out), tok, cfg.data.processor
+            )
         return train, val
     # Missing files: trainer.config.check_local_paths names the key before anything starts; from_path
     # raises FileNotFoundError naming the path for callers that skip it.
@@ -121,7 +126,9 @@ def compute_step_targets(
         r = A.scale_rewards(r, source_min=rs.source_min, source_max=rs.source_max, target_min=rs.target_min, target_max=rs.target_max)
     if grpo.overlong_reward_shaping.enabled:
         o = grpo.overlong_reward_shaping
-        r = A.overlong_reward_shaping(r, response_lengths, max_response_length=o.max_response_length, buffer_length=o.buffer_length, penalty=o.penalty)
+        r = A.overlong_reward_shaping(
+            r, response_lengths, max_response_length=o.max_response_length, buffer_length=o.buffer_length, penalty=o.penalty
+        )
     mask = loss_multiplier.to(torch.float32).clone()
     if grpo.overlong_filtering:
         mask = mask * (~truncated.to(torch.bool)).to(torch.float32)

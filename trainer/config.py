@@ -35,8 +35,10 @@ class _Strict(BaseModel):
 
 
 class RewardScalingConfig(_Strict):
-    enabled: bool = Field(False, description=(
-        "Map rewards linearly from [source_min, source_max] to [target_min, target_max] (clamped) before the baselines."))
+    enabled: bool = Field(
+        False,
+        description=("Map rewards linearly from [source_min, source_max] to [target_min, target_max] (clamped) before the baselines."),
+    )
     source_min: float = Field(0.0, description="Lower end of the raw reward range.")
     source_max: float = Field(1.0, description="Upper end of the raw reward range.")
     target_min: float = Field(0.0, description="What source_min maps to.")
@@ -59,23 +61,33 @@ class GRPOConfig(_Strict):
     max_rollout_turns: int = Field(1, ge=1, description="Model turns per conversation (multi-turn environments)")
     max_new_tokens: int = Field(16, ge=1, description="Tokens generated per turn at most.")
     normalize_rewards: bool = Field(True, description="Divide advantages by the group's reward std.")
-    use_leave_one_out_baseline: bool = Field(True, description=(
-        "Baseline of a sample: the mean reward of the other samples of its group (else the group mean)"))
-    advantage_clip: float | None = Field(None, gt=0.0, description=(
-        "Clip advantages to [-advantage_clip, advantage_clip] (null: no clipping)"))
+    use_leave_one_out_baseline: bool = Field(
+        True, description=("Baseline of a sample: the mean reward of the other samples of its group (else the group mean)")
+    )
+    advantage_clip: float | None = Field(
+        None, gt=0.0, description=("Clip advantages to [-advantage_clip, advantage_clip] (null: no clipping)")
+    )
     reward_scaling: RewardScalingConfig = Field(default_factory=RewardScalingConfig, description="Linear reward rescaling.")
-    overlong_reward_shaping: OverlongShapingConfig = Field(default_factory=OverlongShapingConfig, description=(
-        "DAPO's soft overlong punishment."))
+    overlong_reward_shaping: OverlongShapingConfig = Field(
+        default_factory=OverlongShapingConfig, description=("DAPO's soft overlong punishment.")
+    )
     overlong_filtering: bool = Field(False, description="Drop truncated samples from the loss (sample_mask 0).")
-    use_dynamic_sampling: bool = Field(False, description=(
-        "Drop groups whose rewards are all equal (no signal) and refill from more generation batches."))
-    dynamic_sampling_max_gen_batches: int = Field(4, ge=1, description=(
-        "Generation batches a step may draw under dynamic sampling before it fails."))
-    seq_logprob_error_threshold: float | None = Field(None, gt=0.0, description=(
-        "Mask samples whose mean per-token |generation log-prob - policy log-prob| exceeds this (null: off)"))
-    message_advantage_penalties: dict[str, float] = Field(default_factory=dict, description=(
-        "Per-message advantage penalties: role -> amount subtracted from a sample's advantage for each message of that role in its "
-        "conversation (e.g. {\"environment\": 0.05} favours fewer turns)."))
+    use_dynamic_sampling: bool = Field(
+        False, description=("Drop groups whose rewards are all equal (no signal) and refill from more generation batches.")
+    )
+    dynamic_sampling_max_gen_batches: int = Field(
+        4, ge=1, description=("Generation batches a step may draw under dynamic sampling before it fails.")
+    )
+    seq_logprob_error_threshold: float | None = Field(
+        None, gt=0.0, description=("Mask samples whose mean per-token |generation log-prob - policy log-prob| exceeds this (null: off)")
+    )
+    message_advantage_penalties: dict[str, float] = Field(
+        default_factory=dict,
+        description=(
+            "Per-message advantage penalties: role -> amount subtracted from a sample's advantage for each message of that role in its "
+            'conversation (e.g. {"environment": 0.05} favours fewer turns).'
+        ),
+    )
     val_period: int = Field(0, ge=0, description="Validate every N steps (0: no validation).")
     val_at_start: bool = Field(False, description="Validate once before the first step.")
     max_val_samples: int = Field(32, ge=1, description="Validation prompts used at most.")
@@ -84,21 +96,26 @@ class GRPOConfig(_Strict):
 
 
 class DataConfig(_Strict):
-    dataset: str = Field("builtin", description=(
-        "Training prompts: \"builtin\" (the offline addition task) or a JSONL/Parquet file or a datasets-on-disk directory."))
+    dataset: str = Field(
+        "builtin",
+        description=('Training prompts: "builtin" (the offline addition task) or a JSONL/Parquet file or a datasets-on-disk directory.'),
+    )
     num_builtin_prompts: int = Field(64, ge=1, description="Training records of the built-in task (drawn evenly from its training prompts)")
-    builtin_held_out_pairs: int = Field(5, ge=1, le=10, description=(
-        "Operand pairs of the built-in task never trained on: validation scores exactly these."))
-    val_dataset: str | None = Field(None, description=(
-        "Validation prompts (a file like data.dataset); the built-in task validates on its held-out pairs."))
+    builtin_held_out_pairs: int = Field(
+        5, ge=1, le=10, description=("Operand pairs of the built-in task never trained on: validation scores exactly these.")
+    )
+    val_dataset: str | None = Field(
+        None, description=("Validation prompts (a file like data.dataset); the built-in task validates on its held-out pairs.")
+    )
     split: str | None = Field(None, description="Split of a datasets-on-disk directory (null: the only one)")
     shuffle: bool = Field(True, description="Shuffle the training prompts every epoch.")
     processor: DataProcessorConfig = Field(default_factory=DataProcessorConfig, description="How a dataset row becomes a prompt.")
 
 
 class EnvConfig(_Strict):
-    name: Literal["builtin_add", "math", "two_turn_guess"] = Field("builtin_add", description=(
-        "The environment that scores responses (also the task name the records carry)."))
+    name: Literal["builtin_add", "math", "two_turn_guess"] = Field(
+        "builtin_add", description=("The environment that scores responses (also the task name the records carry).")
+    )
     num_workers: int = Field(0, ge=0, description="math: verifier actors (0: verify in process).")
 
 
@@ -106,14 +123,16 @@ class DataPlaneConfig(_Strict):
     """The TQ service and how every process reaches it: the driver turns this section into one
     :class:`~tq.TQConnection` (:meth:`connection`) that every actor and worker gets at start-up."""
 
-    address: str | None = Field(None, description=(
-        "Address (tcp://host:port) of a running tq-controller; null: start one on the driver for the run."))
+    address: str | None = Field(
+        None, description=("Address (tcp://host:port) of a running tq-controller; null: start one on the driver for the run.")
+    )
     storage_units: int = Field(1, ge=1, description="Storage units of a bootstrapped service.")
     capacity_bytes: int = Field(2 << 30, ge=1 << 20, description="Bytes of shared memory per storage unit of a bootstrapped service.")
     secret: str | None = Field(None, description="Shared secret of the TQ service (null: $TQ_SECRET of the driver, if set).")
     timeout_s: float = Field(60.0, gt=0.0, description="Bound (s) on every TQ call and every wait for fields to be produced.")
-    transport: Literal["auto", "tcp"] = Field("auto", description=(
-        "auto: same-host readers map the storage arenas (no copy over TCP); tcp: always stream bytes."))
+    transport: Literal["auto", "tcp"] = Field(
+        "auto", description=("auto: same-host readers map the storage arenas (no copy over TCP); tcp: always stream bytes.")
+    )
     capacity_wait_s: float = Field(0.0, ge=0.0, description="A write into a full storage unit waits this long for room.")
 
     @field_validator("address")
@@ -133,13 +152,16 @@ class DataPlaneConfig(_Strict):
         address = address or self.address
         if address is None:
             raise ValueError("data_plane.address is not set and no bootstrapped service address was given")
-        return TQConnection(address, secret=self.secret, timeout_s=self.timeout_s, transport=self.transport,
-                            capacity_wait_s=self.capacity_wait_s)
+        return TQConnection(
+            address, secret=self.secret, timeout_s=self.timeout_s, transport=self.transport, capacity_wait_s=self.capacity_wait_s
+        )
 
 
 class LoggerConfig(_Strict):
-    log_dir: str = Field("logs", description=(
-        "Directory of the run directories (<log_dir>/<run_name>/: metrics.jsonl, tensorboard/, curves.png, config.json)"))
+    log_dir: str = Field(
+        "logs",
+        description=("Directory of the run directories (<log_dir>/<run_name>/: metrics.jsonl, tensorboard/, curves.png, config.json)"),
+    )
     run_name: str | None = Field(None, description="Run directory name (null: <trainer>-<timestamp>).")
     tensorboard: bool = Field(True, description="Write TensorBoard events.")
     wandb: bool = Field(False, description="Log to Weights & Biases (needs wandb installed)")
@@ -147,11 +169,16 @@ class LoggerConfig(_Strict):
     plot: bool = Field(True, description="Write curves.png (reward, validation accuracy, loss) at the end.")
     progress: bool = Field(True, description="Console output: the start-up block, the progress bar and the step lines.")
     progress_bar: bool = Field(True, description="A tqdm bar on stderr (only when it is a terminal)")
-    console_every: int = Field(10, ge=1, description=(
-        "A step line every N steps (and the first and last); every step goes to metrics.jsonl."))
-    data_movement_metrics: bool = Field(False, description=(
-        "Measure data movement each step (driver_bytes_*, timing/driver_*, timing/worker_*, fetch/rank*_s): the driver re-pickles "
-        "every actor call's payload to count its bytes, so benchmarks turn it on."))
+    console_every: int = Field(
+        10, ge=1, description=("A step line every N steps (and the first and last); every step goes to metrics.jsonl.")
+    )
+    data_movement_metrics: bool = Field(
+        False,
+        description=(
+            "Measure data movement each step (driver_bytes_*, timing/driver_*, timing/worker_*, fetch/rank*_s): the driver re-pickles "
+            "every actor call's payload to count its bytes, so benchmarks turn it on."
+        ),
+    )
 
 
 class CheckpointingConfig(_Strict):
@@ -175,12 +202,22 @@ class AsyncGRPOConfig(_Strict):
 
     enabled: bool = Field(False, description="Set by the async recipe; requires loss.use_importance_sampling_correction.")
     max_trajectory_age_steps: int = Field(4, ge=1, description="A sample generated on weights v may train at step t only if t - v <= this.")
-    max_buffered_groups: int | None = Field(None, ge=1, description=(
-        "Groups (prompts) held awaiting training, in flight included; None: (age + 1) * num_prompts_per_step. A full buffer makes the"
-        " collector back off (nothing is dropped)."))
-    groups_per_generation: int | None = Field(None, ge=1, description=(
-        "Prompts generated together in one backend call (batching is what makes CPU generation fast); None: a whole step's prompts at"
-        " once."))
+    max_buffered_groups: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Groups (prompts) held awaiting training, in flight included; None: (age + 1) * num_prompts_per_step. A full buffer makes the"
+            " collector back off (nothing is dropped)."
+        ),
+    )
+    groups_per_generation: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Prompts generated together in one backend call (batching is what makes CPU generation fast); None: a whole step's prompts at"
+            " once."
+        ),
+    )
     max_failed_generations: int = Field(3, ge=0, description="Failed generation calls tolerated before the run fails.")
     wait_timeout_s: float = Field(600.0, gt=0.0, description="Bound on every wait for trajectories or in-flight generations.")
     collector_num_cpus: float = Field(0.25, ge=0.0, description="Logical CPUs of the collector actor.")
@@ -189,21 +226,26 @@ class AsyncGRPOConfig(_Strict):
 
 class MasterConfig(_Strict):
     grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="The GRPO algorithm: steps, group size, advantages, validation.")
-    loss: ClippedPGLossConfig = Field(default_factory=ClippedPGLossConfig, description=(
-        "The clipped policy-gradient loss (NeMo-RL's names and meanings)."))
-    policy: PolicyConfig = Field(default_factory=PolicyConfig, description=(
-        "The trained model, its optimizer and its data-parallel workers."))
-    generation: GenerationBackendConfig = Field(default_factory=GenerationBackendConfig, description=(
-        "How rollouts are generated (transformers, vLLM) and sampled."))
+    loss: ClippedPGLossConfig = Field(
+        default_factory=ClippedPGLossConfig, description=("The clipped policy-gradient loss (NeMo-RL's names and meanings).")
+    )
+    policy: PolicyConfig = Field(
+        default_factory=PolicyConfig, description=("The trained model, its optimizer and its data-parallel workers.")
+    )
+    generation: GenerationBackendConfig = Field(
+        default_factory=GenerationBackendConfig, description=("How rollouts are generated (transformers, vLLM) and sampled.")
+    )
     data: DataConfig = Field(default_factory=DataConfig, description="Training and validation prompts.")
     env: EnvConfig = Field(default_factory=EnvConfig, description="The environment that scores responses.")
-    data_plane: DataPlaneConfig = Field(default_factory=DataPlaneConfig, description=(
-        "The TQ service step data moves through (TQ trainers)."))
+    data_plane: DataPlaneConfig = Field(
+        default_factory=DataPlaneConfig, description=("The TQ service step data moves through (TQ trainers).")
+    )
     logger: LoggerConfig = Field(default_factory=LoggerConfig, description="Console, metrics.jsonl, TensorBoard, wandb, curves.png.")
     checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig, description="Checkpoints and resume.")
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="The Ray cluster.")
-    async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig, description=(
-        "Async GRPO (python -m trainer.grpo_async): generation runs ahead of training."))
+    async_grpo: AsyncGRPOConfig = Field(
+        default_factory=AsyncGRPOConfig, description=("Async GRPO (python -m trainer.grpo_async): generation runs ahead of training.")
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "MasterConfig":
@@ -220,8 +262,10 @@ class MasterConfig(_Strict):
             )
         t = self.generation.refit_transport
         if t != "state_dict" and (self.generation.backend != "vllm" or self.policy.device != "cuda"):
-            raise ValueError(f"generation.refit_transport {t!r} needs generation.backend 'vllm' and the policy on a GPU "
-                             "(policy.num_gpus_per_worker > 0); use 'state_dict'")
+            raise ValueError(
+                f"generation.refit_transport {t!r} needs generation.backend 'vllm' and the policy on a GPU "
+                "(policy.num_gpus_per_worker > 0); use 'state_dict'"
+            )
         if self.async_grpo.enabled:
             validate_async(self)
         return self
@@ -231,15 +275,21 @@ def validate_async(cfg: "MasterConfig") -> None:
     """What async mode needs (raises ``ValueError`` naming the key): trajectories come from older
     weights, so the loss must correct for the policy mismatch, and the buffer must hold two steps."""
     if not cfg.loss.use_importance_sampling_correction:
-        raise ValueError("loss.use_importance_sampling_correction must be true in async mode (async_grpo): "
-                         "trajectories are generated by older weights than the ones trained")
+        raise ValueError(
+            "loss.use_importance_sampling_correction must be true in async mode (async_grpo): "
+            "trajectories are generated by older weights than the ones trained"
+        )
     if cfg.generation.refit_transport != "state_dict":
-        raise ValueError(f"generation.refit_transport {cfg.generation.refit_transport!r} is not supported in async mode "
-                         "(async_grpo): its refits are staged while generation runs on; use 'state_dict'")
+        raise ValueError(
+            f"generation.refit_transport {cfg.generation.refit_transport!r} is not supported in async mode "
+            "(async_grpo): its refits are staged while generation runs on; use 'state_dict'"
+        )
     a, n = cfg.async_grpo, cfg.grpo.num_prompts_per_step
     if a.max_buffered_groups is not None and a.max_buffered_groups < 2 * n:
-        raise ValueError(f"async_grpo.max_buffered_groups ({a.max_buffered_groups}) must hold at least two steps "
-                         f"(2 * grpo.num_prompts_per_step = {2 * n}): the step being trained and the next one")
+        raise ValueError(
+            f"async_grpo.max_buffered_groups ({a.max_buffered_groups}) must hold at least two steps "
+            f"(2 * grpo.num_prompts_per_step = {2 * n}): the step being trained and the next one"
+        )
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
@@ -257,7 +307,10 @@ def _format(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<config>"
-        lines.append(f"  {key}: {e['msg']}" + (f" (got {e['input']!r})" if e["type"] != "extra_forbidden" and "input" in e and not isinstance(e["input"], dict) else ""))
+        lines.append(
+            f"  {key}: {e['msg']}"
+            + (f" (got {e['input']!r})" if e["type"] != "extra_forbidden" and "input" in e and not isinstance(e["input"], dict) else "")
+        )
     return "invalid configuration:\n" + "\n".join(lines)
 
 
@@ -284,14 +337,19 @@ def check_local_paths(cfg: MasterConfig) -> None:
     """Fail at once, naming the key, when a file the run needs is missing - before Ray starts or a
     tokenizer is looked up (a missing dataset used to surface only after both, 9-56 s in). Checked
     when the run starts rather than in the schema: a recipe may name paths of the machine it is for."""
-    paths = {"data.dataset": cfg.data.dataset if cfg.data.dataset != "builtin" else None,
-             "data.val_dataset": cfg.data.val_dataset if cfg.grpo.val_period else None}
+    paths = {
+        "data.dataset": cfg.data.dataset if cfg.data.dataset != "builtin" else None,
+        "data.val_dataset": cfg.data.val_dataset if cfg.grpo.val_period else None,
+    }
     for key in ("model_name", "tokenizer_name"):  # a local checkpoint, not a hub name
         name = getattr(cfg.policy, key)
         if name and name.startswith(("/", "./", "../", "~")):
             paths[f"policy.{key}"] = name
-    missing = [f"{key}: no such file or directory: {os.path.expanduser(v)!r}"
-               for key, v in paths.items() if v is not None and not os.path.exists(os.path.expanduser(v))]
+    missing = [
+        f"{key}: no such file or directory: {os.path.expanduser(v)!r}"
+        for key, v in paths.items()
+        if v is not None and not os.path.exists(os.path.expanduser(v))
+    ]
     if missing:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(missing))
 

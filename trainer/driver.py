@@ -56,8 +56,14 @@ class DriverRecord:
     def __init__(self, path: Path) -> None:
         self.path = path
         me = psutil.Process()
-        self.row: dict[str, Any] = {"pid": me.pid, "create_time": me.create_time(), "host": socket.gethostname(),
-                                    "boot_time": psutil.boot_time(), "argv": sys.argv, "processes": []}
+        self.row: dict[str, Any] = {
+            "pid": me.pid,
+            "create_time": me.create_time(),
+            "host": socket.gethostname(),
+            "boot_time": psutil.boot_time(),
+            "argv": sys.argv,
+            "processes": [],
+        }
 
     @classmethod
     def claim(cls, checkpoint_dir: str | os.PathLike) -> "DriverRecord":
@@ -68,17 +74,23 @@ class DriverRecord:
         old = _read(path)
         if old is not None and old.get("pid") != rec.row["pid"]:
             if old.get("host") != rec.row["host"]:
-                print(f"warning: {path} names a driver on host {old.get('host')!r}; not checking whether it still runs",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"warning: {path} names a driver on host {old.get('host')!r}; not checking whether it still runs",
+                    file=sys.stderr,
+                    flush=True,
+                )
             elif old.get("boot_time") == rec.row["boot_time"] and _same_process(old.get("pid", -1), old.get("create_time", -1)):
                 raise DriverConflictError(
                     f"another driver (pid {old['pid']}) is training from checkpoint_dir {str(Path(checkpoint_dir))!r} "
-                    f"(recorded in {path}); stop it first - two drivers on one checkpoint dir would train prompts twice")
+                    f"(recorded in {path}); stop it first - two drivers on one checkpoint dir would train prompts twice"
+                )
             elif old.get("boot_time") == rec.row["boot_time"]:
                 reaped = reap(old.get("processes", []))
                 if reaped:
-                    print(f"reaped {reaped} processes left running by the previous driver (pid {old.get('pid')}, "
-                          "killed without clean-up)", flush=True)
+                    print(
+                        f"reaped {reaped} processes left running by the previous driver (pid {old.get('pid')}, killed without clean-up)",
+                        flush=True,
+                    )
         path.parent.mkdir(parents=True, exist_ok=True)
         rec._write()
         return rec
@@ -127,8 +139,7 @@ def _read(path: Path) -> dict[str, Any] | None:
 
 def reap(processes: list[dict[str, Any]], timeout_s: float = 5.0) -> int:
     """SIGKILL each recorded process that still runs (pid and start time both match); returns how many."""
-    alive = [(x["pid"], x["create_time"]) for x in processes
-             if _same_process(x.get("pid", -1), x.get("create_time", -1)) is not None]
+    alive = [(x["pid"], x["create_time"]) for x in processes if _same_process(x.get("pid", -1), x.get("create_time", -1)) is not None]
     for pid, ct in alive:
         p = _same_process(pid, ct)
         if p is not None:

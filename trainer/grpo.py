@@ -42,9 +42,7 @@ class GRPOTrainer(GRPOTrainerBase):
         kept = 0
         while kept < want:
             batches.check_budget(kept, want, g.dynamic_sampling_max_gen_batches)
-            data, rmetrics, gmetrics = self.get(
-                self.send(self.rollout.rollout, batches.next(), g.num_generations_per_prompt), "rollout"
-            )
+            data, rmetrics, gmetrics = self.get(self.send(self.rollout.rollout, batches.next(), g.num_generations_per_prompt), "rollout")
             metrics = {**{f"rollout/{k}": v for k, v in rmetrics.items()}, **{f"generation/{k}": v for k, v in gmetrics.items()}}
             keep = dynamic_sampling_keep(g, data["total_reward"], data["prompt_ids"], data["loss_multiplier"])
             if not bool(keep.all()):
@@ -66,8 +64,12 @@ class GRPOTrainer(GRPOTrainerBase):
         timing["generation"] = time.perf_counter() - t
 
         targets = compute_step_targets(
-            g, rewards=data["total_reward"], prompt_ids=data["prompt_ids"], response_lengths=data["response_lengths"],
-            truncated=data["truncated"], loss_multiplier=data["loss_multiplier"],
+            g,
+            rewards=data["total_reward"],
+            prompt_ids=data["prompt_ids"],
+            response_lengths=data["response_lengths"],
+            truncated=data["truncated"],
+            loss_multiplier=data["loss_multiplier"],
         )
         t = time.perf_counter()
         train_data = data.select_columns(TRAIN_COLUMNS)

@@ -84,20 +84,28 @@ class GRPOAsyncTrainer(GRPOSyncTrainer):
 
     def algorithm_line(self) -> str:
         a = self.cfg.async_grpo
-        return (f"GRPO (asynchronous: generation runs ahead on weights at most {a.max_trajectory_age_steps} step(s) old, "
-                f"importance-sampling correction; {self.path_name})")
+        return (
+            f"GRPO (asynchronous: generation runs ahead on weights at most {a.max_trajectory_age_steps} step(s) old, "
+            f"importance-sampling correction; {self.path_name})"
+        )
 
     # ------------------------------------------------------------------ collector
     def _start_collector(self) -> None:
         cfg, a = self.cfg, self.cfg.async_grpo
         buffer = TQReplayBuffer(
-            self.connection, partition_id=a.partition_id,
+            self.connection,
+            partition_id=a.partition_id,
             capacity=(a.max_buffered_groups or (a.max_trajectory_age_steps + 1) * cfg.grpo.num_prompts_per_step)
             * cfg.grpo.num_generations_per_prompt,
         )
         env = {"name": cfg.env.name, **({"num_workers": cfg.env.num_workers} if cfg.env.name == "math" else {})}
         self.collector = AsyncTrajectoryCollector.options(num_cpus=a.collector_num_cpus).remote(
-            cfg.generation.model_dump(), cfg.policy.tokenizer_name, {cfg.env.name: env}, cfg.model_dump(), buffer, self.step,
+            cfg.generation.model_dump(),
+            cfg.policy.tokenizer_name,
+            {cfg.env.name: env},
+            cfg.model_dump(),
+            buffer,
+            self.step,
         )
         # The generator starts on the policy's weights at version = the start step (a resumed run's too).
         self._refit_collector(self.step, state=(self._resume_state or {}).get("collector"), first=True)
@@ -164,8 +172,12 @@ class GRPOAsyncTrainer(GRPOSyncTrainer):
         uid_ids: dict[str, int] = {}
         prompt_ids = torch.tensor([uid_ids.setdefault(u, len(uid_ids)) for u in meta.tags["uid"]], dtype=torch.int64)
         targets = compute_step_targets(
-            g, rewards=cols["total_reward"], prompt_ids=prompt_ids, response_lengths=cols["response_lengths"],
-            truncated=cols["truncated"], loss_multiplier=cols["loss_multiplier"],
+            g,
+            rewards=cols["total_reward"],
+            prompt_ids=prompt_ids,
+            response_lengths=cols["response_lengths"],
+            truncated=cols["truncated"],
+            loss_multiplier=cols["loss_multiplier"],
         )
         # The prompt ledger: one (epoch, dataset idx) per group, in batch order.
         groups = dict.fromkeys(zip(meta.tags["uid"], meta.tags["epoch"], meta.tags["prompt_idx"]))
@@ -178,10 +190,16 @@ class GRPOAsyncTrainer(GRPOSyncTrainer):
         # The staleness histogram: samples consumed this step per policy-version lag 0..max age.
         counts = torch.bincount(ages, minlength=self.cfg.async_grpo.max_trajectory_age_steps + 1).tolist()
         ages = ages.to(torch.float32)
-        out.update({"async/trajectory_age_counts": counts,
-                    "async/trajectory_age_mean": float(ages.mean()), "async/trajectory_age_max": float(ages.max()),
-                    "async/buffered_groups": float(stats["held_groups"]), "async/failed_generations": float(stats["failed_generations"]),
-                    "async/generation_refit_s": float(stats["last_refit_s"])})
+        out.update(
+            {
+                "async/trajectory_age_counts": counts,
+                "async/trajectory_age_mean": float(ages.mean()),
+                "async/trajectory_age_max": float(ages.max()),
+                "async/buffered_groups": float(stats["held_groups"]),
+                "async/failed_generations": float(stats["failed_generations"]),
+                "async/generation_refit_s": float(stats["last_refit_s"]),
+            }
+        )
         return out
 
     def fit(self) -> list[dict[str, Any]]:

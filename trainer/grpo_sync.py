@@ -89,8 +89,10 @@ class GRPOSyncTrainer(GRPOTrainerBase):
     def dataplane_line(self) -> str:
         dp = self.cfg.data_plane
         if self.tq_server is not None:
-            return (f"{self.connection.address} (started here: {dp.storage_units} storage unit(s), "
-                    f"{dp.capacity_bytes / 2**20:.0f} MiB; stops with the run)")
+            return (
+                f"{self.connection.address} (started here: {dp.storage_units} storage unit(s), "
+                f"{dp.capacity_bytes / 2**20:.0f} MiB; stops with the run)"
+            )
         return f"{self.connection.address} (a running tq-controller)"
 
     @property
@@ -126,14 +128,18 @@ class GRPOSyncTrainer(GRPOTrainerBase):
             if not bool(keep.all()):
                 self.policy.discard_samples(meta.select((~keep).numpy()))
                 meta = meta.select(keep.numpy())
-                carry = {k: (v[keep] if isinstance(v, torch.Tensor) else [x for x, k_ in zip(v, keep.tolist()) if k_]) for k, v in carry.items()}
+                carry = {
+                    k: (v[keep] if isinstance(v, torch.Tensor) else [x for x, k_ in zip(v, keep.tolist()) if k_]) for k, v in carry.items()
+                }
             carry["prompt_ids"] = carry["prompt_ids"] + 1_000_000 * len(metas)  # groups never span batches
             metas.append(meta)
             carries.append(carry)
             kept += len(meta)
         meta = KVBatchMeta.concat(metas) if len(metas) > 1 else metas[0]
-        carry = {k: (torch.cat([c[k] for c in carries]) if isinstance(carries[0][k], torch.Tensor) else sum((list(c[k]) for c in carries), []))
-                 for k in carries[0]}
+        carry = {
+            k: (torch.cat([c[k] for c in carries]) if isinstance(carries[0][k], torch.Tensor) else sum((list(c[k]) for c in carries), []))
+            for k in carries[0]
+        }
         if len(meta) > want:  # whole groups came back: drop the surplus past the step's size
             self.policy.discard_samples(meta.slice(want, len(meta)))
             meta = meta.slice(0, want)
@@ -150,8 +156,12 @@ class GRPOSyncTrainer(GRPOTrainerBase):
         timing["generation"] = time.perf_counter() - t
 
         targets = compute_step_targets(
-            g, rewards=carry["total_reward"], prompt_ids=carry["prompt_ids"], response_lengths=carry["response_lengths"],
-            truncated=carry["truncated"], loss_multiplier=carry["loss_multiplier"],
+            g,
+            rewards=carry["total_reward"],
+            prompt_ids=carry["prompt_ids"],
+            response_lengths=carry["response_lengths"],
+            truncated=carry["truncated"],
+            loss_multiplier=carry["loss_multiplier"],
         )
         out, meta = self.learn_from_meta(meta, targets, timing)
         out["store_bytes"] = float(self.policy.store_bytes())  # the step's peak: every column written

@@ -65,8 +65,9 @@ class PromptLedger:
         self._write(row)
 
     def record(self, step: int, trained: Iterable[Prompt], dropped: Iterable[Prompt] = ()) -> None:
-        self._write({"step": int(step), "trained": [[int(e), int(i)] for e, i in trained],
-                     "dropped": [[int(e), int(i)] for e, i in dropped]})
+        self._write(
+            {"step": int(step), "trained": [[int(e), int(i)] for e, i in trained], "dropped": [[int(e), int(i)] for e, i in dropped]}
+        )
 
     def sync(self) -> None:
         self._f.flush()
@@ -97,8 +98,13 @@ def read_loader(path: str | os.PathLike) -> Any:
             settings = row["loader"]
     if settings is None:
         return None
-    return StatefulDataLoader(range(int(settings["dataset_len"])), int(settings["batch_size"]), shuffle=bool(settings["shuffle"]),
-                              seed=int(settings["seed"]), drop_last=bool(settings.get("drop_last", True)))
+    return StatefulDataLoader(
+        range(int(settings["dataset_len"])),
+        int(settings["batch_size"]),
+        shuffle=bool(settings["shuffle"]),
+        seed=int(settings["seed"]),
+        drop_last=bool(settings.get("drop_last", True)),
+    )
 
 
 def read_lineage(path: str | os.PathLike) -> dict[int, dict[str, Any]]:
@@ -124,8 +130,11 @@ def coverage(lineage: dict[int, dict[str, Any]]) -> dict[int, dict[str, Counter]
     return dict(sorted(out.items()))
 
 
-def check_exactly_once(lineage: dict[int, dict[str, Any]], epoch_rows: Callable[[int], Iterable[int]] | Iterable[int] | None = None,
-                       complete_epochs: Iterable[int] | None = None) -> list[str]:
+def check_exactly_once(
+    lineage: dict[int, dict[str, Any]],
+    epoch_rows: Callable[[int], Iterable[int]] | Iterable[int] | None = None,
+    complete_epochs: Iterable[int] | None = None,
+) -> list[str]:
     """Problems with the lineage (empty: none): a prompt drawn (trained or dropped) more than once in
     an epoch, a step missing from the lineage, and - for each epoch in ``complete_epochs`` (default:
     every epoch the lineage has moved past) - a row of ``epoch_rows`` (the dataset indices an epoch
@@ -169,8 +178,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         drawn = c["trained"] + c["dropped"]
         twice = sum(1 for n in drawn.values() if n > 1)
         rows = f" (of the {len(loader.epoch_indices(e))} rows it visits)" if loader is not None else ""
-        print(f"epoch {e}: {len(drawn)} prompts drawn{rows}: {len(c['trained'])} trained on, "
-              f"{len(c['dropped'])} dropped, {twice} drawn more than once")
+        print(
+            f"epoch {e}: {len(drawn)} prompts drawn{rows}: {len(c['trained'])} trained on, "
+            f"{len(c['dropped'])} dropped, {twice} drawn more than once"
+        )
     problems = check_exactly_once(lineage, loader.epoch_indices if loader is not None else None)
     for msg in problems:
         print(f"problem: {msg}")

@@ -61,8 +61,9 @@ def read_metrics_lineage(path: Path, upto: int | None = None) -> list[dict[str, 
 class MetricsLogger:
     """Writes every step's metrics to ``<log_dir>/<run>/metrics.jsonl`` (+ TensorBoard, wandb)."""
 
-    def __init__(self, cfg: LoggerConfig, run_name: str, config_dump: Mapping[str, Any] | None = None,
-                 resume_step: int | None = None) -> None:
+    def __init__(
+        self, cfg: LoggerConfig, run_name: str, config_dump: Mapping[str, Any] | None = None, resume_step: int | None = None
+    ) -> None:
         """``resume_step``: this run resumes a checkpoint of that step, in the same run directory: the
         history (and ``curves.png``) starts with the lineage's rows up to it, ``metrics.jsonl`` gets a
         ``"resume"`` row, after which rows of later steps replace those a dead run logged, and
@@ -82,8 +83,7 @@ class MetricsLogger:
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"),
-                                     purge_step=None if resume_step is None else int(resume_step) + 1)
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=None if resume_step is None else int(resume_step) + 1)
         self._wandb = None
         if cfg.wandb:
             try:
@@ -126,8 +126,7 @@ class MetricsLogger:
             for k, v in metrics.items():
                 if k.endswith(HISTOGRAM_SUFFIX) and isinstance(v, (list, tuple)) and sum(v) > 0:
                     values = np.repeat(np.arange(len(v)), np.asarray(v, dtype=np.int64))
-                    self._tb.add_histogram(f"{prefix}/{k.removesuffix(HISTOGRAM_SUFFIX)}", values, step,
-                                           bins=np.arange(len(v) + 1) - 0.5)
+                    self._tb.add_histogram(f"{prefix}/{k.removesuffix(HISTOGRAM_SUFFIX)}", values, step, bins=np.arange(len(v) + 1) - 0.5)
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
 
@@ -151,8 +150,11 @@ class MetricsLogger:
             if (s := _scalar(metrics.get(key))) is not None:
                 parts.append(f"{label} {s:.4f}" if label != "time" else f"{label} {s:.2f}s")
         # The step's phases only; the driver_*/worker_* breakdowns stay in metrics.jsonl and TensorBoard.
-        timing = [f"{k.removeprefix('timing/')} {float(v):.2f}s" for k, v in metrics.items()
-                  if k.startswith("timing/") and not k.startswith(("timing/driver_", "timing/worker_"))]
+        timing = [
+            f"{k.removeprefix('timing/')} {float(v):.2f}s"
+            for k, v in metrics.items()
+            if k.startswith("timing/") and not k.startswith(("timing/driver_", "timing/worker_"))
+        ]
         if timing:
             parts.append("(" + ", ".join(timing) + ")")
         if (f := _scalar(metrics.get("dataplane/frac_of_step"))) is not None:

@@ -41,8 +41,23 @@ def make_environment(name: str, **kwargs: Any) -> EnvironmentInterface:
 
 
 __all__ = [
-    "BUILTIN_TASK_MAX_NEW_TOKENS", "BUILTIN_TASK_NAME", "BuiltinTaskEnvironment", "ENVIRONMENTS",
-    "MATH_TASK_NAME", "MathEnvironment", "MathVerifyWorker", "TWO_TURN_TASK_NAME", "TwoTurnGuessEnvironment",
-    "builtin_task_dataset", "builtin_task_processor_config", "builtin_task_split", "builtin_task_table", "last_assistant_content",
-    "make_environment", "reward_metrics", "score_builtin_answer", "two_turn_guess_dataset", "verify_math_answer",
+    "BUILTIN_TASK_MAX_NEW_TOKENS",
+    "BUILTIN_TASK_NAME",
+    "BuiltinTaskEnvironment",
+    "ENVIRONMENTS",
+    "MATH_TASK_NAME",
+    "MathEnvironment",
+    "MathVerifyWorker",
+    "TWO_TURN_TASK_NAME",
+    "TwoTurnGuessEnvironment",
+    "builtin_task_dataset",
+    "builtin_task_processor_config",
+    "builtin_task_split",
+    "builtin_task_table",
+    "last_assistant_content",
+    "make_environment",
+    "reward_metrics",
+    "score_builtin_answer",
+    "two_turn_guess_dataset",
+    "verify_math_answer",
 ]

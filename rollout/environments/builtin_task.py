@@ -59,9 +59,14 @@ def builtin_task_table(max_operand: int = 4) -> list[tuple[str, str]]:
     return [(f"{a}+{b}=", str(a + b)) for a in range(max_operand + 1) for b in range(max_operand + 1)]
 
 
-def builtin_task_dataset(n: int, seed: int = 0, *, max_operand: int = 4,
-                         split: Literal["all", "train", "held_out"] = "all",
-                         held_out: int = DEFAULT_HELD_OUT_PAIRS) -> list[dict[str, Any]]:
+def builtin_task_dataset(
+    n: int,
+    seed: int = 0,
+    *,
+    max_operand: int = 4,
+    split: Literal["all", "train", "held_out"] = "all",
+    held_out: int = DEFAULT_HELD_OUT_PAIRS,
+) -> list[dict[str, Any]]:
     """``n`` records ``{"prompt", "ground_truth", "task_name"}``, balanced over the distinct prompts
     of ``split``: the whole table, or the training or held-out part of :func:`builtin_task_split`.
 
@@ -92,8 +97,11 @@ def builtin_task_processor_config(max_seq_length: int = 64) -> Any:
     from rollout.data import DataProcessorConfig
 
     return DataProcessorConfig(
-        prompt_key="prompt", use_chat_template=False, ground_truth_key="ground_truth",
-        task_name=BUILTIN_TASK_NAME, max_seq_length=max_seq_length,
+        prompt_key="prompt",
+        use_chat_template=False,
+        ground_truth_key="ground_truth",
+        task_name=BUILTIN_TASK_NAME,
+        max_seq_length=max_seq_length,
     )
 
 

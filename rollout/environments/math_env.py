@@ -73,8 +73,7 @@ class MathVerifyWorker:
         """Verify each ``(response, ground_truth)`` pair; a None ground truth scores 0."""
         self.num_verified += len(responses)
         return [
-            verify_math_answer(r, g, timeout_s=self.timeout_s, max_response_chars=self.max_response_chars)
-            if g is not None else (0.0, None)
+            verify_math_answer(r, g, timeout_s=self.timeout_s, max_response_chars=self.max_response_chars) if g is not None else (0.0, None)
             for r, g in zip(responses, ground_truths)
         ]
 
@@ -158,8 +157,7 @@ class MathEnvironment(EnvironmentInterface):
         rewards = torch.tensor([r for r, _ in scored], dtype=torch.float32)
         return EnvironmentReturn(
             observations=[
-                {"role": "environment", "content": "Environment: correct" if r == 1.0 else "Environment: incorrect"}
-                for r, _ in scored
+                {"role": "environment", "content": "Environment: correct" if r == 1.0 else "Environment: incorrect"} for r, _ in scored
             ],
             metadata=[dict(m) if isinstance(m, Mapping) else {} for m in metadata],
             next_stop_strings=[None] * len(scored),

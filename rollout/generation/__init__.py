@@ -22,9 +22,7 @@ if TYPE_CHECKING:
     from rollout.generation.vllm_backend import VllmGenerationBackend
 
 
-def make_generation_backend(
-    config: GenerationBackendConfig | dict[str, Any] | None = None, **hf_kwargs: Any
-) -> GenerationInterface:
+def make_generation_backend(config: GenerationBackendConfig | dict[str, Any] | None = None, **hf_kwargs: Any) -> GenerationInterface:
     """Build the backend ``config`` selects.
 
     ``backend`` picks "hf" (transformers), "vllm" or "synthetic"; ``ray_workers > 0`` puts that many copies in Ray

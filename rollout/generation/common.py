@@ -27,9 +27,7 @@ def check_prompts(prompts: Sequence[torch.Tensor], max_new_tokens: int) -> list[
     return out
 
 
-def merge_stop_strings(
-    n: int, per_prompt: Sequence[Sequence[str] | None] | None, global_stops: Sequence[str] | None
-) -> list[list[str]]:
+def merge_stop_strings(n: int, per_prompt: Sequence[Sequence[str] | None] | None, global_stops: Sequence[str] | None) -> list[list[str]]:
     """One list of stop strings per prompt: the config-wide ones plus that prompt's own."""
     if per_prompt is not None and len(per_prompt) != n:
         raise ValueError(f"stop_strings has {len(per_prompt)} entries for {n} prompts")

@@ -22,8 +22,9 @@ class GenerationBackendConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    backend: Literal["hf", "vllm", "synthetic"] = Field("hf", description=(
-        "hf: transformers generate; vllm: vLLM (GPU); synthetic: random tokens, no model (benchmarks)."))
+    backend: Literal["hf", "vllm", "synthetic"] = Field(
+        "hf", description=("hf: transformers generate; vllm: vLLM (GPU); synthetic: random tokens, no model (benchmarks).")
+    )
     model_name: str = Field(TINY_MODEL, description="Model to generate with (must equal policy.model_name)")
     tokenizer_name: str | None = Field(None, description="Tokenizer (null: model_name).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Generation dtype.")
@@ -36,34 +37,51 @@ class GenerationBackendConfig(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling (1: off)")
     top_k: int = Field(0, description="Top-k sampling (<= 0: off)")
     max_new_tokens: int = Field(default=16, ge=1, description="Tokens generated at most, for callers that do not pass their own.")
-    stop_token_ids: list[int] | None = Field(None, description=(
-        "Token ids that end a response (null: tokenizer EOS + model EOS ids + ChatML <|im_end|>)."))
+    stop_token_ids: list[int] | None = Field(
+        None, description=("Token ids that end a response (null: tokenizer EOS + model EOS ids + ChatML <|im_end|>).")
+    )
     stop_strings: list[str] | None = Field(None, description="Applied to every prompt, on top of per-prompt ones.")
-    logprobs_mode: Literal["processed", "raw"] = Field("processed", description=(
-        "processed: log-probs of the distribution sampled from; raw: of the unscaled model distribution."))
-    max_batch_size: int | None = Field(default=None, ge=1, description=(
-        "transformers backend: split larger batches into batches of this size."))
-    synthetic_min_new_tokens: int | None = Field(default=None, ge=1, description=(
-        "Synthetic backend: response lengths uniform in [synthetic_min_new_tokens, max_new_tokens of the call] (None: always "
-        "max_new_tokens)."))
+    logprobs_mode: Literal["processed", "raw"] = Field(
+        "processed", description=("processed: log-probs of the distribution sampled from; raw: of the unscaled model distribution.")
+    )
+    max_batch_size: int | None = Field(
+        default=None, ge=1, description=("transformers backend: split larger batches into batches of this size.")
+    )
+    synthetic_min_new_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "Synthetic backend: response lengths uniform in [synthetic_min_new_tokens, max_new_tokens of the call] (None: always "
+            "max_new_tokens)."
+        ),
+    )
 
-    ray_workers: int = Field(default=0, ge=0, description=(
-        "Ray placement: 0 runs the backend in this process; N > 0 runs N Ray actors (RayGenerationPool)."))
+    ray_workers: int = Field(
+        default=0, ge=0, description=("Ray placement: 0 runs the backend in this process; N > 0 runs N Ray actors (RayGenerationPool).")
+    )
     num_cpus_per_worker: float = Field(default=0.25, ge=0.0, description="Logical CPUs per generation actor.")
     num_gpus_per_worker: float = Field(default=0.0, ge=0.0, description="GPUs per generation actor.")
     ray_timeout_s: float = Field(default=600.0, gt=0.0, description="Bound (s) on every wait for a generation actor.")
 
-    vllm_gpu_memory_utilization: float = Field(default=0.6, gt=0.0, le=1.0, description=(
-        "vLLM: fraction of the GPU memory it may use (vllm_* keys are ignored by the transformers backend)."))
+    vllm_gpu_memory_utilization: float = Field(
+        default=0.6,
+        gt=0.0,
+        le=1.0,
+        description=("vLLM: fraction of the GPU memory it may use (vllm_* keys are ignored by the transformers backend)."),
+    )
     vllm_tensor_parallel_size: int = Field(default=1, ge=1, description="vLLM tensor-parallel size.")
     vllm_max_model_len: int | None = Field(None, description="vLLM max_model_len (null: the model's)")
     vllm_enforce_eager: bool = Field(False, description="VLLM: no CUDA graphs.")
     vllm_enable_sleep_mode: bool = Field(False, description="vLLM sleeps (frees its GPU memory) while the policy trains on the same GPU.")
     vllm_async_engine: bool = Field(False, description="Use vLLM's async engine.")
     vllm_extra_kwargs: dict[str, Any] = Field(default_factory=dict, description="More vLLM engine arguments.")
-    refit_transport: Literal["state_dict", "cuda_ipc", "nccl"] = Field("state_dict", description=(
-        "How a refit reaches the generator: \"state_dict\" (CPU tensors through Ray's object store; any backend), \"cuda_ipc\" (vLLM "
-        "colocated with policy rank 0 on its GPU), \"nccl\" (vLLM on other GPUs; sync trainer)."))
+    refit_transport: Literal["state_dict", "cuda_ipc", "nccl"] = Field(
+        "state_dict",
+        description=(
+            'How a refit reaches the generator: "state_dict" (CPU tensors through Ray\'s object store; any backend), "cuda_ipc" (vLLM '
+            'colocated with policy rank 0 on its GPU), "nccl" (vLLM on other GPUs; sync trainer).'
+        ),
+    )
 
     @property
     def loads_weights(self) -> bool:

@@ -81,10 +81,10 @@ class _PerRowStopStrings(StoppingCriteria):
 
     def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        gen = input_ids[:, self.prompt_len:]
+        gen = input_ids[:, self.prompt_len :]
         for i, stops in enumerate(self.stops):
             if stops:
-                tail = self.tokenizer.decode(gen[i, -self.window:].tolist(), skip_special_tokens=True)
+                tail = self.tokenizer.decode(gen[i, -self.window :].tolist(), skip_special_tokens=True)
                 done[i] = any(s in tail for s in stops)
         return done
 
@@ -99,7 +99,7 @@ def first_stop_string_end(tokenizer: PreTrainedTokenizerBase, tokens: list[int],
         return None
     window = max(len(s) for s in stops) + _STOP_WINDOW_SLACK
     for t in range(len(tokens)):
-        tail = tokenizer.decode(tokens[max(0, t + 1 - window): t + 1], skip_special_tokens=True)
+        tail = tokenizer.decode(tokens[max(0, t + 1 - window) : t + 1], skip_special_tokens=True)
         if any(s in tail for s in stops):
             return t + 1
     return None
@@ -132,19 +132,22 @@ class HFGenerationBackend(GenerationInterface):
         if self.tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token (load it with common.models.load_tokenizer)")
         self.model = model or load_model(
-            self.config.model_name, dtype=self.config.dtype, device=self.config.device,
-            seed=self.config.model_seed, tokenizer=self.tokenizer, tiny_overrides=self.config.tiny_overrides,
+            self.config.model_name,
+            dtype=self.config.dtype,
+            device=self.config.device,
+            seed=self.config.model_seed,
+            tokenizer=self.tokenizer,
+            tiny_overrides=self.config.tiny_overrides,
         )
         self.device = next(self.model.parameters()).device
-        self.stop_token_ids = resolve_stop_token_ids(
-            self.tokenizer, self.model.generation_config.eos_token_id, self.config.stop_token_ids
-        )
+        self.stop_token_ids = resolve_stop_token_ids(self.tokenizer, self.model.generation_config.eos_token_id, self.config.stop_token_ids)
         # generate() fills every knob a call leaves unset from model.generation_config, and
         # checkpoints ship sampling defaults (top_k, temperature, min_p, repetition_penalty...) that
         # would then act after the log-prob recorder. A neutral one makes this config the only source.
         self.model.generation_config = GenerationConfig(
             bos_token_id=self.model.generation_config.bos_token_id,
-            eos_token_id=self.stop_token_ids, pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=self.stop_token_ids,
+            pad_token_id=self.tokenizer.pad_token_id,
         )
         self._version = 0
         self._seeds = CallSeeds(self.config.seed)
@@ -176,9 +179,7 @@ class HFGenerationBackend(GenerationInterface):
                 with torch.random.fork_rng(devices=fork_devices), torch.inference_mode():
                     torch.manual_seed(seed)
                     for lo in range(0, len(prompts), step):
-                        ids, lps, reasons = self._generate_chunk(
-                            prompts[lo: lo + step], stops[lo: lo + step], max_new_tokens, greedy
-                        )
+                        ids, lps, reasons = self._generate_chunk(prompts[lo : lo + step], stops[lo : lo + step], max_new_tokens, greedy)
                         out.response_ids += ids
                         out.logprobs += lps
                         out.finish_reasons += reasons
@@ -213,10 +214,18 @@ class HFGenerationBackend(GenerationInterface):
         # (Greedy leaves the warper knobs unset: transformers ignores them then, and warns if set.)
         sampling = {} if greedy else dict(temperature=1.0, top_k=0, top_p=1.0, typical_p=1.0)
         return GenerationConfig(
-            max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=not greedy, num_beams=1,
-            repetition_penalty=1.0, no_repeat_ngram_size=0, eos_token_id=self.stop_token_ids,
-            pad_token_id=self.tokenizer.pad_token_id, use_cache=True, return_dict_in_generate=False,
-            output_scores=False, **sampling,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=0,
+            do_sample=not greedy,
+            num_beams=1,
+            repetition_penalty=1.0,
+            no_repeat_ngram_size=0,
+            eos_token_id=self.stop_token_ids,
+            pad_token_id=self.tokenizer.pad_token_id,
+            use_cache=True,
+            return_dict_in_generate=False,
+            output_scores=False,
+            **sampling,
         )
 
     def _generate_chunk(
@@ -227,16 +236,18 @@ class HFGenerationBackend(GenerationInterface):
         input_ids = torch.full((len(prompts), width), pad, dtype=torch.int64)
         attention_mask = torch.zeros((len(prompts), width), dtype=torch.int64)
         for i, p in enumerate(prompts):  # left padding: every row's last prompt token is at width - 1
-            input_ids[i, width - p.numel():] = p
-            attention_mask[i, width - p.numel():] = 1
+            input_ids[i, width - p.numel() :] = p
+            attention_mask[i, width - p.numel() :] = 1
         processors, recorder = self._processors(greedy)
         criteria = StoppingCriteriaList()
         if any(stops):
             criteria.append(_PerRowStopStrings(self.tokenizer, stops, width))
         sequences = self.model.generate(
-            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
             generation_config=self._generation_config(max_new_tokens, greedy),
-            logits_processor=processors, stopping_criteria=criteria,
+            logits_processor=processors,
+            stopping_criteria=criteria,
         )
         generated = sequences[:, width:].cpu()
         logprobs = recorder.finish(generated.to(self.device)).float().cpu()

@@ -86,8 +86,7 @@ class RayGenerationPool(GenerationInterface):
         actor_cls = ray.remote(RayGenerationWorker)
         cfg = config.model_dump()
         self.workers = [
-            actor_cls.options(num_cpus=config.num_cpus_per_worker, num_gpus=config.num_gpus_per_worker).remote(cfg)
-            for _ in range(n)
+            actor_cls.options(num_cpus=config.num_cpus_per_worker, num_gpus=config.num_gpus_per_worker).remote(cfg) for _ in range(n)
         ]
         versions = self._get([w.ready.remote() for w in self.workers], "start generation workers")
         self._version = int(versions[0])
@@ -156,10 +155,10 @@ class RayGenerationPool(GenerationInterface):
             if state_dict["transport"] == "nccl":  # each worker's ranks in the sender's group
                 tp = self.config.vllm_tensor_parallel_size
                 base = int(state_dict["group"].get("rank_offset", 1))
-                per_worker = [{**state_dict, "group": {**state_dict["group"], "rank_offset": base + i * tp}}
-                              for i in range(len(self.workers))]
-            self._get([w.update_weights.remote(b, int(weight_version)) for w, b in zip(self.workers, per_worker)],
-                      "update_weights")
+                per_worker = [
+                    {**state_dict, "group": {**state_dict["group"], "rank_offset": base + i * tp}} for i in range(len(self.workers))
+                ]
+            self._get([w.update_weights.remote(b, int(weight_version)) for w, b in zip(self.workers, per_worker)], "update_weights")
         else:
             ref = ray.put({k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()})
             try:

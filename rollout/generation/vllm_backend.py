@@ -64,8 +64,9 @@ class VllmGenerationBackend(GenerationInterface):
         if config.model_name == TINY_MODEL:
             # vLLM loads from a directory: materialise the seeded tiny model (and its tokenizer) once.
             self._tmpdir = tempfile.TemporaryDirectory(prefix="tqrl-tiny-")
-            model = load_model(TINY_MODEL, dtype=config.dtype, seed=config.model_seed, tokenizer=self.tokenizer,
-                               tiny_overrides=config.tiny_overrides)
+            model = load_model(
+                TINY_MODEL, dtype=config.dtype, seed=config.model_seed, tokenizer=self.tokenizer, tiny_overrides=config.tiny_overrides
+            )
             model.save_pretrained(self._tmpdir.name)
             self.tokenizer.save_pretrained(self._tmpdir.name)
             model_path = tokenizer_path = self._tmpdir.name

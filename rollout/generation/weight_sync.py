@@ -67,14 +67,12 @@ class VllmWeightSyncExtension:
             from vllm.distributed.utils import StatelessProcessGroup
 
             rank = int(group["rank_offset"]) + int(getattr(self, "rank", 0))
-            pg = StatelessProcessGroup.create(host=group["host"], port=int(group["port"]), rank=rank,
-                                              world_size=int(group["world_size"]))
+            pg = StatelessProcessGroup.create(host=group["host"], port=int(group["port"]), rank=rank, world_size=int(group["world_size"]))
             comm = PyNcclCommunicator(pg, device=self._tqrl_device())
             self.__dict__["_tqrl_comm"], self.__dict__["_tqrl_group_key"] = comm, (group["host"], group["port"])
         flat = self.__dict__.get("_tqrl_nccl_buffer")
         if flat is None or flat.numel() != bucket["nbytes"]:
-            flat = self.__dict__["_tqrl_nccl_buffer"] = torch.empty(bucket["nbytes"], dtype=torch.uint8,
-                                                                     device=self._tqrl_device())
+            flat = self.__dict__["_tqrl_nccl_buffer"] = torch.empty(bucket["nbytes"], dtype=torch.uint8, device=self._tqrl_device())
         comm.broadcast(flat, src=0, stream=torch.cuda.current_stream())
         return flat
 

@@ -47,9 +47,7 @@ try:
     from omegaconf import DictConfig, OmegaConf
     from tensordict import NonTensorStack, TensorDict, TensorDictBase, is_non_tensor
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "tq.compat.transfer_queue needs tensordict and omegaconf: pip install 'tq-rl[compat]'"
-    ) from exc
+    raise ImportError("tq.compat.transfer_queue needs tensordict and omegaconf: pip install 'tq-rl[compat]'") from exc
 
 from . import _service
 from ..client import TQClient
@@ -66,11 +64,24 @@ from ..meta import KVBatchMeta as _NativeMeta
 from ..server import TQServer
 
 __all__ = [
-    "init", "close", "get_client",
-    "kv_put", "kv_batch_put", "kv_batch_get", "kv_batch_get_by_meta", "kv_list", "kv_clear",
-    "async_kv_put", "async_kv_batch_put", "async_kv_batch_get", "async_kv_batch_get_by_meta",
-    "async_kv_list", "async_kv_clear",
-    "KVBatchMeta", "PartitionSnapshot", "alias_as_transfer_queue",
+    "init",
+    "close",
+    "get_client",
+    "kv_put",
+    "kv_batch_put",
+    "kv_batch_get",
+    "kv_batch_get_by_meta",
+    "kv_list",
+    "kv_clear",
+    "async_kv_put",
+    "async_kv_batch_put",
+    "async_kv_batch_get",
+    "async_kv_batch_get_by_meta",
+    "async_kv_list",
+    "async_kv_clear",
+    "KVBatchMeta",
+    "PartitionSnapshot",
+    "alias_as_transfer_queue",
 ]
 
 try:
@@ -151,14 +162,14 @@ class KVBatchMeta:
         if missing:
             raise RuntimeError(f"Keys {missing} not found in current batch.")
         pos = {k: i for i, k in enumerate(self.keys)}
-        return KVBatchMeta(list(keys_to_select), [self.tags[pos[k]] for k in keys_to_select],
-                           self.partition_id, self.fields, self.extra_info)
+        return KVBatchMeta(
+            list(keys_to_select), [self.tags[pos[k]] for k in keys_to_select], self.partition_id, self.fields, self.extra_info
+        )
 
     def reorder(self, indexes: list[int]) -> None:
         """Reorder the samples in place."""
         if len(indexes) != self.size:
-            raise ValueError(f"Attempted to reorder with indexes length {len(indexes)} that does not match "
-                             f"the batch size {self.size}.")
+            raise ValueError(f"Attempted to reorder with indexes length {len(indexes)} that does not match the batch size {self.size}.")
         if len(set(indexes)) != len(indexes):
             raise ValueError("Contain duplicate indexes.")
         self.keys = [self.keys[i] for i in indexes]
@@ -192,15 +203,18 @@ class KVBatchMeta:
                 if k in extra and not _same_value(extra[k], v):
                     raise ValueError(f"KVBatchMeta.concat: extra_info key '{k}' has conflicting values across chunks.")
                 extra.setdefault(k, v)
-        return cls([k for m in data for k in m.keys], [t for m in data for t in m.tags],
-                   base.partition_id, base.fields, extra or None)
+        return cls([k for m in data for k in m.keys], [t for m in data for t in m.tags], base.partition_id, base.fields, extra or None)
 
     def native(self) -> _NativeMeta:
         """This handle as a :class:`tq.KVBatchMeta` (tags as columns; a key without a tag gets ``None``)."""
         names = list(dict.fromkeys(name for t in self.tags for name in t))
-        return _NativeMeta(self.partition_id or "", tuple(self.keys), tuple(self.fields or ()),
-                           tags={n: tuple(t.get(n) for t in self.tags) for n in names},
-                           extra_info=dict(self.extra_info or {}))
+        return _NativeMeta(
+            self.partition_id or "",
+            tuple(self.keys),
+            tuple(self.fields or ()),
+            tags={n: tuple(t.get(n) for t in self.tags) for n in names},
+            extra_info=dict(self.extra_info or {}),
+        )
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -260,8 +274,9 @@ def _settings_of(conf: DictConfig, address: str) -> dict[str, Any]:
     wait = dp.wait_timeout_s
     if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0):
         raise ValueError(f"data_plane.wait_timeout_s must be None or seconds >= 0, got {wait!r}")
-    connection = TQConnection(address, secret=dp.secret, timeout_s=float(dp.timeout_s), transport=dp.transport,
-                              capacity_wait_s=float(dp.capacity_wait_s))
+    connection = TQConnection(
+        address, secret=dp.secret, timeout_s=float(dp.timeout_s), transport=dp.transport, capacity_wait_s=float(dp.capacity_wait_s)
+    )
     return {"connection": connection, "wait_timeout_s": None if wait is None else float(wait)}
 
 
@@ -323,8 +338,9 @@ def init(conf: DictConfig | Mapping[str, Any] | None = None) -> DictConfig | Non
             if address is None:
                 secret = dp.secret if dp.secret is not None else os.environ.get("TQ_SECRET")
                 units = dp.storage_units or merged.backend.SimpleStorage.num_data_storage_units or 1
-                server = TQServer(host=dp.host, storage_units=int(units), capacity=int(dp.capacity_bytes),
-                                  secret=secret, start_timeout=dp.start_timeout_s)
+                server = TQServer(
+                    host=dp.host, storage_units=int(units), capacity=int(dp.capacity_bytes), secret=secret, start_timeout=dp.start_timeout_s
+                )
                 atexit.register(server.shutdown)
                 address = server.address
             settings = _settings_of(merged, address)
@@ -449,7 +465,8 @@ def _tensordict(data: dict[str, Any], n: int) -> TensorDict:
             else:  # a fixed-shape field written through TQClient: the same nested form
                 length = value.shape[1]
                 out[name] = torch.nested.nested_tensor_from_jagged(
-                    value.reshape(n * length, *value.shape[2:]), torch.arange(n + 1, dtype=torch.int64) * length)
+                    value.reshape(n * length, *value.shape[2:]), torch.arange(n + 1, dtype=torch.int64) * length
+                )
         else:
             out[name] = NonTensorStack(*value)
     return TensorDict(out, batch_size=[n])
@@ -502,8 +519,7 @@ def _set_tags(client: TQClient, partition_id: str, keys: list[str], tags: list[d
         client.set_tags(_NativeMeta(partition_id, tuple(keys[i] for i in idx), tags=columns))
 
 
-def _put(keys: list[str], partition_id: str, fields: Any, tags: list[dict] | None,
-         data_parser: Callable[[Any], Any] | None) -> KVBatchMeta:
+def _put(keys: list[str], partition_id: str, fields: Any, tags: list[dict] | None, data_parser: Callable[[Any], Any] | None) -> KVBatchMeta:
     n = len(keys)
     if not isinstance(partition_id, str) or not partition_id:
         raise ValueError(f"partition_id must be a non-empty str, got {partition_id!r}")
@@ -627,8 +643,9 @@ def _get(keys: list[str], partition_id: str, fields: list[str] | None, wait_time
     return _tensordict(data, len(keys))
 
 
-def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None,
-                 *, wait_timeout_s: float | None = _FROM_CONFIG) -> TensorDict:
+def kv_batch_get(
+    keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None, *, wait_timeout_s: float | None = _FROM_CONFIG
+) -> TensorDict:
     """Get samples by key: a TensorDict of ``len(keys)`` rows in key order.
 
     ``select_fields`` (a name or a list) picks the fields; by default every field that all the keys
@@ -645,8 +662,9 @@ def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields: list[s
     return _get(_key_list(keys), partition_id, fields, wait_timeout_s)
 
 
-def kv_batch_get_by_meta(meta: KVBatchMeta, select_fields: list[str] | str | None = None,
-                         *, wait_timeout_s: float | None = _FROM_CONFIG) -> TensorDict:
+def kv_batch_get_by_meta(
+    meta: KVBatchMeta, select_fields: list[str] | str | None = None, *, wait_timeout_s: float | None = _FROM_CONFIG
+) -> TensorDict:
     """Get the samples of a :class:`KVBatchMeta` (from a put): its ``fields``, or ``select_fields``,
     which must be among them (ValueError otherwise). See :func:`kv_batch_get`."""
     if meta.partition_id is None:
@@ -696,27 +714,38 @@ def kv_clear(keys: list[str] | str, partition_id: str) -> None:
 
 
 # -------------------------------------------------------------------------------------- async twins
-async def async_kv_put(key: str, partition_id: str, fields: TensorDict | dict[str, Any] | None = None,
-                       tag: dict[str, Any] | None = None, data_parser: Callable[[Any], Any] | None = None) -> KVBatchMeta:
+async def async_kv_put(
+    key: str,
+    partition_id: str,
+    fields: TensorDict | dict[str, Any] | None = None,
+    tag: dict[str, Any] | None = None,
+    data_parser: Callable[[Any], Any] | None = None,
+) -> KVBatchMeta:
     """:func:`kv_put` on a worker thread (the event loop keeps running)."""
     return await asyncio.to_thread(kv_put, key, partition_id, fields, tag, data_parser)
 
 
-async def async_kv_batch_put(keys: list[str], partition_id: str, fields: TensorDict | None = None,
-                             tags: list[dict[str, Any]] | None = None,
-                             data_parser: Callable[[Any], Any] | None = None) -> KVBatchMeta:
+async def async_kv_batch_put(
+    keys: list[str],
+    partition_id: str,
+    fields: TensorDict | None = None,
+    tags: list[dict[str, Any]] | None = None,
+    data_parser: Callable[[Any], Any] | None = None,
+) -> KVBatchMeta:
     """:func:`kv_batch_put` on a worker thread."""
     return await asyncio.to_thread(kv_batch_put, keys, partition_id, fields, tags, data_parser)
 
 
-async def async_kv_batch_get(keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None,
-                             *, wait_timeout_s: float | None = _FROM_CONFIG) -> TensorDict:
+async def async_kv_batch_get(
+    keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None, *, wait_timeout_s: float | None = _FROM_CONFIG
+) -> TensorDict:
     """:func:`kv_batch_get` on a worker thread (a parked wait does not block the event loop)."""
     return await asyncio.to_thread(kv_batch_get, keys, partition_id, select_fields, wait_timeout_s=wait_timeout_s)
 
 
-async def async_kv_batch_get_by_meta(meta: KVBatchMeta, select_fields: list[str] | str | None = None,
-                                     *, wait_timeout_s: float | None = _FROM_CONFIG) -> TensorDict:
+async def async_kv_batch_get_by_meta(
+    meta: KVBatchMeta, select_fields: list[str] | str | None = None, *, wait_timeout_s: float | None = _FROM_CONFIG
+) -> TensorDict:
     """:func:`kv_batch_get_by_meta` on a worker thread."""
     return await asyncio.to_thread(kv_batch_get_by_meta, meta, select_fields, wait_timeout_s=wait_timeout_s)
 

@@ -80,10 +80,12 @@ def test_rollout_to_tq_keys_columns_bit_exact_and_scalar_carry(tq_server, client
     assert [m["role"] for m in got["message_log"][0]] == ["user", "assistant", "environment", "assistant"]
     for f, c in (("sample_mask", "loss_multiplier"), ("total_reward", "total_reward"), ("truncated", "truncated")):
         assert torch.equal(got[f], carry[c]) and torch.equal(carry[c], legacy[c])
-    timings = ("rollout_seconds", "tq_put_seconds")  # wall times (and the put exists on the TQ path only)
-    assert {k: v for k, v in rollout_metrics.items() if k not in timings} == {
-        k: v for k, v in legacy_rollout_metrics.items() if k not in timings
+    # wall times, and the put's own figures (it exists on the TQ path only)
+    not_compared = ("rollout_seconds", "tq_put_seconds", "tq_put_bytes")
+    assert {k: v for k, v in rollout_metrics.items() if k not in not_compared} == {
+        k: v for k, v in legacy_rollout_metrics.items() if k not in not_compared
     }
+    assert rollout_metrics["tq_put_bytes"] >= sum(carry["input_lengths"].tolist()) * 8  # input_ids alone are int64
     assert gen_metrics["generate_calls"] == 2.0 and gen_metrics["generation_requests"] == 2 * n
 
     # driver_carry: per-sample scalars only - nothing with a token dimension, small.

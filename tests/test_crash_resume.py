@@ -253,6 +253,8 @@ def test_sync_driver_killed_mid_run_resumes_exactly_once(tmp_path, tq_service):
             assert dead[t][key] == new[t][key], (t, key, dead[t][key], new[t][key])
 
 
+# slow: the sync test above runs the same kill-and-resume path in CI (80 s of the suite's 10 minutes)
+@pytest.mark.slow
 def test_async_driver_killed_mid_run_resumes_exactly_once(tmp_path, tq_service):
     """kill -9 of ``python -m trainer.grpo_async`` with the collector's buffer in TQ; the same command
     resumes: every prompt trained once per epoch over the lineage (the prompts the dead collector had

@@ -95,6 +95,9 @@ def test_legacy_and_tq_trainers_produce_the_same_metrics(tmp_path, monkeypatch):
         assert h["dataplane/bytes_moved"] == h["dataplane/bytes_written"] + h["dataplane/bytes_read"] < 10 * h["store_bytes"]
 
 
+# slow: tests/test_dataplane_scale.py checks the same property (driver bytes flat in the payload on the
+# TQ path, growing on the legacy one) on the trainers' dispatch code in a third of the time
+@pytest.mark.slow
 def test_tq_driver_receives_per_sample_data_only_and_the_store_empties(tmp_path):
     """The driver's received bytes per step (instrumented) stay within per-sample scalars, do not grow
     with response length, and are far below the legacy path's; no key is left in TQ after a step."""

@@ -19,7 +19,7 @@ import torch
 from tq.errors import SchemaConflictError
 from conftest import assert_same, bits, unique_keys, wait_until
 from tq import JaggedTensor, KVBatchMeta, TQClient, TQServer
-from tq.errors import InvalidRequestError, KeyNotFoundError, PartitionNotFoundError, TQTimeoutError
+from tq.errors import DuplicateKeyError, InvalidRequestError, KeyNotFoundError, PartitionNotFoundError, TQTimeoutError
 
 TRANSPORTS = ["auto", "tcp"]
 DTYPES = [
@@ -326,6 +326,16 @@ def test_data_spread_over_both_units_comes_back_in_key_order(tclient, part):
 
 
 # ----------------------------------------------------------------------------- keys and tags
+def test_register_keys_then_write_back_fills_them_and_a_duplicate_registers_nothing(tclient, part):
+    meta = tclient.register_keys(part, ["a", "b", "c"])
+    assert list(meta.keys) == ["a", "b", "c"] and tclient.get_meta(part).fields == ()
+    with pytest.raises(DuplicateKeyError, match="'b'"):
+        tclient.register_keys(part, ["d", "b"])
+    assert list(tclient.get_meta(part).keys) == ["a", "b", "c"]  # "d" was not registered either
+    tclient.write_back(meta, {"reward": torch.tensor([1.0, 2.0, 3.0])})
+    assert tclient.get(tclient.get_meta(part, ["c", "a"]), ["reward"])["reward"].tolist() == [3.0, 1.0]
+
+
 def test_mint_keys_then_put_and_tags_travel_with_keys(tclient, part):
     uids = [f"u{uuid.uuid4().hex[:4]}", f"v{uuid.uuid4().hex[:4]}"]
     minted = tclient.mint_keys(part, uids, 3)

@@ -535,11 +535,18 @@ class TQClient:
         """Each partition's key count, fields (schema, how many keys produced them) and bytes held."""
         return self._call(Op.LIST_PARTITIONS, messages.ListPartitions())
 
-    def mint_keys(self, partition_id: str, uids: Sequence[str], group_size: int) -> KVBatchMeta:
-        """Register ``"{uid}_g{i}"`` keys with no data yet (a later put fills them)."""
-        keys = mint_keys(uids, group_size)
+    def register_keys(self, partition_id: str, keys: Sequence[str]) -> KVBatchMeta:
+        """Register ``keys`` with no data yet; ``write_back`` on the returned meta fills their fields.
+
+        Raises :class:`~tq.errors.DuplicateKeyError` naming a key the partition already holds (nothing is
+        registered then)."""
+        keys = list(keys)
         r = self._call(Op.MINT, messages.Mint(partition=partition_id, keys=keys))
         return KVBatchMeta(partition_id, tuple(keys), slot_table=r.get("slot_table"), slots=r.get("slots"))
+
+    def mint_keys(self, partition_id: str, uids: Sequence[str], group_size: int) -> KVBatchMeta:
+        """Register the ``"{uid}_g{i}"`` keys of ``uids`` with no data yet (:meth:`register_keys`)."""
+        return self.register_keys(partition_id, mint_keys(uids, group_size))
 
     def get_meta(self, partition_id: str, keys: Sequence[str] | None = None) -> KVBatchMeta:
         """A meta for the given keys (default: every key), with their tags, lengths and common fields."""

@@ -84,13 +84,6 @@ __all__ = [
     "alias_as_transfer_queue",
 ]
 
-try:
-    from ..messages import ControllerOp as _Op
-
-    _MINT_OP: Any = _Op.MINT
-except ImportError:  # before the typed messages
-    _MINT_OP = "mint"
-
 PartitionSnapshot = _service.PartitionSnapshot
 
 # What init() merges the user's config into. TransferQueue's own sections are kept so a verl /
@@ -502,9 +495,7 @@ def _register(client: TQClient, partition_id: str, keys: list[str]) -> _NativeMe
     held = set(client.get_meta(partition_id).keys)
     new = [k for k in keys if k not in held]
     if new:
-        # TQClient has no public call that registers arbitrary keys without data (mint_keys makes
-        # "{uid}_g{i}" keys): ask the controller's mint op directly.
-        client._call(_MINT_OP, {"partition": partition_id, "keys": new})
+        client.register_keys(partition_id, new)
     return client.get_meta(partition_id, keys)
 
 

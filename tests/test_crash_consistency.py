@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -26,7 +25,7 @@ import pytest
 import torch
 
 from conftest import free_port, pid_alive, wait_until
-from tq import TQClient, TQServer, protocol
+from tq import TQClient, TQServer, launch, protocol
 from tq.errors import KeyNotFoundError, StorageUnitError, TQConnectionError, TQError
 
 
@@ -156,33 +155,15 @@ def test_a_write_to_a_stalled_controller_gives_up_within_its_timeout(mode):
             c.close()
 
 
-def _start_unit(address: str, *extra: str) -> tuple[subprocess.Popen, dict]:
+def _start_unit(address: str, **options: object) -> tuple[subprocess.Popen, dict]:
     """A storage unit started by hand (as a Ray actor would), registered with ``address``."""
-    fd, ready = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    os.unlink(ready)
+    ready = launch.new_ready_file("tq-unit-test-")
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tq.storage",
-            "--unit-id",
-            "0",
-            "--bind",
-            "tcp://127.0.0.1:0",
-            "--controller",
-            address,
-            "--capacity",
-            str(16 << 20),
-            "--ready-file",
-            ready,
-            *extra,
-        ]
+        launch.storage_unit_command(
+            unit_id=0, bind="tcp://127.0.0.1:0", controller=address, capacity=16 << 20, shm_dir="/dev/shm", ready_file=ready, **options
+        )
     )
-    assert wait_until(lambda: os.path.exists(ready) or proc.poll() is not None, timeout=30)
-    with open(ready) as f:
-        info = json.load(f)
-    os.unlink(ready)
+    info = launch.await_ready_file(ready, alive=lambda: proc.poll() is None, timeout=30, what="the storage unit")
     return proc, info
 
 
@@ -208,7 +189,7 @@ def test_unit_gone_for_good_never_freezes_the_controller_and_its_frees_are_kept(
             assert time.monotonic() - t0 < 60
             stats = c.stats()  # still answering, and says the unit is down
             assert stats["units"][0]["alive"] is False and stats["partitions"][0]["keys"] == 0
-            back, _ = _start_unit(server.address, "--recover-arena", info["arena_path"], "--rejoin", "0")
+            back, _ = _start_unit(server.address, recover_arena=info["arena_path"], rejoin=0)
             assert wait_until(lambda: c.stats()["unit_stats"][0].get("bytes_used") == 0, timeout=15), c.stats()["unit_stats"]
         finally:
             c.close()
@@ -431,23 +412,15 @@ def test_a_second_unit_process_can_never_take_over_a_live_units_arena():
             meta = c.put("p", ["a"], {"x": torch.arange(5).reshape(1, 5)})
             owner = c.stats()["units"][0]
             second = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "tq.storage",
-                    "--unit-id",
-                    "0",
-                    "--bind",
-                    "tcp://127.0.0.1:0",
-                    "--controller",
-                    server.address,
-                    "--capacity",
-                    str(8 << 20),
-                    "--recover-arena",
-                    owner["arena_path"],
-                    "--rejoin",
-                    "0",
-                ],
+                launch.storage_unit_command(
+                    unit_id=0,
+                    bind="tcp://127.0.0.1:0",
+                    controller=server.address,
+                    capacity=8 << 20,
+                    shm_dir="/dev/shm",
+                    recover_arena=owner["arena_path"],
+                    rejoin=0,
+                ),
                 capture_output=True,
                 text=True,
                 timeout=60,

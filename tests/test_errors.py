@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -22,7 +21,7 @@ import torch
 import zmq
 
 from conftest import assert_same, free_port, pid_alive, raw_exchange, unique_keys, wait_until
-from tq import JaggedTensor, KVBatchMeta, TQClient, TQServer, protocol
+from tq import JaggedTensor, KVBatchMeta, TQClient, TQServer, launch, protocol
 from tq.locations import ALIVE_S, H_ALIVE_UNTIL
 from tq.errors import (
     StorageUnitError,
@@ -420,21 +419,14 @@ def test_storage_unit_enforces_its_message_size_limit():
     fake_ctrl.setsockopt(zmq.LINGER, 0)
     port = fake_ctrl.bind_to_random_port("tcp://127.0.0.1")
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tq.storage",
-            "--unit-id",
-            "0",
-            "--bind",
-            "tcp://127.0.0.1:0",
-            "--controller",
-            f"tcp://127.0.0.1:{port}",
-            "--capacity",
-            str(1 << 20),
-            "--max-message-bytes",
-            "4096",
-        ],
+        launch.storage_unit_command(
+            unit_id=0,
+            bind="tcp://127.0.0.1:0",
+            controller=f"tcp://127.0.0.1:{port}",
+            capacity=1 << 20,
+            shm_dir="/dev/shm",
+            max_message_bytes=4096,
+        ),
         stdout=subprocess.DEVNULL,
     )
     try:

@@ -108,26 +108,31 @@ def _mult_prob_error(gen: Any, policy: torch.nn.Module, n: int, max_tokens: int)
     return token_mult_prob_error(policy, prompts, gen.generate(prompts, max_new_tokens=max_tokens, greedy=False))
 
 
+def _engine_config(name: str, **extra: Any) -> Any:
+    """The vLLM engine both measurements use: bf16, eager, a third of the GPU, 1024 positions."""
+    from rollout.generation.config import GenerationBackendConfig
+
+    return GenerationBackendConfig(
+        backend="vllm",
+        model_name=name,
+        dtype="bfloat16",
+        vllm_enforce_eager=True,
+        vllm_gpu_memory_utilization=0.35,
+        vllm_max_model_len=1024,
+        ray_timeout_s=600,
+        **extra,
+    )
+
+
 def bench_model(path: str, args: argparse.Namespace) -> dict[str, Any]:
     """Every measurement for one model (``tiny`` or a directory)."""
     from policy.weight_sync import WeightBucketSender
-    from rollout.generation.config import GenerationBackendConfig
     from rollout.generation.vllm_backend import VllmGenerationBackend
 
     name = TINY_MODEL if path == "tiny" else path
     tok = build_tiny_tokenizer()
     t0 = time.perf_counter()
-    gen = VllmGenerationBackend(
-        GenerationBackendConfig(
-            backend="vllm",
-            model_name=name,
-            dtype="bfloat16",
-            vllm_enforce_eager=True,
-            vllm_gpu_memory_utilization=0.35,
-            vllm_max_model_len=1024,
-            ray_timeout_s=600,
-        )
-    )
+    gen = VllmGenerationBackend(_engine_config(name))
     start_s = time.perf_counter() - t0
     model = load_model(name, tokenizer=tok, device="cuda")  # float32, like a training worker's master weights
     n_params = sum(p.numel() for p in model.parameters())
@@ -163,22 +168,10 @@ def bench_nccl(path: str, reps: int) -> dict[str, Any]:
     """Refit seconds over NCCL from a sender on one GPU to a vLLM worker on another (median of ``reps``)."""
     import ray
 
-    from rollout.generation.config import GenerationBackendConfig
     from rollout.generation.ray_worker import RayGenerationPool
 
     name = TINY_MODEL if path == "tiny" else path
-    pool = RayGenerationPool(
-        GenerationBackendConfig(
-            backend="vllm",
-            model_name=name,
-            dtype="bfloat16",
-            vllm_enforce_eager=True,
-            vllm_gpu_memory_utilization=0.35,
-            vllm_max_model_len=1024,
-            ray_timeout_s=600,
-            num_gpus_per_worker=1,
-        )
-    )
+    pool = RayGenerationPool(_engine_config(name, num_gpus_per_worker=1))
     sender = ray.remote(num_gpus=1)(StandaloneWeightSender).remote(name)
     try:
         group = ray.get(sender.group.remote(2))

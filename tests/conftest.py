@@ -117,15 +117,70 @@ def wait_until(pred, timeout: float = 5.0, interval: float = 0.02):
         time.sleep(interval)
 
 
-@pytest.fixture(scope="module")
+# ----------------------------------------------------------------------------- one Ray for the Ray tests
+# Starting a local Ray costs 4-5 s of a 2-core machine: the tests that only need a running Ray (they ask
+# for ``ray_session``) share one. Their modules run last, one after the other (pytest_collection_modifyitems),
+# and the shared Ray is shut down before any test of another module, so every other test - and every test
+# that starts a Ray of its own (trainers, benchmarks, the compat suite) - runs with none up, as before.
+RAY_INIT = dict(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+_ray_modules: set = set()  # modules with a test that asks for ``ray_session``
+_shared_ray: list = []  # the GCS address of the Ray ``ray_session`` started, while it runs
+
+
+def _uses_ray_session(item) -> bool:
+    return "ray_session" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(config, items):
+    """Move the modules that use ``ray_session`` to the end (each module's tests stay together and in order)."""
+    _ray_modules.update(item.module for item in items if _uses_ray_session(item))
+    items.sort(key=lambda item: getattr(item, "module", None) in _ray_modules)
+
+
+def _shared_ray_up():
+    """The ``ray`` module if the Ray ``ray_session`` started is still the one this process is connected to."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    if not _shared_ray or ray is None or not ray.is_initialized():
+        return None
+    return ray if ray.get_runtime_context().gcs_address == _shared_ray[0] else None
+
+
+def _stop_shared_ray() -> None:
+    ray = _shared_ray_up()
+    if ray is not None:
+        ray.shutdown()
+    _shared_ray.clear()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the test's own teardown: stop the shared Ray unless the next test is in a Ray module."""
+    yield
+    if nextitem is None or getattr(nextitem, "module", None) not in _ray_modules:
+        _stop_shared_ray()
+
+
+@pytest.fixture()
 def ray_session():
-    """A local Ray instance for one test module: 2 logical CPUs (actors ask for fractions of one),
-    shut down when the module is done."""
+    """A running local Ray (2 logical CPUs; actors ask for fractions of one), shared with the next tests
+    that ask for it. A test may shut it down or kill its own actors; one that leaves CPUs reserved (a
+    leaked actor) gets the Ray shut down after it, so the next test starts a fresh one."""
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    if _shared_ray_up() is None:
+        if ray.is_initialized():  # a Ray of the test before (not ours): this test gets a clean one
+            ray.shutdown()
+        ray.init(**RAY_INIT)
+        _shared_ray[:] = [ray.get_runtime_context().gcs_address]
     yield ray
-    ray.shutdown()
+
+    def all_cpus_free() -> bool:
+        return ray.available_resources().get("CPU", 0) >= ray.cluster_resources()["CPU"]
+
+    if _shared_ray_up() is not None and not wait_until(all_cpus_free, 3.0):
+        _stop_shared_ray()
 
 
 # ----------------------------------------------------------------------------- bit-exact tensors

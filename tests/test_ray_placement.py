@@ -9,6 +9,7 @@ import psutil
 import pytest
 import torch
 
+from conftest import wait_until
 from tq import JaggedTensor, TQClient, TQServer
 from tq.errors import AuthenticationError
 
@@ -64,11 +65,12 @@ def test_units_on_ray_nodes_round_trip(ray_session, controller):
                 assert torch.equal(a, b)
             assert torch.equal(got["rewards"], rewards)
 
-            stats = client.stats()
-            (unit,) = stats["unit_stats"]
+            # the controller has the unit adopt the committed block after the put returns: asynchronously
+            wait_until(lambda: client.stats()["unit_stats"][0]["blocks"] == 1)
+            (unit,) = client.stats()["unit_stats"]
             assert unit["address"] == info["address"]
             assert unit["address"].split("://", 1)[1].rsplit(":", 1)[0] in node_ips
-            assert unit["pid"] == info["pid"] and unit["blocks"] == 1
+            assert unit["pid"] == info["pid"] and unit["blocks"] == 1, unit
             client.drop_partition("ray")
 
         # Across hosts bytes stream over TCP instead of shared memory: same data.

@@ -66,8 +66,9 @@ def test_a_commit_naming_a_slab_block_given_up_is_refused_and_the_slab_space_ret
             c._ctrl.call("commit", commit, bufs)
         with pytest.raises(KeyNotFoundError):
             c.get_meta("p", ["late"])
-        st = c.stats()["unit_stats"][0]
-        assert st["slabs"] == 0 and st["bytes_used"] == used
+        # the controller tells the unit to give the slab back after it refused the commit: asynchronously
+        returned = wait_until(lambda: (st := c.stats()["unit_stats"][0])["slabs"] == 0 and st["bytes_used"] == used)
+        assert returned, c.stats()["unit_stats"][0]
 
 
 def test_a_put_acknowledged_while_its_unit_was_stopped_survives_the_units_kill():

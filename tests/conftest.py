@@ -122,6 +122,7 @@ def wait_until(pred, timeout: float = 5.0, interval: float = 0.02):
 # for ``ray_session``) share one. Their modules run last, one after the other (pytest_collection_modifyitems),
 # and the shared Ray is shut down before any test of another module, so every other test - and every test
 # that starts a Ray of its own (trainers, benchmarks, the compat suite) - runs with none up, as before.
+# Under pytest-xdist each worker process has its own shared Ray (with the same rules).
 RAY_INIT = dict(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
 _ray_modules: set = set()  # modules with a test that asks for ``ray_session``
 _shared_ray: list = []  # the GCS address of the Ray ``ray_session`` started, while it runs

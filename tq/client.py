@@ -63,6 +63,7 @@ SHM_READ_TRIES = 3
 # Same-host puts carve blocks out of slabs: SLAB_BYTES and SLAB_IDS blocks per grant, used for at most
 # SLAB_USE_S (well inside the unit's 60 s allocation lease); a put above a quarter slab gets its own.
 SLAB_BYTES, SLAB_IDS, SLAB_USE_S = 4 << 20, 1024, 20.0
+PREFAULT_MIN_BYTES = 1 << 20  # a put this big maps its pages in one call first (Arena.prefault); a small one is not worth the syscall
 GIVE_BACK_S = 0.25  # how long giving a slab's unused ids back may wait (close() must not hang on a dead controller)
 ABORT_PROBE_S = 0.5  # after a commit got no reply: how long to ask whether it landed
 DEFAULT_LEASE_S = 30.0  # a borrowed get's lease term; a live holder renews it every third of it
@@ -722,7 +723,10 @@ class TQClient:
         """Write all rows into a block carved out of this client's slab on ``unit`` (a unit of this
         host): no request to the unit, so the put's commit is its only round trip."""
         aid, base, bid = self._carve(unit, need)
-        view, starts, pos = self._arena(unit).view, {}, base
+        arena = self._arena(unit)
+        if need >= PREFAULT_MIN_BYTES:
+            arena.prefault(base, need)
+        view, starts, pos = arena.view, {}, base
         for name, col in encoded.items():
             nb = int(col.row_offsets[n] - col.row_offsets[0])
             write_chunks(view[pos : pos + nb], col.chunks)

@@ -22,18 +22,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import socket
-import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Iterator
+from typing import Iterator
 
 import zmq
 
+from benchmarks.ab_trees import paired_rows
 from benchmarks.outputs import add_output_args, code_version, cpu_model, open_run
 from benchmarks.tq_throughput import CONTROL_WARMUP, MiB, control_ops, latency_summary
 
@@ -185,13 +184,13 @@ def main() -> None:
     if a.control_iters < 100 or a.rounds < 1 or a.scrape_every <= 0:
         p.error("--control-iters must be >= 100 (a p99 needs them), --rounds >= 1 and --scrape-every > 0")
     out = open_run("metrics_overhead", a.run_dir)
-    tables: dict[bool, list[dict[str, dict[str, float]]]] = {False: [], True: []}
+    tables: dict[str, list[dict[str, dict[str, float]]]] = {"off": [], "on": []}
     scrapes = 0
     place = placements()
     for r in range(a.rounds):
         round_tables, n = paired_round(a.control_iters, a.scrape_every, place[r % 2] if place else None)
-        tables[False].append(round_tables["off"])
-        tables[True].append(round_tables["on"])
+        tables["off"].append(round_tables["off"])
+        tables["on"].append(round_tables["on"])
         scrapes += n
         worst = {m: max(v["p99_ms"] for v in t.values()) for m, t in round_tables.items()}
         print(f"round {r + 1}/{a.rounds}: worst p99 off {worst['off']:.3f} ms, on {worst['on']:.3f} ms", flush=True)
@@ -199,15 +198,8 @@ def main() -> None:
     if not scrapes:
         raise SystemExit("metrics_overhead: no scrape of the metrics service returned TQ metrics: nothing was measured")
 
-    def med(metrics: bool, op: str, key: str) -> float:
-        return statistics.median(t[op][key] for t in tables[metrics])
-
-    rows: dict[str, dict[str, Any]] = {}
-    for op in tables[False][0]:
-        rows[op] = {f"{k}_{m}": med(flag, op, k) for k in ("p50_ms", "p99_ms") for m, flag in (("off", False), ("on", True))}
-        rows[op]["p99_ratio"] = rows[op]["p99_ms_on"] / rows[op]["p99_ms_off"]
-    total_off, total_on = (sum(v[f"p99_ms_{m}"] for v in rows.values()) for m in ("off", "on"))
-    ratio = total_on / total_off  # the table's p99s summed: no single noisy op decides
+    rows, total = paired_rows(tables, "off", "on")
+    total_off, total_on, ratio = total["off"], total["on"], total["ratio"]  # the p99s summed: no single noisy op decides
     worst = max(v["p99_ratio"] for v in rows.values())
     machine = f"{platform.node()} - {len(os.sched_getaffinity(0))} usable CPUs ({cpu_model()}), Python {platform.python_version()}"
     res = {
@@ -219,7 +211,7 @@ def main() -> None:
         "scrapes": scrapes,
         "scrape_every_s": a.scrape_every,
         "ops": rows,
-        "per_round": {"off": tables[False], "on": tables[True]},
+        "per_round": tables,
         "p99_sum_ms": {"off": total_off, "on": total_on, "ratio": ratio},
         "record_ns_per_request": record_ns,
         "worst_op_p99_ratio": worst,
@@ -252,11 +244,7 @@ def main() -> None:
         f"A server's own bookkeeping per request (count, latency window; with metrics also the histogram "
         f"and bytes in/out), timed alone: {record_ns['off']:.0f} ns off, {record_ns['on']:.0f} ns on.",
     ]
-    with open(out.path(".json"), "w") as f:
-        json.dump(res, f, indent=1)
-    with open(out.path(".md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    out.write_report(res, lines)
     out.finish(a.publish, a.machine)
 
 

@@ -754,7 +754,15 @@ def _old_replies() -> list[tuple[str, str, dict]]:
     bufs: list = []
     loc, sizes = pack_array(np.zeros((1, 2, 5), np.int64), bufs), pack_array(np.zeros(2, np.int64), bufs)
     frame, frame_rows = pack_array(np.zeros(16, np.uint8), bufs), pack_array(np.array([2], np.int64), bufs)
-    unit = {"unit_id": 0, "address": "tcp://127.0.0.1:1", "host": "h", "arena_path": "/dev/shm/a", "arena_size": 64, "pid": 7, "managed": True}
+    unit = {
+        "unit_id": 0,
+        "address": "tcp://127.0.0.1:1",
+        "host": "h",
+        "arena_path": "/dev/shm/a",
+        "arena_size": 64,
+        "pid": 7,
+        "managed": True,
+    }
     table = {"path": "/dev/shm/t", "clears": 0, "columns": {"x": 0}}
     return [
         ("controller", "hello", {"units": [unit, {**unit, "unit_id": 1, "free_bytes": 32}], "units_version": 2, "host": "h"}),
@@ -769,10 +777,18 @@ def _old_replies() -> list[tuple[str, str, dict]]:
         ("controller", "locate", {"schemas": {}, "loc": loc, "units_version": 2, "table": table, "frees": 4, "lease": 99}),
         ("controller", "wait", {"ready": True}),
         ("controller", "discard", {"discarded": 2}),
-        ("controller", "get_meta", {"keys": ["a"], "slot_table": 5, "slots": [0], "fields": ["x"], "sequence_lengths": None, "tags": {"t": [1.5]}}),
+        (
+            "controller",
+            "get_meta",
+            {"keys": ["a"], "slot_table": 5, "slots": [0], "fields": ["x"], "sequence_lengths": None, "tags": {"t": [1.5]}},
+        ),
         ("controller", "leases", {"ended": []}),
         ("controller", "unit_status", {"alive": False, "down_for_s": 4.5, "address": "tcp://127.0.0.1:1"}),
-        ("controller", "list_partitions", [{"partition": "p", "keys": 1, "fields": {"x": {"schema": "tensor int64[]", "produced": 1}}, "bytes": 8}]),
+        (
+            "controller",
+            "list_partitions",
+            [{"partition": "p", "keys": 1, "fields": {"x": {"schema": "tensor int64[]", "produced": 1}}, "bytes": 8}],
+        ),
         ("controller", "shutdown", {"stopping": True}),
         ("unit", "ping", {"unit_id": 0, "low_water": 3, "expired": [4], "free_bytes": 100}),
         ("unit", "alloc", {"alloc": 1, "offset": 0}),

@@ -421,7 +421,9 @@ class TQClient:
         self._slab_lock = threading.Lock()
         self._secret = secret.encode() if secret else None
         self._pool = buffer_pool or _default_pool
-        self._ctrl = RpcChannel(address, secret=self._secret, timeout=timeout, name="controller", replies=messages.CONTROLLER_REPLY_DECODERS)
+        self._ctrl = RpcChannel(
+            address, secret=self._secret, timeout=timeout, name="controller", replies=messages.CONTROLLER_REPLY_DECODERS
+        )
         self._units: list[messages.UnitInfo] = []
         self._unit_chans: dict[int, RpcChannel] = {}
         self._arenas: dict[int, Arena] = {}
@@ -686,7 +688,9 @@ class TQClient:
             # or may be lost (a restarted one). Ask: the controller fences blocks not committed, so the
             # outcome is settled either way - never a key pointing at storage that is freed or reused.
             try:
-                landed = self._call(Op.ABORT_BLOCKS, messages.AbortBlocks(blocks=[(p.unit, p.block) for p in parts]), timeout=probe_s).committed
+                landed = self._call(
+                    Op.ABORT_BLOCKS, messages.AbortBlocks(blocks=[(p.unit, p.block) for p in parts]), timeout=probe_s
+                ).committed
             except TQConnectionError:
                 raise TQConnectionError(
                     f"{exc}; the outcome of this {mode} is unknown: its keys are either absent or hold exactly "

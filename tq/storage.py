@@ -777,7 +777,9 @@ def run_storage_unit(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, exit_now)
     try:
-        chan = RpcChannel(controller, secret=secret, timeout=register_timeout, name="controller", replies=messages.CONTROLLER_REPLY_DECODERS)
+        chan = RpcChannel(
+            controller, secret=secret, timeout=register_timeout, name="controller", replies=messages.CONTROLLER_REPLY_DECODERS
+        )
         registered, _ = chan.call(messages.ControllerOp.REGISTER_UNIT, messages.RegisterUnit(**unit.describe(), rejoin=rejoin))
         chan.close()
         unit.unit_id = registered.unit_id  # the controller numbers units in registration order

@@ -233,12 +233,12 @@ def _in_arena(
 ) -> dict[str, _Fetched]:
     """The rows ``[fields, keys]`` at ``starts`` / ``sizes`` of one mapped arena, read where they lie
     (with each field's longest row and byte total where already known)."""
-    src = np.zeros(starts.shape[1], dtype=np.int64)
+    src, sources = np.zeros(starts.shape[1], dtype=np.int64), [arena]  # shared: never extended (only _place extends)
+    if longest is None or totals is None:
+        return {name: _Fetched(schema, sources, src, st, sz) for name, schema, st, sz in zip(fields, schemas, starts, sizes)}
     return {
-        name: _Fetched(
-            schemas[f], [arena], src, starts[f], sizes[f], None if longest is None else longest[f], None if totals is None else totals[f]
-        )
-        for f, name in enumerate(fields)
+        name: _Fetched(schema, sources, src, st, sz, most, total)
+        for name, schema, st, sz, most, total in zip(fields, schemas, starts, sizes, longest, totals)
     }
 
 

@@ -24,7 +24,7 @@ import zmq
 from conftest import raw_exchange, wait_until
 from tq import TQClient, TQServer, protocol
 from tq.errors import AuthenticationError, ReplayError
-from tq.messages import Args
+from tq.messages import Args, ReplyDecoder
 from tq.rpc import RpcChannel, RpcServer
 
 SECRET = "issue16-s3cret"
@@ -162,16 +162,17 @@ def test_servers_in_one_process_share_the_zap_handler_and_keep_their_own_secrets
     class Echo(Args):
         n: str = ""
 
+    replies = {"echo": ReplyDecoder("echo", Echo)}
     for srv in servers.values():
-        srv.serve_ops({"echo": Echo}, {"echo": lambda args, buffers, call: {"n": args.n}})
+        srv.serve_ops({"echo": Echo}, {"echo": lambda args, buffers, call: args})
         threads.append(threading.Thread(target=srv.serve_forever, daemon=True))
         threads[-1].start()
     try:
         for name, secret in (("a", b"secret-a"), ("b", b"secret-b"), ("open", None)):
-            with_own = RpcChannel(servers[name].address, secret=secret, timeout=5.0, name=name)
-            assert with_own.call("echo", {"n": name})[0] == {"n": name}
+            with_own = RpcChannel(servers[name].address, secret=secret, timeout=5.0, name=name, replies=replies)
+            assert with_own.call("echo", {"n": name})[0] == Echo(n=name)
             with_own.close()
-        wrong = RpcChannel(servers["b"].address, secret=b"secret-a", timeout=5.0, name="b")
+        wrong = RpcChannel(servers["b"].address, secret=b"secret-a", timeout=5.0, name="b", replies=replies)
         t0 = time.monotonic()
         with pytest.raises(AuthenticationError, match="refused this client's credentials"):
             wrong.call("echo", {})

@@ -154,7 +154,9 @@ def env(tq_server):
     units = sorted(client._units, key=lambda u: u.unit_id)
     ref_blocks = [sorted({int(b) for u_, b in loc[0, :, :2].tolist() if u_ == u.unit_id}) for u in units]
     assert all(ref_blocks), "the reference batches should sit on both storage units"
-    chans = [RpcChannel(u.address, secret=None, timeout=10.0, name=f"unit {u.unit_id}") for u in units]
+    chans = [
+        RpcChannel(u.address, secret=None, timeout=10.0, name=f"unit {u.unit_id}", replies=messages.UNIT_REPLY_DECODERS) for u in units
+    ]
     e = FuzzEnv(tq_server.address, ref, client, scratch, [u.address for u in units], [u.pid for u in units], chans, ref_blocks)
     assert ref.verify() == 2 * len(ref.keys) * len(REF_FIELDS)
     yield e
@@ -558,7 +560,7 @@ def _state(env: FuzzEnv, target: str, unit: int) -> Any:
             for p in env.client.list_partitions()
         )
     s = env.unit_chans[unit].call("stats", {})[0]
-    return {k: s[k] for k in ("blocks", "bytes_used", "bytes_live", "pending_allocs", "parked_writes")}
+    return {k: getattr(s, k) for k in ("blocks", "bytes_used", "bytes_live", "pending_allocs", "parked_writes")}
 
 
 def _same(a: Any, b: Any) -> bool:

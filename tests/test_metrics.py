@@ -4,21 +4,28 @@ against what the test did; and deploy/'s dashboard and scrape config checked aga
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import socket
 import subprocess
 import sys
+import threading
+import time
+import typing
 import urllib.request
+from typing import Any, Iterator
 
+import msgspec
 import pytest
 import torch
 
 from conftest import wait_until
-from tq import TQClient, launch
+from tq import TQClient, launch, messages
 from tq.errors import AuthenticationError
-from tq.metrics import METRICS, exported_names, families
+from tq.metrics import METRICS, SCRAPE_TIMEOUT_S, MetricsServer, exported_names, families
+from tq.rpc import RpcServer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = "metrics-test-secret"
@@ -176,19 +183,77 @@ def test_dashboard_and_scrape_config_use_exported_names(service):
     assert job.get("metrics_path", "/metrics") == "/metrics" and job["static_configs"][0]["targets"]
 
 
+def _zeroed(cls: type, **given: Any) -> Any:
+    """The reply struct ``cls`` with the ``given`` fields and every other field zero or empty."""
+
+    def empty(t: Any) -> Any:
+        origin = typing.get_origin(t)
+        return origin() if origin in (list, dict) else None if origin is typing.Union else t()
+
+    return cls(**{f: given[f] if f in given else empty(t) for f, t in typing.get_type_hints(cls).items()})
+
+
+def _unit_info(unit_id: int, arena_size: int, address: str = "") -> messages.UnitInfo:
+    return messages.UnitInfo(unit_id=unit_id, address=address, host=None, arena_path=None, arena_size=arena_size, pid=None, managed=True)
+
+
 def test_a_unit_that_is_down_is_reported_down_not_dropped():
     """families() of a service whose unit 1 did not answer: up 0, its capacity still known."""
-    stats = {
-        "ops": {},
-        "partitions": [],
-        "units": [{"unit_id": 0, "arena_size": 10}, {"unit_id": 1, "arena_size": 20}],
-        "unit_stats": [{"unit_id": 0, "ops": {}, "bytes_used": 5}, {"unit_id": 1, "arena_size": 20}],
-    }
-    got = {(s.name, tuple(s.labels.values())): s.value for f in families(stats) for s in f.samples}
+    stats = _zeroed(messages.StatsReply, units=[_unit_info(0, 10), _unit_info(1, 20)])
+    unit_stats = {0: _zeroed(messages.UnitStatsReply, unit_id=0, bytes_used=5)}
+    got = {(s.name, tuple(s.labels.values())): s.value for f in families(stats, unit_stats) for s in f.samples}
     assert got[("tq_unit_up", ("0",))] == 1 and got[("tq_unit_up", ("1",))] == 0
     assert got[("tq_unit_capacity_bytes", ("1",))] == 20 and ("tq_unit_used_bytes", ("1",)) not in got
     assert got[("tq_units", ())] == 2
-    assert set(METRICS) >= {f.name + ("_total" if f.type == "counter" else "") for f in families(stats)}
+    assert set(METRICS) >= {f.name + ("_total" if f.type == "counter" else "") for f in families(stats, unit_stats)}
+
+
+@contextlib.contextmanager
+def _server_answering_stats(name: str, result: Any) -> Iterator[str]:
+    """A real RPC server (as another build of the service would be) answering ``stats`` with
+    ``result``; yields its address."""
+    srv = RpcServer(name, "tcp://127.0.0.1:0", secret=None, max_message_bytes=1 << 20)
+    srv.serve_ops({"stats": messages.Stats}, {"stats": lambda args, buffers, call: result})
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield srv.address
+    finally:
+        srv.stop()
+        t.join(5)
+
+
+def test_a_controller_stats_reply_that_misfits_its_type_fails_the_scrape_fast_naming_op_and_field(caplog):
+    """The endpoint stays up and serves its process metrics; the tq_ ones are left out and the log says
+    which op's reply and which field did not fit (before: a TypeError deep in the scrape, and the HTTP
+    connection dropped without an answer)."""
+    bad = {**msgspec.to_builtins(_zeroed(messages.StatsReply)), "units": 5}
+    with _server_answering_stats("controller", bad) as address:
+        server = MetricsServer("127.0.0.1", 0, address, None)
+        try:
+            t0 = time.monotonic()
+            s = scrape(server.url)
+            assert time.monotonic() - t0 < SCRAPE_TIMEOUT_S
+        finally:
+            server.close()
+    assert s and not any(name.startswith("tq_") for name, _ in s)
+    assert re.search(r"reply to 'stats' does not fit its type: .*\$\.units", caplog.text), caplog.text
+
+
+def test_a_unit_stats_reply_that_misfits_its_type_shows_the_unit_down():
+    """A unit answering with the wrong shape is reported down, the controller's metrics are kept (before:
+    its wrong values were exported, or the scrape failed)."""
+    bad_unit = {**msgspec.to_builtins(_zeroed(messages.UnitStatsReply)), "blocks": "many"}
+    with _server_answering_stats("storage unit 0", bad_unit) as unit_address:
+        stats = _zeroed(messages.StatsReply, units=[_unit_info(0, 64, unit_address)], parked_waits=3)
+        with _server_answering_stats("controller", stats) as address:
+            server = MetricsServer("127.0.0.1", 0, address, None)
+            try:
+                s = scrape(server.url)
+            finally:
+                server.close()
+    assert value(s, "tq_unit_up", unit="0") == 0 and value(s, "tq_unit_capacity_bytes", unit="0") == 64
+    assert value(s, "tq_parked_waits") == 3 and ("tq_unit_blocks", frozenset({"unit": "0"})) not in s
 
 
 @pytest.mark.parametrize("how", ["--metrics-port", "TQ_METRICS_PORT"])

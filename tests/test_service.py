@@ -866,3 +866,26 @@ def test_a_reply_that_does_not_fit_its_type_is_refused_naming_op_and_path(op, re
         t.join(5)
         chan.close()
         server.close(0)
+
+
+def test_a_channel_refuses_an_op_it_has_no_reply_type_for_before_sending_it():
+    """Every channel decodes by type: an op outside its reply table (a unit op on the controller's
+    channel, a typo) is one UnknownOperationError at once, and nothing reaches the server."""
+    import zmq
+
+    from tq import messages
+    from tq.errors import UnknownOperationError
+    from tq.rpc import RpcChannel
+
+    server = zmq.Context.instance().socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    chan = RpcChannel(f"tcp://127.0.0.1:{port}", secret=None, timeout=5.0, name="controller", replies=messages.CONTROLLER_REPLY_DECODERS)
+    try:
+        for op in ("fetch", "stat"):
+            with pytest.raises(UnknownOperationError, match=f"controller has no operation '{op}'"):
+                chan.call(op, {})
+        assert not server.poll(200)  # nothing was sent
+    finally:
+        chan.close()
+        server.close(0)

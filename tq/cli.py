@@ -34,7 +34,7 @@ from typing import Any, Sequence
 
 from . import argtypes, launch
 from .errors import AuthenticationError, TQError
-from .messages import ControllerOp, Stats
+from .messages import CONTROLLER_REPLY_DECODERS, ControllerOp, Stats
 
 EXIT_FAILED = 1
 EXIT_REFUSED = 2
@@ -340,10 +340,12 @@ def _await_service(proc: subprocess.Popen, ready_file: str, units: int, secret: 
 
     # The controller's own stats op, not a TQClient: a client's hello is parked until the units
     # registered, which is what this loop watches for.
-    chan = RpcChannel(address, secret=secret.encode() if secret else None, timeout=5.0, name="controller")
+    chan = RpcChannel(
+        address, secret=secret.encode() if secret else None, timeout=5.0, name="controller", replies=CONTROLLER_REPLY_DECODERS
+    )
     try:
         while True:
-            registered = len(chan.call(ControllerOp.STATS, Stats())[0]["units"])
+            registered = len(chan.call(ControllerOp.STATS, Stats())[0].units)
             if registered >= units:
                 return ready
             try:  # the storage units among the controller's children (the metrics endpoint is one too)

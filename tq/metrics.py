@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 from http.server import HTTPServer
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 from . import messages
 from .errors import TQError
@@ -76,9 +76,9 @@ def exported_names() -> set[str]:
     return names
 
 
-def families(stats: dict[str, Any]) -> list[Any]:
-    """The metric families of a service's stats, as :meth:`tq.TQClient.stats` returns them (the
-    controller's, with every answering unit's under ``unit_stats``)."""
+def families(stats: messages.StatsReply, unit_stats: Mapping[int, messages.UnitStatsReply]) -> list[Any]:
+    """The metric families of a service: the controller's ``stats`` and those of the storage units
+    that answered (by unit id; a unit the controller lists but that is missing here is down)."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
     def fam(name: str, labels: Iterable[str] = ()) -> Any:
@@ -110,54 +110,51 @@ def families(stats: dict[str, Any]) -> list[Any]:
         )
     }
 
-    def server(label: str, st: dict[str, Any]) -> None:
-        for op, o in st.get("ops", {}).items():
-            out["tq_op_requests_total"].add_metric([label, op], o["count"])
-            out["tq_op_errors_total"].add_metric([label, op], o["errors"])
-            if "buckets" in o:  # recorded only with metrics on (a unit started without them has none)
+    def server(label: str, st: messages.ServerStats) -> None:
+        for op, o in st.ops.items():
+            out["tq_op_requests_total"].add_metric([label, op], o.count)
+            out["tq_op_errors_total"].add_metric([label, op], o.errors)
+            if o.buckets is not None:  # recorded only with metrics on (a unit started without them has none)
                 cumulative, total = [], 0
-                for bound, n in zip((*LATENCY_BUCKETS, float("inf")), o["buckets"]):
+                for bound, n in zip((*LATENCY_BUCKETS, float("inf")), o.buckets):
                     total += n
                     cumulative.append((_le(bound), total))
-                out["tq_op_latency_seconds"].add_metric([label, op], cumulative, o["sum_s"])
-                out["tq_op_received_bytes_total"].add_metric([label, op], o["bytes_in"])
-                out["tq_op_sent_bytes_total"].add_metric([label, op], o["bytes_out"])
-        out["tq_rejected_messages_total"].add_metric([label], st.get("rejected_messages", 0))
-        out["tq_auth_failures_total"].add_metric([label], st.get("auth_failures", 0))
-        out["tq_uptime_seconds"].add_metric([label], st.get("uptime_s", 0.0))
-        out["tq_journal_bytes"].add_metric([label], st.get("journal_bytes", 0))
+                out["tq_op_latency_seconds"].add_metric([label, op], cumulative, o.sum_s)
+                out["tq_op_received_bytes_total"].add_metric([label, op], o.bytes_in)
+                out["tq_op_sent_bytes_total"].add_metric([label, op], o.bytes_out)
+        out["tq_rejected_messages_total"].add_metric([label], st.rejected_messages)
+        out["tq_auth_failures_total"].add_metric([label], st.auth_failures)
+        out["tq_uptime_seconds"].add_metric([label], st.uptime_s)
+        out["tq_journal_bytes"].add_metric([label], st.journal_bytes)
 
     server("controller", stats)
-    parts = stats.get("partitions", [])
-    out["tq_partitions"].add_metric([], len(parts))
-    for p in parts:
-        out["tq_partition_keys"].add_metric([p["partition"]], p["keys"])
-        out["tq_partition_bytes"].add_metric([p["partition"]], p["bytes"])
-    out["tq_committed_bytes_total"].add_metric([], stats.get("bytes_committed_total", 0))
-    for unit, nbytes in stats.get("bytes_read_total", {}).items():
-        out["tq_read_bytes_total"].add_metric([str(unit)], nbytes)
-    out["tq_parked_waits"].add_metric([], stats.get("parked_waits", 0))
-    units = stats.get("units", [])
-    out["tq_units"].add_metric([], len(units))
-    answered = {u["unit_id"]: u for u in stats.get("unit_stats", []) if "ops" in u}
-    for u in units:
-        uid = str(u["unit_id"])
-        st = answered.get(u["unit_id"])
+    out["tq_partitions"].add_metric([], len(stats.partitions))
+    for p in stats.partitions:
+        out["tq_partition_keys"].add_metric([p.partition], p.keys)
+        out["tq_partition_bytes"].add_metric([p.partition], p.bytes)
+    out["tq_committed_bytes_total"].add_metric([], stats.bytes_committed_total)
+    for unit, nbytes in stats.bytes_read_total.items():
+        out["tq_read_bytes_total"].add_metric([unit], nbytes)
+    out["tq_parked_waits"].add_metric([], stats.parked_waits)
+    out["tq_units"].add_metric([], len(stats.units))
+    for u in stats.units:
+        uid = str(u.unit_id)
+        st = unit_stats.get(u.unit_id)
         out["tq_unit_up"].add_metric([uid], 1 if st is not None else 0)
-        out["tq_unit_capacity_bytes"].add_metric([uid], u.get("arena_size", 0))
+        out["tq_unit_capacity_bytes"].add_metric([uid], u.arena_size)
         if st is None:
             continue
         server(f"unit-{uid}", st)
-        for name, key in (
-            ("tq_unit_used_bytes", "bytes_used"),
-            ("tq_unit_live_bytes", "bytes_live"),
-            ("tq_unit_blocks", "blocks"),
-            ("tq_unit_stored_bytes_total", "bytes_stored_total"),
-            ("tq_unit_served_bytes_total", "bytes_served_total"),
-            ("tq_unit_parked_writes", "parked_writes"),
-            ("tq_unit_tentative_blocks", "tentative_blocks"),
+        for name, value in (
+            ("tq_unit_used_bytes", st.bytes_used),
+            ("tq_unit_live_bytes", st.bytes_live),
+            ("tq_unit_blocks", st.blocks),
+            ("tq_unit_stored_bytes_total", st.bytes_stored_total),
+            ("tq_unit_served_bytes_total", st.bytes_served_total),
+            ("tq_unit_parked_writes", st.parked_writes),
+            ("tq_unit_tentative_blocks", st.tentative_blocks),
         ):
-            out[name].add_metric([uid], st.get(key, 0))
+            out[name].add_metric([uid], value)
     return list(out.values())
 
 
@@ -171,41 +168,47 @@ class ServiceCollector:
 
     def __init__(self, address: str, secret: bytes | None) -> None:
         self.secret = secret
-        self.controller = RpcChannel(address, secret=secret, timeout=SCRAPE_TIMEOUT_S, name="controller")
+        self.controller = RpcChannel(
+            address, secret=secret, timeout=SCRAPE_TIMEOUT_S, name="controller", replies=messages.CONTROLLER_REPLY_DECODERS
+        )
         self.units: dict[str, RpcChannel] = {}  # by address: a restarted unit gets a new channel
 
-    def stats(self) -> dict[str, Any]:
-        """The controller's stats, with the stats of every unit it reports up that answers in time."""
-        stats, _ = self.controller.call(messages.ControllerOp.STATS, messages.Stats())
+    def stats(self) -> tuple[messages.StatsReply, dict[int, messages.UnitStatsReply]]:
+        """The controller's stats, and by unit id the stats of every unit it reports up that answers
+        in time (with a reply of its type)."""
+        stats: messages.StatsReply = self.controller.call(messages.ControllerOp.STATS, messages.Stats())[0]
         asked = []
-        for u in stats["units"]:
-            if not u.get("alive", True):
+        for u in stats.units:
+            if u.alive is False:
                 continue
-            chan = self.units.get(u["address"])
+            chan = self.units.get(u.address)
             if chan is None:
-                chan = self.units[u["address"]] = RpcChannel(
-                    u["address"], secret=self.secret, timeout=SCRAPE_TIMEOUT_S, name=f"storage unit {u['unit_id']}"
+                chan = self.units[u.address] = RpcChannel(
+                    u.address,
+                    secret=self.secret,
+                    timeout=SCRAPE_TIMEOUT_S,
+                    name=f"storage unit {u.unit_id}",
+                    replies=messages.UNIT_REPLY_DECODERS,
                 )
             try:  # all asked before any answer is awaited: a scrape waits for the slowest, not the sum
-                asked.append((u["unit_id"], chan, chan.send(messages.UnitOp.STATS, messages.UnitStats())))
+                asked.append((u.unit_id, chan, chan.send(messages.UnitOp.STATS, messages.UnitStats())))
             except TQError:
                 pass
-        answered = []
+        answered = {}
         for uid, chan, rid in asked:
             try:
-                answered.append({**chan.recv(rid, "stats")[0], "unit_id": uid})
-            except TQError:
-                pass
-        stats["unit_stats"] = answered
-        return stats
+                answered[uid] = chan.recv(rid, messages.UnitOp.STATS)[0]
+            except TQError as exc:  # shown down
+                log.info("metrics scrape: no stats from storage unit %s: %s", uid, exc)
+        return stats, answered
 
     def collect(self) -> Iterator[Any]:
         try:
-            stats = self.stats()
+            stats, unit_stats = self.stats()
         except TQError as exc:  # the endpoint stays up; the scrape then lacks the tq_ metrics
             log.warning("metrics scrape: no stats from the TQ service: %s", exc)
             return
-        yield from families(stats)
+        yield from families(stats, unit_stats)
 
     def close(self) -> None:
         self.controller.close()

@@ -258,11 +258,6 @@ def decode_reply(frames: Sequence[Any], secret: bytes | None, *, max_message_byt
     return ReplyMessage(h.rid, h.ok, h.result, h.error, _buffers(h.v, h.bs, frames, max_message_bytes))
 
 
-def unpack_result(raw: msgspec.Raw) -> Any:
-    """A reply's raw ``result`` as plain maps and lists (a reply no typed decoder knows; None if absent)."""
-    return _unpackb(raw) if len(raw) else None
-
-
 # ----------------------------------------------------------------------------- replay protection
 class Sender:
     """One stream of signed requests: a random 64-bit id and a strictly increasing sequence number.

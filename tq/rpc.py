@@ -24,7 +24,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import zmq
@@ -403,17 +403,15 @@ def _zero_copy(frames: Sequence[Any]) -> bool:
 class RpcChannel:
     """Request/reply to one server, safe to use from many threads (one DEALER socket per thread).
 
-    ``replies`` (op name -> :class:`~tq.messages.ReplyDecoder`, e.g.
-    ``messages.CONTROLLER_REPLY_DECODERS``): a reply to one of these ops is decoded into its typed
-    result; any other reply's result comes back as plain maps and lists."""
+    ``replies`` (op name -> :class:`~tq.messages.ReplyDecoder`: ``messages.CONTROLLER_REPLY_DECODERS``
+    or ``messages.UNIT_REPLY_DECODERS``) are the ops the channel may send: every reply is decoded into
+    its op's typed result, and an op without a reply type is refused before anything is sent."""
 
     _rids = itertools.count(1)
 
-    def __init__(
-        self, address: str, *, secret: bytes | None, timeout: float, name: str, replies: dict[str, ReplyDecoder] | None = None
-    ) -> None:
+    def __init__(self, address: str, *, secret: bytes | None, timeout: float, name: str, replies: Mapping[str, ReplyDecoder]) -> None:
         self.address, self.secret, self.timeout, self.name = address, secret, timeout, name
-        self.replies = replies or {}
+        self.replies = replies
         self.ctx = zmq.Context.instance()
         self._local = threading.local()
         self._sockets: list[zmq.Socket] = []
@@ -457,6 +455,7 @@ class RpcChannel:
 
         ``check`` is called about every second while waiting; it may raise to abandon the wait early
         (e.g. once the controller reports this server down)."""
+        self._decoder(op)  # an op this channel cannot decode the reply of is not sent at all
         sock = self._socket()
         rid = next(self._rids)
         timeout = _bounded(self.timeout if timeout is None else timeout, op, f"{self.name} at {self.address}")
@@ -544,9 +543,8 @@ class RpcChannel:
     def recv(
         self, rid: int, op: str, *, timeout: float | None = None, check: Callable[[], None] | None = None
     ) -> tuple[Any, protocol.ReplyMessage]:
-        """Wait for the reply to request ``rid`` and return its result (typed when ``op`` has a reply
-        decoder) and the reply; raise its error, or TQConnectionError on silence (``check`` as in
-        :meth:`send`)."""
+        """Wait for the reply to request ``rid`` and return its typed result and the reply; raise its
+        error, or TQConnectionError on silence (``check`` as in :meth:`send`)."""
         sock = self._socket()
         timeout = _bounded(self.timeout if timeout is None else timeout, op, f"{self.name} at {self.address}")
         deadline = time.monotonic() + timeout
@@ -571,8 +569,13 @@ class RpcChannel:
             if msg.rid != rid:
                 continue  # a late reply to a request that timed out earlier (maybe of another op)
             protocol.raise_for_error(msg)
-            decoder = self.replies.get(op)
-            return (decoder.decode(msg.result) if decoder is not None else protocol.unpack_result(msg.result)), msg
+            return self._decoder(op).decode(msg.result), msg
+
+    def _decoder(self, op: str) -> ReplyDecoder:
+        decoder = self.replies.get(op)
+        if decoder is None:
+            raise UnknownOperationError(f"{self.name} has no operation {op!r} (no reply type for it on this channel)")
+        return decoder
 
     def call(
         self,

@@ -9,7 +9,7 @@ from typing import Any
 
 from . import launch
 from .errors import AuthenticationError, TQConnectionError
-from .messages import ControllerOp, Hello
+from .messages import CONTROLLER_REPLY_DECODERS, ControllerOp, Hello, HelloReply
 from .rpc import RpcChannel
 
 
@@ -86,13 +86,19 @@ class TQServer:
 
     def _await_units(self, expected: int, timeout: float) -> None:
         """Return once every storage unit registered, so a client connecting next sees them all."""
-        chan = RpcChannel(self.address, secret=self.secret.encode() if self.secret else None, timeout=timeout, name="controller")
+        chan = RpcChannel(
+            self.address,
+            secret=self.secret.encode() if self.secret else None,
+            timeout=timeout,
+            name="controller",
+            replies=CONTROLLER_REPLY_DECODERS,
+        )
         try:
-            info, _ = chan.call(ControllerOp.HELLO, Hello(timeout=0.9 * timeout))
+            info: HelloReply = chan.call(ControllerOp.HELLO, Hello(timeout=0.9 * timeout))[0]
         finally:
             chan.close()
-        if len(info["units"]) < expected:
-            raise TQConnectionError(f"only {len(info['units'])} of {expected} storage units registered within {timeout:.0f}s")
+        if len(info.units) < expected:
+            raise TQConnectionError(f"only {len(info.units)} of {expected} storage units registered within {timeout:.0f}s")
 
     def shutdown(self, timeout: float = 15.0) -> None:
         """Stop the controller and its storage units (SIGTERM, then SIGKILL after ``timeout``)."""

@@ -401,16 +401,17 @@ class StorageUnit(RpcServer):
             return DEFERRED
         total = int(sizes.sum())
         self.bytes_served += total
-        frames: list[Any] = []
-        sizes_ref = protocol.pack_array(sizes, frames)
-        return messages.FetchReply(sizes=sizes_ref, **self._gather_frames(starts, sizes, total, frames)), frames
+        return self._gather_frames(starts, sizes, total)
 
-    def _gather_frames(self, starts: np.ndarray, sizes: np.ndarray, total: int, frames: list) -> dict[str, Any]:
-        """Copy rows back to back into one pooled buffer and cut it into frames of whole rows.
+    def _gather_frames(self, starts: np.ndarray, sizes: np.ndarray, total: int) -> tuple[messages.FetchReply, list[Any]]:
+        """The fetch's reply and its frames: rows copied back to back into one pooled buffer, cut
+        into frames of whole rows.
 
         Frames of at most ~``TCP_FRAME_BYTES`` (plus one row) let the receiver's allocator reuse warm
         memory instead of faulting in a fresh mapping per message; they go out zero-copy.
         """
+        frames: list[Any] = []
+        sizes_ref = protocol.pack_array(sizes, frames)
         data = self.pool.empty(total)
         n = sizes.size
         rel = np.cumsum(sizes) - sizes
@@ -419,7 +420,8 @@ class StorageUnit(RpcServer):
         firsts = np.flatnonzero(np.diff(frame_of_row, prepend=-1)) if n else np.empty(0, np.int64)
         bounds = np.append(rel[firsts], total).tolist() if n else [0]
         refs = [protocol.pack_array(data[a:b], frames) for a, b in zip(bounds[:-1], bounds[1:])]
-        return {"frames": refs, "frame_rows": protocol.pack_array(np.diff(np.append(firsts, n)), frames)}
+        frame_rows = protocol.pack_array(np.diff(np.append(firsts, n)), frames)
+        return messages.FetchReply(sizes=sizes_ref, frames=refs, frame_rows=frame_rows), frames
 
     def _free_block(self, bid: int) -> None:
         block = self.blocks.pop(bid, None)

@@ -8,6 +8,8 @@ with a plain ZMQ DEALER socket.
 from __future__ import annotations
 
 import os
+import tempfile
+import shutil
 import signal
 import subprocess
 import threading
@@ -491,7 +493,11 @@ def test_client_to_a_port_nobody_listens_on():
 
 
 def test_controller_killed_mid_session():
-    server = TQServer(storage_units=1, capacity=16 << 20)
+    # A shared-memory directory of its own: a controller starting meanwhile on this host (a test on
+    # another worker) retires a dead controller's location tables as orphans - rightly - and this
+    # client would then ask the dead controller at once instead of reading the table until it expires.
+    shm_dir = tempfile.mkdtemp(prefix="tq-test-", dir="/dev/shm")
+    server = TQServer(storage_units=1, capacity=16 << 20, shm_dir=shm_dir)
     unit_pids: list[int] = []
     try:
         with TQClient(server.address, timeout=30.0):  # returns once the storage unit has registered
@@ -535,6 +541,7 @@ def test_controller_killed_mid_session():
         for p in unit_pids:
             if not wait_until(lambda: not pid_alive(p), timeout=10.0):
                 os.kill(p, signal.SIGKILL)
+        shutil.rmtree(shm_dir, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- authentication

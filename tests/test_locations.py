@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -206,6 +208,24 @@ def test_private_tables_have_no_descriptor():
     t = LocationTable(None)
     t.loc("x")[0] = [0] * LOC_COLUMNS
     assert t.descriptor() is None
+
+
+def test_a_service_keeps_its_location_tables_in_its_shm_dir():
+    """``--shm-dir`` holds the controller's tables as well as the arenas: tables in /dev/shm regardless
+    were swept as orphans by any other controller on the host once theirs died."""
+    from tq import TQServer
+
+    shm_dir = tempfile.mkdtemp(prefix="tq-test-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    try:
+        with TQServer(storage_units=1, capacity=4 << 20, shm_dir=shm_dir) as server, TQClient(server.address) as c:
+            c.register_partition("p")
+            c.get(c.put("p", ["a"], {"x": torch.tensor([1])}))
+            tables = [name for name in os.listdir(shm_dir) if name.startswith("tq-loc-")]
+            assert len(tables) == 1, os.listdir(shm_dir)
+            if "p" in c._tables:  # x86-64: the client reads it from there
+                assert os.path.dirname(c._tables["p"][0].path) == shm_dir
+    finally:
+        shutil.rmtree(shm_dir, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- through the service

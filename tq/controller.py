@@ -838,7 +838,7 @@ def serve(
     from .server import check_bind_allowed
 
     check_bind_allowed(bind, secret)
-    ctrl = Controller(bind, secret=secret, expected_units=storage_units, journal_dir=journal_dir, fsync=fsync)
+    ctrl = Controller(bind, secret=secret, expected_units=storage_units, journal_dir=journal_dir, shm_dir=shm_dir, fsync=fsync)
     env = launch.service_env(secret.decode() if secret else None)
     metrics = None
     if metrics_port is not None:  # the endpoint is a process of its own: a scrape never holds our GIL

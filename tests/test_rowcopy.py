@@ -92,7 +92,9 @@ def _fields_case(rng: np.random.Generator, n_fields: int, n: int, max_row: int, 
         sizes = rng.integers(0, max_row + 1, size=n).astype(np.int64)
         span = max_row + int(rng.integers(0, 70)) if padded else 0
         pad = bytes(rng.integers(0, 256, size=pad_width, dtype=np.uint8)) if padded else b""
-        jobs.append((at, sources, rng.integers(0, 2, size=n).astype(np.int64), rng.integers(0, 64, size=n).astype(np.int64), sizes, span, pad))
+        jobs.append(
+            (at, sources, rng.integers(0, 2, size=n).astype(np.int64), rng.integers(0, 64, size=n).astype(np.int64), sizes, span, pad)
+        )
         at += (n * span if padded else int(sizes.sum())) + int(rng.choice([0, 64 - at % 64 if at % 64 else 0, 5]))
     return jobs, at
 

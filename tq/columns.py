@@ -174,8 +174,7 @@ def field_layout(schema: FieldSchema) -> FieldLayout:
         _LAYOUTS.clear()
     bits = DTYPES[schema.dtype][1] if schema.kind != OBJECT else np.dtype(np.uint8)
     layout = FieldLayout(
-        schema,
-        schema.kind, max(schema.itemsize * schema.row_elems, 1), bits, schema.dtype == "bfloat16", tuple(schema.shape), {}
+        schema, schema.kind, max(schema.itemsize * schema.row_elems, 1), bits, schema.dtype == "bfloat16", tuple(schema.shape), {}
     )
     _LAYOUTS[id(schema)] = (schema, layout)
     return layout

@@ -68,7 +68,13 @@ def copy_fields(dst: np.ndarray, jobs: Sequence[FieldCopy]) -> None:
 
 
 def _in_bounds(
-    dst: np.ndarray, dst_starts: np.ndarray, sources: list[np.ndarray], src_idx: np.ndarray, src_starts: np.ndarray, sizes: np.ndarray, row_span: int
+    dst: np.ndarray,
+    dst_starts: np.ndarray,
+    sources: list[np.ndarray],
+    src_idx: np.ndarray,
+    src_starts: np.ndarray,
+    sizes: np.ndarray,
+    row_span: int,
 ) -> bool:
     return not sizes.size or not (
         (src_starts < 0).any()

@@ -37,7 +37,7 @@
 #endif
 
 #define STREAM_BYTES ((Py_ssize_t)1 << 20)
-#define PAT_BYTES 128 /* a pad pattern expanded: PAT_BYTES bytes of it from its phase 0 */
+#define PAT_BYTES 192 /* a pad pattern expanded: PAT_BYTES bytes of it from its phase 0 */
 
 static int get_i64(PyObject *obj, Py_buffer *view, const char *name, int strict) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | (strict ? PyBUF_FORMAT : 0)) < 0) return -1;
@@ -97,8 +97,21 @@ static void job_release(job_t *j) {
  * is assembled here and stored once - a plain store there would first read the line from memory
  * and make the streaming stores to it evict it again. Only a run's two ends use plain stores. */
 typedef struct { char *v; size_t k, lo; char buf[64]; } sw_t;
+/* Byte masks: MASK + 64 - t selects the bytes from t on of a vector. */
+static const unsigned char MASK[128] = {
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+    255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255,
+    255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255,
+    255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255,
+    255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255};
+/* a where m is 0, b where it is all ones (bitwise; AVX without AVX2 has only the float forms) */
+#define SEL16(a, b, m) _mm_or_si128(_mm_andnot_si128(m, a), _mm_and_si128(m, b))
+#define SEL32(a, b, m) _mm256_castps_si256(_mm256_or_ps(_mm256_andnot_ps(_mm256_castsi256_ps(m), _mm256_castsi256_ps(a)), \
+                                                        _mm256_and_ps(_mm256_castsi256_ps(m), _mm256_castsi256_ps(b))))
+#define SEL64(a, b, m) _mm512_or_si512(_mm512_andnot_si512(m, a), _mm512_and_si512(m, b))
 
-#define DEFINE_STREAM(W, TARGET, VEC, LOAD, STORE)                                                      \
+#define DEFINE_STREAM(W, TARGET, VEC, LOAD, STORE, SEL)                                                 \
     TARGET static inline void sw_full_##W(sw_t *w) {                                                    \
         if (w->lo == 0) STORE((void *)w->v, LOAD((const void *)w->buf));                                \
         else memcpy(w->v + w->lo, w->buf + w->lo, W - w->lo);                                           \
@@ -136,6 +149,25 @@ typedef struct { char *v; size_t k, lo; char buf[64]; } sw_t;
         w->v = p;                                                                                       \
         w->k = m;                                                                                       \
     }                                                                                                   \
+    /* A row: m bytes from s, then padn bytes of the pad pattern E. The vector where the data ends  \
+     * and the pad begins is blended in registers (no trip through buf, whose byte-wise writes a    \
+     * vector load would wait for) when the source may be read a vector on (s_end) and the pad fills \
+     * the rest of that vector. */                                                                  \
+    TARGET static inline void sw_row_##W(sw_t *w, const char *s, size_t m, size_t padn, const char *E, const char *s_end) { \
+        char *end = w->v + w->k + m;                                                                    \
+        size_t tail = (uintptr_t)end & (W - 1);                                                         \
+        if (tail && padn >= W - tail && end - tail >= w->v + (w->k ? W : 0) && s + m - tail + W <= s_end) { \
+            sw_put_##W(w, s, m - tail, 0); /* leaves w->v at end - tail, nothing pending */              \
+            VEC x = SEL(LOAD((const void *)(s + m - tail)), LOAD((const void *)(E + 64 - tail)),         \
+                        LOAD((const void *)(MASK + 64 - tail)));                                        \
+            STORE((void *)w->v, x);                                                                     \
+            w->v += W;                                                                                  \
+            sw_put_##W(w, E + (W - tail), padn - (W - tail), 1);                                        \
+            return;                                                                                     \
+        }                                                                                               \
+        sw_put_##W(w, s, m, 0);                                                                         \
+        if (padn) sw_put_##W(w, E, padn, 1);                                                            \
+    }                                                                                                   \
     TARGET static void stream_job_##W(const job_t *j, char *d) {                                        \
         const int64_t *ds = j->dst_starts.buf, *si = j->src_idx.buf, *ss = j->src_starts.buf;          \
         const int64_t *sz = j->sizes.buf;                                                               \
@@ -147,18 +179,19 @@ typedef struct { char *v; size_t k, lo; char buf[64]; } sw_t;
                 w.v = r - ((uintptr_t)r & (W - 1));                                                     \
                 w.k = w.lo = (uintptr_t)r & (W - 1);                                                    \
             }                                                                                           \
-            sw_put_##W(&w, (const char *)j->srcs[si[i]].buf + ss[i], (size_t)sz[i], 0);                 \
-            if (j->row_span > 0) sw_put_##W(&w, j->pat, (size_t)(j->row_span - sz[i]), 1);             \
+            const Py_buffer *src = &j->srcs[si[i]];                                                     \
+            sw_row_##W(&w, (const char *)src->buf + ss[i], (size_t)sz[i],                               \
+                       j->row_span > 0 ? (size_t)(j->row_span - sz[i]) : 0, j->pat, (const char *)src->buf + src->len); \
         }                                                                                               \
         if (w.k > w.lo) memcpy(w.v + w.lo, w.buf + w.lo, w.k - w.lo);                                   \
     }
 
-DEFINE_STREAM(16, , __m128i, _mm_loadu_si128, _mm_stream_si128)
+DEFINE_STREAM(16, , __m128i, _mm_loadu_si128, _mm_stream_si128, SEL16)
 #if defined(__GNUC__)
 #include <immintrin.h>
 #define HAVE_WIDE 1
-DEFINE_STREAM(32, __attribute__((target("avx"))), __m256i, _mm256_loadu_si256, _mm256_stream_si256)
-DEFINE_STREAM(64, __attribute__((target("avx512f"))), __m512i, _mm512_loadu_si512, _mm512_stream_si512)
+DEFINE_STREAM(32, __attribute__((target("avx"))), __m256i, _mm256_loadu_si256, _mm256_stream_si256, SEL32)
+DEFINE_STREAM(64, __attribute__((target("avx512f"))), __m512i, _mm512_loadu_si512, _mm512_stream_si512, SEL64)
 #else
 #define HAVE_WIDE 0
 #endif

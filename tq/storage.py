@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from . import argtypes, launch, messages, protocol
-from .arena import ALIGN, Arena, RangeAllocator, align_up, check_shm_room, host_identity
+from .arena import ALIGN, Arena, RangeAllocator, align_up, check_shm_room, host_identity, release_heap
 from .journal import Journal
 from .errors import CapacityError, InvalidRequestError, StorageUnitError
 from .bufferpool import HostBufferPool
@@ -695,8 +695,11 @@ class StorageUnit(RpcServer):
         return {"blocks_freed": len(args.blocks)}
 
     def op_trim(self, args: messages.Trim, buffers: list, call: Call) -> dict:
-        """Release the pages of every free arena range to the OS."""
-        released = 0
+        """Release the pages of every free arena range to the OS, and the memory this process only
+        caches: idle buffers of past fetches (up to 256 MiB) and free heap pages."""
+        released = self.pool.cached_bytes
+        self.pool.clear()
+        release_heap()
         for start, size in self.alloc.free_ranges():
             self.arena.release_pages(start, size)
             released += size

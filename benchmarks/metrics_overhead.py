@@ -1,9 +1,16 @@
-"""What the Prometheus metrics cost: benchmarks/tq_throughput.py's control table (its own function,
-``bench_control_ops``: p50/p99 of 1-key puts and gets, waits, get_meta ...) against a service started
-without metrics and one started with them (``TQ_METRICS_PORT``, which the table's embedded TQServer
-passes on as ``--metrics-port``: histograms and bytes recorded per op, the endpoint scraped every second
-by another process, 15x Prometheus' default rate), in one run. The two take turns ``--rounds`` times in A-B-B-A order, so a
-slow phase of a shared machine does not land on one of them; each op's p50/p99 is the median over rounds.
+"""What the Prometheus metrics cost: benchmarks/tq_throughput.py's control table (its own operations,
+``control_ops``: 1-key puts and gets, waits, get_meta ...) against a service started without metrics and
+one started with them (``TQ_METRICS_PORT``, which the embedded TQServer passes on as ``--metrics-port``:
+histograms and bytes recorded per op, the endpoint scraped every second by another process, 15x
+Prometheus' default rate).
+
+Two services of one configuration differ by more than 5% from one start to the next (which cores and
+caches their processes land on), so the two are measured side by side, not one after the other: in
+each round both are up at once and every op's timed calls alternate between them (off, on, on, off,
+...), so a slow phase of the machine lands on both. With 12 or more usable CPUs each service's
+processes (controller, unit, metrics endpoint, and the scraper with the metrics one) are pinned to
+cores of their own, the client to others, and the services swap cores every round. Each op's p50/p99
+is the median over ``--rounds``.
 
     python -m benchmarks.metrics_overhead                 # --control-iters 2000, 4 rounds
     python -m benchmarks.metrics_overhead --publish       # also benchmarks/results/metrics_overhead_<machine>.*
@@ -14,17 +21,20 @@ Target: the control ops' p99 with metrics at most 5% above it without.
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
 import platform
 import socket
-import statistics
 import subprocess
 import sys
-from typing import Any
+import time
+from typing import Iterator
 
+import zmq
+
+from benchmarks.ab_trees import paired_rows
 from benchmarks.outputs import add_output_args, code_version, cpu_model, open_run
-from benchmarks.tq_throughput import bench_control_ops
+from benchmarks.tq_throughput import CONTROL_WARMUP, MiB, control_ops, latency_summary
 
 TARGET = 1.05  # p99 with metrics / p99 without
 SCRAPE_EVERY_S = 1.0  # default; Prometheus' own default is 15 s
@@ -65,27 +75,78 @@ class Scraper:
         return int(out.strip() or 0)
 
 
-def run_table(metrics: bool, iters: int, scrape_every_s: float) -> tuple[dict[str, dict[str, float]], int]:
-    """tq_throughput's control table against a service with or without metrics; (table, scrapes)."""
-    if not metrics:
-        os.environ.pop("TQ_METRICS_PORT", None)
-        return bench_control_ops(iters), 0
-    port = _free_port()
-    os.environ["TQ_METRICS_PORT"] = str(port)
-    scraper = Scraper(f"http://127.0.0.1:{port}/metrics", scrape_every_s)
+Placement = dict[str, set[int]]
+
+
+def placements() -> list[Placement] | None:
+    """Cores for the client and the two services, and the same with the services' cores swapped (for
+    alternate rounds); None on a machine too small to give each its own (then nothing is pinned)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 12:
+        return None
+    client, a, b = set(cpus[1:3]), set(cpus[3:7]), set(cpus[7:11])  # cpu 0 takes most interrupts
+    return [{"client": client, "off": a, "on": b}, {"client": client, "off": b, "on": a}]
+
+
+@contextlib.contextmanager
+def _cores(cores: set[int] | None) -> Iterator[None]:
+    """Run the block (and every process it starts) on ``cores``; None: leave the affinity alone."""
+    if cores is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
     try:
-        table = bench_control_ops(iters)
+        yield
     finally:
-        scrapes = scraper.stop()
-        os.environ.pop("TQ_METRICS_PORT", None)
-    return table, scrapes
+        os.sched_setaffinity(0, before)
+
+
+def paired_round(iters: int, scrape_every_s: float, place: Placement | None) -> tuple[dict[str, dict[str, dict[str, float]]], int]:
+    """One round: a service without and one with metrics up at once, every control op's ``iters``
+    timed calls alternating between them; ({"off": table, "on": table}, scrapes)."""
+    from tq import TQServer
+
+    where = (lambda who: place[who]) if place else (lambda who: None)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_cores(where("client")))
+        zmq.Context.instance()  # its I/O threads start now, on the client's cores
+        servers, scraper = {}, None
+        for mode in ("off", "on"):
+            with _cores(where(mode)):  # the service's processes inherit these cores
+                port = _free_port()
+                if mode == "on":
+                    os.environ["TQ_METRICS_PORT"] = str(port)
+                try:
+                    servers[mode] = stack.enter_context(TQServer(storage_units=1, capacity=64 * MiB))
+                finally:
+                    os.environ.pop("TQ_METRICS_PORT", None)
+                if mode == "on":
+                    scraper = Scraper(f"http://127.0.0.1:{port}/metrics", scrape_every_s)
+        try:
+            sides = {mode: stack.enter_context(control_ops(servers[mode].address)) for mode in ("off", "on")}
+            tables: dict[str, dict[str, dict[str, float]]] = {"off": {}, "on": {}}
+            for name in sides["off"][0]:
+                calls = {mode: ops[name] for mode, (ops, _) in sides.items()}
+                for _ in range(min(CONTROL_WARMUP, iters)):
+                    calls["off"](), calls["on"]()
+                lat: dict[str, list[float]] = {"off": [], "on": []}
+                for i in range(iters):
+                    for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
+                        t0 = time.perf_counter()
+                        calls[mode]()
+                        lat[mode].append(time.perf_counter() - t0)
+                for mode, (_, reset) in sides.items():
+                    reset()
+                    tables[mode][name] = latency_summary(lat[mode])
+        finally:
+            scrapes = scraper.stop() if scraper is not None else 0
+    return tables, scrapes
 
 
 def recording_cost_ns(n: int = 200_000) -> dict[str, float]:
     """Nanoseconds a server's loop spends per request on its own bookkeeping (``RpcServer._record`` and
     the request's byte count), metrics off and on: the part of the overhead no scrape adds to."""
-    import time
-
     import zmq
 
     from tq.rpc import Call, RpcServer
@@ -123,31 +184,22 @@ def main() -> None:
     if a.control_iters < 100 or a.rounds < 1 or a.scrape_every <= 0:
         p.error("--control-iters must be >= 100 (a p99 needs them), --rounds >= 1 and --scrape-every > 0")
     out = open_run("metrics_overhead", a.run_dir)
-    tables: dict[bool, list[dict[str, dict[str, float]]]] = {False: [], True: []}
+    tables: dict[str, list[dict[str, dict[str, float]]]] = {"off": [], "on": []}
     scrapes = 0
+    place = placements()
     for r in range(a.rounds):
-        for metrics in (False, True) if r % 2 == 0 else (True, False):
-            table, n = run_table(metrics, a.control_iters, a.scrape_every)
-            tables[metrics].append(table)
-            scrapes += n
-            print(
-                f"round {r + 1}/{a.rounds}, metrics {'on' if metrics else 'off'}: "
-                f"worst p99 {max(v['p99_ms'] for v in table.values()):.3f} ms",
-                flush=True,
-            )
+        round_tables, n = paired_round(a.control_iters, a.scrape_every, place[r % 2] if place else None)
+        tables["off"].append(round_tables["off"])
+        tables["on"].append(round_tables["on"])
+        scrapes += n
+        worst = {m: max(v["p99_ms"] for v in t.values()) for m, t in round_tables.items()}
+        print(f"round {r + 1}/{a.rounds}: worst p99 off {worst['off']:.3f} ms, on {worst['on']:.3f} ms", flush=True)
     record_ns = recording_cost_ns()
     if not scrapes:
         raise SystemExit("metrics_overhead: no scrape of the metrics service returned TQ metrics: nothing was measured")
 
-    def med(metrics: bool, op: str, key: str) -> float:
-        return statistics.median(t[op][key] for t in tables[metrics])
-
-    rows: dict[str, dict[str, Any]] = {}
-    for op in tables[False][0]:
-        rows[op] = {f"{k}_{m}": med(flag, op, k) for k in ("p50_ms", "p99_ms") for m, flag in (("off", False), ("on", True))}
-        rows[op]["p99_ratio"] = rows[op]["p99_ms_on"] / rows[op]["p99_ms_off"]
-    total_off, total_on = (sum(v[f"p99_ms_{m}"] for v in rows.values()) for m in ("off", "on"))
-    ratio = total_on / total_off  # the table's p99s summed: no single noisy op decides
+    rows, total = paired_rows(tables, "off", "on")
+    total_off, total_on, ratio = total["off"], total["on"], total["ratio"]  # the p99s summed: no single noisy op decides
     worst = max(v["p99_ratio"] for v in rows.values())
     machine = f"{platform.node()} - {len(os.sched_getaffinity(0))} usable CPUs ({cpu_model()}), Python {platform.python_version()}"
     res = {
@@ -155,19 +207,27 @@ def main() -> None:
         "code": code_version(),
         "control_iters": a.control_iters,
         "rounds": a.rounds,
+        "pinned": {k: sorted(v) for k, v in place[0].items()} if place else None,
         "scrapes": scrapes,
         "scrape_every_s": a.scrape_every,
         "ops": rows,
-        "per_round": {"off": tables[False], "on": tables[True]},
+        "per_round": tables,
         "p99_sum_ms": {"off": total_off, "on": total_on, "ratio": ratio},
         "record_ns_per_request": record_ns,
         "worst_op_p99_ratio": worst,
         "target": {"p99_ratio_max": TARGET, "met": ratio <= TARGET},
     }
+    pinning = (
+        f"client on CPUs {sorted(place[0]['client'])}, the services on {sorted(place[0]['off'])} and {sorted(place[0]['on'])} "
+        "(swapped every round)"
+        if place
+        else "nothing pinned (fewer than 12 CPUs)"
+    )
     lines = [
         "# Metrics overhead: tq_throughput's control ops without and with `--metrics-port`\n",
-        f"Machine: {machine}. {a.rounds} rounds x {a.control_iters} calls per op and service, services alternating "
-        f"A-B/B-A, medians over rounds; the metrics service scraped every {a.scrape_every:g} s ({scrapes} scrapes).\n",
+        f"Machine: {machine}. {a.rounds} rounds x {a.control_iters} calls per op and service; both services up at "
+        f"once, calls alternating between them; {pinning}; medians over rounds; the metrics service scraped every "
+        f"{a.scrape_every:g} s ({scrapes} scrapes).\n",
         "| op | p50 off ms | p50 on ms | p99 off ms | p99 on ms | p99 on/off |",
         "|---|---:|---:|---:|---:|---:|",
     ]
@@ -184,11 +244,7 @@ def main() -> None:
         f"A server's own bookkeeping per request (count, latency window; with metrics also the histogram "
         f"and bytes in/out), timed alone: {record_ns['off']:.0f} ns off, {record_ns['on']:.0f} ns on.",
     ]
-    with open(out.path(".json"), "w") as f:
-        json.dump(res, f, indent=1)
-    with open(out.path(".md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    out.write_report(res, lines)
     out.finish(a.publish, a.machine)
 
 

@@ -16,13 +16,14 @@ writes there: it writes ``logs/<name>/<timestamp>/<name>.*`` (or ``--run-dir``) 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shutil
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(REPO, "benchmarks", "results")
@@ -52,13 +53,13 @@ def cpu_model() -> str:
         return platform.processor() or platform.machine()
 
 
-def code_version() -> dict[str, object]:
+def code_version(repo: str = REPO) -> dict[str, object]:
     """The commit a run measured and the files under tq/ that differed from it (a published figure
-    names the code it is of)."""
+    names the code it is of); ``repo``: the checkout (default: this one)."""
 
     def git(*args: str) -> str:
         try:
-            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.rstrip()
+            return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=10).stdout.rstrip()
         except (OSError, subprocess.TimeoutExpired):
             return ""
 
@@ -99,6 +100,14 @@ class RunOutput:
         if p not in self.written:
             self.written.append(p)
         return p
+
+    def write_report(self, res: dict[str, Any], lines: list[str]) -> None:
+        """Write the run's results (``.json``) and its report (``.md``, also printed)."""
+        with open(self.path(".json"), "w") as f:
+            json.dump(res, f, indent=1)
+        with open(self.path(".md"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        self.log("\n".join(lines))
 
     def finish(self, publish: bool, machine: str | None = None, *, gpu: bool = False, results_dir: str = RESULTS_DIR) -> list[str]:
         """With ``publish``, copy every file of this run that exists to ``<results_dir>/<name>_<machine><suffix>``

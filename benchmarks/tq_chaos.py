@@ -824,7 +824,7 @@ class Canary:
                 self.errors["wrong bytes"] += 1
                 return False
             located, msg = self.client._ctrl.call("locate", {"partition": CANARY, "keys": [key], "fields": ["x"]})
-            covered.add(int(protocol.unpack_array(located["loc"], msg.buffers)[0, 0, protocol.LOC_UNIT]))
+            covered.add(int(protocol.unpack_array(located.loc, msg.buffers)[0, 0, protocol.LOC_UNIT]))
             self.client.discard(meta)
         except Exception as exc:
             self.errors[type(exc).__name__] += 1

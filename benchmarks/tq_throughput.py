@@ -39,6 +39,7 @@ package comes with the ``[bench]`` extra (``pip install -e '.[bench]'``); withou
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import multiprocessing as mp
@@ -49,7 +50,7 @@ import sys
 import time
 import uuid
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -660,43 +661,59 @@ def bench_memcpy(sizes: list[int], iters: int) -> dict[int, dict[str, list[float
     return results
 
 
-def bench_control_ops(n: int) -> dict[str, dict[str, float]]:
-    """p50/p99 latency of 1-key puts and gets (same host and over TCP) and of small control operations
-    against a running service."""
-    from tq import TQClient, TQServer
+@contextlib.contextmanager
+def control_ops(address: str) -> Iterator[tuple[dict[str, Callable[[], Any]], Callable[[], None]]]:
+    """The control table's operations against the service at ``address``: ``(ops, reset)``, each op a
+    call to time (1-key puts and gets, same host and over TCP, and small control operations), ``reset``
+    what to run after an op's timed calls (drops the puts' keys, outside the timing)."""
+    from tq import TQClient
 
-    out = {}
-    with (
-        TQServer(storage_units=1, capacity=64 * MiB) as server,
-        TQClient(server.address) as client,
-        TQClient(server.address, transport="tcp") as tcp,
-    ):
+    with TQClient(address) as client, TQClient(address, transport="tcp") as tcp:
         client.register_partition("ctl")
         client.register_partition("ctl-put")
         meta = client.put("ctl", [f"k{i}" for i in range(8)], {"x": torch.arange(8)})
         one = client.put("ctl", ["one"], {"x": torch.arange(1)})
         row, fresh = {"x": torch.arange(1)}, itertools.count()
-        ops: dict[str, Callable[[], Any]] = {
-            "put, 1 key (same host)": lambda: client.put("ctl-put", [f"p{next(fresh)}"], row),
-            "get, 1 key (same host)": lambda: client.get(one, ["x"]),
-            "put, 1 key (tcp)": lambda: tcp.put("ctl-put", [f"p{next(fresh)}"], row),
-            "get, 1 key (tcp)": lambda: tcp.get(one, ["x"]),
-            "wait (already produced, 8 keys)": lambda: client.wait(meta, ["x"], timeout=1.0),
-            "get_meta (8 keys)": lambda: client.get_meta("ctl", meta.keys),
-            "register_partition (reuse, empty)": lambda: client.register_partition("ctl-empty", reuse=True),
-            "get of 8 scalars": lambda: client.get(meta, ["x"]),
-        }
+        yield (
+            {
+                "put, 1 key (same host)": lambda: client.put("ctl-put", [f"p{next(fresh)}"], row),
+                "get, 1 key (same host)": lambda: client.get(one, ["x"]),
+                "put, 1 key (tcp)": lambda: tcp.put("ctl-put", [f"p{next(fresh)}"], row),
+                "get, 1 key (tcp)": lambda: tcp.get(one, ["x"]),
+                "wait (already produced, 8 keys)": lambda: client.wait(meta, ["x"], timeout=1.0),
+                "get_meta (8 keys)": lambda: client.get_meta("ctl", meta.keys),
+                "register_partition (reuse, empty)": lambda: client.register_partition("ctl-empty", reuse=True),
+                "get of 8 scalars": lambda: client.get(meta, ["x"]),
+            },
+            lambda: client.clear_partition("ctl-put"),
+        )
+
+
+CONTROL_WARMUP = 50  # untimed calls per op first
+
+
+def latency_summary(seconds: Sequence[float]) -> dict[str, float]:
+    """p50/p99 in milliseconds of one op's timed calls."""
+    a = np.asarray(seconds) * 1e3
+    return {"p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99))}
+
+
+def bench_control_ops(n: int) -> dict[str, dict[str, float]]:
+    """p50/p99 latency of :func:`control_ops` (``n`` timed calls each) against a fresh one-unit service."""
+    from tq import TQServer
+
+    out = {}
+    with TQServer(storage_units=1, capacity=64 * MiB) as server, control_ops(server.address) as (ops, reset):
         for name, fn in ops.items():
-            for _ in range(min(50, n)):
+            for _ in range(min(CONTROL_WARMUP, n)):
                 fn()
             lat = []
             for _ in range(n):
                 t0 = time.perf_counter()
                 fn()
                 lat.append(time.perf_counter() - t0)
-            client.clear_partition("ctl-put")  # the puts' keys, outside the timed calls
-            a = np.array(lat) * 1e3
-            out[name] = {"p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99))}
+            reset()
+            out[name] = latency_summary(lat)
     return out
 
 

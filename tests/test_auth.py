@@ -92,7 +92,7 @@ def test_request_outside_the_time_window_is_refused(server, client, monkeypatch,
 
 @pytest.mark.parametrize("target", ["controller", "unit"])
 def test_sequence_going_back_is_refused_and_a_fresh_sender_is_accepted(server, client, target):
-    address = server.address if target == "controller" else client._units[0]["address"]
+    address = server.address if target == "controller" else client._units[0].address
     sender = protocol.Sender()
     first = protocol.request("stats", 1, {}, [], KEY, sender)
     second = protocol.request("stats", 2, {}, [], KEY, sender)
@@ -204,7 +204,7 @@ def unit(client):
     meta = client.put(pid, ["a", "b", "c", "d"], {"x": data})
     digest = hashlib.sha256(data.numpy().tobytes()).hexdigest()
     info = client.stats()["unit_stats"][0]
-    yield info["pid"], client._units[0]["address"]
+    yield info["pid"], client._units[0].address
     got = client.get(meta)["x"]  # the unit kept serving, data intact
     assert hashlib.sha256(got.numpy().tobytes()).hexdigest() == digest
     client.drop_partition(pid)

@@ -191,7 +191,7 @@ def test_leases_survive_a_controller_restart_from_its_journal(tmp_path):
         }
         apply(ctrl, "commit", {"partition": "p", "keys": ["a", "b"], "mode": "put", "blocks": [[0, 5, 2]], "fields": fields}, bufs)
         reply, _ = apply(ctrl, "locate", {"partition": "p", "keys": ["a", "b"], "fields": ["x"], "lease_s": 60.0})
-        lease = reply["lease"]
+        lease = reply.lease
         apply(ctrl, "discard", {"partition": "p", "keys": ["a"]})
         assert "free_rows" not in heard()
     finally:

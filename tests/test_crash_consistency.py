@@ -224,7 +224,7 @@ def test_put_goes_where_there_is_room_and_splits_when_no_unit_has_enough(transpo
             data[tuple(keys)] = torch.randint(0, 255, (5, row), dtype=torch.uint8)
             c.put("p", keys, {"x": data[tuple(keys)]})
             located, msg = c._ctrl.call("locate", {"partition": "p", "keys": keys, "fields": ["x"]})
-            assert set(protocol.unpack_array(located["loc"], msg.buffers)[0, :, 0].tolist()) == {0, 1}  # split
+            assert set(protocol.unpack_array(located.loc, msg.buffers)[0, :, 0].tolist()) == {0, 1}  # split
             for keys, want in data.items():
                 assert torch.equal(c.get(c.get_meta("p", list(keys)), ["x"])["x"], want)
             c.clear_partition("p")
@@ -304,16 +304,16 @@ def test_block_never_committed_is_reclaimed_after_its_lease_and_a_late_commit_is
                 "partition": "p",
                 "keys": ["late"],
                 "mode": "put",
-                "blocks": [[0, stored["block"], 1]],
+                "blocks": [[0, stored.block, 1]],
                 "fields": {
                     "x": {
                         "schema": ["tensor", "int64", []],
                         "row_nbytes": protocol.pack_array(np.array([8], dtype=np.int64), cbufs),
-                        "arena_offsets": protocol.pack_array(np.array([stored["starts"]["x"]], dtype=np.int64), cbufs),
+                        "arena_offsets": protocol.pack_array(np.array([stored.starts["x"]], dtype=np.int64), cbufs),
                     }
                 },
             }
-            with pytest.raises(FencedCommitError, match=f"block {stored['block']} of storage unit 0 (was reclaimed|is settled)"):
+            with pytest.raises(FencedCommitError, match=f"block {stored.block} of storage unit 0 (was reclaimed|is settled)"):
                 c._ctrl.call("commit", commit, cbufs)
             with pytest.raises(KeyNotFoundError):
                 c.get_meta("p", ["late"])
@@ -325,19 +325,19 @@ def test_block_never_committed_is_reclaimed_after_its_lease_and_a_late_commit_is
             spec["row_offsets"] = protocol.pack_array(np.array([0, 8], dtype=np.int64), bufs)
             spec["data"] = protocol.pack_array(np.array([42], dtype=np.int64).view(np.uint8), bufs)
             stored, _ = unit.call("store", {"n_rows": 1, "fields": {"x": spec}}, bufs)
-            commit["keys"], commit["blocks"] = ["twice"], [[0, stored["block"], 1]]
+            commit["keys"], commit["blocks"] = ["twice"], [[0, stored.block, 1]]
             cbufs = []
             commit["fields"]["x"]["row_nbytes"] = protocol.pack_array(np.array([8], dtype=np.int64), cbufs)
-            commit["fields"]["x"]["arena_offsets"] = protocol.pack_array(np.array([stored["starts"]["x"]], dtype=np.int64), cbufs)
+            commit["fields"]["x"]["arena_offsets"] = protocol.pack_array(np.array([stored.starts["x"]], dtype=np.int64), cbufs)
             first, _ = c._ctrl.call("commit", commit, cbufs)
             again, _ = c._ctrl.call("commit", commit, cbufs)
-            assert "duplicate" not in first and again["duplicate"] is True
+            assert first.duplicate is False and again.duplicate is True
             meta = c.get_meta("p", ["twice"])
             assert torch.equal(c.get(meta, ["x"])["x"], torch.tensor([42]))
             c.discard(meta)
             time.sleep(1.5)  # the block is freed and settled at the unit
             late, _ = c._ctrl.call("commit", commit, cbufs)
-            assert late["duplicate"] is True
+            assert late.duplicate is True
             with pytest.raises(KeyNotFoundError):
                 c.get_meta("p", ["twice"])
             assert c.stats()["unit_stats"][0]["blocks"] == 1  # only 'kept'
@@ -373,7 +373,7 @@ def test_a_units_restart_does_not_restart_the_commit_lease_of_its_tentative_bloc
             freed_at = time.monotonic()
             # asked at the first heartbeats past the original deadline (a fresh lease: back_at + lease)
             assert freed_at - max(back_at, stored_at + lease) < 2.5, (freed_at - stored_at, back_at - stored_at)
-            assert wait_until(lambda: c.stats()["unit_ledgers"]["0"]["low_water"] > stored["block"], timeout=3)
+            assert wait_until(lambda: c.stats()["unit_ledgers"]["0"]["low_water"] > stored.block, timeout=3)
         finally:
             c.close()
 
@@ -396,8 +396,8 @@ def test_allocation_being_filled_survives_a_unit_restart_and_is_not_handed_out_a
             assert c.stats()["unit_stats"][0]["pending_allocs"] == 1
             others = [c.put("p", [f"o{i}"], {"x": torch.full((1, nbytes // 4), float(i))}) for i in range(6)]
             located, msg = c._ctrl.call("locate", {"partition": "p", "keys": [m.keys[0] for m in others], "fields": ["x"]})
-            loc = protocol.unpack_array(located["loc"], msg.buffers)[0]
-            lo, hi = alloc["offset"], alloc["offset"] + nbytes
+            loc = protocol.unpack_array(located.loc, msg.buffers)[0]
+            lo, hi = alloc.offset, alloc.offset + nbytes
             assert not any(o < hi and o + n > lo for o, n in zip(loc[:, 4].tolist(), loc[:, 3].tolist())), "range handed out again"
             mine = torch.full((1, nbytes // 4), -1.0)
             c._arena(0).view[lo:hi] = mine.view(torch.uint8).numpy().ravel()  # the writer finishes its copy
@@ -407,7 +407,7 @@ def test_allocation_being_filled_survives_a_unit_restart_and_is_not_handed_out_a
                 "offset": 0,
                 "row_offsets": protocol.pack_array(np.array([0, nbytes], dtype=np.int64), bufs),
             }
-            stored, _ = c._unit_chans[0].call("store", {"n_rows": 1, "fields": {"x": spec}, "alloc": alloc["alloc"]}, bufs)
+            stored, _ = c._unit_chans[0].call("store", {"n_rows": 1, "fields": {"x": spec}, "alloc": alloc.alloc}, bufs)
             cbufs: list = []
             c._ctrl.call(
                 "commit",
@@ -415,7 +415,7 @@ def test_allocation_being_filled_survives_a_unit_restart_and_is_not_handed_out_a
                     "partition": "p",
                     "keys": ["slow"],
                     "mode": "put",
-                    "blocks": [[0, stored["block"], 1]],
+                    "blocks": [[0, stored.block, 1]],
                     "fields": {
                         "x": {
                             "schema": spec["schema"],

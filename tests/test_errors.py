@@ -345,7 +345,7 @@ HOSTILE = {
 def _target_address(tq_server_client: TQClient, target: str) -> str:
     if target == "controller":
         return tq_server_client.address
-    return tq_server_client._units[int(target[-1])]["address"]
+    return tq_server_client._units[int(target[-1])].address
 
 
 @pytest.mark.parametrize("target", ["controller", "unit0", "unit1"])
@@ -497,8 +497,8 @@ def test_controller_killed_mid_session():
         with TQClient(server.address, timeout=30.0):  # returns once the storage unit has registered
             pass
         c = TQClient(server.address, timeout=1.0)
-        unit_pids = [u["pid"] for u in c._units]
-        arenas = [u["arena_path"] for u in c._units]
+        unit_pids = [u.pid for u in c._units]
+        arenas = [u.arena_path for u in c._units]
         assert unit_pids and all(os.path.exists(a) for a in arenas)
         c.register_partition("p")
         meta = c.put("p", ["a", "b"], {"x": torch.tensor([1, 2])})
@@ -574,7 +574,7 @@ def test_wrong_or_missing_secret_is_rejected(secure_server, monkeypatch, secret)
         assert time.monotonic() - t0 < 5.0  # answered at once, not timed out
         assert good.stats()["rejected_messages"] == rejected_before + 1
         # raw requests with a bad signature, to the controller and to the storage unit
-        for address in (secure_server.address, good._units[0]["address"]):
+        for address in (secure_server.address, good._units[0].address):
             frames = protocol.request("stats", 1, {}, [], secret.encode() if secret else None)
             reply = raw_exchange(address, frames, secret=b"s3cret")  # replies are signed by the server
             with pytest.raises(AuthenticationError, match="signature"):
@@ -726,7 +726,7 @@ def test_errors_are_tq_errors():
 def _unit_of(c: TQClient, meta: KVBatchMeta, field: str) -> int:
     """The storage unit holding ``field`` of the meta's last key (asked of the controller)."""
     located, msg = c._ctrl.call("locate", {"partition": meta.partition_id, "keys": [meta.keys[-1]], "fields": [field]})
-    return int(protocol.unpack_array(located["loc"], msg.buffers)[0, 0, 0])
+    return int(protocol.unpack_array(located.loc, msg.buffers)[0, 0, 0])
 
 
 def test_hung_storage_unit_fails_reads_fast_naming_unit_and_key():
@@ -743,8 +743,8 @@ def test_hung_storage_unit_fails_reads_fast_naming_unit_and_key():
             metas = [c.put("p", [f"h{i}_{j}" for j in range(2)], {"x": torch.full((2, 3), float(i))}) for i in range(2)]
             units = [_unit_of(c, m, "x") for m in metas]
             assert sorted(units) == [0, 1]
-            info = next(u for u in c._units if u["unit_id"] == units[0])
-            os.kill(info["pid"], signal.SIGSTOP)
+            info = next(u for u in c._units if u.unit_id == units[0])
+            os.kill(info.pid, signal.SIGSTOP)
             try:
                 assert torch.equal(c.get(metas[0])["x"], torch.full((2, 3), 0.0))  # no request to the unit
                 t0 = time.monotonic()
@@ -755,7 +755,7 @@ def test_hung_storage_unit_fails_reads_fast_naming_unit_and_key():
                     c.get(metas[0])  # known down: refused by the controller at once
                 assert torch.equal(c.get(metas[1])["x"], torch.full((2, 3), 1.0))
             finally:
-                os.kill(info["pid"], signal.SIGCONT)
+                os.kill(info.pid, signal.SIGCONT)
             assert wait_until(lambda: all(u["alive"] for u in c.stats()["units"]), timeout=10)
             assert torch.equal(tcp.get(metas[0])["x"], torch.full((2, 3), 0.0))
         finally:
@@ -781,8 +781,8 @@ def test_killed_storage_unit_is_restarted_and_recovers_its_data():
             units = [_unit_of(c, m, "x") for m in metas]
             assert set(units) == {0, 1}
             victim = units[0]
-            info = next(u for u in c._units if u["unit_id"] == victim)
-            os.kill(info["pid"], signal.SIGKILL)
+            info = next(u for u in c._units if u.unit_id == victim)
+            os.kill(info.pid, signal.SIGKILL)
             t0 = time.monotonic()
             try:  # fails fast while it is down, or reads recovered data if it is already back
                 assert torch.equal(c.get(metas[0])["x"], data[0])
@@ -801,7 +801,7 @@ def test_killed_storage_unit_is_restarted_and_recovers_its_data():
 
             assert wait_until(recovered, timeout=20)
             new = next(u for u in c.stats()["units"] if u["unit_id"] == victim)
-            assert new["pid"] != info["pid"] and new["arena_path"] == info["arena_path"] and new["alive"]
+            assert new["pid"] != info.pid and new["arena_path"] == info.arena_path and new["alive"]
             for i, m in enumerate(metas):
                 m = m.select(range(1, 3)) if i == 3 else m
                 want = data[i][1:] if i == 3 else data[i]

@@ -7,7 +7,8 @@ msgpack headers with random or mutated fields (ops known and unknown, args of an
 shapes and indices) and truncations of valid requests. The oracle, for each example:
 
 - the server answers with a reply that decodes, echoes the request id when the header could be read,
-  and either carries a result (only for a well-formed request of a known op) or an error that
+  and either carries a result (only for a well-formed request of a known op, and of that op's reply
+  type in :mod:`tq.messages`) or an error that
   ``protocol.raise_for_reply`` raises as a :class:`TQError` subclass; it may stay silent only for a
   message of fewer than two frames or whose header is not a msgpack map;
 - an error leaves the server's state as it was (partitions, keys and fields on the controller; blocks,
@@ -54,9 +55,11 @@ from tq.errors import (
 )
 from tq.rpc import RpcChannel
 
-# The ops and their argument names come from the request definitions the servers decode with.
+# The ops and their argument names come from the request definitions the servers decode with; a
+# result is checked against the reply definitions clients decode with.
 CONTROLLER_OPS = tuple(op.value for op in messages.CONTROLLER_REQUESTS)
 UNIT_OPS = tuple(op.value for op in messages.UNIT_REQUESTS)
+REPLY_DECODERS = {"controller": messages.CONTROLLER_REPLY_DECODERS, "unit": messages.UNIT_REPLY_DECODERS}
 DESTRUCTIVE = frozenset({"shutdown", "drop_partition", "clear_partition", "discard", "free_rows", "free_blocks", "retain", "register_unit"})
 DROP_WAIT_S = 0.5  # how long silence is waited for where dropping is allowed (an unreadable header)
 REPLY_TIMEOUT_S = 10.0  # where a reply is required: it comes in milliseconds, but CI machines stall
@@ -147,12 +150,12 @@ def env(tq_server):
     scratch = f"fuzzscratch-{uuid.uuid4().hex[:6]}"
     client.register_partition(scratch)
     located, msg = client._ctrl.call("locate", {"partition": ref.pid, "keys": ref.keys, "fields": ["ids"]})
-    loc = protocol.unpack_array(located["loc"], msg.buffers)
-    units = sorted(client._units, key=lambda u: u["unit_id"])
-    ref_blocks = [sorted({int(b) for u_, b in loc[0, :, :2].tolist() if u_ == u["unit_id"]}) for u in units]
+    loc = protocol.unpack_array(located.loc, msg.buffers)
+    units = sorted(client._units, key=lambda u: u.unit_id)
+    ref_blocks = [sorted({int(b) for u_, b in loc[0, :, :2].tolist() if u_ == u.unit_id}) for u in units]
     assert all(ref_blocks), "the reference batches should sit on both storage units"
-    chans = [RpcChannel(u["address"], secret=None, timeout=10.0, name=f"unit {u['unit_id']}") for u in units]
-    e = FuzzEnv(tq_server.address, ref, client, scratch, [u["address"] for u in units], [u["pid"] for u in units], chans, ref_blocks)
+    chans = [RpcChannel(u.address, secret=None, timeout=10.0, name=f"unit {u.unit_id}") for u in units]
+    e = FuzzEnv(tq_server.address, ref, client, scratch, [u.address for u in units], [u.pid for u in units], chans, ref_blocks)
     assert ref.verify() == 2 * len(ref.keys) * len(REF_FIELDS)
     yield e
     for ch in chans:
@@ -584,6 +587,8 @@ def check_example(env: FuzzEnv, target: str, unit: int, ex: Example) -> None:
                 f"{target} accepted a malformed request: {header!r}"
             )
             assert msg.header["op"] not in DESTRUCTIVE, f"a destructive request got through _defang: {msg.header!r}"
+            # the result is of the op's reply type, as a client decodes it (MalformedMessageError if not)
+            REPLY_DECODERS[target][msg.header["op"]].decode(msgspec.msgpack.encode(reply.header["result"]))
             env.outcomes[f"ok:{msg.header['op']}"] += 1
         else:
             with pytest.raises(TQError) as info:
@@ -725,7 +730,7 @@ def test_commit_locating_rows_outside_the_arena_fails_reads_naming_the_key(env):
     try:
         ok = c.put(pid, ["near"], {"x": torch.tensor([2.5])})
         located, msg = c._ctrl.call("locate", {"partition": pid, "keys": ["near"], "fields": ["x"]})
-        far_unit = 1 - int(protocol.unpack_array(located["loc"], msg.buffers)[0, 0, 0])  # the other unit
+        far_unit = 1 - int(protocol.unpack_array(located.loc, msg.buffers)[0, 0, 0])  # the other unit
         bufs: list = []  # a real block of the other unit, stored as a client would
         spec = {
             "schema": ["tensor", "float32", []],

@@ -743,3 +743,126 @@ def test_write_back_overwrite_replaces_a_field_and_frees_what_only_it_held(tclie
     with pytest.raises(SchemaConflictError, match="sample_mask"):
         tclient.write_back(meta, {"sample_mask": torch.zeros(2, dtype=torch.int64)}, overwrite=True)
     tclient.discard(meta)
+
+
+# ----------------------------------------------------------------------------- typed replies
+def _old_replies() -> list[tuple[str, str, dict]]:
+    """(server, op, result) as the handlers built them by hand before replies were typed: the maps
+    clients and servers of that code send and expect."""
+    from tq.protocol import pack_array
+
+    bufs: list = []
+    loc, sizes = pack_array(np.zeros((1, 2, 5), np.int64), bufs), pack_array(np.zeros(2, np.int64), bufs)
+    frame, frame_rows = pack_array(np.zeros(16, np.uint8), bufs), pack_array(np.array([2], np.int64), bufs)
+    unit = {
+        "unit_id": 0,
+        "address": "tcp://127.0.0.1:1",
+        "host": "h",
+        "arena_path": "/dev/shm/a",
+        "arena_size": 64,
+        "pid": 7,
+        "managed": True,
+    }
+    table = {"path": "/dev/shm/t", "clears": 0, "columns": {"x": 0}}
+    return [
+        ("controller", "hello", {"units": [unit, {**unit, "unit_id": 1, "free_bytes": 32}], "units_version": 2, "host": "h"}),
+        ("controller", "register_unit", {"unit_id": 1, "metrics": False}),
+        ("controller", "create_partition", {"partition": "p", "reused": True}),
+        ("controller", "clear_partition", {"keys_cleared": 3}),
+        ("controller", "mint", {"minted": 2, "slot_table": 5, "slots": [0, 1]}),
+        ("controller", "commit", {"keys": 2, "slot_table": 5, "slots": [0, 1]}),
+        ("controller", "commit", {"keys": 2, "duplicate": True}),  # a retry whose keys were discarded since
+        ("controller", "abort_blocks", {"committed": [True, False]}),
+        ("controller", "locate", {"schemas": {"x": ["tensor", "int64", []]}, "loc": loc, "units_version": 2, "table": table, "frees": 4}),
+        ("controller", "locate", {"schemas": {}, "loc": loc, "units_version": 2, "table": table, "frees": 4, "lease": 99}),
+        ("controller", "wait", {"ready": True}),
+        ("controller", "discard", {"discarded": 2}),
+        (
+            "controller",
+            "get_meta",
+            {"keys": ["a"], "slot_table": 5, "slots": [0], "fields": ["x"], "sequence_lengths": None, "tags": {"t": [1.5]}},
+        ),
+        ("controller", "leases", {"ended": []}),
+        ("controller", "unit_status", {"alive": False, "down_for_s": 4.5, "address": "tcp://127.0.0.1:1"}),
+        (
+            "controller",
+            "list_partitions",
+            [{"partition": "p", "keys": 1, "fields": {"x": {"schema": "tensor int64[]", "produced": 1}}, "bytes": 8}],
+        ),
+        ("controller", "shutdown", {"stopping": True}),
+        ("unit", "ping", {"unit_id": 0, "low_water": 3, "expired": [4], "free_bytes": 100}),
+        ("unit", "alloc", {"alloc": 1, "offset": 0}),
+        ("unit", "alloc", {"alloc": 1, "offset": 0, "first_block": 9}),
+        ("unit", "store", {"block": 3, "nbytes": {"x": 8}, "starts": {"x": 4096}}),
+        ("unit", "fetch", {"sizes": sizes, "frames": [frame], "frame_rows": frame_rows}),
+        ("unit", "retain", {"blocks_freed": 1, "adopted": [9]}),
+        ("unit", "claim", {"claimed": 2}),
+        ("unit", "trim", {"released_bytes": 0}),
+    ]
+
+
+@pytest.mark.parametrize("server, op, old", _old_replies(), ids=lambda v: v if isinstance(v, str) else "")
+def test_typed_replies_read_and_write_the_old_wire_format(server, op, old):
+    """Every reply a hand-built map used to carry decodes into its op's reply type, and the typed
+    struct encodes back to the very same bytes: the wire format did not change."""
+    import msgspec
+
+    from tq import messages, protocol
+
+    decoders = messages.CONTROLLER_REPLY_DECODERS if server == "controller" else messages.UNIT_REPLY_DECODERS
+    raw = msgspec.msgpack.encode(old)
+    reply = protocol.decode_reply(protocol.reply_ok(7, old, [], None), None)
+    typed = decoders[op].decode(reply.result)
+    assert not isinstance(typed, dict) and reply.rid == 7
+    assert msgspec.msgpack.encode(typed) == raw
+
+
+def test_an_older_controllers_reply_without_newer_keys_still_decodes():
+    from tq import messages
+
+    hello = messages.CONTROLLER_REPLY_DECODERS["hello"].decode(b"\x82\xa5units\x90\xadunits_version\x00")  # no "host"
+    assert hello.units == [] and hello.host is None
+    assert messages.CONTROLLER_REPLY_DECODERS["register_unit"].decode(b"\x81\xa7unit_id\x03").metrics is False
+
+
+@pytest.mark.parametrize(
+    "op, result, path",
+    [
+        ("locate", {"schemas": {}, "loc": {"b": 0, "d": "<i8", "s": [0]}, "units_version": "2"}, r"\$\.units_version"),
+        ("hello", {"units": [{"unit_id": 0, "address": 5}], "units_version": 1}, r"\$\.units\[0\]\.address"),
+        ("commit", {"slots": [0]}, "missing required field `keys`"),
+        ("mint", [1, 2], "Expected `object`, got `array`"),
+    ],
+)
+def test_a_reply_that_does_not_fit_its_type_is_refused_naming_op_and_path(op, result, path):
+    """A real client channel against a server answering with a result of the wrong shape: one
+    MalformedMessageError naming the op and what is wrong, at once. A late reply to an earlier
+    request (another op, another id) on the same socket is skipped before its result is decoded."""
+    import zmq
+
+    from tq import messages, protocol
+    from tq.errors import MalformedMessageError
+    from tq.rpc import RpcChannel
+
+    server = zmq.Context.instance().socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    chan = RpcChannel(f"tcp://127.0.0.1:{port}", secret=None, timeout=5.0, name="controller", replies=messages.CONTROLLER_REPLY_DECODERS)
+
+    def answer() -> None:
+        ident, *frames = server.recv_multipart()
+        rid = protocol.decode(frames, None).header["rid"]
+        server.send_multipart([ident, *protocol.reply_ok(rid - 1, {"stale": "reply"}, [], None)])  # a late one
+        server.send_multipart([ident, *protocol.reply_ok(rid, result, [], None)])
+
+    t = threading.Thread(target=answer)
+    t.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(MalformedMessageError, match=rf"reply to '{op}' does not fit its type: .*{path}"):
+            chan.call(op, {})
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        t.join(5)
+        chan.close()
+        server.close(0)

@@ -45,20 +45,20 @@ def test_a_commit_naming_a_slab_block_given_up_is_refused_and_the_slab_space_ret
         used = c.stats()["unit_stats"][0]["bytes_used"]
         g, _ = c._unit_chans[0].call("alloc", {"nbytes": 1 << 20, "ids": 4})
         assert c.stats()["unit_stats"][0]["slabs"] == 1
-        c._arena(0).view[g["offset"] : g["offset"] + 8] = np.array([7], dtype=np.int64).view(np.uint8)
-        c._ctrl.call("abort_blocks", {"blocks": [[0, b] for b in range(g["first_block"], g["first_block"] + 4)]})
+        c._arena(0).view[g.offset : g.offset + 8] = np.array([7], dtype=np.int64).view(np.uint8)
+        c._ctrl.call("abort_blocks", {"blocks": [[0, b] for b in range(g.first_block, g.first_block + 4)]})
         bufs: list = []
         commit = {
             "partition": "p",
             "keys": ["late"],
             "mode": "put",
-            "blocks": [[0, g["first_block"], 1]],
-            "slabs": [[g["alloc"], g["offset"], 4096]],
+            "blocks": [[0, g.first_block, 1]],
+            "slabs": [[g.alloc, g.offset, 4096]],
             "fields": {
                 "x": {
                     "schema": ["tensor", "int64", []],
                     "row_nbytes": protocol.pack_array(np.array([8]), bufs),
-                    "arena_offsets": protocol.pack_array(np.array([g["offset"]]), bufs),
+                    "arena_offsets": protocol.pack_array(np.array([g.offset]), bufs),
                 }
             },
         }
@@ -99,7 +99,7 @@ def test_a_fetch_of_a_committed_block_waits_for_its_adopt():
         c.register_partition("p")
         unit = c._unit_chans[0]
         g, _ = unit.call("alloc", {"nbytes": 1 << 20, "ids": 2})
-        bid, off = g["first_block"], g["offset"]
+        bid, off = g.first_block, g.offset
         c._arena(0).view[off : off + 8] = np.array([42], dtype=np.int64).view(np.uint8)
         fbufs: list = []
         rid = unit.send("fetch", {"fields": ["x"], "entries": protocol.pack_array(np.array([[0, bid, 0]]), fbufs)}, fbufs)
@@ -111,7 +111,7 @@ def test_a_fetch_of_a_committed_block_waits_for_its_adopt():
                 "keys": ["k"],
                 "mode": "put",
                 "blocks": [[0, bid, 1]],
-                "slabs": [[g["alloc"], off, 4096]],
+                "slabs": [[g.alloc, off, 4096]],
                 "fields": {
                     "x": {
                         "schema": ["tensor", "int64", []],
@@ -123,7 +123,7 @@ def test_a_fetch_of_a_committed_block_waits_for_its_adopt():
             bufs,
         )
         reply, msg = unit.recv(rid, "fetch")
-        frame = protocol.unpack_array(reply["frames"][0], msg.buffers, dtype="|u1")
+        frame = protocol.unpack_array(reply.frames[0], msg.buffers, dtype="|u1")
         assert frame.view(np.int64).tolist() == [42]
 
 

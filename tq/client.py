@@ -24,6 +24,7 @@ import weakref
 from collections import abc
 from typing import Any, Callable, Literal, Mapping, NamedTuple, Sequence, TypeVar
 
+import msgspec
 import numpy as np
 import torch
 
@@ -62,6 +63,7 @@ SHM_READ_TRIES = 3
 # Same-host puts carve blocks out of slabs: SLAB_BYTES and SLAB_IDS blocks per grant, used for at most
 # SLAB_USE_S (well inside the unit's 60 s allocation lease); a put above a quarter slab gets its own.
 SLAB_BYTES, SLAB_IDS, SLAB_USE_S = 4 << 20, 1024, 20.0
+PREFAULT_MIN_BYTES = 1 << 20  # a put this big maps its pages in one call first (Arena.prefault); a small one is not worth the syscall
 GIVE_BACK_S = 0.25  # how long giving a slab's unused ids back may wait (close() must not hang on a dead controller)
 ABORT_PROBE_S = 0.5  # after a commit got no reply: how long to ask whether it landed
 DEFAULT_LEASE_S = 30.0  # a borrowed get's lease term; a live holder renews it every third of it
@@ -357,9 +359,9 @@ class _LeaseKeeper:
             with self._lock:
                 self._ended.extend(ended)
             return
-        if reply.get("ended"):
+        if reply.ended:
             warnings.warn(
-                f"{len(reply['ended'])} borrowed gets outlived their lease: their views may show reused storage",
+                f"{len(reply.ended)} borrowed gets outlived their lease: their views may show reused storage",
                 RuntimeWarning,
                 stacklevel=1,
             )
@@ -419,8 +421,10 @@ class TQClient:
         self._slab_lock = threading.Lock()
         self._secret = secret.encode() if secret else None
         self._pool = buffer_pool or _default_pool
-        self._ctrl = RpcChannel(address, secret=self._secret, timeout=timeout, name="controller")
-        self._units: list[dict[str, Any]] = []
+        self._ctrl = RpcChannel(
+            address, secret=self._secret, timeout=timeout, name="controller", replies=messages.CONTROLLER_REPLY_DECODERS
+        )
+        self._units: list[messages.UnitInfo] = []
         self._unit_chans: dict[int, RpcChannel] = {}
         self._arenas: dict[int, Arena] = {}
         self._host = host_identity()
@@ -441,21 +445,25 @@ class TQClient:
         # The controller parks hello until the expected units registered; ask it to answer (with the
         # units it has) well before this client's own timeout fires.
         info, _ = self._ctrl.call(Op.HELLO, messages.Hello(timeout=0.8 * self.timeout))
-        self._units = list(info["units"])
-        self._units_version = info["units_version"]
-        self._ctrl_host = info.get("host")
+        self._units = info.units
+        self._units_version = info.units_version
+        self._ctrl_host = info.host
         for u in self._units:
-            chan = self._unit_chans.get(u["unit_id"])
-            if chan is None or chan.address != u["address"]:  # new, or restarted at a new address
+            chan = self._unit_chans.get(u.unit_id)
+            if chan is None or chan.address != u.address:  # new, or restarted at a new address
                 if chan is not None:
                     chan.close()
-                self._unit_chans[u["unit_id"]] = RpcChannel(
-                    u["address"], secret=self._secret, timeout=self.timeout, name=f"storage unit {u['unit_id']}"
+                self._unit_chans[u.unit_id] = RpcChannel(
+                    u.address,
+                    secret=self._secret,
+                    timeout=self.timeout,
+                    name=f"storage unit {u.unit_id}",
+                    replies=messages.UNIT_REPLY_DECODERS,
                 )
 
     def _is_local(self, unit: int) -> bool:
         u = self._units[unit]
-        return self.transport == "auto" and u["host"] == self._host and os.path.exists(u["arena_path"])
+        return self.transport == "auto" and u.host == self._host and u.arena_path is not None and os.path.exists(u.arena_path)
 
     def _unit_check(self, unit: int) -> Any:
         """A liveness check for long waits on ``unit``: raises StorageUnitError once the controller
@@ -463,9 +471,9 @@ class TQClient:
 
         def check() -> None:
             st = self._call(Op.UNIT_STATUS, messages.UnitStatus(unit=unit), timeout=min(self.timeout, 5.0))
-            if not st["alive"]:
-                raise StorageUnitError(f"storage unit {unit} at {st['address']} is down (no answer for {st['down_for_s']:.1f}s)")
-            if st["address"] != self._unit_chans[unit].address:
+            if not st.alive:
+                raise StorageUnitError(f"storage unit {unit} at {st.address} is down (no answer for {st.down_for_s:.1f}s)")
+            if st.address != self._unit_chans[unit].address:
                 raise _UnitRestarted(unit)
 
         return check
@@ -474,7 +482,7 @@ class TQClient:
         arena = self._arenas.get(unit)
         if arena is None:
             u = self._units[unit]
-            arena = self._arenas[unit] = Arena(u["arena_path"], u["arena_size"], create=False)
+            arena = self._arenas[unit] = Arena(u.arena_path, u.arena_size, create=False)
         return arena
 
     def _pick_unit(self, nbytes: int = 0) -> int:
@@ -484,8 +492,8 @@ class TQClient:
             self._refresh_units()  # units placed on Ray nodes may register after this client connected
         if not self._units:
             raise TQError("the TQ service has no storage units")
-        local = [u["unit_id"] for u in self._units if self._is_local(u["unit_id"])]
-        pool = local or [u["unit_id"] for u in self._units]
+        local = [u.unit_id for u in self._units if self._is_local(u.unit_id)]
+        pool = local or [u.unit_id for u in self._units]
         fits = [u for u in pool if self._free_bytes(u) >= nbytes]
         if not fits:
             return max(pool, key=self._free_bytes)
@@ -525,7 +533,7 @@ class TQClient:
 
     def clear_partition(self, partition_id: str) -> int:
         """Free every key of a partition (the partition stays registered); returns keys cleared."""
-        return self._call(Op.CLEAR_PARTITION, messages.ClearPartition(partition=partition_id))["keys_cleared"]
+        return self._call(Op.CLEAR_PARTITION, messages.ClearPartition(partition=partition_id)).keys_cleared
 
     def drop_partition(self, partition_id: str) -> None:
         """Free every key and unregister the partition."""
@@ -533,7 +541,7 @@ class TQClient:
 
     def list_partitions(self) -> list[dict[str, Any]]:
         """Each partition's key count, fields (schema, how many keys produced them) and bytes held."""
-        return self._call(Op.LIST_PARTITIONS, messages.ListPartitions())
+        return msgspec.to_builtins(self._call(Op.LIST_PARTITIONS, messages.ListPartitions()))
 
     def register_keys(self, partition_id: str, keys: Sequence[str]) -> KVBatchMeta:
         """Register ``keys`` with no data yet; ``write_back`` on the returned meta fills their fields.
@@ -542,7 +550,7 @@ class TQClient:
         registered then)."""
         keys = list(keys)
         r = self._call(Op.MINT, messages.Mint(partition=partition_id, keys=keys))
-        return KVBatchMeta(partition_id, tuple(keys), slot_table=r.get("slot_table"), slots=r.get("slots"))
+        return KVBatchMeta(partition_id, tuple(keys), slot_table=r.slot_table, slots=r.slots)
 
     def mint_keys(self, partition_id: str, uids: Sequence[str], group_size: int) -> KVBatchMeta:
         """Register the ``"{uid}_g{i}"`` keys of ``uids`` with no data yet (:meth:`register_keys`)."""
@@ -553,12 +561,12 @@ class TQClient:
         r = self._call(Op.GET_META, messages.GetMeta(partition=partition_id, keys=list(keys) if keys is not None else None))
         return KVBatchMeta(
             partition_id,
-            tuple(r["keys"]),
-            tuple(r["fields"]),
-            tuple(r["sequence_lengths"]) if r["sequence_lengths"] is not None else None,
-            {k: tuple(v) for k, v in r["tags"].items()},
-            slot_table=r.get("slot_table"),
-            slots=r.get("slots"),
+            tuple(r.keys),
+            tuple(r.fields),
+            tuple(r.sequence_lengths) if r.sequence_lengths is not None else None,
+            {k: tuple(v) for k, v in r.tags.items()},
+            slot_table=r.slot_table,
+            slots=r.slots,
         )
 
     def set_tags(self, meta: KVBatchMeta) -> None:
@@ -597,8 +605,8 @@ class TQClient:
             tuple(columns),
             tuple(int(s) for s in sequence_lengths) if sequence_lengths is not None else None,
             {k: tuple(v) for k, v in (tags or {}).items()},
-            slot_table=r.get("slot_table"),
-            slots=r.get("slots"),
+            slot_table=r.slot_table,
+            slots=r.slots,
         )
 
     def write_back(self, meta: KVBatchMeta, columns: Mapping[str, Any], *, overwrite: bool = False) -> KVBatchMeta:
@@ -631,7 +639,7 @@ class TQClient:
         tags: Mapping[str, Sequence[Any]] | None,
         sequence_lengths: Sequence[int] | None,
         overwrite: bool = False,
-    ) -> dict[str, Any]:
+    ) -> messages.CommitReply:
         """Store the batch (on one unit, or split over several when none has room for all of it),
         then make it visible with one commit - all keys at once. All of it, the commit's abort probe
         included, takes at most ``timeout + capacity_wait_s``."""
@@ -647,7 +655,7 @@ class TQClient:
         tags: Mapping[str, Sequence[Any]] | None,
         sequence_lengths: Sequence[int] | None,
         overwrite: bool,
-    ) -> dict[str, Any]:
+    ) -> messages.CommitReply:
         parts = self._store_parts(encoded, len(keys))
         slabs = [p.slab for p in parts if p.slab is not None]
         cbufs: list[Any] = []
@@ -680,16 +688,16 @@ class TQClient:
             # or may be lost (a restarted one). Ask: the controller fences blocks not committed, so the
             # outcome is settled either way - never a key pointing at storage that is freed or reused.
             try:
-                landed = self._call(Op.ABORT_BLOCKS, messages.AbortBlocks(blocks=[(p.unit, p.block) for p in parts]), timeout=probe_s)[
-                    "committed"
-                ]
+                landed = self._call(
+                    Op.ABORT_BLOCKS, messages.AbortBlocks(blocks=[(p.unit, p.block) for p in parts]), timeout=probe_s
+                ).committed
             except TQConnectionError:
                 raise TQConnectionError(
                     f"{exc}; the outcome of this {mode} is unknown: its keys are either absent or hold exactly "
                     "this write's bytes (a commit that arrives late is applied; one that never does is reclaimed)"
                 ) from None
             if all(landed):  # it did land (the meta then carries no slots: its gets ask the controller)
-                return {"keys": len(keys)}
+                return messages.CommitReply(keys=len(keys))
             raise TQConnectionError(f"{exc}; this {mode} did not land (its storage was reclaimed): write it again") from None
 
     def _store_parts(self, encoded: dict[str, EncodedColumn], n: int) -> list[_StoredPart]:
@@ -719,7 +727,10 @@ class TQClient:
         """Write all rows into a block carved out of this client's slab on ``unit`` (a unit of this
         host): no request to the unit, so the put's commit is its only round trip."""
         aid, base, bid = self._carve(unit, need)
-        view, starts, pos = self._arena(unit).view, {}, base
+        arena = self._arena(unit)
+        if need >= PREFAULT_MIN_BYTES:
+            arena.prefault(base, need)
+        view, starts, pos = arena.view, {}, base
         for name, col in encoded.items():
             nb = int(col.row_offsets[n] - col.row_offsets[0])
             write_chunks(view[pos : pos + nb], col.chunks)
@@ -739,7 +750,7 @@ class TQClient:
                 return slab.aid, got[0], got[1]  # type: ignore[union-attr]
             if need > SLAB_BYTES // 4:
                 g = self._unit_call(unit, UnitOp.ALLOC, messages.Alloc(nbytes=need, wait_s=self.capacity_wait_s, ids=1), [])
-                return g["alloc"], g["offset"], g["first_block"]
+                return g.alloc, g.offset, g.first_block
             if slab is not None:
                 del self._slabs[unit]
                 self._give_back(unit, slab)
@@ -747,8 +758,8 @@ class TQClient:
                 g = self._unit_call(unit, UnitOp.ALLOC, messages.Alloc(nbytes=SLAB_BYTES, ids=SLAB_IDS), [])
             except CapacityError:  # no room for a whole slab: one just for this put (waiting for room)
                 g = self._unit_call(unit, UnitOp.ALLOC, messages.Alloc(nbytes=need, wait_s=self.capacity_wait_s, ids=1), [])
-                return g["alloc"], g["offset"], g["first_block"]
-            slab = self._slabs[unit] = _Slab(g["alloc"], g["offset"], SLAB_BYTES, g["first_block"], SLAB_IDS, now + SLAB_USE_S)
+                return g.alloc, g.offset, g.first_block
+            slab = self._slabs[unit] = _Slab(g.alloc, g.offset, SLAB_BYTES, g.first_block, SLAB_IDS, now + SLAB_USE_S)
             start, bid = slab.carve(need, now)  # type: ignore[misc]
             return slab.aid, start, bid
 
@@ -792,15 +803,15 @@ class TQClient:
 
     def _free_bytes(self, unit: int) -> int:
         """The largest write ``unit`` had room for at its last heartbeat (its arena size before one)."""
-        free = self._units[unit].get("free_bytes")
-        return free if isinstance(free, int) else self._units[unit]["arena_size"]
+        u = self._units[unit]
+        return u.free_bytes if u.free_bytes is not None else u.arena_size
 
     def _units_room(self) -> dict[int, int]:
         """The largest write each answering unit has room for now."""
         self._refresh_units()
-        return {u: int(st["largest_free_bytes"]) for u, st in self._unit_stats([u["unit_id"] for u in self._units]).items()}
+        return {u: st.largest_free_bytes for u, st in self._unit_stats([u.unit_id for u in self._units]).items()}
 
-    def _unit_stats(self, units: Sequence[int]) -> dict[int, dict[str, Any]]:
+    def _unit_stats(self, units: Sequence[int]) -> dict[int, messages.UnitStatsReply]:
         """The stats of every unit that answers: all are asked before any answer is awaited, each for
         at most UNIT_STATS_TIMEOUT_S, so one that just died (not yet reported down by the controller)
         is left out instead of failing the caller."""
@@ -858,13 +869,13 @@ class TQClient:
                 pos = align_up(pos + int(ro[-1]), _FIELD_ALIGN)
             alloc = self._unit_call(unit, UnitOp.ALLOC, messages.Alloc(nbytes=pos, wait_s=self.capacity_wait_s), [])
             view = self._arena(unit).view
-            base = alloc["offset"]
+            base = alloc.offset
             for name, (col, ro, chunks) in cols.items():
                 write_chunks(view[base + offsets[name] : base + offsets[name] + int(ro[-1])], chunks)
                 fields[name] = messages.StoreField(
                     schema=col.schema.to_wire(), offset=offsets[name], row_offsets=protocol.pack_array(ro, buffers)
                 )
-            args = messages.Store(n_rows=stop - start, fields=fields, alloc=alloc["alloc"])
+            args = messages.Store(n_rows=stop - start, fields=fields, alloc=alloc.alloc)
         else:
             for name, (col, ro, chunks) in cols.items():
                 fields[name] = messages.StoreField(
@@ -874,7 +885,7 @@ class TQClient:
                 )
             args = messages.Store(n_rows=stop - start, fields=fields, wait_s=self.capacity_wait_s)
         stored = self._unit_call(unit, UnitOp.STORE, args, buffers)
-        return _StoredPart(unit, stored["block"], start, stop, stored["starts"])
+        return _StoredPart(unit, stored.block, start, stop, stored.starts)
 
     # ------------------------------------------------------------------ reads
     def wait(self, meta: KVBatchMeta, fields: Sequence[str] | None = None, timeout: float = 60.0) -> None:
@@ -895,13 +906,11 @@ class TQClient:
             args.reads = {str(u): b for u, b in reads.items()}
         return args
 
-    def _remember_table(self, partition_id: str, desc: Any, schemas: dict[str, FieldSchema]) -> None:
+    def _remember_table(self, partition_id: str, desc: messages.TableRef | None, schemas: dict[str, FieldSchema]) -> None:
         """Map the partition's location table named in a locate reply (same host only)."""
-        if not (isinstance(desc, dict) and LOCAL_TABLES_SUPPORTED and self.transport == "auto" and self._ctrl_host == self._host):
+        if not (desc is not None and LOCAL_TABLES_SUPPORTED and self.transport == "auto" and self._ctrl_host == self._host):
             return
-        path, clears, columns = desc.get("path"), desc.get("clears"), desc.get("columns")
-        if not (isinstance(path, str) and isinstance(clears, int) and isinstance(columns, dict)):
-            raise MalformedMessageError("locate reply names its location table badly")
+        path, clears, columns = desc.path, desc.clears, desc.columns
         with self._tables_lock:
             entry = self._tables.get(partition_id)
             if entry is not None and entry[0].path == path and entry[1] == clears:
@@ -956,16 +965,16 @@ class TQClient:
         (a unit serves a fetch between frees, so frames need no check)."""
         args = messages.Locate(partition=meta.partition_id, keys=list(meta.keys), fields=fields, timeout=wait_timeout)
         located, lmsg = self._ctrl.call(Op.LOCATE, self._with_reads(args), timeout=self.timeout + (wait_timeout or 0.0))
-        if located["units_version"] != self._units_version:
+        if located.units_version != self._units_version:
             self._refresh_units()
         n = len(meta.keys)
-        loc = protocol.unpack_array(located["loc"], lmsg.buffers, name="loc", dtype="<i8")
+        loc = protocol.unpack_array(located.loc, lmsg.buffers, name="loc", dtype="<i8")
         if loc.shape != (len(fields), n, LOC_COLUMNS):
             raise MalformedMessageError(f"locate reply has shape {loc.shape}, expected {(len(fields), n, LOC_COLUMNS)}")
-        schemas = [FieldSchema.from_wire(located["schemas"][f]) for f in fields]
-        self._remember_table(meta.partition_id, located.get("table"), dict(zip(fields, schemas)))
-        entry, frees = self._tables.get(meta.partition_id), located.get("frees")
-        check = (lambda: entry[0].unchanged(frees)) if entry is not None and isinstance(frees, int) else None
+        schemas = [FieldSchema.from_wire(located.schemas[f]) for f in fields]
+        self._remember_table(meta.partition_id, located.table, dict(zip(fields, schemas)))
+        entry, frees = self._tables.get(meta.partition_id), located.frees
+        check = (lambda: entry[0].unchanged(frees)) if entry is not None and frees is not None else None
         is_local = self._is_local if shm else (lambda unit: False)
         units = loc[:, :, UNIT]
         first = int(units.flat[0]) if units.size else 0
@@ -989,14 +998,14 @@ class TQClient:
         for unit, where, chan, rid in pending:  # frames of whole rows, back to back
             reply, msg = chan.recv(rid, "fetch", check=self._unit_check(unit))
             m = where.shape[0]
-            sizes = protocol.unpack_array(reply["sizes"], msg.buffers, name="sizes", dtype="<i8")
-            frame_rows = protocol.unpack_array(reply["frame_rows"], msg.buffers, name="frame_rows", dtype="<i8")
-            if sizes.shape != (m,) or frame_rows.sum() != m or len(reply["frames"]) != frame_rows.size:
+            sizes = protocol.unpack_array(reply.sizes, msg.buffers, name="sizes", dtype="<i8")
+            frame_rows = protocol.unpack_array(reply.frame_rows, msg.buffers, name="frame_rows", dtype="<i8")
+            if sizes.shape != (m,) or frame_rows.sum() != m or len(reply.frames) != frame_rows.size:
                 raise MalformedMessageError(f"fetch reply from unit {unit} does not frame the {m} rows asked for")
             src = np.repeat(np.arange(frame_rows.size), frame_rows)
             rel = np.cumsum(sizes) - sizes
             starts = rel - rel[np.cumsum(frame_rows) - frame_rows][src] if m else rel
-            sources = [protocol.unpack_array(r, msg.buffers, dtype="|u1") for r in reply["frames"]]
+            sources = [protocol.unpack_array(r, msg.buffers, dtype="|u1") for r in reply.frames]
             _place(out, fields, where, sources, src, starts, sizes)
         return out, check if read_here else None
 
@@ -1057,9 +1066,9 @@ class TQClient:
         view = self._ro_views.get(unit)
         if view is None:
             u = self._units[unit]
-            fd = os.open(u["arena_path"], os.O_RDONLY)
+            fd = os.open(u.arena_path, os.O_RDONLY)
             try:
-                view = np.frombuffer(mmap.mmap(fd, u["arena_size"], prot=mmap.PROT_READ), dtype=np.uint8)
+                view = np.frombuffer(mmap.mmap(fd, u.arena_size, prot=mmap.PROT_READ), dtype=np.uint8)
             finally:
                 os.close(fd)
             self._ro_views[unit] = view
@@ -1074,19 +1083,19 @@ class TQClient:
             return BorrowedBatch(self._get_within(meta, fields, layout, pad_to, pad_value, wait_timeout), frozenset(), None)
         args = messages.Locate(partition=meta.partition_id, keys=list(meta.keys), fields=fields, timeout=wait_timeout, lease_s=self.lease_s)
         located, lmsg = self._ctrl.call(Op.LOCATE, self._with_reads(args), timeout=self.timeout + (wait_timeout or 0.0))
-        if located["units_version"] != self._units_version:
+        if located.units_version != self._units_version:
             self._refresh_units()
-        lease = located.get("lease")
+        lease = located.lease
         n = len(meta.keys)
-        loc = protocol.unpack_array(located["loc"], lmsg.buffers, name="loc", dtype="<i8")
-        if loc.shape != (len(fields), n, LOC_COLUMNS) or not isinstance(lease, int):
+        loc = protocol.unpack_array(located.loc, lmsg.buffers, name="loc", dtype="<i8")
+        if loc.shape != (len(fields), n, LOC_COLUMNS) or lease is None:
             raise MalformedMessageError(f"borrowing locate reply has shape {loc.shape} and lease {lease!r}")
         values: dict[str, Any] = {}
         arrays: list[np.ndarray] = []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # torch warns of the read-only arrays it is handed
             for f, name in enumerate(fields):
-                view = self._view_field(FieldSchema.from_wire(located["schemas"][name]), loc[f], name, meta, layout, pad_to, arrays)
+                view = self._view_field(FieldSchema.from_wire(located.schemas[name]), loc[f], name, meta, layout, pad_to, arrays)
                 if view is not None:
                     values[name] = view
         release = self._leases.hold(lease, arrays)
@@ -1210,23 +1219,24 @@ class TQClient:
     # ------------------------------------------------------------------ deletes and stats
     def discard(self, meta: KVBatchMeta) -> int:
         """Free the meta's keys (all their fields) and unregister them; returns keys discarded."""
-        return self._call(Op.DISCARD, self._with_reads(messages.Discard(partition=meta.partition_id, keys=list(meta.keys))))["discarded"]
+        return self._call(Op.DISCARD, self._with_reads(messages.Discard(partition=meta.partition_id, keys=list(meta.keys)))).discarded
 
     def stats(self) -> dict[str, Any]:
         """Controller stats (partitions, op counts and latencies) plus every storage unit's."""
-        stats = self._call(Op.STATS, self._with_reads(messages.Stats()))
-        if stats.get("units_version") != self._units_version:
+        reply: messages.StatsReply = self._call(Op.STATS, self._with_reads(messages.Stats()))
+        if reply.units_version != self._units_version:
             self._refresh_units()
         # a unit the controller reports down is not asked; one that does not answer is shown down
-        answered = self._unit_stats([u["unit_id"] for u in stats["units"] if u.get("alive", True)])
-        for u in stats["units"]:
-            u["alive"] = u["unit_id"] in answered
-        stats["unit_stats"] = [answered.get(u["unit_id"], u) for u in stats["units"]]
+        answered = self._unit_stats([u.unit_id for u in reply.units if u.alive is not False])
+        for u in reply.units:
+            u.alive = u.unit_id in answered
+        stats = msgspec.to_builtins(reply)
+        stats["unit_stats"] = [msgspec.to_builtins(answered.get(u.unit_id, u)) for u in reply.units]
         return stats
 
     def trim(self) -> int:
         """Give the pages of free storage ranges back to the OS; returns bytes released."""
-        return sum(self._unit_chans[u["unit_id"]].call(UnitOp.TRIM, messages.Trim())[0]["released_bytes"] for u in self._units)
+        return sum(self._unit_chans[u.unit_id].call(UnitOp.TRIM, messages.Trim())[0].released_bytes for u in self._units)
 
     def shutdown_service(self) -> None:
         """Stop the controller and its storage units."""

@@ -156,8 +156,9 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             dup = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
             raise DuplicateKeyError(f"key {dup!r} appears more than once in the request")
 
-    def _units_info(self) -> dict[str, Any]:
-        return {"units": self.units, "units_version": self.units_version, "host": self.host}
+    def _units_info(self) -> messages.HelloReply:
+        # the unit maps are encoded as they are: the reply type describes them for the client
+        return messages.HelloReply(units=self.units, units_version=self.units_version, host=self.host)  # type: ignore[arg-type]
 
     def _new_partition(self, pid: str, table: LocationTable | None = None) -> Partition:
         part = Partition(pid, table or LocationTable(self.shm_dir))
@@ -165,13 +166,13 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         return part
 
     # -- units
-    def op_hello(self, args: messages.Hello, buffers: list, call: Call) -> Any:
+    def op_hello(self, args: messages.Hello, buffers: list, call: Call) -> messages.HelloReply | object:
         if len(self.units) >= self.expected_units:
             return self._units_info()
         self.hello_waiters.append((call, time.monotonic() + args.timeout))
         return DEFERRED
 
-    def op_register_unit(self, args: messages.RegisterUnit, buffers: list, call: Call) -> dict:
+    def op_register_unit(self, args: messages.RegisterUnit, buffers: list, call: Call) -> messages.RegisterUnitReply:
         """Register a new storage unit, or (``rejoin``) a restarted one taking over its old id."""
         # a unit the controller started (``managed``) is supervised: restarted on its arena when it dies,
         # also by a later incarnation of this controller that took it back from the journal
@@ -201,16 +202,16 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         self._publish_status()
         # metrics: whether the service exports them, so a unit started elsewhere (tq.ray_placement, a
         # rejoin) records its latency histograms and bytes without being told on its command line
-        return {"unit_id": uid, "metrics": self.metrics}
+        return messages.RegisterUnitReply(unit_id=uid, metrics=self.metrics)
 
-    def op_unit_status(self, args: messages.UnitStatus, buffers: list, call: Call) -> dict:
+    def op_unit_status(self, args: messages.UnitStatus, buffers: list, call: Call) -> messages.UnitStatusReply:
         unit = args.unit
         if unit >= len(self.units):
             raise InvalidRequestError(f"no storage unit {unit!r}")
         down = self._unit_down_for(unit, time.monotonic())
         if bool(down) != bool(self._published_down >> min(unit, 62) & 1):
             self._publish_status()  # a reader told "down" here must not read that unit through a table
-        return {"alive": not down, "down_for_s": down, "address": self.units[unit]["address"]}
+        return messages.UnitStatusReply(alive=not down, down_for_s=down, address=self.units[unit]["address"])
 
     def close(self) -> None:
         if self.stop_units_on_close:
@@ -274,18 +275,18 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         for unit in np.unique(rows[:, UNIT]).tolist():
             self.ledgers[unit].frees.append(rows[rows[:, UNIT] == unit][:, [BLOCK, ROW]])
 
-    def op_leases(self, args: messages.Leases, buffers: list, call: Call) -> dict:
+    def op_leases(self, args: messages.Leases, buffers: list, call: Call) -> messages.LeasesReply:
         """Renew the leases a borrower still holds, end those it gave up; answers which of the renewed
         ones had already ended (their term ran out: the borrower must not trust those views)."""
         self._release_leases(args.release)
-        return {"ended": self.lease_book.renew(args.renew)}
+        return messages.LeasesReply(ended=self.lease_book.renew(args.renew))
 
     def _rows_on(self, unit: int) -> np.ndarray:
         """What ``unit`` must keep: rows live keys reference, and rows freed under a lease."""
         return np.unique(np.concatenate([super()._rows_on(unit), self.lease_book.held_on(unit)]), axis=0)
 
     # -- partitions
-    def op_create_partition(self, args: messages.CreatePartition, buffers: list, call: Call) -> dict:
+    def op_create_partition(self, args: messages.CreatePartition, buffers: list, call: Call) -> messages.CreatePartitionReply:
         pid = args.partition
         if not pid:
             raise InvalidRequestError("partition id must be a non-empty string")
@@ -293,9 +294,9 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             if not args.reuse:
                 raise PartitionExistsError(f"partition {pid!r} already exists (pass reuse=True to clear and reuse it)")
             self._clear(self.partitions[pid])
-            return {"partition": pid, "reused": True}
+            return messages.CreatePartitionReply(partition=pid, reused=True)
         self.partitions[pid] = self._new_partition(pid)
-        return {"partition": pid, "reused": False}
+        return messages.CreatePartitionReply(partition=pid, reused=False)
 
     def _clear(self, part: Partition, *, drop: bool = False) -> int:
         n = len(part.index)
@@ -308,33 +309,29 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         self._free_rows(part, rows)
         return n
 
-    def op_clear_partition(self, args: messages.ClearPartition, buffers: list, call: Call) -> dict:
-        return {"keys_cleared": self._clear(self._partition(args.partition))}
+    def op_clear_partition(self, args: messages.ClearPartition, buffers: list, call: Call) -> messages.ClearPartitionReply:
+        return messages.ClearPartitionReply(keys_cleared=self._clear(self._partition(args.partition)))
 
-    def op_drop_partition(self, args: messages.DropPartition, buffers: list, call: Call) -> dict:
+    def op_drop_partition(self, args: messages.DropPartition, buffers: list, call: Call) -> messages.DropPartitionReply:
         part = self._partition(args.partition)
         n = self._clear(part, drop=True)
         del self.partitions[part.pid]
         for w in [w for w in self.waiters if w.pid == part.pid]:
             self.waiters.remove(w)
             self.reply_error(w.call, PartitionNotFoundError(f"partition {part.pid!r} was dropped while waiting"))
-        return {"keys_cleared": n}
+        return messages.DropPartitionReply(keys_cleared=n)
 
-    def op_list_partitions(self, args: messages.ListPartitions, buffers: list, call: Call) -> list:
+    def op_list_partitions(self, args: messages.ListPartitions, buffers: list, call: Call) -> list[messages.PartitionSummary]:
         return [self._partition_summary(p) for p in self.partitions.values()]
 
-    def _partition_summary(self, p: Partition) -> dict[str, Any]:
+    def _partition_summary(self, p: Partition) -> messages.PartitionSummary:
         live = p.live_slots()
         produced = {name: int((loc[live, UNIT] >= 0).sum()) for name, loc in p.locs.items()}
-        return {
-            "partition": p.pid,
-            "keys": len(p.index),
-            "fields": {name: {"schema": p.schemas[name].describe(), "produced": produced.get(name, 0)} for name in p.schemas},
-            "bytes": p.bytes_held(),
-        }
+        fields = {name: messages.FieldSummary(p.schemas[name].describe(), produced.get(name, 0)) for name in p.schemas}
+        return messages.PartitionSummary(p.pid, len(p.index), fields, p.bytes_held())
 
     # -- keys and fields
-    def op_mint(self, args: messages.Mint, buffers: list, call: Call) -> dict:
+    def op_mint(self, args: messages.Mint, buffers: list, call: Call) -> messages.MintReply:
         part = self._partition(args.partition)
         keys = args.keys
         self._unique(keys)
@@ -342,14 +339,9 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         if clash is not None:
             raise DuplicateKeyError(f"key {clash!r} already exists in partition {part.pid!r}")
         part.add_keys(keys)
-        return {"minted": len(keys), **self._slot_refs(part, keys)}
+        return messages.MintReply(minted=len(keys), slot_table=part.table.incarnation, slots=part.slots_of(keys).tolist())
 
-    @staticmethod
-    def _slot_refs(part: Partition, keys: list[str]) -> dict[str, Any]:
-        """What a meta carries so a same-host reader can find its keys' records (KVBatchMeta.slots)."""
-        return {"slot_table": part.table.incarnation, "slots": part.slots_of(keys).tolist()}
-
-    def op_commit(self, args: messages.Commit, buffers: list, call: Call) -> dict:
+    def op_commit(self, args: messages.Commit, buffers: list, call: Call) -> messages.CommitReply:
         """Make stored blocks visible: new keys (``mode='put'``) or new fields of existing keys.
 
         ``blocks`` lists ``[unit, block, rows]`` parts covering the keys in order (one part unless the
@@ -447,15 +439,17 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
     def _committed_as(self, unit: int, block: int) -> int | None:
         return self.ledgers[unit].pending.get(block) or self.recent_commits.get((unit, block))
 
-    def _answer_again(self, pid: str, keys: list[str]) -> dict:
+    def _answer_again(self, pid: str, keys: list[str]) -> messages.CommitReply:
+        reply = messages.CommitReply(keys=len(keys), duplicate=True)
         part = self.partitions.get(pid)
         try:
-            refs = self._slot_refs(part, keys) if part is not None else {}
+            if part is not None:
+                reply.slots, reply.slot_table = part.slots_of(keys).tolist(), part.table.incarnation
         except KeyNotFoundError:  # discarded since: the commit did land, the keys are gone now
-            refs = {}
-        return {"keys": len(keys), "duplicate": True, **refs}
+            pass
+        return reply
 
-    def op_abort_blocks(self, args: messages.AbortBlocks, buffers: list, call: Call) -> dict:
+    def op_abort_blocks(self, args: messages.AbortBlocks, buffers: list, call: Call) -> messages.AbortBlocksReply:
         """A writer gives up on stored blocks (``[[unit, block], ...]``): each one not committed yet is
         fenced and freed. Answers, per block, whether its commit had been applied - so a writer
         whose commit reply was lost learns that its put did land."""
@@ -466,9 +460,11 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             committed.append(self._committed_as(unit, block) is not None)
             if not committed[-1]:
                 self._fence(unit, [block])
-        return {"committed": committed}
+        return messages.AbortBlocksReply(committed=committed)
 
-    def _apply_commit(self, args: messages.Commit, buffers: list, keys: list[str], parts: list[tuple[int, int, int]]) -> dict:
+    def _apply_commit(
+        self, args: messages.Commit, buffers: list, keys: list[str], parts: list[tuple[int, int, int]]
+    ) -> messages.CommitReply:
         part = self._partition(args.partition)
         self._unique(keys)
         mode = args.mode
@@ -551,7 +547,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         self.bytes_committed += total
         self.recent.append((time.monotonic(), total))
         self._check_waiters(part.pid)
-        return {"keys": len(keys), **self._slot_refs(part, keys)}
+        return messages.CommitReply(keys=len(keys), slot_table=part.table.incarnation, slots=slots.tolist())
 
     def _overwritten_rows(self, part: Partition, slots: np.ndarray, fields: list[str]) -> np.ndarray:
         """The rows that the overwritten fields of ``slots`` hold and that become free, unless another
@@ -617,7 +613,9 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
                 return DEFERRED
         return self._locate(part, keys, fields, lease_s)
 
-    def _locate(self, part: Partition, keys: list[str], fields: list[str], lease_s: float | None = None) -> tuple[dict, list]:
+    def _locate(
+        self, part: Partition, keys: list[str], fields: list[str], lease_s: float | None = None
+    ) -> tuple[messages.LocateReply, list]:
         slots = part.slots_of(keys)
         loc = np.empty((len(fields), len(keys), LOC_COLUMNS), dtype=np.int64)
         for f, name in enumerate(fields):
@@ -650,22 +648,21 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
                 self.bytes_read[unit] = self.bytes_read.get(unit, 0) + int(nb)
         frames: list[Any] = []
         schemas = {name: part.schemas[name].to_wire() for name in fields}
-        reply = {
-            "schemas": schemas,
-            "loc": protocol.pack_array(loc, frames),
-            "units_version": self.units_version,
-            "table": part.table.descriptor(),
-            "frees": part.table.frees,
-        }
-        if lease_s is not None:
-            reply["lease"] = self._take_lease(loc, lease_s)
+        reply = messages.LocateReply(
+            schemas=schemas,
+            loc=protocol.pack_array(loc, frames),
+            units_version=self.units_version,
+            table=part.table.descriptor(),  # type: ignore[arg-type] - its map, encoded as a TableRef
+            frees=part.table.frees,
+            lease=self._take_lease(loc, lease_s) if lease_s is not None else None,
+        )
         return reply, frames
 
     def op_wait(self, args: messages.Wait, buffers: list, call: Call) -> Any:
         part = self._partition(args.partition)
         missing, first = self._missing(part, args.keys, args.fields)
         if not missing:
-            return {"ready": True}
+            return messages.WaitReply(ready=True)
         self.waiters.append(Waiter(call, part.pid, args.keys, args.fields, time.monotonic() + args.timeout))
         return DEFERRED
 
@@ -723,7 +720,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         for u, b in reads.items():
             self.bytes_read[int(u)] = self.bytes_read.get(int(u), 0) + b
 
-    def op_discard(self, args: messages.Discard, buffers: list, call: Call) -> dict:
+    def op_discard(self, args: messages.Discard, buffers: list, call: Call) -> messages.DiscardReply:
         self._count_reads(args)
         part = self._partition(args.partition)
         keys = args.keys
@@ -739,9 +736,9 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
                 loc[slots] = -1
         part.free_slots.extend(slots.tolist())
         self._free_rows(part, rows)
-        return {"discarded": len(keys)}
+        return messages.DiscardReply(discarded=len(keys))
 
-    def op_get_meta(self, args: messages.GetMeta, buffers: list, call: Call) -> dict:
+    def op_get_meta(self, args: messages.GetMeta, buffers: list, call: Call) -> messages.GetMetaReply:
         """Keys (all, or the given ones), their tags and sequence lengths, and fields produced for all."""
         part = self._partition(args.partition)
         keys = args.keys if args.keys is not None else [k for k in part.slot_keys if k is not None]
@@ -749,15 +746,16 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         sl = slots.tolist()
         produced = [n for n, loc in part.locs.items() if keys and bool((loc[slots, UNIT] >= 0).all())]
         seq = [part.seq_lens[s] for s in sl]
-        return {
-            "keys": keys,
-            **self._slot_refs(part, keys),
-            "fields": produced,
-            "sequence_lengths": None if any(v < 0 for v in seq) else seq,
-            "tags": {name: [col[s] for s in sl] for name, col in part.tags.items()},
-        }
+        return messages.GetMetaReply(
+            keys=keys,
+            slot_table=part.table.incarnation,
+            slots=sl,
+            fields=produced,
+            sequence_lengths=None if any(v < 0 for v in seq) else seq,
+            tags={name: [col[s] for s in sl] for name, col in part.tags.items()},
+        )
 
-    def op_set_tags(self, args: messages.SetTags, buffers: list, call: Call) -> dict:
+    def op_set_tags(self, args: messages.SetTags, buffers: list, call: Call) -> messages.SetTagsReply:
         part = self._partition(args.partition)
         keys = args.keys
         slots = part.slots_of(keys).tolist()
@@ -765,36 +763,35 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             column = part.tags.setdefault(name, [None] * part.capacity)
             for s, v in zip(slots, values):
                 column[s] = v
-        return {"keys": len(keys)}
+        return messages.SetTagsReply(keys=len(keys))
 
-    def op_shutdown(self, args: messages.Shutdown, buffers: list, call: Call) -> dict:
+    def op_shutdown(self, args: messages.Shutdown, buffers: list, call: Call) -> messages.Stopping:
         for unit in list(self.unit_socks):
             self._send_to_unit(unit, messages.UnitOp.SHUTDOWN, messages.UnitShutdown(), [])
         self.stop()
-        return {"stopping": True}
+        return messages.Stopping(stopping=True)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> messages.StatsReply:
         now = time.monotonic()
         for u in self.units:
             u["alive"] = not self._unit_down_for(u["unit_id"], now)
         window = [(t, b) for t, b in self.recent if now - t <= 60.0]
-        return {
+        return messages.StatsReply(
             **self.server_stats(),
-            "partitions": [self._partition_summary(p) for p in self.partitions.values()],
-            "units": self.units,
-            "units_version": self.units_version,
-            "bytes_committed_total": self.bytes_committed,
-            "bytes_read_total": {str(u): b for u, b in self.bytes_read.items()},
-            "put_bytes_per_s_60s": sum(b for _, b in window) / 60.0,
-            "parked_waits": len(self.waiters),
-            "leases": len(self.lease_book.leases),
-            # what the controller remembers of each unit's unsettled blocks (bounded by its low-water mark)
-            "unit_ledgers": {
-                str(u): {"low_water": led.low_water, "pending": len(led.pending), "fenced": len(led.fenced), "adopts": len(led.adopts)}
+            partitions=[self._partition_summary(p) for p in self.partitions.values()],
+            units=self.units,  # type: ignore[arg-type] - the unit maps, encoded as UnitInfo
+            units_version=self.units_version,
+            bytes_committed_total=self.bytes_committed,
+            bytes_read_total={str(u): b for u, b in self.bytes_read.items()},
+            put_bytes_per_s_60s=sum(b for _, b in window) / 60.0,
+            parked_waits=len(self.waiters),
+            leases=len(self.lease_book.leases),
+            unit_ledgers={
+                str(u): messages.LedgerSummary(led.low_water, len(led.pending), len(led.fenced), len(led.adopts))
                 for u, led in self.ledgers.items()
             },
-            "rows_waiting_for_leases": self.lease_book.waiting_rows(),
-        }
+            rows_waiting_for_leases=self.lease_book.waiting_rows(),
+        )
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child before exec

@@ -1,4 +1,5 @@
-"""Every TQ request, defined once: an op enum per server and one typed struct of arguments per op.
+"""Every TQ request and reply, defined once: an op enum per server, one typed struct of arguments per
+op and one typed struct (or list of structs) of its result.
 
 A server decodes a request's ``args`` straight into the struct of its op (``msgspec``'s typed msgpack
 decoder), so a handler receives values of the declared types and holds only the state changes and
@@ -11,8 +12,14 @@ The framing around the args (header, HMAC, buffer frames, versioning, size limit
 :mod:`tq.protocol`'s alone. Bulk data never travels in args: an :class:`ArrayRef` points at one of
 the message's buffer frames, and :func:`tq.protocol.unpack_array` checks it against that frame.
 
+A client decodes a reply's ``result`` the same way, into the reply type of its op
+(:data:`CONTROLLER_REPLIES`, :data:`UNIT_REPLIES`, through :class:`ReplyDecoder`): a result that does
+not fit is refused with :class:`~tq.errors.MalformedMessageError` naming the op and the path of the bad
+value (``reply to 'locate': Expected `int`, got `str` - at `$.units_version```).
+
 Structs are maps on the wire (field names as keys), so the wire format is the one clients and journals
-already speak; unknown keys are ignored (a newer client may send more).
+already speak; unknown keys are ignored (a newer client may send more). A reply field with a default
+is left out while it holds it, as the hand-built maps before them left optional keys out.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
-from .errors import InvalidRequestError, MalformedMessageError
+from .errors import InvalidRequestError, MalformedMessageError, TQError
 
 BLOCK_ID_LIMIT = 1 << 40  # storage units number blocks from 1 and never get near this
 
@@ -85,12 +92,72 @@ class ArrayRef(msgspec.Struct):
     s: list[int]
 
 
+class Reply(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Base of every reply's result (what a handler returns). Fields without a default are always on
+    the wire; one with a default is left out while it holds it."""
+
+
+class Stopping(Reply):
+    """The answer to ``shutdown`` (either server's)."""
+
+    stopping: bool
+
+
+class OpSummary(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """One op's counters and latencies in a server's stats (histogram and bytes with metrics on)."""
+
+    count: int
+    errors: int
+    p50_ms: float
+    p99_ms: float
+    buckets: Union[list[int], None] = None
+    sum_s: Union[float, None] = None
+    bytes_in: Union[int, None] = None
+    bytes_out: Union[int, None] = None
+
+
+class ServerStats(Reply):
+    """What every server reports of itself (:meth:`tq.rpc.RpcServer.server_stats`)."""
+
+    uptime_s: float
+    rejected_messages: int
+    auth_failures: int
+    ops: dict[str, OpSummary]
+    metrics: bool
+    metrics_url: Union[str, None]
+    journal_bytes: int
+
+
+class UnitInfo(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """A storage unit as the controller lists it (``free_bytes``: at its last heartbeat; ``alive``: in
+    stats)."""
+
+    unit_id: int
+    address: str
+    host: Union[str, None]
+    arena_path: Union[str, None]
+    arena_size: int
+    pid: Union[int, None]
+    managed: bool
+    free_bytes: Union[int, None] = None
+    alive: Union[bool, None] = None
+
+
 # ----------------------------------------------------------------------------- controller requests
 class Hello(Args):
     """A client's first request: answered with the unit list once ``expected_units`` registered, or
     after ``timeout`` seconds."""
 
     timeout: Seconds = 30.0
+
+
+class HelloReply(Reply, omit_defaults=False):
+    """The registered storage units (``units_version`` changes whenever one registers or rejoins) and
+    the controller's host (absent from an older controller's reply)."""
+
+    units: list[UnitInfo]
+    units_version: int
+    host: Union[str, None] = None
 
 
 class RegisterUnit(Args):
@@ -106,6 +173,14 @@ class RegisterUnit(Args):
     rejoin: Union[Count, None] = None
 
 
+class RegisterUnitReply(Reply, omit_defaults=False):
+    """The unit's id, and whether the service exports metrics (so the unit records them; absent from
+    an older controller's reply)."""
+
+    unit_id: int
+    metrics: bool = False
+
+
 class PartitionArgs(Args):
     partition: str
 
@@ -114,16 +189,43 @@ class CreatePartition(PartitionArgs):
     reuse: bool = False
 
 
+class CreatePartitionReply(Reply):
+    partition: str
+    reused: bool
+
+
 class ClearPartition(PartitionArgs):
     pass
+
+
+class ClearPartitionReply(Reply):
+    keys_cleared: int
 
 
 class DropPartition(PartitionArgs):
     pass
 
 
+class DropPartitionReply(ClearPartitionReply):
+    pass
+
+
 class ListPartitions(Args):
     pass
+
+
+class FieldSummary(msgspec.Struct):
+    schema: str  # as FieldSchema.describe() writes it
+    produced: int  # keys that have the field
+
+
+class PartitionSummary(msgspec.Struct):
+    """One partition in ``list_partitions`` and the controller's stats."""
+
+    partition: str
+    keys: int
+    fields: dict[str, FieldSummary]
+    bytes: int
 
 
 class KeysArgs(PartitionArgs):
@@ -132,6 +234,15 @@ class KeysArgs(PartitionArgs):
 
 class Mint(KeysArgs):
     pass
+
+
+class MintReply(Reply):
+    """Keys minted, and what a meta carries so a same-host reader finds their records (the location
+    table's incarnation and each key's slot: ``KVBatchMeta.slots``)."""
+
+    minted: int
+    slot_table: int
+    slots: list[int]
 
 
 class CommitField(msgspec.Struct):
@@ -158,10 +269,24 @@ class Commit(KeysArgs):
     slabs: Union[list[tuple[Count, Count, Count]], None] = None
 
 
+class CommitReply(Reply):
+    """``keys`` committed and their slots (as :class:`MintReply`); ``duplicate``: a retry of a commit
+    already applied (its slots are left out when its keys were discarded since)."""
+
+    keys: int
+    duplicate: bool = False
+    slot_table: Union[int, None] = None
+    slots: Union[list[int], None] = None
+
+
 class AbortBlocks(Args):
     """A writer gives up on stored blocks: ``[[unit, block], ...]``."""
 
     blocks: list[tuple[Count, BlockId]]
+
+
+class AbortBlocksReply(Reply):
+    committed: list[bool]  # per block: whether its commit had been applied (then it was not fenced)
 
 
 class ReadsArgs(Args):
@@ -181,10 +306,36 @@ class Locate(ReadsArgs, kw_only=True):
     lease_s: Union[Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)], None] = None
 
 
+class TableRef(msgspec.Struct):
+    """A partition's shared location table (see :mod:`tq.locations`): its file, clears count and the
+    column of each field."""
+
+    path: str
+    clears: int
+    columns: dict[str, int]
+
+
+class LocateReply(Reply):
+    """``loc``: the int64 ``[fields, keys, LOC_COLUMNS]`` location records; ``schemas``: each field's
+    wire schema; ``table``: the partition's shared table (None, left out, when not shared);
+    ``frees``: its free count now; ``lease``: the borrowed get's lease id."""
+
+    schemas: dict[str, Any]  # checked by FieldSchema.from_wire
+    loc: ArrayRef
+    units_version: int
+    table: Union[TableRef, None] = None
+    frees: Union[int, None] = None
+    lease: Union[int, None] = None
+
+
 class Wait(PartitionArgs):
     keys: list[str]
     fields: list[str]
     timeout: Seconds
+
+
+class WaitReply(Reply):
+    ready: bool
 
 
 class Discard(ReadsArgs, kw_only=True):
@@ -192,12 +343,29 @@ class Discard(ReadsArgs, kw_only=True):
     keys: list[str]
 
 
+class DiscardReply(Reply):
+    discarded: int
+
+
 class GetMeta(PartitionArgs):
     keys: Union[list[str], None] = None  # None: every key
 
 
+class GetMetaReply(Reply):
+    keys: list[str]
+    slot_table: int
+    slots: list[int]
+    fields: list[str]  # produced for every key
+    sequence_lengths: Union[list[int], None]  # None unless every key has one
+    tags: dict[str, list[TagValue]]
+
+
 class SetTags(KeysArgs):
     tags: dict[str, list[TagValue]]
+
+
+class SetTagsReply(Reply):
+    keys: int
 
 
 class Leases(Args):
@@ -207,12 +375,44 @@ class Leases(Args):
     release: list[Count] = []
 
 
+class LeasesReply(Reply):
+    ended: list[int]  # renewed leases whose term had run out already
+
+
 class UnitStatus(Args):
     unit: Count
 
 
+class UnitStatusReply(Reply):
+    alive: bool
+    down_for_s: float  # 0 while alive
+    address: str
+
+
 class Stats(ReadsArgs):
     pass
+
+
+class LedgerSummary(msgspec.Struct):
+    low_water: int
+    pending: int
+    fenced: int
+    adopts: int
+
+
+class StatsReply(ServerStats):
+    """The controller's stats."""
+
+    partitions: list[PartitionSummary]
+    units: list[UnitInfo]
+    units_version: int
+    bytes_committed_total: int
+    bytes_read_total: dict[str, int]  # per storage unit id
+    put_bytes_per_s_60s: float
+    parked_waits: int
+    leases: int
+    unit_ledgers: dict[str, LedgerSummary]  # what the controller remembers of each unit's unsettled blocks
+    rows_waiting_for_leases: int
 
 
 class Shutdown(Args):
@@ -241,9 +441,43 @@ CONTROLLER_REQUESTS: dict[ControllerOp, type[Args]] = {
 }
 
 
+# What each op's handler returns and its client decodes (``hello`` and ``shutdown`` share no type with
+# another op; ``list_partitions`` answers a list).
+CONTROLLER_REPLIES: dict[ControllerOp, Any] = {
+    ControllerOp.HELLO: HelloReply,
+    ControllerOp.REGISTER_UNIT: RegisterUnitReply,
+    ControllerOp.CREATE_PARTITION: CreatePartitionReply,
+    ControllerOp.CLEAR_PARTITION: ClearPartitionReply,
+    ControllerOp.DROP_PARTITION: DropPartitionReply,
+    ControllerOp.LIST_PARTITIONS: list[PartitionSummary],
+    ControllerOp.MINT: MintReply,
+    ControllerOp.COMMIT: CommitReply,
+    ControllerOp.ABORT_BLOCKS: AbortBlocksReply,
+    ControllerOp.LOCATE: LocateReply,
+    ControllerOp.WAIT: WaitReply,
+    ControllerOp.DISCARD: DiscardReply,
+    ControllerOp.GET_META: GetMetaReply,
+    ControllerOp.SET_TAGS: SetTagsReply,
+    ControllerOp.LEASES: LeasesReply,
+    ControllerOp.UNIT_STATUS: UnitStatusReply,
+    ControllerOp.STATS: StatsReply,
+    ControllerOp.SHUTDOWN: Stopping,
+}
+
+
 # ----------------------------------------------------------------------------- storage-unit requests
 class Ping(Args):
     """The controller's heartbeat."""
+
+
+class PingReply(Reply):
+    """Every block id below ``low_water`` is settled; ``expired``: tentative blocks past their commit
+    lease (the controller claims or fences each); ``free_bytes``: the largest write that fits now."""
+
+    unit_id: int
+    low_water: int
+    expired: list[BlockId]
+    free_bytes: int
 
 
 class Alloc(Args):
@@ -252,6 +486,14 @@ class Alloc(Args):
     # a slab: also grant this many block ids; the writer carves blocks out of the range itself and
     # names them in its commit, which the controller forwards (``adopt``): one round trip per put
     ids: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0
+
+
+class AllocReply(Reply):
+    """The allocation's id and arena offset; ``first_block``: of a slab's block ids."""
+
+    alloc: int
+    offset: int
+    first_block: Union[int, None] = None
 
 
 class StoreField(msgspec.Struct):
@@ -272,9 +514,26 @@ class Store(Args):
     wait_s: Seconds = 0.0
 
 
+class StoreReply(Reply):
+    """The block's id, and each field's byte size and absolute arena offset."""
+
+    block: int
+    nbytes: dict[str, int]
+    starts: dict[str, int]
+
+
 class Fetch(Args):
     fields: list[str]
     entries: ArrayRef  # int64 [n, 3]: (field index, block, row)
+
+
+class FetchReply(Reply):
+    """The rows' byte sizes (int64), their bytes back to back in ``frames`` of whole rows and how many
+    rows each frame holds (int64)."""
+
+    sizes: ArrayRef
+    frames: list[ArrayRef]
+    frame_rows: ArrayRef
 
 
 class BlockRows(Args):
@@ -288,17 +547,34 @@ class FreeRows(BlockRows):
     pass
 
 
+class FreeRowsReply(Reply):
+    blocks_freed: int
+
+
 class Retain(BlockRows):
     claimed: Union[ArrayRef, None] = None  # blocks the controller committed
     adopts: Union[list[AdoptBlock], None] = None  # committed slab blocks the unit may not have adopted
+
+
+class RetainReply(Reply):
+    blocks_freed: int
+    adopted: list[int]  # blocks of ``adopts`` settled here: the controller forgets their layouts
 
 
 class FreeBlocks(Args):
     blocks: list[int]
 
 
+class FreeBlocksReply(FreeRowsReply):
+    pass
+
+
 class Claim(Args):
     blocks: ArrayRef
+
+
+class ClaimReply(Reply):
+    claimed: int
 
 
 class AdoptField(msgspec.Struct, array_like=True):
@@ -321,12 +597,43 @@ class Adopt(Args):
     blocks: list[AdoptBlock]
 
 
+class AdoptReply(Reply):
+    adopted: list[int]  # blocks settled here (adopted now or before, or freed)
+
+
 class Trim(Args):
     pass
 
 
+class TrimReply(Reply):
+    released_bytes: int
+
+
 class UnitStats(Args):
     pass
+
+
+class UnitStatsReply(ServerStats):
+    """A storage unit's stats: its description (as :class:`UnitInfo`), its server stats and its storage."""
+
+    unit_id: int
+    address: str
+    host: str
+    arena_path: str
+    arena_size: int
+    pid: int
+    managed: bool
+    blocks: int
+    bytes_used: int
+    slab_bytes_reserved: int  # slab space no block took yet
+    largest_free_bytes: int
+    bytes_live: int
+    bytes_stored_total: int
+    bytes_served_total: int
+    pending_allocs: int
+    slabs: int
+    tentative_blocks: int
+    parked_writes: int
 
 
 class UnitShutdown(Args):
@@ -349,6 +656,22 @@ UNIT_REQUESTS: dict[UnitOp, type[Args]] = {
 }
 
 
+UNIT_REPLIES: dict[UnitOp, Any] = {
+    UnitOp.PING: PingReply,
+    UnitOp.ALLOC: AllocReply,
+    UnitOp.STORE: StoreReply,
+    UnitOp.FETCH: FetchReply,
+    UnitOp.FREE_ROWS: FreeRowsReply,
+    UnitOp.FREE_BLOCKS: FreeBlocksReply,
+    UnitOp.RETAIN: RetainReply,
+    UnitOp.CLAIM: ClaimReply,
+    UnitOp.ADOPT: AdoptReply,
+    UnitOp.TRIM: TrimReply,
+    UnitOp.STATS: UnitStatsReply,
+    UnitOp.SHUTDOWN: Stopping,
+}
+
+
 # ----------------------------------------------------------------------------- decoding
 _MAP_HEADS = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}  # msgpack fixmap, map16, map32
 
@@ -359,33 +682,69 @@ def is_map(raw: Any) -> bool:
     return view.nbytes > 0 and view[0] in _MAP_HEADS
 
 
-class ArgsDecoder:
-    """Decodes the raw msgpack ``args`` of one op into its struct; every defect is one TQ error."""
+class _TypedDecoder:
+    """Decodes raw msgpack into one op's type; every defect is one TQ error (see the subclasses)."""
 
     __slots__ = ("op", "_decoder", "_type")
 
-    def __init__(self, op: str, args_type: type[Args]) -> None:
+    def __init__(self, op: str, typ: Any) -> None:
         self.op = op
-        self._type = args_type
-        self._decoder = msgspec.msgpack.Decoder(args_type)
+        self._type = typ
+        self._decoder = msgspec.msgpack.Decoder(typ)
 
-    def decode(self, raw: bytes | memoryview) -> Args:
-        """``raw``: the msgpack bytes of a request's ``args`` (a map: see :func:`is_map`)."""
+    def decode(self, raw: bytes | memoryview) -> Any:
         try:
             return self._decoder.decode(raw)
         except msgspec.ValidationError as exc:
-            raise InvalidRequestError(f"{self.op}: {exc}") from None
+            raise self._misfit(exc) from None
         except msgspec.DecodeError as exc:  # e.g. a string that is not UTF-8 inside the map
-            raise MalformedMessageError(f"args of {self.op!r} are not valid msgpack: {exc}") from None
+            raise self._garbled(exc) from None
+
+    def _misfit(self, exc: Exception) -> TQError:
+        raise NotImplementedError
+
+    def _garbled(self, exc: Exception) -> TQError:
+        raise NotImplementedError
+
+
+class ArgsDecoder(_TypedDecoder):
+    """Decodes the raw msgpack ``args`` of one op (a map: see :func:`is_map`) into its struct: args
+    that do not fit are an :class:`~tq.errors.InvalidRequestError` naming the op and the bad value's path."""
+
+    __slots__ = ()
+
+    def _misfit(self, exc: Exception) -> TQError:
+        return InvalidRequestError(f"{self.op}: {exc}")
+
+    def _garbled(self, exc: Exception) -> TQError:
+        return MalformedMessageError(f"args of {self.op!r} are not valid msgpack: {exc}")
 
     def convert(self, args: dict[str, Any]) -> Args:
         """The struct of already decoded args (a journal written before args were journaled raw)."""
         try:
             return msgspec.convert(args, self._type)
         except msgspec.ValidationError as exc:
-            raise InvalidRequestError(f"{self.op}: {exc}") from None
+            raise self._misfit(exc) from None
 
 
-def decoders(requests: dict[Any, type[Args]]) -> dict[str, ArgsDecoder]:
-    """op name -> its :class:`ArgsDecoder`, for a server's dispatch table."""
-    return {op.value: ArgsDecoder(op.value, t) for op, t in requests.items()}
+class ReplyDecoder(_TypedDecoder):
+    """Decodes the raw msgpack ``result`` of one op's reply into its reply type; a result that does not
+    fit is a :class:`~tq.errors.MalformedMessageError` naming the op and the path of the bad value."""
+
+    __slots__ = ()
+
+    def _misfit(self, exc: Exception) -> TQError:
+        return MalformedMessageError(f"reply to {self.op!r} does not fit its type: {exc}")
+
+    def _garbled(self, exc: Exception) -> TQError:
+        return MalformedMessageError(f"reply to {self.op!r} is not valid msgpack: {exc}")
+
+
+def decoders(table: dict[Any, Any], kind: type[_TypedDecoder] = ArgsDecoder) -> dict[str, Any]:
+    """op name -> its decoder of ``kind`` (:class:`ArgsDecoder` for a server's dispatch table,
+    :class:`ReplyDecoder` for a client channel: ``RpcChannel(replies=...)``)."""
+    return {op.value: kind(op.value, t) for op, t in table.items()}
+
+
+CONTROLLER_REPLY_DECODERS: dict[str, ReplyDecoder] = decoders(CONTROLLER_REPLIES, ReplyDecoder)
+UNIT_REPLY_DECODERS: dict[str, ReplyDecoder] = decoders(UNIT_REPLIES, ReplyDecoder)

@@ -203,26 +203,64 @@ def decode(frames: Sequence[Any], secret: bytes | None, *, max_message_bytes: in
     return Message(header, _buffers(header.get("v"), header.get("bs"), frames, max_message_bytes))
 
 
+def _typed_header(hb: bytes, decoder: msgspec.msgpack.Decoder, raw_key: str) -> Any:
+    """Header bytes decoded into ``decoder``'s struct, whose ``raw_key`` field keeps its value as raw
+    msgpack; a header msgspec refuses (not msgpack, not a map, a key that is not a string) is read
+    generically, raising the specific error if it is not a map at all."""
+    try:
+        return decoder.decode(hb)
+    except msgspec.DecodeError:
+        header = _unpack_header(hb)
+        cls = decoder.type
+        fields = {k: header.get(k) for k in cls.__struct_fields__ if k != raw_key}
+        fields[raw_key] = msgspec.Raw(_packb(header[raw_key])) if raw_key in header else msgspec.Raw()
+        return cls(**fields)
+
+
 def decode_request(frames: Sequence[Any], secret: bytes | None, *, max_message_bytes: int | None = None) -> Request:
     """Decode and verify a request as a server does: like :func:`decode`, but its ``args`` are left as
     raw msgpack for the op's typed decoder (:class:`tq.messages.ArgsDecoder`)."""
-    hb = _open(frames, secret)
-    try:
-        h = _request_header.decode(hb)
-    except msgspec.DecodeError:  # not msgpack or not a map (say which), or a key that is not a string
-        header = _unpack_header(hb)
-        args = msgspec.Raw(_packb(header["args"])) if "args" in header else msgspec.Raw()
-        h = _RequestHeader(
-            header.get("v"),
-            header.get("op"),
-            header.get("rid"),
-            args,
-            header.get("bs"),
-            header.get("sid"),
-            header.get("seq"),
-            header.get("ts"),
-        )
+    h = _typed_header(_open(frames, secret), _request_header, "args")
     return Request(h.op, h.rid, h.args, _buffers(h.v, h.bs, frames, max_message_bytes), h.sid, h.seq, h.ts)
+
+
+class _ReplyHeader(msgspec.Struct):
+    """A reply header as a client reads it: ``result`` stays raw msgpack until the reply is known to
+    answer the request waited for, then it is decoded into its op's reply type (:mod:`tq.messages`)."""
+
+    v: Any = None
+    rid: Any = None
+    ok: Any = None
+    result: msgspec.Raw = msgspec.Raw()
+    error: Any = None
+    bs: Any = None
+
+
+_reply_header = msgspec.msgpack.Decoder(_ReplyHeader)
+
+
+@dataclass
+class ReplyMessage:
+    """A decoded, verified reply: the request id it answers, ``ok``, its raw msgpack ``result`` (empty
+    when absent), its ``error`` and its buffer frames (memoryviews, not copied)."""
+
+    rid: Any
+    ok: Any
+    result: msgspec.Raw
+    error: Any
+    buffers: list[memoryview]
+
+
+def decode_reply(frames: Sequence[Any], secret: bytes | None, *, max_message_bytes: int | None = None) -> ReplyMessage:
+    """Decode and verify a reply as a client does: like :func:`decode`, but its ``result`` is left as
+    raw msgpack for the op's typed decoder (:class:`tq.messages.ReplyDecoder`)."""
+    h = _typed_header(_open(frames, secret), _reply_header, "result")
+    return ReplyMessage(h.rid, h.ok, h.result, h.error, _buffers(h.v, h.bs, frames, max_message_bytes))
+
+
+def unpack_result(raw: msgspec.Raw) -> Any:
+    """A reply's raw ``result`` as plain maps and lists (a reply no typed decoder knows; None if absent)."""
+    return _unpackb(raw) if len(raw) else None
 
 
 # ----------------------------------------------------------------------------- replay protection
@@ -343,9 +381,18 @@ def raise_for_reply(msg: Message) -> Any:
     header = msg.header
     if header.get("ok") is True:
         return header.get("result")
-    err = header.get("error")
+    _raise_error(header.get("error"), header)
+
+
+def raise_for_error(reply: ReplyMessage) -> None:
+    """Raise the error a reply carries as its own :class:`TQError` subclass (nothing if it is ``ok``)."""
+    if reply.ok is not True:
+        _raise_error(reply.error, reply)
+
+
+def _raise_error(err: Any, reply: Any) -> None:
     if not isinstance(err, dict):
-        raise MalformedMessageError(f"reply carries neither result nor error: {header!r}")
+        raise MalformedMessageError(f"reply carries neither result nor error: {reply!r}")
     raise ERROR_TYPES.get(str(err.get("type")), TQError)(str(err.get("message")))
 
 

@@ -32,7 +32,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from . import protocol
 from .errors import AuthenticationError, MalformedMessageError, TQConnectionError, TQError, UnknownOperationError
-from .messages import Args, ArgsDecoder, is_map
+from .messages import Args, ArgsDecoder, ReplyDecoder, is_map
 
 log = logging.getLogger(__name__)
 
@@ -401,12 +401,19 @@ def _zero_copy(frames: Sequence[Any]) -> bool:
 
 
 class RpcChannel:
-    """Request/reply to one server, safe to use from many threads (one DEALER socket per thread)."""
+    """Request/reply to one server, safe to use from many threads (one DEALER socket per thread).
+
+    ``replies`` (op name -> :class:`~tq.messages.ReplyDecoder`, e.g.
+    ``messages.CONTROLLER_REPLY_DECODERS``): a reply to one of these ops is decoded into its typed
+    result; any other reply's result comes back as plain maps and lists."""
 
     _rids = itertools.count(1)
 
-    def __init__(self, address: str, *, secret: bytes | None, timeout: float, name: str) -> None:
+    def __init__(
+        self, address: str, *, secret: bytes | None, timeout: float, name: str, replies: dict[str, ReplyDecoder] | None = None
+    ) -> None:
         self.address, self.secret, self.timeout, self.name = address, secret, timeout, name
+        self.replies = replies or {}
         self.ctx = zmq.Context.instance()
         self._local = threading.local()
         self._sockets: list[zmq.Socket] = []
@@ -536,9 +543,10 @@ class RpcChannel:
 
     def recv(
         self, rid: int, op: str, *, timeout: float | None = None, check: Callable[[], None] | None = None
-    ) -> tuple[Any, protocol.Message]:
-        """Wait for the reply to request ``rid``; raise its error, or TQConnectionError on silence
-        (``check`` as in :meth:`send`)."""
+    ) -> tuple[Any, protocol.ReplyMessage]:
+        """Wait for the reply to request ``rid`` and return its result (typed when ``op`` has a reply
+        decoder) and the reply; raise its error, or TQConnectionError on silence (``check`` as in
+        :meth:`send`)."""
         sock = self._socket()
         timeout = _bounded(self.timeout if timeout is None else timeout, op, f"{self.name} at {self.address}")
         deadline = time.monotonic() + timeout
@@ -550,20 +558,21 @@ class RpcChannel:
                 )
             frames = sock.recv_multipart(copy=False)
             try:
-                msg = protocol.decode(frames, self.secret)
+                msg = protocol.decode_reply(frames, self.secret)
             except AuthenticationError:
                 raise AuthenticationError(
                     f"reply from {self.name} at {self.address} to '{op}' is not signed with this client's secret "
                     "(wrong secret? the server rejects requests it cannot verify)"
                 ) from None
-            reply_rid = msg.header.get("rid")
-            if reply_rid is None and msg.header.get("ok") is False:
+            if msg.rid is None and msg.ok is False:
                 # The server could not decode one of our requests (e.g. unauthenticated), so it could
                 # not echo its id; requests on this socket are sequential, so it answers this one.
-                protocol.raise_for_reply(msg)
-            if reply_rid != rid:
-                continue  # a late reply to a request that timed out earlier
-            return protocol.raise_for_reply(msg), msg
+                protocol.raise_for_error(msg)
+            if msg.rid != rid:
+                continue  # a late reply to a request that timed out earlier (maybe of another op)
+            protocol.raise_for_error(msg)
+            decoder = self.replies.get(op)
+            return (decoder.decode(msg.result) if decoder is not None else protocol.unpack_result(msg.result)), msg
 
     def call(
         self,
@@ -573,7 +582,7 @@ class RpcChannel:
         *,
         timeout: float | None = None,
         check: Callable[[], None] | None = None,
-    ) -> tuple[Any, protocol.Message]:
+    ) -> tuple[Any, protocol.ReplyMessage]:
         """Send a request and wait for its reply, both within ``timeout`` (default: the channel's)."""
         with time_budget(self.timeout if timeout is None else timeout):
             rid = self.send(op, args, buffers, timeout=timeout, check=check)

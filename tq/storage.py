@@ -201,7 +201,7 @@ class StorageUnit(RpcServer):
         self._next_id += 1
         return self._next_id - 1
 
-    def op_ping(self, args: messages.Ping, buffers: list, call: Call) -> dict:
+    def op_ping(self, args: messages.Ping, buffers: list, call: Call) -> messages.PingReply:
         """The controller's heartbeat. The reply says which blocks are settled (every id below
         ``low_water`` is claimed or freed), which tentative blocks waited past their lease for a
         claim (the controller claims or fences each) and the free bytes (placement by free space)."""
@@ -211,7 +211,7 @@ class StorageUnit(RpcServer):
             if slab.expiry <= now:
                 expired.extend(sorted(slab.unsettled))
         expired = expired[:MAX_EXPIRED_REPORT]
-        return {"unit_id": self.unit_id, "low_water": self.low_water(), "expired": expired, "free_bytes": self.alloc.largest_free()}
+        return messages.PingReply(unit_id=self.unit_id, low_water=self.low_water(), expired=expired, free_bytes=self.alloc.largest_free())
 
     def low_water(self) -> int:
         """The lowest block id still waiting for its claim or adoption (every lower id is settled)."""
@@ -276,7 +276,7 @@ class StorageUnit(RpcServer):
             self.reply(call, result, bufs)
 
     # -- ops
-    def op_alloc(self, args: messages.Alloc, buffers: list, call: Call) -> dict:
+    def op_alloc(self, args: messages.Alloc, buffers: list, call: Call) -> messages.AllocReply:
         nbytes = args.nbytes
         self._check_fits_at_all(nbytes)
         start = self.alloc.allocate(nbytes)
@@ -287,14 +287,14 @@ class StorageUnit(RpcServer):
             expiry = time.monotonic() + self.alloc_lease_s
             self.slabs[aid] = Slab(start, size, first, args.ids, expiry, set(range(first, first + args.ids)), [])
             self.journal.append(["G", aid, start, size, first, args.ids, _wall(expiry)])  # a restarted unit keeps it
-            return {"alloc": aid, "offset": start, "first_block": first}
+            return messages.AllocReply(alloc=aid, offset=start, first_block=first)
         self.pending[aid] = (start, nbytes, time.monotonic() + self.alloc_lease_s)
         # journaled: a writer may still be filling the range when this unit is killed and restarted,
         # so the restarted unit must not hand the range to anyone else before the lease ends
         self.journal.append(["A", aid, start, nbytes, _wall(self.pending[aid][2])])
-        return {"alloc": aid, "offset": start}
+        return messages.AllocReply(alloc=aid, offset=start)
 
-    def op_store(self, args: messages.Store, buffers: list, call: Call) -> dict:
+    def op_store(self, args: messages.Store, buffers: list, call: Call) -> messages.StoreReply:
         """Register a block: either an earlier ``alloc`` the client filled, or bytes sent as frames."""
         n_rows = args.n_rows
         layouts: list[tuple[str, FieldSchema, int, np.ndarray, Any]] = []
@@ -356,11 +356,11 @@ class StorageUnit(RpcServer):
             self.tentative[bid] = time.monotonic() + self.commit_lease_s
             self.journal.append(self._store_record(bid, block, self.tentative[bid]))
         self.bytes_stored += rel
-        return {
-            "block": bid,
-            "nbytes": {n: int(ro[-1]) for n, _, _, ro, _ in layouts},
-            "starts": {n: start + off for n, _, off, _, _ in layouts},
-        }  # where each field begins in the arena
+        return messages.StoreReply(
+            block=bid,
+            nbytes={n: int(ro[-1]) for n, _, _, ro, _ in layouts},
+            starts={n: start + off for n, _, off, _, _ in layouts},  # where each field begins in the arena
+        )
 
     @staticmethod
     def _rows_of(args: messages.BlockRows, buffers: list, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -416,7 +416,8 @@ class StorageUnit(RpcServer):
         total = int(sizes.sum())
         self.bytes_served += total
         frames: list[Any] = []
-        return {"sizes": protocol.pack_array(sizes, frames), **self._gather_frames(starts, sizes, total, frames)}, frames
+        sizes_ref = protocol.pack_array(sizes, frames)
+        return messages.FetchReply(sizes=sizes_ref, **self._gather_frames(starts, sizes, total, frames)), frames
 
     def _gather_frames(self, starts: np.ndarray, sizes: np.ndarray, total: int, frames: list) -> dict[str, Any]:
         """Copy rows back to back into one pooled buffer and cut it into frames of whole rows.
@@ -497,12 +498,12 @@ class StorageUnit(RpcServer):
         self.bytes_stored += sum(int(f.row_offsets[-1]) for f in fields.values())
         self._settled(aid, slab)
 
-    def op_adopt(self, args: messages.Adopt, buffers: list, call: Call) -> dict:
+    def op_adopt(self, args: messages.Adopt, buffers: list, call: Call) -> messages.AdoptReply:
         """The controller committed these blocks, carved out of slabs by their writers: register them."""
         for ad in args.blocks:
             self._adopt(ad)
         self._retry_fetches(time.monotonic())
-        return {"adopted": self._settled_of(args.blocks)}
+        return messages.AdoptReply(adopted=self._settled_of(args.blocks))
 
     def _settled_of(self, adopts: Any) -> list[int]:
         """The blocks of these adopts that this unit settled (adopted - journaled - or freed since): the
@@ -632,15 +633,15 @@ class StorageUnit(RpcServer):
         if claimed:
             self.journal.append(["C", 0, np.asarray(claimed, dtype=np.int64).tobytes()])
 
-    def op_claim(self, args: messages.Claim, buffers: list, call: Call) -> dict:
+    def op_claim(self, args: messages.Claim, buffers: list, call: Call) -> messages.ClaimReply:
         """The controller applied the commits of these blocks: they are settled (freed only by row)."""
         bids = protocol.unpack_array(args.blocks, buffers, name="claim.blocks", dtype="<i8")
         if bids.ndim != 1:
             raise InvalidRequestError("claim needs a 1-d array of block ids")
         self._claim(bids.tolist())
-        return {"claimed": int(bids.size)}
+        return messages.ClaimReply(claimed=int(bids.size))
 
-    def op_retain(self, args: messages.Retain, buffers: list, call: Call) -> dict:
+    def op_retain(self, args: messages.Retain, buffers: list, call: Call) -> messages.RetainReply:
         """Keep only the listed (block, row) pairs of settled blocks: after a restart, or after frees it
         could not send, the controller lists what it still references (and, in ``claimed``, the blocks
         it committed), and anything freed meanwhile is freed here too. Blocks still waiting for their
@@ -667,9 +668,9 @@ class StorageUnit(RpcServer):
                 block.live[dropped] = False
                 block.n_live = int(block.live.sum())
                 self.journal.append(["R", bid, dropped.astype(np.int64).tobytes()])
-        return {"blocks_freed": freed, "adopted": self._settled_of(args.adopts or ())}
+        return messages.RetainReply(blocks_freed=freed, adopted=self._settled_of(args.adopts or ()))
 
-    def op_free_rows(self, args: messages.FreeRows, buffers: list, call: Call) -> dict:
+    def op_free_rows(self, args: messages.FreeRows, buffers: list, call: Call) -> messages.FreeRowsReply:
         blocks, rows = self._rows_of(args, buffers, "free_rows")
         freed = 0
         for bid in np.unique(blocks).tolist():
@@ -686,15 +687,15 @@ class StorageUnit(RpcServer):
                 freed += 1
             else:
                 self.journal.append(["R", bid, r.astype(np.int64).tobytes()])
-        return {"blocks_freed": freed}
+        return messages.FreeRowsReply(blocks_freed=freed)
 
-    def op_free_blocks(self, args: messages.FreeBlocks, buffers: list, call: Call) -> dict:
+    def op_free_blocks(self, args: messages.FreeBlocks, buffers: list, call: Call) -> messages.FreeBlocksReply:
         """Free whole blocks (the controller fenced them: no commit of theirs will ever be applied)."""
         for bid in args.blocks:
             self._free_block(bid)
-        return {"blocks_freed": len(args.blocks)}
+        return messages.FreeBlocksReply(blocks_freed=len(args.blocks))
 
-    def op_trim(self, args: messages.Trim, buffers: list, call: Call) -> dict:
+    def op_trim(self, args: messages.Trim, buffers: list, call: Call) -> messages.TrimReply:
         """Release the pages of every free arena range to the OS, and the memory this process only
         caches: idle buffers of past fetches (up to 256 MiB) and free heap pages."""
         released = self.pool.cached_bytes
@@ -703,30 +704,30 @@ class StorageUnit(RpcServer):
         for start, size in self.alloc.free_ranges():
             self.arena.release_pages(start, size)
             released += size
-        return {"released_bytes": released}
+        return messages.TrimReply(released_bytes=released)
 
-    def op_shutdown(self, args: messages.UnitShutdown, buffers: list, call: Call) -> dict:
+    def op_shutdown(self, args: messages.UnitShutdown, buffers: list, call: Call) -> messages.Stopping:
         self.stop()
-        return {"stopping": True}
+        return messages.Stopping(stopping=True)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> messages.UnitStatsReply:
         slab_free = sum(size for s in self.slabs.values() for _, size in s.gaps())
-        return {
+        return messages.UnitStatsReply(
             **self.describe(),
             **self.server_stats(),
-            "blocks": len(self.blocks),
+            blocks=len(self.blocks),
             # slab space no block took yet is reserved for its writer, not used: shown on its own
-            "bytes_used": self.alloc.used - slab_free,
-            "slab_bytes_reserved": slab_free,
-            "largest_free_bytes": self.alloc.largest_free(),
-            "bytes_live": int(sum(int(b.fields[f].row_offsets[-1]) for b in self.blocks.values() for f in b.fields)),
-            "bytes_stored_total": self.bytes_stored,
-            "bytes_served_total": self.bytes_served,
-            "pending_allocs": len(self.pending),
-            "slabs": len(self.slabs),
-            "tentative_blocks": len(self.tentative),
-            "parked_writes": len(self.parked),
-        }
+            bytes_used=self.alloc.used - slab_free,
+            slab_bytes_reserved=slab_free,
+            largest_free_bytes=self.alloc.largest_free(),
+            bytes_live=int(sum(int(b.fields[f].row_offsets[-1]) for b in self.blocks.values() for f in b.fields)),
+            bytes_stored_total=self.bytes_stored,
+            bytes_served_total=self.bytes_served,
+            pending_allocs=len(self.pending),
+            slabs=len(self.slabs),
+            tentative_blocks=len(self.tentative),
+            parked_writes=len(self.parked),
+        )
 
     def close(self) -> None:
         super().close()
@@ -800,13 +801,15 @@ def run_storage_unit(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, exit_now)
     try:
-        chan = RpcChannel(controller, secret=secret, timeout=register_timeout, name="controller")
+        chan = RpcChannel(
+            controller, secret=secret, timeout=register_timeout, name="controller", replies=messages.CONTROLLER_REPLY_DECODERS
+        )
         registered, _ = chan.call(messages.ControllerOp.REGISTER_UNIT, messages.RegisterUnit(**unit.describe(), rejoin=rejoin))
         chan.close()
-        unit.unit_id = registered["unit_id"]  # the controller numbers units in registration order
-        unit.metrics = metrics or bool(registered.get("metrics"))
+        unit.unit_id = registered.unit_id  # the controller numbers units in registration order
+        unit.metrics = metrics or registered.metrics
         if ready_file:
-            launch.write_json(ready_file, {**unit.describe(), "unit_id": registered["unit_id"]})
+            launch.write_json(ready_file, unit.describe())
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: unit.stop())
         unit.serve_forever()

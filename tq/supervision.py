@@ -28,11 +28,14 @@ from .protocol import LOC_BLOCK as BLOCK, LOC_ROW as ROW, LOC_UNIT as UNIT
 
 log = logging.getLogger("tq.controller")
 
-MAX_BLOCK_ID = messages.BLOCK_ID_LIMIT
 HEARTBEAT_S = 1.0  # the controller pings every storage unit this often
 UNIT_TIMEOUT_S = 3.0  # a unit silent for longer is reported down and reads of its keys fail fast
 ADOPTED_CHECK_S = 0.2  # how often the pids of units taken back from the journal are checked
 UNIT_SEND_HWM = 1000  # messages queued per storage unit before sends to it are dropped (then a retain)
+# Requests to units go out fire-and-forget, each with its op's number as request id, which the reply
+# echoes: so a reply is decoded into the reply type of the op it answers.
+_OP_RIDS = {op: rid for rid, op in enumerate(messages.UnitOp, 1)}
+_REPLY_DECODERS = {rid: messages.UNIT_REPLY_DECODERS[op.value] for op, rid in _OP_RIDS.items()}
 
 
 @dataclass
@@ -110,34 +113,34 @@ class UnitSupervision:
     def _on_unit_reply(self, unit: int, frames: list) -> None:
         self.unit_seen[unit] = time.monotonic()  # any reply is a heartbeat
         try:
-            result = protocol.raise_for_reply(protocol.decode(frames, self.secret))
+            reply = protocol.decode_reply(frames, self.secret)
+            protocol.raise_for_error(reply)
+            decoder = _REPLY_DECODERS.get(reply.rid)
+            result = decoder.decode(reply.result) if decoder is not None else None  # None: to a shutdown sent on close
         except Exception as exc:
             log.warning("storage unit %d refused a request: %s", unit, exc)
             return
-        if isinstance(result, dict) and isinstance(result.get("low_water"), int):  # a heartbeat's reply
+        if type(result) is messages.PingReply:
             self._on_unit_heartbeat(unit, result)
-        if isinstance(result, dict) and isinstance(result.get("adopted"), list):  # journaled by the unit:
+        elif type(result) in (messages.AdoptReply, messages.RetainReply):  # journaled by the unit:
             adopts = self.ledgers[unit].adopts  # their layouts are not needed any more
-            for b in result["adopted"]:
-                if isinstance(b, int):
-                    adopts.pop(b, None)
+            for b in result.adopted:
+                adopts.pop(b, None)
         if self.ledgers[unit].resync:
             self._resync(unit)
 
-    def _on_unit_heartbeat(self, unit: int, beat: dict) -> None:
+    def _on_unit_heartbeat(self, unit: int, beat: messages.PingReply) -> None:
         """Settle what the unit reports: blocks below its low-water mark are settled (forget them);
         tentative blocks past their lease are claimed if committed, else fenced and freed."""
-        if self._raise_water(unit, beat["low_water"]) and self.journal is not None:
-            self.journal.append(["__water__", {"unit": unit, "low_water": beat["low_water"]}, []])
-        if isinstance(beat.get("free_bytes"), int) and unit < len(self.units):
-            self.units[unit]["free_bytes"] = beat["free_bytes"]
-        expired = beat.get("expired")
-        if isinstance(expired, list) and expired:
+        if self._raise_water(unit, beat.low_water) and self.journal is not None:
+            self.journal.append(["__water__", {"unit": unit, "low_water": beat.low_water}, []])
+        if unit < len(self.units):
+            self.units[unit]["free_bytes"] = beat.free_bytes
+        if beat.expired:
             led = self.ledgers[unit]
-            bids = [b for b in expired if isinstance(b, int) and 0 <= b < MAX_BLOCK_ID]
-            led.claims.extend(b for b in bids if b in led.pending and b not in led.adopts)
-            led.adopt_queue.extend(b for b in bids if b in led.adopts)  # its adopt never arrived: again
-            self._fence(unit, [b for b in bids if b not in led.pending])
+            led.claims.extend(b for b in beat.expired if b in led.pending and b not in led.adopts)
+            led.adopt_queue.extend(b for b in beat.expired if b in led.adopts)  # its adopt never arrived: again
+            self._fence(unit, [b for b in beat.expired if b not in led.pending])
 
     def _raise_water(self, unit: int, low_water: int) -> bool:
         led = self.ledgers[unit]
@@ -259,7 +262,7 @@ class UnitSupervision:
         if sock is None:
             return
         try:
-            sock.send_multipart(protocol.request(op, 0, args, buffers, self.secret), flags=zmq.NOBLOCK)
+            sock.send_multipart(protocol.request(op, _OP_RIDS[op], args, buffers, self.secret), flags=zmq.NOBLOCK)
         except zmq.Again:
             if op != messages.UnitOp.PING and not self.ledgers[unit].resync:
                 log.warning("storage unit %d is not taking messages: its frees wait for it to answer again", unit)

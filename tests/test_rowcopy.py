@@ -81,3 +81,90 @@ def test_no_dst_starts_puts_rows_back_to_back(row_span, large):
     assert np.array_equal(got, want)
     with pytest.raises(ValueError, match="out of bounds"):  # one byte short: refused, not overrun
         rowcopy.copy_rows(got[:-1], None, sources, src_idx, src_starts, sizes, row_span, b"\x07")
+
+
+def _fields_case(rng: np.random.Generator, n_fields: int, n: int, max_row: int, padded: bool, pad_width: int):
+    """``n_fields`` jobs for copy_fields over two sources: spans of any length (rows straddle the
+    store vectors), each field's part starting at an odd offset or on a cache line."""
+    sources = [rng.integers(0, 256, size=n * max_row + 64, dtype=np.uint8) for _ in range(2)]
+    jobs, at = [], int(rng.integers(0, 3))
+    for _ in range(n_fields):
+        sizes = rng.integers(0, max_row + 1, size=n).astype(np.int64)
+        span = max_row + int(rng.integers(0, 70)) if padded else 0
+        pad = bytes(rng.integers(0, 256, size=pad_width, dtype=np.uint8)) if padded else b""
+        jobs.append(
+            (at, sources, rng.integers(0, 2, size=n).astype(np.int64), rng.integers(0, 64, size=n).astype(np.int64), sizes, span, pad)
+        )
+        at += (n * span if padded else int(sizes.sum())) + int(rng.choice([0, 64 - at % 64 if at % 64 else 0, 5]))
+    return jobs, at
+
+
+def _reference(jobs, total: int) -> np.ndarray:
+    want = np.full(total + 32, 0xAB, dtype=np.uint8)
+    for base, sources, src_idx, src_starts, sizes, span, pad in jobs:
+        starts = base + (np.arange(sizes.size, dtype=np.int64) * span if span else np.cumsum(sizes) - sizes)
+        rowcopy.copy_rows_numpy(want, starts, list(sources), src_idx, src_starts, sizes, span, pad)
+    return want
+
+
+@pytest.mark.parametrize("isa", rowcopy.STREAM_ISAS)
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    padded=st.booleans(),
+    pad_width=st.sampled_from([1, 2, 4, 8, 16, 3]),
+    n_fields=st.integers(1, 12),
+    large=st.booleans(),
+)
+def test_copy_fields_matches_field_by_field_copies(seed, padded, pad_width, n_fields, large, isa):
+    """One call for all fields gives the bytes of one copy per field, on both store paths: fields
+    that are small one by one stream when the call as a whole is large."""
+    rng = np.random.default_rng(seed)
+    n = 64 if large else 8
+    max_row = 3 * rowcopy.STREAM_BYTES // (n * n_fields) if large else 200
+    jobs, total = _fields_case(rng, n_fields, n, max_row, padded, pad_width)
+    if large:  # the call as a whole reaches the streaming path, its fields need not
+        assert sum(n * j[5] if padded else int(j[4].sum()) for j in jobs) >= rowcopy.STREAM_BYTES > 0
+    want = _reference(jobs, total)
+    got = np.full(total + 32, 0xAB, dtype=np.uint8)
+    was = rowcopy.set_stream_isa(isa)
+    try:
+        rowcopy.copy_fields(got, jobs)
+    finally:
+        rowcopy.set_stream_isa(was)
+    assert np.array_equal(got, want)
+
+
+def test_copy_fields_numpy_fallback_gives_the_same_bytes(monkeypatch):
+    rng = np.random.default_rng(7)
+    jobs, total = _fields_case(rng, 5, 16, 300, True, 4)
+    got = np.full(total + 32, 0xAB, dtype=np.uint8)
+    monkeypatch.setattr(rowcopy, "_c_copy_fields", None)
+    rowcopy.copy_fields(got, jobs)
+    assert np.array_equal(got, _reference(jobs, total))
+
+
+@pytest.mark.parametrize("c_helper", [True, False])
+def test_copy_fields_refuses_a_bad_job_before_writing_any(c_helper, monkeypatch):
+    """A bad range in the last field: ValueError naming that job, and no field copied."""
+    rng = np.random.default_rng(3)
+    jobs, total = _fields_case(rng, 4, 16, 300, True, 4)
+    base, sources, src_idx, src_starts, sizes, span, pad = jobs[-1]
+    bad = src_starts.copy()
+    bad[-1] = sources[int(src_idx[-1])].size  # reads past its source
+    jobs[-1] = (base, sources, src_idx, bad, sizes, span, pad)
+    dst = np.zeros(total, dtype=np.uint8)
+    if not c_helper:
+        monkeypatch.setattr(rowcopy, "_c_copy_fields", None)
+    with pytest.raises(ValueError, match="job 3: .*out of bounds"):
+        rowcopy.copy_fields(dst, jobs)
+    assert not dst.any()
+    with pytest.raises(ValueError, match="job 0: .*out of bounds"):  # one byte short of the last field
+        rowcopy.copy_fields(np.zeros(jobs[0][0] + 8, dtype=np.uint8), jobs[:1])
+
+
+def test_copy_fields_wants_int64_index_arrays():
+    src, dst = np.arange(64, dtype=np.uint8), np.zeros(64, dtype=np.uint8)
+    starts32 = np.zeros(2, dtype=np.int32)  # 8 bytes in all: read as int64 it would be one row
+    with pytest.raises(ValueError, match="src_starts must be an int64 buffer"):
+        rowcopy.copy_fields(dst, [(0, [src], np.zeros(2, np.int64), starts32, np.full(2, 4, np.int64), 0, b"")])

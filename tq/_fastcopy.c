@@ -4,16 +4,25 @@
  *   for every row i: memcpy(dst + dst_starts[i], sources[src_idx[i]] + src_starts[i], sizes[i]);
  *   when row_span > 0, the rest of the row up to row_span bytes is filled with the byte pattern `pad`.
  *   dst_starts None: the rows go back to back (row i at i * row_span, or packed when row_span is 0).
+ * copy_fields(dst, jobs)
+ *   several such copies into one destination, one per field of a get, each job a tuple
+ *   (dst_start, sources, src_idx, src_starts, sizes, row_span, pad) whose rows go back to back from
+ *   dst_start; int64 index arrays only. One call per get, not per field: the per-field costs (call,
+ *   buffer exports, the GIL released and taken) are paid once, and the streaming decision below is
+ *   made on the whole get - a get of 32 fields of 0.8 MB each is as large as one of 1 field of 24 MB.
  * Every range is bounds-checked first (offsets may come from another process), so bad offsets raise
- * ValueError instead of touching memory they do not own. A pure-numpy fallback lives in tq/rowcopy.py.
+ * ValueError instead of touching memory they do not own; nothing is written unless every job is
+ * valid. A pure-numpy fallback lives in tq/rowcopy.py.
  *
- * A destination of STREAM_BYTES or more is written with non-temporal (streaming) stores on x86-64,
+ * A call writing STREAM_BYTES or more is written with non-temporal (streaming) stores on x86-64,
  * of the widest vectors the CPU has (picked at import; set_stream_isa switches, for tests): a padded
  * batch of megabytes will not be read back from the cache before it is evicted, and plain stores
  * would first read every destination line (read-for-ownership) and evict what the caller's next
  * steps need. 1 MiB, the size of a core's L2 here: each field of an 8 MiB GRPO batch (0.8-6.3 MB
  * padded) streams; measured on the 2-vCPU VM, its padded get copies in 0.79 ms this way against
- * 1.0 ms with the 3.2 MB fields stored plainly.
+ * 1.0 ms with the 3.2 MB fields stored plainly. A padded row is written as one stream - its bytes,
+ * the vector where they end and the pad begins (assembled in a register), then the pad vectors -
+ * so only the row's unaligned ends use plain stores, whatever the row's length.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -28,10 +37,13 @@
 #endif
 
 #define STREAM_BYTES ((Py_ssize_t)1 << 20)
+#define PAT_BYTES 128 /* a pad pattern expanded: PAT_BYTES bytes of it from its phase 0 */
 
-static int get_i64(PyObject *obj, Py_buffer *view, const char *name) {
-    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS) < 0) return -1;
-    if (view->len % 8 != 0) {
+static int get_i64(PyObject *obj, Py_buffer *view, const char *name, int strict) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | (strict ? PyBUF_FORMAT : 0)) < 0) return -1;
+    const char *f = strict && view->format ? view->format : "q";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    if (view->len % 8 != 0 || (strict && (view->itemsize != 8 || !(f[0] == 'q' || f[0] == 'l') || f[1]))) {
         PyErr_Format(PyExc_ValueError, "%s must be an int64 buffer", name);
         PyBuffer_Release(view);
         return -1;
@@ -53,38 +65,92 @@ static void fill_pattern(char *p, Py_ssize_t n, const char *pat, Py_ssize_t plen
     }
 }
 
-/* n bytes of the repeating pattern `pat` (plen bytes), starting `phase` bytes into it. */
-static void fill_phase(char *p, size_t n, const char *pat, size_t plen, size_t phase) {
-    for (size_t k = 0; k < n; k++) p[k] = pat[(phase + k) % plen];
+/* One copy (a field): its buffers held, its ranges checked, ready to run without the GIL. */
+typedef struct {
+    PyObject *seq;
+    Py_buffer dst_starts, src_idx, src_starts, sizes, pad, *srcs;
+    Py_ssize_t n, nsrc, got_src, row_span, bytes;
+    int64_t *own_starts;
+    int have_ds, have_si, have_ss, have_sz, have_pad;
+    char pat[PAT_BYTES]; /* the pad pattern expanded, when its period is a power of two <= 16 */
+    int pat_ok;
+} job_t;
+
+static void job_release(job_t *j) {
+    for (Py_ssize_t k = 0; k < j->got_src; k++) PyBuffer_Release(&j->srcs[k]);
+    PyMem_Free(j->srcs);
+    if (j->have_sz) PyBuffer_Release(&j->sizes);
+    if (j->have_ss) PyBuffer_Release(&j->src_starts);
+    if (j->have_si) PyBuffer_Release(&j->src_idx);
+    if (j->own_starts) PyMem_Free(j->own_starts);
+    else if (j->have_ds) PyBuffer_Release(&j->dst_starts);
+    if (j->have_pad) PyBuffer_Release(&j->pad);
+    Py_XDECREF(j->seq);
+    memset(j, 0, sizeof(*j));
 }
 
 #if HAVE_STREAM
-/* Streaming copy and fill at vector width W, in 128-byte steps: the destination is aligned to W
- * first, so every store is a whole aligned vector; AVX-512's whole-cache-line stores fill the
- * write-combining buffers the fastest (measured: a padded 8 MiB batch 0.72-0.79 ms against
- * 1.16-1.52 ms with 16-byte stores on the same VM). */
+/* A streaming writer: bytes are written as whole aligned W-byte vectors with streaming stores; the
+ * vector being filled waits in `buf` (its first `lo` bytes not ours, bytes [lo, k) written so far)
+ * until it is whole. Rows written back to back thus go out as one stream whatever their lengths:
+ * a vector shared by the end of one row and the start of the next, or by a row's data and its pad,
+ * is assembled here and stored once - a plain store there would first read the line from memory
+ * and make the streaming stores to it evict it again. Only a run's two ends use plain stores. */
+typedef struct { char *v; size_t k, lo; char buf[64]; } sw_t;
+
 #define DEFINE_STREAM(W, TARGET, VEC, LOAD, STORE)                                                      \
-    TARGET static void stream_copy_##W(char *d, const char *s, size_t n) {                              \
-        size_t head = (W - ((uintptr_t)d & (W - 1))) & (W - 1);                                         \
-        if (head > n) head = n;                                                                         \
-        memcpy(d, s, head);                                                                             \
-        d += head; s += head; n -= head;                                                                \
-        for (; n >= 128; n -= 128, d += 128, s += 128)                                                  \
-            for (int j = 0; j < 128; j += W) STORE((void *)(d + j), LOAD((const void *)(s + j)));       \
-        memcpy(d, s, n);                                                                                \
+    TARGET static inline void sw_full_##W(sw_t *w) {                                                    \
+        if (w->lo == 0) STORE((void *)w->v, LOAD((const void *)w->buf));                                \
+        else memcpy(w->v + w->lo, w->buf + w->lo, W - w->lo);                                           \
+        w->v += W;                                                                                      \
+        w->k = w->lo = 0;                                                                               \
     }                                                                                                   \
-    TARGET static void stream_fill_##W(char *p, size_t n, const char *pat, size_t plen) {               \
-        if (W % plen != 0) { fill_phase(p, n, pat, plen, 0); return; }                                  \
-        size_t head = (W - ((uintptr_t)p & (W - 1))) & (W - 1);                                         \
-        if (head > n) head = n;                                                                         \
-        fill_phase(p, head, pat, plen, 0);                                                              \
-        char v[W];                                                                                      \
-        fill_phase(v, W, pat, plen, head % plen);                                                       \
-        VEC x = LOAD((const void *)v);                                                                  \
-        size_t k = head;                                                                                \
-        for (; k + 128 <= n; k += 128)                                                                  \
-            for (int j = 0; j < 128; j += W) STORE((void *)(p + k + j), x);                             \
-        fill_phase(p + k, n - k, pat, plen, k % plen);                                  \
+    /* m bytes from s, or (pad) of the pattern E from its phase 0: E[j] for j < W, then the W-byte   \
+     * vector at E + (j & 63), the same for every j that is a multiple of W past the first */        \
+    TARGET static inline void sw_put_##W(sw_t *w, const char *s, size_t m, int pad) {                   \
+        size_t q = 0;                                                                                   \
+        if (w->k) {                                                                                     \
+            size_t t = W - w->k < m ? W - w->k : m;                                                     \
+            memcpy(w->buf + w->k, s, t);                                                                \
+            w->k += t;                                                                                  \
+            q = t;                                                                                      \
+            m -= t;                                                                                     \
+            if (w->k < W) return;                                                                       \
+            sw_full_##W(w);                                                                             \
+        }                                                                                               \
+        char *p = w->v;                                                                                 \
+        if (pad) {                                                                                      \
+            const char *e = s + (q & 63);                                                               \
+            VEC x = LOAD((const void *)e);                                                              \
+            for (; m >= 128; m -= 128, p += 128)                                                        \
+                for (int j = 0; j < 128; j += W) STORE((void *)(p + j), x);                             \
+            for (; m >= W; m -= W, p += W) STORE((void *)p, x);                                         \
+            memcpy(w->buf, e, m);                                                                       \
+        } else {                                                                                        \
+            s += q;                                                                                     \
+            for (; m >= 128; m -= 128, p += 128, s += 128)                                              \
+                for (int j = 0; j < 128; j += W) STORE((void *)(p + j), LOAD((const void *)(s + j)));   \
+            for (; m >= W; m -= W, p += W, s += W) STORE((void *)p, LOAD((const void *)s));             \
+            memcpy(w->buf, s, m);                                                                       \
+        }                                                                                               \
+        w->v = p;                                                                                       \
+        w->k = m;                                                                                       \
+    }                                                                                                   \
+    TARGET static void stream_job_##W(const job_t *j, char *d) {                                        \
+        const int64_t *ds = j->dst_starts.buf, *si = j->src_idx.buf, *ss = j->src_starts.buf;          \
+        const int64_t *sz = j->sizes.buf;                                                               \
+        sw_t w = {0};                                                                                   \
+        for (Py_ssize_t i = 0; i < j->n; i++) {                                                         \
+            char *r = d + ds[i];                                                                        \
+            if (i == 0 || r != w.v + w.k) { /* not right after the previous row: a new run */           \
+                if (w.k > w.lo) memcpy(w.v + w.lo, w.buf + w.lo, w.k - w.lo);                           \
+                w.v = r - ((uintptr_t)r & (W - 1));                                                     \
+                w.k = w.lo = (uintptr_t)r & (W - 1);                                                    \
+            }                                                                                           \
+            sw_put_##W(&w, (const char *)j->srcs[si[i]].buf + ss[i], (size_t)sz[i], 0);                 \
+            if (j->row_span > 0) sw_put_##W(&w, j->pat, (size_t)(j->row_span - sz[i]), 1);             \
+        }                                                                                               \
+        if (w.k > w.lo) memcpy(w.v + w.lo, w.buf + w.lo, w.k - w.lo);                                   \
     }
 
 DEFINE_STREAM(16, , __m128i, _mm_loadu_si128, _mm_stream_si128)
@@ -97,13 +163,12 @@ DEFINE_STREAM(64, __attribute__((target("avx512f"))), __m512i, _mm512_loadu_si51
 #define HAVE_WIDE 0
 #endif
 
-typedef void (*stream_copy_fn)(char *, const char *, size_t);
-typedef void (*stream_fill_fn)(char *, size_t, const char *, size_t);
-static const struct { const char *name; stream_copy_fn copy; stream_fill_fn fill; } ISAS[] = {
-    {"sse2", stream_copy_16, stream_fill_16},
+typedef void (*stream_job_fn)(const job_t *, char *);
+static const struct { const char *name; stream_job_fn job; } ISAS[] = {
+    {"sse2", stream_job_16},
 #if HAVE_WIDE
-    {"avx", stream_copy_32, stream_fill_32},
-    {"avx512f", stream_copy_64, stream_fill_64},
+    {"avx", stream_job_32},
+    {"avx512f", stream_job_64},
 #endif
 };
 #define N_ISAS ((int)(sizeof(ISAS) / sizeof(ISAS[0])))
@@ -119,99 +184,165 @@ static int isa_supported(int i) {
 }
 #endif
 
-static PyObject *copy_rows(PyObject *self, PyObject *args) {
-    PyObject *dst_o, *dst_starts_o, *sources_o, *src_idx_o, *src_starts_o, *sizes_o;
-    Py_ssize_t row_span;
-    Py_buffer pad;
-    if (!PyArg_ParseTuple(args, "OOOOOOny*", &dst_o, &dst_starts_o, &sources_o, &src_idx_o, &src_starts_o,
-                          &sizes_o, &row_span, &pad))
-        return NULL;
-    PyObject *ret = NULL;
-    Py_buffer dst = {0}, dst_starts = {0}, src_idx = {0}, src_starts = {0}, sizes = {0};
-    Py_buffer *srcs = NULL;
-    int64_t *own_starts = NULL;
-    Py_ssize_t nsrc = 0, got_src = 0;
-    PyObject *seq = PySequence_Fast(sources_o, "sources must be a sequence of buffers");
-    if (!seq) goto done_pad;
-    nsrc = PySequence_Fast_GET_SIZE(seq);
-    if (PyObject_GetBuffer(dst_o, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done_seq;
-    if (dst_starts_o != Py_None && get_i64(dst_starts_o, &dst_starts, "dst_starts") < 0) goto done_dst;
-    if (get_i64(src_idx_o, &src_idx, "src_idx") < 0) goto done_ds;
-    if (get_i64(src_starts_o, &src_starts, "src_starts") < 0) goto done_si;
-    if (get_i64(sizes_o, &sizes, "sizes") < 0) goto done_ss;
-    Py_ssize_t n = sizes.len / 8;
+/* Hold a job's buffers and check every range against dst_len (dst_starts_o None: rows back to back
+ * from `base`); on failure the job holds nothing and an exception is set. */
+static int job_prepare(job_t *j, Py_ssize_t dst_len, PyObject *dst_starts_o, Py_ssize_t base, PyObject *sources_o,
+                       PyObject *src_idx_o, PyObject *src_starts_o, PyObject *sizes_o, Py_ssize_t row_span, int strict) {
+    if (!(j->seq = PySequence_Fast(sources_o, "sources must be a sequence of buffers"))) goto fail;
+    j->nsrc = PySequence_Fast_GET_SIZE(j->seq);
+    j->row_span = row_span;
+    if (dst_starts_o != Py_None) {
+        if (get_i64(dst_starts_o, &j->dst_starts, "dst_starts", strict) < 0) goto fail;
+        j->have_ds = 1;
+    }
+    if (get_i64(src_idx_o, &j->src_idx, "src_idx", strict) < 0) goto fail;
+    j->have_si = 1;
+    if (get_i64(src_starts_o, &j->src_starts, "src_starts", strict) < 0) goto fail;
+    j->have_ss = 1;
+    if (get_i64(sizes_o, &j->sizes, "sizes", strict) < 0) goto fail;
+    j->have_sz = 1;
+    Py_ssize_t n = j->n = j->sizes.len / 8;
+    const int64_t *z = j->sizes.buf;
     if (dst_starts_o == Py_None) {  /* back to back; overflow is caught by the bounds check below */
-        if (!(own_starts = PyMem_Malloc((size_t)(n ? n : 1) * 8))) { PyErr_NoMemory(); goto done_sz; }
-        const int64_t *z = sizes.buf;
-        int64_t at = 0;
+        if (!(j->own_starts = PyMem_Malloc((size_t)(n ? n : 1) * 8))) { PyErr_NoMemory(); goto fail; }
+        int64_t at = base;
         for (Py_ssize_t i = 0; i < n; i++) {
-            own_starts[i] = at;
+            j->own_starts[i] = at;
             at += row_span > 0 ? row_span : (z[i] > 0 ? z[i] : 0);
         }
-        dst_starts.buf = own_starts;
-        dst_starts.len = n * 8;
+        j->dst_starts.buf = j->own_starts;
+        j->dst_starts.len = n * 8;
     }
-    if (dst_starts.len / 8 != n || src_idx.len / 8 != n || src_starts.len / 8 != n) {
+    if (j->dst_starts.len / 8 != n || j->src_idx.len / 8 != n || j->src_starts.len / 8 != n) {
         PyErr_SetString(PyExc_ValueError, "dst_starts, src_idx, src_starts and sizes must have one length");
-        goto done_sz;
+        goto fail;
     }
-    if (row_span > 0 && pad.len < 1) {
+    if (row_span > 0 && j->pad.len < 1) {
         PyErr_SetString(PyExc_ValueError, "a pad pattern is needed when row_span > 0");
-        goto done_sz;
+        goto fail;
     }
-    srcs = PyMem_Calloc((size_t)(nsrc ? nsrc : 1), sizeof(Py_buffer));
-    if (!srcs) { PyErr_NoMemory(); goto done_sz; }
-    for (; got_src < nsrc; got_src++)
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got_src), &srcs[got_src], PyBUF_C_CONTIGUOUS) < 0) goto done_srcs;
-    const int64_t *ds = dst_starts.buf, *si = src_idx.buf, *ss = src_starts.buf, *sz = sizes.buf;
+    if (row_span > 0 && j->pad.len <= 16 && !(j->pad.len & (j->pad.len - 1))) {
+        for (int k = 0; k < PAT_BYTES; k++) j->pat[k] = ((const char *)j->pad.buf)[k % j->pad.len];
+        j->pat_ok = 1;
+    }
+    if (!(j->srcs = PyMem_Calloc((size_t)(j->nsrc ? j->nsrc : 1), sizeof(Py_buffer)))) { PyErr_NoMemory(); goto fail; }
+    for (; j->got_src < j->nsrc; j->got_src++)
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(j->seq, j->got_src), &j->srcs[j->got_src], PyBUF_C_CONTIGUOUS) < 0)
+            goto fail;
+    const int64_t *ds = j->dst_starts.buf, *si = j->src_idx.buf, *ss = j->src_starts.buf;
     for (Py_ssize_t i = 0; i < n; i++) {  /* validate everything before copying anything */
         int64_t s = si[i];
-        Py_ssize_t span = row_span > 0 ? row_span : sz[i];
-        if (s < 0 || s >= nsrc || sz[i] < 0 || ss[i] < 0 || ds[i] < 0 || sz[i] > span ||
-            ss[i] > srcs[s].len - sz[i] || ds[i] > dst.len - span) {
+        Py_ssize_t span = row_span > 0 ? row_span : z[i];
+        if (s < 0 || s >= j->nsrc || z[i] < 0 || ss[i] < 0 || ds[i] < 0 || z[i] > span ||
+            ss[i] > j->srcs[s].len - z[i] || ds[i] > dst_len - span) {
             PyErr_Format(PyExc_ValueError, "row %zd: copy out of bounds (source %lld, start %lld, size %lld)", i,
-                         (long long)s, (long long)ss[i], (long long)sz[i]);
-            goto done_srcs;
+                         (long long)s, (long long)ss[i], (long long)z[i]);
+            goto fail;
         }
+        j->bytes += span;
     }
-    Py_ssize_t total = 0;
-    for (Py_ssize_t i = 0; i < n; i++) total += row_span > 0 ? row_span : sz[i];
-    Py_BEGIN_ALLOW_THREADS
-    char *d = dst.buf;
+    return 0;
+fail:
+    job_release(j);
+    return -1;
+}
+
+/* Run a prepared job into dst (no GIL). */
+static void job_run(const job_t *j, char *d, int stream) {
+    const int64_t *ds = j->dst_starts.buf, *si = j->src_idx.buf, *ss = j->src_starts.buf, *sz = j->sizes.buf;
+    const Py_buffer *srcs = j->srcs;
 #if HAVE_STREAM
-    if (total >= STREAM_BYTES) {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            ISAS[isa].copy(d + ds[i], (const char *)srcs[si[i]].buf + ss[i], (size_t)sz[i]);
-            if (row_span > 0) ISAS[isa].fill(d + ds[i] + sz[i], (size_t)(row_span - sz[i]), pad.buf, (size_t)pad.len);
-        }
-        _mm_sfence();  /* streaming stores are weakly ordered: publish them before returning */
-    } else
-#endif
-    for (Py_ssize_t i = 0; i < n; i++) {
-        memcpy(d + ds[i], (const char *)srcs[si[i]].buf + ss[i], (size_t)sz[i]);
-        if (row_span > 0) fill_pattern(d + ds[i] + sz[i], row_span - sz[i], pad.buf, pad.len);
+    if (stream && (j->row_span == 0 || j->pat_ok)) {
+        ISAS[isa].job(j, d);
+        return;
     }
+#endif
+    (void)stream;
+    for (Py_ssize_t i = 0; i < j->n; i++) {
+        memcpy(d + ds[i], (const char *)srcs[si[i]].buf + ss[i], (size_t)sz[i]);
+        if (j->row_span > 0) fill_pattern(d + ds[i] + sz[i], j->row_span - sz[i], j->pad.buf, j->pad.len);
+    }
+}
+
+/* Run prepared jobs into dst with the GIL released: streaming when they write STREAM_BYTES or more. */
+static void run_jobs(const job_t *jobs, Py_ssize_t njobs, char *d) {
+    Py_ssize_t total = 0;
+    for (Py_ssize_t k = 0; k < njobs; k++) total += jobs[k].bytes;
+    int stream = total >= STREAM_BYTES;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t k = 0; k < njobs; k++) job_run(&jobs[k], d, stream);
+#if HAVE_STREAM
+    if (stream) _mm_sfence();  /* streaming stores are weakly ordered: publish them before returning */
+#endif
     Py_END_ALLOW_THREADS
+}
+
+static PyObject *copy_rows(PyObject *self, PyObject *args) {
+    PyObject *dst_o, *dst_starts_o, *sources_o, *src_idx_o, *src_starts_o, *sizes_o;
+    job_t j = {0};
+    Py_buffer dst;
+    if (!PyArg_ParseTuple(args, "OOOOOOny*", &dst_o, &dst_starts_o, &sources_o, &src_idx_o, &src_starts_o, &sizes_o,
+                          &j.row_span, &j.pad))
+        return NULL;
+    j.have_pad = 1;
+    if (PyObject_GetBuffer(dst_o, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&j.pad);
+        return NULL;
+    }
+    PyObject *ret = NULL;
+    if (job_prepare(&j, dst.len, dst_starts_o, 0, sources_o, src_idx_o, src_starts_o, sizes_o, j.row_span, 0) == 0) {
+        run_jobs(&j, 1, dst.buf);
+        job_release(&j);
+        ret = Py_None;
+        Py_INCREF(ret);
+    }
+    PyBuffer_Release(&dst);
+    return ret;
+}
+
+static PyObject *copy_fields(PyObject *self, PyObject *args) {
+    PyObject *dst_o, *jobs_o;
+    if (!PyArg_ParseTuple(args, "OO", &dst_o, &jobs_o)) return NULL;
+    PyObject *jobs_seq = PySequence_Fast(jobs_o, "jobs must be a sequence of tuples");
+    if (!jobs_seq) return NULL;
+    Py_ssize_t njobs = PySequence_Fast_GET_SIZE(jobs_seq), ready = 0;
+    PyObject *ret = NULL;
+    Py_buffer dst;
+    job_t *jobs = PyMem_Calloc((size_t)(njobs ? njobs : 1), sizeof(job_t));
+    if (!jobs) { PyErr_NoMemory(); goto done_seq; }
+    if (PyObject_GetBuffer(dst_o, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done_jobs;
+    for (; ready < njobs; ready++) {
+        job_t *j = &jobs[ready];
+        PyObject *sources_o, *src_idx_o, *src_starts_o, *sizes_o, *t = PySequence_Fast_GET_ITEM(jobs_seq, ready);
+        Py_ssize_t base, row_span;
+        if (!PyTuple_Check(t)) { PyErr_Format(PyExc_TypeError, "job %zd is not a tuple", ready); goto done_dst; }
+        if (!PyArg_ParseTuple(t, "nOOOOny*", &base, &sources_o, &src_idx_o, &src_starts_o, &sizes_o, &row_span, &j->pad))
+            goto done_dst;
+        j->have_pad = 1;
+        if (base < 0) {
+            PyErr_Format(PyExc_ValueError, "job %zd: dst_start %zd is negative", ready, base);
+            PyBuffer_Release(&j->pad);
+            j->have_pad = 0;
+            goto done_dst;
+        }
+        if (job_prepare(j, dst.len, Py_None, base, sources_o, src_idx_o, src_starts_o, sizes_o, row_span, 1) < 0) {
+            PyObject *type, *value, *tb;  /* name the job in the error */
+            PyErr_Fetch(&type, &value, &tb);
+            PyErr_Format(type, "job %zd: %S", ready, value);
+            Py_XDECREF(type); Py_XDECREF(value); Py_XDECREF(tb);
+            goto done_dst;
+        }
+    }
+    run_jobs(jobs, njobs, dst.buf);
     ret = Py_None;
     Py_INCREF(ret);
-done_srcs:
-    for (Py_ssize_t k = 0; k < got_src; k++) PyBuffer_Release(&srcs[k]);
-    PyMem_Free(srcs);
-done_sz:
-    PyBuffer_Release(&sizes);
-done_ss:
-    PyBuffer_Release(&src_starts);
-done_si:
-    PyBuffer_Release(&src_idx);
-done_ds:
-    if (own_starts) PyMem_Free(own_starts);
-    else if (dst_starts_o != Py_None) PyBuffer_Release(&dst_starts);
 done_dst:
+    for (Py_ssize_t k = 0; k < ready; k++) job_release(&jobs[k]);
     PyBuffer_Release(&dst);
+done_jobs:
+    PyMem_Free(jobs);
 done_seq:
-    Py_DECREF(seq);
-done_pad:
-    PyBuffer_Release(&pad);
+    Py_DECREF(jobs_seq);
     return ret;
 }
 
@@ -339,6 +470,7 @@ static PyObject *set_stream_isa(PyObject *self, PyObject *arg) {
 
 static PyMethodDef methods[] = {
     {"copy_rows", copy_rows, METH_VARARGS, "Copy byte rows between buffers, optionally padding each row."},
+    {"copy_fields", copy_fields, METH_VARARGS, "Several row copies (the fields of a get) into one buffer, in one call."},
     {"read_locations", read_locations, METH_VARARGS, "Read a meta's rows out of a shared location table (see above)."},
     {"table_layout", table_layout, METH_NOARGS, "The location-table layout this module was built for."},
     {"set_stream_isa", set_stream_isa, METH_O,

@@ -31,7 +31,7 @@ import torch
 from . import protocol
 from .arena import ALIGN, Arena, align_up, host_identity
 from .bufferpool import HostBufferPool
-from .columns import EncodedColumn, encode_column, pad_bytes, to_tensor, unpack_objects
+from .columns import EncodedColumn, FieldLayout, encode_column, field_layout, tensor_at, to_tensor, unpack_objects
 from .errors import (
     CapacityError,
     DuplicateKeyError,
@@ -48,7 +48,7 @@ from .messages import ControllerOp as Op, UnitOp
 from .meta import KVBatchMeta
 from .protocol import LOC_BLOCK as BLOCK, LOC_COLUMNS, LOC_NBYTES as NBYTES, LOC_OFFSET as OFFSET  # location
 from .protocol import LOC_ROW as ROW, LOC_UNIT as UNIT  # record columns
-from .rowcopy import copy_rows, write_chunks
+from .rowcopy import copy_fields, write_chunks
 from .rpc import RpcChannel, time_budget, time_left
 from .schema import DTYPES, JAGGED, OBJECT, FieldSchema
 
@@ -60,6 +60,8 @@ _FIELD_ALIGN = 64
 _default_pool = HostBufferPool()
 # Copies out of a shared arena that raced a free are redone this often before the units send the rows.
 SHM_READ_TRIES = 3
+# Each field's part of a get's result buffer starts on a cache line (whole streaming-store vectors).
+OUT_ALIGN = 64
 # Same-host puts carve blocks out of slabs: SLAB_BYTES and SLAB_IDS blocks per grant, used for at most
 # SLAB_USE_S (well inside the unit's 60 s allocation lease); a put above a quarter slab gets its own.
 SLAB_BYTES, SLAB_IDS, SLAB_USE_S = 4 << 20, 1024, 20.0
@@ -194,30 +196,11 @@ class _Fetched:
         """Rows to be placed by :func:`_place` (several units, or frames)."""
         return cls(schema, [], np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
 
-    def copy_into(self, dst: np.ndarray, row_span: int = 0, pad: bytes = b"") -> None:
-        """Copy the rows back to back into ``dst``: packed, or row i at ``i * row_span`` with the rest
-        of its span filled with ``pad``."""
-        copy_rows(dst, None, self.sources, self.src, self.starts, self.sizes, row_span, pad)
 
-
-class _Output:
-    """One field of a get, planned before any byte moves: its result buffer, where each row goes in
-    it, and the value handed back. Planning every field first and then running the copies back to
-    back keeps the bookkeeping out of the caches' way: a copy of megabytes evicts them."""
-
-    __slots__ = ("fx", "dst", "span", "pad", "value", "finish")
-
-    def __init__(
-        self, fx: _Fetched, dst: np.ndarray, value: Any = None, finish: Callable[[], Any] | None = None, span: int = 0, pad: bytes = b""
-    ) -> None:
-        self.fx, self.dst, self.span, self.pad = fx, dst, span, pad
-        self.value, self.finish = value, finish
-
-    def copy(self) -> None:
-        self.fx.copy_into(self.dst, self.span, self.pad)
-
-    def result(self) -> Any:
-        return self.finish() if self.finish is not None else self.value
+# One field of a get, planned before any byte moves: (rows, layout, start of its part of the get's
+# buffer, its bytes, its result's shape - None: msgpack rows, decoded after the copy). A plain tuple:
+# one is made per field of every get.
+_Planned = tuple[_Fetched, FieldLayout, int, int, "tuple[int, ...] | None"]
 
 
 def _place(
@@ -252,13 +235,32 @@ def _in_arena(
 ) -> dict[str, _Fetched]:
     """The rows ``[fields, keys]`` at ``starts`` / ``sizes`` of one mapped arena, read where they lie
     (with each field's longest row and byte total where already known)."""
-    src = np.zeros(starts.shape[1], dtype=np.int64)
+    src, sources = np.zeros(starts.shape[1], dtype=np.int64), [arena]  # shared: never extended (only _place extends)
+    if longest is None or totals is None:
+        return {name: _Fetched(schema, sources, src, st, sz) for name, schema, st, sz in zip(fields, schemas, starts, sizes)}
     return {
-        name: _Fetched(
-            schemas[f], [arena], src, starts[f], sizes[f], None if longest is None else longest[f], None if totals is None else totals[f]
-        )
-        for f, name in enumerate(fields)
+        name: _Fetched(schema, sources, src, st, sz, most, total)
+        for name, schema, st, sz, most, total in zip(fields, schemas, starts, sizes, longest, totals)
     }
+
+
+def _results(raw: np.ndarray, planned: list[_Planned], fields: list[str], layout: Layout) -> dict[str, Any]:
+    """The values handed back for the copied fields: tensors viewing their parts of the get's buffer
+    (a :class:`JaggedTensor` or its rows for jagged fields not padded), or the decoded objects."""
+    out: dict[str, Any] = {}
+    for name, (fx, lay, start, nbytes, shape) in zip(fields, planned):
+        if shape is None:
+            out[name] = unpack_objects(raw[start : start + nbytes], fx.sizes)
+            continue
+        t = tensor_at(raw, start, lay, shape)
+        if lay.kind == JAGGED and layout != "padded":
+            offsets = torch.zeros(fx.sizes.size + 1, dtype=torch.int64)
+            torch.cumsum(torch.from_numpy(fx.sizes // lay.row_bytes), 0, out=offsets[1:])
+            jt = JaggedTensor(t, offsets)
+            out[name] = jt if layout == "jagged" else jt.unbind()
+        else:
+            out[name] = t
+    return out
 
 
 class BorrowedBatch(dict):
@@ -1169,9 +1171,9 @@ class TQClient:
                     self._refresh_units()
                     attempt = self._fetch(meta, fields, None, shm=tries_left > 0)
             fetched, intact = attempt
-            outputs = self._copy_out(fetched, fields, meta, layout, pad_to, pad_value)
+            raw, planned = self._copy_out(fetched, fields, meta, layout, pad_to, pad_value)
             if intact is None or intact():
-                return {f: out.result() for f, out in zip(fields, outputs)}
+                return _results(raw, planned, fields, layout)
             # Bytes of the partition were freed while we copied (ours or another key's): again. A unit
             # serves a fetch between frees, so the last try (frames, no shared memory) needs no check.
             attempt = None
@@ -1179,42 +1181,49 @@ class TQClient:
 
     def _copy_out(
         self, fetched: dict[str, _Fetched], fields: list[str], meta: KVBatchMeta, layout: Layout, pad_to: int | None, pad_value: Any
-    ) -> list[_Output]:
-        outputs = [self._plan(f, fetched[f], meta, layout, pad_to, pad_value) for f in fields]
-        for out in outputs:  # the copies, back to back
-            out.copy()
-        return outputs
-
-    def _plan(self, name: str, fx: _Fetched, meta: KVBatchMeta, layout: Layout, pad_to: int | None, pad_value: Any) -> _Output:
-        """Allocate one field's result and say where its rows go (the copy runs later). Kept to a few
-        calls: it runs right after the previous get's copies evicted the interpreter's caches."""
-        schema, n = fx.schema, fx.sizes.size
-        if schema.kind == OBJECT:
-            raw = np.empty(fx.total, dtype=np.uint8)
-            return _Output(fx, raw, finish=lambda: unpack_objects(raw, fx.sizes))
-        if schema.kind != JAGGED:
-            raw = self._pool.empty(fx.total)
-            return _Output(fx, raw, to_tensor(raw, schema, (n, *schema.shape)))
-        row_bytes = max(schema.itemsize * schema.row_elems, 1)
-        if layout in ("jagged", "list"):
-            raw = self._pool.empty(fx.total)
-            offsets = torch.zeros(n + 1, dtype=torch.int64)
-            torch.cumsum(torch.from_numpy(fx.sizes // row_bytes), 0, out=offsets[1:])
-            jt = JaggedTensor(to_tensor(raw, schema, (fx.total // row_bytes, *schema.shape)), offsets)
-            return _Output(fx, raw, jt, None if layout == "jagged" else jt.unbind)
-        longest = fx.longest // row_bytes
-        target = pad_to if pad_to is not None else meta.extra_info.get("global_forward_pad_seqlen", longest)
+    ) -> tuple[np.ndarray, list[_Planned]]:
+        """Copy every field's rows into one buffer for the whole get (each field's part starting on a
+        cache line) with one call, so that a get costs its bytes, not its number of fields: one
+        pooled allocation instead of one per field (fields under the pool's minimum were fresh
+        memory, faulted in page by page on every get), one copy call, one streaming decision, and a
+        per-field loop kept to plain arithmetic (what the get asks is read once, not per field)."""
+        padded = layout == "padded"
+        target = pad_to if pad_to is not None else meta.extra_info.get("global_forward_pad_seqlen")
         multiple = meta.extra_info.get("pad_to_multiple")
-        if multiple:
-            target = -(-target // multiple) * multiple
-        if target < longest:
-            raise InvalidRequestError(
-                f"field {name!r}: key {meta.keys[int(np.argmax(fx.sizes))]!r} has {longest} tokens, more than the pad length {target}"
-            )
-        span = target * row_bytes
-        raw = self._pool.empty(n * span)
-        fill = pad_value.get(name, 0) if isinstance(pad_value, abc.Mapping) else pad_value
-        return _Output(fx, raw, to_tensor(raw, schema, (n, target, *schema.shape)), span=span, pad=pad_bytes(schema, fill))
+        fills = pad_value if isinstance(pad_value, abc.Mapping) else None
+        planned: list[_Planned] = []
+        jobs = []
+        at = 0
+        for name in fields:
+            fx = fetched[name]
+            lay = field_layout(fx.schema)
+            span, pad = 0, b""
+            if lay.kind == JAGGED and padded:
+                longest = fx.longest // lay.row_bytes
+                pad_len = longest if target is None else target
+                if multiple:
+                    pad_len = -(-pad_len // multiple) * multiple
+                if pad_len < longest:
+                    raise InvalidRequestError(
+                        f"field {name!r}: key {meta.keys[int(np.argmax(fx.sizes))]!r} has {longest} tokens, more than the pad length {pad_len}"
+                    )
+                span = pad_len * lay.row_bytes
+                n = fx.sizes.size
+                nbytes, shape = n * span, (n, pad_len, *lay.shape)
+                pad = lay.pad(pad_value if fills is None else fills.get(name, 0))
+            elif lay.kind == JAGGED:
+                nbytes = fx.total
+                shape = (nbytes // lay.row_bytes, *lay.shape)
+            elif lay.kind == OBJECT:
+                nbytes, shape = fx.total, None
+            else:
+                nbytes, shape = fx.total, (fx.sizes.size, *lay.shape)
+            planned.append((fx, lay, at, nbytes, shape))
+            jobs.append((at, fx.sources, fx.src, fx.starts, fx.sizes, span, pad))
+            at += -(-nbytes // OUT_ALIGN) * OUT_ALIGN
+        raw = self._pool.empty(at)
+        copy_fields(raw, jobs)
+        return raw, planned
 
     # ------------------------------------------------------------------ deletes and stats
     def discard(self, meta: KVBatchMeta) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
@@ -138,6 +138,53 @@ def to_tensor(raw: np.ndarray, schema: FieldSchema, shape: tuple[int, ...]) -> t
     if schema.dtype == "bfloat16":  # no numpy dtype: view the bits in torch
         return torch.from_numpy(raw).view(torch.bfloat16).reshape(shape)
     return torch.from_numpy(raw.view(DTYPES[schema.dtype][1]).reshape(shape))  # one torch call, not three
+
+
+class FieldLayout(NamedTuple):
+    """What a get needs of a field's schema, worked out once per schema (see :func:`field_layout`)."""
+
+    schema: FieldSchema
+    kind: str
+    row_bytes: int  # bytes per sample (tensor), per token (jagged), 1 (object)
+    bits: np.dtype  # the numpy dtype a result is viewed as (uint16 for bfloat16)
+    bfloat16: bool
+    shape: tuple[int, ...]  # the per-sample (tensor) or per-token (jagged) shape
+    pads: dict  # pad value -> pad bytes, filled as gets ask
+
+    def pad(self, value: float | int | bool) -> bytes:
+        """:func:`pad_bytes` for this field's schema, from a per-schema cache (no hashing of the schema)."""
+        got = self.pads.get(value)
+        if got is None:
+            got = pad_bytes(self.schema, value)
+            if len(self.pads) < 16:  # a few distinct values at most (and NaNs never compare equal)
+                self.pads[value] = got
+        return got
+
+
+_LAYOUTS: dict[int, tuple[FieldSchema, FieldLayout]] = {}
+
+
+def field_layout(schema: FieldSchema) -> FieldLayout:
+    """The schema's :class:`FieldLayout`, cached by the schema object's identity: a get looks up every
+    field's, and schemas decoded from the wire are shared objects (``FieldSchema.from_wire``)."""
+    hit = _LAYOUTS.get(id(schema))
+    if hit is not None and hit[0] is schema:
+        return hit[1]
+    if len(_LAYOUTS) >= 4096:  # the cache holds its schemas alive, so ids are not reused while cached
+        _LAYOUTS.clear()
+    bits = DTYPES[schema.dtype][1] if schema.kind != OBJECT else np.dtype(np.uint8)
+    layout = FieldLayout(
+        schema, schema.kind, max(schema.itemsize * schema.row_elems, 1), bits, schema.dtype == "bfloat16", tuple(schema.shape), {}
+    )
+    _LAYOUTS[id(schema)] = (schema, layout)
+    return layout
+
+
+def tensor_at(raw: np.ndarray, start: int, layout: FieldLayout, shape: tuple[int, ...]) -> torch.Tensor:
+    """View the bytes of ``raw`` from ``start`` as a tensor of the field's dtype and ``shape`` (no
+    copy; one numpy constructor and one torch call: it runs for every field of every get)."""
+    t = torch.from_numpy(np.ndarray(shape, layout.bits, raw, start))
+    return t.view(torch.bfloat16) if layout.bfloat16 else t
 
 
 def unpack_objects(raw: np.ndarray, sizes: np.ndarray) -> list[Any]:

@@ -1,6 +1,6 @@
 """Copying byte rows between buffers - the one hot loop of the data plane.
 
-``copy_rows`` uses the C helper ``tq._fastcopy`` (built at install, GIL released, bounds-checked; streaming
+``copy_rows`` (one set of rows) and ``copy_fields`` (one per field of a get, into one buffer, in one call) use the C helper ``tq._fastcopy`` (built at install, GIL released, bounds-checked; streaming
 stores for destinations of ``STREAM_BYTES`` or more, of the widest vectors the CPU has: ``STREAM_ISAS``
 lists those it supports, ``set_stream_isa`` picks one) and falls back to numpy slicing (same results, more
 Python overhead per row) where it was not built.
@@ -14,9 +14,13 @@ import numpy as np
 
 try:
     from ._fastcopy import STREAM_BYTES, STREAM_ISAS, set_stream_isa
+    from ._fastcopy import copy_fields as _c_copy_fields
     from ._fastcopy import copy_rows as _c_copy_rows
 except ImportError:  # no compiler at install time
-    _c_copy_rows, STREAM_BYTES, STREAM_ISAS, set_stream_isa = None, -1, (), None
+    _c_copy_rows, _c_copy_fields, STREAM_BYTES, STREAM_ISAS, set_stream_isa = None, None, -1, (), None
+
+# One field's copy for copy_fields: (dst_start, sources, src_idx, src_starts, sizes, row_span, pad).
+FieldCopy = tuple[int, Sequence[np.ndarray], np.ndarray, np.ndarray, np.ndarray, int, bytes]
 
 HAVE_FASTCOPY = _c_copy_rows is not None
 
@@ -45,6 +49,44 @@ def copy_rows(
     copy_rows_numpy(dst, as64(dst_starts), list(sources), as64(src_idx), as64(src_starts), as64(sizes), row_span, pad)
 
 
+def copy_fields(dst: np.ndarray, jobs: Sequence[FieldCopy]) -> None:
+    """Several :func:`copy_rows` into one destination in one call, one job per field of a get:
+    ``(dst_start, sources, src_idx, src_starts, sizes, row_span, pad)``, its rows back to back from
+    ``dst_start`` (int64 index arrays). Every job is checked before any byte is written, and the
+    streaming-store choice is made on all of them together (see ``tq/_fastcopy.c``)."""
+    if _c_copy_fields is not None:
+        _c_copy_fields(dst, jobs)
+        return
+    planned = []
+    for k, (base, sources, src_idx, src_starts, sizes, row_span, pad) in enumerate(jobs):
+        starts = base + (np.arange(sizes.size, dtype=np.int64) * row_span if row_span > 0 else np.cumsum(sizes) - sizes)
+        if base < 0 or not _in_bounds(dst, starts, list(sources), src_idx, src_starts, sizes, row_span) or (row_span > 0 and not pad):
+            raise ValueError(f"job {k}: copy out of bounds")
+        planned.append((starts, list(sources), src_idx, src_starts, sizes, row_span, pad))
+    for job in planned:
+        copy_rows_numpy(dst, *job)
+
+
+def _in_bounds(
+    dst: np.ndarray,
+    dst_starts: np.ndarray,
+    sources: list[np.ndarray],
+    src_idx: np.ndarray,
+    src_starts: np.ndarray,
+    sizes: np.ndarray,
+    row_span: int,
+) -> bool:
+    return not sizes.size or not (
+        (src_starts < 0).any()
+        or (dst_starts < 0).any()
+        or (sizes < 0).any()
+        or (row_span > 0 and (sizes > row_span).any())
+        or (dst_starts + (row_span if row_span > 0 else sizes) > dst.size).any()
+        or ((src_idx < 0) | (src_idx >= len(sources))).any()
+        or any((src_starts[src_idx == k] + sizes[src_idx == k] > s.size).any() for k, s in enumerate(sources))
+    )
+
+
 def copy_rows_numpy(
     dst: np.ndarray,
     dst_starts: np.ndarray,
@@ -56,15 +98,7 @@ def copy_rows_numpy(
     pad: bytes,
 ) -> None:
     """:func:`copy_rows` in numpy, on int64 index arrays (where the C helper was not built)."""
-    n = sizes.size
-    if n and (
-        (src_starts < 0).any()
-        or (dst_starts < 0).any()
-        or (sizes < 0).any()
-        or (row_span > 0 and (sizes > row_span).any())
-        or (dst_starts + (row_span if row_span > 0 else sizes) > dst.size).any()
-        or any((src_starts[src_idx == k] + sizes[src_idx == k] > s.size).any() for k, s in enumerate(sources))
-    ):
+    if not _in_bounds(dst, dst_starts, sources, src_idx, src_starts, sizes, row_span):
         raise ValueError("copy out of bounds")
     pattern = np.frombuffer(pad, dtype=np.uint8) if row_span > 0 else None
     for k, s, d, z in zip(src_idx.tolist(), src_starts.tolist(), dst_starts.tolist(), sizes.tolist()):

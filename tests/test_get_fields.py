@@ -1,0 +1,101 @@
+"""Gets of many fields at once (the get sweep's case): one buffer and one copy call for all of them.
+
+Every field of a get is copied into one pooled buffer with one ``copy_fields`` call, on the streaming
+path when the get as a whole is large, whatever each field's size. These tests check the bytes of
+such gets (every dtype, trailing shapes, row spans that straddle the store vectors, per-field pads,
+fixed-shape and object fields among them, all three layouts, both transports) and that the fields
+share one pooled buffer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import assert_same, bits, unique_keys
+from tq import JaggedTensor, TQClient, rowcopy
+from tq.bufferpool import HostBufferPool
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool, torch.float64]
+PADS = {torch.bool: True, torch.uint8: 7, torch.int8: -3, torch.int32: -100, torch.int64: -1}
+
+
+def _wide_batch(n: int, fields: int, longest: int, seed: int) -> dict:
+    """``fields`` jagged columns sharing their row lengths (as a rollout's per-token fields do), of
+    every dtype, some with a trailing dim, plus a fixed-shape and an object column."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(longest // 3, longest + 1, size=n)
+    lengths[int(rng.integers(n))] = longest - 3  # odd byte spans: rows straddle the store vectors
+    lengths[int(rng.integers(n))] = 0
+    lengths = torch.from_numpy(lengths.astype(np.int64))
+    offsets = torch.zeros(n + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    cols: dict = {}
+    for f in range(fields):
+        dtype, trailing = DTYPES[f % len(DTYPES)], ((3,) if f % 4 == 3 else ())
+        raw = torch.from_numpy(rng.integers(0, 256, size=int(offsets[-1]) * int(np.prod(trailing)) * dtype.itemsize, dtype=np.uint8))
+        values = (raw % 2 if dtype == torch.bool else raw).view(dtype).reshape(int(offsets[-1]), *trailing)
+        cols[f"f{f:02d}"] = JaggedTensor(values, offsets)
+    cols["reward"] = torch.from_numpy(rng.standard_normal((n, 2)).astype(np.float32))
+    cols["tag"] = [f"sample-{i}" * (i % 3) for i in range(n)]
+    return cols
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_a_wide_get_gives_every_field_bit_exact_in_every_layout(tq_server, transport):
+    n, fields = 48, 24
+    cols = _wide_batch(n, fields, 701, seed=5)
+    jagged = [f for f, v in cols.items() if isinstance(v, JaggedTensor)]
+    padded_bytes = sum(n * 701 * v.values[0:1].numel() * v.values.element_size() for f, v in cols.items() if f in jagged)
+    assert padded_bytes >= rowcopy.STREAM_BYTES > 0 and padded_bytes // fields < rowcopy.STREAM_BYTES  # one field alone would not stream
+    with TQClient(tq_server.address, timeout=15.0, transport=transport) as c:
+        pid = f"wide-{transport}"
+        c.register_partition(pid, reuse=True)
+        try:
+            meta = c.put(pid, unique_keys(n), cols)
+            pads = {f: PADS.get(cols[f].dtype, float("-inf") if cols[f].dtype.is_floating_point else 0) for f in jagged[::2]}
+            for _ in range(2):  # the second get reuses the first one's pooled buffer
+                got = c.get(meta, pad_value=pads)
+                assert list(got) == list(cols)
+                for f in jagged:
+                    want = cols[f].to_padded(701, pads.get(f, 0))
+                    assert_same(got[f], want)
+                assert_same(got["reward"], cols["reward"])
+                assert got["tag"] == cols["tag"]
+            got = c.get(meta, jagged[:5], layout="jagged", pad_to=800)  # pad_to is for the padded layout only
+            for f in jagged[:5]:
+                assert torch.equal(got[f].offsets, cols[f].offsets)
+                assert_same(got[f].values, cols[f].values)
+            rows = c.get(meta, [jagged[1]], layout="list")[jagged[1]]
+            for r, w in zip(rows, cols[jagged[1]].unbind()):
+                assert_same(r, w)
+            got = c.get(meta.with_extra_info(pad_to_multiple=64), jagged[:3])
+            for f in jagged[:3]:
+                assert got[f].shape[1] == 704
+                assert torch.equal(bits(got[f]), bits(cols[f].to_padded(704)))
+        finally:
+            c.drop_partition(pid)
+
+
+def test_the_fields_of_a_get_share_one_pooled_buffer(tq_server):
+    """32 fields of 0.2 MB each: one pooled buffer for the get (before, each was below the pool's
+    1 MiB minimum and fresh memory on every get), back in the pool once the last field dies."""
+    n, fields = 64, 32
+    offsets = torch.arange(n + 1, dtype=torch.int64) * 800
+    cols = {f"f{f:02d}": JaggedTensor(torch.full((n * 800,), float(f)), offsets) for f in range(fields)}
+    pool = HostBufferPool(max_cached_bytes=64 << 20)
+    assert n * 800 * 4 < pool.min_pooled_bytes <= fields * n * 800 * 4
+    with TQClient(tq_server.address, timeout=15.0, buffer_pool=pool) as c:
+        c.register_partition("shared-buffer", reuse=True)
+        try:
+            meta = c.put("shared-buffer", unique_keys(n), cols)
+            got = c.get(meta)
+            assert all(bool((got[f] == float(i)).all()) and got[f].shape == (n, 800) for i, f in enumerate(cols))
+            keep = got.pop("f07")
+            del got
+            assert pool.cached_bytes == 0  # one field still alive holds the get's buffer
+            del keep
+            assert pool.cached_bytes >= fields * n * 800 * 4
+        finally:
+            c.drop_partition("shared-buffer")

@@ -1072,6 +1072,7 @@ def run_chaos(
     run_errors: list[str] = []
     leftover_keys: dict[str, int] = {}
     units_after: list[dict[str, Any]] = []
+    ledgers: dict[str, Any] = {}  # the controller's block ledger per unit at the end (bounded by its low-water mark)
     elapsed = 0.0
     log(f"TQ chaos: run dir {run_dir}")
     try:
@@ -1161,6 +1162,7 @@ def run_chaos(
                     leftover_keys[part["partition"]] = len(keys)
                     admin.discard(KVBatchMeta(part["partition"], tuple(keys)))
             units_after = _settled(admin, settle_s)
+            ledgers = admin.stats()["unit_ledgers"]
             admin.trim()
             rss["end"] = svc.rss()
         except Exception as exc:
@@ -1395,6 +1397,7 @@ def _report(v: dict[str, Any]) -> dict[str, Any]:
         if len(rss["samples"]) > 1
         else None,
         "units_after_discard": units_after,
+        "controller_ledgers_end": v.get("ledgers", {}),
         "leftover_keys_discarded_by_driver": v.get("leftover_keys", {}),
         "client_final": finals,
         "shutdown": shutdown,
@@ -1443,6 +1446,14 @@ def summary(r: dict[str, Any]) -> str:
         + ", ".join(
             f"unit {u['unit_id']} {u['bytes_used']} B in {u['blocks']} blocks, {u['pending_allocs']} pending allocations"
             for u in r["units_after_discard"]
+        ),
+        "controller's ledger of unsettled blocks at the end: "
+        + (
+            ", ".join(
+                f"unit {u} low water {d['low_water']}, {d['pending']} committed, {d['fenced']} fenced"
+                for u, d in sorted(r.get("controller_ledgers_end", {}).items())
+            )
+            or "?"
         ),
         f"shutdown: {r['shutdown'].get('shutdown_s')} s, controller exit code {r['shutdown'].get('controller_exit_code')}, "
         f"processes left {r['shutdown'].get('processes_left')}, shm files left {r['shutdown'].get('shm_files_left')}",

@@ -345,6 +345,39 @@ def test_block_never_committed_is_reclaimed_after_its_lease_and_a_late_commit_is
             c.close()
 
 
+def test_a_units_restart_does_not_restart_the_commit_lease_of_its_tentative_blocks():
+    """A block whose writer died before committing is asked about once its commit lease (counted from
+    its store) runs out, however often its unit is restarted meanwhile. Before, a restarted unit gave
+    each tentative block (and slab, and allocation) a fresh lease, so a unit killed more often than a
+    lease is long never asked: its low-water mark stood still and the controller's ledger of the
+    blocks above it grew for the whole run (the chaos benchmark's +20% service RSS)."""
+    lease = 5.0
+    with TQServer(storage_units=1, capacity=8 << 20, commit_lease_s=lease) as server:
+        c = TQClient(server.address, timeout=10.0, transport="tcp")
+        try:
+            bufs: list = []
+            spec = {
+                "schema": ["tensor", "int64", []],
+                "row_offsets": protocol.pack_array(np.array([0, 8], dtype=np.int64), bufs),
+                "data": protocol.pack_array(np.arange(1, dtype=np.int64).view(np.uint8), bufs),
+            }
+            stored, _ = c._unit_chans[0].call("store", {"n_rows": 1, "fields": {"x": spec}}, bufs)  # then the writer "dies"
+            stored_at = time.monotonic()
+            old = c.stats()["units"][0]
+            time.sleep(lease / 2)
+            os.kill(old["pid"], signal.SIGKILL)
+            assert wait_until(lambda: (u := c.stats()["units"][0])["pid"] != old["pid"] and u["alive"], timeout=15)
+            back_at = time.monotonic()
+            assert c.stats()["unit_stats"][0]["tentative_blocks"] == 1  # recovered, still waiting for its commit
+            assert wait_until(lambda: c.stats()["unit_stats"][0]["blocks"] == 0, timeout=2 * lease)
+            freed_at = time.monotonic()
+            # asked at the first heartbeats past the original deadline (a fresh lease: back_at + lease)
+            assert freed_at - max(back_at, stored_at + lease) < 2.5, (freed_at - stored_at, back_at - stored_at)
+            assert wait_until(lambda: c.stats()["unit_ledgers"]["0"]["low_water"] > stored.block, timeout=3)
+        finally:
+            c.close()
+
+
 def test_allocation_being_filled_survives_a_unit_restart_and_is_not_handed_out_again():
     """A same-host writer allocates a range and is filling it when its storage unit is SIGKILLed and
     restarted. The restarted unit still holds the allocation (journaled), so puts made meanwhile never

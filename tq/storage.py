@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from . import argtypes, launch, messages, protocol
-from .arena import ALIGN, Arena, RangeAllocator, align_up, check_shm_room, host_identity
+from .arena import ALIGN, Arena, RangeAllocator, align_up, check_shm_room, host_identity, release_heap
 from .journal import Journal
 from .errors import CapacityError, InvalidRequestError, StorageUnitError
 from .bufferpool import HostBufferPool
@@ -40,6 +40,21 @@ DEFAULT_ALLOC_LEASE_S = 60.0  # a writer fills its allocation within this (secon
 DEFAULT_COMMIT_LEASE_S = 30.0
 MAX_EXPIRED_REPORT = 4096  # tentative blocks reported per heartbeat reply
 FETCH_ADOPT_WAIT_S = 2.0  # a fetch of a committed block waits this long for the controller's adopt
+
+
+def _wall(deadline: float) -> float:
+    """A monotonic deadline as a wall-clock time, as journaled: a restarted unit keeps its leases'
+    deadlines instead of granting each a fresh term (a unit restarted more often than a lease is
+    long never asked about its tentative blocks and slabs, and the controller's ledger of blocks
+    above the unit's low-water mark grew for as long as that went on)."""
+    return time.time() + (deadline - time.monotonic())
+
+
+def _monotonic(wall: float | None, now: float, lease: float) -> float:
+    """The monotonic deadline of a journaled wall-clock one (a fresh ``lease`` for records written
+    before deadlines were journaled), never further away than ``lease``: a clock set back must not
+    stretch it."""
+    return now + lease if wall is None else now + min(wall - time.time(), lease)
 
 
 @dataclass
@@ -269,15 +284,14 @@ class StorageUnit(RpcServer):
         if args.ids:  # a slab: the writer names its blocks (these ids) in its commit
             size, first = align_up(max(nbytes, 1)), self._next_id
             self._next_id += args.ids
-            self.slabs[aid] = Slab(
-                start, size, first, args.ids, time.monotonic() + self.alloc_lease_s, set(range(first, first + args.ids)), []
-            )
-            self.journal.append(["G", aid, start, size, first, args.ids])  # a restarted unit keeps it
+            expiry = time.monotonic() + self.alloc_lease_s
+            self.slabs[aid] = Slab(start, size, first, args.ids, expiry, set(range(first, first + args.ids)), [])
+            self.journal.append(["G", aid, start, size, first, args.ids, _wall(expiry)])  # a restarted unit keeps it
             return messages.AllocReply(alloc=aid, offset=start, first_block=first)
         self.pending[aid] = (start, nbytes, time.monotonic() + self.alloc_lease_s)
         # journaled: a writer may still be filling the range when this unit is killed and restarted,
         # so the restarted unit must not hand the range to anyone else before the lease ends
-        self.journal.append(["A", aid, start, nbytes])
+        self.journal.append(["A", aid, start, nbytes, _wall(self.pending[aid][2])])
         return messages.AllocReply(alloc=aid, offset=start)
 
     def op_store(self, args: messages.Store, buffers: list, call: Call) -> messages.StoreReply:
@@ -340,7 +354,7 @@ class StorageUnit(RpcServer):
             block.claimed = False
             self.blocks[bid] = block
             self.tentative[bid] = time.monotonic() + self.commit_lease_s
-            self.journal.append(self._store_record(bid, block))
+            self.journal.append(self._store_record(bid, block, self.tentative[bid]))
         self.bytes_stored += rel
         return messages.StoreReply(
             block=bid,
@@ -511,22 +525,27 @@ class StorageUnit(RpcServer):
 
     # -- crash recovery: every stored block and every free is journaled next to the arena
     @staticmethod
-    def _store_record(bid: int, block: Block) -> list:
+    def _store_record(bid: int, block: Block, expiry: float | None = None) -> list:
+        """A block as journaled; a tentative one (``expiry``: when to ask about its commit) with that
+        deadline as a wall-clock time."""
         fields = [[n, lay.schema.to_wire(), lay.start, lay.row_offsets.tobytes()] for n, lay in block.fields.items()]
         dead = np.flatnonzero(~block.live).astype(np.int64).tobytes()
-        return ["S", bid, block.start, block.size, int(block.live.size), fields, dead, block.claimed]
+        rec = ["S", bid, block.start, block.size, int(block.live.size), fields, dead, block.claimed]
+        return rec if expiry is None else [*rec, _wall(expiry)]
 
     def _replay(self, path: str) -> None:
         """Rebuild the blocks from the journal: stores ("S"), claims ("C"), partial ("R") and whole
         ("F") frees, allocations a writer may still be filling ("A", and "X" once released) and the next
         id ("N", so ids are never reused after a compaction)."""
-        allocs: dict[int, tuple[int, int]] = {}
+        allocs: dict[int, tuple[int, int, float | None]] = {}
         slabs: dict[int, Slab] = {}
+        expiries: dict[int, float | None] = {}  # slab or tentative block -> journaled wall-clock deadline
         for rec in Journal.replay(path):
             kind, bid = rec[0], rec[1]
             slab = next((sl for sl in slabs.values() if sl.holds(bid)), None) if kind in ("S", "F") else None
             if kind == "S":
-                _, _, start, size, n_rows, fields, dead, claimed = rec
+                _, _, start, size, n_rows, fields, dead, claimed, *expiry = rec
+                expiries[bid] = expiry[0] if expiry else None
                 live = np.ones(n_rows, dtype=bool)
                 live[np.frombuffer(dead, dtype=np.int64)] = False
                 lays = {n: FieldLayout(FieldSchema.from_wire(w), fs, np.frombuffer(ro, dtype=np.int64).copy()) for n, w, fs, ro in fields}
@@ -540,6 +559,7 @@ class StorageUnit(RpcServer):
                     slab.unsettled.discard(bid)
             elif kind == "G":  # a slab (with its state when written by a compaction)
                 _, aid, start, size, first, n, *state = rec
+                expiries[aid] = state.pop(0) if state and isinstance(state[0], float) else None
                 unsettled = set(np.frombuffer(state[0], dtype=np.int64).tolist()) if state else set(range(first, first + n))
                 carved = [(a, z) for a, z in np.frombuffer(state[1], dtype=np.int64).reshape(-1, 2).tolist()] if state else []
                 slabs[aid] = Slab(start, size, first, n, 0.0, unsettled, carved)
@@ -555,19 +575,19 @@ class StorageUnit(RpcServer):
                     if b in self.blocks:
                         self.blocks[b].claimed = True
             elif kind == "A":
-                allocs[bid] = (rec[2], rec[3])
+                allocs[bid] = (rec[2], rec[3], rec[4] if len(rec) > 4 else None)
             elif kind == "X":
                 allocs.pop(bid, None)
             if kind == "S":  # an allocation stored as this block is no longer pending
                 allocs = {a: r for a, r in allocs.items() if r[0] != rec[2]}
             self._next_id = max(self._next_id, bid + 1)
-        now = time.monotonic()  # fresh leases: the controller and the writers may be back too
-        self.tentative = {bid: now + self.commit_lease_s for bid, b in self.blocks.items() if not b.claimed}
-        self.pending = {a: (start, size, now + self.alloc_lease_s) for a, (start, size) in allocs.items()}
+        now = time.monotonic()  # the leases run on from their journaled deadlines
+        self.tentative = {bid: _monotonic(expiries.get(bid), now, self.commit_lease_s) for bid, b in self.blocks.items() if not b.claimed}
+        self.pending = {a: (start, size, _monotonic(wall, now, self.alloc_lease_s)) for a, (start, size, wall) in allocs.items()}
         # a slab whose ids were all settled before a crash let it close is closed now (its gaps stay free)
         self.slabs = {aid: sl for aid, sl in slabs.items() if sl.unsettled}
-        for sl in self.slabs.values():
-            sl.expiry = now + self.alloc_lease_s
+        for aid, sl in self.slabs.items():
+            sl.expiry = _monotonic(expiries.get(aid), now, self.alloc_lease_s)
         for b in self.blocks.values():
             self.alloc.reserve(b.start, b.size)
         for start, size, _ in self.pending.values():
@@ -588,8 +608,8 @@ class StorageUnit(RpcServer):
             self.journal.rewrite(
                 [
                     ["N", self._next_id - 1],
-                    *(self._store_record(bid, b) for bid, b in self.blocks.items()),
-                    *(["A", aid, start, size] for aid, (start, size, _) in self.pending.items()),
+                    *(self._store_record(bid, b, self.tentative.get(bid)) for bid, b in self.blocks.items()),
+                    *(["A", aid, start, size, _wall(exp)] for aid, (start, size, exp) in self.pending.items()),
                     *(
                         [
                             "G",
@@ -598,6 +618,7 @@ class StorageUnit(RpcServer):
                             sl.size,
                             sl.first_id,
                             sl.n_ids,
+                            _wall(sl.expiry),
                             np.array(sorted(sl.unsettled), dtype=np.int64).tobytes(),
                             np.array(sl.carved, dtype=np.int64).reshape(-1, 2).tobytes(),
                         ]
@@ -677,8 +698,11 @@ class StorageUnit(RpcServer):
         return messages.FreeBlocksReply(blocks_freed=len(args.blocks))
 
     def op_trim(self, args: messages.Trim, buffers: list, call: Call) -> messages.TrimReply:
-        """Release the pages of every free arena range to the OS."""
-        released = 0
+        """Release the pages of every free arena range to the OS, and the memory this process only
+        caches: idle buffers of past fetches (up to 256 MiB) and free heap pages."""
+        released = self.pool.cached_bytes
+        self.pool.clear()
+        release_heap()
         for start, size in self.alloc.free_ranges():
             self.arena.release_pages(start, size)
             released += size

@@ -1244,7 +1244,8 @@ class TQClient:
         return stats
 
     def trim(self) -> int:
-        """Give the pages of free storage ranges back to the OS; returns bytes released."""
+        """Have every storage unit give memory back to the OS: the pages of free arena ranges, its idle
+        fetch buffers and its free heap; returns the bytes released."""
         return sum(self._unit_chans[u.unit_id].call(UnitOp.TRIM, messages.Trim())[0].released_bytes for u in self._units)
 
     def shutdown_service(self) -> None:

@@ -32,7 +32,7 @@ from typing import Iterator
 
 import zmq
 
-from benchmarks.ab_trees import paired_rows
+from benchmarks.ab_trees import paired_rows, paired_table
 from benchmarks.outputs import add_output_args, code_version, cpu_model, open_run
 from benchmarks.tq_throughput import CONTROL_WARMUP, MiB, control_ops, latency_summary
 
@@ -129,7 +129,8 @@ def paired_round(iters: int, scrape_every_s: float, place: Placement | None) -> 
             for name in sides["off"][0]:
                 calls = {mode: ops[name] for mode, (ops, _) in sides.items()}
                 for _ in range(min(CONTROL_WARMUP, iters)):
-                    calls["off"](), calls["on"]()
+                    calls["off"]()
+                    calls["on"]()
                 lat: dict[str, list[float]] = {"off": [], "on": []}
                 for i in range(iters):
                     for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
@@ -228,15 +229,7 @@ def main() -> None:
         f"Machine: {machine}. {a.rounds} rounds x {a.control_iters} calls per op and service; both services up at "
         f"once, calls alternating between them; {pinning}; medians over rounds; the metrics service scraped every "
         f"{a.scrape_every:g} s ({scrapes} scrapes).\n",
-        "| op | p50 off ms | p50 on ms | p99 off ms | p99 on ms | p99 on/off |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    lines += [
-        f"| {n} | {v['p50_ms_off']:.3f} | {v['p50_ms_on']:.3f} | {v['p99_ms_off']:.3f} | {v['p99_ms_on']:.3f} | {v['p99_ratio']:.3f} |"
-        for n, v in rows.items()
-    ]
-    lines += [
-        f"| **sum of the p99s** | | | {total_off:.3f} | {total_on:.3f} | **{ratio:.3f}** |",
+        *paired_table(rows, total, "off", "on"),
         "",
         f"Target: the control table's p99 with metrics at most {TARGET:.2f}x without: "
         f"{'met' if ratio <= TARGET else 'NOT met'} ({ratio:.3f}x; the worst single op {worst:.3f}x).",

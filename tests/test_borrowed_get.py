@@ -67,6 +67,83 @@ def test_borrowed_views_keep_their_bytes_while_another_client_discards_and_reput
         assert torch.equal(fresh["tokens"].values, _batch(64, seed=205)["tokens"].values)
 
 
+def _ops(c: TQClient) -> dict[str, int]:
+    return {op: v["count"] for op, v in c.stats()["ops"].items()}
+
+
+def test_a_same_host_borrowed_get_leases_by_block_without_a_locate(tq_server, client, partition):
+    """Once the reader maps the partition's location table, a borrowed get locates the rows there and
+    sends one small ``borrow`` (the blocks, not the keys); the views are the stored bytes."""
+    keys = unique_keys(200)
+    batch = _batch(200, seed=5)
+    meta = client.put(partition, keys, batch)
+    with TQClient(tq_server.address, timeout=10.0) as reader:
+        reader.get(meta, ["tokens", "reward"])  # the first get learns the table (and the schemas) from its locate
+        before = _ops(client)
+        got = reader.get(meta, ["tokens", "reward"], copy=False, layout="jagged")
+        after = _ops(client)
+        assert got.viewed == {"tokens", "reward"}
+        assert torch.equal(got["tokens"].values, batch["tokens"].values) and torch.equal(got["tokens"].offsets, batch["tokens"].offsets)
+        assert torch.equal(got["reward"], batch["reward"])
+        assert after.get("borrow", 0) == before.get("borrow", 0) + 1
+        assert after.get("locate", 0) == before.get("locate", 0)  # no key was sent to the controller
+        client.discard(meta)  # the rows wait for the lease the borrow took
+        assert client.stats()["rows_waiting_for_leases"] > 0
+        assert torch.equal(got["tokens"].values, batch["tokens"].values)
+        got.release()
+        assert _stats_until(client, lambda s: s["rows_waiting_for_leases"] == 0)["rows_waiting_for_leases"] == 0
+
+
+def test_a_free_between_the_table_read_and_the_lease_is_never_viewed(tq_server, client, partition):
+    """The race the ``borrow`` request closes: rows located in the shared table are overwritten and
+    their space reused by other keys before the lease is asked for. The lease is refused (the table's
+    frees count moved), the reader locates again, and it views the keys' current bytes - never the
+    reused space's."""
+    keys = unique_keys(32)
+    first = _batch(32, seed=6)
+    meta = client.put(partition, keys, {"tokens": first["tokens"]})
+    with TQClient(tq_server.address, timeout=10.0) as reader:
+        reader.get(meta, ["tokens"])  # learn the table
+        view = reader._tables[partition][0]
+        read = view.read
+        raced = []
+
+        def read_then_race(*args, **kwargs):
+            rows = read(*args, **kwargs)
+            if not raced:  # after the read, before the lease: free the rows and fill their space again
+                raced.append(True)
+                client.discard(meta)
+                client.put(partition, unique_keys(32), {"tokens": _batch(32, seed=7)["tokens"]})
+                client.put(partition, keys, {"tokens": _batch(32, seed=8)["tokens"]})
+            return rows
+
+        view.read = read_then_race
+        got = reader.get(meta, ["tokens"], copy=False, layout="jagged")
+        assert raced and got.viewed == {"tokens"}
+        assert torch.equal(got["tokens"].values, _batch(32, seed=8)["tokens"].values), "viewed freed and reused storage"
+        got.release()
+
+
+def test_borrow_requests_are_checked(tq_server, client, partition):
+    from tq import messages
+    from tq.errors import InvalidRequestError
+    from tq.messages import ControllerOp as Op
+
+    meta = client.put(partition, unique_keys(4), _batch(4, seed=9))
+    client.get(meta)
+    frees = client._tables[partition][0].header[4]  # H_FREES
+    ask = dict(partition=partition, unit=0, blocks=[0], frees=int(frees), units_version=client._units_version, lease_s=5.0)
+    stale = client._call(Op.BORROW, messages.Borrow(**{**ask, "frees": int(frees) + 1}))
+    assert stale.lease is None  # the table moved since the read: no lease
+    with pytest.raises(InvalidRequestError, match="storage unit 7"):
+        client._call(Op.BORROW, messages.Borrow(**{**ask, "unit": 7}))
+    with pytest.raises(InvalidRequestError, match=r"blocks\[0\]"):
+        client._call(Op.BORROW, messages.Borrow(**{**ask, "blocks": [-1]}))
+    granted = client._call(Op.BORROW, messages.Borrow(**ask))
+    assert granted.lease is not None
+    client._call(Op.LEASES, messages.Leases(release=[granted.lease]))
+
+
 def test_lease_ends_when_the_views_are_collected_and_the_rows_are_freed(tq_server, client, partition):
     prior = _used(client.stats())
     meta = client.put(partition, unique_keys(32), _batch(32, seed=2))

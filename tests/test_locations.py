@@ -176,7 +176,7 @@ def test_the_c_reader_refuses_a_header_claiming_more_records_than_the_buffer_hol
     """The C reader trusts no size in the header (no overflow either): it refuses, never reads past."""
     header = np.zeros(HEADER_WORDS + LOC_COLUMNS, dtype=np.int64)  # room for one record only
     header[H_CAPACITY], header[H_COLUMNS] = capacity, 1
-    out = np.empty((2, 1, 1), dtype=np.int64)
+    out = np.empty((3, 1, 1), dtype=np.int64)
     with pytest.raises(ValueError, match="truncated"):
         read_locations(header.tobytes(), [0], [capacity - 1], 0, 0, 0, out)
 

@@ -383,10 +383,13 @@ done_seq:
  * read_locations(table, cols, slots, incarnation, clears, units_version, out)
  *   A same-host reader's whole check-and-read of a partition's location table (tq/locations.py
  *   documents the protocol; the layout constants below mirror it and tq/locations.py asserts they
- *   match). Writes the offsets of the rows (cols x slots) to out[0:F*n] and their sizes to
- *   out[F*n:2*F*n] (int64) and returns (unit, frees, end, longest, totals): the one storage unit
- *   holding them, the frees count they were read under, the end of the furthest row, and per field
- *   its longest row and its bytes in all (tuples) - what a get needs to size its results.
+ *   match). Writes the offsets of the rows (cols x slots) to out[0:F*n], their sizes to
+ *   out[F*n:2*F*n] and the blocks they lie in, one per run of rows in the same block, from
+ *   out[2*F*n] on (int64; a borrowed get leases those blocks), and returns (unit, frees, end,
+ *   longest, totals, adjacent, runs): the one storage unit holding them, the frees count they were
+ *   read under, the end of the furthest row, per field its longest row, its bytes in all and
+ *   whether its rows lie back to back in slot order (tuples) - what a get needs to size its
+ *   results, and a borrowed get to view them - and the number of block runs written.
  *   Returns None when the table cannot be trusted for them: retired, its controller's lease run out,
  *   another incarnation, clears count or units version, being written (seqlock), a slot or column
  *   out of range, a row not produced or on a down unit, or rows on several units. One C call, not a
@@ -403,7 +406,7 @@ static PyObject *read_locations(PyObject *self, PyObject *args) {
     long long incarnation, clears, units_version;
     if (!PyArg_ParseTuple(args, "y*OOLLLw*", &table, &cols_o, &slots_o, &incarnation, &clears, &units_version, &out))
         return NULL;
-    PyObject *ret = NULL, *cols = NULL, *slots = NULL, *longest = NULL, *totals = NULL;
+    PyObject *ret = NULL, *cols = NULL, *slots = NULL, *longest = NULL, *totals = NULL, *adjacent = NULL;
     int64_t *slot_at = NULL;  /* the slots as C ints, converted once for all fields */
     if (!(cols = PySequence_Fast(cols_o, "cols must be a sequence of ints"))) goto done;
     if (!(slots = PySequence_Fast(slots_o, "slots must be a sequence of ints"))) goto done;
@@ -415,7 +418,7 @@ static PyObject *read_locations(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "location table is truncated");
         goto done;
     }
-    if (out.len < 2 * F * n * 8) { PyErr_SetString(PyExc_ValueError, "out holds fewer than 2 * cols * slots int64"); goto done; }
+    if (out.len < 3 * F * n * 8) { PyErr_SetString(PyExc_ValueError, "out holds fewer than 3 * cols * slots int64"); goto done; }
     struct timespec now;
     clock_gettime(CLOCK_MONOTONIC, &now);  /* the clock of Python's time.monotonic_ns on Linux */
     int64_t seq = load_word(&h[H_SEQ]), frees = load_word(&h[H_FREES]);
@@ -423,10 +426,10 @@ static PyObject *read_locations(PyObject *self, PyObject *args) {
         load_word(&h[H_CLEARS]) != clears || load_word(&h[H_UNITS_VERSION]) != units_version ||
         (int64_t)now.tv_sec * 1000000000 + now.tv_nsec >= load_word(&h[H_ALIVE_UNTIL]))
         goto untrusted;
-    int64_t down = load_word(&h[H_DOWN_UNITS]), unit = -1, end = 0;
-    int64_t *offsets = out.buf, *sizes = offsets + F * n;
+    int64_t down = load_word(&h[H_DOWN_UNITS]), unit = -1, end = 0, runs = 0;
+    int64_t *offsets = out.buf, *sizes = offsets + F * n, *blocks = sizes + F * n;
     const int64_t *locs = h + HEADER_WORDS;
-    if (!(longest = PyTuple_New(F)) || !(totals = PyTuple_New(F))) goto done;
+    if (!(longest = PyTuple_New(F)) || !(totals = PyTuple_New(F)) || !(adjacent = PyTuple_New(F))) goto done;
     if (!(slot_at = PyMem_Malloc((size_t)(n ? n : 1) * 8))) { PyErr_NoMemory(); goto done; }
     for (Py_ssize_t i = 0; i < n; i++) {
         long long slot = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(slots, i));
@@ -435,7 +438,8 @@ static PyObject *read_locations(PyObject *self, PyObject *args) {
         slot_at[i] = slot;
     }
     for (Py_ssize_t f = 0; f < F; f++) {
-        int64_t most = 0, total = 0;
+        int64_t most = 0, total = 0, next = -1;
+        int back_to_back = 1;
         long long c = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(cols, f));
         if (c == -1 && PyErr_Occurred()) goto done;
         if (c < 0 || c >= ncols) goto untrusted;
@@ -447,6 +451,9 @@ static PyObject *read_locations(PyObject *self, PyObject *args) {
             unit = u;
             offsets[f * n + i] = off;
             sizes[f * n + i] = nb;
+            if (!runs || blocks[runs - 1] != rec[LOC_BLOCK]) blocks[runs++] = rec[LOC_BLOCK];
+            if (i && off != next) back_to_back = 0;
+            next = off + nb;
             if (off + nb > end) end = off + nb;
             if (nb > most) most = nb;
             total += nb;
@@ -455,13 +462,16 @@ static PyObject *read_locations(PyObject *self, PyObject *args) {
         if (!a || !b) { Py_XDECREF(a); Py_XDECREF(b); goto done; }
         PyTuple_SET_ITEM(longest, f, a);
         PyTuple_SET_ITEM(totals, f, b);
+        PyObject *adj = back_to_back ? Py_True : Py_False;
+        Py_INCREF(adj);
+        PyTuple_SET_ITEM(adjacent, f, adj);
     }
     /* The incarnation and clears are checked again after the records: slots are reused (new
      * incarnation) before their new keys' records are written. */
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
     if (load_word(&h[H_SEQ]) != seq || load_word(&h[H_INCARNATION]) != incarnation || load_word(&h[H_CLEARS]) != clears)
         goto untrusted;
-    ret = Py_BuildValue("(LLLOO)", (long long)unit, (long long)frees, (long long)end, longest, totals);
+    ret = Py_BuildValue("(LLLOOOL)", (long long)unit, (long long)frees, (long long)end, longest, totals, adjacent, (long long)runs);
     goto done;
 untrusted:
     ret = Py_None;
@@ -470,6 +480,7 @@ done:
     PyMem_Free(slot_at);
     Py_XDECREF(longest);
     Py_XDECREF(totals);
+    Py_XDECREF(adjacent);
     Py_XDECREF(cols);
     Py_XDECREF(slots);
     PyBuffer_Release(&table);

@@ -42,7 +42,7 @@ from .errors import (
     TQError,
 )
 from .jagged import JaggedTensor
-from .locations import SUPPORTED as LOCAL_TABLES_SUPPORTED, LocationView
+from .locations import SUPPORTED as LOCAL_TABLES_SUPPORTED, LocatedRows, LocationView
 from . import messages
 from .messages import ControllerOp as Op, UnitOp
 from .meta import KVBatchMeta
@@ -244,6 +244,13 @@ def _in_arena(
     }
 
 
+def _jagged(values: torch.Tensor, sizes: np.ndarray, row_bytes: int) -> JaggedTensor:
+    """``values`` as rows of ``sizes`` bytes back to back (offsets made here, so trusted as made)."""
+    offsets = np.zeros(sizes.size + 1, dtype=np.int64)
+    np.cumsum(sizes if row_bytes == 1 else sizes // row_bytes, out=offsets[1:])
+    return JaggedTensor.trusted(values, torch.from_numpy(offsets))
+
+
 def _results(raw: np.ndarray, planned: list[_Planned], fields: list[str], layout: Layout) -> dict[str, Any]:
     """The values handed back for the copied fields: tensors viewing their parts of the get's buffer
     (a :class:`JaggedTensor` or its rows for jagged fields not padded), or the decoded objects."""
@@ -254,9 +261,7 @@ def _results(raw: np.ndarray, planned: list[_Planned], fields: list[str], layout
             continue
         t = tensor_at(raw, start, lay, shape)
         if lay.kind == JAGGED and layout != "padded":
-            offsets = torch.zeros(fx.sizes.size + 1, dtype=torch.int64)
-            torch.cumsum(torch.from_numpy(fx.sizes // lay.row_bytes), 0, out=offsets[1:])
-            jt = JaggedTensor(t, offsets)
+            jt = _jagged(t, fx.sizes, lay.row_bytes)
             out[name] = jt if layout == "jagged" else jt.unbind()
         else:
             out[name] = t
@@ -926,10 +931,10 @@ class TQClient:
             # The old view is dropped, not closed: another thread may be reading it.
             self._tables[partition_id] = (view, clears, dict(schemas))
 
-    def _locate_here(self, meta: KVBatchMeta, fields: list[str]) -> tuple[dict[str, _Fetched], Callable[[], bool]] | None:
-        """Locate the rows in the partition's shared location table, with no round trip: only for a
+    def _read_table(self, meta: KVBatchMeta, fields: list[str]) -> tuple[LocatedRows, LocationView, dict[str, FieldSchema]] | None:
+        """The rows located in the partition's shared location table, with no round trip: only for a
         meta with slots, every row on one unit of this host, and a table that can be trusted right
-        now. Also returns the check to run after copying (no bytes were freed meanwhile)."""
+        now (the reads are counted for the controller's stats)."""
         entry = self._tables.get(meta.partition_id) if meta.slots is not None and meta.keys else None
         if entry is None:
             return None
@@ -943,7 +948,17 @@ class TQClient:
         if arena is None or rows.end > arena.view.size:  # type: ignore[union-attr]
             return None
         with self._tables_lock:
-            self._reads[rows.unit] = self._reads.get(rows.unit, 0) + sum(rows.totals)
+            self._reads[rows.unit] = self._reads.get(rows.unit, 0) + sum(rows.totals)  # type: ignore[union-attr]
+        return rows, view, schemas  # type: ignore[return-value]
+
+    def _locate_here(self, meta: KVBatchMeta, fields: list[str]) -> tuple[dict[str, _Fetched], Callable[[], bool]] | None:
+        """Rows located by :meth:`_read_table`, read where they lie in the arena; also returns the
+        check to run after copying (no bytes were freed meanwhile)."""
+        here = self._read_table(meta, fields)
+        if here is None:
+            return None
+        rows, view, schemas = here
+        arena = self._arenas[rows.unit]
         fetched = _in_arena(arena.view, [schemas[f] for f in fields], fields, rows.offsets, rows.sizes, rows.longest, rows.totals)
         return fetched, lambda: view.unchanged(rows.frees)
 
@@ -1079,10 +1094,71 @@ class TQClient:
     def _get_borrowed(
         self, meta: KVBatchMeta, fields: list[str], layout: Layout, pad_to: int | None, pad_value: Any, wait_timeout: float | None
     ) -> BorrowedBatch:
-        """One locate that also leases the rows; views of the fields that lie back to back in one
-        arena of this host, a copying get of the rest."""
+        """Views of the fields that lie back to back in one arena of this host, pinned by one lease; a
+        copying get of the rest. The rows are located in the shared location table where it can be
+        trusted (the lease then costs one small request, whatever the number of keys), else by a
+        locate that also takes the lease."""
         if not meta.keys or self.transport != "auto":
             return BorrowedBatch(self._get_within(meta, fields, layout, pad_to, pad_value, wait_timeout), frozenset(), None)
+        values: dict[str, Any] = {}
+        arrays: list[np.ndarray] = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch warns of the read-only arrays it is handed
+            lease = self._borrow_here(meta, fields, layout, pad_to, values, arrays)
+            if lease is None:
+                values.clear()
+                arrays.clear()
+                lease = self._borrow_located(meta, fields, layout, pad_to, wait_timeout, values, arrays)
+        release = self._leases.hold(lease, arrays)
+        if not arrays:
+            release()
+        rest = [f for f in fields if f not in values]
+        if rest:
+            values.update(self._get_within(meta, rest, layout, pad_to, pad_value, None))
+        return BorrowedBatch({f: values[f] for f in fields}, frozenset(fields) - frozenset(rest), release if arrays else None)
+
+    def _borrow_here(
+        self, meta: KVBatchMeta, fields: list[str], layout: Layout, pad_to: int | None, values: dict[str, Any], arrays: list[np.ndarray]
+    ) -> int | None:
+        """Locate the rows in the partition's shared location table and lease their blocks with a
+        ``borrow`` request carrying the table's ``frees`` count of the read: the controller grants it
+        only if nothing was freed since, so the rows read are the ones pinned. The views are built
+        while the request is answered. Returns the lease, or None (nothing kept) to locate instead."""
+        here = self._read_table(meta, fields)
+        if here is None:
+            return None
+        rows, _, schemas = here
+        args = messages.Borrow(
+            partition=meta.partition_id,
+            unit=rows.unit,
+            blocks=sorted(set(rows.blocks.tolist())),
+            frees=rows.frees,
+            units_version=self._units_version,
+            lease_s=self.lease_s,
+        )
+        rid = self._ctrl.send(Op.BORROW, self._with_reads(args))
+        # the reader checked every row lies in the arena; views need each field's rows back to back
+        arena = self._read_only(rows.unit)
+        for f, name in enumerate(fields):
+            if rows.adjacent[f]:
+                got = self._view_field(
+                    schemas[name], arena, int(rows.offsets[f, 0]), rows.sizes[f], rows.totals[f], meta, layout, pad_to, arrays
+                )
+                if got is not None:
+                    values[name] = got
+        return self._ctrl.recv(rid, Op.BORROW)[0].lease
+
+    def _borrow_located(
+        self,
+        meta: KVBatchMeta,
+        fields: list[str],
+        layout: Layout,
+        pad_to: int | None,
+        wait_timeout: float | None,
+        values: dict[str, Any],
+        arrays: list[np.ndarray],
+    ) -> int:
+        """One locate that also leases the rows, then the views; returns the lease."""
         args = messages.Locate(partition=meta.partition_id, keys=list(meta.keys), fields=fields, timeout=wait_timeout, lease_s=self.lease_s)
         located, lmsg = self._ctrl.call(Op.LOCATE, self._with_reads(args), timeout=self.timeout + (wait_timeout or 0.0))
         if located.units_version != self._units_version:
@@ -1092,61 +1168,54 @@ class TQClient:
         loc = protocol.unpack_array(located.loc, lmsg.buffers, name="loc", dtype="<i8")
         if loc.shape != (len(fields), n, LOC_COLUMNS) or lease is None:
             raise MalformedMessageError(f"borrowing locate reply has shape {loc.shape} and lease {lease!r}")
-        values: dict[str, Any] = {}
-        arrays: list[np.ndarray] = []
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # torch warns of the read-only arrays it is handed
-            for f, name in enumerate(fields):
-                view = self._view_field(FieldSchema.from_wire(located.schemas[name]), loc[f], name, meta, layout, pad_to, arrays)
-                if view is not None:
-                    values[name] = view
-        release = self._leases.hold(lease, arrays)
-        if not arrays:
-            release()
-        rest = [f for f in fields if f not in values]
-        if rest:
-            values.update(self._get_within(meta, rest, layout, pad_to, pad_value, None))
-        return BorrowedBatch({f: values[f] for f in fields}, frozenset(fields) - frozenset(rest), release if arrays else None)
+        schemas = {f: FieldSchema.from_wire(located.schemas[f]) for f in fields}
+        self._remember_table(meta.partition_id, located.table, schemas)
+        for f, name in enumerate(fields):
+            unit, starts, sizes = int(loc[f, 0, UNIT]), loc[f, :, OFFSET], loc[f, :, NBYTES]
+            if (loc[f, :, UNIT] != unit).any() or not self._is_local(unit) or (starts[1:] != starts[:-1] + sizes[:-1]).any():
+                continue  # not all in one arena of this host, back to back in key order
+            self._arena_view(unit, starts, sizes, lambda i: (name, meta.keys[i]))  # noqa: B023 - bounds, naming a bad row
+            got = self._view_field(
+                schemas[name], self._read_only(unit), int(starts[0]), sizes, int(sizes.sum()), meta, layout, pad_to, arrays
+            )
+            if got is not None:
+                values[name] = got
+        return lease
 
     def _view_field(
         self,
         schema: FieldSchema,
-        rec: np.ndarray,
-        name: str,
+        arena: np.ndarray,
+        start: int,
+        sizes: np.ndarray,
+        total: int,
         meta: KVBatchMeta,
         layout: Layout,
         pad_to: int | None,
         arrays: list[np.ndarray],
     ) -> Any:
-        """The field as tensors viewing the arena, or None when its rows cannot be viewed as asked.
-        Every array handed to torch is added to ``arrays`` (the lease lives as long as they do)."""
-        unit = int(rec[0, UNIT])
-        starts, sizes = rec[:, OFFSET], rec[:, NBYTES]
-        if schema.kind == OBJECT or (rec[:, UNIT] != unit).any() or not self._is_local(unit):
+        """The field's rows (``sizes`` bytes each, back to back from ``start`` in ``arena``, checked to
+        lie in it) as tensors viewing the arena, or None when they cannot be viewed as asked. Every
+        array handed to torch is added to ``arrays`` (the lease lives as long as they do)."""
+        if schema.kind == OBJECT:
             return None
-        if (starts[1:] != starts[:-1] + sizes[:-1]).any():  # not back to back in key order
-            return None
-        self._arena_view(unit, starts, sizes, lambda i: (name, meta.keys[i]))  # bounds, naming a bad row
-        total, n = int(sizes.sum()), sizes.size
-        raw = self._read_only(unit)[int(starts[0]) : int(starts[0]) + total]
+        n = sizes.size
+        raw = arena[start : start + total]
         row_bytes = max(schema.itemsize * schema.row_elems, 1)
-        if schema.kind == JAGGED:
-            if layout == "padded":
-                target = pad_to if pad_to is not None else meta.extra_info.get("global_forward_pad_seqlen")
-                multiple = meta.extra_info.get("pad_to_multiple")
-                if target is None:
-                    target = int(sizes.max()) // row_bytes
-                if multiple:
-                    target = -(-target // multiple) * multiple
-                if (sizes != target * row_bytes).any():  # padding needs a copy
-                    return None
-                return self._borrow_tensor(raw, schema, (n, target, *schema.shape), arrays)
-            values = self._borrow_tensor(raw, schema, (total // row_bytes, *schema.shape), arrays)
-            offsets = torch.zeros(n + 1, dtype=torch.int64)
-            torch.cumsum(torch.from_numpy(sizes // row_bytes), 0, out=offsets[1:])
-            jt = JaggedTensor(values, offsets)
-            return jt if layout == "jagged" else jt.unbind()
-        return self._borrow_tensor(raw, schema, (n, *schema.shape), arrays)
+        if schema.kind != JAGGED:
+            return self._borrow_tensor(raw, schema, (n, *schema.shape), arrays)
+        if layout == "padded":
+            target = pad_to if pad_to is not None else meta.extra_info.get("global_forward_pad_seqlen")
+            multiple = meta.extra_info.get("pad_to_multiple")
+            if target is None:
+                target = int(sizes.max()) // row_bytes
+            if multiple:
+                target = -(-target // multiple) * multiple
+            if (sizes != target * row_bytes).any():  # padding needs a copy
+                return None
+            return self._borrow_tensor(raw, schema, (n, target, *schema.shape), arrays)
+        jt = _jagged(self._borrow_tensor(raw, schema, (total // row_bytes, *schema.shape), arrays), sizes, row_bytes)
+        return jt if layout == "jagged" else jt.unbind()
 
     @staticmethod
     def _borrow_tensor(raw: np.ndarray, schema: FieldSchema, shape: tuple[int, ...], arrays: list[np.ndarray]) -> torch.Tensor:

@@ -18,6 +18,21 @@ from typing import Any
 import numpy as np
 
 UNIT, BLOCK, ROW = 0, 1, 2  # columns of the rows kept here, as in the location records
+BLOCK_BITS = 40  # block ids stay below 2**40, so (unit, block) packs into one int64
+
+
+def distinct(ids: np.ndarray) -> np.ndarray:
+    """The distinct values of ``ids`` (any shape), sorted. A get's rows come block by block, so runs
+    are collapsed first: np.unique then sorts a few values, not one per row."""
+    flat = ids.ravel()
+    runs = flat[np.flatnonzero(np.diff(flat, prepend=flat[:1] - 1))] if flat.size else flat
+    return np.unique(runs)
+
+
+def leased_blocks(loc: np.ndarray) -> list[tuple[int, int]]:
+    """The distinct (unit, block) pairs of location records (unit and block columns first)."""
+    packed = distinct(loc[..., UNIT] * (1 << BLOCK_BITS) + loc[..., BLOCK])
+    return [divmod(int(x), 1 << BLOCK_BITS) for x in packed.tolist()]
 
 
 @dataclass
@@ -78,11 +93,11 @@ class LeaseBook:
         the others, which can be freed now."""
         if not self.refs or not rows.size:
             return rows
-        keys = rows[:, UNIT] * (1 << 40) + rows[:, BLOCK]  # (unit, block) as one int64, as block ids stay below 2**40
-        held = np.isin(keys, np.fromiter((u * (1 << 40) + b for u, b in self.refs), dtype=np.int64, count=len(self.refs)))
+        keys = rows[:, UNIT] * (1 << BLOCK_BITS) + rows[:, BLOCK]
+        held = np.isin(keys, np.fromiter((u * (1 << BLOCK_BITS) + b for u, b in self.refs), dtype=np.int64, count=len(self.refs)))
         for key in np.unique(keys[held]).tolist():
             sel = held & (keys == key)
-            self.deferred.setdefault(divmod(key, 1 << 40), []).append(np.ascontiguousarray(rows[sel][:, [UNIT, BLOCK, ROW]]))
+            self.deferred.setdefault(divmod(key, 1 << BLOCK_BITS), []).append(np.ascontiguousarray(rows[sel][:, [UNIT, BLOCK, ROW]]))
         return rows[~held]
 
     def held_on(self, unit: int) -> np.ndarray:

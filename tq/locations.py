@@ -85,16 +85,20 @@ if _c_table_layout is not None and _c_table_layout() != _LAYOUT:  # the C reader
 
 class LocatedRows(NamedTuple):
     """A same-host read of a location table: the rows' storage unit, the ``frees`` count they were
-    read under, the end of the furthest row, per field its longest row and its bytes in all, and
-    the ``[fields, keys]`` offsets and sizes of the rows in the unit's arena."""
+    read under, the end of the furthest row, per field its longest row, its bytes in all and whether
+    its rows lie back to back in key order, and
+    the ``[fields, keys]`` offsets and sizes of the rows in the unit's arena, and the blocks they lie
+    in (one per run of rows in the same block: few, and each block at least once)."""
 
     unit: int
     frees: int
     end: int
     longest: tuple[int, ...]
     totals: tuple[int, ...]
+    adjacent: tuple[bool, ...]
     offsets: np.ndarray
     sizes: np.ndarray
+    blocks: np.ndarray
 
 
 PREFIX = "tq-loc-"  # table files are named tq-loc-<controller pid>-<random>
@@ -331,11 +335,12 @@ class LocationView:
         cols = [self.columns.get(f) for f in fields]
         if None in cols:
             return None
-        planes = np.empty((2, len(cols), len(slots)), dtype=np.int64)
+        planes = np.empty((3, len(cols), len(slots)), dtype=np.int64)
         got = _read_locations(self._mm, cols, slots, incarnation, clears, units_version, planes)
         if got is None:
             return None
-        return LocatedRows(*got, planes[0], planes[1])
+        *got, runs = got
+        return LocatedRows(*got, planes[0], planes[1], planes[2].ravel()[:runs])
 
     def unchanged(self, frees: int) -> bool:
         """No bytes were freed since ``frees`` was read, so rows copied since are intact."""

@@ -58,6 +58,7 @@ class ControllerOp(enum.StrEnum):
     GET_META = "get_meta"
     SET_TAGS = "set_tags"
     LEASES = "leases"
+    BORROW = "borrow"
     UNIT_STATUS = "unit_status"
     STATS = "stats"
     SHUTDOWN = "shutdown"
@@ -379,6 +380,24 @@ class LeasesReply(Reply):
     ended: list[int]  # renewed leases whose term had run out already
 
 
+class Borrow(ReadsArgs, kw_only=True):
+    """A same-host borrowed get located its rows in the partition's shared location table itself,
+    under the table's ``frees`` count and ``units_version``, and asks for a lease on the ``blocks``
+    of ``unit`` those rows lie in. Granted only if nothing of the partition was freed and no unit
+    changed since that read, so the rows read are still the keys' rows when the lease pins them."""
+
+    partition: str
+    unit: Count
+    blocks: list[BlockId]
+    frees: int
+    units_version: int
+    lease_s: Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)]
+
+
+class BorrowReply(Reply):
+    lease: Union[int, None]  # None: the table moved since the read (the reader locates through us)
+
+
 class UnitStatus(Args):
     unit: Count
 
@@ -435,6 +454,7 @@ CONTROLLER_REQUESTS: dict[ControllerOp, type[Args]] = {
     ControllerOp.GET_META: GetMeta,
     ControllerOp.SET_TAGS: SetTags,
     ControllerOp.LEASES: Leases,
+    ControllerOp.BORROW: Borrow,
     ControllerOp.UNIT_STATUS: UnitStatus,
     ControllerOp.STATS: Stats,
     ControllerOp.SHUTDOWN: Shutdown,
@@ -459,6 +479,7 @@ CONTROLLER_REPLIES: dict[ControllerOp, Any] = {
     ControllerOp.GET_META: GetMetaReply,
     ControllerOp.SET_TAGS: SetTagsReply,
     ControllerOp.LEASES: LeasesReply,
+    ControllerOp.BORROW: BorrowReply,
     ControllerOp.UNIT_STATUS: UnitStatusReply,
     ControllerOp.STATS: StatsReply,
     ControllerOp.SHUTDOWN: Stopping,

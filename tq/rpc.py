@@ -400,6 +400,22 @@ def _zero_copy(frames: Sequence[Any]) -> bool:
     return any(memoryview(f).nbytes >= zmq.COPY_THRESHOLD for f in frames)
 
 
+# A client polls for a reply this long before it sleeps on the socket: most replies of a same-host
+# server come within it, and waking a sleeping thread is what a round trip mostly cost on a busy VM
+# (2 vCPUs: bare round trip p50 0.57 -> 0.34 ms with a 250 us spin, 0.36 ms with 1 ms; measured).
+REPLY_SPIN_S = 250e-6
+
+
+def _polled_within(sock: zmq.Socket, seconds: float) -> bool:
+    """Whether a message arrives on ``sock`` within ``seconds``, found by polling without sleeping."""
+    end = time.perf_counter() + seconds
+    while True:
+        if sock.poll(0, zmq.POLLIN):
+            return True
+        if time.perf_counter() >= end:
+            return False
+
+
 class RpcChannel:
     """Request/reply to one server, safe to use from many threads (one DEALER socket per thread).
 
@@ -548,9 +564,11 @@ class RpcChannel:
         sock = self._socket()
         timeout = _bounded(self.timeout if timeout is None else timeout, op, f"{self.name} at {self.address}")
         deadline = time.monotonic() + timeout
+        spin = True  # for the first reply only: a stale one does not start a second spin
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not self._wait(sock, zmq.POLLIN, left, check):
+            ready, spin = spin and _polled_within(sock, REPLY_SPIN_S), False
+            if not ready and (left <= 0 or not self._wait(sock, zmq.POLLIN, left, check)):
                 raise TQConnectionError(
                     f"no reply from {self.name} at {self.address} to '{op}' within {timeout:.1f}s: server down, unreachable or overloaded"
                 )

@@ -124,6 +124,34 @@ def test_a_free_between_the_table_read_and_the_lease_is_never_viewed(tq_server, 
         got.release()
 
 
+def test_a_partition_dropped_and_made_again_between_the_read_and_the_lease_is_never_viewed(tq_server, client, partition):
+    """The same race across tables: the partition is dropped and registered again under its name, and
+    the new one's first put fills the space the old rows freed - both tables have freed nothing since
+    they were made, so only the table's incarnation tells them apart. The reader's keys are gone: the
+    get fails naming them, and never views the new partition's bytes."""
+    from tq.errors import TQError
+
+    keys = unique_keys(16)
+    meta = client.put(partition, keys, {"tokens": _batch(16, seed=10)["tokens"]})
+    with TQClient(tq_server.address, timeout=10.0) as reader:
+        reader.get(meta, ["tokens"])  # learn the table
+        view = reader._tables[partition][0]
+        read = view.read
+
+        def read_then_race(*args, **kwargs):
+            rows = read(*args, **kwargs)
+            view.read = read  # once
+            client.drop_partition(partition)
+            client.register_partition(partition)
+            client.put(partition, unique_keys(16), {"tokens": _batch(16, seed=11)["tokens"]})
+            return rows
+
+        view.read = read_then_race
+        with pytest.raises(TQError, match="not|unknown|no "):
+            got = reader.get(meta, ["tokens"], copy=False, layout="jagged")
+            assert not torch.equal(got["tokens"].values, _batch(16, seed=11)["tokens"].values), "viewed another partition's bytes"
+
+
 def test_borrow_requests_are_checked(tq_server, client, partition):
     from tq import messages
     from tq.errors import InvalidRequestError
@@ -132,9 +160,17 @@ def test_borrow_requests_are_checked(tq_server, client, partition):
     meta = client.put(partition, unique_keys(4), _batch(4, seed=9))
     client.get(meta)
     frees = client._tables[partition][0].header[4]  # H_FREES
-    ask = dict(partition=partition, unit=0, blocks=[0], frees=int(frees), units_version=client._units_version, lease_s=5.0)
-    stale = client._call(Op.BORROW, messages.Borrow(**{**ask, "frees": int(frees) + 1}))
-    assert stale.lease is None  # the table moved since the read: no lease
+    ask = dict(
+        partition=partition,
+        unit=0,
+        blocks=[0],
+        incarnation=meta.slot_table,
+        frees=int(frees),
+        units_version=client._units_version,
+        lease_s=5.0,
+    )
+    for stale in ({"frees": int(frees) + 1}, {"incarnation": meta.slot_table + 1}, {"units_version": client._units_version + 1}):
+        assert client._call(Op.BORROW, messages.Borrow(**{**ask, **stale})).lease is None  # the table moved since the read
     with pytest.raises(InvalidRequestError, match="storage unit 7"):
         client._call(Op.BORROW, messages.Borrow(**{**ask, "unit": 7}))
     with pytest.raises(InvalidRequestError, match=r"blocks\[0\]"):

@@ -1121,8 +1121,9 @@ class TQClient:
         self, meta: KVBatchMeta, fields: list[str], layout: Layout, pad_to: int | None, values: dict[str, Any], arrays: list[np.ndarray]
     ) -> int | None:
         """Locate the rows in the partition's shared location table and lease their blocks with a
-        ``borrow`` request carrying the table's ``frees`` count of the read: the controller grants it
-        only if nothing was freed since, so the rows read are the ones pinned. The views are built
+        ``borrow`` request carrying the table's incarnation and ``frees`` count of the read: the
+        controller grants it only if that table freed nothing since, so the rows read are the ones
+        pinned. The views are built
         while the request is answered. Returns the lease, or None (nothing kept) to locate instead."""
         here = self._read_table(meta, fields)
         if here is None:
@@ -1132,6 +1133,7 @@ class TQClient:
             partition=meta.partition_id,
             unit=rows.unit,
             blocks=sorted(set(rows.blocks.tolist())),
+            incarnation=meta.slot_table,  # type: ignore[arg-type] - the reader checked it against the table
             frees=rows.frees,
             units_version=self._units_version,
             lease_s=self.lease_s,

@@ -272,15 +272,16 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             self.ledgers[unit].frees.append(rows[rows[:, UNIT] == unit][:, [BLOCK, ROW]])
 
     def op_borrow(self, args: messages.Borrow, buffers: list, call: Call) -> messages.BorrowReply:
-        """Lease the blocks a same-host reader located in the shared table itself - only if nothing of
-        the partition was freed (``frees``) and no unit re-registered (``units_version``) since its
-        read: then the rows it read are still the keys' rows, and from now on their frees wait for the
-        lease. Otherwise no lease: the reader locates through ``locate``."""
+        """Lease the blocks a same-host reader located in the shared table itself - only if it read this
+        very table (``incarnation``), nothing of it was freed (``frees``) and no unit re-registered
+        (``units_version``) since: then the rows it read are still the keys' rows, and from now on
+        their frees wait for the lease. Otherwise no lease: the reader locates through ``locate``."""
         self._count_reads(args)
         part = self._partition(args.partition)
         if args.unit >= len(self.units):
             raise InvalidRequestError(f"borrow names storage unit {args.unit}; there are {len(self.units)}")
-        if part.table.frees != args.frees or self.units_version != args.units_version or not args.blocks:
+        table = part.table
+        if (table.incarnation, table.frees, self.units_version) != (args.incarnation, args.frees, args.units_version) or not args.blocks:
             return messages.BorrowReply(lease=None)
         return messages.BorrowReply(lease=self._take_lease([(args.unit, b) for b in args.blocks], args.lease_s))
 

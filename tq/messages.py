@@ -382,13 +382,16 @@ class LeasesReply(Reply):
 
 class Borrow(ReadsArgs, kw_only=True):
     """A same-host borrowed get located its rows in the partition's shared location table itself,
-    under the table's ``frees`` count and ``units_version``, and asks for a lease on the ``blocks``
-    of ``unit`` those rows lie in. Granted only if nothing of the partition was freed and no unit
-    changed since that read, so the rows read are still the keys' rows when the lease pins them."""
+    under the table's ``incarnation`` (the meta's ``slot_table``), ``frees`` count and
+    ``units_version``, and asks for a lease on the ``blocks`` of ``unit`` those rows lie in. Granted
+    only if all three are unchanged - the same table (not a partition dropped and made again under
+    the same name), nothing of it freed, no unit re-registered - so the rows read are still the keys'
+    rows when the lease pins them."""
 
     partition: str
     unit: Count
     blocks: list[BlockId]
+    incarnation: int
     frees: int
     units_version: int
     lease_s: Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)]

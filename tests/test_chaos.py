@@ -35,6 +35,7 @@ def test_short_chaos_loses_nothing_and_leaves_nothing(tmp_path):
         warmup_s=2.0,
         recovery_timeout=15.0,
         final_timeout=15.0,
+        commit_lease_s=5.0,  # blocks whose commit a fault lost are reclaimed within seconds of the final discard
         log=lines.append,
     )
     print("\n".join(lines) + "\n" + summary(report))

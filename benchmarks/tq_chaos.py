@@ -1019,7 +1019,7 @@ def held(stats: dict[str, Any]) -> dict[str, Any]:
         units.append(
             {
                 "unit_id": u["unit_id"],
-                "alive": u.get("alive"),
+                "alive": u.get("alive") is not False,  # a unit that answered has no flag; one reported down has False
                 "bytes_used": u.get("bytes_used"),
                 "blocks": blocks,
                 "tentative": tentative,
@@ -1036,7 +1036,7 @@ def held(stats: dict[str, Any]) -> dict[str, Any]:
 def is_drained(h: dict[str, Any]) -> bool:
     """Every unit up and holding nothing (a unit reported down has no counts: not drained)."""
     empty = ("bytes_used", "blocks", "slabs", "slab_bytes_reserved", "pending_allocs", "parked_writes")
-    return not h["rows_waiting_for_leases"] and all(u["alive"] is not False and all(u[k] == 0 for k in empty) for u in h["units"])
+    return not h["rows_waiting_for_leases"] and all(u["alive"] and all(u[k] == 0 for k in empty) for u in h["units"])
 
 
 def drain(admin: Any, bound_s: float = DRAIN_BOUND_S, poll_s: float = DRAIN_POLL_S) -> dict[str, Any]:
@@ -1554,7 +1554,7 @@ def summary(r: dict[str, Any]) -> str:
 
 def _held_text(h: dict[str, Any]) -> str:
     units = ", ".join(
-        f"unit {u['unit_id']}{'' if u['alive'] is not False else ' (down)'} {u['bytes_used']} B in {u['blocks']} blocks "
+        f"unit {u['unit_id']}{'' if u['alive'] else ' (down)'} {u['bytes_used']} B in {u['blocks']} blocks "
         f"({u['tentative']} tentative, {u['committed']} committed), {u['slabs']} slabs ({u['slab_bytes_reserved']} B), "
         f"{u['pending_allocs']} pending allocations"
         for u in h["units"]

@@ -36,6 +36,7 @@ def test_short_chaos_loses_nothing_and_leaves_nothing(tmp_path):
         recovery_timeout=15.0,
         final_timeout=15.0,
         commit_lease_s=5.0,  # blocks whose commit a fault lost are reclaimed within seconds of the final discard
+        drain_bound_s=15.0,  # the commit lease + 10 s; a slab may take its whole 60 s allocation lease (not waited for here)
         log=lines.append,
     )
     print("\n".join(lines) + "\n" + summary(report))
@@ -52,10 +53,13 @@ def test_short_chaos_loses_nothing_and_leaves_nothing(tmp_path):
         assert report["faults"][kind]["injected"] >= 1, report["fault_log"]
     assert report["unrecovered"] is None and all(r["recovery_s"] is not None for r in report["fault_log"]), report["fault_log"]
 
-    # after the final discard the units drain to nothing within the longest lease (else a leak)
+    # after the final discard every block is freed within the commit lease + 10 s (else a leak); a slab
+    # granted to a request that timed out in a unit SIGSTOP stays until its 60 s allocation lease ends,
+    # which the benchmark's own bound covers - too long to wait for here
     d = report["drain_after_discard"]
-    assert d["drained_s"] is not None and d["drained_s"] <= d["bound_s"], drain_lines(d)
-    assert all(u["blocks"] == 0 and u["slabs"] == 0 and u["pending_allocs"] == 0 for u in d["end"]["units"]), d["end"]
+    assert not d["end"]["rows_waiting_for_leases"], drain_lines(d)
+    for u in d["end"]["units"]:
+        assert u["alive"] and u["blocks"] == 0 and u["bytes_used"] == 0 and u["pending_allocs"] == 0, drain_lines(d)
 
     # shut down cleanly; nothing of the run is left
     sd = report["shutdown"]

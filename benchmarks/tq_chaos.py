@@ -26,7 +26,9 @@ discarded since, later missing or reading other bytes), **wrong-bytes reads** (r
 match nothing the client wrote there, and any outcome of a failed op other than those above), the
 longest single client call against the client timeout (hangs), recovery times per fault kind, service
 RSS (controller + units) after warm-up and at the end. At the end, with the service healthy, each client
-verifies every live key bit-exact and discards everything; the units should be back to ~0 bytes.
+verifies every live key bit-exact and discards everything; then the units must drain to nothing (no
+block, slab, allocation or leased row) within the longest lease the service grants (60 s) plus a
+margin; what they held at the discard and how long they took is reported.
 
     python -m benchmarks.tq_chaos                        # 8 clients, 600 s, >= 50 faults of every kind
     python -m benchmarks.tq_chaos --duration 60 --clients 4 --faults-min 3 --json /tmp/chaos.json
@@ -60,7 +62,9 @@ from typing import Any, Callable
 import numpy as np
 
 from benchmarks.outputs import code_version
-from benchmarks.tq_soak import WRITE_BACK, RowMaker, _pct, _settled, compare_rows, digest, rows_of, start_processes
+from benchmarks.tq_soak import WRITE_BACK, RowMaker, _pct, compare_rows, digest, rows_of, start_processes
+from tq.client import DEFAULT_LEASE_S
+from tq.storage import DEFAULT_ALLOC_LEASE_S, DEFAULT_COMMIT_LEASE_S
 
 MiB = 1 << 20
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,6 +84,14 @@ UNIT_RESTART_P99_S = 2.0
 CONTROLLER_RESTART_P99_S = 3.0
 RSS_GROWTH_LIMIT = 0.10
 CANARY = "chaos-canary"
+# After the final discard the units may legitimately hold, each until its lease runs out: a block whose
+# commit was lost in a fault (tentative until its 30 s commit lease ends, then fenced and freed), a
+# slab with an id whose commit was lost, or an allocation never stored (60 s allocation lease), and
+# rows under a borrowed get's lease (30 s). Each lease was granted before the discard, so it ends
+# within the longest of them; the margin covers the controller's 1 s heartbeat that reports an
+# expired lease and the free it sends.
+DRAIN_BOUND_S = max(DEFAULT_COMMIT_LEASE_S, DEFAULT_ALLOC_LEASE_S, DEFAULT_LEASE_S) + 10.0
+DRAIN_POLL_S = 0.5
 
 
 # ----------------------------------------------------------------------------- one client process
@@ -656,7 +668,7 @@ class Service:
     """The controller (restartable the operator's way: same command, port and state dir) and every
     process of this run, found by the run's private shared-memory dir on their command lines."""
 
-    def __init__(self, run_dir: str, units: int, capacity: int, log: Callable[[str], None]) -> None:
+    def __init__(self, run_dir: str, units: int, capacity: int, log: Callable[[str], None], commit_lease_s: float | None = None) -> None:
         self.run_dir, self.units, self.log = run_dir, units, log
         self.shm_dir = tempfile.mkdtemp(prefix="tq-chaos-", dir="/dev/shm")
         self.state_dir = os.path.join(run_dir, "state")
@@ -682,6 +694,8 @@ class Service:
             "--ready-file",
             self.ready_file,
         ]
+        if commit_lease_s is not None:
+            self.cmd += ["--commit-lease", str(commit_lease_s)]
         self.procs: list[subprocess.Popen] = []
 
     @property
@@ -994,6 +1008,58 @@ class FaultDriver:
 
 
 # ----------------------------------------------------------------------------- the run
+def held(stats: dict[str, Any]) -> dict[str, Any]:
+    """What the service still holds, from ``TQClient.stats()``: per unit its blocks by state
+    (``tentative``: stored, waiting for a commit or its lease; ``committed``: claimed, rows still
+    referenced or freed under a borrowed get's lease), open slabs, pending allocations and parked
+    writes; and the controller's borrowed-get leases and the rows freed under them."""
+    units = []
+    for u in stats["unit_stats"]:
+        blocks, tentative = u.get("blocks"), u.get("tentative_blocks")
+        units.append(
+            {
+                "unit_id": u["unit_id"],
+                "alive": u.get("alive") is not False,  # a unit that answered has no flag; one reported down has False
+                "bytes_used": u.get("bytes_used"),
+                "blocks": blocks,
+                "tentative": tentative,
+                "committed": None if blocks is None or tentative is None else blocks - tentative,
+                "slabs": u.get("slabs"),
+                "slab_bytes_reserved": u.get("slab_bytes_reserved"),
+                "pending_allocs": u.get("pending_allocs"),
+                "parked_writes": u.get("parked_writes"),
+            }
+        )
+    return {"units": units, "leases": stats.get("leases"), "rows_waiting_for_leases": stats.get("rows_waiting_for_leases")}
+
+
+def is_drained(h: dict[str, Any]) -> bool:
+    """Every unit up and holding nothing (a unit reported down has no counts: not drained)."""
+    empty = ("bytes_used", "blocks", "slabs", "slab_bytes_reserved", "pending_allocs", "parked_writes")
+    return not h["rows_waiting_for_leases"] and all(u["alive"] and all(u[k] == 0 for k in empty) for u in h["units"])
+
+
+def drain(admin: Any, bound_s: float = DRAIN_BOUND_S, poll_s: float = DRAIN_POLL_S) -> dict[str, Any]:
+    """Poll the service's stats every ``poll_s`` until it holds nothing or ``bound_s`` ran out.
+    Returns what was held at the start, how long draining took (None: not within the bound, a leak)
+    and each change of what was held on the way (seconds from the start)."""
+    t0 = time.monotonic()
+    first = last = held(admin.stats())
+    changes = [{"t_s": 0.0, **first}]
+    while not is_drained(last):
+        if time.monotonic() - t0 > bound_s:
+            return {"bound_s": bound_s, "drained_s": None, "start": first, "end": last, "changes": changes}
+        time.sleep(poll_s)
+        try:
+            now = held(admin.stats())
+        except Exception as exc:  # the service should be healthy here: noted, polled again
+            now = {**last, "error": f"{type(exc).__name__}: {exc}"}
+        if now != last:
+            changes.append({"t_s": round(time.monotonic() - t0, 2), **now})
+        last = now
+    return {"bound_s": bound_s, "drained_s": round(time.monotonic() - t0, 2), "start": first, "end": last, "changes": changes}
+
+
 def machine() -> dict[str, Any]:
     import psutil
 
@@ -1042,12 +1108,14 @@ def run_chaos(
     final_timeout: float = 60.0,
     max_faults: int = 2000,
     think_ms: float = 5.0,
-    settle_s: float = 10.0,
+    drain_bound_s: float = DRAIN_BOUND_S,
+    commit_lease_s: float | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run the chaos benchmark and return its report (see the module docstring); ``report["ok"]`` is
     the verdict. Every process started is stopped and the run's shared-memory files removed, whatever
-    happens."""
+    happens. ``commit_lease_s`` is the service's ``--commit-lease`` (default 30 s): a shorter one lets
+    blocks whose commit a fault lost drain sooner after the final discard (the CI test's)."""
     from tq import TQClient
     from tq.errors import TQConnectionError
 
@@ -1059,7 +1127,7 @@ def run_chaos(
     warmup_s = warmup_s if warmup_s is not None else min(max(0.05 * duration, 3.0), 10.0)
     tail_s = 3.0  # no fault starts in the last seconds of the load
     rng = np.random.default_rng([seed, 1 << 20])
-    svc = Service(run_dir, units, capacity, log)
+    svc = Service(run_dir, units, capacity, log, commit_lease_s)
     ctx = mp.get_context("spawn")
     workers: list[Any] = []
     admin = canary = None
@@ -1071,7 +1139,7 @@ def run_chaos(
     driver: FaultDriver | None = None
     run_errors: list[str] = []
     leftover_keys: dict[str, int] = {}
-    units_after: list[dict[str, Any]] = []
+    drained: dict[str, Any] = {}  # what the units held after the final discard, and how long it took them to drain
     ledgers: dict[str, Any] = {}  # the controller's block ledger per unit at the end (bounded by its low-water mark)
     elapsed = 0.0
     log(f"TQ chaos: run dir {run_dir}")
@@ -1161,7 +1229,11 @@ def run_chaos(
                 if keys:
                     leftover_keys[part["partition"]] = len(keys)
                     admin.discard(KVBatchMeta(part["partition"], tuple(keys)))
-            units_after = _settled(admin, settle_s)
+            drained = {"discard_t_s": round(time.monotonic() - go_at.value, 1), **drain(admin, drain_bound_s)}
+            log(
+                "final discard done; "
+                + (f"drained in {drained['drained_s']} s" if drained["drained_s"] is not None else f"NOT drained in {drain_bound_s:g} s")
+            )
             ledgers = admin.stats()["unit_ledgers"]
             admin.trim()
             rss["end"] = svc.rss()
@@ -1283,10 +1355,7 @@ def _report(v: dict[str, Any]) -> dict[str, Any]:
             faults[k]["stopped"] = _percentiles([r["stopped_s"] for r in recs])
     start, end = rss.get("start"), rss.get("end")
     growth = (end["total"] - start["total"]) / start["total"] if start and end and start["total"] else None
-    units_after = [
-        {k: u.get(k) for k in ("unit_id", "bytes_used", "blocks", "pending_allocs", "parked_writes", "alive")}
-        for u in (v.get("units_after") or [])
-    ]
+    drained = v.get("drained") or {}
     shutdown = v["shutdown"]
     longest_s = max(longest[0], in_flight)
     hang_limit = client_timeout + HANG_MARGIN_S
@@ -1336,6 +1405,13 @@ def _report(v: dict[str, Any]) -> dict[str, Any]:
         growth is not None and growth < RSS_GROWTH_LIMIT,
     )
     target("client calls raising a non-TQ error", totals["non_tq_errors"], "0", totals["non_tq_errors"] == 0)
+    if drained:  # (absent when the final discard itself failed: reported as a run error below)
+        target(
+            "units drained after the final discard (s)",
+            drained["drained_s"],
+            f"<= {drained['bound_s']:g} (longest lease + margin)",
+            drained["drained_s"] is not None,
+        )
     if totals["internal_errors"] or totals["crashed"] or missing or v["run_errors"]:
         target(
             "the run itself completed (no client crashed, no benchmark bug, final discard and shutdown worked)",
@@ -1359,6 +1435,7 @@ def _report(v: dict[str, Any]) -> dict[str, Any]:
             "warmup_s": v["warmup_s"],
             "recovery_timeout_s": v["recovery_timeout"],
             "think_ms": v["think_ms"],
+            "commit_lease_s": v["commit_lease_s"] or DEFAULT_COMMIT_LEASE_S,
             "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(v["started"])),
             "run_dir": v["run_dir"],
         },
@@ -1396,7 +1473,7 @@ def _report(v: dict[str, Any]) -> dict[str, Any]:
         "machine_cpu_percent_mean": round(float(np.mean([s["cpu_percent"] for s in rss["samples"][1:]])), 1)
         if len(rss["samples"]) > 1
         else None,
-        "units_after_discard": units_after,
+        "drain_after_discard": drained,
         "controller_ledgers_end": v.get("ledgers", {}),
         "leftover_keys_discarded_by_driver": v.get("leftover_keys", {}),
         "client_final": finals,
@@ -1442,11 +1519,7 @@ def summary(r: dict[str, Any]) -> str:
             "?" if r["rss"]["growth"] is None else f"{r['rss']['growth']:+.1%}",
             *(f"{x / MiB:.0f}" if x else "?" for x in ((r["rss"]["start"] or {}).get("anon"), (r["rss"]["end"] or {}).get("anon"))),
         ),
-        "units after the final discard: "
-        + ", ".join(
-            f"unit {u['unit_id']} {u['bytes_used']} B in {u['blocks']} blocks, {u['pending_allocs']} pending allocations"
-            for u in r["units_after_discard"]
-        ),
+        *drain_lines(r.get("drain_after_discard") or {}),
         "controller's ledger of unsettled blocks at the end: "
         + (
             ", ".join(
@@ -1477,6 +1550,31 @@ def summary(r: dict[str, Any]) -> str:
     lines += [f"  ! {a}" for a in r["driver_anomalies"][:5] + r["run_errors"]]
     lines += [f"  ! {n}" for n in r["notes"][:15]]
     return "\n".join(lines)
+
+
+def _held_text(h: dict[str, Any]) -> str:
+    units = ", ".join(
+        f"unit {u['unit_id']}{'' if u['alive'] else ' (down)'} {u['bytes_used']} B in {u['blocks']} blocks "
+        f"({u['tentative']} tentative, {u['committed']} committed), {u['slabs']} slabs ({u['slab_bytes_reserved']} B), "
+        f"{u['pending_allocs']} pending allocations"
+        for u in h["units"]
+    )
+    return f"{units}; {h['leases']} borrowed-get leases, {h['rows_waiting_for_leases']} rows freed under them"
+
+
+def drain_lines(d: dict[str, Any]) -> list[str]:
+    """What the units held after the final discard and how they drained, for the summary."""
+    if not d:
+        return ["units after the final discard: ? (the final discard failed)"]
+    out = [f"held at the final discard (t={d['discard_t_s']}s): {_held_text(d['start'])}"]
+    if d["drained_s"] is None:
+        return [*out, f"NOT drained within {d['bound_s']:g} s (a leak): still held {_held_text(d['end'])}"]
+    steps = "; ".join(
+        f"{c['t_s']} s: "
+        + ", ".join(f"unit {u['unit_id']} {u['blocks']} blocks ({u['tentative']} tentative), {u['slabs']} slabs" for u in c["units"])
+        for c in d["changes"][1:]
+    )
+    return [*out, f"drained in {d['drained_s']} s (bound {d['bound_s']:g} s)" + (f"; on the way: {steps}" if steps else "")]
 
 
 def write_report(r: dict[str, Any], base: str) -> None:

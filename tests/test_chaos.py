@@ -15,7 +15,7 @@ import os
 import psutil
 import pytest
 
-from benchmarks.tq_chaos import HANG_MARGIN_S, KINDS, run_chaos, summary
+from benchmarks.tq_chaos import HANG_MARGIN_S, KINDS, drain_lines, run_chaos, summary
 
 TIMEOUT = 2.0
 
@@ -35,7 +35,7 @@ def test_short_chaos_loses_nothing_and_leaves_nothing(tmp_path):
         warmup_s=2.0,
         recovery_timeout=15.0,
         final_timeout=15.0,
-        settle_s=5.0,
+        commit_lease_s=5.0,  # blocks whose commit a fault lost are reclaimed within seconds of the final discard
         log=lines.append,
     )
     print("\n".join(lines) + "\n" + summary(report))
@@ -51,6 +51,11 @@ def test_short_chaos_loses_nothing_and_leaves_nothing(tmp_path):
     for kind in KINDS:
         assert report["faults"][kind]["injected"] >= 1, report["fault_log"]
     assert report["unrecovered"] is None and all(r["recovery_s"] is not None for r in report["fault_log"]), report["fault_log"]
+
+    # after the final discard the units drain to nothing within the longest lease (else a leak)
+    d = report["drain_after_discard"]
+    assert d["drained_s"] is not None and d["drained_s"] <= d["bound_s"], drain_lines(d)
+    assert all(u["blocks"] == 0 and u["slabs"] == 0 and u["pending_allocs"] == 0 for u in d["end"]["units"]), d["end"]
 
     # shut down cleanly; nothing of the run is left
     sd = report["shutdown"]

@@ -473,11 +473,11 @@ def get_sweep_tq(n: int, length: int, field_counts: Sequence[int], iters: int) -
         from tq import TQClient
 
         with TQClient(server.address) as c:
-            c.register_partition("fields", reuse=True)
             stored = {}
-            for k in field_counts:
-                cols, _ = field_columns(n, length, k, seed=k)
-                meta = c.put("fields", [f"k{k}_{i}" for i in range(n)], cols)
+            for k in field_counts:  # a partition per count: field f00 is 32 floats wide in one, 1 in another
+                cols, _ = field_columns(n, length, k, seed=0)  # the same rows in every count
+                c.register_partition(f"fields{k}", reuse=True)
+                meta = c.put(f"fields{k}", [f"k{i}" for i in range(n)], cols)
                 stored[k] = (meta, list(cols), sum(v.values.numel() * 4 for v in cols.values()))
                 del cols
             times: dict[int, list[float]] = {k: [] for k in field_counts}
@@ -487,7 +487,8 @@ def get_sweep_tq(n: int, length: int, field_counts: Sequence[int], iters: int) -
                     got = c.get(meta, names, layout="padded")
                     times[k].append(time.perf_counter() - t)
                     del got
-            c.drop_partition("fields")
+            for k in field_counts:
+                c.drop_partition(f"fields{k}")
     out = {}
     for k, (_, _, nbytes) in stored.items():
         best = _med(times[k][1:])
@@ -513,7 +514,7 @@ def get_sweep_transferqueue(n: int, length: int, field_counts: Sequence[int], it
     try:
         transfer_queue.init()
         for k in field_counts:
-            cols, _ = field_columns(n, length, k, seed=k)
+            cols, _ = field_columns(n, length, k, seed=0)  # the same rows in every count
             keys = [f"k{k}_{i}" for i in range(n)]
             nested = {f: torch.nested.nested_tensor_from_jagged(v.values, v.offsets) for f, v in cols.items()}
             transfer_queue.kv_batch_put(keys=keys, partition_id="fields", fields=TensorDict(nested, batch_size=n))

@@ -297,7 +297,8 @@ def test_block_never_committed_is_reclaimed_after_its_lease_and_a_late_commit_is
             }
             stored, _ = unit.call("store", {"n_rows": 1, "fields": {"x": spec}}, bufs)  # then the writer "dies"
             kept = c.put("p", ["kept"], {"x": torch.tensor([5])})
-            assert c.stats()["unit_stats"][0]["tentative_blocks"] == 1
+            # the kept block's claim reaches the unit after the commit's reply: wait for it, not for the lease
+            assert wait_until(lambda: c.stats()["unit_stats"][0]["tentative_blocks"] == 1, timeout=5)
             assert wait_until(lambda: c.stats()["unit_stats"][0]["tentative_blocks"] == 0, timeout=10)
             cbufs: list = []
             commit = {

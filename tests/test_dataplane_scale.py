@@ -29,6 +29,14 @@ def test_tq_driver_bytes_do_not_grow_with_payload_while_legacys_do():
     assert row[big.key, "tq"]["driver_bytes"] < 0.01 * row[big.key, "legacy"]["driver_bytes"]
 
 
+def test_the_get_sweep_reads_the_same_bytes_in_every_field_count():
+    """The get sweep stores every count's batch at once (a partition each: a field's width differs
+    between counts) and times round-robin gets of them."""
+    out = ds.get_sweep_tq(n=8, length=32, field_counts=(1, 2, 32), iters=1)
+    assert sorted(out) == [1, 2, 32]
+    assert len({v["bytes"] for v in out.values()}) == 1 and all(v["gb_s"] > 0 for v in out.values())
+
+
 def test_targets_are_computed_from_the_rows():
     """``check_targets`` on hand-made rows: the ratios and verdicts follow the numbers given."""
     pts = {"dp": [ds.Point(1, 8, 64), ds.Point(2, 16, 64)], "payload": [ds.Point(2, 16, 64), ds.Point(2, 16, 256)]}

@@ -279,3 +279,35 @@ def test_a_request_frame_over_the_limit_fails_on_the_client_naming_it():
     with pytest.raises(MessageTooLargeError, match="'commit'.*frame limit"):
         protocol.request("commit", 1, {"x": 1}, [big], None)
     assert len(protocol.request("commit", 1, {"x": 1}, [big[: protocol.MAX_FRAME_BYTES]], None)) == 3
+
+
+def test_a_server_dying_mid_handshake_is_reported_unreachable_not_as_a_secret_mismatch():
+    """A peer that hangs up during the first handshake and is then gone (a storage unit SIGKILLed
+    while a client connects, seen in the chaos run): the client has no secret and the server wanted
+    none, so the error is 'cannot reach', never 'requires an auth secret'."""
+    from tq import messages
+    from tq.errors import TQConnectionError
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+    chan = RpcChannel(f"tcp://127.0.0.1:{port}", secret=None, timeout=1.5, name="controller", replies=messages.CONTROLLER_REPLY_DECODERS)
+    try:
+        rid = None
+
+        def hang_up_once() -> None:
+            conn, _ = listener.accept()  # mid-handshake: the client's greeting is on its way
+            conn.close()
+            listener.close()  # and gone: reconnects are refused
+
+        t = threading.Thread(target=hang_up_once)
+        t.start()
+        with pytest.raises(TQConnectionError) as err:
+            rid = chan.call(messages.ControllerOp.STATS, messages.Stats())
+        t.join(5)
+        assert not isinstance(err.value, AuthenticationError), err.value
+        assert "cannot reach" in str(err.value) and rid is None
+    finally:
+        chan.close()
+        listener.close()

@@ -579,7 +579,9 @@ def test_wrong_or_missing_secret_is_rejected(secure_server, monkeypatch, secret)
         with pytest.raises(AuthenticationError, match="secret"):
             TQClient(secure_server.address, secret=secret, timeout=5.0)
         assert time.monotonic() - t0 < 5.0  # answered at once, not timed out
-        assert good.stats()["rejected_messages"] == rejected_before + 1
+        # one refused handshake - or two without a secret: a client the server hangs up on tries once
+        # more before it calls it a refusal (a hang-up is also how a server dying mid-handshake looks)
+        assert good.stats()["rejected_messages"] - rejected_before in ((1,) if secret else (1, 2))
         # raw requests with a bad signature, to the controller and to the storage unit
         for address in (secure_server.address, good._units[0].address):
             frames = protocol.request("stats", 1, {}, [], secret.encode() if secret else None)

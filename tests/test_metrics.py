@@ -78,8 +78,9 @@ def test_scrape_reports_what_the_test_did(service):
     assert wait_until(lambda: value(scrape(url), "tq_auth_failures_total", server="controller") >= 1, timeout=10)
     s = scrape(url)
     ctl, unit = {"server": "controller"}, {"server": "unit-0"}
-    assert value(s, "tq_auth_failures_total", **ctl) == 1
-    assert value(s, "tq_rejected_messages_total", **ctl) == 1
+    # one or two: a client the server hangs up on tries once more before it calls it a refusal
+    assert value(s, "tq_auth_failures_total", **ctl) in (1, 2)
+    assert value(s, "tq_rejected_messages_total", **ctl) == value(s, "tq_auth_failures_total", **ctl)
     assert value(s, "tq_auth_failures_total", **unit) == 0
     # op counts, errors and latency histograms, by server and op
     for server, op, n in (
@@ -162,8 +163,16 @@ def test_dashboard_and_scrape_config_use_exported_names(service):
     import yaml
 
     address, url = service
-    with TQClient(address, secret=SECRET) as client:  # at least one sample of every op the panels read
+    # at least one sample of every op and counter the panels read. Run after the scrape test (file
+    # order), the service has them; under xdist this test may get a service of its own, which then
+    # gets a put and a get over TCP (the controller counts read bytes at its locate) - never before
+    # the scrape test on one service, whose counts are exact
+    exported = lambda name: any(n == name for n, _ in scrape(url))  # noqa: E731
+    with TQClient(address, secret=SECRET, transport="tcp") as client:
         client.register_partition("m", reuse=True)
+        if not exported("tq_read_bytes_total"):
+            client.get(client.put("m", ["d0"], {"x": torch.ones(1, 4)}), ["x"])
+    assert wait_until(lambda: exported("tq_read_bytes_total"), timeout=10)
     live = {name for name, _ in scrape(url)}
     with open(os.path.join(REPO, "deploy", "grafana", "tq-dashboard.json")) as f:
         dashboard = json.load(f)

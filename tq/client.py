@@ -244,6 +244,15 @@ def _in_arena(
     }
 
 
+def _pad_length(meta: KVBatchMeta, pad_to: int | None, longest: int) -> int:
+    """The padded length of a jagged field in a get: ``pad_to``, else the meta's
+    ``global_forward_pad_seqlen``, else its ``longest`` row, rounded up to ``pad_to_multiple``."""
+    target = pad_to if pad_to is not None else meta.extra_info.get("global_forward_pad_seqlen")
+    target = longest if target is None else target
+    multiple = meta.extra_info.get("pad_to_multiple")
+    return -(-target // multiple) * multiple if multiple else target
+
+
 def _jagged(values: torch.Tensor, sizes: np.ndarray, row_bytes: int) -> JaggedTensor:
     """``values`` as rows of ``sizes`` bytes back to back (offsets made here, so trusted as made)."""
     offsets = np.zeros(sizes.size + 1, dtype=np.int64)
@@ -934,7 +943,7 @@ class TQClient:
     def _read_table(self, meta: KVBatchMeta, fields: list[str]) -> tuple[LocatedRows, LocationView, dict[str, FieldSchema]] | None:
         """The rows located in the partition's shared location table, with no round trip: only for a
         meta with slots, every row on one unit of this host, and a table that can be trusted right
-        now (the reads are counted for the controller's stats)."""
+        now."""
         entry = self._tables.get(meta.partition_id) if meta.slots is not None and meta.keys else None
         if entry is None:
             return None
@@ -947,9 +956,13 @@ class TQClient:
         arena = self._arenas.get(rows.unit) if rows is not None else None
         if arena is None or rows.end > arena.view.size:  # type: ignore[union-attr]
             return None
-        with self._tables_lock:
-            self._reads[rows.unit] = self._reads.get(rows.unit, 0) + sum(rows.totals)  # type: ignore[union-attr]
         return rows, view, schemas  # type: ignore[return-value]
+
+    def _count_read(self, rows: LocatedRows) -> None:
+        """Bytes read through a location table, reported with the next request (the controller
+        counts reads at ``locate``, which these reads never asked)."""
+        with self._tables_lock:
+            self._reads[rows.unit] = self._reads.get(rows.unit, 0) + sum(rows.totals)
 
     def _locate_here(self, meta: KVBatchMeta, fields: list[str]) -> tuple[dict[str, _Fetched], Callable[[], bool]] | None:
         """Rows located by :meth:`_read_table`, read where they lie in the arena; also returns the
@@ -958,6 +971,7 @@ class TQClient:
         if here is None:
             return None
         rows, view, schemas = here
+        self._count_read(rows)
         arena = self._arenas[rows.unit]
         fetched = _in_arena(arena.view, [schemas[f] for f in fields], fields, rows.offsets, rows.sizes, rows.longest, rows.totals)
         return fetched, lambda: view.unchanged(rows.frees)
@@ -1123,8 +1137,8 @@ class TQClient:
         """Locate the rows in the partition's shared location table and lease their blocks with a
         ``borrow`` request carrying the table's incarnation and ``frees`` count of the read: the
         controller grants it only if that table freed nothing since, so the rows read are the ones
-        pinned. The views are built
-        while the request is answered. Returns the lease, or None (nothing kept) to locate instead."""
+        pinned. The views are built while the request is answered. Returns the lease, or None
+        (nothing kept, nothing counted) to locate instead."""
         here = self._read_table(meta, fields)
         if here is None:
             return None
@@ -1148,7 +1162,10 @@ class TQClient:
                 )
                 if got is not None:
                     values[name] = got
-        return self._ctrl.recv(rid, Op.BORROW)[0].lease
+        lease = self._ctrl.recv(rid, Op.BORROW)[0].lease
+        if lease is not None:  # a refused borrow's rows are read again by the locate, which counts them
+            self._count_read(rows)
+        return lease
 
     def _borrow_located(
         self,
@@ -1207,12 +1224,7 @@ class TQClient:
         if schema.kind != JAGGED:
             return self._borrow_tensor(raw, schema, (n, *schema.shape), arrays)
         if layout == "padded":
-            target = pad_to if pad_to is not None else meta.extra_info.get("global_forward_pad_seqlen")
-            multiple = meta.extra_info.get("pad_to_multiple")
-            if target is None:
-                target = int(sizes.max()) // row_bytes
-            if multiple:
-                target = -(-target // multiple) * multiple
+            target = _pad_length(meta, pad_to, int(sizes.max()) // row_bytes)
             if (sizes != target * row_bytes).any():  # padding needs a copy
                 return None
             return self._borrow_tensor(raw, schema, (n, target, *schema.shape), arrays)
@@ -1257,10 +1269,8 @@ class TQClient:
         cache line) with one call, so that a get costs its bytes, not its number of fields: one
         pooled allocation instead of one per field (fields under the pool's minimum were fresh
         memory, faulted in page by page on every get), one copy call, one streaming decision, and a
-        per-field loop kept to plain arithmetic (what the get asks is read once, not per field)."""
+        per-field loop kept to plain arithmetic."""
         padded = layout == "padded"
-        target = pad_to if pad_to is not None else meta.extra_info.get("global_forward_pad_seqlen")
-        multiple = meta.extra_info.get("pad_to_multiple")
         fills = pad_value if isinstance(pad_value, abc.Mapping) else None
         planned: list[_Planned] = []
         jobs = []
@@ -1271,9 +1281,7 @@ class TQClient:
             span, pad = 0, b""
             if lay.kind == JAGGED and padded:
                 longest = fx.longest // lay.row_bytes
-                pad_len = longest if target is None else target
-                if multiple:
-                    pad_len = -(-pad_len // multiple) * multiple
+                pad_len = _pad_length(meta, pad_to, longest)
                 if pad_len < longest:
                     raise InvalidRequestError(
                         f"field {name!r}: key {meta.keys[int(np.argmax(fx.sizes))]!r} has {longest} tokens, more than the pad length {pad_len}"

@@ -64,7 +64,7 @@ def copy_fields(dst: np.ndarray, jobs: Sequence[FieldCopy]) -> None:
             raise ValueError(f"job {k}: copy out of bounds")
         planned.append((starts, list(sources), src_idx, src_starts, sizes, row_span, pad))
     for job in planned:
-        copy_rows_numpy(dst, *job)
+        _copy_checked(dst, job)
 
 
 def _in_bounds(
@@ -100,6 +100,13 @@ def copy_rows_numpy(
     """:func:`copy_rows` in numpy, on int64 index arrays (where the C helper was not built)."""
     if not _in_bounds(dst, dst_starts, sources, src_idx, src_starts, sizes, row_span):
         raise ValueError("copy out of bounds")
+    _copy_checked(dst, (dst_starts, sources, src_idx, src_starts, sizes, row_span, pad))
+
+
+def _copy_checked(dst: np.ndarray, rows: tuple[np.ndarray, list[np.ndarray], np.ndarray, np.ndarray, np.ndarray, int, bytes]) -> None:
+    """The copy of :func:`copy_rows_numpy` (``rows``: its arguments after ``dst``), bounds already
+    checked - by it, or by ``copy_fields`` for every job before the first byte."""
+    dst_starts, sources, src_idx, src_starts, sizes, row_span, pad = rows
     pattern = np.frombuffer(pad, dtype=np.uint8) if row_span > 0 else None
     for k, s, d, z in zip(src_idx.tolist(), src_starts.tolist(), dst_starts.tolist(), sizes.tolist()):
         dst[d : d + z] = sources[k][s : s + z]

@@ -441,6 +441,7 @@ class TQClient:
             address, secret=self._secret, timeout=timeout, name="controller", replies=messages.CONTROLLER_REPLY_DECODERS
         )
         self._units: list[messages.UnitInfo] = []
+        self._local_units: frozenset[int] = frozenset()
         self._unit_chans: dict[int, RpcChannel] = {}
         self._arenas: dict[int, Arena] = {}
         self._host = host_identity()
@@ -464,6 +465,12 @@ class TQClient:
         self._units = info.units
         self._units_version = info.units_version
         self._ctrl_host = info.host
+        # Units whose arena this client can map: known once per units version, not per put (a stat each).
+        self._local_units = frozenset(
+            u.unit_id
+            for u in info.units
+            if self.transport == "auto" and u.host == self._host and u.arena_path is not None and os.path.exists(u.arena_path)
+        )
         for u in self._units:
             chan = self._unit_chans.get(u.unit_id)
             if chan is None or chan.address != u.address:  # new, or restarted at a new address
@@ -478,8 +485,7 @@ class TQClient:
                 )
 
     def _is_local(self, unit: int) -> bool:
-        u = self._units[unit]
-        return self.transport == "auto" and u.host == self._host and u.arena_path is not None and os.path.exists(u.arena_path)
+        return unit in self._local_units
 
     def _unit_check(self, unit: int) -> Any:
         """A liveness check for long waits on ``unit``: raises StorageUnitError once the controller

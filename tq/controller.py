@@ -377,8 +377,9 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             )
             raise FencedCommitError(f"block {b} of storage unit {u} {how}: this commit makes nothing visible")
         try:
-            adopts = self._adopts(args, buffers, parts)
-            result = self._apply_commit(args, buffers, keys, parts)
+            rows_of = self._commit_rows(args, buffers, len(keys))
+            adopts = self._adopts(args, rows_of, parts)
+            result = self._apply_commit(args, rows_of, keys, parts)
         except TQError:
             for unit, block, _ in parts:  # this put will never land: its storage goes back now
                 self._fence(unit, [block])
@@ -398,25 +399,21 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         return result
 
     @staticmethod
-    def _adopts(args: messages.Commit, buffers: list, parts: list[tuple[int, int, int]]) -> list[messages.AdoptBlock] | None:
+    def _adopts(
+        args: messages.Commit, rows_of: dict[str, tuple[np.ndarray, np.ndarray]], parts: list[tuple[int, int, int]]
+    ) -> list[messages.AdoptBlock] | None:
         """For a commit of blocks carved out of slabs: each block's layout, as its unit registers it
-        (every field's rows of a part back to back, inside the part's range)."""
+        (every field's rows of a part back to back, inside the part's range). ``rows_of``: per field,
+        its rows' byte sizes and arena offsets."""
         if args.slabs is None:
             return None
         if len(args.slabs) != len(parts):
             raise InvalidRequestError(f"commit names {len(args.slabs)} slabs for {len(parts)} blocks")
-        cols = {
-            n: (
-                protocol.unpack_array(f.row_nbytes, buffers, name=f"{n}.row_nbytes", dtype="<i8"),
-                protocol.unpack_array(f.arena_offsets, buffers, name=f"{n}.arena_offsets", dtype="<i8"),
-                f.schema,
-            )
-            for n, f in args.fields.items()
-        }
         out, first = [], 0
         for (_, block, rows), (slab, start, size) in zip(parts, args.slabs):
             fields = {}
-            for name, (nbytes, offsets, schema) in cols.items():
+            for name, (nbytes, offsets) in rows_of.items():
+                schema = args.fields[name].schema
                 nb, off = nbytes[first : first + rows], offsets[first : first + rows]
                 if nb.size != rows or off.size != rows:
                     raise InvalidRequestError(f"field {name!r}: row sizes and arena offsets for {nb.size} of {rows} rows")
@@ -472,25 +469,30 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
                 self._fence(unit, [block])
         return messages.AbortBlocksReply(committed=committed)
 
+    @staticmethod
+    def _commit_rows(args: messages.Commit, buffers: list, n_keys: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Per field of a commit, its rows' byte sizes and arena offsets, checked: one of each per key,
+        none negative."""
+        out = {}
+        for name, spec in args.fields.items():
+            nb = protocol.unpack_array(spec.row_nbytes, buffers, name=f"{name}.row_nbytes", dtype="<i8")
+            off = protocol.unpack_array(spec.arena_offsets, buffers, name=f"{name}.arena_offsets", dtype="<i8")
+            if nb.shape != (n_keys,) or off.shape != (n_keys,):
+                raise InvalidRequestError(f"field {name!r}: {nb.size} row sizes and {off.size} arena offsets for {n_keys} keys")
+            if n_keys and (nb.min() < 0 or off.min() < 0):
+                raise InvalidRequestError(f"field {name!r}: row sizes and arena offsets must be >= 0")
+            out[name] = (nb, off)
+        return out
+
     def _apply_commit(
-        self, args: messages.Commit, buffers: list, keys: list[str], parts: list[tuple[int, int, int]]
+        self, args: messages.Commit, rows_of: dict[str, tuple[np.ndarray, np.ndarray]], keys: list[str], parts: list[tuple[int, int, int]]
     ) -> messages.CommitReply:
         part = self._partition(args.partition)
         self._unique(keys)
         mode = args.mode
-        fields = args.fields
-        schemas = {n: FieldSchema.from_wire(spec.schema) for n, spec in fields.items()}
-        nbytes = {n: protocol.unpack_array(spec.row_nbytes, buffers, name=f"{n}.row_nbytes", dtype="<i8") for n, spec in fields.items()}
-        offsets = {
-            n: protocol.unpack_array(spec.arena_offsets, buffers, name=f"{n}.arena_offsets", dtype="<i8") for n, spec in fields.items()
-        }
-        for name, nb in nbytes.items():
-            if nb.shape != (len(keys),) or offsets[name].shape != (len(keys),):
-                raise InvalidRequestError(
-                    f"field {name!r}: {nb.size} row sizes and {offsets[name].size} arena offsets for {len(keys)} keys"
-                )
-            if nb.size and (nb.min() < 0 or offsets[name].min() < 0):
-                raise InvalidRequestError(f"field {name!r}: row sizes and arena offsets must be >= 0")
+        schemas = {n: FieldSchema.from_wire(spec.schema) for n, spec in args.fields.items()}
+        nbytes = {n: nb for n, (nb, _) in rows_of.items()}
+        offsets = {n: off for n, (_, off) in rows_of.items()}
         for name, schema in schemas.items():
             known = part.schemas.get(name)
             if known is not None and known != schema:

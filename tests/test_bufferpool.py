@@ -91,3 +91,28 @@ def test_buffers_are_private_anonymous_memory():
                 assert m.group(3) == "rw-p", line
                 return
     raise AssertionError("the buffer's mapping is not in /proc/self/smaps")
+
+
+def _thread_faults() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+
+
+@pytest.mark.skipif(not hasattr(__import__("resource"), "RUSAGE_THREAD"), reason="per-thread fault counts are Linux-only")
+def test_a_fresh_buffer_is_populated_before_the_get_writes_it():
+    from tq.bufferpool import huge_page_mapping
+
+    try:  # MADV_POPULATE_WRITE needs Linux >= 5.14
+        huge_page_mapping(POOL_GRANULE, populate=False).madvise(23)
+    except (OSError, ValueError):
+        pytest.skip("this kernel cannot populate a mapping in one call")
+    a = HostBufferPool(max_cached_bytes=256 * MiB).empty(64 * MiB)
+    before = _thread_faults()
+    a[:] = 1  # what the get's copy does: every page written
+    populated = _thread_faults() - before
+    plain = np.frombuffer(huge_page_mapping(64 * MiB), dtype=np.uint8)
+    before = _thread_faults()
+    plain[:] = 1
+    faulted = _thread_faults() - before
+    assert faulted >= 16 and populated <= 2, (populated, faulted)  # 32 huge pages or 16k small ones, against none

@@ -17,16 +17,24 @@ import weakref
 
 import numpy as np
 
+from .arena import _MADV_POPULATE_WRITE
+
 POOL_GRANULE = 2 << 20  # huge-page size: buffers are rounded up to it and reused by size class
 
 
-def huge_page_mapping(nbytes: int) -> mmap.mmap:
+def huge_page_mapping(nbytes: int, *, populate: bool = False) -> mmap.mmap:
     """``nbytes`` of private anonymous memory advised for transparent huge pages. Private, not mmap's
     default shared anonymous memory: that is shmem, which gets no huge pages where shmem THP is off
-    (the common default)."""
+    (the common default). ``populate``: its pages are allocated now, in one call, instead of by a
+    fault per page as the first copy writes them."""
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         mm.madvise(mmap.MADV_HUGEPAGE)
+    if populate and _MADV_POPULATE_WRITE is not None:
+        try:
+            mm.madvise(_MADV_POPULATE_WRITE)
+        except OSError:  # a kernel before 5.14: the first write faults the pages in
+            pass
     return mm
 
 
@@ -58,8 +66,9 @@ class HostBufferPool:
             if i < len(self._free) and self._free[i][0] <= 2 * size:
                 size, _, mm = self._free.pop(i)
                 self._cached -= size
-        if mm is None:
-            mm = huge_page_mapping(size)
+        if mm is None:  # every byte of a get's buffer is written: populating it costs nothing extra and
+            # saves a fault per page (a cold 512 MiB get on a 32-core host: 345 ms, 120 ms warm)
+            mm = huge_page_mapping(size, populate=True)
         arr = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
         weakref.finalize(arr, self._release, mm, size)
         return arr

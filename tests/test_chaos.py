@@ -54,8 +54,8 @@ def test_short_chaos_loses_nothing_and_leaves_nothing(tmp_path):
     assert report["unrecovered"] is None and all(r["recovery_s"] is not None for r in report["fault_log"]), report["fault_log"]
 
     # after the final discard every block is freed within the commit lease + 10 s (else a leak); a slab
-    # granted to a request that timed out in a unit SIGSTOP stays until its 60 s allocation lease ends,
-    # which the benchmark's own bound covers - too long to wait for here
+    # granted just before its writer gave up (a unit SIGSTOP) stays until its 60 s allocation lease
+    # ends, which the benchmark's own bound covers - too long to wait for here
     d = report["drain_after_discard"]
     assert not d["end"]["rows_waiting_for_leases"], drain_lines(d)
     for u in d["end"]["units"]:

@@ -144,6 +144,10 @@ def test_read_only_for_the_current_incarnation_clears_units_and_a_live_controlle
     with table.writing():
         table.loc("x")[0] = _record(0, 0)
     assert view.header[H_INCARNATION] != inc and not usable(inc, clears, 1)
+    assert usable(table.incarnation, clears, 1)  # cleared, "x" written again as before: schemas hold
+    with table.writing():  # written again with another schema
+        table.schemas_changed()
+        table.loc("x")[0] = _record(0, 0)
     assert usable(table.incarnation, clears + 1, 1) and not usable(table.incarnation, clears, 1)
     table.set_status(1, 0, alive_until_ns=time.monotonic_ns() - 1)  # the controller stopped renewing
     assert not usable(table.incarnation, clears + 1, 1)
@@ -274,6 +278,25 @@ def test_a_cleared_partition_whose_field_changed_dtype_is_read_with_the_new_sche
     meta = client.put(partition, keys, {"x": torch.full((3, 2), 7, dtype=torch.int64)})
     got = client.get(meta)["x"]
     assert got.dtype == torch.int64 and torch.equal(got, torch.full((3, 2), 7, dtype=torch.int64))
+
+
+def test_a_partition_cleared_and_written_again_alike_is_read_with_no_locate(client, partition):
+    """A trainer clears its partition every step and writes the same fields: its ranks' first get of
+    the next step reads the table (before, every rank located its shard through the controller)."""
+    schemas = {"x": torch.zeros(3, 2), "ids": [torch.arange(n) for n in (1, 4, 2)]}
+    client.get(client.put(partition, unique_keys(3), schemas))  # table and schemas learnt
+    for step in range(3):
+        client.clear_partition(partition)
+        vals = {"x": torch.full((3, 2), float(step)), "ids": [torch.arange(n) + step for n in (2, 1, 3)]}
+        meta = client.put(partition, unique_keys(3), vals)
+        n0 = _locates(client)
+        got = client.get(meta, layout="jagged")
+        assert torch.equal(got["x"], vals["x"]) and [t.tolist() for t in got["ids"].unbind()] == [t.tolist() for t in vals["ids"]]
+        assert _locates(client) == n0, step
+    client.clear_partition(partition)  # then a field comes back as another dtype: read with its new schema
+    meta = client.put(partition, unique_keys(3), {"x": torch.full((3, 2), 9, dtype=torch.int32)})
+    got = client.get(meta)["x"]
+    assert got.dtype == torch.int32 and torch.equal(got, torch.full((3, 2), 9, dtype=torch.int32))
 
 
 def test_an_overwritten_field_reads_back_new_values(client, partition):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 from conftest import wait_until
 from tq import TQClient, TQServer, protocol
-from tq.errors import FencedCommitError, KeyNotFoundError
+from tq.errors import FencedCommitError, KeyNotFoundError, TQError
 
 
 def _unit_ops(c: TQClient) -> dict[str, int]:
@@ -91,6 +92,30 @@ def test_a_put_acknowledged_while_its_unit_was_stopped_survives_the_units_kill()
             assert torch.equal(c.get(meta)["y"][0], x)
             assert torch.equal(tcp.get(meta)["y"][0], x)
             assert torch.equal(tcp.get(c.get_meta("p", ["warm"]))["x"][0], torch.arange(4))
+
+
+@pytest.mark.parametrize("size", [16, 2 << 20], ids=["slab", "own-range"])
+def test_an_allocation_its_writer_gave_up_on_is_not_granted_when_the_stopped_unit_resumes(size):
+    """A unit stopped while a writer asks it for a slab (or, for a put above a quarter slab, a range of
+    its own): the put times out. When the unit resumes it serves the queued request after the writer's
+    deadline and grants nothing - before, the range stayed reserved for nobody until its 60 s lease."""
+    with TQServer(storage_units=1, capacity=64 << 20) as server:
+        with TQClient(server.address, timeout=10.0) as admin, TQClient(server.address, timeout=1.0) as c:
+            c.register_partition("p")
+            pid = c.stats()["units"][0]["pid"]
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(TQError):
+                    c.put("p", ["late"], {"x": torch.zeros(1, size // 4, dtype=torch.float32)})
+                time.sleep(0.6)  # past the unit's clock slack too
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert wait_until(lambda: _unit_ops(admin).get("alloc", 0) >= 1, timeout=10)
+            st = admin.stats()["unit_stats"][0]
+            assert st["ops"]["alloc"]["errors"] == 1 and st["pid"] == pid
+            assert st["slabs"] == 0 and st["pending_allocs"] == 0 and st["slab_bytes_reserved"] == 0, st
+            admin.register_partition("q")  # the unit serves writers as before
+            assert torch.equal(admin.get(admin.put("q", ["k"], {"x": torch.ones(1, 4)}))["x"], torch.ones(1, 4))
 
 
 def test_a_fetch_of_a_committed_block_waits_for_its_adopt():

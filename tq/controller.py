@@ -315,7 +315,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             part.table.close()
         else:
             part.table.reset()
-            self.partitions[part.pid] = Partition(part.pid, part.table)
+            self.partitions[part.pid] = Partition(part.pid, part.table, prior_schemas={**part.prior_schemas, **part.schemas})
         self._free_rows(part, rows)
         return n
 
@@ -538,6 +538,9 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             block = np.repeat([b for _, b, _ in parts], counts)
             rows = np.concatenate([np.arange(r) for r in counts])
         with part.table.writing():
+            if any(part.prior_schemas.get(name, schemas[name]) != schemas[name] for name in schemas.keys() - part.schemas.keys()):
+                part.table.schemas_changed()  # readers drop what they learnt before the clear
+                part.prior_schemas = {}
             for name, schema in schemas.items():
                 part.schemas[name] = schema
                 loc = part.locs[name]

@@ -17,7 +17,10 @@ the table's ``incarnation``. A slot is never handed to another key within one in
 the slots of discarded keys, or clearing the partition, starts a new (random) incarnation, so a meta
 from before can only miss the fast path, never read another key's rows. Readers also need the fields'
 schemas, which they learn from a ``locate`` reply; a field's schema is fixed until the partition is
-cleared, which bumps ``clears``, so schemas learnt under another ``clears`` count are not used.
+cleared, and a field written after a clear with another schema than before bumps ``clears`` (before
+its records are written), so schemas learnt under another ``clears`` count are not used. A clear
+alone does not: a trainer clears its partition every step and writes the same fields again, and its
+ranks keep reading the table without asking the controller first.
 
 Consistency is a seqlock in two counters, both written only by the single-threaded controller:
 - ``seq`` is odd while records are being written. A reader reads it, copies the records it needs,
@@ -275,13 +278,18 @@ class LocationTable:
         self.header[H_INCARNATION] = new_incarnation()
 
     def reset(self) -> None:
-        """Clear every record (partition cleared); the field columns stay assigned."""
+        """Clear every record (partition cleared); the field columns stay assigned. Readers keep the
+        schemas they learnt: a field written again with another schema calls :meth:`schemas_changed`."""
         with self.writing():
             self._locs.fill(-1)
             self.views = {}
             self.new_incarnation()
-            self.header[H_CLEARS] += 1  # the fields' schemas may change from now on
         self.freed()
+
+    def schemas_changed(self) -> None:
+        """A field is about to be written with another schema than readers may have learnt for it
+        (its partition was cleared since): call inside :meth:`writing`, before its records."""
+        self.header[H_CLEARS] += 1
 
     def set_status(self, units_version: int, down_units: int, alive_until_ns: int) -> None:
         """What a reader must check about the service: units' version, down units (bit mask), liveness."""

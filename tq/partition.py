@@ -30,6 +30,9 @@ class Partition:
     seq_lens: list[int] = field(default_factory=list)  # -1: unknown
     tags: dict[str, list[Any]] = field(default_factory=dict)
     schemas: dict[str, FieldSchema] = field(default_factory=dict)
+    # schemas of fields before the partition was cleared, which same-host readers may still hold under
+    # the table's current ``clears`` count: writing such a field with another schema bumps it
+    prior_schemas: dict[str, FieldSchema] = field(default_factory=dict)
     free_slots: list[int] = field(default_factory=list)  # slots of discarded keys, reused first
     created_at: float = field(default_factory=time.time)
 

@@ -27,7 +27,7 @@ import numpy as np
 from . import argtypes, launch, messages, protocol
 from .arena import ALIGN, Arena, RangeAllocator, align_up, check_shm_room, host_identity, release_heap
 from .journal import Journal
-from .errors import CapacityError, InvalidRequestError, StorageUnitError
+from .errors import CapacityError, InvalidRequestError, StorageUnitError, TQTimeoutError
 from .bufferpool import HostBufferPool
 from .rowcopy import copy_rows, write_chunks
 from .rpc import DEFERRED, Call, RpcChannel, RpcServer
@@ -40,6 +40,9 @@ DEFAULT_ALLOC_LEASE_S = 60.0  # a writer fills its allocation within this (secon
 # asks the controller to resolve it: claim it, or fence it and have it freed. Never freed unasked.
 DEFAULT_COMMIT_LEASE_S = 30.0
 MAX_EXPIRED_REPORT = 4096  # tentative blocks reported per heartbeat reply
+# An allocation answered this long after its writer's deadline is refused (wall clocks: a remote
+# writer's may differ a little from this host's; a same-host writer shares it).
+ALLOC_CLOCK_SLACK_S = 0.5
 FETCH_ADOPT_WAIT_S = 2.0  # a fetch of a committed block waits this long for the controller's adopt
 # Fetches of up to this many rows are located and gathered row by row: for a handful of rows a dozen
 # vectorised numpy calls cost more than the loop (a 1-row fetch was ~0.4 ms of handler on a 32-core host).
@@ -290,6 +293,8 @@ class StorageUnit(RpcServer):
 
     # -- ops
     def op_alloc(self, args: messages.Alloc, buffers: list, call: Call) -> messages.AllocReply:
+        if args.reply_by is not None and time.time() > args.reply_by + ALLOC_CLOCK_SLACK_S:
+            raise TQTimeoutError(f"allocation of {args.nbytes} bytes reached storage unit {self.unit_id} after its writer stopped waiting")
         nbytes = args.nbytes
         self._check_fits_at_all(nbytes)
         start = self.alloc.allocate(nbytes)

@@ -110,3 +110,10 @@ def test_slab_overlap_check_agrees_with_a_scan_of_every_carved_block():
         scan = any(a < start + size and start < a + n for a, n in blocks)
         assert slab.overlaps(start, size) == scan, (start, size)
     assert slab.gaps()[0] == (128, 128) and sum(n for _, n in slab.gaps()) == 200 * 256 - sum(n for _, n in blocks)
+
+
+def test_inline_buffers_arrive_writable_like_frames():
+    frames, refs = _request([np.arange(4)])
+    got = _unpacked(frames, refs)[0]
+    got[0] = 9  # a handler may work on a received array in place, as on a ZMQ frame
+    assert got.tolist() == [9, 1, 2, 3]

@@ -236,7 +236,7 @@ def _with_inline(version: int, sizes: Any, inline: Any, frames: list[memoryview]
         if b is None:
             out.append(next(it))
         elif type(b) is bytes:
-            out.append(memoryview(b))
+            out.append(memoryview(bytearray(b)))  # writable, as a received frame is (a few KiB copied)
         else:
             raise MalformedMessageError(f"an inline buffer must be bytes or nil, got {type(b).__name__}")
     return out

@@ -155,9 +155,14 @@ def _run_with_kill(
             ck = latest_checkpoint(tmp_path / "ckpt")
             if ck is not None and int(ck.name.split("_")[1]) >= min_checkpoint:
                 ck_step = int(ck.name.split("_")[1])
-                if max(_ledger_steps(tmp_path), default=0) > ck_step and _held(address).get(partition, 0) > 0:
-                    os.kill(proc.pid, signal.SIGKILL)  # the driver only: what it started is left to fend for itself
-                    break
+                if max(_ledger_steps(tmp_path), default=0) > ck_step:
+                    # Look with the driver stopped: a step it finished between the look and the kill
+                    # would have cleared the keys (seen once in a full run).
+                    os.kill(proc.pid, signal.SIGSTOP)
+                    if _held(address).get(partition, 0) > 0:
+                        os.kill(proc.pid, signal.SIGKILL)  # the driver only: what it started is left to fend for itself
+                        break
+                    os.kill(proc.pid, signal.SIGCONT)
             time.sleep(0.02)
         proc.wait(30)
         left = _held(address)

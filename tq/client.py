@@ -802,8 +802,8 @@ class TQClient:
         """A write request to ``unit`` (waiting for room up to ``capacity_wait_s``), asked again at the
         unit's new address if it restarted while this one was pending."""
         timeout = self.timeout + self.capacity_wait_s
-        if isinstance(args, messages.Alloc):  # past this, nobody would use the range: the unit keeps it
-            args.reply_by = time.time() + min(timeout, time_left() or timeout)
+        if isinstance(args, messages.Alloc) and self._is_local(unit):  # past this, nobody would use the range
+            args.reply_by = time.time() + min(timeout, time_left() or timeout)  # (one host: one clock)
         try:
             return self._unit_chans[unit].call(op, args, buffers, timeout=timeout, check=self._unit_check(unit))[0]
         except _UnitRestarted:

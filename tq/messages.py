@@ -510,9 +510,10 @@ class Alloc(Args):
     # a slab: also grant this many block ids; the writer carves blocks out of the range itself and
     # names them in its commit, which the controller forwards (``adopt``): one round trip per put
     ids: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0
-    # the writer's wall clock (time.time()) when it stops waiting for the answer: a unit that gets to
-    # the request later (it was stopped, or the request waited for room) grants nothing, since a
-    # range nobody fills would stay reserved until its lease ends
+    # a same-host writer's wall clock (time.time()) when it stops waiting for the answer: a unit that
+    # gets to the request later (it was stopped, or the request waited for room) grants nothing, since
+    # a range nobody fills would stay reserved until its lease ends (remote writers send none: their
+    # clock need not match the unit's)
     reply_by: Union[Annotated[float, msgspec.Meta(ge=0.0)], None] = None
 
 

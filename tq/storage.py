@@ -40,8 +40,7 @@ DEFAULT_ALLOC_LEASE_S = 60.0  # a writer fills its allocation within this (secon
 # asks the controller to resolve it: claim it, or fence it and have it freed. Never freed unasked.
 DEFAULT_COMMIT_LEASE_S = 30.0
 MAX_EXPIRED_REPORT = 4096  # tentative blocks reported per heartbeat reply
-# An allocation answered this long after its writer's deadline is refused (wall clocks: a remote
-# writer's may differ a little from this host's; a same-host writer shares it).
+# An allocation answered this long after its (same-host) writer's deadline is refused.
 ALLOC_CLOCK_SLACK_S = 0.5
 FETCH_ADOPT_WAIT_S = 2.0  # a fetch of a committed block waits this long for the controller's adopt
 # Fetches of up to this many rows are located and gathered row by row: for a handful of rows a dozen

@@ -99,6 +99,12 @@ def test_reader_refuses_records_being_written_unproduced_or_on_a_down_unit(table
     table.loc("x")[3] = _record(70, 0)  # units from 62 on share the mask's last bit
     table.set_status(1, down_units=1 << 62, alive_until_ns=time.monotonic_ns() + 10**10)
     assert view.read(["x"], [3], *_ids(table)) is None and view.read(["x"], [0], *_ids(table)) is not None
+    table.loc("y")[:2] = [_record(1, 0), _record(0, 128)]  # a second field: every record of every field checked
+    view = _view(table)
+    assert view.read(["x", "y"], [0], *_ids(table)) is None  # its row on another unit than the first field's
+    assert view.read(["x", "y"], [1], *_ids(table)) is not None
+    table.loc("y")[1] = -1
+    assert view.read(["x", "y"], [1], *_ids(table)) is None  # not produced for the second field
 
 
 def test_records_of_reused_slots_are_refused(table):

@@ -400,6 +400,34 @@ enum { LOC_UNIT, LOC_BLOCK, LOC_ROW, LOC_NBYTES, LOC_OFFSET, LOC_COLUMNS };
 
 static inline int64_t load_word(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 
+/* One field's records of a read_locations: the rows' offsets and sizes, the blocks they lie in (one per
+ * run, appended to blocks[*runs...]), the furthest end, the longest row, the bytes in all and whether
+ * they lie back to back. Returns 0 if a record is not on ``unit`` (which also catches one not produced)
+ * or is torn. Branch-free in the loop, with no stores the compiler must assume alias the records: it
+ * runs over every key of a borrowed get, tens of thousands of records at large batches. */
+static int read_field(const int64_t *restrict recs, const int64_t *restrict slot_at, Py_ssize_t n, int64_t unit,
+                      int64_t *restrict offsets, int64_t *restrict sizes, int64_t *restrict blocks, int64_t *runs_io,
+                      int64_t *end_io, int64_t *most_o, int64_t *total_o, int *adjacent_o) {
+    int64_t runs = *runs_io, end = *end_io, most = 0, total = 0, next = 0;
+    int64_t last = runs ? blocks[runs - 1] : INT64_MIN;
+    int bad = 0, adjacent = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const int64_t *rec = recs + slot_at[i] * LOC_COLUMNS;
+        int64_t u = rec[LOC_UNIT], off = rec[LOC_OFFSET], nb = rec[LOC_NBYTES], b = rec[LOC_BLOCK];
+        bad |= (u != unit) | (off < 0) | (nb < 0);
+        offsets[i] = off;
+        sizes[i] = nb;
+        if (b != last) { blocks[runs++] = b; last = b; }
+        adjacent &= (i == 0) | (off == next);
+        next = off + nb;
+        end = next > end ? next : end;
+        most = nb > most ? nb : most;
+        total += nb;
+    }
+    *runs_io = runs, *end_io = end, *most_o = most, *total_o = total, *adjacent_o = adjacent;
+    return !bad;
+}
+
 static PyObject *read_locations(PyObject *self, PyObject *args) {
     Py_buffer table, out;
     PyObject *cols_o, *slots_o;
@@ -438,26 +466,15 @@ static PyObject *read_locations(PyObject *self, PyObject *args) {
         slot_at[i] = slot;
     }
     for (Py_ssize_t f = 0; f < F; f++) {
-        int64_t most = 0, total = 0, next = -1;
-        int back_to_back = 1;
+        int64_t most, total;
+        int back_to_back;
         long long c = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(cols, f));
         if (c == -1 && PyErr_Occurred()) goto done;
         if (c < 0 || c >= ncols) goto untrusted;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            const int64_t *rec = locs + (c * capacity + slot_at[i]) * LOC_COLUMNS;
-            int64_t u = rec[LOC_UNIT], off = rec[LOC_OFFSET], nb = rec[LOC_NBYTES];
-            if (u < 0 || (unit >= 0 && u != unit) || ((down >> (u < 62 ? u : 62)) & 1) || off < 0 || nb < 0)
-                goto untrusted;  /* not produced, on another or a down unit, or torn */
-            unit = u;
-            offsets[f * n + i] = off;
-            sizes[f * n + i] = nb;
-            if (!runs || blocks[runs - 1] != rec[LOC_BLOCK]) blocks[runs++] = rec[LOC_BLOCK];
-            if (i && off != next) back_to_back = 0;
-            next = off + nb;
-            if (off + nb > end) end = off + nb;
-            if (nb > most) most = nb;
-            total += nb;
-        }
+        if (n && unit < 0) unit = locs[(c * capacity + slot_at[0]) * LOC_COLUMNS + LOC_UNIT];
+        if (!read_field(locs + c * capacity * LOC_COLUMNS, slot_at, n, unit, offsets + f * n, sizes + f * n, blocks, &runs,
+                        &end, &most, &total, &back_to_back))
+            goto untrusted;
         PyObject *a = PyLong_FromLongLong(most), *b = PyLong_FromLongLong(total);
         if (!a || !b) { Py_XDECREF(a); Py_XDECREF(b); goto done; }
         PyTuple_SET_ITEM(longest, f, a);
@@ -466,6 +483,7 @@ static PyObject *read_locations(PyObject *self, PyObject *args) {
         Py_INCREF(adj);
         PyTuple_SET_ITEM(adjacent, f, adj);
     }
+    if (n && F && (unit < 0 || ((down >> (unit < 62 ? unit : 62)) & 1))) goto untrusted;  /* not produced, or a down unit */
     /* The incarnation and clears are checked again after the records: slots are reused (new
      * incarnation) before their new keys' records are written. */
     __atomic_thread_fence(__ATOMIC_ACQUIRE);

@@ -195,3 +195,42 @@ def test_a_socket_closed_by_an_earlier_message_of_the_same_poll_does_not_stop_th
             a.close(0)
             b.close(0)
     assert len(seen) == 1
+
+
+@pytest.mark.parametrize("few", [True, False], ids=["few-rows", "vectorised"])
+def test_a_unit_fetch_of_few_or_many_rows_serves_them_and_names_a_bad_row(few):
+    """A storage unit locates a fetch of up to ``storage.FEW_ROWS`` rows one by one and larger ones
+    vectorised per block: both serve the rows' bytes, and both refuse a row past a block's end or a
+    freed block, naming it."""
+    from conftest import raw_exchange
+
+    from tq.errors import StorageUnitError
+    from tq.storage import FEW_ROWS
+
+    n = 3 if few else 2 * FEW_ROWS + 8
+    with TQServer(storage_units=1, capacity=16 << 20) as server:
+        with TQClient(server.address, timeout=10.0) as c, TQClient(server.address, timeout=10.0, transport="tcp") as tcp:
+            c.register_partition("p")
+            rows = [torch.arange(i % 5 + 1, dtype=torch.int32) + i for i in range(n)]
+            meta = c.put("p", [f"k{i}" for i in range(n)], {"ids": rows})
+            got = tcp.get(meta, ["ids"], layout="list")["ids"]
+            assert [t.tolist() for t in got] == [t.tolist() for t in rows]
+            located, msg = tcp._ctrl.call("locate", {"partition": "p", "keys": list(meta.keys), "fields": ["ids"]})
+            loc = protocol.unpack_array(located.loc, msg.buffers)[0]
+            unit = tcp._units[0].address
+
+            def fetch(entries: np.ndarray) -> None:
+                bufs: list = []
+                ref = protocol.pack_array(entries, bufs)
+                reply = raw_exchange(unit, protocol.request("fetch", 7, {"fields": ["ids"], "entries": ref}, bufs, None), timeout=5.0)
+                protocol.raise_for_reply(reply)
+
+            entries = np.stack([np.zeros(n, np.int64), loc[:, protocol.LOC_BLOCK], loc[:, protocol.LOC_ROW]], axis=1)
+            past = entries.copy()
+            past[-1, 2] = 10_000
+            with pytest.raises(StorageUnitError, match="rows; asked for row 10000"):
+                fetch(past)
+            c.discard(meta)
+            assert wait_until(lambda: c.stats()["unit_stats"][0]["blocks"] == 0, timeout=5)
+            with pytest.raises(StorageUnitError, match="holds no field 'ids' in block"):
+                fetch(entries)

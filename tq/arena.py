@@ -131,6 +131,21 @@ def arena_in_use(path: str) -> bool:
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None)
 
 
+def populate_writable(mm: mmap.mmap, start: int = 0, nbytes: int | None = None) -> None:
+    """Allocate and map the pages of ``mm[start:start + nbytes]`` (all of it by default) writable in
+    one call, best effort, so a copy into them takes no fault per page."""
+    if _MADV_POPULATE_WRITE is None or nbytes is not None and nbytes <= 0:
+        return
+    lo = start - start % mmap.PAGESIZE
+    try:
+        if nbytes is None:
+            mm.madvise(_MADV_POPULATE_WRITE, lo)
+        else:
+            mm.madvise(_MADV_POPULATE_WRITE, lo, start + nbytes - lo)
+    except OSError:  # a kernel before 5.14: the copy faults the pages in as it goes
+        pass
+
+
 class Arena:
     """A memory-mapped shared-memory file exposing its bytes as a numpy uint8 array.
 
@@ -163,13 +178,7 @@ class Arena:
         effort), so a big copy into them takes no page faults: one fault per 4 KiB page, each a trap
         into a kernel that serialises them per shared-memory file, is what kept concurrent writers
         from scaling."""
-        if _MADV_POPULATE_WRITE is None or nbytes <= 0:
-            return
-        lo = start - start % mmap.PAGESIZE
-        try:
-            self._mm.madvise(_MADV_POPULATE_WRITE, lo, start + nbytes - lo)
-        except OSError:  # a kernel before 5.14: the copy faults the pages in as it goes
-            pass
+        populate_writable(self._mm, start, nbytes)
 
     def release_pages(self, start: int, nbytes: int) -> None:
         """Give the pages of a free range back to the OS (they read as zeros afterwards)."""

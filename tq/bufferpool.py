@@ -17,7 +17,7 @@ import weakref
 
 import numpy as np
 
-from .arena import _MADV_POPULATE_WRITE
+from .arena import populate_writable
 
 POOL_GRANULE = 2 << 20  # huge-page size: buffers are rounded up to it and reused by size class
 
@@ -30,11 +30,8 @@ def huge_page_mapping(nbytes: int, *, populate: bool = False) -> mmap.mmap:
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         mm.madvise(mmap.MADV_HUGEPAGE)
-    if populate and _MADV_POPULATE_WRITE is not None:
-        try:
-            mm.madvise(_MADV_POPULATE_WRITE)
-        except OSError:  # a kernel before 5.14: the first write faults the pages in
-            pass
+    if populate:
+        populate_writable(mm)
     return mm
 
 

@@ -771,15 +771,15 @@ class TQClient:
             if got is not None:
                 return slab.aid, got[0], got[1]  # type: ignore[union-attr]
             if need > SLAB_BYTES // 4:
-                g = self._unit_call(unit, UnitOp.ALLOC, messages.Alloc(nbytes=need, wait_s=self.capacity_wait_s, ids=1), [])
+                g = self._alloc(unit, need, ids=1)
                 return g.alloc, g.offset, g.first_block
             if slab is not None:
                 del self._slabs[unit]
                 self._give_back(unit, slab)
             try:
-                g = self._unit_call(unit, UnitOp.ALLOC, messages.Alloc(nbytes=SLAB_BYTES, ids=SLAB_IDS), [])
+                g = self._alloc(unit, SLAB_BYTES, ids=SLAB_IDS, wait=False)
             except CapacityError:  # no room for a whole slab: one just for this put (waiting for room)
-                g = self._unit_call(unit, UnitOp.ALLOC, messages.Alloc(nbytes=need, wait_s=self.capacity_wait_s, ids=1), [])
+                g = self._alloc(unit, need, ids=1)
                 return g.alloc, g.offset, g.first_block
             slab = self._slabs[unit] = _Slab(g.alloc, g.offset, SLAB_BYTES, g.first_block, SLAB_IDS, now + SLAB_USE_S)
             start, bid = slab.carve(need, now)  # type: ignore[misc]
@@ -798,12 +798,22 @@ class TQClient:
             except TQError:
                 pass
 
+    def _alloc(self, unit: int, nbytes: int, *, ids: int = 0, wait: bool = True) -> messages.AllocReply:
+        """Reserve ``nbytes`` of ``unit``'s arena (a slab with ``ids`` block ids, when ``ids``), waiting
+        for room up to ``capacity_wait_s`` when ``wait``. The request of a same-host writer says when
+        it stops waiting for the answer (one host, one clock): a unit that gets to it later grants
+        nothing, since a range nobody fills would stay reserved until its lease ends."""
+        reply_by = None
+        if self._is_local(unit):
+            timeout = self.timeout + self.capacity_wait_s
+            reply_by = time.time() + min(timeout, time_left() or timeout)
+        wait_s = self.capacity_wait_s if wait else 0.0
+        return self._unit_call(unit, UnitOp.ALLOC, messages.Alloc(nbytes=nbytes, wait_s=wait_s, ids=ids, reply_by=reply_by), [])
+
     def _unit_call(self, unit: int, op: UnitOp, args: messages.Args, buffers: list[Any]) -> Any:
         """A write request to ``unit`` (waiting for room up to ``capacity_wait_s``), asked again at the
         unit's new address if it restarted while this one was pending."""
         timeout = self.timeout + self.capacity_wait_s
-        if isinstance(args, messages.Alloc) and self._is_local(unit):  # past this, nobody would use the range
-            args.reply_by = time.time() + min(timeout, time_left() or timeout)  # (one host: one clock)
         try:
             return self._unit_chans[unit].call(op, args, buffers, timeout=timeout, check=self._unit_check(unit))[0]
         except _UnitRestarted:
@@ -891,7 +901,7 @@ class TQClient:
             for name, (_, ro, _) in cols.items():
                 offsets[name] = pos
                 pos = align_up(pos + int(ro[-1]), _FIELD_ALIGN)
-            alloc = self._unit_call(unit, UnitOp.ALLOC, messages.Alloc(nbytes=pos, wait_s=self.capacity_wait_s), [])
+            alloc = self._alloc(unit, pos)
             view = self._arena(unit).view
             base = alloc.offset
             for name, (col, ro, chunks) in cols.items():

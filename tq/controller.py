@@ -491,8 +491,6 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         self._unique(keys)
         mode = args.mode
         schemas = {n: FieldSchema.from_wire(spec.schema) for n, spec in args.fields.items()}
-        nbytes = {n: nb for n, (nb, _) in rows_of.items()}
-        offsets = {n: off for n, (_, off) in rows_of.items()}
         for name, schema in schemas.items():
             known = part.schemas.get(name)
             if known is not None and known != schema:
@@ -547,8 +545,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
                 loc[slots, UNIT] = unit
                 loc[slots, BLOCK] = block
                 loc[slots, ROW] = rows
-                loc[slots, NBYTES] = nbytes[name]
-                loc[slots, OFFSET] = offsets[name]
+                loc[slots, NBYTES], loc[slots, OFFSET] = rows_of[name]
         if released is not None:
             self._free_rows(part, released)
         for tname, values in tags.items():
@@ -558,7 +555,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         if seq is not None:
             for s, v in zip(slots.tolist(), seq):
                 part.seq_lens[s] = v
-        total = int(sum(int(nb.sum()) for nb in nbytes.values()))
+        total = int(sum(int(nb.sum()) for nb, _ in rows_of.values()))
         self.bytes_committed += total
         self.recent.append((time.monotonic(), total))
         self._check_waiters(part.pid)

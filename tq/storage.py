@@ -44,7 +44,7 @@ MAX_EXPIRED_REPORT = 4096  # tentative blocks reported per heartbeat reply
 ALLOC_CLOCK_SLACK_S = 0.5
 FETCH_ADOPT_WAIT_S = 2.0  # a fetch of a committed block waits this long for the controller's adopt
 # Fetches of up to this many rows are located and gathered row by row: for a handful of rows a dozen
-# vectorised numpy calls cost more than the loop (a 1-row fetch was ~0.4 ms of handler on a 32-core host).
+# vectorised numpy calls cost more than the loop (a 1-row fetch took ~0.4 ms of handler on the 2-vCPU VM).
 FEW_ROWS = 16
 
 

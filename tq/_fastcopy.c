@@ -506,6 +506,113 @@ done:
     return ret;
 }
 
+/* Pins: leases of borrowed gets taken in shared memory, without a request (tq/pins.py documents the
+ * protocol and mirrors this layout). A pin file is a header of PIN_HEADER words and slots of PIN_WORDS
+ * words: lease id (0: free), deadline (CLOCK_MONOTONIC ns), unit, block count, blocks. The reader
+ * publishes a pin, then re-reads the table's frees count; the controller bumps that count, then scans
+ * the pins (bump_word, read_pins). With a full fence on each side between its store and its loads,
+ * either the reader sees the bump (and gives its pin up) or the controller sees the pin (and keeps
+ * the blocks) - never neither. */
+enum { PIN_MAGIC_W, PIN_SLOTS_W, PIN_WORDS_W, PIN_OWNER_W, PIN_HEADER = 8 };
+enum { P_LEASE, P_DEADLINE, P_UNIT, P_COUNT, P_BLOCKS, PIN_WORDS = 64 };
+
+static int64_t *pin_slot(Py_buffer *pins, Py_ssize_t slot) {
+    if (slot < 0 || pins->len < (Py_ssize_t)((PIN_HEADER + (slot + 1) * PIN_WORDS) * 8)) {
+        PyErr_Format(PyExc_ValueError, "pin slot %zd is not in the pin file", slot);
+        return NULL;
+    }
+    return (int64_t *)pins->buf + PIN_HEADER + slot * PIN_WORDS;
+}
+
+/* pin(pins, slot, lease, deadline_ns, unit, blocks, table, frees, incarnation, clears) -> bool */
+static PyObject *pin(PyObject *self, PyObject *args) {
+    Py_buffer pins, table;
+    Py_ssize_t slot;
+    long long lease, deadline, unit, frees, incarnation, clears;
+    PyObject *blocks_o, *blocks = NULL, *ret = NULL;
+    if (!PyArg_ParseTuple(args, "w*nLLLOy*LLL", &pins, &slot, &lease, &deadline, &unit, &blocks_o, &table, &frees,
+                          &incarnation, &clears))
+        return NULL;
+    int64_t *s = pin_slot(&pins, slot);
+    if (!s) goto done;
+    if (lease == 0) { PyErr_SetString(PyExc_ValueError, "a pin's lease id must not be 0"); goto done; }
+    if (table.len < HEADER_WORDS * 8) { PyErr_SetString(PyExc_ValueError, "not a location table"); goto done; }
+    if (!(blocks = PySequence_Fast(blocks_o, "blocks must be a sequence of ints"))) goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(blocks);
+    if (n > PIN_WORDS - P_BLOCKS) { ret = Py_False; Py_INCREF(ret); goto done; }  /* too many: lease by request */
+    if (__atomic_load_n(&s[P_LEASE], __ATOMIC_ACQUIRE) != 0) { PyErr_Format(PyExc_ValueError, "pin slot %zd is in use", slot); goto done; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long b = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(blocks, i));
+        if (b == -1 && PyErr_Occurred()) goto done;
+        s[P_BLOCKS + i] = b;
+    }
+    s[P_DEADLINE] = deadline, s[P_UNIT] = unit, s[P_COUNT] = n;
+    __atomic_store_n(&s[P_LEASE], (int64_t)lease, __ATOMIC_SEQ_CST);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    const int64_t *h = table.buf;
+    int held = load_word(&h[H_FREES]) == frees && !load_word(&h[H_RETIRED]) && load_word(&h[H_INCARNATION]) == incarnation &&
+               load_word(&h[H_CLEARS]) == clears;
+    if (!held) __atomic_store_n(&s[P_LEASE], 0, __ATOMIC_RELEASE);
+    ret = held ? Py_True : Py_False;
+    Py_INCREF(ret);
+done:
+    Py_XDECREF(blocks);
+    PyBuffer_Release(&pins);
+    PyBuffer_Release(&table);
+    return ret;
+}
+
+/* read_pins(pins) -> [(slot, lease, deadline_ns, unit, (blocks...)), ...] of the slots in use, each
+ * read whole (its lease id the same before and after: a slot given up and taken again meanwhile is
+ * read again). */
+static PyObject *read_pins(PyObject *self, PyObject *args) {
+    Py_buffer pins;
+    if (!PyArg_ParseTuple(args, "y*", &pins)) return NULL;
+    PyObject *out = PyList_New(0);
+    Py_ssize_t slots = pins.len / 8 < PIN_HEADER ? 0 : (pins.len / 8 - PIN_HEADER) / PIN_WORDS;
+    for (Py_ssize_t i = 0; out && i < slots; i++) {
+        const int64_t *s = (const int64_t *)pins.buf + PIN_HEADER + i * PIN_WORDS;
+        for (int tries = 0; tries < 1000; tries++) {
+            int64_t lease = __atomic_load_n(&s[P_LEASE], __ATOMIC_ACQUIRE);
+            if (!lease) break;
+            int64_t deadline = load_word(&s[P_DEADLINE]), unit = load_word(&s[P_UNIT]), n = load_word(&s[P_COUNT]);
+            if (n < 0 || n > PIN_WORDS - P_BLOCKS) n = 0;
+            int64_t blocks[PIN_WORDS];
+            for (int64_t k = 0; k < n; k++) blocks[k] = load_word(&s[P_BLOCKS + k]);
+            __atomic_thread_fence(__ATOMIC_ACQUIRE);
+            if (__atomic_load_n(&s[P_LEASE], __ATOMIC_ACQUIRE) != lease) continue;
+            PyObject *bt = PyTuple_New(n);
+            for (int64_t k = 0; bt && k < n; k++) {
+                PyObject *b = PyLong_FromLongLong(blocks[k]);
+                if (!b) Py_CLEAR(bt);
+                else PyTuple_SET_ITEM(bt, k, b);
+            }
+            PyObject *item = bt ? Py_BuildValue("(nLLLN)", i, (long long)lease, (long long)deadline, (long long)unit, bt) : NULL;
+            if (!item || PyList_Append(out, item) < 0) Py_CLEAR(out);
+            Py_XDECREF(item);
+            break;
+        }
+    }
+    PyBuffer_Release(&pins);
+    return out;
+}
+
+/* bump_word(buffer, index): buffer[index] += 1 (int64) as one atomic step, then a full fence: the
+ * controller's side of the pin protocol (and of every frees count readers check). */
+static PyObject *bump_word(PyObject *self, PyObject *args) {
+    Py_buffer buf;
+    Py_ssize_t index;
+    if (!PyArg_ParseTuple(args, "w*n", &buf, &index)) return NULL;
+    if (index < 0 || (index + 1) * 8 > buf.len || ((uintptr_t)buf.buf & 7)) {
+        PyBuffer_Release(&buf);
+        return PyErr_Format(PyExc_ValueError, "word %zd is not in the buffer", index);
+    }
+    int64_t v = __atomic_add_fetch((int64_t *)buf.buf + index, 1, __ATOMIC_SEQ_CST);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    PyBuffer_Release(&buf);
+    return PyLong_FromLongLong(v);
+}
+
 static PyObject *table_layout(PyObject *self, PyObject *unused) {
     return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}",
                          "H_MAGIC", H_MAGIC, "H_CAPACITY", H_CAPACITY, "H_COLUMNS", H_COLUMNS, "H_SEQ", H_SEQ,
@@ -514,6 +621,12 @@ static PyObject *table_layout(PyObject *self, PyObject *unused) {
                          "H_CLEARS", H_CLEARS, "HEADER_WORDS", HEADER_WORDS, "LOC_UNIT", LOC_UNIT,
                          "LOC_NBYTES", LOC_NBYTES, "LOC_OFFSET", LOC_OFFSET, "LOC_COLUMNS", LOC_COLUMNS,
                          "LOC_BLOCK", LOC_BLOCK);
+}
+
+static PyObject *pin_layout(PyObject *self, PyObject *unused) {
+    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "PIN_MAGIC_W", PIN_MAGIC_W, "PIN_SLOTS_W", PIN_SLOTS_W,
+                         "PIN_WORDS_W", PIN_WORDS_W, "PIN_OWNER_W", PIN_OWNER_W, "PIN_HEADER", PIN_HEADER, "P_LEASE", P_LEASE,
+                         "P_DEADLINE", P_DEADLINE, "P_UNIT", P_UNIT, "P_COUNT", P_COUNT, "PIN_WORDS", PIN_WORDS);
 }
 
 static PyObject *set_stream_isa(PyObject *self, PyObject *arg) {
@@ -535,6 +648,10 @@ static PyMethodDef methods[] = {
     {"copy_fields", copy_fields, METH_VARARGS, "Several row copies (the fields of a get) into one buffer, in one call."},
     {"read_locations", read_locations, METH_VARARGS, "Read a meta's rows out of a shared location table (see above)."},
     {"table_layout", table_layout, METH_NOARGS, "The location-table layout this module was built for."},
+    {"pin", pin, METH_VARARGS, "Publish a pin in a slot and keep it if the table freed nothing since its read (see above)."},
+    {"read_pins", read_pins, METH_VARARGS, "The pins in use in a pin file, each read whole."},
+    {"bump_word", bump_word, METH_VARARGS, "Add 1 to an int64 word atomically, then a full fence."},
+    {"pin_layout", pin_layout, METH_NOARGS, "The pin-file layout this module was built for."},
     {"set_stream_isa", set_stream_isa, METH_O,
      "Use the streaming stores of the named instruction set (one of STREAM_ISAS); returns the previous one."},
     {NULL, NULL, 0, NULL},

@@ -46,6 +46,7 @@ from .locations import SUPPORTED as LOCAL_TABLES_SUPPORTED, LocatedRows, Locatio
 from . import messages
 from .messages import ControllerOp as Op, UnitOp
 from .meta import KVBatchMeta
+from .pins import SUPPORTED as PINS_SUPPORTED, PinFile
 from .protocol import LOC_BLOCK as BLOCK, LOC_COLUMNS, LOC_NBYTES as NBYTES, LOC_OFFSET as OFFSET  # location
 from .protocol import LOC_ROW as ROW, LOC_UNIT as UNIT  # record columns
 from .rowcopy import copy_fields, write_chunks
@@ -308,22 +309,27 @@ class BorrowedBatch(dict):
 class _LeaseKeeper:
     """The leases of a client's borrowed gets: renews those with live views every third of their
     term and gives up each one once its last view is collected (from a thread of its own, since a
-    collection may run in the middle of any request of the client's own threads)."""
+    collection may run in the middle of any request of the client's own threads). A lease taken as a
+    pin (``tq.pins``) is renewed and given up in this client's pin file, with no request."""
 
     def __init__(self, client: "TQClient") -> None:
         self._client = weakref.ref(client)
         self._views: dict[int, int] = {}  # lease id -> tensors' arrays still alive
+        self._slots: dict[int, int] = {}  # lease id -> its slot in the pin file, for pins
         self._ended: list[int] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopped = False
         self._thread: threading.Thread | None = None
+        self.pins: PinFile | None = None  # set by the client once its pin file is registered
 
-    def hold(self, lease: int, arrays: list[np.ndarray]) -> Callable[[], None]:
-        """Track ``lease`` until every array handed to torch for it is collected; returns the
-        explicit release."""
+    def hold(self, lease: int, arrays: list[np.ndarray], slot: int | None = None) -> Callable[[], None]:
+        """Track ``lease`` (``slot``: the pin's slot, for a pin) until every array handed to torch for
+        it is collected; returns the explicit release."""
         with self._lock:
             self._views[lease] = len(arrays)
+            if slot is not None:
+                self._slots[lease] = slot
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="tq-lease-keeper", daemon=True)
                 self._thread.start()
@@ -340,13 +346,22 @@ class _LeaseKeeper:
                 self._views[lease] = left - 1
                 return
             del self._views[lease]
-            self._ended.append(lease)
-        self._wake.set()
+            slot = self._slots.pop(lease, None)
+            if slot is None:
+                self._ended.append(lease)
+        if slot is not None:  # a pin: one store, no request
+            self.pins.release(slot, lease)  # type: ignore[union-attr]
+        else:
+            self._wake.set()
 
     def release_now(self, lease: int) -> None:
         with self._lock:
             if self._views.pop(lease, None) is None:
                 return
+            slot = self._slots.pop(lease, None)
+        if slot is not None:
+            self.pins.release(slot, lease)  # type: ignore[union-attr]
+            return
         client = self._client()
         if client is not None:
             client._call(Op.LEASES, messages.Leases(release=[lease]))
@@ -365,29 +380,34 @@ class _LeaseKeeper:
     def flush(self) -> None:
         """Renew the leases still viewed, give up the others."""
         with self._lock:
-            renew, ended, self._ended = list(self._views), self._ended, []
+            pinned = list(self._slots.items())
+            renew, ended, self._ended = [i for i in self._views if i not in self._slots], self._ended, []
         client = self._client()
-        if client is None or not (renew or ended):
+        if client is None:
             return
-        try:
-            reply = client._call(Op.LEASES, messages.Leases(renew=renew, release=ended), timeout=min(client.timeout, client.lease_s / 3))
-        except TQError:  # the controller is away: try again next period (leases are journaled)
-            with self._lock:
-                self._ended.extend(ended)
-            return
-        if reply.ended:
-            warnings.warn(
-                f"{len(reply.ended)} borrowed gets outlived their lease: their views may show reused storage",
-                RuntimeWarning,
-                stacklevel=1,
-            )
+        now = time.monotonic_ns()
+        outlived = sum(not self.pins.renew(slot, i, now + int(client.lease_s * 1e9), now) for i, slot in pinned)  # type: ignore[union-attr]
+        if renew or ended:
+            try:
+                reply = client._call(Op.LEASES, messages.Leases(renew=renew, release=ended), timeout=min(client.timeout, client.lease_s / 3))
+            except TQError:  # the controller is away: try again next period (leases are journaled)
+                with self._lock:
+                    self._ended.extend(ended)
+            else:
+                outlived += len(reply.ended)
+        if outlived:
+            warnings.warn(f"{outlived} borrowed gets outlived their lease: their views may show reused storage", RuntimeWarning, stacklevel=1)
 
     def stop(self) -> None:
         """Give every lease up (the client closes) and stop the thread."""
         self._stopped = True
         with self._lock:
-            self._ended.extend(self._views)
+            pinned = list(self._slots.items())
+            self._ended.extend(i for i in self._views if i not in self._slots)
             self._views.clear()
+            self._slots.clear()
+        for i, slot in pinned:
+            self.pins.release(slot, i)  # type: ignore[union-attr]
         try:
             self.flush()
         except TQError:
@@ -432,6 +452,7 @@ class TQClient:
             raise InvalidRequestError(f"lease_s must be in (0, 86400] seconds, got {lease_s!r}")
         self.lease_s = lease_s
         self._leases = _LeaseKeeper(self)
+        self._pins_refused = False  # the controller reads no pins: borrowed gets lease by request
         self._ro_views: dict[int, np.ndarray] = {}  # unit -> its arena mapped read-only (borrowed views)
         self._slabs: dict[int, _Slab] = {}  # unit -> the slab this client's same-host puts carve from
         self._slab_lock = threading.Lock()
@@ -525,6 +546,8 @@ class TQClient:
         """Give up every lease, close every connection and unmap every arena."""
         if hasattr(self, "_leases"):
             self._leases.stop()
+            if self._leases.pins is not None:
+                self._leases.pins.close()
             with self._slab_lock:
                 for unit, slab in list(self._slabs.items()):
                     self._give_back(unit, slab)
@@ -958,7 +981,7 @@ class TQClient:
             # The old view is dropped, not closed: another thread may be reading it.
             self._tables[partition_id] = (view, clears, dict(schemas))
 
-    def _read_table(self, meta: KVBatchMeta, fields: list[str]) -> tuple[LocatedRows, LocationView, dict[str, FieldSchema]] | None:
+    def _read_table(self, meta: KVBatchMeta, fields: list[str]) -> tuple[LocatedRows, LocationView, dict[str, FieldSchema], int] | None:
         """The rows located in the partition's shared location table, with no round trip: only for a
         meta with slots, every row on one unit of this host, and a table that can be trusted right
         now."""
@@ -974,7 +997,7 @@ class TQClient:
         arena = self._arenas.get(rows.unit) if rows is not None else None
         if arena is None or rows.end > arena.view.size:  # type: ignore[union-attr]
             return None
-        return rows, view, schemas  # type: ignore[return-value]
+        return rows, view, schemas, clears  # type: ignore[return-value]
 
     def _count_read(self, rows: LocatedRows) -> None:
         """Bytes read through a location table, reported with the next request (the controller
@@ -988,7 +1011,7 @@ class TQClient:
         here = self._read_table(meta, fields)
         if here is None:
             return None
-        rows, view, schemas = here
+        rows, view, schemas, _ = here
         self._count_read(rows)
         arena = self._arenas[rows.unit]
         fetched = _in_arena(arena.view, [schemas[f] for f in fields], fields, rows.offsets, rows.sizes, rows.longest, rows.totals)
@@ -1136,12 +1159,12 @@ class TQClient:
         arrays: list[np.ndarray] = []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # torch warns of the read-only arrays it is handed
-            lease = self._borrow_here(meta, fields, layout, pad_to, values, arrays)
+            lease, slot = self._borrow_here(meta, fields, layout, pad_to, values, arrays)
             if lease is None:
                 values.clear()
                 arrays.clear()
                 lease = self._borrow_located(meta, fields, layout, pad_to, wait_timeout, values, arrays)
-        release = self._leases.hold(lease, arrays)
+        release = self._leases.hold(lease, arrays, slot)
         if not arrays:
             release()
         rest = [f for f in fields if f not in values]
@@ -1151,26 +1174,35 @@ class TQClient:
 
     def _borrow_here(
         self, meta: KVBatchMeta, fields: list[str], layout: Layout, pad_to: int | None, values: dict[str, Any], arrays: list[np.ndarray]
-    ) -> int | None:
-        """Locate the rows in the partition's shared location table and lease their blocks with a
-        ``borrow`` request carrying the table's incarnation and ``frees`` count of the read: the
-        controller grants it only if that table freed nothing since, so the rows read are the ones
-        pinned. The views are built while the request is answered. Returns the lease, or None
-        (nothing kept, nothing counted) to locate instead."""
+    ) -> tuple[int | None, int | None]:
+        """Locate the rows in the partition's shared location table and lease their blocks: with a pin
+        in this client's pin file where it can (no request: see tq.pins), else with a ``borrow``
+        request carrying the table's incarnation and ``frees`` count of the read: the controller grants
+        it only if that table freed nothing since, so the rows read are the ones pinned (the views are
+        built while it is answered). Returns (lease, pin slot or None), or (None, None) - nothing kept,
+        nothing counted - to locate instead."""
         here = self._read_table(meta, fields)
         if here is None:
-            return None
-        rows, _, schemas = here
-        args = messages.Borrow(
-            partition=meta.partition_id,
-            unit=rows.unit,
-            blocks=sorted(set(rows.blocks.tolist())),
-            incarnation=meta.slot_table,  # type: ignore[arg-type] - the reader checked it against the table
-            frees=rows.frees,
-            units_version=self._units_version,
-            lease_s=self.lease_s,
-        )
-        rid = self._ctrl.send(Op.BORROW, self._with_reads(args))
+            return None, None
+        rows, view, schemas, clears = here
+        blocks = sorted(set(rows.blocks.tolist()))
+        pins = self._pin_file(view)
+        pinned = None
+        if pins is not None:
+            deadline = time.monotonic_ns() + int(self.lease_s * 1e9)
+            pinned = pins.pin(deadline, rows.unit, blocks, view.mapping, rows.frees, meta.slot_table, clears)  # type: ignore[arg-type]
+        rid = None
+        if pinned is None:
+            args = messages.Borrow(
+                partition=meta.partition_id,
+                unit=rows.unit,
+                blocks=blocks,
+                incarnation=meta.slot_table,  # type: ignore[arg-type] - the reader checked it against the table
+                frees=rows.frees,
+                units_version=self._units_version,
+                lease_s=self.lease_s,
+            )
+            rid = self._ctrl.send(Op.BORROW, self._with_reads(args))
         # the reader checked every row lies in the arena; views need each field's rows back to back
         arena = self._read_only(rows.unit)
         for f, name in enumerate(fields):
@@ -1180,10 +1212,30 @@ class TQClient:
                 )
                 if got is not None:
                     values[name] = got
-        lease = self._ctrl.recv(rid, Op.BORROW)[0].lease
+        lease, slot = pinned if pinned is not None else (self._ctrl.recv(rid, Op.BORROW)[0].lease, None)
         if lease is not None:  # a refused borrow's rows are read again by the locate, which counts them
             self._count_read(rows)
-        return lease
+        return lease, slot
+
+    def _pin_file(self, view: LocationView) -> PinFile | None:
+        """This client's pin file, made and registered with the controller at the first borrowed get
+        (in the directory of its location tables); None where the controller reads no pins."""
+        if self._leases.pins is not None or self._pins_refused:
+            return self._leases.pins
+        with self._tables_lock:
+            if self._leases.pins is None and not self._pins_refused:
+                pins = PinFile(os.path.dirname(os.path.realpath(view.path))) if PINS_SUPPORTED else None
+                try:
+                    ok = pins is not None and self._call(Op.PIN_FILE, messages.PinFile(path=pins.path)).registered
+                except TQError:  # e.g. a controller without pins: lease by request
+                    ok = False
+                if ok:
+                    self._leases.pins = pins
+                else:
+                    self._pins_refused = True
+                    if pins is not None:
+                        pins.close()
+        return self._leases.pins
 
     def _borrow_located(
         self,

@@ -48,6 +48,7 @@ from .leases import LeaseBook, leased_blocks
 from .locations import LocationTable, remove_orphans
 from .messages import ControllerOp as Op
 from .partition import Partition, Waiter
+from .pins import POLL_S as PIN_POLL_S, SUPPORTED as PINS_SUPPORTED, PinBoard
 from .recovery import COMPACT_AFTER, JournalRecovery  # noqa: F401 - COMPACT_AFTER: tq.controller's API
 from .supervision import UnitLedger, UnitSupervision
 from .protocol import LOC_BLOCK as BLOCK, LOC_COLUMNS, LOC_NBYTES as NBYTES, LOC_OFFSET as OFFSET  # location
@@ -57,6 +58,7 @@ from .schema import FieldSchema
 
 log = logging.getLogger(__name__)
 
+PIN_PRUNE_S = 5.0  # how often the pin files of clients that closed or died are let go
 RECENT_COMMITS = 1 << 12  # settled commits remembered so that a resent one is answered like the first
 
 
@@ -108,6 +110,9 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         self.bytes_read: dict[int, int] = {}  # per storage unit, counted at locate
         self.recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)
         self.lease_book = LeaseBook()  # blocks borrowed gets view in place (see tq.leases)
+        # same-host readers' pin files (tq.pins): read at every free, where a location table is shared
+        self.pin_board = PinBoard(self.shm_dir) if self.shm_dir is not None and PINS_SUPPORTED else None
+        self._next_pin_prune = 0.0
         self.serve_ops(
             messages.CONTROLLER_REQUESTS,
             {
@@ -127,6 +132,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
                 Op.SET_TAGS: self.op_set_tags,
                 Op.LEASES: self.op_leases,
                 Op.BORROW: self.op_borrow,
+                Op.PIN_FILE: self.op_pin_file,
                 Op.UNIT_STATUS: self.op_unit_status,
                 Op.STATS: lambda a, b, c: self._count_reads(a) or self.stats(),
                 Op.SHUTDOWN: self.op_shutdown,
@@ -227,6 +233,8 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
                 sock.close(linger=1000)  # let the shutdown request go out
         for part in self.partitions.values():
             part.table.close()
+        if self.pin_board is not None:
+            self.pin_board.close()
         super().close()
 
     @staticmethod
@@ -242,7 +250,9 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         ``freed`` tells same-host readers that copied them to copy again. The frees go out from the
         loop (:meth:`_flush_units`), after the op that freed them is journaled: a controller killed in
         between must not come back pointing at rows its units already freed."""
-        part.table.freed()
+        part.table.freed()  # atomic, then a full fence: a reader's pin published before it is seen below
+        if not self._replaying:
+            self._adopt_pins()
         rows = self.lease_book.hold(rows)  # rows of borrowed blocks wait for their leases to end
         if self._replaying:
             return
@@ -250,14 +260,55 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             self.ledgers[unit].frees.append(rows[rows[:, UNIT] == unit][:, [BLOCK, ROW]])
 
     # -- leases of borrowed gets (tq.leases)
-    def _take_lease(self, blocks: list[tuple[int, int]], ttl: float) -> int:
+    def _take_lease(self, blocks: list[tuple[int, int]], ttl: float, lease_id: int | None = None, pin: tuple[str, int] | None = None) -> int:
         """Pin these (unit, block) pairs; journaled, so a restarted controller keeps the pins (each for
-        a fresh term) and its ``retain`` keeps their rows."""
-        lease_id = int.from_bytes(os.urandom(7), "little")
-        self.lease_book.take(lease_id, ttl, blocks)
+        a fresh term) and its ``retain`` keeps their rows. ``pin``: a reader's pin taken over (tq.pins),
+        under the reader's lease id."""
+        lease_id = int.from_bytes(os.urandom(7), "little") if lease_id is None else lease_id
+        self.lease_book.take(lease_id, ttl, blocks, pin=pin)
         if self.journal is not None:
-            self.journal.append(["__lease__", {"id": lease_id, "ttl": ttl, "blocks": blocks}, []])
+            self.journal.append(["__lease__", {"id": lease_id, "ttl": ttl, "blocks": blocks, "pin": pin}, []])
         return lease_id
+
+    def _adopt_pins(self) -> None:
+        """Take every reader's pin that is not a lease yet as one, so the rows about to be freed in its
+        blocks wait for it (called after the frees count was bumped: see tq.pins)."""
+        if self.pin_board is None or not self.pin_board.files:
+            return
+        now = time.monotonic_ns()
+        for p in self.pin_board.pins():
+            if p.deadline_ns > now and p.lease not in self.lease_book.leases:
+                self._take_lease([(p.unit, b) for b in p.blocks], PIN_POLL_S, lease_id=p.lease, pin=(p.path, p.slot))
+
+    def _register_pins(self, path: str) -> bool:
+        """Read the pin file at ``path`` at every free from now on; False when this controller reads no
+        pins. At replay a file gone meanwhile is skipped (its client closed or died)."""
+        if self.pin_board is None:
+            return False
+        try:
+            self.pin_board.register(path)
+        except (OSError, ValueError) as exc:
+            if self._replaying:
+                return False
+            raise InvalidRequestError(f"cannot read pin file {path!r}: {exc}") from None
+        return True
+
+    def op_pin_file(self, args: messages.PinFile, buffers: list, call: Call) -> messages.PinFileReply:
+        return messages.PinFileReply(registered=self._register_pins(args.path))
+
+    def _poll_pins(self, expired: list[int], now: float) -> list[int]:
+        """Of the leases whose time is up, those that are pins still held get another poll period;
+        returns the others (to end)."""
+        if self.pin_board is None:
+            return expired
+        ended, now_ns = [], time.monotonic_ns()
+        for i in expired:
+            lease = self.lease_book.leases[i]
+            if lease.pin is not None and self.pin_board.holds(*lease.pin, i, now_ns) is not None:
+                lease.deadline = now + PIN_POLL_S
+            else:
+                ended.append(i)
+        return ended
 
     def _release_leases(self, ids: list[int]) -> None:
         """End these leases: rows freed under them (no other lease holding their block) are freed now."""
@@ -700,9 +751,15 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
 
     def on_tick(self, now: float) -> None:
         expired = self.lease_book.expired(now)
-        if expired:  # their holders stopped renewing them (died, or hung): the rows they pinned go
-            log.warning("%d leases of borrowed gets ran out without a renewal", len(expired))
-            self._release_leases(expired)
+        if expired:
+            ended = self._poll_pins(expired, now)
+            gone = [i for i in ended if self.lease_book.leases[i].pin is None]
+            if gone:  # their holders stopped renewing them (died, or hung): the rows they pinned go
+                log.warning("%d leases of borrowed gets ran out without a renewal", len(gone))
+            self._release_leases(ended)  # pins given up (or run out) among them
+        if self.pin_board is not None and now >= self._next_pin_prune:
+            self._next_pin_prune = now + PIN_PRUNE_S
+            self.pin_board.prune(time.monotonic_ns())
         self._flush_units()
         self._heartbeat(now)
         if self._running:  # once stopping (shutdown, SIGTERM, Ctrl-C), units that exit are not crashes

@@ -35,11 +35,17 @@ def leased_blocks(loc: np.ndarray) -> list[tuple[int, int]]:
     return [divmod(int(x), 1 << BLOCK_BITS) for x in packed.tolist()]
 
 
+def pin_ref(pin: Any) -> tuple[str, int] | None:
+    """A lease's pin reference as journaled ([path, slot] or None) back as a tuple."""
+    return None if pin is None else (str(pin[0]), int(pin[1]))
+
+
 @dataclass
 class Lease:
     ttl: float
     deadline: float
     blocks: list[tuple[int, int]]
+    pin: tuple[str, int] | None = None  # (pin file, slot) of a lease a reader took as a pin (tq.pins)
 
 
 @dataclass
@@ -50,10 +56,12 @@ class LeaseBook:
     refs: collections.Counter[tuple[int, int]] = field(default_factory=collections.Counter)
     deferred: dict[tuple[int, int], list[np.ndarray]] = field(default_factory=dict)  # [n, 3] (unit, block, row)
 
-    def take(self, lease_id: int, ttl: float, blocks: list[tuple[int, int]], now: float | None = None) -> None:
-        """Pin ``blocks`` for ``ttl`` seconds under ``lease_id``."""
+    def take(
+        self, lease_id: int, ttl: float, blocks: list[tuple[int, int]], now: float | None = None, pin: tuple[str, int] | None = None
+    ) -> None:
+        """Pin ``blocks`` for ``ttl`` seconds under ``lease_id`` (``pin``: the slot whose pin it is)."""
         now = time.monotonic() if now is None else now
-        self.leases[lease_id] = Lease(ttl, now + ttl, blocks)
+        self.leases[lease_id] = Lease(ttl, now + ttl, blocks, pin)
         self.refs.update(blocks)
 
     def renew(self, ids: list[int], now: float | None = None) -> list[int]:
@@ -111,7 +119,7 @@ class LeaseBook:
     def snapshot(self) -> dict[str, Any]:
         deferred = [r for rs in self.deferred.values() for r in rs]
         return {
-            "leases": [[i, lease.ttl, [list(b) for b in lease.blocks]] for i, lease in self.leases.items()],
+            "leases": [[i, lease.ttl, [list(b) for b in lease.blocks], lease.pin] for i, lease in self.leases.items()],
             "deferred": np.concatenate(deferred).astype(np.int64).tobytes() if deferred else b"",
         }
 
@@ -121,8 +129,8 @@ class LeaseBook:
         book = cls()
         if not snap:
             return book
-        for i, ttl, blocks in snap["leases"]:
-            book.take(int(i), float(ttl), [(int(u), int(b)) for u, b in blocks])
+        for i, ttl, blocks, *pin in snap["leases"]:
+            book.take(int(i), float(ttl), [(int(u), int(b)) for u, b in blocks], pin=pin_ref(pin[0] if pin else None))
         rows = np.frombuffer(snap["deferred"], dtype=np.int64).reshape(-1, 3)
         book.hold(rows)
         return book

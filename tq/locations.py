@@ -49,6 +49,7 @@ from typing import Iterator, NamedTuple, Sequence
 import numpy as np
 
 from .protocol import LOC_BLOCK, LOC_COLUMNS, LOC_NBYTES, LOC_OFFSET, LOC_UNIT
+from .pins import bump
 
 try:
     from ._fastcopy import read_locations as _read_locations
@@ -154,7 +155,7 @@ def _retire_file(path: str) -> None:
 def _mark_retired(header: np.ndarray) -> None:
     """Readers of this table must stop trusting it, and any copy they have in flight."""
     header[H_RETIRED] = 1
-    header[H_FREES] += 1
+    bump(header, H_FREES)
 
 
 def _nbytes(capacity: int, columns: int) -> int:
@@ -270,8 +271,9 @@ class LocationTable:
             self.header[H_SEQ] += 1
 
     def freed(self) -> None:
-        """Call after invalidating records and before telling units to free their bytes."""
-        self.header[H_FREES] += 1
+        """Call after invalidating records and before telling units to free their bytes (and before
+        reading readers' pins: the bump is atomic and fenced, see tq.pins)."""
+        bump(self.header, H_FREES)
 
     def new_incarnation(self) -> None:
         """Slots are about to be reused: metas minted before can no longer use this table."""
@@ -349,6 +351,11 @@ class LocationView:
             return None
         *got, runs = got
         return LocatedRows(*got, planes[0], planes[1], planes[2].ravel()[:runs])
+
+    @property
+    def mapping(self) -> mmap.mmap:
+        """The table's bytes (header first), as mapped here."""
+        return self._mm
 
     def unchanged(self, frees: int) -> bool:
         """No bytes were freed since ``frees`` was read, so rows copied since are intact."""

@@ -59,6 +59,7 @@ class ControllerOp(enum.StrEnum):
     SET_TAGS = "set_tags"
     LEASES = "leases"
     BORROW = "borrow"
+    PIN_FILE = "pin_file"
     UNIT_STATUS = "unit_status"
     STATS = "stats"
     SHUTDOWN = "shutdown"
@@ -401,6 +402,16 @@ class BorrowReply(Reply):
     lease: Union[int, None]  # None: the table moved since the read (the reader locates through us)
 
 
+class PinFile(Args):
+    """A same-host client's pin file (``tq.pins``): from now on every free reads its pins first."""
+
+    path: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+
+
+class PinFileReply(Reply):
+    registered: bool  # False: this controller reads no pins (no shared memory, or no C helper)
+
+
 class UnitStatus(Args):
     unit: Count
 
@@ -458,6 +469,7 @@ CONTROLLER_REQUESTS: dict[ControllerOp, type[Args]] = {
     ControllerOp.SET_TAGS: SetTags,
     ControllerOp.LEASES: Leases,
     ControllerOp.BORROW: Borrow,
+    ControllerOp.PIN_FILE: PinFile,
     ControllerOp.UNIT_STATUS: UnitStatus,
     ControllerOp.STATS: Stats,
     ControllerOp.SHUTDOWN: Shutdown,
@@ -483,6 +495,7 @@ CONTROLLER_REPLIES: dict[ControllerOp, Any] = {
     ControllerOp.SET_TAGS: SetTagsReply,
     ControllerOp.LEASES: LeasesReply,
     ControllerOp.BORROW: BorrowReply,
+    ControllerOp.PIN_FILE: PinFileReply,
     ControllerOp.UNIT_STATUS: UnitStatusReply,
     ControllerOp.STATS: StatsReply,
     ControllerOp.SHUTDOWN: Stopping,

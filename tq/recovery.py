@@ -21,7 +21,7 @@ import msgspec
 import numpy as np
 
 from .journal import Journal
-from .leases import LeaseBook
+from .leases import LeaseBook, pin_ref
 from .messages import AdoptBlock, ControllerOp as Op
 from .rpc import Call
 from .schema import FieldSchema
@@ -30,7 +30,17 @@ from .supervision import UnitLedger
 log = logging.getLogger("tq.controller")
 
 JOURNALED_OPS = frozenset(
-    {Op.CREATE_PARTITION, Op.CLEAR_PARTITION, Op.DROP_PARTITION, Op.MINT, Op.COMMIT, Op.DISCARD, Op.SET_TAGS, Op.REGISTER_UNIT}
+    {
+        Op.CREATE_PARTITION,
+        Op.CLEAR_PARTITION,
+        Op.DROP_PARTITION,
+        Op.MINT,
+        Op.COMMIT,
+        Op.DISCARD,
+        Op.SET_TAGS,
+        Op.REGISTER_UNIT,
+        Op.PIN_FILE,
+    }
 )
 COMPACT_AFTER = 2000  # journal records before it is rewritten as one snapshot
 
@@ -62,7 +72,7 @@ class JournalRecovery:
                 elif op == "__water__":
                     self._raise_water(args["unit"], args["low_water"])
                 elif op == "__lease__":  # a fresh term from now: its holder renews it if it still lives
-                    self.lease_book.take(args["id"], args["ttl"], [(u, b) for u, b in args["blocks"]])
+                    self.lease_book.take(args["id"], args["ttl"], [(u, b) for u, b in args["blocks"]], pin=pin_ref(args.get("pin")))
                 elif op == "__release__":
                     self._release_leases(args["ids"])
                 else:  # args: msgpack bytes, or a map (journals written before args were kept raw)
@@ -88,6 +98,7 @@ class JournalRecovery:
             },
             "recent_commits": [[u, b, d] for (u, b), d in self.recent_commits.items()],
             "leases": self.lease_book.snapshot(),
+            "pin_files": sorted(self.pin_board.files) if self.pin_board is not None else [],
             "partitions": {
                 pid: {
                     "slot_keys": p.slot_keys,
@@ -110,6 +121,8 @@ class JournalRecovery:
                 led.adopts[ad.block] = ad
         self.recent_commits = collections.OrderedDict(((u, b), d) for u, b, d in snap.get("recent_commits", []))
         self.lease_book = LeaseBook.restore(snap.get("leases"))
+        for path in snap.get("pin_files", []):
+            self._register_pins(path)
         for u in self.units:
             self._connect_unit(u["unit_id"], u["address"])
         for part in self.partitions.values():

@@ -1,0 +1,165 @@
+"""Pins (tq.pins): leases of same-host borrowed gets taken in shared memory - the protocol's two sides,
+its journaling across a controller restart, and hostile pin files."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from tq import protocol
+from tq.pins import SUPPORTED, PinBoard, PinFile
+from tq.rpc import Call
+
+pytestmark = pytest.mark.skipif(not SUPPORTED, reason="pins need the C helper tq._fastcopy")
+
+
+def _table(tmp_path):
+    from tq.locations import LocationTable
+
+    return LocationTable(str(tmp_path))
+
+
+def test_a_pin_holds_only_if_the_table_freed_nothing_since_the_read(tmp_path):
+    from tq.locations import H_CLEARS, H_RETIRED
+
+    table = _table(tmp_path)
+    pins = PinFile(str(tmp_path), slots=4)
+    board = PinBoard(str(tmp_path))
+    board.register(pins.path)
+    try:
+        frees, inc, clears = table.frees, table.incarnation, int(table.header[H_CLEARS])
+        far = time.monotonic_ns() + 10**10
+        got = pins.pin(far, 0, [3, 9], table._mm, frees, inc, clears)
+        assert got is not None
+        lease, slot = got
+        [p] = board.pins()
+        assert (p.lease, p.slot, p.unit, p.blocks) == (lease, slot, 0, (3, 9))
+        table.freed()  # a free after the read: a reader pinning now must give its pin up
+        for stale in ((frees, inc, clears), (frees + 1, inc + 1, clears), (frees + 1, inc, clears + 1)):
+            assert pins.pin(far, 0, [4], table._mm, *stale) is None
+        assert [q.lease for q in board.pins()] == [lease]  # refused pins left nothing behind
+        assert pins.pin(far, 0, list(range(100)), table._mm, frees + 1, inc, clears) is None  # more blocks than a slot holds
+        assert board.holds(pins.path, slot, lease, time.monotonic_ns()) == far
+        assert board.holds(pins.path, slot, lease, far) is None  # run out
+        pins.release(slot, lease)
+        assert board.pins() == [] and board.holds(pins.path, slot, lease, time.monotonic_ns()) is None
+        frees = table.frees
+        assert pins.pin(far, 0, [4], table._mm, frees, inc, clears) is not None
+        table.header[H_RETIRED] = 1  # a retired table (its frees count unchanged here) refuses pins too
+        assert pins.pin(far, 0, [4], table._mm, frees, inc, clears) is None
+    finally:
+        table.close()
+        pins.close()
+        board.close()
+
+
+def test_the_controller_keeps_a_pinned_block_across_a_restart_until_the_pin_is_given_up(tmp_path):
+    """A reader's pin, taken over as a lease at a discard, is journaled: the restarted controller's
+    retain keeps the discarded row, and frees it once the reader clears its slot."""
+    from tq.controller import Controller
+    from tq.locations import H_CLEARS
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    unit = zmq.Context.instance().socket(zmq.ROUTER)
+    port = unit.bind_to_random_port("tcp://127.0.0.1")
+    call = Call(b"", None, "test", 0.0)
+
+    def apply(ctrl: Controller, op: str, args: dict, bufs: list = ()) -> object:  # handler, then journal
+        out = ctrl.handle(op, args, list(bufs), call)
+        ctrl.on_applied(op, msgspec.msgpack.encode(args), list(bufs))
+        ctrl.on_tick(time.monotonic())
+        return out
+
+    def heard(timeout_ms: int = 300) -> list[str]:
+        ops = []
+        while unit.poll(timeout_ms):
+            op = protocol.decode(unit.recv_multipart()[1:], None).header["op"]
+            ops += [] if op in ("ping", "retain") else [op]
+            timeout_ms = 50
+        return ops
+
+    pins = PinFile(str(shm))
+    ctrl = Controller("tcp://127.0.0.1:0", journal_dir=str(tmp_path / "j"), shm_dir=str(shm))
+    try:
+        apply(
+            ctrl,
+            "register_unit",
+            {"address": f"tcp://127.0.0.1:{port}", "arena_size": 1 << 20, "pid": 1, "host": "h", "arena_path": "/nonexistent"},
+        )
+        apply(ctrl, "create_partition", {"partition": "p"})
+        bufs: list = []
+        fields = {
+            "x": {
+                "schema": ["tensor", "int64", []],
+                "row_nbytes": protocol.pack_array(np.array([8, 8]), bufs),
+                "arena_offsets": protocol.pack_array(np.array([0, 8]), bufs),
+            }
+        }
+        apply(ctrl, "commit", {"partition": "p", "keys": ["a", "b"], "mode": "put", "blocks": [[0, 5, 2]], "fields": fields}, bufs)
+        assert apply(ctrl, "pin_file", {"path": pins.path}).registered
+        table = ctrl.partitions["p"].table
+        lease, slot = pins.pin(
+            time.monotonic_ns() + 60 * 10**9, 0, [5], table._mm, table.frees, table.incarnation, int(table.header[H_CLEARS])
+        )
+        apply(ctrl, "discard", {"partition": "p", "keys": ["a"]})
+        assert "free_rows" not in heard()
+        assert ctrl.lease_book.leases[lease].pin == (pins.path, slot)
+    finally:
+        ctrl.close()  # as if killed: the journal and the pin file stay
+
+    ctrl = Controller("tcp://127.0.0.1:0", journal_dir=str(tmp_path / "j"), shm_dir=str(shm))
+    try:
+        assert ctrl.lease_book.leases[lease].pin == (pins.path, slot) and pins.path in ctrl.pin_board.files
+        assert ctrl._rows_on(0).tolist() == [[5, 0], [5, 1]]  # its retain keeps the discarded row
+        heard()
+        time.sleep(0.1)
+        ctrl.on_tick(time.monotonic())  # still pinned: polled again, nothing freed
+        assert lease in ctrl.lease_book.leases and "free_rows" not in heard(100)
+        pins.release(slot, lease)
+        time.sleep(0.1)
+        ctrl.on_tick(time.monotonic())
+        assert lease not in ctrl.lease_book.leases
+        assert "free_rows" in heard() and ctrl._rows_on(0).tolist() == [[5, 1]]
+    finally:
+        ctrl.close()
+        pins.close()
+        unit.close(0)
+
+
+def test_pin_files_are_checked(tmp_path):
+    """Only a pin file of this version, directly in the controller's directory, is read."""
+    board = PinBoard(str(tmp_path))
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    outside = PinFile(str(other))
+    try:
+        with pytest.raises(ValueError, match="not a tq-pin-"):
+            board.register(outside.path)
+        with pytest.raises(ValueError, match="not a tq-pin-"):
+            board.register(str(tmp_path / "tq-loc-1-x"))
+        fake = tmp_path / "tq-pin-1-fake"
+        fake.write_bytes(b"\0" * 4096)
+        with pytest.raises(ValueError, match="not a pin file"):
+            board.register(str(fake))
+        os.symlink(outside.path, tmp_path / "tq-pin-2-link")
+        with pytest.raises(OSError):
+            board.register(str(tmp_path / "tq-pin-2-link"))
+        assert board.files == {}
+    finally:
+        outside.close()
+        board.close()
+
+
+def test_a_controller_names_a_bad_pin_file(tq_server, client):
+    from tq import messages
+    from tq.errors import InvalidRequestError
+    from tq.messages import ControllerOp as Op
+
+    with pytest.raises(InvalidRequestError, match="cannot read pin file '/etc/passwd'"):
+        client._call(Op.PIN_FILE, messages.PinFile(path="/etc/passwd"))

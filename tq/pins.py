@@ -1,0 +1,237 @@
+"""Pins: leases of same-host borrowed gets taken in shared memory, with no request on the way.
+
+A borrowed get (``TQClient.get(..., copy=False)``) must keep the blocks it views from being freed.
+Asking the controller for a lease (``borrow``) costs a round trip - most of a borrowed get on the same
+host. A pin takes the lease where the reader already is, in shared memory:
+
+* Each client that borrows registers one **pin file** with the controller (``pin_file``, once, journaled):
+  a header and ``SLOTS`` slots of ``(lease id, deadline, unit, block count, blocks...)``, written only
+  by that client, in the controller's shared-memory directory.
+* **Reader** (after it located its rows in the partition's location table under a ``frees`` count):
+  writes the blocks into a free slot, publishes the lease id, full fence, then reads the table's
+  ``frees`` (and retirement, incarnation, clears) again. Unchanged: the pin holds. Changed: it clears
+  the slot and asks for a lease by request instead.
+* **Controller** (before any unit is told to free rows): bumps the table's ``frees`` (one atomic add),
+  full fence, then reads every registered pin file. Each pin it finds becomes a lease in its
+  :class:`~tq.leases.LeaseBook` (journaled, as a ``borrow`` lease is), so the rows freed in its blocks
+  wait for it.
+Either the reader sees the bump or the controller sees the pin, never neither (each side stores, fences,
+then loads the other's word): a pin that held was seen by every later free.
+
+The reader renews a pin by writing a later deadline into its slot and releases it by clearing the
+slot; the controller polls the pins it holds as leases (``POLL_S``) and ends one whose slot was cleared,
+reused or whose deadline passed - a reader that died pins nothing for longer than one term. The
+fences and whole-slot reads are in C (``tq._fastcopy``); where it was not built, or a get's rows lie in
+more blocks than a slot holds, borrowed gets lease by request as before.
+"""
+
+from __future__ import annotations
+
+import collections
+import mmap
+import os
+import secrets
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+
+try:
+    from ._fastcopy import bump_word as _bump_word
+    from ._fastcopy import pin as _pin
+    from ._fastcopy import pin_layout as _c_pin_layout
+    from ._fastcopy import read_pins as _read_pins
+except ImportError:  # no C helper: no pins (borrowed gets lease by request)
+    _pin = _read_pins = _bump_word = _c_pin_layout = None
+
+PIN_MAGIC_W, PIN_SLOTS_W, PIN_WORDS_W, PIN_OWNER_W, PIN_HEADER = 0, 1, 2, 3, 8
+P_LEASE, P_DEADLINE, P_UNIT, P_COUNT, P_BLOCKS, PIN_WORDS = 0, 1, 2, 3, 4, 64
+MAX_BLOCKS = PIN_WORDS - P_BLOCKS  # a get whose rows lie in more blocks leases by request
+SLOTS = 256  # borrowed gets a client holds through pins at once; more lease by request
+MAGIC = 0x5451_50494E_0001  # "TQ" "PIN" v1
+PREFIX = "tq-pin-"  # pin files are named tq-pin-<client pid>-<random>
+POLL_S = 0.05  # how often the controller looks at the pins it holds as leases (a released pin's rows wait this long)
+SUPPORTED = _pin is not None
+
+if _c_pin_layout is not None and _c_pin_layout() != {
+    "PIN_MAGIC_W": PIN_MAGIC_W,
+    "PIN_SLOTS_W": PIN_SLOTS_W,
+    "PIN_WORDS_W": PIN_WORDS_W,
+    "PIN_OWNER_W": PIN_OWNER_W,
+    "PIN_HEADER": PIN_HEADER,
+    "P_LEASE": P_LEASE,
+    "P_DEADLINE": P_DEADLINE,
+    "P_UNIT": P_UNIT,
+    "P_COUNT": P_COUNT,
+    "PIN_WORDS": PIN_WORDS,
+}:
+    raise ImportError(f"tq._fastcopy was built for another pin-file layout: {_c_pin_layout()}")
+
+
+def bump(words: np.ndarray, index: int) -> None:
+    """``words[index] += 1`` as one atomic step followed by a full fence (plain where C is missing:
+    then no reader pins)."""
+    if _bump_word is not None:
+        _bump_word(words, index)
+    else:
+        words[index] += 1
+
+
+def _nbytes(slots: int) -> int:
+    return 8 * (PIN_HEADER + slots * PIN_WORDS)
+
+
+def _map(path: str, writable: bool) -> mmap.mmap:
+    fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW)
+    try:
+        size = os.fstat(fd).st_size
+        mm = mmap.mmap(fd, size, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+    finally:
+        os.close(fd)
+    header = np.frombuffer(mm, dtype=np.int64, count=PIN_HEADER) if size >= 8 * PIN_HEADER else None
+    if header is None or header[PIN_MAGIC_W] != MAGIC or header[PIN_WORDS_W] != PIN_WORDS or _nbytes(int(header[PIN_SLOTS_W])) != size:
+        del header
+        mm.close()
+        raise ValueError(f"{path} is not a pin file of this version")
+    del header
+    return mm
+
+
+class PinFile:
+    """A client's pin file (the reader's side): one slot per borrowed get it holds through a pin."""
+
+    def __init__(self, directory: str, slots: int = SLOTS) -> None:
+        self.path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:16]}")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, _nbytes(slots))
+            self._mm = mmap.mmap(fd, _nbytes(slots))
+        finally:
+            os.close(fd)
+        self._words = np.frombuffer(self._mm, dtype=np.int64)
+        self._words[PIN_SLOTS_W], self._words[PIN_WORDS_W], self._words[PIN_OWNER_W] = slots, PIN_WORDS, os.getpid()
+        self._words[PIN_MAGIC_W] = MAGIC
+        self._slots = self._words[PIN_HEADER:].reshape(slots, PIN_WORDS)
+        self.owner = os.getpid()
+        # free slots; a deque's append and pop need no lock, so a release is safe from a finalizer
+        self._free = collections.deque(range(slots))
+
+    def pin(self, deadline_ns: int, unit: int, blocks: list[int], table: mmap.mmap, frees: int, incarnation: int, clears: int) -> tuple[int, int] | None:
+        """Pin ``blocks`` of ``unit`` until ``deadline_ns`` if the table still has ``frees``,
+        ``incarnation`` and ``clears`` once the pin is published; returns (lease id, slot), or None
+        (nothing kept: lease by request)."""
+        if len(blocks) > MAX_BLOCKS or self._slots is None or os.getpid() != self.owner:  # a forked child: its own file
+            return None
+        try:
+            slot = self._free.pop()
+        except IndexError:
+            return None
+        lease = secrets.randbits(62) + 1
+        held = _pin(self._mm, slot, lease, deadline_ns, unit, blocks, table, frees, incarnation, clears)
+        if not held:
+            self._free.append(slot)
+            return None
+        return lease, slot
+
+    def renew(self, slot: int, lease: int, deadline_ns: int, now_ns: int) -> bool:
+        """Move the pin's deadline on; False when it had passed already (the controller may have
+        ended it and freed its rows: its views can no longer be trusted)."""
+        row = self._slots[slot] if self._slots is not None else None
+        if row is None or row[P_LEASE] != lease:
+            return False
+        ok = int(row[P_DEADLINE]) > now_ns
+        row[P_DEADLINE] = deadline_ns
+        return ok
+
+    def release(self, slot: int, lease: int) -> None:
+        """Give the pin up (its slot is free for the next one). Any thread, any time: one store."""
+        if self._slots is None or self._slots[slot, P_LEASE] != lease:
+            return
+        self._slots[slot, P_LEASE] = 0
+        self._free.append(slot)
+
+    def close(self) -> None:
+        """Give every pin up and remove the file."""
+        if self._slots is None:
+            return
+        self._slots[:, P_LEASE] = 0
+        self._slots = self._words = None  # type: ignore[assignment]
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
+
+
+@dataclass(frozen=True)
+class Pin:
+    """A pin read from a pin file: ``lease`` holds ``blocks`` of ``unit`` until ``deadline_ns``."""
+
+    path: str
+    slot: int
+    lease: int
+    deadline_ns: int
+    unit: int
+    blocks: tuple[int, ...]
+
+
+class PinBoard:
+    """The controller's side: the pin files its clients registered, read whole at every free."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = os.path.realpath(directory)
+        self.files: dict[str, mmap.mmap] = {}
+
+    def register(self, path: str) -> None:
+        """Read ``path``'s pins from now on; it must be a pin file directly in the directory."""
+        if os.path.dirname(path) != self.directory or not os.path.basename(path).startswith(PREFIX):
+            raise ValueError(f"pin file {path!r} is not a {PREFIX}* file in {self.directory}")
+        if path not in self.files:
+            self.files[path] = _map(path, writable=False)
+
+    def pins(self) -> list[Pin]:
+        """Every pin in use now, whatever its deadline (the caller compares)."""
+        return [Pin(path, *p) for path, mm in self.files.items() for p in _read_pins(mm)]
+
+    def holds(self, path: str, slot: int, lease: int, now_ns: int) -> int | None:
+        """The pin's deadline if ``lease`` still holds ``slot`` of ``path`` and has not run out, else None."""
+        mm = self.files.get(path)
+        if mm is None:
+            return None
+        words = np.frombuffer(mm, dtype=np.int64, count=2, offset=8 * (PIN_HEADER + slot * PIN_WORDS))
+        deadline = int(words[P_DEADLINE])
+        return deadline if int(words[P_LEASE]) == lease and deadline > now_ns else None
+
+    def prune(self, now_ns: int) -> None:
+        """Forget the files of clients that closed them (unlinked) or are gone, once nothing in them
+        pins beyond ``now_ns``; a dead client's file is unlinked."""
+        for path, mm in list(self.files.items()):
+            if any(deadline > now_ns for _, _, deadline, _, _ in _read_pins(mm)):
+                continue
+            dead = not _alive(int(np.frombuffer(mm, dtype=np.int64, count=PIN_HEADER)[PIN_OWNER_W]))
+            if dead or not os.path.exists(path):
+                del self.files[path]
+                if dead:
+                    try:
+                        os.unlink(path)
+                    except FileNotFoundError:
+                        pass
+                mm.close()
+
+    def close(self) -> None:
+        for mm in self.files.values():
+            mm.close()
+        self.files.clear()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -352,7 +352,7 @@ def test_leases_survive_a_controller_restart_from_its_journal(tmp_path):
         unit.close(0)
 
 
-def test_pinned_views_hold_their_bytes_while_a_writer_frees_and_reuses_concurrently(tq_server, client, partition):
+def test_pinned_views_hold_their_bytes_while_a_writer_frees_and_reuses_concurrently():
     """The pin protocol under a real race: a writer thread puts a batch (every token = its round),
     discards the previous one and so keeps reusing the freed space, while a reader takes borrowed
     gets of whatever batch is newest - through pins, with the controller freeing concurrently in its
@@ -360,14 +360,16 @@ def test_pinned_views_hold_their_bytes_while_a_writer_frees_and_reuses_concurren
     bytes, unchanged for as long as it is held."""
     import threading
 
+    from tq import TQServer
     from tq.errors import TQError
 
     stop = threading.Event()
     latest: list = []
+    partition = "churn"
 
     def write() -> None:
         prev, r = None, 0
-        with TQClient(tq_server.address, timeout=10.0) as w:
+        with TQClient(server.address, timeout=10.0) as w:
             while not stop.is_set():
                 r += 1
                 lengths = torch.randint(50, 400, (32,))
@@ -379,11 +381,13 @@ def test_pinned_views_hold_their_bytes_while_a_writer_frees_and_reuses_concurren
                     w.discard(prev)
                 prev = meta
 
-    writer = threading.Thread(target=write, daemon=True)
-    writer.start()
+    server = TQServer(storage_units=1, capacity=1 << 20)  # a small arena: freed space is reused within a few puts
     held = checked = 0
     try:
-        with TQClient(tq_server.address, timeout=10.0) as reader:
+        with TQClient(server.address, timeout=10.0) as reader:
+            reader.register_partition(partition)
+            writer = threading.Thread(target=write, daemon=True)
+            writer.start()
             deadline = time.monotonic() + 4.0
             while time.monotonic() < deadline:
                 if not latest:
@@ -407,8 +411,10 @@ def test_pinned_views_hold_their_bytes_while_a_writer_frees_and_reuses_concurren
                 held += len(reader._leases._slots)  # this get's lease is a pin
                 checked += 1
                 got.release()
+            stop.set()
+            writer.join(10)
     finally:
         stop.set()
-        writer.join(10)
+        server.shutdown()
     # a get whose read raced a free (or a grown table) leased by request or located instead: as safe
     assert checked >= 20 and held >= checked // 2, (checked, held)

@@ -375,7 +375,9 @@ def test_pinned_views_hold_their_bytes_while_a_writer_frees_and_reuses_concurren
                 lengths = torch.randint(50, 400, (32,))
                 offsets = torch.zeros(33, dtype=torch.int64)
                 offsets[1:] = torch.cumsum(lengths, 0)
-                meta = w.put(partition, unique_keys(32), {"tokens": JaggedTensor(torch.full((int(offsets[-1]),), r, dtype=torch.int32), offsets)})
+                meta = w.put(
+                    partition, unique_keys(32), {"tokens": JaggedTensor(torch.full((int(offsets[-1]),), r, dtype=torch.int32), offsets)}
+                )
                 latest[:] = [meta]
                 if prev is not None:
                     w.discard(prev)

@@ -163,3 +163,39 @@ def test_a_controller_names_a_bad_pin_file(tq_server, client):
 
     with pytest.raises(InvalidRequestError, match="cannot read pin file '/etc/passwd'"):
         client._call(Op.PIN_FILE, messages.PinFile(path="/etc/passwd"))
+
+
+def test_a_file_whose_client_looks_gone_is_revoked_before_it_is_let_go(tmp_path):
+    """The controller lets a pin file go when its client looks gone (its pid not alive here - maybe
+    only another pid namespace). It revokes the file first and reads it once more, so no pin is lost:
+    a pin held then keeps the file read; a pin tried after the revocation is refused (its client
+    registers a new file)."""
+    import subprocess
+    import sys
+
+    from tq.locations import H_CLEARS
+    from tq.pins import PIN_OWNER_W
+
+    table = _table(tmp_path)
+    pins = PinFile(str(tmp_path), slots=4)
+    board = PinBoard(str(tmp_path))
+    board.register(pins.path)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout
+    try:
+        state = (table.frees, table.incarnation, int(table.header[H_CLEARS]))
+        far = time.monotonic_ns() + 10**10
+        lease, slot = pins.pin(far, 0, [1], table._mm, *state)
+        pins._words[PIN_OWNER_W] = int(gone)  # as the controller sees it: no such process
+        board.prune(time.monotonic_ns())
+        assert pins.path in board.files  # a live pin: still read, and the file is kept
+        assert [p.lease for p in board.pins()] == [lease]
+        board.prune(far + 1)  # past its deadline: revoked now
+        assert pins.revoked and pins.pin(far, 0, [2], table._mm, *state) is None  # refused: may go unseen
+        assert pins.path in board.files  # the pin of before is still read until it ends
+        pins.release(slot, lease)
+        board.prune(time.monotonic_ns())
+        assert board.files == {} and not os.path.exists(pins.path)
+    finally:
+        table.close()
+        pins.close()
+        board.close()

@@ -513,7 +513,7 @@ done:
  * the pins (bump_word, read_pins). With a full fence on each side between its store and its loads,
  * either the reader sees the bump (and gives its pin up) or the controller sees the pin (and keeps
  * the blocks) - never neither. */
-enum { PIN_MAGIC_W, PIN_SLOTS_W, PIN_WORDS_W, PIN_OWNER_W, PIN_HEADER = 8 };
+enum { PIN_MAGIC_W, PIN_SLOTS_W, PIN_WORDS_W, PIN_OWNER_W, PIN_REVOKED_W, PIN_HEADER = 8 };
 enum { P_LEASE, P_DEADLINE, P_UNIT, P_COUNT, P_BLOCKS, PIN_WORDS = 64 };
 
 static int64_t *pin_slot(Py_buffer *pins, Py_ssize_t slot) {
@@ -550,8 +550,9 @@ static PyObject *pin(PyObject *self, PyObject *args) {
     __atomic_store_n(&s[P_LEASE], (int64_t)lease, __ATOMIC_SEQ_CST);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     const int64_t *h = table.buf;
-    int held = load_word(&h[H_FREES]) == frees && !load_word(&h[H_RETIRED]) && load_word(&h[H_INCARNATION]) == incarnation &&
-               load_word(&h[H_CLEARS]) == clears;
+    /* the file revoked (the controller stops reading it): this pin may go unseen */
+    int held = !load_word((const int64_t *)pins.buf + PIN_REVOKED_W) && load_word(&h[H_FREES]) == frees && !load_word(&h[H_RETIRED]) &&
+               load_word(&h[H_INCARNATION]) == incarnation && load_word(&h[H_CLEARS]) == clears;
     if (!held) __atomic_store_n(&s[P_LEASE], 0, __ATOMIC_RELEASE);
     ret = held ? Py_True : Py_False;
     Py_INCREF(ret);
@@ -624,8 +625,8 @@ static PyObject *table_layout(PyObject *self, PyObject *unused) {
 }
 
 static PyObject *pin_layout(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "PIN_MAGIC_W", PIN_MAGIC_W, "PIN_SLOTS_W", PIN_SLOTS_W,
-                         "PIN_WORDS_W", PIN_WORDS_W, "PIN_OWNER_W", PIN_OWNER_W, "PIN_HEADER", PIN_HEADER, "P_LEASE", P_LEASE,
+    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "PIN_MAGIC_W", PIN_MAGIC_W, "PIN_SLOTS_W", PIN_SLOTS_W,
+                         "PIN_WORDS_W", PIN_WORDS_W, "PIN_OWNER_W", PIN_OWNER_W, "PIN_REVOKED_W", PIN_REVOKED_W, "PIN_HEADER", PIN_HEADER, "P_LEASE", P_LEASE,
                          "P_DEADLINE", P_DEADLINE, "P_UNIT", P_UNIT, "P_COUNT", P_COUNT, "PIN_WORDS", PIN_WORDS);
 }
 

@@ -315,21 +315,22 @@ class _LeaseKeeper:
     def __init__(self, client: "TQClient") -> None:
         self._client = weakref.ref(client)
         self._views: dict[int, int] = {}  # lease id -> tensors' arrays still alive
-        self._slots: dict[int, int] = {}  # lease id -> its slot in the pin file, for pins
+        self._slots: dict[int, tuple[PinFile, int]] = {}  # lease id -> its pin file and slot, for pins
         self._ended: list[int] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopped = False
         self._thread: threading.Thread | None = None
-        self.pins: PinFile | None = None  # set by the client once its pin file is registered
+        self.pins: PinFile | None = None  # the client's pin file for new pins, once registered
+        self._retired_pins: list[PinFile] = []  # revoked files: closed once they pin nothing
 
-    def hold(self, lease: int, arrays: list[np.ndarray], slot: int | None = None) -> Callable[[], None]:
-        """Track ``lease`` (``slot``: the pin's slot, for a pin) until every array handed to torch for
-        it is collected; returns the explicit release."""
+    def hold(self, lease: int, arrays: list[np.ndarray], pin: tuple[PinFile, int] | None = None) -> Callable[[], None]:
+        """Track ``lease`` (``pin``: its pin file and slot, for a pin) until every array handed to
+        torch for it is collected; returns the explicit release."""
         with self._lock:
             self._views[lease] = len(arrays)
-            if slot is not None:
-                self._slots[lease] = slot
+            if pin is not None:
+                self._slots[lease] = pin
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="tq-lease-keeper", daemon=True)
                 self._thread.start()
@@ -346,11 +347,11 @@ class _LeaseKeeper:
                 self._views[lease] = left - 1
                 return
             del self._views[lease]
-            slot = self._slots.pop(lease, None)
-            if slot is None:
+            pin = self._slots.pop(lease, None)
+            if pin is None:
                 self._ended.append(lease)
-        if slot is not None:  # a pin: one store, no request
-            self.pins.release(slot, lease)  # type: ignore[union-attr]
+        if pin is not None:  # a pin: one store, no request
+            pin[0].release(pin[1], lease)
         else:
             self._wake.set()
 
@@ -358,9 +359,9 @@ class _LeaseKeeper:
         with self._lock:
             if self._views.pop(lease, None) is None:
                 return
-            slot = self._slots.pop(lease, None)
-        if slot is not None:
-            self.pins.release(slot, lease)  # type: ignore[union-attr]
+            pin = self._slots.pop(lease, None)
+        if pin is not None:
+            pin[0].release(pin[1], lease)
             return
         client = self._client()
         if client is not None:
@@ -386,28 +387,51 @@ class _LeaseKeeper:
         if client is None:
             return
         now = time.monotonic_ns()
-        outlived = sum(not self.pins.renew(slot, i, now + int(client.lease_s * 1e9), now) for i, slot in pinned)  # type: ignore[union-attr]
+        outlived = sum(not pins.renew(slot, i, now + int(client.lease_s * 1e9), now) for i, (pins, slot) in pinned)
+        self._close_retired()
         if renew or ended:
             try:
-                reply = client._call(Op.LEASES, messages.Leases(renew=renew, release=ended), timeout=min(client.timeout, client.lease_s / 3))
+                reply = client._call(
+                    Op.LEASES, messages.Leases(renew=renew, release=ended), timeout=min(client.timeout, client.lease_s / 3)
+                )
             except TQError:  # the controller is away: try again next period (leases are journaled)
                 with self._lock:
                     self._ended.extend(ended)
             else:
                 outlived += len(reply.ended)
         if outlived:
-            warnings.warn(f"{outlived} borrowed gets outlived their lease: their views may show reused storage", RuntimeWarning, stacklevel=1)
+            warnings.warn(
+                f"{outlived} borrowed gets outlived their lease: their views may show reused storage", RuntimeWarning, stacklevel=1
+            )
+
+    def retire(self, pins: PinFile) -> None:
+        """``pins`` was revoked: new pins go to another file; it closes once its pins are given up."""
+        with self._lock:
+            self._retired_pins.append(pins)
+            if self.pins is pins:
+                self.pins = None
+
+    def _close_retired(self) -> None:
+        with self._lock:
+            in_use = {id(p) for p, _ in self._slots.values()}
+            done = [p for p in self._retired_pins if id(p) not in in_use]
+            self._retired_pins = [p for p in self._retired_pins if id(p) in in_use]
+        for p in done:
+            p.close()
 
     def stop(self) -> None:
-        """Give every lease up (the client closes) and stop the thread."""
+        """Give every lease up (the client closes), close the pin files and stop the thread."""
         self._stopped = True
         with self._lock:
             pinned = list(self._slots.items())
             self._ended.extend(i for i in self._views if i not in self._slots)
             self._views.clear()
             self._slots.clear()
-        for i, slot in pinned:
-            self.pins.release(slot, i)  # type: ignore[union-attr]
+        for i, (pins, slot) in pinned:
+            pins.release(slot, i)
+        for pins in [self.pins, *self._retired_pins]:
+            if pins is not None:
+                pins.close()
         try:
             self.flush()
         except TQError:
@@ -546,8 +570,6 @@ class TQClient:
         """Give up every lease, close every connection and unmap every arena."""
         if hasattr(self, "_leases"):
             self._leases.stop()
-            if self._leases.pins is not None:
-                self._leases.pins.close()
             with self._slab_lock:
                 for unit, slab in list(self._slabs.items()):
                     self._give_back(unit, slab)
@@ -1159,12 +1181,12 @@ class TQClient:
         arrays: list[np.ndarray] = []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # torch warns of the read-only arrays it is handed
-            lease, slot = self._borrow_here(meta, fields, layout, pad_to, values, arrays)
+            lease, pin = self._borrow_here(meta, fields, layout, pad_to, values, arrays)
             if lease is None:
                 values.clear()
                 arrays.clear()
                 lease = self._borrow_located(meta, fields, layout, pad_to, wait_timeout, values, arrays)
-        release = self._leases.hold(lease, arrays, slot)
+        release = self._leases.hold(lease, arrays, pin)
         if not arrays:
             release()
         rest = [f for f in fields if f not in values]
@@ -1174,12 +1196,12 @@ class TQClient:
 
     def _borrow_here(
         self, meta: KVBatchMeta, fields: list[str], layout: Layout, pad_to: int | None, values: dict[str, Any], arrays: list[np.ndarray]
-    ) -> tuple[int | None, int | None]:
+    ) -> tuple[int | None, tuple[PinFile, int] | None]:
         """Locate the rows in the partition's shared location table and lease their blocks: with a pin
         in this client's pin file where it can (no request: see tq.pins), else with a ``borrow``
         request carrying the table's incarnation and ``frees`` count of the read: the controller grants
         it only if that table freed nothing since, so the rows read are the ones pinned (the views are
-        built while it is answered). Returns (lease, pin slot or None), or (None, None) - nothing kept,
+        built while it is answered). Returns (lease, its pin file and slot or None), or (None, None) - nothing kept,
         nothing counted - to locate instead."""
         here = self._read_table(meta, fields)
         if here is None:
@@ -1212,10 +1234,15 @@ class TQClient:
                 )
                 if got is not None:
                     values[name] = got
-        lease, slot = pinned if pinned is not None else (self._ctrl.recv(rid, Op.BORROW)[0].lease, None)
+        if pinned is not None:
+            lease, pin = pinned[0], (pins, pinned[1])
+        else:
+            lease, pin = self._ctrl.recv(rid, Op.BORROW)[0].lease, None
+            if pins is not None and pins.revoked:
+                self._leases.retire(pins)  # the controller stopped reading it: the next get registers a new one
         if lease is not None:  # a refused borrow's rows are read again by the locate, which counts them
             self._count_read(rows)
-        return lease, slot
+        return lease, pin
 
     def _pin_file(self, view: LocationView) -> PinFile | None:
         """This client's pin file, made and registered with the controller at the first borrowed get

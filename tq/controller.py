@@ -260,7 +260,9 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             self.ledgers[unit].frees.append(rows[rows[:, UNIT] == unit][:, [BLOCK, ROW]])
 
     # -- leases of borrowed gets (tq.leases)
-    def _take_lease(self, blocks: list[tuple[int, int]], ttl: float, lease_id: int | None = None, pin: tuple[str, int] | None = None) -> int:
+    def _take_lease(
+        self, blocks: list[tuple[int, int]], ttl: float, lease_id: int | None = None, pin: tuple[str, int] | None = None
+    ) -> int:
         """Pin these (unit, block) pairs; journaled, so a restarted controller keeps the pins (each for
         a fresh term) and its ``retain`` keeps their rows. ``pin``: a reader's pin taken over (tq.pins),
         under the reader's lease id."""

@@ -44,7 +44,7 @@ try:
 except ImportError:  # no C helper: no pins (borrowed gets lease by request)
     _pin = _read_pins = _bump_word = _c_pin_layout = None
 
-PIN_MAGIC_W, PIN_SLOTS_W, PIN_WORDS_W, PIN_OWNER_W, PIN_HEADER = 0, 1, 2, 3, 8
+PIN_MAGIC_W, PIN_SLOTS_W, PIN_WORDS_W, PIN_OWNER_W, PIN_REVOKED_W, PIN_HEADER = 0, 1, 2, 3, 4, 8
 P_LEASE, P_DEADLINE, P_UNIT, P_COUNT, P_BLOCKS, PIN_WORDS = 0, 1, 2, 3, 4, 64
 MAX_BLOCKS = PIN_WORDS - P_BLOCKS  # a get whose rows lie in more blocks leases by request
 SLOTS = 256  # borrowed gets a client holds through pins at once; more lease by request
@@ -58,6 +58,7 @@ if _c_pin_layout is not None and _c_pin_layout() != {
     "PIN_SLOTS_W": PIN_SLOTS_W,
     "PIN_WORDS_W": PIN_WORDS_W,
     "PIN_OWNER_W": PIN_OWNER_W,
+    "PIN_REVOKED_W": PIN_REVOKED_W,
     "PIN_HEADER": PIN_HEADER,
     "P_LEASE": P_LEASE,
     "P_DEADLINE": P_DEADLINE,
@@ -116,7 +117,9 @@ class PinFile:
         # free slots; a deque's append and pop need no lock, so a release is safe from a finalizer
         self._free = collections.deque(range(slots))
 
-    def pin(self, deadline_ns: int, unit: int, blocks: list[int], table: mmap.mmap, frees: int, incarnation: int, clears: int) -> tuple[int, int] | None:
+    def pin(
+        self, deadline_ns: int, unit: int, blocks: list[int], table: mmap.mmap, frees: int, incarnation: int, clears: int
+    ) -> tuple[int, int] | None:
         """Pin ``blocks`` of ``unit`` until ``deadline_ns`` if the table still has ``frees``,
         ``incarnation`` and ``clears`` once the pin is published; returns (lease id, slot), or None
         (nothing kept: lease by request)."""
@@ -132,6 +135,11 @@ class PinFile:
             self._free.append(slot)
             return None
         return lease, slot
+
+    @property
+    def revoked(self) -> bool:
+        """The controller stopped reading this file (it took its client for gone): pin in a new one."""
+        return self._words is None or bool(self._words[PIN_REVOKED_W])
 
     def renew(self, slot: int, lease: int, deadline_ns: int, now_ns: int) -> bool:
         """Move the pin's deadline on; False when it had passed already (the controller may have
@@ -190,7 +198,7 @@ class PinBoard:
         if os.path.dirname(path) != self.directory or not os.path.basename(path).startswith(PREFIX):
             raise ValueError(f"pin file {path!r} is not a {PREFIX}* file in {self.directory}")
         if path not in self.files:
-            self.files[path] = _map(path, writable=False)
+            self.files[path] = _map(path, writable=True)  # writable for one word: revoked
 
     def pins(self) -> list[Pin]:
         """Every pin in use now, whatever its deadline (the caller compares)."""
@@ -206,20 +214,29 @@ class PinBoard:
         return deadline if int(words[P_LEASE]) == lease and deadline > now_ns else None
 
     def prune(self, now_ns: int) -> None:
-        """Forget the files of clients that closed them (unlinked) or are gone, once nothing in them
-        pins beyond ``now_ns``; a dead client's file is unlinked."""
+        """Stop reading the files of clients that closed them (unlinked) or look gone, once nothing in
+        them pins beyond ``now_ns``. A file is revoked first (atomic, fenced) and read once more: a pin
+        published before the revocation is seen then (the file is kept), one after it is given up by
+        its client, which registers a new file - so a client only thought gone (another pid
+        namespace) loses no pin. A revoked file of a gone client is unlinked."""
         for path, mm in list(self.files.items()):
+            header = np.frombuffer(mm, dtype=np.int64, count=PIN_HEADER)
             if any(deadline > now_ns for _, _, deadline, _, _ in _read_pins(mm)):
                 continue
-            dead = not _alive(int(np.frombuffer(mm, dtype=np.int64, count=PIN_HEADER)[PIN_OWNER_W]))
-            if dead or not os.path.exists(path):
-                del self.files[path]
-                if dead:
-                    try:
-                        os.unlink(path)
-                    except FileNotFoundError:
-                        pass
-                mm.close()
+            gone = not _alive(int(header[PIN_OWNER_W]))
+            if not gone and os.path.exists(path):
+                continue
+            if not header[PIN_REVOKED_W]:
+                _bump_word(header, PIN_REVOKED_W)
+            if _read_pins(mm):  # published before the revocation: still read until it ends
+                continue
+            del self.files[path], header
+            if gone:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+            mm.close()
 
     def close(self) -> None:
         for mm in self.files.values():

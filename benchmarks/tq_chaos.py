@@ -74,6 +74,8 @@ WEIGHTS = np.array([30, 36, 14, 12, 8], dtype=np.float64)
 PUT_FIELDS = ("lp", "emb", "msgs")  # a put writes "ids" and some of these (the soak's schemas)
 MAX_LIVE_KEYS = 128  # per client
 MAX_BATCH = 8
+BORROW_P = 1 / 3  # gets that borrow (copy=False): views held over the next 1-7 ops, then checked again
+MAX_BORROWED = 4  # per client
 # tq.controller restarts a crashed unit at most 3 times within 60 s, then gives up on it and removes its
 # arena (crash-loop protection): the driver never kills one unit more often than that (with a margin).
 UNIT_KILLS_PER_WINDOW, UNIT_KILL_WINDOW_S = 3, 63.0
@@ -161,6 +163,10 @@ class ChaosClient(RowMaker):
         self.slow: list[dict[str, Any]] = []  # calls longer than the client timeout
         self.slow_s = timeout
         self.go_at = time.monotonic()  # when the load started (set by client_main)
+        # borrowed gets (copy=False) still held: (views, what they should hold, the op count to let go at)
+        self.borrowed: list[tuple[Any, dict[str, list[str]], list[int], str, int]] = []
+        self.views_checked = 0  # rows of borrowed views checked again after being held
+        self.ops_done = 0
 
     # -- bookkeeping
     def note(self, text: str) -> None:
@@ -265,8 +271,9 @@ class ChaosClient(RowMaker):
         layout = str(self.rng.choice(["padded", "jagged", "list"]))
         pad_to = None if self.rng.random() < 0.5 else max(h.lengths[i] for i in idx) + int(self.rng.integers(0, 5))
         meta = self._meta(h, idx)
+        borrow = len(self.borrowed) < MAX_BORROWED and self.rng.random() < BORROW_P
         try:
-            got = self._call("get", lambda: self.client.get(meta, fields, layout=layout, pad_to=pad_to))
+            got = self._call("get", lambda: self.client.get(meta, fields, layout=layout, pad_to=pad_to, copy=not borrow))
         except (KeyNotFoundError, FieldNotProducedError):
             self.suspect = True  # the controller says rows it acknowledged are not there: the audit finds which
             raise
@@ -277,6 +284,26 @@ class ChaosClient(RowMaker):
             self.note(f"WRONG BYTES (get): reading {fields} of {len(idx)} key(s) raised {type(exc).__name__}: {exc}")
             raise
         self._check(h, idx, got, layout, "get")
+        if borrow and got.viewed:  # hold the views over a few more ops (discards, faults): they must not change
+            want = {f: [h.sums[f][i] for i in idx] for f in got.viewed}
+            self.borrowed.append((got, want, [h.lengths[i] for i in idx], layout, self.ops_done + int(self.rng.integers(1, 8))))
+        elif borrow:
+            got.release()
+
+    def _recheck_borrowed(self, everything: bool = False) -> None:
+        """Views held long enough (or all of them) are checked against what they showed, then let go."""
+        keep = []
+        for got, want, lengths, layout, until in self.borrowed:
+            if not everything and self.ops_done < until:
+                keep.append((got, want, lengths, layout, until))
+                continue
+            matched, problems = compare_rows({f: got[f] for f in want}, layout, want, lengths)
+            self.views_checked += matched
+            for name, _, problem in problems:
+                self.wrong += 1
+                self.note(f"WRONG BYTES (a borrowed view, held): {name!r}: {problem}")
+            got.release()
+        self.borrowed = keep
 
     def op_write_back(self) -> None:
         ready = [h for h in self.live if not h.unsure]
@@ -525,6 +552,8 @@ class ChaosClient(RowMaker):
 
     def step(self, op: str) -> bool:
         """Run one op; False if it failed."""
+        self.ops_done += 1
+        self._recheck_borrowed()
         try:
             getattr(self, f"op_{op}")()
             return True
@@ -562,6 +591,7 @@ class ChaosClient(RowMaker):
         row (unreadable acknowledged rows are lost), and discard everything."""
         from tq import KVBatchMeta
 
+        self._recheck_borrowed(everything=True)
         deadline = time.monotonic() + timeout
         done: set[int] = set()
         attempts = 0
@@ -621,6 +651,7 @@ class ChaosClient(RowMaker):
             "wrong": self.wrong,
             "lost": len(self.lost),
             "verified": self.verified,
+            "views_checked": self.views_checked,
             "outcomes": dict(self.outcomes),
             "phantoms": len(self.phantoms),
             "resurrected": len(self.resurrected),
@@ -1318,6 +1349,7 @@ def _report(v: dict[str, Any]) -> dict[str, Any]:
             lat[k].append(a)
         for k in ("wrong", "lost", "verified", "phantoms", "resurrected", "unknown", "non_tq_errors", "internal_errors"):
             totals[k] += int(r[k])
+        totals["views_checked"] += int(r.get("views_checked", 0))
         finals.append({"client": r["client"], "transport": r.get("transport"), **r["final"]})
         slow += [{"client": r["client"], **c} for c in r.get("slow", [])]
         notes += r["notes"]
@@ -1449,6 +1481,7 @@ def _report(v: dict[str, Any]) -> dict[str, Any]:
         "lost_acked_writes": totals["lost"],
         "wrong_bytes_reads": totals["wrong"],
         "verified_rows": totals["verified"],
+        "borrowed_view_rows_rechecked": totals["views_checked"],
         "failed_op_outcomes": dict(outcomes),
         "phantom_keys": totals["phantoms"],
         "resurrected_keys": totals["resurrected"],
@@ -1512,7 +1545,8 @@ def summary(r: dict[str, Any]) -> str:
     lines += [
         "",
         "failed ops settled as: " + (", ".join(f"{k} {n}" for k, n in sorted(o.items())) or "-"),
-        f"verified rows {r['verified_rows']}; phantom keys {r['phantom_keys']}, resurrected {r['resurrected_keys']}, "
+        f"verified rows {r['verified_rows']} (of them re-checked in borrowed views held over later ops and faults: "
+        f"{r.get('borrowed_view_rows_rechecked', 0)}); phantom keys {r['phantom_keys']}, resurrected {r['resurrected_keys']}, "
         f"unknown {r['unknown_keys']}; machine CPU busy {r['machine_cpu_percent_mean']}% (mean over the run)",
         "RSS (controller + units, MiB): after warm-up {}, end {} ({}); anon {} -> {}".format(
             *(f"{x / MiB:.0f}" if x else "?" for x in ((r["rss"]["start"] or {}).get("total"), (r["rss"]["end"] or {}).get("total"))),

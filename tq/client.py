@@ -364,8 +364,14 @@ class _LeaseKeeper:
             pin[0].release(pin[1], lease)
             return
         client = self._client()
-        if client is not None:
+        if client is None:
+            return
+        try:
             client._call(Op.LEASES, messages.Leases(release=[lease]))
+        except TQError:  # the controller is away: the keeper gives it up later (or its term runs out)
+            with self._lock:
+                self._ended.append(lease)
+            self._wake.set()
 
     def _run(self) -> None:
         while not self._stopped:

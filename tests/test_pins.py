@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from tq import protocol
-from tq.pins import SUPPORTED, PinBoard, PinFile
+from tq.pins import MAGIC, SUPPORTED, PinBoard, PinFile
 from tq.rpc import Call
 
 pytestmark = pytest.mark.skipif(not SUPPORTED, reason="pins need the C helper tq._fastcopy")
@@ -147,6 +147,11 @@ def test_pin_files_are_checked(tmp_path):
         fake.write_bytes(b"\0" * 4096)
         with pytest.raises(ValueError, match="not a pin file"):
             board.register(str(fake))
+        huge = np.zeros(8 + 8 * 64, dtype=np.int64)  # a header claiming 2**40 slots (a scan of each at every free)
+        huge[:3] = [MAGIC, 1 << 40, 64]
+        (tmp_path / "tq-pin-3-huge").write_bytes(huge.tobytes())
+        with pytest.raises(ValueError, match="not a pin file"):
+            board.register(str(tmp_path / "tq-pin-3-huge"))
         os.symlink(outside.path, tmp_path / "tq-pin-2-link")
         with pytest.raises(OSError):
             board.register(str(tmp_path / "tq-pin-2-link"))

@@ -48,6 +48,7 @@ PIN_MAGIC_W, PIN_SLOTS_W, PIN_WORDS_W, PIN_OWNER_W, PIN_REVOKED_W, PIN_HEADER = 
 P_LEASE, P_DEADLINE, P_UNIT, P_COUNT, P_BLOCKS, PIN_WORDS = 0, 1, 2, 3, 4, 64
 MAX_BLOCKS = PIN_WORDS - P_BLOCKS  # a get whose rows lie in more blocks leases by request
 SLOTS = 256  # borrowed gets a client holds through pins at once; more lease by request
+MAX_SLOTS = 4096  # a pin file claiming more is refused (the controller reads every slot at every free)
 MAGIC = 0x5451_50494E_0001  # "TQ" "PIN" v1
 PREFIX = "tq-pin-"  # pin files are named tq-pin-<client pid>-<random>
 POLL_S = 0.05  # how often the controller looks at the pins it holds as leases (a released pin's rows wait this long)
@@ -90,7 +91,13 @@ def _map(path: str, writable: bool) -> mmap.mmap:
     finally:
         os.close(fd)
     header = np.frombuffer(mm, dtype=np.int64, count=PIN_HEADER) if size >= 8 * PIN_HEADER else None
-    if header is None or header[PIN_MAGIC_W] != MAGIC or header[PIN_WORDS_W] != PIN_WORDS or _nbytes(int(header[PIN_SLOTS_W])) != size:
+    if (
+        header is None
+        or header[PIN_MAGIC_W] != MAGIC
+        or header[PIN_WORDS_W] != PIN_WORDS
+        or not 0 < header[PIN_SLOTS_W] <= MAX_SLOTS
+        or _nbytes(int(header[PIN_SLOTS_W])) != size
+    ):
         del header
         mm.close()
         raise ValueError(f"{path} is not a pin file of this version")

@@ -483,6 +483,7 @@ class TQClient:
         self.lease_s = lease_s
         self._leases = _LeaseKeeper(self)
         self._pins_refused = False  # the controller reads no pins: borrowed gets lease by request
+        self._pins_lock = threading.Lock()  # one registration of a pin file at a time
         self._ro_views: dict[int, np.ndarray] = {}  # unit -> its arena mapped read-only (borrowed views)
         self._slabs: dict[int, _Slab] = {}  # unit -> the slab this client's same-host puts carve from
         self._slab_lock = threading.Lock()
@@ -1255,7 +1256,7 @@ class TQClient:
         (in the directory of its location tables); None where the controller reads no pins."""
         if self._leases.pins is not None or self._pins_refused:
             return self._leases.pins
-        with self._tables_lock:
+        with self._pins_lock:
             if self._leases.pins is None and not self._pins_refused:
                 pins = PinFile(os.path.dirname(os.path.realpath(view.path))) if PINS_SUPPORTED else None
                 try:

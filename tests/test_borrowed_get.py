@@ -205,7 +205,13 @@ def test_borrow_requests_are_checked(tq_server, client, partition):
         client._call(Op.BORROW, messages.Borrow(**{**ask, "blocks": [-1]}))
     granted = client._call(Op.BORROW, messages.Borrow(**ask))
     assert granted.lease is not None
-    client._call(Op.LEASES, messages.Leases(release=[granted.lease]))
+    with pytest.raises(InvalidRequestError, match=f"lease id {granted.lease} is in use"):  # a reader's chosen id
+        client._call(Op.BORROW, messages.Borrow(**{**ask, "lease_id": granted.lease}))
+    with pytest.raises(InvalidRequestError, match="lease_id"):
+        client._call(Op.BORROW, messages.Borrow(**{**ask, "lease_id": 0}))
+    chosen = client._call(Op.BORROW, messages.Borrow(**{**ask, "lease_id": 12345}))
+    assert chosen.lease == 12345
+    client._call(Op.LEASES, messages.Leases(release=[granted.lease, chosen.lease]))
 
 
 def test_lease_ends_when_the_views_are_collected_and_the_rows_are_freed(tq_server, client, partition):
@@ -440,5 +446,30 @@ def test_releasing_a_lease_while_the_controller_is_away_does_not_raise():
             finally:
                 os.kill(server.proc.pid, signal.SIGCONT)
             assert _stats_until(admin, lambda s: s["leases"] == 0, timeout=5.0)["leases"] == 0
+    finally:
+        server.shutdown()
+
+
+def test_a_lease_whose_grant_never_reached_its_reader_is_given_up_before_its_term():
+    """A borrowed get's locate times out (controller SIGSTOPped): the get fails, but the controller
+    still grants the lease once it runs again. The reader chose the lease's id, so its keeper gives it
+    up at its next renewal - well before the lease's own term (6 s here) would end it."""
+    from tq import TQServer
+    from tq.errors import TQConnectionError
+
+    server = TQServer(storage_units=1, capacity=8 << 20)
+    try:
+        with TQClient(server.address, timeout=10.0) as admin, TQClient(server.address, timeout=1.0, lease_s=6.0) as reader:
+            admin.register_partition("p")
+            meta = admin.put("p", unique_keys(8), _batch(8, seed=14))
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(TQConnectionError):
+                    reader.get(meta, ["reward"], copy=False)  # no table learnt yet: a locate that takes the lease
+            finally:
+                os.kill(server.proc.pid, signal.SIGCONT)
+            resumed = time.monotonic()
+            st = _stats_until(admin, lambda s: s["leases"] == 0, timeout=4.0)
+            assert st["leases"] == 0 and time.monotonic() - resumed < 4.0, st["leases"]
     finally:
         server.shutdown()

@@ -46,6 +46,7 @@ from .locations import SUPPORTED as LOCAL_TABLES_SUPPORTED, LocatedRows, Locatio
 from . import messages
 from .messages import ControllerOp as Op, UnitOp
 from .meta import KVBatchMeta
+from .leases import new_lease_id
 from .pins import SUPPORTED as PINS_SUPPORTED, PinFile
 from .protocol import LOC_BLOCK as BLOCK, LOC_COLUMNS, LOC_NBYTES as NBYTES, LOC_OFFSET as OFFSET  # location
 from .protocol import LOC_ROW as ROW, LOC_UNIT as UNIT  # record columns
@@ -317,6 +318,8 @@ class _LeaseKeeper:
         self._views: dict[int, int] = {}  # lease id -> tensors' arrays still alive
         self._slots: dict[int, tuple[PinFile, int]] = {}  # lease id -> its pin file and slot, for pins
         self._ended: list[int] = []
+        # lease ids asked for by requests that failed (no reply): given up until then, in case one was granted
+        self._abandoned: dict[int, float] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopped = False
@@ -355,6 +358,20 @@ class _LeaseKeeper:
         else:
             self._wake.set()
 
+    def abandon(self, lease: int) -> None:
+        """A request asking for ``lease`` failed without a reply: the controller may still grant it (it
+        may only have been slow), so it is given up at every renewal for one term."""
+        with self._lock:
+            self._abandoned[lease] = time.monotonic() + self._term()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tq-lease-keeper", daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    def _term(self) -> float:
+        client = self._client()
+        return client.lease_s if client is not None else 0.0
+
     def release_now(self, lease: int) -> None:
         with self._lock:
             if self._views.pop(lease, None) is None:
@@ -386,19 +403,22 @@ class _LeaseKeeper:
 
     def flush(self) -> None:
         """Renew the leases still viewed, give up the others."""
+        now_s = time.monotonic()
         with self._lock:
             pinned = list(self._slots.items())
             renew, ended, self._ended = [i for i in self._views if i not in self._slots], self._ended, []
+            self._abandoned = {i: until for i, until in self._abandoned.items() if until > now_s}
+            abandoned = list(self._abandoned)
         client = self._client()
         if client is None:
             return
         now = time.monotonic_ns()
         outlived = sum(not pins.renew(slot, i, now + int(client.lease_s * 1e9), now) for i, (pins, slot) in pinned)
         self._close_retired()
-        if renew or ended:
+        if renew or ended or abandoned:
             try:
                 reply = client._call(
-                    Op.LEASES, messages.Leases(renew=renew, release=ended), timeout=min(client.timeout, client.lease_s / 3)
+                    Op.LEASES, messages.Leases(renew=renew, release=ended + abandoned), timeout=min(client.timeout, client.lease_s / 3)
                 )
             except TQError:  # the controller is away: try again next period (leases are journaled)
                 with self._lock:
@@ -1230,21 +1250,31 @@ class TQClient:
                 frees=rows.frees,
                 units_version=self._units_version,
                 lease_s=self.lease_s,
+                lease_id=new_lease_id(),
             )
             rid = self._ctrl.send(Op.BORROW, self._with_reads(args))
-        # the reader checked every row lies in the arena; views need each field's rows back to back
-        arena = self._read_only(rows.unit)
-        for f, name in enumerate(fields):
-            if rows.adjacent[f]:
-                got = self._view_field(
-                    schemas[name], arena, int(rows.offsets[f, 0]), rows.sizes[f], rows.totals[f], meta, layout, pad_to, arrays
-                )
-                if got is not None:
-                    values[name] = got
+        try:
+            # the reader checked every row lies in the arena; views need each field's rows back to back
+            arena = self._read_only(rows.unit)
+            for f, name in enumerate(fields):
+                if rows.adjacent[f]:
+                    got = self._view_field(
+                        schemas[name], arena, int(rows.offsets[f, 0]), rows.sizes[f], rows.totals[f], meta, layout, pad_to, arrays
+                    )
+                    if got is not None:
+                        values[name] = got
+            if pinned is None:
+                granted = self._ctrl.recv(rid, Op.BORROW)[0].lease
+        except BaseException:
+            if pinned is None:  # the lease asked for may be granted all the same: give it up later
+                self._leases.abandon(args.lease_id)  # type: ignore[arg-type]
+            else:
+                pins.release(pinned[1], pinned[0])  # type: ignore[union-attr]
+            raise
         if pinned is not None:
             lease, pin = pinned[0], (pins, pinned[1])
         else:
-            lease, pin = self._ctrl.recv(rid, Op.BORROW)[0].lease, None
+            lease, pin = granted, None
             if pins is not None and pins.revoked:
                 self._leases.retire(pins)  # the controller stopped reading it: the next get registers a new one
         if lease is not None:  # a refused borrow's rows are read again by the locate, which counts them
@@ -1282,8 +1312,19 @@ class TQClient:
         arrays: list[np.ndarray],
     ) -> int:
         """One locate that also leases the rows, then the views; returns the lease."""
-        args = messages.Locate(partition=meta.partition_id, keys=list(meta.keys), fields=fields, timeout=wait_timeout, lease_s=self.lease_s)
-        located, lmsg = self._ctrl.call(Op.LOCATE, self._with_reads(args), timeout=self.timeout + (wait_timeout or 0.0))
+        args = messages.Locate(
+            partition=meta.partition_id,
+            keys=list(meta.keys),
+            fields=fields,
+            timeout=wait_timeout,
+            lease_s=self.lease_s,
+            lease_id=new_lease_id(),
+        )
+        try:
+            located, lmsg = self._ctrl.call(Op.LOCATE, self._with_reads(args), timeout=self.timeout + (wait_timeout or 0.0))
+        except TQConnectionError:  # no reply: the lease asked for may be granted all the same - give it up later
+            self._leases.abandon(args.lease_id)  # type: ignore[arg-type]
+            raise
         if located.units_version != self._units_version:
             self._refresh_units()
         lease = located.lease

@@ -44,7 +44,7 @@ from .errors import (
 )
 from .arena import host_identity
 from .journal import Journal
-from .leases import LeaseBook, leased_blocks
+from .leases import LeaseBook, leased_blocks, new_lease_id
 from .locations import LocationTable, remove_orphans
 from .messages import ControllerOp as Op
 from .partition import Partition, Waiter
@@ -266,11 +266,15 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         """Pin these (unit, block) pairs; journaled, so a restarted controller keeps the pins (each for
         a fresh term) and its ``retain`` keeps their rows. ``pin``: a reader's pin taken over (tq.pins),
         under the reader's lease id."""
-        lease_id = int.from_bytes(os.urandom(7), "little") if lease_id is None else lease_id
+        lease_id = new_lease_id() if lease_id is None else lease_id
         self.lease_book.take(lease_id, ttl, blocks, pin=pin)
         if self.journal is not None:
             self.journal.append(["__lease__", {"id": lease_id, "ttl": ttl, "blocks": blocks, "pin": pin}, []])
         return lease_id
+
+    def _check_lease_id(self, lease_id: int | None) -> None:
+        if lease_id is not None and lease_id in self.lease_book.leases:
+            raise InvalidRequestError(f"lease id {lease_id} is in use (a reader must choose a new random id per lease)")
 
     def _adopt_pins(self) -> None:
         """Take every reader's pin that is not a lease yet as one, so the rows about to be freed in its
@@ -334,9 +338,10 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         if args.unit >= len(self.units):
             raise InvalidRequestError(f"borrow names storage unit {args.unit}; there are {len(self.units)}")
         table = part.table
+        self._check_lease_id(args.lease_id)
         if (table.incarnation, table.frees, self.units_version) != (args.incarnation, args.frees, args.units_version) or not args.blocks:
             return messages.BorrowReply(lease=None)
-        return messages.BorrowReply(lease=self._take_lease([(args.unit, b) for b in args.blocks], args.lease_s))
+        return messages.BorrowReply(lease=self._take_lease([(args.unit, b) for b in args.blocks], args.lease_s, args.lease_id))
 
     def op_leases(self, args: messages.Leases, buffers: list, call: Call) -> messages.LeasesReply:
         """Renew the leases a borrower still holds, end those it gave up; answers which of the renewed
@@ -662,7 +667,8 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         its fields still costs one round trip."""
         self._count_reads(args)
         part = self._partition(args.partition)
-        keys, fields, timeout, lease_s = args.keys, args.fields, args.timeout, args.lease_s
+        keys, fields, timeout, lease_s, lease_id = args.keys, args.fields, args.timeout, args.lease_s, args.lease_id
+        self._check_lease_id(lease_id)
         if timeout is not None:
             if self._missing(part, keys, fields)[0]:
                 self.waiters.append(
@@ -672,14 +678,14 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
                         keys,
                         fields,
                         time.monotonic() + timeout,
-                        lambda: self._locate(self.partitions[part.pid], keys, fields, lease_s),
+                        lambda: self._locate(self.partitions[part.pid], keys, fields, lease_s, lease_id),
                     )
                 )
                 return DEFERRED
-        return self._locate(part, keys, fields, lease_s)
+        return self._locate(part, keys, fields, lease_s, lease_id)
 
     def _locate(
-        self, part: Partition, keys: list[str], fields: list[str], lease_s: float | None = None
+        self, part: Partition, keys: list[str], fields: list[str], lease_s: float | None = None, lease_id: int | None = None
     ) -> tuple[messages.LocateReply, list]:
         slots = part.slots_of(keys)
         loc = np.empty((len(fields), len(keys), LOC_COLUMNS), dtype=np.int64)
@@ -719,7 +725,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             units_version=self.units_version,
             table=part.table.descriptor(),  # type: ignore[arg-type] - its map, encoded as a TableRef
             frees=part.table.frees,
-            lease=self._take_lease(leased_blocks(loc), lease_s) if lease_s is not None else None,
+            lease=self._take_lease(leased_blocks(loc), lease_s, lease_id) if lease_s is not None else None,
         )
         return reply, frames
 

@@ -11,6 +11,7 @@ runs out without a renewal: a holder that died pins nothing for longer than one 
 from __future__ import annotations
 
 import collections
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,12 @@ def leased_blocks(loc: np.ndarray) -> list[tuple[int, int]]:
     """The distinct (unit, block) pairs of location records (unit and block columns first)."""
     packed = distinct(loc[..., UNIT] * (1 << BLOCK_BITS) + loc[..., BLOCK])
     return [divmod(int(x), 1 << BLOCK_BITS) for x in packed.tolist()]
+
+
+def new_lease_id() -> int:
+    """A random lease id in [1, 2**62]: a reader chooses its own (so it can give up a lease whose grant
+    it never heard), and two random ones collide with probability ~2**-62."""
+    return secrets.randbits(62) + 1
 
 
 def pin_ref(pin: Any) -> tuple[str, int] | None:

@@ -35,6 +35,7 @@ BLOCK_ID_LIMIT = 1 << 40  # storage units number blocks from 1 and never get nea
 
 Count = Annotated[int, msgspec.Meta(ge=0)]  # msgspec never takes a bool for an int
 BlockId = Annotated[int, msgspec.Meta(ge=0, lt=BLOCK_ID_LIMIT)]
+LeaseId = Annotated[int, msgspec.Meta(gt=0, le=(1 << 63) - 1)]  # a borrowed get's lease (a reader may choose it)
 # Seconds to wait: finite (a NaN or infinity would park a request forever) and >= 0.
 Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]
 TagValue = Union[None, bool, int, float, str]
@@ -306,6 +307,8 @@ class Locate(ReadsArgs, kw_only=True):
     # a borrowed get: pin the located rows for this many seconds (renewed with ``leases``) so that
     # no discard, clear or overwrite frees them while the reader views them in the arena
     lease_s: Union[Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)], None] = None
+    # the lease's id, chosen by the reader: one whose reply is lost can still be given up by it
+    lease_id: Union[LeaseId, None] = None
 
 
 class TableRef(msgspec.Struct):
@@ -396,6 +399,7 @@ class Borrow(ReadsArgs, kw_only=True):
     frees: int
     units_version: int
     lease_s: Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)]
+    lease_id: Union[LeaseId, None] = None  # chosen by the reader (see Locate)
 
 
 class BorrowReply(Reply):

@@ -30,11 +30,12 @@ from __future__ import annotations
 import collections
 import mmap
 import os
-import secrets
 import uuid
 from dataclasses import dataclass
 
 import numpy as np
+
+from .leases import new_lease_id
 
 try:
     from ._fastcopy import bump_word as _bump_word
@@ -136,7 +137,7 @@ class PinFile:
             slot = self._free.pop()
         except IndexError:
             return None
-        lease = secrets.randbits(62) + 1
+        lease = new_lease_id()
         held = _pin(self._mm, slot, lease, deadline_ns, unit, blocks, table, frees, incarnation, clears)
         if not held:
             self._free.append(slot)

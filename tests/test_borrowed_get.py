@@ -99,6 +99,26 @@ def test_a_same_host_borrowed_get_takes_a_pin_without_a_request(tq_server, clien
         assert _stats_until(client, lambda s: s["rows_waiting_for_leases"] == 0)["rows_waiting_for_leases"] == 0
 
 
+def test_a_reader_registers_a_new_pin_file_with_a_controller_that_never_heard_of_its_file(tq_server, client, partition):
+    """Each controller writes its pin board's epoch into its tables; a reader whose pin file was
+    registered under another epoch (a controller started anew, without a journal) pins nothing against
+    them: it registers a new file first - else the new controller would free rows under its pins."""
+    batch = _batch(16, seed=15)
+    meta = client.put(partition, unique_keys(16), batch)
+    with TQClient(tq_server.address, timeout=10.0) as reader:
+        reader.get(meta, ["reward"])
+        reader.get(meta, ["reward"], copy=False).release()
+        first = reader._leases.pins
+        first.epoch += 1  # as if registered with the previous controller
+        before = _ops(client).get("pin_file", 0)
+        got = reader.get(meta, ["reward"], copy=False)
+        assert _ops(client).get("pin_file", 0) == before + 1 and reader._leases.pins is not first
+        assert got.viewed == {"reward"} and len(reader._leases._slots) == 1  # pinned, in the new file
+        client.discard(meta)
+        assert client.stats()["rows_waiting_for_leases"] > 0 and torch.equal(got["reward"], batch["reward"])
+        got.release()
+
+
 def test_a_reader_out_of_pin_slots_leases_by_request(tq_server, client, partition):
     """Pins are a fixed number of slots per client: with every slot holding a borrowed get, the next
     one asks the controller for its lease (``borrow``), and is as safe."""

@@ -18,21 +18,34 @@ from tq.rpc import Call
 pytestmark = pytest.mark.skipif(not SUPPORTED, reason="pins need the C helper tq._fastcopy")
 
 
+EPOCH = 77  # the pin board of the tables made here (a controller writes its own in each of its tables)
+
+
 def _table(tmp_path):
     from tq.locations import LocationTable
 
-    return LocationTable(str(tmp_path))
+    return LocationTable(str(tmp_path), pin_epoch=EPOCH)
+
+
+def _pin_file(directory, slots: int = 4) -> PinFile:
+    pins = PinFile(str(directory), slots=slots)
+    pins.epoch = EPOCH  # as registered with that board
+    return pins
 
 
 def test_a_pin_holds_only_if_the_table_freed_nothing_since_the_read(tmp_path):
     from tq.locations import H_CLEARS, H_RETIRED
 
     table = _table(tmp_path)
-    pins = PinFile(str(tmp_path), slots=4)
+    pins = _pin_file(tmp_path)
     board = PinBoard(str(tmp_path))
     board.register(pins.path)
     try:
         frees, inc, clears = table.frees, table.incarnation, int(table.header[H_CLEARS])
+        far = time.monotonic_ns() + 10**10
+        pins.epoch = EPOCH + 1  # registered with another board (a controller started anew never heard of the file)
+        assert pins.pin(far, 0, [3, 9], table._mm, frees, inc, clears) is None
+        pins.epoch = EPOCH
         far = time.monotonic_ns() + 10**10
         got = pins.pin(far, 0, [3, 9], table._mm, frees, inc, clears)
         assert got is not None
@@ -102,7 +115,9 @@ def test_the_controller_keeps_a_pinned_block_across_a_restart_until_the_pin_is_g
             }
         }
         apply(ctrl, "commit", {"partition": "p", "keys": ["a", "b"], "mode": "put", "blocks": [[0, 5, 2]], "fields": fields}, bufs)
-        assert apply(ctrl, "pin_file", {"path": pins.path}).registered
+        reply = apply(ctrl, "pin_file", {"path": pins.path})
+        assert reply.registered and reply.epoch == ctrl.pin_epoch != 0
+        pins.epoch = reply.epoch
         table = ctrl.partitions["p"].table
         lease, slot = pins.pin(
             time.monotonic_ns() + 60 * 10**9, 0, [5], table._mm, table.frees, table.incarnation, int(table.header[H_CLEARS])
@@ -182,7 +197,7 @@ def test_a_file_whose_client_looks_gone_is_revoked_before_it_is_let_go(tmp_path)
     from tq.pins import PIN_OWNER_W
 
     table = _table(tmp_path)
-    pins = PinFile(str(tmp_path), slots=4)
+    pins = _pin_file(tmp_path)
     board = PinBoard(str(tmp_path))
     board.register(pins.path)
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout

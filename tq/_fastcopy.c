@@ -395,7 +395,7 @@ done_seq:
  *   out of range, a row not produced or on a down unit, or rows on several units. One C call, not a
  *   dozen numpy ones: it runs right after megabyte copies have evicted the interpreter's caches. */
 enum { H_MAGIC, H_CAPACITY, H_COLUMNS, H_SEQ, H_FREES, H_INCARNATION, H_RETIRED, H_UNITS_VERSION,
-       H_DOWN_UNITS, H_ALIVE_UNTIL, H_CLEARS, HEADER_WORDS = 16 };
+       H_DOWN_UNITS, H_ALIVE_UNTIL, H_CLEARS, H_PIN_EPOCH, HEADER_WORDS = 16 };
 enum { LOC_UNIT, LOC_BLOCK, LOC_ROW, LOC_NBYTES, LOC_OFFSET, LOC_COLUMNS };
 
 static inline int64_t load_word(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
@@ -524,14 +524,16 @@ static int64_t *pin_slot(Py_buffer *pins, Py_ssize_t slot) {
     return (int64_t *)pins->buf + PIN_HEADER + slot * PIN_WORDS;
 }
 
-/* pin(pins, slot, lease, deadline_ns, unit, blocks, table, frees, incarnation, clears) -> bool */
+/* pin(pins, slot, lease, deadline_ns, unit, blocks, table, frees, incarnation, clears, epoch) -> bool
+ * epoch: the pin board the file was registered with; a table of another (a controller started anew
+ * without a journal: it never heard of the file) refuses the pin. */
 static PyObject *pin(PyObject *self, PyObject *args) {
     Py_buffer pins, table;
     Py_ssize_t slot;
-    long long lease, deadline, unit, frees, incarnation, clears;
+    long long lease, deadline, unit, frees, incarnation, clears, epoch;
     PyObject *blocks_o, *blocks = NULL, *ret = NULL;
-    if (!PyArg_ParseTuple(args, "w*nLLLOy*LLL", &pins, &slot, &lease, &deadline, &unit, &blocks_o, &table, &frees,
-                          &incarnation, &clears))
+    if (!PyArg_ParseTuple(args, "w*nLLLOy*LLLL", &pins, &slot, &lease, &deadline, &unit, &blocks_o, &table, &frees,
+                          &incarnation, &clears, &epoch))
         return NULL;
     int64_t *s = pin_slot(&pins, slot);
     if (!s) goto done;
@@ -551,8 +553,9 @@ static PyObject *pin(PyObject *self, PyObject *args) {
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     const int64_t *h = table.buf;
     /* the file revoked (the controller stops reading it): this pin may go unseen */
-    int held = !load_word((const int64_t *)pins.buf + PIN_REVOKED_W) && load_word(&h[H_FREES]) == frees && !load_word(&h[H_RETIRED]) &&
-               load_word(&h[H_INCARNATION]) == incarnation && load_word(&h[H_CLEARS]) == clears;
+    int held = !load_word((const int64_t *)pins.buf + PIN_REVOKED_W) && epoch && load_word(&h[H_PIN_EPOCH]) == epoch &&
+               load_word(&h[H_FREES]) == frees && !load_word(&h[H_RETIRED]) && load_word(&h[H_INCARNATION]) == incarnation &&
+               load_word(&h[H_CLEARS]) == clears;
     if (!held) __atomic_store_n(&s[P_LEASE], 0, __ATOMIC_RELEASE);
     ret = held ? Py_True : Py_False;
     Py_INCREF(ret);
@@ -615,8 +618,8 @@ static PyObject *bump_word(PyObject *self, PyObject *args) {
 }
 
 static PyObject *table_layout(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}",
-                         "H_MAGIC", H_MAGIC, "H_CAPACITY", H_CAPACITY, "H_COLUMNS", H_COLUMNS, "H_SEQ", H_SEQ,
+    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}",
+                         "H_PIN_EPOCH", H_PIN_EPOCH, "H_MAGIC", H_MAGIC, "H_CAPACITY", H_CAPACITY, "H_COLUMNS", H_COLUMNS, "H_SEQ", H_SEQ,
                          "H_FREES", H_FREES, "H_INCARNATION", H_INCARNATION, "H_RETIRED", H_RETIRED,
                          "H_UNITS_VERSION", H_UNITS_VERSION, "H_DOWN_UNITS", H_DOWN_UNITS, "H_ALIVE_UNTIL", H_ALIVE_UNTIL,
                          "H_CLEARS", H_CLEARS, "HEADER_WORDS", HEADER_WORDS, "LOC_UNIT", LOC_UNIT,

@@ -42,7 +42,7 @@ from .errors import (
     TQError,
 )
 from .jagged import JaggedTensor
-from .locations import SUPPORTED as LOCAL_TABLES_SUPPORTED, LocatedRows, LocationView
+from .locations import H_PIN_EPOCH, SUPPORTED as LOCAL_TABLES_SUPPORTED, LocatedRows, LocationView
 from . import messages
 from .messages import ControllerOp as Op, UnitOp
 from .meta import KVBatchMeta
@@ -1283,23 +1283,33 @@ class TQClient:
 
     def _pin_file(self, view: LocationView) -> PinFile | None:
         """This client's pin file, made and registered with the controller at the first borrowed get
-        (in the directory of its location tables); None where the controller reads no pins."""
-        if self._leases.pins is not None or self._pins_refused:
-            return self._leases.pins
+        (in the directory of its location tables), and again whenever the table read carries another
+        pin board's epoch than the file was registered with (a controller started anew, which never
+        heard of it); None where the controller reads no pins."""
+        pins = self._leases.pins
+        epoch = int(view.header[H_PIN_EPOCH])
+        if self._pins_refused or (pins is not None and pins.epoch == epoch):
+            return pins
         with self._pins_lock:
-            if self._leases.pins is None and not self._pins_refused:
-                pins = PinFile(os.path.dirname(os.path.realpath(view.path))) if PINS_SUPPORTED else None
+            pins = self._leases.pins
+            if pins is not None and pins.epoch != epoch:
+                self._leases.retire(pins)  # its pins still held stay valid where they were taken
+                pins = None
+            if pins is None and not self._pins_refused:
+                pins = PinFile(os.path.dirname(os.path.realpath(view.path))) if PINS_SUPPORTED and epoch else None
                 try:
-                    ok = pins is not None and self._call(Op.PIN_FILE, messages.PinFile(path=pins.path)).registered
+                    reply = self._call(Op.PIN_FILE, messages.PinFile(path=pins.path)) if pins is not None else None
                 except TQError:  # e.g. a controller without pins: lease by request
-                    ok = False
-                if ok:
+                    reply = None
+                if reply is not None and reply.registered and reply.epoch == epoch:
+                    pins.epoch = epoch  # type: ignore[union-attr]
                     self._leases.pins = pins
                 else:
-                    self._pins_refused = True
+                    self._pins_refused = reply is None or not reply.registered
                     if pins is not None:
                         pins.close()
-        return self._leases.pins
+                    pins = None
+        return pins
 
     def _borrow_located(
         self,

@@ -112,6 +112,9 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         self.lease_book = LeaseBook()  # blocks borrowed gets view in place (see tq.leases)
         # same-host readers' pin files (tq.pins): read at every free, where a location table is shared
         self.pin_board = PinBoard(self.shm_dir) if self.shm_dir is not None and PINS_SUPPORTED else None
+        # written into every table: a reader pins only against tables of the board it registered with
+        # (a controller started anew reads none of the files its predecessor had registered)
+        self.pin_epoch = new_lease_id() if self.pin_board is not None else 0
         self._next_pin_prune = 0.0
         self.serve_ops(
             messages.CONTROLLER_REQUESTS,
@@ -168,7 +171,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         return messages.HelloReply(units=self.units, units_version=self.units_version, host=self.host)  # type: ignore[arg-type]
 
     def _new_partition(self, pid: str, table: LocationTable | None = None) -> Partition:
-        part = Partition(pid, table or LocationTable(self.shm_dir))
+        part = Partition(pid, table or LocationTable(self.shm_dir, pin_epoch=self.pin_epoch))
         self._publish_status(part.table)
         return part
 
@@ -300,7 +303,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         return True
 
     def op_pin_file(self, args: messages.PinFile, buffers: list, call: Call) -> messages.PinFileReply:
-        return messages.PinFileReply(registered=self._register_pins(args.path))
+        return messages.PinFileReply(registered=self._register_pins(args.path), epoch=self.pin_epoch)
 
     def _poll_pins(self, expired: list[int], now: float) -> list[int]:
         """Of the leases whose time is up, those that are pins still held get another poll period;

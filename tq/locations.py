@@ -58,7 +58,7 @@ except ImportError:  # no compiler at install time: every get asks the controlle
     _read_locations = _c_table_layout = None
 
 MAGIC = 0x5451_4C4F_4354_0001  # "TQLOCT" v1
-H_MAGIC, H_CAPACITY, H_COLUMNS, H_SEQ, H_FREES, H_INCARNATION, H_RETIRED, H_UNITS_VERSION, H_DOWN_UNITS, H_ALIVE_UNTIL, H_CLEARS = range(11)
+H_MAGIC, H_CAPACITY, H_COLUMNS, H_SEQ, H_FREES, H_INCARNATION, H_RETIRED, H_UNITS_VERSION, H_DOWN_UNITS, H_ALIVE_UNTIL, H_CLEARS, H_PIN_EPOCH = range(12)
 HEADER_WORDS = 16
 ALIVE_S = 3.0  # a table whose controller has not renewed it (every second) for this long is not trusted
 #: Same-host readers use the tables only where stores are seen in program order (see module
@@ -76,6 +76,7 @@ _LAYOUT = {
     "H_DOWN_UNITS": H_DOWN_UNITS,
     "H_ALIVE_UNTIL": H_ALIVE_UNTIL,
     "H_CLEARS": H_CLEARS,
+    "H_PIN_EPOCH": H_PIN_EPOCH,
     "HEADER_WORDS": HEADER_WORDS,
     "LOC_UNIT": LOC_UNIT,
     "LOC_BLOCK": LOC_BLOCK,
@@ -171,13 +172,14 @@ class LocationTable:
     """The controller's side: per-field location records of one partition, in shared memory when
     ``directory`` is given (else private memory, and no reader can map it)."""
 
-    def __init__(self, directory: str | None, capacity: int = 16, columns: int = 4) -> None:
+    def __init__(self, directory: str | None, capacity: int = 16, columns: int = 4, pin_epoch: int = 0) -> None:
         self.directory = directory
         self.columns: dict[str, int] = {}  # field -> column; kept across clears (fields tend to return)
         self.views: dict[str, np.ndarray] = {}  # fields in use -> their [capacity, LOC_COLUMNS] records
         self.path: str | None = None
         self._mm: mmap.mmap | None = None
         self.header = np.zeros(HEADER_WORDS, dtype=np.int64)
+        self.header[H_PIN_EPOCH] = pin_epoch  # the pin board readers' pins must be registered with (tq.pins)
         self._allocate(capacity, columns, incarnation=new_incarnation())
 
     # -- storage

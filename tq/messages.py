@@ -414,6 +414,7 @@ class PinFile(Args):
 
 class PinFileReply(Reply):
     registered: bool  # False: this controller reads no pins (no shared memory, or no C helper)
+    epoch: int = 0  # the board's: written in every table of this controller, which pins must match
 
 
 class UnitStatus(Args):

@@ -16,7 +16,10 @@ host. A pin takes the lease where the reader already is, in shared memory:
   :class:`~tq.leases.LeaseBook` (journaled, as a ``borrow`` lease is), so the rows freed in its blocks
   wait for it.
 Either the reader sees the bump or the controller sees the pin, never neither (each side stores, fences,
-then loads the other's word): a pin that held was seen by every later free.
+then loads the other's word): a pin that held was seen by every later free. A pin also holds only
+against a table carrying the epoch of the pin board its file was registered with (each controller
+writes its own into its tables): a controller started anew without a journal never heard of older
+files, so a reader registers a new one with it first.
 
 The reader renews a pin by writing a later deadline into its slot and releases it by clearing the
 slot; the controller polls the pins it holds as leases (``POLL_S``) and ends one whose slot was cleared,
@@ -122,6 +125,7 @@ class PinFile:
         self._words[PIN_MAGIC_W] = MAGIC
         self._slots = self._words[PIN_HEADER:].reshape(slots, PIN_WORDS)
         self.owner = os.getpid()
+        self.epoch = 0  # the pin board it is registered with (tables carry theirs): set on registration
         # free slots; a deque's append and pop need no lock, so a release is safe from a finalizer
         self._free = collections.deque(range(slots))
 
@@ -138,7 +142,7 @@ class PinFile:
         except IndexError:
             return None
         lease = new_lease_id()
-        held = _pin(self._mm, slot, lease, deadline_ns, unit, blocks, table, frees, incarnation, clears)
+        held = _pin(self._mm, slot, lease, deadline_ns, unit, blocks, table, frees, incarnation, clears, self.epoch)
         if not held:
             self._free.append(slot)
             return None
@@ -161,9 +165,10 @@ class PinFile:
 
     def release(self, slot: int, lease: int) -> None:
         """Give the pin up (its slot is free for the next one). Any thread, any time: one store."""
-        if self._slots is None or self._slots[slot, P_LEASE] != lease:
+        slots = self._slots  # once: close() may drop it meanwhile (the mapping stays while a view lives)
+        if slots is None or slots[slot, P_LEASE] != lease:
             return
-        self._slots[slot, P_LEASE] = 0
+        slots[slot, P_LEASE] = 0
         self._free.append(slot)
 
     def close(self) -> None:

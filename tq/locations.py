@@ -58,7 +58,20 @@ except ImportError:  # no compiler at install time: every get asks the controlle
     _read_locations = _c_table_layout = None
 
 MAGIC = 0x5451_4C4F_4354_0001  # "TQLOCT" v1
-H_MAGIC, H_CAPACITY, H_COLUMNS, H_SEQ, H_FREES, H_INCARNATION, H_RETIRED, H_UNITS_VERSION, H_DOWN_UNITS, H_ALIVE_UNTIL, H_CLEARS, H_PIN_EPOCH = range(12)
+(
+    H_MAGIC,
+    H_CAPACITY,
+    H_COLUMNS,
+    H_SEQ,
+    H_FREES,
+    H_INCARNATION,
+    H_RETIRED,
+    H_UNITS_VERSION,
+    H_DOWN_UNITS,
+    H_ALIVE_UNTIL,
+    H_CLEARS,
+    H_PIN_EPOCH,
+) = range(12)
 HEADER_WORDS = 16
 ALIVE_S = 3.0  # a table whose controller has not renewed it (every second) for this long is not trusted
 #: Same-host readers use the tables only where stores are seen in program order (see module

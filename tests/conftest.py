@@ -227,3 +227,66 @@ def model(tok):
     from common.models import TINY_MODEL, load_model
 
     return load_model(TINY_MODEL, tokenizer=tok, seed=0)
+
+
+class LoopbackController:
+    """A controller driven in this process as its server loop drives it - the op's handler, then its
+    journal record, then the loop's tick - with storage unit 0 played by a bare ROUTER socket whose
+    requests the test listens to (``heard``)."""
+
+    def __init__(self) -> None:
+        from tq.rpc import Call
+
+        self.unit = zmq.Context.instance().socket(zmq.ROUTER)
+        self.port = self.unit.bind_to_random_port("tcp://127.0.0.1")
+        self.call = Call(b"", None, "test", 0.0)
+
+    @staticmethod
+    def start(**kwargs):
+        from tq.controller import Controller
+
+        return Controller("tcp://127.0.0.1:0", **kwargs)
+
+    def apply(self, ctrl, op: str, args: dict, bufs: list = (), *, tick: bool = True):
+        import msgspec
+
+        out = ctrl.handle(op, args, list(bufs), self.call)
+        ctrl.on_applied(op, msgspec.msgpack.encode(args), list(bufs))
+        if tick:
+            ctrl.on_tick(time.monotonic())
+        return out
+
+    def heard(self, timeout_ms: int = 300, ignore: tuple[str, ...] = ("ping", "retain")) -> list[str]:
+        """The ops the unit was sent, in order, until none came for 50 ms (the first wait ``timeout_ms``)."""
+        ops = []
+        while self.unit.poll(timeout_ms):
+            op = protocol.decode(self.unit.recv_multipart()[1:], None).header["op"]
+            ops += [] if op in ignore else [op]
+            timeout_ms = 50
+        return ops
+
+    def commit_two_rows(self, ctrl, *, tick: bool = True) -> None:
+        """Unit 0 registered, partition ``p`` made, keys ``a`` and ``b`` committed as rows 0 and 1 of block 5."""
+        import numpy as np
+
+        unit = {"address": f"tcp://127.0.0.1:{self.port}", "arena_size": 1 << 20, "pid": 1, "host": "h", "arena_path": "/nonexistent"}
+        self.apply(ctrl, "register_unit", unit, tick=tick)
+        self.apply(ctrl, "create_partition", {"partition": "p"}, tick=tick)
+        bufs: list = []
+        fields = {
+            "x": {
+                "schema": ["tensor", "int64", []],
+                "row_nbytes": protocol.pack_array(np.array([8, 8]), bufs),
+                "arena_offsets": protocol.pack_array(np.array([0, 8]), bufs),
+            }
+        }
+        commit = {"partition": "p", "keys": ["a", "b"], "mode": "put", "blocks": [[0, 5, 2]], "fields": fields}
+        self.apply(ctrl, "commit", commit, bufs, tick=tick)
+
+
+@pytest.fixture()
+def loopback():
+    """A :class:`LoopbackController` harness (its unit socket closed after the test)."""
+    harness = LoopbackController()
+    yield harness
+    harness.unit.close(0)

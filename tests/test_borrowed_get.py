@@ -43,6 +43,21 @@ def _used(st: dict) -> int:
     return sum(u["bytes_live"] for u in st["unit_stats"])
 
 
+def _settled(c: TQClient, timeout: float = 5.0) -> dict:
+    """Stats once the units' bytes stopped changing for 0.2 s: frees an earlier test set off (a pin
+    given up is polled, then its rows go out with the controller's next flush) have landed, so this
+    test's byte counts move only with its own puts and discards."""
+    deadline = time.monotonic() + timeout
+    last = now = c.stats()
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = c.stats()
+        if _used(now) == _used(last) and not now["rows_waiting_for_leases"]:
+            break
+        last = now
+    return now
+
+
 def test_borrowed_views_keep_their_bytes_while_another_client_discards_and_reputs(tq_server, client, partition):
     keys = unique_keys(64)
     batch = _batch(64, seed=1)
@@ -102,7 +117,10 @@ def test_a_same_host_borrowed_get_takes_a_pin_without_a_request(tq_server, clien
 def test_a_reader_registers_a_new_pin_file_with_a_controller_that_never_heard_of_its_file(tq_server, client, partition):
     """Each controller writes its pin board's epoch into its tables; a reader whose pin file was
     registered under another epoch (a controller started anew, without a journal) pins nothing against
-    them: it registers a new file first - else the new controller would free rows under its pins."""
+    them: it registers a new file first - else the new controller would free rows under its pins. So
+    does a reader whose file the controller revoked."""
+    from tq.pins import PIN_REVOKED_W
+
     batch = _batch(16, seed=15)
     meta = client.put(partition, unique_keys(16), batch)
     with TQClient(tq_server.address, timeout=10.0) as reader:
@@ -114,6 +132,12 @@ def test_a_reader_registers_a_new_pin_file_with_a_controller_that_never_heard_of
         got = reader.get(meta, ["reward"], copy=False)
         assert _ops(client).get("pin_file", 0) == before + 1 and reader._leases.pins is not first
         assert got.viewed == {"reward"} and len(reader._leases._slots) == 1  # pinned, in the new file
+        got.release()
+        second = reader._leases.pins
+        second._words[PIN_REVOKED_W] = 1  # as the controller revokes a file whose client looks gone
+        got = reader.get(meta, ["reward"], copy=False)
+        assert _ops(client).get("pin_file", 0) == before + 2 and reader._leases.pins not in (first, second)
+        assert got.viewed == {"reward"} and len(reader._leases._slots) == 1
         client.discard(meta)
         assert client.stats()["rows_waiting_for_leases"] > 0 and torch.equal(got["reward"], batch["reward"])
         got.release()
@@ -129,7 +153,7 @@ def test_a_reader_out_of_pin_slots_leases_by_request(tq_server, client, partitio
     with TQClient(tq_server.address, timeout=10.0) as reader:
         reader.get(meta, ["reward"])
         held = [reader.get(meta, ["reward"], copy=False) for _ in range(SLOTS)]
-        assert all(h.viewed == {"reward"} for h in held)
+        assert all(h.viewed == {"reward"} for h in held) and len(reader._leases._slots) == SLOTS  # all pins
         before = _ops(client)
         extra = reader.get(meta, ["reward"], copy=False)
         assert _ops(client).get("borrow", 0) == before.get("borrow", 0) + 1 and extra.viewed == {"reward"}
@@ -235,7 +259,7 @@ def test_borrow_requests_are_checked(tq_server, client, partition):
 
 
 def test_lease_ends_when_the_views_are_collected_and_the_rows_are_freed(tq_server, client, partition):
-    prior = _used(client.stats())
+    prior = _used(_settled(client))
     meta = client.put(partition, unique_keys(32), _batch(32, seed=2))
     with TQClient(tq_server.address, timeout=10.0, lease_s=3.0) as reader:
         got = reader.get(meta, ["tokens"], copy=False, layout="list")
@@ -285,7 +309,7 @@ time.sleep(60)
 
 
 def test_a_dead_holders_lease_runs_out(tq_server, client, partition):
-    prior = _used(client.stats())
+    prior = _used(_settled(client))
     meta = client.put(partition, unique_keys(8), _batch(8, seed=4))
     holder = subprocess.Popen(
         [sys.executable, "-c", _HOLDER, tq_server.address, partition, *meta.keys], stdout=subprocess.PIPE, env={**os.environ}
@@ -310,53 +334,15 @@ def test_lease_term_is_checked():
         TQClient("tcp://127.0.0.1:1", lease_s=0.0)
 
 
-def test_leases_survive_a_controller_restart_from_its_journal(tmp_path):
+def test_leases_survive_a_controller_restart_from_its_journal(tmp_path, loopback):
     """A borrowed block's rows, discarded, stay pinned across a controller restart (the lease and the
     discard are journaled; the restarted controller's retain keeps them) until the lease ends."""
-    import msgspec
-    import numpy as np
-    import zmq
-
-    from tq import protocol
-    from tq.controller import Controller
     from tq.leases import LeaseBook
-    from tq.rpc import Call
 
-    unit = zmq.Context.instance().socket(zmq.ROUTER)
-    port = unit.bind_to_random_port("tcp://127.0.0.1")
-    call = Call(b"", None, "test", 0.0)
-
-    def apply(ctrl: Controller, op: str, args: dict, bufs: list = ()) -> object:  # handler, then journal
-        out = ctrl.handle(op, args, list(bufs), call)
-        ctrl.on_applied(op, msgspec.msgpack.encode(args), list(bufs))
-        ctrl.on_tick(time.monotonic())
-        return out
-
-    def heard(timeout_ms: int = 300) -> list[str]:
-        ops = []
-        while unit.poll(timeout_ms):
-            op = protocol.decode(unit.recv_multipart()[1:], None).header["op"]
-            ops += [] if op in ("ping", "retain") else [op]
-            timeout_ms = 50
-        return ops
-
-    ctrl = Controller("tcp://127.0.0.1:0", journal_dir=str(tmp_path), shm_dir=None)
+    apply, heard = loopback.apply, loopback.heard
+    ctrl = loopback.start(journal_dir=str(tmp_path), shm_dir=None)
     try:
-        apply(
-            ctrl,
-            "register_unit",
-            {"address": f"tcp://127.0.0.1:{port}", "arena_size": 1 << 20, "pid": 1, "host": "h", "arena_path": "/nonexistent"},
-        )
-        apply(ctrl, "create_partition", {"partition": "p"})
-        bufs: list = []
-        fields = {
-            "x": {
-                "schema": ["tensor", "int64", []],
-                "row_nbytes": protocol.pack_array(np.array([8, 8]), bufs),
-                "arena_offsets": protocol.pack_array(np.array([0, 8]), bufs),
-            }
-        }
-        apply(ctrl, "commit", {"partition": "p", "keys": ["a", "b"], "mode": "put", "blocks": [[0, 5, 2]], "fields": fields}, bufs)
+        loopback.commit_two_rows(ctrl)
         reply, _ = apply(ctrl, "locate", {"partition": "p", "keys": ["a", "b"], "fields": ["x"], "lease_s": 60.0})
         lease = reply.lease
         apply(ctrl, "discard", {"partition": "p", "keys": ["a"]})
@@ -364,7 +350,7 @@ def test_leases_survive_a_controller_restart_from_its_journal(tmp_path):
     finally:
         ctrl.close()  # as if killed: the journal stays
 
-    ctrl = Controller("tcp://127.0.0.1:0", journal_dir=str(tmp_path), shm_dir=None)
+    ctrl = loopback.start(journal_dir=str(tmp_path), shm_dir=None)
     try:
         assert lease in ctrl.lease_book.leases
         assert ctrl._rows_on(0).tolist() == [[5, 0], [5, 1]]  # its retain keeps the discarded row
@@ -375,7 +361,6 @@ def test_leases_survive_a_controller_restart_from_its_journal(tmp_path):
         assert "free_rows" in heard() and ctrl._rows_on(0).tolist() == [[5, 1]]
     finally:
         ctrl.close()
-        unit.close(0)
 
 
 def test_pinned_views_hold_their_bytes_while_a_writer_frees_and_reuses_concurrently():

@@ -499,61 +499,32 @@ def test_journal_stays_compact_under_a_long_run_of_puts_and_discards(tmp_path):
                 s.shutdown()
 
 
-def test_frees_leave_the_controller_only_after_the_op_that_freed_them_is_journaled(tmp_path):
+def test_frees_leave_the_controller_only_after_the_op_that_freed_them_is_journaled(tmp_path, loopback):
     """A controller killed between telling a unit to free a discarded key's rows and journaling the
     discard came back with the key pointing at freed, reused rows (5 wrong-bytes reads in a chaos
     run). The frees now wait for the journal: a unit (a plain socket here) hears nothing while the
     discard is applied but not yet journaled, and the free_rows once it is."""
     import msgspec
-    import zmq
 
-    from tq.controller import Controller
     from tq.journal import Journal
-    from tq.rpc import Call
 
-    unit = zmq.Context.instance().socket(zmq.ROUTER)
-    port = unit.bind_to_random_port("tcp://127.0.0.1")
-    ctrl = Controller("tcp://127.0.0.1:0", journal_dir=str(tmp_path), shm_dir=None)
-    call = Call(b"", None, "test", 0.0)
+    ctrl = loopback.start(journal_dir=str(tmp_path), shm_dir=None)
 
-    def apply(op: str, args: dict, bufs: list = ()) -> None:  # as the server loop does: handler, then journal
-        ctrl.handle(op, args, list(bufs), call)
-        ctrl.on_applied(op, msgspec.msgpack.encode(args), list(bufs))
-
-    def heard(timeout_ms: int = 300) -> list[str]:
-        ops = []
-        while unit.poll(timeout_ms):
-            op = protocol.decode(unit.recv_multipart()[1:], None).header["op"]
-            ops += [] if op == "ping" else [op]  # heartbeats aside
-            timeout_ms = 50
-        return ops
+    def heard() -> list[str]:
+        return loopback.heard(ignore=("ping",))  # heartbeats aside
 
     def journaled() -> list[str]:
         return [op for op, _, _ in Journal.replay(str(tmp_path / "controller.journal"))]
 
     try:
-        apply(
-            "register_unit",
-            {"address": f"tcp://127.0.0.1:{port}", "arena_size": 1 << 20, "pid": 1, "host": "h", "arena_path": "/nonexistent"},
-        )
-        apply("create_partition", {"partition": "p"})
-        bufs: list = []
-        fields = {
-            "x": {
-                "schema": ["tensor", "int64", []],
-                "row_nbytes": protocol.pack_array(np.array([8, 8]), bufs),
-                "arena_offsets": protocol.pack_array(np.array([0, 8]), bufs),
-            }
-        }
-        apply("commit", {"partition": "p", "keys": ["a", "b"], "mode": "put", "blocks": [[0, 5, 2]], "fields": fields}, bufs)
+        loopback.commit_two_rows(ctrl, tick=False)
         ctrl.on_tick(time.monotonic())  # the loop's tick, after every journaled op
         assert heard() == ["claim"]
 
-        ctrl.handle("discard", {"partition": "p", "keys": ["a"]}, [], call)  # applied, not journaled yet
+        ctrl.handle("discard", {"partition": "p", "keys": ["a"]}, [], loopback.call)  # applied, not journaled yet
         assert heard() == [] and "discard" not in journaled()
         ctrl.on_applied("discard", msgspec.msgpack.encode({"partition": "p", "keys": ["a"]}), [])
         ctrl.on_tick(time.monotonic())
         assert heard() == ["free_rows"] and journaled()[-1] == "discard"
     finally:
         ctrl.close()
-        unit.close(0)

@@ -6,14 +6,10 @@ from __future__ import annotations
 import os
 import time
 
-import msgspec
 import numpy as np
 import pytest
-import zmq
 
-from tq import protocol
 from tq.pins import MAGIC, SUPPORTED, PinBoard, PinFile
-from tq.rpc import Call
 
 pytestmark = pytest.mark.skipif(not SUPPORTED, reason="pins need the C helper tq._fastcopy")
 
@@ -71,50 +67,18 @@ def test_a_pin_holds_only_if_the_table_freed_nothing_since_the_read(tmp_path):
         board.close()
 
 
-def test_the_controller_keeps_a_pinned_block_across_a_restart_until_the_pin_is_given_up(tmp_path):
+def test_the_controller_keeps_a_pinned_block_across_a_restart_until_the_pin_is_given_up(tmp_path, loopback):
     """A reader's pin, taken over as a lease at a discard, is journaled: the restarted controller's
     retain keeps the discarded row, and frees it once the reader clears its slot."""
-    from tq.controller import Controller
     from tq.locations import H_CLEARS
 
+    apply, heard = loopback.apply, loopback.heard
     shm = tmp_path / "shm"
     shm.mkdir()
-    unit = zmq.Context.instance().socket(zmq.ROUTER)
-    port = unit.bind_to_random_port("tcp://127.0.0.1")
-    call = Call(b"", None, "test", 0.0)
-
-    def apply(ctrl: Controller, op: str, args: dict, bufs: list = ()) -> object:  # handler, then journal
-        out = ctrl.handle(op, args, list(bufs), call)
-        ctrl.on_applied(op, msgspec.msgpack.encode(args), list(bufs))
-        ctrl.on_tick(time.monotonic())
-        return out
-
-    def heard(timeout_ms: int = 300) -> list[str]:
-        ops = []
-        while unit.poll(timeout_ms):
-            op = protocol.decode(unit.recv_multipart()[1:], None).header["op"]
-            ops += [] if op in ("ping", "retain") else [op]
-            timeout_ms = 50
-        return ops
-
     pins = PinFile(str(shm))
-    ctrl = Controller("tcp://127.0.0.1:0", journal_dir=str(tmp_path / "j"), shm_dir=str(shm))
+    ctrl = loopback.start(journal_dir=str(tmp_path / "j"), shm_dir=str(shm))
     try:
-        apply(
-            ctrl,
-            "register_unit",
-            {"address": f"tcp://127.0.0.1:{port}", "arena_size": 1 << 20, "pid": 1, "host": "h", "arena_path": "/nonexistent"},
-        )
-        apply(ctrl, "create_partition", {"partition": "p"})
-        bufs: list = []
-        fields = {
-            "x": {
-                "schema": ["tensor", "int64", []],
-                "row_nbytes": protocol.pack_array(np.array([8, 8]), bufs),
-                "arena_offsets": protocol.pack_array(np.array([0, 8]), bufs),
-            }
-        }
-        apply(ctrl, "commit", {"partition": "p", "keys": ["a", "b"], "mode": "put", "blocks": [[0, 5, 2]], "fields": fields}, bufs)
+        loopback.commit_two_rows(ctrl)
         reply = apply(ctrl, "pin_file", {"path": pins.path})
         assert reply.registered and reply.epoch == ctrl.pin_epoch != 0
         pins.epoch = reply.epoch
@@ -128,7 +92,7 @@ def test_the_controller_keeps_a_pinned_block_across_a_restart_until_the_pin_is_g
     finally:
         ctrl.close()  # as if killed: the journal and the pin file stay
 
-    ctrl = Controller("tcp://127.0.0.1:0", journal_dir=str(tmp_path / "j"), shm_dir=str(shm))
+    ctrl = loopback.start(journal_dir=str(tmp_path / "j"), shm_dir=str(shm))
     try:
         assert ctrl.lease_book.leases[lease].pin == (pins.path, slot) and pins.path in ctrl.pin_board.files
         assert ctrl._rows_on(0).tolist() == [[5, 0], [5, 1]]  # its retain keeps the discarded row
@@ -144,7 +108,6 @@ def test_the_controller_keeps_a_pinned_block_across_a_restart_until_the_pin_is_g
     finally:
         ctrl.close()
         pins.close()
-        unit.close(0)
 
 
 def test_pin_files_are_checked(tmp_path):

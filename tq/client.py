@@ -325,7 +325,7 @@ class _LeaseKeeper:
         self._stopped = False
         self._thread: threading.Thread | None = None
         self.pins: PinFile | None = None  # the client's pin file for new pins, once registered
-        self._retired_pins: list[PinFile] = []  # revoked files: closed once they pin nothing
+        self._retired_pins: list[PinFile] = []  # files no longer read: closed once they pin nothing
 
     def hold(self, lease: int, arrays: list[np.ndarray], pin: tuple[PinFile, int] | None = None) -> Callable[[], None]:
         """Track ``lease`` (``pin``: its pin file and slot, for a pin) until every array handed to
@@ -334,9 +334,7 @@ class _LeaseKeeper:
             self._views[lease] = len(arrays)
             if pin is not None:
                 self._slots[lease] = pin
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="tq-lease-keeper", daemon=True)
-                self._thread.start()
+            self._start()
         for a in arrays:
             weakref.finalize(a, self._collected, lease)
         return lambda: self.release_now(lease)
@@ -361,16 +359,17 @@ class _LeaseKeeper:
     def abandon(self, lease: int) -> None:
         """A request asking for ``lease`` failed without a reply: the controller may still grant it (it
         may only have been slow), so it is given up at every renewal for one term."""
+        client = self._client()
         with self._lock:
-            self._abandoned[lease] = time.monotonic() + self._term()
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="tq-lease-keeper", daemon=True)
-                self._thread.start()
+            self._abandoned[lease] = time.monotonic() + (client.lease_s if client is not None else 0.0)
+            self._start()
         self._wake.set()
 
-    def _term(self) -> float:
-        client = self._client()
-        return client.lease_s if client is not None else 0.0
+    def _start(self) -> None:
+        """Start the keeper's thread if not yet (call with the lock held)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tq-lease-keeper", daemon=True)
+            self._thread.start()
 
     def release_now(self, lease: int) -> None:
         with self._lock:
@@ -431,7 +430,8 @@ class _LeaseKeeper:
             )
 
     def retire(self, pins: PinFile) -> None:
-        """``pins`` was revoked: new pins go to another file; it closes once its pins are given up."""
+        """``pins`` is no longer read (revoked, or registered with another controller): new pins go to
+        another file; it closes once its pins are given up."""
         with self._lock:
             self._retired_pins.append(pins)
             if self.pins is pins:
@@ -1271,28 +1271,24 @@ class TQClient:
             else:
                 pins.release(pinned[1], pinned[0])  # type: ignore[union-attr]
             raise
-        if pinned is not None:
-            lease, pin = pinned[0], (pins, pinned[1])
-        else:
-            lease, pin = granted, None
-            if pins is not None and pins.revoked:
-                self._leases.retire(pins)  # the controller stopped reading it: the next get registers a new one
+        lease, pin = (pinned[0], (pins, pinned[1])) if pinned is not None else (granted, None)
         if lease is not None:  # a refused borrow's rows are read again by the locate, which counts them
             self._count_read(rows)
         return lease, pin
 
     def _pin_file(self, view: LocationView) -> PinFile | None:
         """This client's pin file, made and registered with the controller at the first borrowed get
-        (in the directory of its location tables), and again whenever the table read carries another
-        pin board's epoch than the file was registered with (a controller started anew, which never
-        heard of it); None where the controller reads no pins."""
+        (in the directory of its location tables), and again when the controller stopped reading it
+        (revoked) or the table read carries another pin board's epoch than the file was registered
+        with (a controller started anew, which never heard of it); None where the controller reads no
+        pins."""
         pins = self._leases.pins
         epoch = int(view.header[H_PIN_EPOCH])
-        if self._pins_refused or (pins is not None and pins.epoch == epoch):
+        if self._pins_refused or (pins is not None and pins.epoch == epoch and not pins.revoked):
             return pins
         with self._pins_lock:
             pins = self._leases.pins
-            if pins is not None and pins.epoch != epoch:
+            if pins is not None and (pins.epoch != epoch or pins.revoked):
                 self._leases.retire(pins)  # its pins still held stay valid where they were taken
                 pins = None
             if pins is None and not self._pins_refused:

@@ -152,6 +152,18 @@ def remove_ready_file(path: str) -> None:
             pass
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists here (another user's counts as alive; a pid of another pid
+    namespace looks gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def await_ready_file(path: str, *, alive: Callable[[], bool], timeout: float, what: str) -> dict[str, Any]:
     """Wait until ``path`` exists and return what it holds; read and removed.
 

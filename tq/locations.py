@@ -49,6 +49,7 @@ from typing import Iterator, NamedTuple, Sequence
 import numpy as np
 
 from .protocol import LOC_BLOCK, LOC_COLUMNS, LOC_NBYTES, LOC_OFFSET, LOC_UNIT
+from .launch import pid_alive
 from .pins import bump
 
 try:
@@ -131,14 +132,7 @@ def remove_orphans(directory: str) -> int:
     removed = 0
     for name in os.listdir(directory):
         pid = name[len(PREFIX) :].split("-", 1)[0]
-        if not (name.startswith(PREFIX) and pid.isdigit()):
-            continue
-        try:
-            os.kill(int(pid), 0)
-            continue
-        except ProcessLookupError:
-            pass
-        except PermissionError:  # alive, another user's
+        if not (name.startswith(PREFIX) and pid.isdigit()) or pid_alive(int(pid)):
             continue
         path = os.path.join(directory, name)
         try:

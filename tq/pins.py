@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .launch import pid_alive
 from .leases import new_lease_id
 
 try:
@@ -87,11 +88,12 @@ def _nbytes(slots: int) -> int:
     return 8 * (PIN_HEADER + slots * PIN_WORDS)
 
 
-def _map(path: str, writable: bool) -> mmap.mmap:
-    fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW)
+def _map(path: str) -> mmap.mmap:
+    """A registered pin file, mapped writable for one word (revoked); refused unless of this version."""
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     try:
         size = os.fstat(fd).st_size
-        mm = mmap.mmap(fd, size, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+        mm = mmap.mmap(fd, size)
     finally:
         os.close(fd)
     header = np.frombuffer(mm, dtype=np.int64, count=PIN_HEADER) if size >= 8 * PIN_HEADER else None
@@ -211,7 +213,7 @@ class PinBoard:
         if os.path.dirname(path) != self.directory or not os.path.basename(path).startswith(PREFIX):
             raise ValueError(f"pin file {path!r} is not a {PREFIX}* file in {self.directory}")
         if path not in self.files:
-            self.files[path] = _map(path, writable=True)  # writable for one word: revoked
+            self.files[path] = _map(path)
 
     def pins(self) -> list[Pin]:
         """Every pin in use now, whatever its deadline (the caller compares)."""
@@ -236,7 +238,7 @@ class PinBoard:
             header = np.frombuffer(mm, dtype=np.int64, count=PIN_HEADER)
             if any(deadline > now_ns for _, _, deadline, _, _ in _read_pins(mm)):
                 continue
-            gone = not _alive(int(header[PIN_OWNER_W]))
+            gone = not pid_alive(int(header[PIN_OWNER_W]))
             if not gone and os.path.exists(path):
                 continue
             if not header[PIN_REVOKED_W]:
@@ -255,13 +257,3 @@ class PinBoard:
         for mm in self.files.values():
             mm.close()
         self.files.clear()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

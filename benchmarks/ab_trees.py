@@ -107,7 +107,9 @@ class Tree:
 
     def __init__(self, label: str, root: str) -> None:
         self.label, self.root = label, os.path.abspath(root)
-        env = dict(os.environ, PYTHONPATH=self.root)
+        # The tree first; the rest of the caller's path stays (where the dependencies live off site-packages).
+        rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != self.root]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([self.root, *rest]))
         self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--worker"],
             cwd=self.root,

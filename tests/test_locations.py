@@ -174,6 +174,22 @@ def test_growing_copies_records_and_retires_the_old_file(table):
     assert not os.path.exists(path) and new.header[H_RETIRED] == 1
 
 
+def test_a_grown_table_names_its_successor_and_a_reader_follows_it(table):
+    table.loc("x")[:3] = [_record(0, 64 * i) for i in range(3)]
+    old = _view(table)
+    assert old.successor() is None  # not retired
+    table.grow(40)
+    table.loc("x")[30] = _record(0, 4096)  # written after the growth: only in the successor
+    new = old.successor()
+    assert new is not None and new.path == table.path
+    assert new.read(["x"], [2, 30], *_ids(table)).offsets.tolist() == [[128, 4096]]
+    table.grow(100)  # replaced again: the first successor's file is gone, so is the way through it
+    assert old.successor() is None and new.successor() is not None
+    retired_otherwise = _view(table)
+    table.close()  # a dropped partition's table names none: readers ask the controller
+    assert retired_otherwise.header[H_RETIRED] == 1 and retired_otherwise.successor() is None
+
+
 def test_a_file_that_is_not_a_table_is_refused(tmp_path):
     p = tmp_path / "junk"
     p.write_bytes(b"\0" * 4096)
@@ -262,6 +278,21 @@ def test_same_host_get_of_a_service_meta_skips_the_controller(tq_server, client,
         assert _locates(client) == n0 + 2
     finally:
         tcp.close()
+
+
+def test_a_reader_follows_its_partitions_grown_table_with_no_locate(client, partition):
+    """A first get of a bigger batch than before: the put grew the partition's table (a new file);
+    the reader maps the successor its old table names instead of asking the controller."""
+    small = client.put(partition, unique_keys(2), {"x": torch.zeros(2, 3), "ids": [torch.arange(2)] * 2})
+    client.get(small)  # table and schemas learnt
+    path = client._tables[partition][0].path
+    vals = {"x": torch.arange(300 * 3, dtype=torch.float32).reshape(300, 3), "ids": [torch.arange(i % 7 + 1) for i in range(300)]}
+    big = client.put(partition, unique_keys(300), vals)
+    n0 = _locates(client)
+    got = client.get(big, layout="jagged")
+    assert torch.equal(got["x"], vals["x"]) and [t.tolist() for t in got["ids"].unbind()] == [t.tolist() for t in vals["ids"]]
+    assert _locates(client) == n0 and client._tables[partition][0].path != path  # grown, followed, not asked
+    assert torch.equal(client.get(small)["x"], torch.zeros(2, 3)) and _locates(client) == n0
 
 
 def test_slots_reused_after_discard_never_read_another_keys_rows(client, partition):

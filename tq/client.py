@@ -1030,6 +1030,17 @@ class TQClient:
             # The old view is dropped, not closed: another thread may be reading it.
             self._tables[partition_id] = (view, clears, dict(schemas))
 
+    def _follow_table(self, partition_id: str, entry: tuple[LocationView, int, dict[str, FieldSchema]]) -> LocationView | None:
+        """The table that replaced the partition's grown one (same slots, clears and schemas), now
+        mapped in its place; None when it was retired otherwise: the controller is asked."""
+        successor = entry[0].successor()
+        if successor is None:
+            return None
+        with self._tables_lock:  # another thread may have followed (or relearnt) it meanwhile
+            if self._tables.get(partition_id) is entry:
+                self._tables[partition_id] = (successor, entry[1], entry[2])  # the old view is dropped, not closed
+        return successor
+
     def _read_table(self, meta: KVBatchMeta, fields: list[str]) -> tuple[LocatedRows, LocationView, dict[str, FieldSchema], int] | None:
         """The rows located in the partition's shared location table, with no round trip: only for a
         meta with slots, every row on one unit of this host, and a table that can be trusted right
@@ -1041,6 +1052,8 @@ class TQClient:
         if any(f not in schemas for f in fields):
             return None
         rows = view.read(fields, meta.slots, meta.slot_table, clears, self._units_version)  # type: ignore[arg-type]
+        if rows is None and (view := self._follow_table(meta.partition_id, entry)) is not None:  # grown
+            rows = view.read(fields, meta.slots, meta.slot_table, clears, self._units_version)  # type: ignore[arg-type]
         # a unit whose arena this client mapped is local (no file-system check on the hot path); rows
         # past its end are left to the controller's path, which names them
         arena = self._arenas.get(rows.unit) if rows is not None else None

@@ -30,7 +30,10 @@ Consistency is a seqlock in two counters, both written only by the single-thread
   the records and checks it again after copying the rows out of the arena; if it moved, the copy
   may have raced a reuse and the read is redone through the controller.
 A table that is replaced (grown, dropped, or its controller gone) is marked ``retired``; a dead
-controller is noticed by ``alive_until``, which it renews with every heartbeat. The protocol relies on
+controller is noticed by ``alive_until``, which it renews with every heartbeat. A table replaced by a
+bigger one (more slots or fields; same incarnation, clears and columns) names it in ``successor``,
+written before ``retired``: a reader follows it without asking the controller (a first get of a
+bigger batch than before would otherwise cost a ``locate`` round trip). The protocol relies on
 the host's stores becoming visible in order (x86-64's total store order), so same-host readers use
 the tables only there (:data:`SUPPORTED`). The read itself is one call into the C helper
 (``tq._fastcopy.read_locations``); where it was not built, same-host gets ask the controller.
@@ -42,7 +45,6 @@ import mmap
 import os
 import platform
 import secrets
-import uuid
 from contextlib import contextmanager
 from typing import Iterator, NamedTuple, Sequence
 
@@ -72,7 +74,8 @@ MAGIC = 0x5451_4C4F_4354_0001  # "TQLOCT" v1
     H_ALIVE_UNTIL,
     H_CLEARS,
     H_PIN_EPOCH,
-) = range(12)
+    H_SUCCESSOR,
+) = range(13)
 HEADER_WORDS = 16
 ALIVE_S = 3.0  # a table whose controller has not renewed it (every second) for this long is not trusted
 #: Same-host readers use the tables only where stores are seen in program order (see module
@@ -91,6 +94,7 @@ _LAYOUT = {
     "H_ALIVE_UNTIL": H_ALIVE_UNTIL,
     "H_CLEARS": H_CLEARS,
     "H_PIN_EPOCH": H_PIN_EPOCH,
+    "H_SUCCESSOR": H_SUCCESSOR,
     "HEADER_WORDS": HEADER_WORDS,
     "LOC_UNIT": LOC_UNIT,
     "LOC_BLOCK": LOC_BLOCK,
@@ -120,7 +124,11 @@ class LocatedRows(NamedTuple):
     blocks: np.ndarray
 
 
-PREFIX = "tq-loc-"  # table files are named tq-loc-<controller pid>-<random>
+PREFIX = "tq-loc-"  # table files are named tq-loc-<controller pid>-<random id, 16 hex digits>
+
+
+def _table_path(directory: str, pid: int, table_id: int) -> str:
+    return os.path.join(directory, f"{PREFIX}{pid}-{table_id:016x}")
 
 
 def remove_orphans(directory: str) -> int:
@@ -194,8 +202,9 @@ class LocationTable:
         """Map a fresh table (all records -1), copy the current records into it, retire the old one."""
         size = _nbytes(capacity, columns)
         path, mm = None, None
+        table_id = new_incarnation()  # also random, positive and 63 bits
         if self.directory is not None:
-            path = os.path.join(self.directory, f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:16]}")
+            path = _table_path(self.directory, os.getpid(), table_id)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 os.ftruncate(fd, size)
@@ -210,7 +219,7 @@ class LocationTable:
         old = self.header
         header[:] = old
         header[H_CAPACITY], header[H_COLUMNS], header[H_INCARNATION] = capacity, columns, incarnation
-        header[H_RETIRED], header[H_MAGIC] = 0, MAGIC
+        header[H_RETIRED], header[H_SUCCESSOR], header[H_MAGIC] = 0, 0, MAGIC
         for name, col in self.columns.items():
             if name in self.views:
                 n = min(capacity, self.views[name].shape[0])
@@ -218,6 +227,8 @@ class LocationTable:
         # Readers learn the new path only from a later locate reply, when it is complete. Never called
         # inside writing(): the seq copied over is even.
         in_use = list(self.views)
+        if path is not None:
+            self.header[H_SUCCESSOR] = table_id  # before it is retired: readers seeing that see this
         self._retire_storage()
         self.header, self._locs, self.path, self._mm = header, locs, path, mm
         self.views = {name: locs[self.columns[name]] for name in in_use}
@@ -339,6 +350,18 @@ class LocationView:
         self.path, self.capacity, self._ncols = path, capacity, ncols
         self.columns: dict[str, int] = {}
         self.add_columns(columns)
+
+    def successor(self) -> LocationView | None:
+        """The table that replaced this retired one when it was grown, mapped with the columns known
+        here; None if it was retired for another reason, or replaced again since (its file is gone)."""
+        table_id = int(self.header[H_SUCCESSOR]) if self.header[H_RETIRED] else 0
+        if table_id <= 0:
+            return None
+        pid = os.path.basename(self.path)[len(PREFIX) :].split("-", 1)[0]
+        try:
+            return LocationView(_table_path(os.path.dirname(self.path), int(pid), table_id), self.columns)
+        except (OSError, ValueError):
+            return None
 
     def add_columns(self, columns: dict[str, int]) -> None:
         """Learn where more fields' records are (from a later locate reply)."""

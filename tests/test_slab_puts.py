@@ -197,6 +197,43 @@ def test_a_socket_closed_by_an_earlier_message_of_the_same_poll_does_not_stop_th
     assert len(seen) == 1
 
 
+def test_requests_queued_together_are_served_before_the_loop_ticks_again():
+    """A server takes the requests already queued (up to SERVE_BATCH) before its tick, so under many
+    writers the controller's tick work - the units' adopts, claims and frees - goes out once per batch
+    of commits, not once per commit (16 writers on a 32-core host: ~5,300 -> ~7,800 1-key puts/s)."""
+    import time
+
+    import zmq
+
+    from tq import messages, protocol
+    from tq.rpc import RpcServer
+
+    server = RpcServer("t", "tcp://127.0.0.1:0", secret=None, max_message_bytes=1 << 20)
+    ticks, served = [0], []
+    server.on_tick = lambda now: ticks.__setitem__(0, ticks[0] + 1)  # type: ignore[method-assign]
+
+    def ping(args: messages.Ping, buffers: list, call: object) -> dict:
+        served.append(ticks[0])
+        if len(served) == 10:
+            server.stop()
+        return {}
+
+    server.serve_ops({"ping": messages.Ping}, {"ping": ping})
+    client = zmq.Context.instance().socket(zmq.DEALER)
+    client.setsockopt(zmq.LINGER, 0)
+    client.connect(server.address)
+    try:
+        for rid in range(10):
+            client.send_multipart(protocol.request("ping", rid, messages.Ping(), [], None))
+        time.sleep(0.2)  # all ten queued at the server before its loop starts
+        server.serve_forever()
+        replies = [protocol.decode_reply(client.recv_multipart(), None) for _ in range(10)]
+    finally:
+        client.close(0)
+    assert [r.rid for r in replies] == list(range(10)) and all(r.ok for r in replies)
+    assert served == [0] * 10  # one batch, then the tick (before: a tick after every request)
+
+
 @pytest.mark.parametrize("few", [True, False], ids=["few-rows", "vectorised"])
 def test_a_unit_fetch_of_few_or_many_rows_serves_them_and_names_a_bad_row(few):
     """A storage unit locates a fetch of up to ``storage.FEW_ROWS`` rows one by one and larger ones

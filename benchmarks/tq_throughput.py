@@ -284,6 +284,9 @@ def _sweep_worker(address: str, partition: str, wid: int, nbytes: int, n_puts: i
     metas: list[Any] = []
     while (msg := conn.recv()) is not None:
         op, tag, profile = msg
+        if op == "small":  # ``profile``: how many 1-key puts, each timed
+            conn.send(_small_puts(client, partition, f"w{wid}-{tag}", profile))
+            continue
         prof = cProfile.Profile() if profile else None
         t0 = time.monotonic()  # CLOCK_MONOTONIC: comparable across the processes of one host
         if op == "put":
@@ -311,11 +314,31 @@ def _sweep_worker(address: str, partition: str, wid: int, nbytes: int, n_puts: i
     client.close()
 
 
-def bench_writers(counts: list[int], nbytes: int, n_puts: int, profile_at: int = 4) -> dict[str, Any]:
+SMALL_WARMUP = 50  # untimed 1-key puts a writer makes before its timed ones
+
+
+def _small_puts(client: Any, partition: str, prefix: str, n: int) -> tuple[float, float, list[float]]:
+    """``n`` timed 1-key puts (after SMALL_WARMUP untimed ones): (start, end, each put's seconds)."""
+    row = {"x": torch.arange(1)}
+    for i in range(SMALL_WARMUP):
+        client.put(partition, [f"{prefix}-warm{i}"], row)
+    lat = []
+    t0 = time.monotonic()
+    for i in range(n):
+        t = time.perf_counter()
+        client.put(partition, [f"{prefix}-{i}"], row)
+        lat.append(time.perf_counter() - t)
+    return t0, time.monotonic(), lat
+
+
+def bench_writers(counts: list[int], nbytes: int, n_puts: int, profile_at: int = 4, small_puts: int = 0) -> dict[str, Any]:
     """Aggregate put and get GB/s of ``n`` concurrent writer (then reader) processes for each ``n`` in
     ``counts``: each puts ``n_puts`` batches of ``nbytes`` into one service (one storage unit), then
     gets its own back padded. Each count runs twice: into an arena whose free pages were given back
-    to the OS (``cold``: every write faults fresh pages in) and again into the same, now warm, pages."""
+    to the OS (``cold``: every write faults fresh pages in) and again into the same, now warm, pages.
+    Then, with ``small_puts``, ``n`` writers each make that many 1-key puts at once (``small_rows``:
+    aggregate puts/s and the latency of every put), the control plane's load of many rollout workers
+    streaming one sample at a time."""
     from tq import TQClient, TQServer
 
     ctx = mp.get_context("spawn")
@@ -376,6 +399,17 @@ def bench_writers(counts: list[int], nbytes: int, n_puts: int, profile_at: int =
                     file=sys.stderr,
                     flush=True,
                 )
+            if small_puts:
+                out["small_puts_per_writer"], out["small_rows"] = small_puts, []
+                for n in counts:
+                    for p in pipes[:n]:
+                        p.send(("small", f"small{n}", small_puts))
+                    got = [p.recv() for p in pipes[:n]]
+                    lat = np.concatenate([g[2] for g in got]) * 1e3
+                    wall = max(g[1] for g in got) - min(g[0] for g in got)
+                    out["small_rows"].append({"writers": n, "puts_per_s": n * small_puts / wall, **latency_summary(lat / 1e3)})
+                    print(f"  {n} writers: {n * small_puts / wall:,.0f} 1-key puts/s", file=sys.stderr, flush=True)
+                    admin.clear_partition(partition)
             st = admin.stats()
             out["controller_ops"] = {k: v for k, v in st["ops"].items() if k in ("commit", "locate", "discard")}
             out["unit_ops"] = {k: v for k, v in st["unit_stats"][0]["ops"].items() if k in ("alloc", "store", "adopt")}
@@ -426,6 +460,23 @@ def writers_report(res: dict[str, Any]) -> str:
             f"{ratio:.2f}x on {res.get('cores')} cores - "
             + ("met" if met else "NOT met")
             + ("" if cores_ok else " (this host has fewer than 8 cores: not the target's host)"),
+        ]
+    small = res.get("small_rows")
+    if small:
+        one_small = next((r for r in small if r["writers"] == 1), small[0])
+        lines += [
+            "",
+            f"1-key puts (same host): each of n writers makes {res['small_puts_per_writer']} puts of one key, all "
+            f"at once (after {SMALL_WARMUP} untimed each); puts/s over the wall time from the first start to the "
+            "last finish, and the latency of every put.",
+            "",
+            "| writers | 1-key puts/s | / 1 writer | p50 ms | p99 ms |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['writers']} | {r['puts_per_s']:,.0f} | {r['puts_per_s'] / one_small['puts_per_s']:.2f}x | "
+            f"{r['p50_ms']:.3f} | {r['p99_ms']:.3f} |"
+            for r in small
         ]
     for name, text in res.get("profiles", {}).items():
         lines += ["", f"Profile of writer 0's puts ({name}), top functions by own time:", "", "```", text.strip(), "```"]
@@ -984,6 +1035,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--writer-mib", type=int, default=32, help="batch MiB each writer puts in the sweep (default 32)")
     p.add_argument("--writer-puts", type=int, default=4, help="batches each writer puts in the sweep (default 4)")
     p.add_argument(
+        "--writer-small-puts", type=int, default=2000, help="1-key puts each writer makes in the sweep's last pass (0: none; default 2000)"
+    )
+    p.add_argument(
         "--note", action="append", default=[], help="a line for the report's notes, e.g. what else ran on the machine (repeatable)"
     )
     add_output_args(p, "tq_throughput")
@@ -1004,7 +1058,7 @@ def main(argv: list[str] | None = None) -> int:
             "started": time.strftime("%Y-%m-%d %H:%M"),
             "code": code_version(),
             "machine": machine_info(),
-            **bench_writers(a.writers, a.writer_mib * MiB, a.writer_puts),
+            **bench_writers(a.writers, a.writer_mib * MiB, a.writer_puts, small_puts=a.writer_small_puts),
         }
         table = writers_report(res)
         with open(out.path(".json"), "w") as f:

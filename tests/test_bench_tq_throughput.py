@@ -180,3 +180,25 @@ def test_writers_report_rates_four_writers_against_one_warm():
     assert res["target"] == {"target": 2.5, "measured": 3.0, "met": True, "cores": 32}
     res["cores"] = 2
     assert "fewer than 8 cores" in writers_report(res)
+
+
+def test_writers_report_has_the_one_key_put_table():
+    from benchmarks.tq_throughput import writers_report
+
+    rows = [{"writers": 1, "put_cold": 1e9, "put_warm": 2e9, "get_cold": 2e9, "get_warm": 4e9}]
+    small = [{"writers": n, "puts_per_s": r, "p50_ms": 0.3 * n, "p99_ms": 0.9 * n} for n, r in ((1, 2500.0), (16, 8000.0))]
+    res = {"rows": rows, "puts_per_writer": 4, "batch_bytes": 32 * MiB, "cores": 32, "machine": "m", "profiles": {}}
+    assert "1-key puts" not in writers_report(res)
+    res.update(small_rows=small, small_puts_per_writer=2000)
+    table = writers_report(res)
+    assert "| 16 | 8,000 | 3.20x | 4.800 | 14.400 |" in table and "| 1 | 2,500 | 1.00x | 0.300 | 0.900 |" in table
+
+
+def test_the_writers_sweep_runs_one_key_puts_from_every_writer_count():
+    """A real (tiny) sweep: its 1-key put pass counts what every writer did."""
+    from benchmarks.tq_throughput import bench_writers
+
+    res = bench_writers([1, 2], 1 * MiB, 1, small_puts=20)
+    assert [r["writers"] for r in res["small_rows"]] == [1, 2] and res["small_puts_per_writer"] == 20
+    assert all(r["puts_per_s"] > 0 and 0 < r["p50_ms"] <= r["p99_ms"] for r in res["small_rows"])
+    assert res["controller_ops"]["commit"]["count"] >= 3 * 20 + 3 * 50  # the small puts and their warm-ups committed

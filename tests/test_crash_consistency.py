@@ -233,6 +233,49 @@ def test_put_goes_where_there_is_room_and_splits_when_no_unit_has_enough(transpo
             c.close()
 
 
+def test_a_discards_frees_go_to_the_units_before_its_reply(loopback):
+    """A writer told that a discard is done may put into the freed space at once; the unit hears of
+    the free from the controller, so the free is sent before the reply, not at the loop's next tick
+    (the suite once failed a put that reached the unit first: CapacityError with the room promised)."""
+    import zmq
+
+    ctrl = loopback.start()
+    try:
+        loopback.commit_two_rows(ctrl)
+        loopback.heard()  # the commit's claim
+        pending_at_reply = []
+        reply = ctrl.reply
+        ctrl.reply = lambda call, *a, **k: (
+            pending_at_reply.append(sum(len(led.frees) for led in ctrl.ledgers.values())),
+            reply(call, *a, **k),
+        )
+        frames = protocol.request("discard", 7, {"partition": "p", "keys": ["a"]}, [], None)
+        ctrl._serve_one([zmq.Frame(b"writer"), *(zmq.Frame(bytes(memoryview(f))) for f in frames)])  # no tick after it
+        assert pending_at_reply == [0]  # nothing left to send when the reply went
+        assert loopback.heard() == ["free_rows"]
+    finally:
+        ctrl.close()
+
+
+def test_a_write_that_finds_no_room_waits_a_grace_for_frees_then_fails_saying_so():
+    """With ``capacity_wait_s=0`` a write still waits FREE_GRACE_S at its unit for frees already
+    decided (one arriving just after the write is served), then fails naming the wait."""
+    from tq.client import FREE_GRACE_S
+    from tq.errors import CapacityError
+
+    with TQServer(storage_units=1, capacity=1 << 20) as server:
+        c = TQClient(server.address, timeout=10.0, transport="tcp")
+        try:
+            c.register_partition("p")
+            c.put("p", ["full"], {"x": torch.zeros(1, 900 << 10, dtype=torch.uint8)})
+            t0 = time.monotonic()
+            with pytest.raises(CapacityError, match="waited"):
+                c.put("p", ["more"], {"x": torch.zeros(1, 300 << 10, dtype=torch.uint8)})
+            assert FREE_GRACE_S <= time.monotonic() - t0 < 5.0
+        finally:
+            c.close()
+
+
 @pytest.mark.parametrize("column", ["sparse", "sparse-row", "meta", "meta-row"])
 def test_unsupported_tensors_raise_a_tq_error_naming_the_field(client, partition, column):
     """Sparse and meta-device tensors (a whole column or one row of a jagged list) are refused with

@@ -68,6 +68,7 @@ OUT_ALIGN = 64
 # SLAB_USE_S (well inside the unit's 60 s allocation lease); a put above a quarter slab gets its own.
 SLAB_BYTES, SLAB_IDS, SLAB_USE_S = 4 << 20, 1024, 20.0
 PREFAULT_MIN_BYTES = 1 << 20  # a put this big maps its pages in one call first (Arena.prefault); a small one is not worth the syscall
+FREE_GRACE_S = 0.05  # a write that finds no room waits this long for frees already decided (see _room_wait_s)
 GIVE_BACK_S = 0.25  # how long giving a slab's unused ids back may wait (close() must not hang on a dead controller)
 ABORT_PROBE_S = 0.5  # after a commit got no reply: how long to ask whether it landed
 DEFAULT_LEASE_S = 30.0  # a borrowed get's lease term; a live holder renews it every third of it
@@ -879,8 +880,14 @@ class TQClient:
         if self._is_local(unit):
             timeout = self.timeout + self.capacity_wait_s
             reply_by = time.time() + min(timeout, time_left() or timeout)
-        wait_s = self.capacity_wait_s if wait else 0.0
+        wait_s = self._room_wait_s() if wait else 0.0
         return self._unit_call(unit, UnitOp.ALLOC, messages.Alloc(nbytes=nbytes, wait_s=wait_s, ids=ids, reply_by=reply_by), [])
+
+    def _room_wait_s(self) -> float:
+        """How long a write waits at its unit for room: ``capacity_wait_s``, and at least FREE_GRACE_S -
+        the unit hears of a discard's frees from the controller, which may reach it just after the
+        write of a client that was told the discard is done."""
+        return max(self.capacity_wait_s, FREE_GRACE_S)
 
     def _unit_call(self, unit: int, op: UnitOp, args: messages.Args, buffers: list[Any]) -> Any:
         """A write request to ``unit`` (waiting for room up to ``capacity_wait_s``), asked again at the
@@ -989,7 +996,7 @@ class TQClient:
                     row_offsets=protocol.pack_array(ro, buffers),
                     data=[protocol.pack_array(c, buffers) for c in _frames_of(chunks)],
                 )
-            args = messages.Store(n_rows=stop - start, fields=fields, wait_s=self.capacity_wait_s)
+            args = messages.Store(n_rows=stop - start, fields=fields, wait_s=self._room_wait_s())
         stored = self._unit_call(unit, UnitOp.STORE, args, buffers)
         return _StoredPart(unit, stored.block, start, stop, stored.starts)
 

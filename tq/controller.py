@@ -760,6 +760,9 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             times.append(self._next_heartbeat)
         return min(times, default=None)
 
+    def before_reply(self) -> None:
+        self._flush_frees_now()
+
     def on_tick(self, now: float) -> None:
         expired = self.lease_book.expired(now)
         if expired:

@@ -280,7 +280,14 @@ class UnitSupervision:
                 blocks = protocol.pack_array(np.array(led.claims, dtype=np.int64), bufs)
                 self._send_to_unit(unit, messages.UnitOp.CLAIM, messages.Claim(blocks=blocks), bufs)
                 led.claims = []
-            if led.frees:
+            if led.frees:  # after the adopts and claims: a free may be of a block committed in this batch
                 bufs = []
                 self._send_to_unit(unit, messages.UnitOp.FREE_ROWS, messages.FreeRows(**block_rows(np.concatenate(led.frees), bufs)), bufs)
                 led.frees = []
+
+    def _flush_frees_now(self) -> None:
+        """Flush before the reply to an op that freed rows (everything pending, in order): a writer
+        told that a discard is done may put into its space at once, and that request must not reach
+        the unit before the free does. Ops that free nothing leave their messages to the tick."""
+        if any(led.frees for led in self.ledgers.values()):
+            self._flush_units()

@@ -182,3 +182,37 @@ def test_a_file_whose_client_looks_gone_is_revoked_before_it_is_let_go(tmp_path)
         table.close()
         pins.close()
         board.close()
+
+
+def test_a_starting_controller_removes_pin_files_nothing_reads_of_clients_that_are_gone(tmp_path, loopback):
+    """Pin files of clients killed while no controller read them (or registered with one started
+    since without a journal) are removed when a controller starts - not those of live clients, not
+    files just made (their client may be about to register them), not files its journal registered."""
+    import subprocess
+    import sys
+
+    from tq.pins import PREFIX
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    old = time.time() - 3600
+
+    def made(owner: str, age_s: float) -> str:
+        pins = PinFile(str(tmp_path))
+        path = str(tmp_path / f"{PREFIX}{owner}-{os.path.basename(pins.path).rsplit('-', 1)[1]}")
+        os.rename(pins.path, path)
+        pins.path = path
+        os.utime(path, (time.time() - age_s, time.time() - age_s))
+        return path
+
+    orphan, young, live = made(gone, 3600), made(gone, 0), made(str(os.getpid()), 3600)
+    registered = made(gone, 0)  # young while the first controller registers it
+    ctrl = loopback.start(journal_dir=str(tmp_path / "j"), shm_dir=str(tmp_path))
+    loopback.apply(ctrl, "pin_file", {"path": registered})
+    ctrl.close()
+    os.utime(registered, (old, old))
+    ctrl = loopback.start(journal_dir=str(tmp_path / "j"), shm_dir=str(tmp_path))  # replays its registration
+    try:
+        assert not os.path.exists(orphan)
+        assert all(os.path.exists(p) for p in (young, live, registered))
+    finally:
+        ctrl.close()

@@ -151,6 +151,8 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             self.expected_units = max(self.expected_units, len(self.units))
             for uid in range(len(self.units)):  # frees lost with the crash: settle them once each unit answers
                 self.ledgers[uid].resync = True
+        if self.pin_board is not None and (n := self.pin_board.remove_orphans()):  # after the journal's files
+            log.warning("removed %d pin files of clients that are gone from %s", n, self.shm_dir)
 
     # -- small helpers
     def _partition(self, pid: str) -> Partition:

@@ -33,6 +33,8 @@ from __future__ import annotations
 import collections
 import mmap
 import os
+import stat
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -56,6 +58,7 @@ SLOTS = 256  # borrowed gets a client holds through pins at once; more lease by 
 MAX_SLOTS = 4096  # a pin file claiming more is refused (the controller reads every slot at every free)
 MAGIC = 0x5451_50494E_0001  # "TQ" "PIN" v1
 PREFIX = "tq-pin-"  # pin files are named tq-pin-<client pid>-<random>
+ORPHAN_AGE_S = 60.0  # an unregistered pin file of a gone client this old is removed at a controller's start
 POLL_S = 0.05  # how often the controller looks at the pins it holds as leases (a released pin's rows wait this long)
 SUPPORTED = _pin is not None
 
@@ -252,6 +255,29 @@ class PinBoard:
                 except FileNotFoundError:
                     pass
             mm.close()
+
+    def remove_orphans(self, min_age_s: float = ORPHAN_AGE_S) -> int:
+        """Unlink the pin files of the directory that nothing reads and whose client is gone: not
+        registered with this board, the pid in the file's name not alive on this host, and the file
+        older than ``min_age_s`` (a client may be about to register a file it just made). A controller
+        runs this at start, after its journal registered its files again: files of clients killed while
+        no controller read them (or registered with a predecessor that had no journal) are removed
+        instead of staying in shared memory. A live client only thought gone (another pid namespace)
+        keeps its mapping; its controller, or this one, gets a new file from it. Returns how many."""
+        removed, now = 0, time.time()
+        for name in os.listdir(self.directory):
+            pid = name[len(PREFIX) :].split("-", 1)[0]
+            path = os.path.join(self.directory, name)
+            if not (name.startswith(PREFIX) and pid.isdigit()) or path in self.files or pid_alive(int(pid)):
+                continue
+            try:
+                st = os.lstat(path)
+                if stat.S_ISREG(st.st_mode) and now - st.st_mtime >= min_age_s:
+                    os.unlink(path)
+                    removed += 1
+            except FileNotFoundError:
+                pass
+        return removed
 
     def close(self) -> None:
         for mm in self.files.values():

@@ -224,8 +224,8 @@ class LocationTable:
             if name in self.views:
                 n = min(capacity, self.views[name].shape[0])
                 locs[col, :n] = self.views[name][:n]
-        # Readers learn the new path only from a later locate reply, when it is complete. Never called
-        # inside writing(): the seq copied over is even.
+        # Readers learn the new path from a later locate reply or from the old table's successor word,
+        # both set only now that it is complete. Never called inside writing(): the seq copied over is even.
         in_use = list(self.views)
         if path is not None:
             self.header[H_SUCCESSOR] = table_id  # before it is retired: readers seeing that see this

@@ -490,6 +490,22 @@ class RpcChannel:
         ``check`` is called about every second while waiting; it may raise to abandon the wait early
         (e.g. once the controller reports this server down)."""
         self._decoder(op)  # an op this channel cannot decode the reply of is not sent at all
+        with self._unless_closed(op):
+            return self._send(op, args, buffers, timeout, check)
+
+    @contextlib.contextmanager
+    def _unless_closed(self, op: str) -> Iterator[None]:
+        """A call in flight when another thread closes the channel (a client closing while its lease
+        keeper waits for a stopped controller) ends in TQConnectionError, not in ZMQ's error about a
+        closed socket."""
+        try:
+            yield
+        except zmq.ZMQError:
+            if not self._closed:
+                raise
+            raise TQConnectionError(f"client connection to {self.name} was closed during '{op}'") from None
+
+    def _send(self, op: str, args: Any, buffers: Sequence[Any], timeout: float | None, check: Callable[[], None] | None) -> int:
         sock = self._socket()
         rid = next(self._rids)
         timeout = _bounded(self.timeout if timeout is None else timeout, op, f"{self.name} at {self.address}")
@@ -588,6 +604,10 @@ class RpcChannel:
     ) -> tuple[Any, protocol.ReplyMessage]:
         """Wait for the reply to request ``rid`` and return its typed result and the reply; raise its
         error, or TQConnectionError on silence (``check`` as in :meth:`send`)."""
+        with self._unless_closed(op):
+            return self._recv(rid, op, timeout, check)
+
+    def _recv(self, rid: int, op: str, timeout: float | None, check: Callable[[], None] | None) -> tuple[Any, protocol.ReplyMessage]:
         sock = self._socket()
         timeout = _bounded(self.timeout if timeout is None else timeout, op, f"{self.name} at {self.address}")
         deadline = time.monotonic() + timeout

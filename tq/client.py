@@ -258,8 +258,13 @@ def _pad_length(meta: KVBatchMeta, pad_to: int | None, longest: int) -> int:
 
 def _jagged(values: torch.Tensor, sizes: np.ndarray, row_bytes: int) -> JaggedTensor:
     """``values`` as rows of ``sizes`` bytes back to back (offsets made here, so trusted as made)."""
-    offsets = np.zeros(sizes.size + 1, dtype=np.int64)
-    np.cumsum(sizes if row_bytes == 1 else sizes // row_bytes, out=offsets[1:])
+    offsets = np.empty(sizes.size + 1, dtype=np.int64)
+    offsets[0] = 0
+    np.cumsum(sizes, out=offsets[1:])
+    if row_bytes & (row_bytes - 1) == 0:  # the usual itemsizes: a shift, half the time of a division per row
+        offsets >>= row_bytes.bit_length() - 1
+    else:
+        offsets //= row_bytes
     return JaggedTensor.trusted(values, torch.from_numpy(offsets))
 
 

@@ -234,6 +234,56 @@ def test_requests_queued_together_are_served_before_the_loop_ticks_again():
     assert served == [0] * 10  # one batch, then the tick (before: a tick after every request)
 
 
+def test_a_handshake_refused_while_a_batch_is_served_is_counted_before_the_next_request():
+    """The loop takes queued requests in a batch; a handshake refused meanwhile (a peer without the
+    secret) must still be counted before a request that came after it, as when every request went
+    through the poll, which reports the monitor first (the suite's refusal count read 0 once: the
+    loop had been descheduled between two requests of a batch)."""
+    import threading
+    import time
+
+    import zmq
+
+    from tq import messages, protocol
+    from tq.rpc import RpcServer, set_client_credentials
+
+    secret = b"batch-secret"
+    server = RpcServer("t", "tcp://127.0.0.1:0", secret=secret, max_message_bytes=1 << 20)
+    go, seen = threading.Event(), []
+
+    def ping(args: messages.Ping, buffers: list, call: object) -> dict:
+        if not seen:  # the first request holds the batch while a bad peer is refused and the next one comes
+            go.wait(5)
+        seen.append(server.rejected)
+        if len(seen) == 2:
+            server.stop()
+        return {}
+
+    server.serve_ops({"ping": messages.Ping}, {"ping": ping})
+    ctx = zmq.Context.instance()
+    good, bad = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    for sock, key in ((good, secret), (bad, b"wrong")):
+        sock.setsockopt(zmq.LINGER, 0)
+        set_client_credentials(sock, key)
+    good.connect(server.address)
+    loop = threading.Thread(target=server.serve_forever, daemon=True)
+    try:
+        good.send_multipart(protocol.request("ping", 1, messages.Ping(), [], secret))
+        loop.start()
+        time.sleep(0.3)  # the first request is being served
+        bad.connect(server.address)  # refused at its handshake
+        time.sleep(0.3)
+        good.send_multipart(protocol.request("ping", 2, messages.Ping(), [], secret))
+        time.sleep(0.3)  # queued behind the refusal
+        go.set()
+        loop.join(5)
+    finally:
+        go.set()
+        good.close(0)
+        bad.close(0)
+    assert not loop.is_alive() and seen == [0, 1]
+
+
 @pytest.mark.parametrize("few", [True, False], ids=["few-rows", "vectorised"])
 def test_a_unit_fetch_of_few_or_many_rows_serves_them_and_names_a_bad_row(few):
     """A storage unit locates a fetch of up to ``storage.FEW_ROWS`` rows one by one and larger ones

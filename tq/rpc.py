@@ -347,6 +347,10 @@ class RpcServer:
         clients the tick's work (the units' claims, adopts and frees) then goes out once per batch,
         not once per request; a lone client's request is served as before (nothing else queued)."""
         for _ in range(SERVE_BATCH):
+            # a handshake refused before the next request came is counted before it is served, as the
+            # poll (monitor first) would (the loop may have been descheduled while both arrived)
+            while self._monitor is not None and self._monitor.get(zmq.EVENTS) & zmq.POLLIN:
+                self._on_refused_handshake()
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:

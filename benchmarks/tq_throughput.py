@@ -314,21 +314,10 @@ def _sweep_worker(address: str, partition: str, wid: int, nbytes: int, n_puts: i
     client.close()
 
 
-SMALL_WARMUP = 50  # untimed 1-key puts a writer makes before its timed ones
-
-
 def _small_puts(client: Any, partition: str, prefix: str, n: int) -> tuple[float, float, list[float]]:
-    """``n`` timed 1-key puts (after SMALL_WARMUP untimed ones): (start, end, each put's seconds)."""
-    row = {"x": torch.arange(1)}
-    for i in range(SMALL_WARMUP):
-        client.put(partition, [f"{prefix}-warm{i}"], row)
-    lat = []
-    t0 = time.monotonic()
-    for i in range(n):
-        t = time.perf_counter()
-        client.put(partition, [f"{prefix}-{i}"], row)
-        lat.append(time.perf_counter() - t)
-    return t0, time.monotonic(), lat
+    """``n`` timed 1-key puts (after CONTROL_WARMUP untimed ones): (start, end, each put's seconds)."""
+    row, key = {"x": torch.arange(1)}, itertools.count()
+    return timed_calls(lambda: client.put(partition, [f"{prefix}-{next(key)}"], row), n, CONTROL_WARMUP)
 
 
 def bench_writers(counts: list[int], nbytes: int, n_puts: int, profile_at: int = 4, small_puts: int = 0) -> dict[str, Any]:
@@ -467,7 +456,7 @@ def writers_report(res: dict[str, Any]) -> str:
         lines += [
             "",
             f"1-key puts (same host): each of n writers makes {res['small_puts_per_writer']} puts of one key, all "
-            f"at once (after {SMALL_WARMUP} untimed each); puts/s over the wall time from the first start to the "
+            f"at once (after {CONTROL_WARMUP} untimed each); puts/s over the wall time from the first start to the "
             "last finish, and the latency of every put.",
             "",
             "| writers | 1-key puts/s | / 1 writer | p50 ms | p99 ms |",
@@ -759,6 +748,20 @@ def control_ops(address: str) -> Iterator[tuple[dict[str, Callable[[], Any]], Ca
 CONTROL_WARMUP = 50  # untimed calls per op first
 
 
+def timed_calls(fn: Callable[[], Any], n: int, warmup: int) -> tuple[float, float, list[float]]:
+    """Call ``fn`` ``warmup`` times untimed, then ``n`` times timed: (start and end of the timed calls
+    on CLOCK_MONOTONIC, comparable across processes; each call's seconds)."""
+    for _ in range(warmup):
+        fn()
+    lat = []
+    start = time.monotonic()
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        lat.append(time.perf_counter() - t0)
+    return start, time.monotonic(), lat
+
+
 def latency_summary(seconds: Sequence[float]) -> dict[str, float]:
     """p50/p99 in milliseconds of one op's timed calls."""
     a = np.asarray(seconds) * 1e3
@@ -772,13 +775,7 @@ def bench_control_ops(n: int) -> dict[str, dict[str, float]]:
     out = {}
     with TQServer(storage_units=1, capacity=64 * MiB) as server, control_ops(server.address) as (ops, reset):
         for name, fn in ops.items():
-            for _ in range(min(CONTROL_WARMUP, n)):
-                fn()
-            lat = []
-            for _ in range(n):
-                t0 = time.perf_counter()
-                fn()
-                lat.append(time.perf_counter() - t0)
+            lat = timed_calls(fn, n, min(CONTROL_WARMUP, n))[2]
             reset()
             out[name] = latency_summary(lat)
     return out

@@ -762,8 +762,9 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             times.append(self._next_heartbeat)
         return min(times, default=None)
 
-    def before_reply(self) -> None:
-        self._flush_frees_now()
+    def on_applied(self, op: str, raw_args: Any, buffers: list) -> None:
+        super().on_applied(op, raw_args, buffers)  # journaled first: frees leave only after that
+        self._flush_frees_now()  # and before the reply (see _flush_frees_now)
 
     def on_tick(self, now: float) -> None:
         expired = self.lease_book.expired(now)

@@ -51,7 +51,7 @@ from typing import Iterator, NamedTuple, Sequence
 import numpy as np
 
 from .protocol import LOC_BLOCK, LOC_COLUMNS, LOC_NBYTES, LOC_OFFSET, LOC_UNIT
-from .launch import pid_alive
+from .launch import files_of_gone_processes
 from .pins import bump
 
 try:
@@ -138,11 +138,7 @@ def remove_orphans(directory: str) -> int:
     belongs to another pid namespace: a reader that finds a table retired, or cannot open one, asks
     the controller instead."""
     removed = 0
-    for name in os.listdir(directory):
-        pid = name[len(PREFIX) :].split("-", 1)[0]
-        if not (name.startswith(PREFIX) and pid.isdigit()) or pid_alive(int(pid)):
-            continue
-        path = os.path.join(directory, name)
+    for path in files_of_gone_processes(directory, PREFIX):
         try:
             _retire_file(path)
             os.unlink(path)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .launch import pid_alive
+from .launch import files_of_gone_processes, pid_alive
 from .leases import new_lease_id
 
 try:
@@ -265,10 +265,8 @@ class PinBoard:
         instead of staying in shared memory. A live client only thought gone (another pid namespace)
         keeps its mapping; its controller, or this one, gets a new file from it. Returns how many."""
         removed, now = 0, time.time()
-        for name in os.listdir(self.directory):
-            pid = name[len(PREFIX) :].split("-", 1)[0]
-            path = os.path.join(self.directory, name)
-            if not (name.startswith(PREFIX) and pid.isdigit()) or path in self.files or pid_alive(int(pid)):
+        for path in files_of_gone_processes(self.directory, PREFIX):
+            if path in self.files:
                 continue
             try:
                 st = os.lstat(path)

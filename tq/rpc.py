@@ -253,10 +253,6 @@ class RpcServer:
         """Called after a request was served successfully (before the reply goes out), with its args as
         the raw msgpack bytes they arrived in."""
 
-    def before_reply(self) -> None:
-        """Called after :meth:`on_applied`, before the reply goes out (e.g. messages to peers that must
-        not trail the caller's next request)."""
-
     def serve_ops(self, requests: dict[Any, type[Args]], handlers: dict[Any, Handler]) -> None:
         """Serve every op of ``requests`` (op -> its args struct, see :mod:`tq.messages`) with its handler
         in ``handlers``: each op has exactly one of each."""
@@ -376,7 +372,6 @@ class RpcServer:
             handler, decoder = entry
             out = handler(decoder.decode(msg.args), msg.buffers, call)
             self.on_applied(op, msg.args, msg.buffers)  # e.g. journal it - before the caller hears it is done
-            self.before_reply()
             if out is DEFERRED:
                 return
             result, buffers = out if isinstance(out, tuple) else (out, ())

@@ -82,6 +82,19 @@ def test_reader_sees_records_written_before_it_mapped_and_after(table):
     assert (rows.end, rows.longest, rows.totals) == (8192 + 16, (16, 32), (32, 56))
 
 
+def test_reader_makes_each_fields_jagged_offsets_in_the_same_read(table):
+    """Offsets in rows of each field (bytes per row: a power of two is shifted, 12 divided), from the
+    first row asked, as if the rows lay back to back; none for a field asked with 0."""
+    table.loc("x")[:3] = [[0, 7, 0, 16, 0], [0, 7, 1, 48, 16], [0, 7, 2, 0, 64]]
+    table.loc("y")[:3] = [[0, 8, 0, 36, 0], [0, 8, 1, 12, 36], [0, 8, 2, 24, 48]]
+    view = _view(table)
+    rows = view.read(["x", "y", "x"], [1, 2, 0], *_ids(table), row_bytes=[4, 12, 0])
+    assert rows.row_offsets[0].tolist() == [0, 12, 12, 16]  # 48, 0, 16 bytes in rows of 4
+    assert rows.row_offsets[1].tolist() == [0, 1, 3, 6]  # 12, 24, 36 bytes in rows of 12
+    assert rows.sizes.tolist() == [[48, 0, 16], [12, 24, 36], [48, 0, 16]]  # as without them
+    assert view.read(["x"], [0], *_ids(table)).row_offsets is None
+
+
 def test_reader_refuses_records_being_written_unproduced_or_on_a_down_unit(table):
     table.loc("x")[:3] = [_record(0, 0), _record(0, 64), _record(1, 64)]
     view = _view(table)

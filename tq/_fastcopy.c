@@ -380,12 +380,16 @@ done_seq:
 }
 
 /* ------------------------------------------------------------------ location tables
- * read_locations(table, cols, slots, incarnation, clears, units_version, out)
+ * read_locations(table, cols, slots, incarnation, clears, units_version, out[, row_bytes, starts])
  *   A same-host reader's whole check-and-read of a partition's location table (tq/locations.py
  *   documents the protocol; the layout constants below mirror it and tq/locations.py asserts they
  *   match). Writes the offsets of the rows (cols x slots) to out[0:F*n], their sizes to
  *   out[F*n:2*F*n] and the blocks they lie in, one per run of rows in the same block, from
- *   out[2*F*n] on (int64; a borrowed get leases those blocks), and returns (unit, frees, end,
+ *   out[2*F*n] on (int64; a borrowed get leases those blocks). With row_bytes (per field; 0: none)
+ *   also writes to starts[f*(n+1):(f+1)*(n+1)] where each field's rows start, counted in its
+ *   rows' units (tokens) from its first row, rows back to back - a jagged result's offsets - in
+ *   the same pass (a get of long batches made them with two numpy passes more per field, after
+ *   this one had evicted the sizes from the cache). Returns (unit, frees, end,
  *   longest, totals, adjacent, runs): the one storage unit holding them, the frees count they were
  *   read under, the end of the furthest row, per field its longest row, its bytes in all and
  *   whether its rows lie back to back in slot order (tuples) - what a get needs to size its
@@ -405,18 +409,23 @@ static inline int64_t load_word(const int64_t *p) { return __atomic_load_n(p, __
  * they lie back to back. Returns 0 if a record is not on ``unit`` (which also catches one not produced)
  * or is torn. Branch-free in the loop, with no stores the compiler must assume alias the records: it
  * runs over every key of a borrowed get, tens of thousands of records at large batches. */
-static int read_field(const int64_t *restrict recs, const int64_t *restrict slot_at, Py_ssize_t n, int64_t unit,
-                      int64_t *restrict offsets, int64_t *restrict sizes, int64_t *restrict blocks, int64_t *runs_io,
-                      int64_t *end_io, int64_t *most_o, int64_t *total_o, int *adjacent_o) {
+static inline int read_field(const int64_t *restrict recs, const int64_t *restrict slot_at, Py_ssize_t n, int64_t unit,
+                             int64_t *restrict offsets, int64_t *restrict sizes, int64_t *restrict blocks, int64_t *runs_io,
+                             int64_t *end_io, int64_t *most_o, int64_t *total_o, int *adjacent_o,
+                             int64_t *restrict starts, int64_t row_bytes) {
     int64_t runs = *runs_io, end = *end_io, most = 0, total = 0, next = 0;
     int64_t last = runs ? blocks[runs - 1] : INT64_MIN;
     int bad = 0, adjacent = 1;
+    /* rows of a power-of-two width (every dtype's itemsize times a power-of-two shape) are counted by a
+     * shift in the loop; others in bytes, then divided */
+    int pow2 = row_bytes > 0 && !(row_bytes & (row_bytes - 1)), shift = pow2 ? __builtin_ctzll((unsigned long long)row_bytes) : 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         const int64_t *rec = recs + slot_at[i] * LOC_COLUMNS;
         int64_t u = rec[LOC_UNIT], off = rec[LOC_OFFSET], nb = rec[LOC_NBYTES], b = rec[LOC_BLOCK];
         bad |= (u != unit) | (off < 0) | (nb < 0);
         offsets[i] = off;
         sizes[i] = nb;
+        if (starts) starts[i] = total >> shift;
         if (b != last) { blocks[runs++] = b; last = b; }
         adjacent &= (i == 0) | (off == next);
         next = off + nb;
@@ -424,17 +433,23 @@ static int read_field(const int64_t *restrict recs, const int64_t *restrict slot
         most = nb > most ? nb : most;
         total += nb;
     }
+    if (starts) {
+        starts[n] = total >> shift;
+        if (!pow2)
+            for (Py_ssize_t i = 0; i <= n; i++) starts[i] /= row_bytes;
+    }
     *runs_io = runs, *end_io = end, *most_o = most, *total_o = total, *adjacent_o = adjacent;
     return !bad;
 }
 
 static PyObject *read_locations(PyObject *self, PyObject *args) {
-    Py_buffer table, out;
-    PyObject *cols_o, *slots_o;
+    Py_buffer table, out, starts_buf = {0};
+    PyObject *cols_o, *slots_o, *row_bytes_o = Py_None;
     long long incarnation, clears, units_version;
-    if (!PyArg_ParseTuple(args, "y*OOLLLw*", &table, &cols_o, &slots_o, &incarnation, &clears, &units_version, &out))
+    if (!PyArg_ParseTuple(args, "y*OOLLLw*|Ow*", &table, &cols_o, &slots_o, &incarnation, &clears, &units_version, &out,
+                          &row_bytes_o, &starts_buf))
         return NULL;
-    PyObject *ret = NULL, *cols = NULL, *slots = NULL, *longest = NULL, *totals = NULL, *adjacent = NULL;
+    PyObject *ret = NULL, *cols = NULL, *slots = NULL, *longest = NULL, *totals = NULL, *adjacent = NULL, *row_bytes = NULL;
     int64_t *slot_at = NULL;  /* the slots as C ints, converted once for all fields */
     if (!(cols = PySequence_Fast(cols_o, "cols must be a sequence of ints"))) goto done;
     if (!(slots = PySequence_Fast(slots_o, "slots must be a sequence of ints"))) goto done;
@@ -447,6 +462,14 @@ static PyObject *read_locations(PyObject *self, PyObject *args) {
         goto done;
     }
     if (out.len < 3 * F * n * 8) { PyErr_SetString(PyExc_ValueError, "out holds fewer than 3 * cols * slots int64"); goto done; }
+    if (row_bytes_o != Py_None) {
+        if (!(row_bytes = PySequence_Fast(row_bytes_o, "row_bytes must be a sequence of ints"))) goto done;
+        if (PySequence_Fast_GET_SIZE(row_bytes) != F) { PyErr_SetString(PyExc_ValueError, "row_bytes needs one entry per col"); goto done; }
+        if (!starts_buf.buf || starts_buf.len < F * (n + 1) * 8) {
+            PyErr_SetString(PyExc_ValueError, "starts holds fewer than cols * (slots + 1) int64");
+            goto done;
+        }
+    }
     struct timespec now;
     clock_gettime(CLOCK_MONOTONIC, &now);  /* the clock of Python's time.monotonic_ns on Linux */
     int64_t seq = load_word(&h[H_SEQ]), frees = load_word(&h[H_FREES]);
@@ -472,8 +495,11 @@ static PyObject *read_locations(PyObject *self, PyObject *args) {
         if (c == -1 && PyErr_Occurred()) goto done;
         if (c < 0 || c >= ncols) goto untrusted;
         if (n && unit < 0) unit = locs[(c * capacity + slot_at[0]) * LOC_COLUMNS + LOC_UNIT];
+        long long rb = 0;
+        if (row_bytes && (rb = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(row_bytes, f))) == -1 && PyErr_Occurred()) goto done;
+        int64_t *starts = rb > 0 ? (int64_t *)starts_buf.buf + f * (n + 1) : NULL;
         if (!read_field(locs + c * capacity * LOC_COLUMNS, slot_at, n, unit, offsets + f * n, sizes + f * n, blocks, &runs,
-                        &end, &most, &total, &back_to_back))
+                        &end, &most, &total, &back_to_back, starts, rb))
             goto untrusted;
         PyObject *a = PyLong_FromLongLong(most), *b = PyLong_FromLongLong(total);
         if (!a || !b) { Py_XDECREF(a); Py_XDECREF(b); goto done; }
@@ -501,8 +527,10 @@ done:
     Py_XDECREF(adjacent);
     Py_XDECREF(cols);
     Py_XDECREF(slots);
+    Py_XDECREF(row_bytes);
     PyBuffer_Release(&table);
     PyBuffer_Release(&out);
+    if (starts_buf.obj) PyBuffer_Release(&starts_buf);
     return ret;
 }
 

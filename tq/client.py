@@ -165,7 +165,7 @@ class _UnitRestarted(Exception):
 class _Fetched:
     """Where each requested row of one field lives after a fetch: a source buffer and a byte range."""
 
-    __slots__ = ("schema", "sources", "src", "starts", "sizes", "_longest", "_total")
+    __slots__ = ("schema", "sources", "src", "starts", "sizes", "_longest", "_total", "row_offsets")
 
     def __init__(
         self,
@@ -179,6 +179,7 @@ class _Fetched:
     ) -> None:
         self.schema, self.sources, self.src, self.starts, self.sizes = schema, sources, src, starts, sizes
         self._longest, self._total = longest, total  # known up front on the location-table path
+        self.row_offsets: np.ndarray | None = None  # a jagged field's offsets, made by the location read
 
     @property
     def longest(self) -> int:
@@ -256,8 +257,11 @@ def _pad_length(meta: KVBatchMeta, pad_to: int | None, longest: int) -> int:
     return -(-target // multiple) * multiple if multiple else target
 
 
-def _jagged(values: torch.Tensor, sizes: np.ndarray, row_bytes: int) -> JaggedTensor:
-    """``values`` as rows of ``sizes`` bytes back to back (offsets made here, so trusted as made)."""
+def _jagged(values: torch.Tensor, sizes: np.ndarray, row_bytes: int, offsets: np.ndarray | None = None) -> JaggedTensor:
+    """``values`` as rows of ``sizes`` bytes back to back (offsets made here, or by the location
+    read from the same sizes: trusted as made)."""
+    if offsets is not None:
+        return JaggedTensor.trusted(values, torch.from_numpy(offsets))
     offsets = np.empty(sizes.size + 1, dtype=np.int64)
     offsets[0] = 0
     np.cumsum(sizes, out=offsets[1:])
@@ -278,7 +282,7 @@ def _results(raw: np.ndarray, planned: list[_Planned], fields: list[str], layout
             continue
         t = tensor_at(raw, start, lay, shape)
         if lay.kind == JAGGED and layout != "padded":
-            jt = _jagged(t, fx.sizes, lay.row_bytes)
+            jt = _jagged(t, fx.sizes, lay.row_bytes, fx.row_offsets)
             out[name] = jt if layout == "jagged" else jt.unbind()
         else:
             out[name] = t
@@ -1053,19 +1057,24 @@ class TQClient:
                 self._tables[partition_id] = (successor, entry[1], entry[2])  # the old view is dropped, not closed
         return successor
 
-    def _read_table(self, meta: KVBatchMeta, fields: list[str]) -> tuple[LocatedRows, LocationView, dict[str, FieldSchema], int] | None:
+    def _read_table(
+        self, meta: KVBatchMeta, fields: list[str], layout: Layout
+    ) -> tuple[LocatedRows, LocationView, dict[str, FieldSchema], int] | None:
         """The rows located in the partition's shared location table, with no round trip: only for a
         meta with slots, every row on one unit of this host, and a table that can be trusted right
-        now."""
+        now. Jagged fields not asked ``"padded"`` get their offsets made in the same read."""
         entry = self._tables.get(meta.partition_id) if meta.slots is not None and meta.keys else None
         if entry is None:
             return None
         view, clears, schemas = entry
         if any(f not in schemas for f in fields):
             return None
-        rows = view.read(fields, meta.slots, meta.slot_table, clears, self._units_version)  # type: ignore[arg-type]
+        row_bytes = None
+        if layout != "padded":
+            row_bytes = [lay.row_bytes if (lay := field_layout(schemas[f])).kind == JAGGED else 0 for f in fields]
+        rows = view.read(fields, meta.slots, meta.slot_table, clears, self._units_version, row_bytes)  # type: ignore[arg-type]
         if rows is None and (view := self._follow_table(meta.partition_id, entry)) is not None:  # grown
-            rows = view.read(fields, meta.slots, meta.slot_table, clears, self._units_version)  # type: ignore[arg-type]
+            rows = view.read(fields, meta.slots, meta.slot_table, clears, self._units_version, row_bytes)  # type: ignore[arg-type]
         # a unit whose arena this client mapped is local (no file-system check on the hot path); rows
         # past its end are left to the controller's path, which names them
         arena = self._arenas.get(rows.unit) if rows is not None else None
@@ -1079,16 +1088,19 @@ class TQClient:
         with self._tables_lock:
             self._reads[rows.unit] = self._reads.get(rows.unit, 0) + sum(rows.totals)
 
-    def _locate_here(self, meta: KVBatchMeta, fields: list[str]) -> tuple[dict[str, _Fetched], Callable[[], bool]] | None:
+    def _locate_here(self, meta: KVBatchMeta, fields: list[str], layout: Layout) -> tuple[dict[str, _Fetched], Callable[[], bool]] | None:
         """Rows located by :meth:`_read_table`, read where they lie in the arena; also returns the
         check to run after copying (no bytes were freed meanwhile)."""
-        here = self._read_table(meta, fields)
+        here = self._read_table(meta, fields, layout)
         if here is None:
             return None
         rows, view, schemas, _ = here
         self._count_read(rows)
         arena = self._arenas[rows.unit]
         fetched = _in_arena(arena.view, [schemas[f] for f in fields], fields, rows.offsets, rows.sizes, rows.longest, rows.totals)
+        if rows.row_offsets is not None:
+            for f, name in enumerate(fields):
+                fetched[name].row_offsets = rows.row_offsets[f]
         return fetched, lambda: view.unchanged(rows.frees)
 
     def _on_unit_here(
@@ -1255,7 +1267,7 @@ class TQClient:
         it only if that table freed nothing since, so the rows read are the ones pinned (the views are
         built while it is answered). Returns (lease, its pin file and slot or None), or (None, None) - nothing kept,
         nothing counted - to locate instead."""
-        here = self._read_table(meta, fields)
+        here = self._read_table(meta, fields, layout)
         if here is None:
             return None, None
         rows, view, schemas, clears = here
@@ -1284,7 +1296,16 @@ class TQClient:
             for f, name in enumerate(fields):
                 if rows.adjacent[f]:
                     got = self._view_field(
-                        schemas[name], arena, int(rows.offsets[f, 0]), rows.sizes[f], rows.totals[f], meta, layout, pad_to, arrays
+                        schemas[name],
+                        arena,
+                        int(rows.offsets[f, 0]),
+                        rows.sizes[f],
+                        rows.totals[f],
+                        meta,
+                        layout,
+                        pad_to,
+                        arrays,
+                        None if rows.row_offsets is None else rows.row_offsets[f],
                     )
                     if got is not None:
                         values[name] = got
@@ -1388,10 +1409,12 @@ class TQClient:
         layout: Layout,
         pad_to: int | None,
         arrays: list[np.ndarray],
+        row_offsets: np.ndarray | None = None,
     ) -> Any:
         """The field's rows (``sizes`` bytes each, back to back from ``start`` in ``arena``, checked to
         lie in it) as tensors viewing the arena, or None when they cannot be viewed as asked. Every
-        array handed to torch is added to ``arrays`` (the lease lives as long as they do)."""
+        array handed to torch is added to ``arrays`` (the lease lives as long as they do).
+        ``row_offsets``: a jagged field's offsets, where the location read made them."""
         if schema.kind == OBJECT:
             return None
         n = sizes.size
@@ -1404,7 +1427,7 @@ class TQClient:
             if (sizes != target * row_bytes).any():  # padding needs a copy
                 return None
             return self._borrow_tensor(raw, schema, (n, target, *schema.shape), arrays)
-        jt = _jagged(self._borrow_tensor(raw, schema, (total // row_bytes, *schema.shape), arrays), sizes, row_bytes)
+        jt = _jagged(self._borrow_tensor(raw, schema, (total // row_bytes, *schema.shape), arrays), sizes, row_bytes, row_offsets)
         return jt if layout == "jagged" else jt.unbind()
 
     @staticmethod
@@ -1421,7 +1444,7 @@ class TQClient:
     def _get_within(
         self, meta: KVBatchMeta, fields: list[str], layout: Layout, pad_to: int | None, pad_value: Any, wait_timeout: float | None
     ) -> dict[str, Any]:
-        attempt = self._locate_here(meta, fields)
+        attempt = self._locate_here(meta, fields, layout)
         for tries_left in range(SHM_READ_TRIES, -1, -1):
             if attempt is None:  # ask the controller; the last try has the units send the rows
                 try:

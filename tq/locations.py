@@ -111,7 +111,8 @@ class LocatedRows(NamedTuple):
     read under, the end of the furthest row, per field its longest row, its bytes in all and whether
     its rows lie back to back in key order, and
     the ``[fields, keys]`` offsets and sizes of the rows in the unit's arena, and the blocks they lie
-    in (one per run of rows in the same block: few, and each block at least once)."""
+    in (one per run of rows in the same block: few, and each block at least once); where asked, per
+    field the offsets of its rows laid back to back, in rows of the field (a jagged result's)."""
 
     unit: int
     frees: int
@@ -122,6 +123,7 @@ class LocatedRows(NamedTuple):
     offsets: np.ndarray
     sizes: np.ndarray
     blocks: np.ndarray
+    row_offsets: np.ndarray | None = None  # [fields, keys + 1]: each field's jagged offsets, if asked
 
 
 PREFIX = "tq-loc-"  # table files are named tq-loc-<controller pid>-<random id, 16 hex digits>
@@ -364,21 +366,35 @@ class LocationView:
         ncols = self._ncols
         self.columns.update({f: c for f, c in columns.items() if isinstance(c, int) and 0 <= c < ncols})
 
-    def read(self, fields: list[str], slots: Sequence[int], incarnation: int, clears: int, units_version: int) -> LocatedRows | None:
+    def read(
+        self,
+        fields: list[str],
+        slots: Sequence[int],
+        incarnation: int,
+        clears: int,
+        units_version: int,
+        row_bytes: Sequence[int] | None = None,
+    ) -> LocatedRows | None:
         """Where the rows (``fields`` x ``slots``) lie, when they are all on one storage unit and the
         table can be trusted for them: not retired, its controller alive, ``incarnation`` and
         ``clears`` (when the reader learnt the fields' schemas) still current, the units still at
         ``units_version``, every row produced and its unit up, and no write overlapping the read.
-        None otherwise: the reader asks the controller."""
+        None otherwise: the reader asks the controller. ``row_bytes`` (bytes per row unit, per field;
+        0 for none): also the fields' jagged offsets, made in the same pass."""
         cols = [self.columns.get(f) for f in fields]
         if None in cols:
             return None
         planes = np.empty((3, len(cols), len(slots)), dtype=np.int64)
-        got = _read_locations(self._mm, cols, slots, incarnation, clears, units_version, planes)
+        if row_bytes is None:
+            got = _read_locations(self._mm, cols, slots, incarnation, clears, units_version, planes)
+            row_offsets = None
+        else:
+            row_offsets = np.empty((len(cols), len(slots) + 1), dtype=np.int64)
+            got = _read_locations(self._mm, cols, slots, incarnation, clears, units_version, planes, row_bytes, row_offsets)
         if got is None:
             return None
         *got, runs = got
-        return LocatedRows(*got, planes[0], planes[1], planes[2].ravel()[:runs])
+        return LocatedRows(*got, planes[0], planes[1], planes[2].ravel()[:runs], row_offsets)
 
     @property
     def mapping(self) -> mmap.mmap:

@@ -82,6 +82,24 @@ def test_borrowed_views_keep_their_bytes_while_another_client_discards_and_reput
         assert torch.equal(fresh["tokens"].values, _batch(64, seed=205)["tokens"].values)
 
 
+def test_a_key_rewritten_inside_a_put_is_read_with_its_new_row(tq_server, client, partition):
+    """One put lays its rows back to back (a run the reader reads by its offsets alone); a key in its
+    middle rewritten since must come back with its new row, from views and from copies alike."""
+    keys = unique_keys(8)
+    batch = _batch(8, seed=11)
+    meta = client.put(partition, keys, batch)
+    new_row = torch.arange(7, dtype=torch.int32) + 1000
+    client.write_back(meta.select([3]), {"tokens": JaggedTensor(new_row, torch.tensor([0, 7]))}, overwrite=True)
+    want = [*batch["tokens"].unbind()[:3], new_row, *batch["tokens"].unbind()[4:]]
+    with TQClient(tq_server.address, timeout=10.0) as reader:
+        for copy in (False, True):
+            got = reader.get(meta, ["tokens", "reward"], copy=copy, layout="list")
+            assert all(torch.equal(r, w) for r, w in zip(got["tokens"], want)) and len(got["tokens"]) == 8
+            assert torch.equal(got["reward"], batch["reward"])
+        tail = reader.get(meta.select(list(range(4, 8))), ["tokens"], copy=False, layout="jagged")  # still one run
+        assert tail.viewed == {"tokens"} and torch.equal(tail["tokens"].values, torch.cat(want[4:]))
+
+
 def _ops(c: TQClient) -> dict[str, int]:
     return {op: v["count"] for op, v in c.stats()["ops"].items()}
 

@@ -35,7 +35,8 @@ from tq.locations import (
     LocationView,
     remove_orphans,
 )
-from tq.protocol import LOC_COLUMNS
+from tq import protocol
+from tq.protocol import LOC_COLUMNS, LOC_NBYTES, LOC_RUN
 
 if SUPPORTED:
     from tq._fastcopy import read_locations
@@ -55,7 +56,7 @@ def table(tmp_path):
 
 
 def _record(unit: int, offset: int) -> list[int]:
-    return [unit, 7, 0, 16, offset]
+    return [unit, 7, 0, 16, offset, -1]  # -1: not a run (read record by record)
 
 
 def _ids(t: LocationTable, units_version: int = 1) -> tuple[int, int, int]:
@@ -75,7 +76,7 @@ def test_reader_sees_records_written_before_it_mapped_and_after(table):
     assert rows.offsets.tolist() == [[4096]] and rows.sizes.tolist() == [[16]]
     with table.writing():
         table.loc("x")[1] = _record(0, 8192)
-        table.loc("y")[:2] = [[0, 7, 0, 24, 64], [0, 7, 0, 32, 96]]
+        table.loc("y")[:2] = [[0, 7, 0, 24, 64, -1], [0, 7, 0, 32, 96, -1]]
     view.add_columns(table.descriptor()["columns"])
     rows = view.read(["x", "y"], (1, 0), *_ids(table))
     assert rows.offsets.tolist() == [[8192, 4096], [96, 64]] and rows.sizes.tolist() == [[16, 16], [32, 24]]
@@ -85,14 +86,74 @@ def test_reader_sees_records_written_before_it_mapped_and_after(table):
 def test_reader_makes_each_fields_jagged_offsets_in_the_same_read(table):
     """Offsets in rows of each field (bytes per row: a power of two is shifted, 12 divided), from the
     first row asked, as if the rows lay back to back; none for a field asked with 0."""
-    table.loc("x")[:3] = [[0, 7, 0, 16, 0], [0, 7, 1, 48, 16], [0, 7, 2, 0, 64]]
-    table.loc("y")[:3] = [[0, 8, 0, 36, 0], [0, 8, 1, 12, 36], [0, 8, 2, 24, 48]]
+    table.loc("x")[:3] = [[0, 7, 0, 16, 0, -1], [0, 7, 1, 48, 16, -1], [0, 7, 2, 0, 64, -1]]
+    table.loc("y")[:3] = [[0, 8, 0, 36, 0, -1], [0, 8, 1, 12, 36, -1], [0, 8, 2, 24, 48, -1]]
     view = _view(table)
     rows = view.read(["x", "y", "x"], [1, 2, 0], *_ids(table), row_bytes=[4, 12, 0])
     assert rows.row_offsets[0].tolist() == [0, 12, 12, 16]  # 48, 0, 16 bytes in rows of 4
     assert rows.row_offsets[1].tolist() == [0, 1, 3, 6]  # 12, 24, 36 bytes in rows of 12
     assert rows.sizes.tolist() == [[48, 0, 16], [12, 24, 36], [48, 0, 16]]  # as without them
     assert view.read(["x"], [0], *_ids(table)).row_offsets is None
+
+
+def test_rows_of_one_run_are_read_by_their_run_and_offset_words(table):
+    """Consecutive slots that all carry one run id are one commit's rows, back to back: the reader
+    takes their sizes from the offsets. A slot of the run changed since (the controller writes the
+    whole record, run word included) sends it back to reading every record."""
+    sizes, offsets = [16, 48, 0, 20], [100, 116, 164, 164]
+    table.loc("x")[:4] = [[0, 7, i, sizes[i], offsets[i], 9] for i in range(4)]
+    view = _view(table)
+    whole = view.read(["x"], [0, 1, 2, 3], *_ids(table), row_bytes=[4])
+    assert whole.offsets.tolist() == [offsets] and whole.sizes.tolist() == [sizes]
+    assert (whole.adjacent, whole.totals, whole.longest, whole.end) == ((True,), (84,), (48,), 184)
+    assert whole.blocks.tolist() == [7] and whole.row_offsets.tolist() == [[0, 4, 16, 16, 21]]
+    table.loc("x")[1, LOC_NBYTES] = 1000  # not a write the controller makes: shows which words are read
+    assert view.read(["x"], [1, 2], *_ids(table)).sizes.tolist() == [[48, 0]]  # a run: offsets only
+    assert view.read(["x"], [1, 3], *_ids(table)).sizes.tolist() == [[1000, 20]]  # not consecutive: records
+    table.loc("x")[1, LOC_NBYTES] = 48
+    with table.writing():
+        table.loc("x")[2] = -1  # discarded
+    assert view.read(["x"], [0, 1, 2, 3], *_ids(table)) is None
+    with table.writing():
+        table.loc("x")[2] = [0, 8, 0, 12, 4096, 10]  # put again, elsewhere, by another commit
+    rows = view.read(["x"], [0, 1, 2, 3], *_ids(table))
+    assert rows.offsets.tolist() == [[100, 116, 4096, 164]] and rows.sizes.tolist() == [[16, 48, 12, 20]]
+    assert rows.adjacent == (False,) and rows.blocks.tolist() == [7, 8, 7]
+
+
+def test_commits_lay_runs_and_a_restored_table_has_none(loopback):
+    """A commit's field is a run when its rows lie back to back in one block in ascending consecutive
+    slots (a new id each time); otherwise, and for records restored from a snapshot, its rows carry -1."""
+    ctrl = loopback.start()
+    try:
+        loopback.commit_two_rows(ctrl)  # a, b: slots 0, 1 at offsets 0, 8 of block 5 - one run
+
+        def commit(keys: list[str], offsets: list[int], block: int) -> None:
+            bufs: list = []
+            rows = {
+                "schema": ["tensor", "int64", []],
+                "row_nbytes": protocol.pack_array(np.full(len(keys), 8), bufs),
+                "arena_offsets": protocol.pack_array(np.array(offsets), bufs),
+            }
+            args = {"partition": "p", "keys": keys, "mode": "put", "blocks": [[0, block, len(keys)]], "fields": {"x": rows}}
+            loopback.apply(ctrl, "commit", args, bufs)
+
+        commit(["c", "d"], [64, 72], 6)  # slots 2, 3 back to back: a run
+        commit(["e", "f"], [200, 100], 7)  # not in slot order: none
+        commit(["g"], [300], 8)  # a single row is a run
+        runs = ctrl.partitions["p"].loc("x")[:7, LOC_RUN].tolist()
+        assert runs[0] == runs[1] >= 0 and runs[2] == runs[3] >= 0 and runs[6] >= 0
+        assert len({runs[0], runs[2], runs[6]}) == 3 and runs[4:6] == [-1, -1]
+        snap = ctrl._snapshot()
+    finally:
+        ctrl.close()
+    ctrl = loopback.start()
+    try:
+        ctrl._restore(snap)
+        loc = ctrl.partitions["p"].loc("x")
+        assert loc[:7, LOC_RUN].tolist() == [-1] * 7 and loc[:7, protocol.LOC_OFFSET].tolist() == [0, 8, 64, 72, 200, 100, 300]
+    finally:
+        ctrl.close()
 
 
 def test_reader_refuses_records_being_written_unproduced_or_on_a_down_unit(table):

@@ -400,18 +400,25 @@ done_seq:
  *   dozen numpy ones: it runs right after megabyte copies have evicted the interpreter's caches. */
 enum { H_MAGIC, H_CAPACITY, H_COLUMNS, H_SEQ, H_FREES, H_INCARNATION, H_RETIRED, H_UNITS_VERSION,
        H_DOWN_UNITS, H_ALIVE_UNTIL, H_CLEARS, H_PIN_EPOCH, H_SUCCESSOR, HEADER_WORDS = 16 };
-enum { LOC_UNIT, LOC_BLOCK, LOC_ROW, LOC_NBYTES, LOC_OFFSET, LOC_COLUMNS };
+enum { LOC_UNIT, LOC_BLOCK, LOC_ROW, LOC_NBYTES, LOC_OFFSET, LOC_RUN, LOC_COLUMNS };
 
 static inline int64_t load_word(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 
-/* One field's records of a read_locations: the rows' offsets and sizes, the blocks they lie in (one per
- * run, appended to blocks[*runs...]), the furthest end, the longest row, the bytes in all and whether
- * they lie back to back. Returns 0 if a record is not on ``unit`` (which also catches one not produced)
- * or is torn. Branch-free in the loop, with no stores the compiler must assume alias the records: it
- * runs over every key of a borrowed get, tens of thousands of records at large batches. */
-static inline int read_field(const int64_t *restrict recs, const int64_t *restrict slot_at, Py_ssize_t n, int64_t unit,
-                             int64_t *restrict offsets, int64_t *restrict sizes, int64_t *restrict blocks, int64_t *runs_io,
-                             int64_t *end_io, int64_t *most_o, int64_t *total_o, int *adjacent_o,
+/* One field's records of a read_locations (its planes: P[w] is record word w of every slot): the rows'
+ * offsets and sizes, the blocks they lie in (one per run, appended to blocks[*runs...]), the furthest
+ * end, the longest row, the bytes in all and whether they lie back to back; with starts, the rows'
+ * offsets laid back to back, in rows of row_bytes. Returns 0 if a record is not on ``unit`` (which also
+ * catches one not produced) or is torn.
+ * Consecutive slots (``first`` >= 0: slot i is first + i) whose records all carry one run id are rows
+ * one commit laid back to back in one block, unchanged since (tq/locations.py): only their run and
+ * offset words are read, sizes are the offsets' differences - 16 bytes a row, not the 40 of its
+ * unit, block, size and offset (the table was just written by the controller on another core, so
+ * every line read is a miss). Otherwise each record is read whole, branch-free, with no stores the
+ * compiler must assume alias the records: it runs over every key of a borrowed get, tens of
+ * thousands of records at large batches. */
+static inline int read_field(const int64_t *const P[LOC_COLUMNS], const int64_t *restrict slot_at, int64_t first, Py_ssize_t n,
+                             int64_t unit, int64_t *restrict offsets, int64_t *restrict sizes, int64_t *restrict blocks,
+                             int64_t *runs_io, int64_t *end_io, int64_t *most_o, int64_t *total_o, int *adjacent_o,
                              int64_t *restrict starts, int64_t row_bytes) {
     int64_t runs = *runs_io, end = *end_io, most = 0, total = 0, next = 0;
     int64_t last = runs ? blocks[runs - 1] : INT64_MIN;
@@ -419,19 +426,40 @@ static inline int read_field(const int64_t *restrict recs, const int64_t *restri
     /* rows of a power-of-two width (every dtype's itemsize times a power-of-two shape) are counted by a
      * shift in the loop; others in bytes, then divided */
     int pow2 = row_bytes > 0 && !(row_bytes & (row_bytes - 1)), shift = pow2 ? __builtin_ctzll((unsigned long long)row_bytes) : 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const int64_t *rec = recs + slot_at[i] * LOC_COLUMNS;
-        int64_t u = rec[LOC_UNIT], off = rec[LOC_OFFSET], nb = rec[LOC_NBYTES], b = rec[LOC_BLOCK];
-        bad |= (u != unit) | (off < 0) | (nb < 0);
-        offsets[i] = off;
-        sizes[i] = nb;
-        if (starts) starts[i] = total >> shift;
-        if (b != last) { blocks[runs++] = b; last = b; }
-        adjacent &= (i == 0) | (off == next);
-        next = off + nb;
-        end = next > end ? next : end;
-        most = nb > most ? nb : most;
-        total += nb;
+    const int64_t *restrict run = P[LOC_RUN], *restrict off_p = P[LOC_OFFSET];
+    int one_run = first >= 0 && n > 0 && run[first] >= 0;
+    for (Py_ssize_t i = 1; one_run && i < n; i++) one_run = run[first + i] == run[first];
+    if (one_run) {
+        int64_t s_last = first + n - 1, start = off_p[first], stop = off_p[s_last] + P[LOC_NBYTES][s_last];
+        bad = (P[LOC_UNIT][first] != unit) | (start < 0) | (stop < off_p[s_last]);
+        const int64_t *restrict o = off_p + first;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t nb = (i + 1 < n ? o[i + 1] : stop) - o[i];
+            offsets[i] = o[i];
+            sizes[i] = nb;
+            if (starts) starts[i] = (o[i] - start) >> shift;
+            bad |= nb < 0;
+            most = nb > most ? nb : most;
+        }
+        int64_t b = P[LOC_BLOCK][first];
+        if (b != last) blocks[runs++] = b;
+        total = stop - start;
+        end = stop > end ? stop : end;
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t s = slot_at[i];
+            int64_t u = P[LOC_UNIT][s], off = off_p[s], nb = P[LOC_NBYTES][s], b = P[LOC_BLOCK][s];
+            bad |= (u != unit) | (off < 0) | (nb < 0);
+            offsets[i] = off;
+            sizes[i] = nb;
+            if (starts) starts[i] = total >> shift;
+            if (b != last) { blocks[runs++] = b; last = b; }
+            adjacent &= (i == 0) | (off == next);
+            next = off + nb;
+            end = next > end ? next : end;
+            most = nb > most ? nb : most;
+            total += nb;
+        }
     }
     if (starts) {
         starts[n] = total >> shift;
@@ -482,11 +510,13 @@ static PyObject *read_locations(PyObject *self, PyObject *args) {
     const int64_t *locs = h + HEADER_WORDS;
     if (!(longest = PyTuple_New(F)) || !(totals = PyTuple_New(F)) || !(adjacent = PyTuple_New(F))) goto done;
     if (!(slot_at = PyMem_Malloc((size_t)(n ? n : 1) * 8))) { PyErr_NoMemory(); goto done; }
+    int consecutive = 1;  /* slot i is slot 0 + i: rows may be read as runs */
     for (Py_ssize_t i = 0; i < n; i++) {
         long long slot = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(slots, i));
         if (slot == -1 && PyErr_Occurred()) goto done;
         if (slot < 0 || slot >= capacity) goto untrusted;
         slot_at[i] = slot;
+        consecutive &= slot == slot_at[0] + i;
     }
     for (Py_ssize_t f = 0; f < F; f++) {
         int64_t most, total;
@@ -494,11 +524,13 @@ static PyObject *read_locations(PyObject *self, PyObject *args) {
         long long c = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(cols, f));
         if (c == -1 && PyErr_Occurred()) goto done;
         if (c < 0 || c >= ncols) goto untrusted;
-        if (n && unit < 0) unit = locs[(c * capacity + slot_at[0]) * LOC_COLUMNS + LOC_UNIT];
+        const int64_t *P[LOC_COLUMNS];
+        for (int w = 0; w < LOC_COLUMNS; w++) P[w] = locs + (c * LOC_COLUMNS + w) * capacity;
+        if (n && unit < 0) unit = P[LOC_UNIT][slot_at[0]];
         long long rb = 0;
         if (row_bytes && (rb = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(row_bytes, f))) == -1 && PyErr_Occurred()) goto done;
         int64_t *starts = rb > 0 ? (int64_t *)starts_buf.buf + f * (n + 1) : NULL;
-        if (!read_field(locs + c * capacity * LOC_COLUMNS, slot_at, n, unit, offsets + f * n, sizes + f * n, blocks, &runs,
+        if (!read_field(P, slot_at, n && consecutive ? slot_at[0] : -1, n, unit, offsets + f * n, sizes + f * n, blocks, &runs,
                         &end, &most, &total, &back_to_back, starts, rb))
             goto untrusted;
         PyObject *a = PyLong_FromLongLong(most), *b = PyLong_FromLongLong(total);
@@ -646,13 +678,13 @@ static PyObject *bump_word(PyObject *self, PyObject *args) {
 }
 
 static PyObject *table_layout(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}",
+    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}",
                          "H_PIN_EPOCH", H_PIN_EPOCH, "H_SUCCESSOR", H_SUCCESSOR, "H_MAGIC", H_MAGIC, "H_CAPACITY", H_CAPACITY, "H_COLUMNS", H_COLUMNS, "H_SEQ", H_SEQ,
                          "H_FREES", H_FREES, "H_INCARNATION", H_INCARNATION, "H_RETIRED", H_RETIRED,
                          "H_UNITS_VERSION", H_UNITS_VERSION, "H_DOWN_UNITS", H_DOWN_UNITS, "H_ALIVE_UNTIL", H_ALIVE_UNTIL,
                          "H_CLEARS", H_CLEARS, "HEADER_WORDS", HEADER_WORDS, "LOC_UNIT", LOC_UNIT,
                          "LOC_NBYTES", LOC_NBYTES, "LOC_OFFSET", LOC_OFFSET, "LOC_COLUMNS", LOC_COLUMNS,
-                         "LOC_BLOCK", LOC_BLOCK);
+                         "LOC_BLOCK", LOC_BLOCK, "LOC_RUN", LOC_RUN);
 }
 
 static PyObject *pin_layout(PyObject *self, PyObject *unused) {

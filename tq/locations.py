@@ -1,7 +1,8 @@
 """Location tables: where every (key, field) row of a partition lives, shared with same-host readers.
 
 The controller keeps one :class:`LocationTable` per partition: for each field an int64
-``[capacity, LOC_COLUMNS]`` array of location records indexed by key slot (-1: not produced). The
+``[capacity, LOC_COLUMNS]`` array of location records indexed by key slot (-1: not produced), stored
+column by column (a plane per record word, so a reader reads only the words it needs). The
 table lives in a shared-memory file, so a client on the controller's host can map it read-only
 (:class:`LocationView`) and locate a meta's rows itself - a same-host get then costs no round trip to
 the controller, only the copy out of the storage arena. The controller stays the only writer and
@@ -10,7 +11,7 @@ the only authority: a reader that finds anything unexpected simply asks it (``lo
 File layout (little-endian int64 words)::
 
     header[HEADER_WORDS]                    see the H_* indices below
-    locs[columns, capacity, LOC_COLUMNS]    one location table per field column
+    locs[columns, LOC_COLUMNS, capacity]    per field column, a plane per record word
 
 Readers identify keys by slot, which a meta carries next to its keys (``KVBatchMeta.slots``) with
 the table's ``incarnation``. A slot is never handed to another key within one incarnation: reusing
@@ -29,6 +30,13 @@ Consistency is a seqlock in two counters, both written only by the single-thread
   their bytes, so bytes can only be reused after the bump. A reader notes ``frees`` before it reads
   the records and checks it again after copying the rows out of the arena; if it moved, the copy
   may have raced a reuse and the read is redone through the controller.
+Runs: a commit that lays a field's rows back to back in one block, in ascending consecutive slots,
+gives them one run id (``LOC_RUN``; a counter of the table, never reused while it lives; -1 for rows
+laid otherwise and for records restored from a snapshot). Every change of a record writes its run
+word (a commit writes the new run, every other change writes the whole record), so rows of
+consecutive slots that all carry one run id are rows of that commit, unchanged since, back to back: a
+reader then reads only the run and offset words of each row (sizes are the offsets' differences).
+
 A table that is replaced (grown, dropped, or its controller gone) is marked ``retired``; a dead
 controller is noticed by ``alive_until``, which it renews with every heartbeat. A table replaced by a
 bigger one (more slots or fields; same incarnation, clears and columns) names it in ``successor``,
@@ -50,7 +58,7 @@ from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from .protocol import LOC_BLOCK, LOC_COLUMNS, LOC_NBYTES, LOC_OFFSET, LOC_UNIT
+from .protocol import LOC_BLOCK, LOC_COLUMNS, LOC_NBYTES, LOC_OFFSET, LOC_RUN, LOC_UNIT
 from .launch import files_of_gone_processes
 from .pins import bump
 
@@ -60,7 +68,7 @@ try:
 except ImportError:  # no compiler at install time: every get asks the controller
     _read_locations = _c_table_layout = None
 
-MAGIC = 0x5451_4C4F_4354_0001  # "TQLOCT" v1
+MAGIC = 0x5451_4C4F_4354_0002  # "TQLOCT" v2: planes per record word, runs
 (
     H_MAGIC,
     H_CAPACITY,
@@ -100,6 +108,7 @@ _LAYOUT = {
     "LOC_BLOCK": LOC_BLOCK,
     "LOC_NBYTES": LOC_NBYTES,
     "LOC_OFFSET": LOC_OFFSET,
+    "LOC_RUN": LOC_RUN,
     "LOC_COLUMNS": LOC_COLUMNS,
 }
 if _c_table_layout is not None and _c_table_layout() != _LAYOUT:  # the C reader hard-codes the layout
@@ -193,6 +202,7 @@ class LocationTable:
         self._mm: mmap.mmap | None = None
         self.header = np.zeros(HEADER_WORDS, dtype=np.int64)
         self.header[H_PIN_EPOCH] = pin_epoch  # the pin board readers' pins must be registered with (tq.pins)
+        self._last_run = 0  # run ids handed out (see the module docstring), kept across growth and clears
         self._allocate(capacity, columns, incarnation=new_incarnation())
 
     # -- storage
@@ -212,7 +222,7 @@ class LocationTable:
             words = np.frombuffer(mm, dtype=np.int64)
         else:
             words = np.empty(size // 8, dtype=np.int64)
-        header, locs = words[:HEADER_WORDS], words[HEADER_WORDS:].reshape(columns, capacity, LOC_COLUMNS)
+        header, locs = words[:HEADER_WORDS], words[HEADER_WORDS:].reshape(columns, LOC_COLUMNS, capacity)
         locs.fill(-1)
         old = self.header
         header[:] = old
@@ -221,7 +231,7 @@ class LocationTable:
         for name, col in self.columns.items():
             if name in self.views:
                 n = min(capacity, self.views[name].shape[0])
-                locs[col, :n] = self.views[name][:n]
+                locs[col].T[:n] = self.views[name][:n]
         # Readers learn the new path from a later locate reply or from the old table's successor word,
         # both set only now that it is complete. Never called inside writing(): the seq copied over is even.
         in_use = list(self.views)
@@ -229,7 +239,7 @@ class LocationTable:
             self.header[H_SUCCESSOR] = table_id  # before it is retired: readers seeing that see this
         self._retire_storage()
         self.header, self._locs, self.path, self._mm = header, locs, path, mm
-        self.views = {name: locs[self.columns[name]] for name in in_use}
+        self.views = {name: locs[self.columns[name]].T for name in in_use}
 
     def _retire_storage(self) -> None:
         if self._mm is None and self.path is None:
@@ -266,8 +276,14 @@ class LocationTable:
         if capacity > self.capacity:
             self._allocate(max(capacity, 2 * self.capacity), int(self.header[H_COLUMNS]), self.incarnation)
 
+    def new_run(self) -> int:
+        """A run id no record of this table carries yet (see the module docstring)."""
+        self._last_run += 1
+        return self._last_run
+
     def loc(self, name: str) -> np.ndarray:
-        """The records of field ``name`` (a new field starts all -1)."""
+        """The records of field ``name`` (a new field starts all -1): a ``[capacity, LOC_COLUMNS]`` view
+        of its planes."""
         view = self.views.get(name)
         if view is None:
             col = self.columns.get(name)
@@ -275,7 +291,7 @@ class LocationTable:
                 col = self.columns[name] = len(self.columns)
                 if col >= int(self.header[H_COLUMNS]):
                     self._allocate(self.capacity, 2 * col, self.incarnation)
-            view = self.views[name] = self._locs[col]  # all -1: fresh, or reset with the partition
+            view = self.views[name] = self._locs[col].T  # all -1: fresh, or reset with the partition
         return view
 
     # -- the seqlock (see module docstring)

@@ -75,9 +75,10 @@ TCP_FRAME_BYTES = 8 << 20
 # Columns of a location record (the ``locate`` reply and the controller's tables): where one
 # (key, field) row lives - storage unit, block, row in the block, byte size and absolute byte offset in
 # the unit's arena. The offset lets a client on the unit's host copy the row straight out of the
-# mapped arena with no request to the unit.
-LOC_UNIT, LOC_BLOCK, LOC_ROW, LOC_NBYTES, LOC_OFFSET = range(5)
-LOC_COLUMNS = 5
+# mapped arena with no request to the unit. The run: rows one commit laid back to back in one block,
+# in slot order, share its id (else -1); see tq.locations.
+LOC_UNIT, LOC_BLOCK, LOC_ROW, LOC_NBYTES, LOC_OFFSET, LOC_RUN = range(6)
+LOC_COLUMNS = 6
 # Index arrays and raw-byte views may only use these dtypes; anything else in a ref is rejected.
 ARRAY_DTYPES = frozenset({"<i8", "<i4", "<i2", "|i1", "|u1", "<u2", "<f4", "<f8", "|b1", "<f2"})
 # A signed request is accepted only if its timestamp is within this many seconds of the server's clock:

@@ -92,12 +92,13 @@ def test_a_key_rewritten_inside_a_put_is_read_with_its_new_row(tq_server, client
     client.write_back(meta.select([3]), {"tokens": JaggedTensor(new_row, torch.tensor([0, 7]))}, overwrite=True)
     want = [*batch["tokens"].unbind()[:3], new_row, *batch["tokens"].unbind()[4:]]
     with TQClient(tq_server.address, timeout=10.0) as reader:
-        for copy in (False, True):
-            got = reader.get(meta, ["tokens", "reward"], copy=copy, layout="list")
-            assert all(torch.equal(r, w) for r, w in zip(got["tokens"], want)) and len(got["tokens"]) == 8
-            assert torch.equal(got["reward"], batch["reward"])
-        tail = reader.get(meta.select(list(range(4, 8))), ["tokens"], copy=False, layout="jagged")  # still one run
-        assert tail.viewed == {"tokens"} and torch.equal(tail["tokens"].values, torch.cat(want[4:]))
+        copied = reader.get(meta, ["tokens", "reward"], layout="list")
+        with reader.get(meta, ["tokens", "reward"], copy=False, layout="list") as viewed:
+            for got in (copied, viewed):
+                assert all(torch.equal(r, w) for r, w in zip(got["tokens"], want)) and len(got["tokens"]) == 8
+                assert torch.equal(got["reward"], batch["reward"])
+        with reader.get(meta.select(list(range(4, 8))), ["tokens"], copy=False, layout="jagged") as tail:  # still one run
+            assert tail.viewed == {"tokens"} and torch.equal(tail["tokens"].values, torch.cat(want[4:]))
 
 
 def _ops(c: TQClient) -> dict[str, int]:

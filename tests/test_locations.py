@@ -107,6 +107,8 @@ def test_rows_of_one_run_are_read_by_their_run_and_offset_words(table):
     assert whole.offsets.tolist() == [offsets] and whole.sizes.tolist() == [sizes]
     assert (whole.adjacent, whole.totals, whole.longest, whole.end) == ((True,), (84,), (48,), 184)
     assert whole.blocks.tolist() == [7] and whole.row_offsets.tolist() == [[0, 4, 16, 16, 21]]
+    assert view.read(["x"], range(0, 4), *_ids(table), row_bytes=[4]).row_offsets.tolist() == whole.row_offsets.tolist()
+    assert view.read(["x"], range(2, 2 + table.capacity), *_ids(table)) is None  # past the table's end
     table.loc("x")[1, LOC_NBYTES] = 1000  # not a write the controller makes: shows which words are read
     assert view.read(["x"], [1, 2], *_ids(table)).sizes.tolist() == [[48, 0]]  # a run: offsets only
     assert view.read(["x"], [1, 3], *_ids(table)).sizes.tolist() == [[1000, 20]]  # not consecutive: records

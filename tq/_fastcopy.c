@@ -480,9 +480,23 @@ static PyObject *read_locations(PyObject *self, PyObject *args) {
     PyObject *ret = NULL, *cols = NULL, *slots = NULL, *longest = NULL, *totals = NULL, *adjacent = NULL, *row_bytes = NULL;
     int64_t *slot_at = NULL;  /* the slots as C ints, converted once for all fields */
     if (!(cols = PySequence_Fast(cols_o, "cols must be a sequence of ints"))) goto done;
-    if (!(slots = PySequence_Fast(slots_o, "slots must be a sequence of ints"))) goto done;
+    /* consecutive slots come as a range (tq.meta keeps them so): no int to convert per key */
+    long long range_start = -1;
+    Py_ssize_t n;
+    if (PyRange_Check(slots_o)) {
+        PyObject *start = PyObject_GetAttrString(slots_o, "start"), *step = PyObject_GetAttrString(slots_o, "step");
+        long long st = start ? PyLong_AsLongLong(start) : -1, sp = step ? PyLong_AsLongLong(step) : 0;
+        Py_XDECREF(start);
+        Py_XDECREF(step);
+        if (PyErr_Occurred() || (n = PyObject_Length(slots_o)) < 0) goto done;
+        if (sp != 1 && n > 1) { PyErr_SetString(PyExc_ValueError, "a range of slots must have step 1"); goto done; }
+        range_start = st;
+    } else {
+        if (!(slots = PySequence_Fast(slots_o, "slots must be a sequence of ints"))) goto done;
+        n = PySequence_Fast_GET_SIZE(slots);
+    }
     const int64_t *h = table.buf;
-    Py_ssize_t F = PySequence_Fast_GET_SIZE(cols), n = PySequence_Fast_GET_SIZE(slots);
+    Py_ssize_t F = PySequence_Fast_GET_SIZE(cols);
     if (table.len < HEADER_WORDS * 8) { PyErr_SetString(PyExc_ValueError, "not a location table"); goto done; }
     int64_t capacity = h[H_CAPACITY], ncols = h[H_COLUMNS];
     if (capacity < 0 || ncols < 0 || (ncols && capacity > (table.len / 8 - HEADER_WORDS) / LOC_COLUMNS / ncols)) {
@@ -511,7 +525,11 @@ static PyObject *read_locations(PyObject *self, PyObject *args) {
     if (!(longest = PyTuple_New(F)) || !(totals = PyTuple_New(F)) || !(adjacent = PyTuple_New(F))) goto done;
     if (!(slot_at = PyMem_Malloc((size_t)(n ? n : 1) * 8))) { PyErr_NoMemory(); goto done; }
     int consecutive = 1;  /* slot i is slot 0 + i: rows may be read as runs */
-    for (Py_ssize_t i = 0; i < n; i++) {
+    if (!slots) {
+        if (n && (range_start < 0 || range_start > capacity - n)) goto untrusted;
+        for (Py_ssize_t i = 0; i < n; i++) slot_at[i] = range_start + i;
+    }
+    for (Py_ssize_t i = 0; slots && i < n; i++) {
         long long slot = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(slots, i));
         if (slot == -1 && PyErr_Occurred()) goto done;
         if (slot < 0 || slot >= capacity) goto untrusted;

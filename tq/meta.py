@@ -29,6 +29,27 @@ TAG_VALUE_TYPES: tuple[type, ...] = (type(None), bool, int, float, str)
 _TAG_TYPES = frozenset(TAG_VALUE_TYPES)
 
 
+def _normalise_slots(value: Any, n: int) -> tuple[int, ...] | range:
+    """``n`` slots as a tuple of ints >= 0, or as a ``range`` when they are consecutive: the same
+    values in three ints, which a same-host reader checks without converting one int per key (and a
+    meta pickles without them)."""
+    slots = value if isinstance(value, range) else _as_tuple(value, "slots")
+    if len(slots) != n:
+        raise ValueError(f"slots has {len(slots)} values for {n} keys")
+    if isinstance(slots, range) and (slots.step == 1 or n <= 1):
+        if n and slots.start < 0:
+            raise TypeError("slots must be ints >= 0")
+        return range(slots.start, slots.start + n) if n else range(0)
+    slots = tuple(slots)
+    if not set(map(type, slots)) <= {int}:
+        raise TypeError("slots must be ints >= 0")
+    if n and 0 <= slots[0] and slots[-1] - slots[0] == n - 1 and slots == tuple(consecutive := range(slots[0], slots[-1] + 1)):
+        return consecutive
+    if slots and min(slots) < 0:
+        raise TypeError("slots must be ints >= 0")
+    return slots
+
+
 def _as_tuple(value: Any, what: str) -> tuple:
     """Normalise a list / tuple / numpy array / iterable to a tuple of Python objects."""
     if isinstance(value, tuple):
@@ -125,7 +146,8 @@ class KVBatchMeta:
             key's slot), or ``None``. They follow the keys through every
             operation and let a reader on the service's host locate the rows
             without asking the controller; metas built by hand simply go the
-            usual way. Not part of equality.
+            usual way. Not part of equality. Consecutive slots (a put's keys,
+            a contiguous shard of them) are kept as a ``range``.
 
     Lists and numpy arrays passed to the constructor are normalised to tuples,
     dicts are copied, and everything is validated (``ValueError`` for wrong
@@ -141,7 +163,7 @@ class KVBatchMeta:
     tags: Mapping[str, tuple] = field(default_factory=dict)
     extra_info: Mapping[str, Any] = field(default_factory=dict)
     slot_table: int | None = field(default=None, compare=False)
-    slots: tuple[int, ...] | None = field(default=None, compare=False)
+    slots: tuple[int, ...] | range | None = field(default=None, compare=False)
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -204,12 +226,7 @@ class KVBatchMeta:
         if self.slots is not None:
             if type(self.slot_table) is not int:
                 raise TypeError(f"slot_table must be an int, got {type(self.slot_table).__name__}")
-            slots = _as_tuple(self.slots, "slots")
-            if len(slots) != n:
-                raise ValueError(f"slots has {len(slots)} values for {n} keys")
-            if not set(map(type, slots)) <= {int} or (slots and min(slots) < 0):
-                raise TypeError("slots must be ints >= 0")
-            set_(self, "slots", slots)
+            set_(self, "slots", _normalise_slots(self.slots, n))
 
     # ------------------------------------------------------------ basic info
     @property

@@ -109,6 +109,9 @@ def test_rows_of_one_run_are_read_by_their_run_and_offset_words(table):
     assert whole.blocks.tolist() == [7] and whole.row_offsets.tolist() == [[0, 4, 16, 16, 21]]
     assert view.read(["x"], range(0, 4), *_ids(table), row_bytes=[4]).row_offsets.tolist() == whole.row_offsets.tolist()
     assert view.read(["x"], range(2, 2 + table.capacity), *_ids(table)) is None  # past the table's end
+    viewing = view.read(["x"], range(0, 4), *_ids(table), row_bytes=[4], views=True)  # a borrowed get's read
+    assert viewing.offsets[0, 0] == 100 and (viewing.totals, viewing.end, viewing.adjacent) == ((84,), 184, (True,))
+    assert viewing.row_offsets.tolist() == whole.row_offsets.tolist() and viewing.longest == (0,)  # no sizes made
     table.loc("x")[1, LOC_NBYTES] = 1000  # not a write the controller makes: shows which words are read
     assert view.read(["x"], [1, 2], *_ids(table)).sizes.tolist() == [[48, 0]]  # a run: offsets only
     assert view.read(["x"], [1, 3], *_ids(table)).sizes.tolist() == [[1000, 20]]  # not consecutive: records

@@ -380,7 +380,7 @@ done_seq:
 }
 
 /* ------------------------------------------------------------------ location tables
- * read_locations(table, cols, slots, incarnation, clears, units_version, out[, row_bytes, starts])
+ * read_locations(table, cols, slots, incarnation, clears, units_version, out[, row_bytes, starts, views])
  *   A same-host reader's whole check-and-read of a partition's location table (tq/locations.py
  *   documents the protocol; the layout constants below mirror it and tq/locations.py asserts they
  *   match). Writes the offsets of the rows (cols x slots) to out[0:F*n], their sizes to
@@ -389,7 +389,9 @@ done_seq:
  *   also writes to starts[f*(n+1):(f+1)*(n+1)] where each field's rows start, counted in its
  *   rows' units (tokens) from its first row, rows back to back - a jagged result's offsets - in
  *   the same pass (a get of long batches made them with two numpy passes more per field, after
- *   this one had evicted the sizes from the cache). Returns (unit, frees, end,
+ *   this one had evicted the sizes from the cache). With views (a borrowed get viewing the rows
+ *   where they lie), a field read as one run gets only its first offset written, no sizes and no
+ *   longest row (0): 16 of the 24 bytes a row it would write. Returns (unit, frees, end,
  *   longest, totals, adjacent, runs): the one storage unit holding them, the frees count they were
  *   read under, the end of the furthest row, per field its longest row, its bytes in all and
  *   whether its rows lie back to back in slot order (tuples) - what a get needs to size its
@@ -419,7 +421,7 @@ static inline int64_t load_word(const int64_t *p) { return __atomic_load_n(p, __
 static inline int read_field(const int64_t *const P[LOC_COLUMNS], const int64_t *restrict slot_at, int64_t first, Py_ssize_t n,
                              int64_t unit, int64_t *restrict offsets, int64_t *restrict sizes, int64_t *restrict blocks,
                              int64_t *runs_io, int64_t *end_io, int64_t *most_o, int64_t *total_o, int *adjacent_o,
-                             int64_t *restrict starts, int64_t row_bytes) {
+                             int64_t *restrict starts, int64_t row_bytes, int views) {
     int64_t runs = *runs_io, end = *end_io, most = 0, total = 0, next = 0;
     int64_t last = runs ? blocks[runs - 1] : INT64_MIN;
     int bad = 0, adjacent = 1;
@@ -433,13 +435,21 @@ static inline int read_field(const int64_t *const P[LOC_COLUMNS], const int64_t 
         int64_t s_last = first + n - 1, start = off_p[first], stop = off_p[s_last] + P[LOC_NBYTES][s_last];
         bad = (P[LOC_UNIT][first] != unit) | (start < 0) | (stop < off_p[s_last]);
         const int64_t *restrict o = off_p + first;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            int64_t nb = (i + 1 < n ? o[i + 1] : stop) - o[i];
-            offsets[i] = o[i];
-            sizes[i] = nb;
-            if (starts) starts[i] = (o[i] - start) >> shift;
-            bad |= nb < 0;
-            most = nb > most ? nb : most;
+        offsets[0] = start;
+        if (views) {  /* only the view's start and (jagged) its offsets */
+            for (Py_ssize_t i = 0; starts && i < n; i++) {
+                starts[i] = (o[i] - start) >> shift;
+                bad |= o[i] > (i + 1 < n ? o[i + 1] : stop);
+            }
+        } else {
+            for (Py_ssize_t i = 0; i < n; i++) {
+                int64_t nb = (i + 1 < n ? o[i + 1] : stop) - o[i];
+                offsets[i] = o[i];
+                sizes[i] = nb;
+                if (starts) starts[i] = (o[i] - start) >> shift;
+                bad |= nb < 0;
+                most = nb > most ? nb : most;
+            }
         }
         int64_t b = P[LOC_BLOCK][first];
         if (b != last) blocks[runs++] = b;
@@ -474,8 +484,9 @@ static PyObject *read_locations(PyObject *self, PyObject *args) {
     Py_buffer table, out, starts_buf = {0};
     PyObject *cols_o, *slots_o, *row_bytes_o = Py_None;
     long long incarnation, clears, units_version;
-    if (!PyArg_ParseTuple(args, "y*OOLLLw*|Ow*", &table, &cols_o, &slots_o, &incarnation, &clears, &units_version, &out,
-                          &row_bytes_o, &starts_buf))
+    int views = 0;
+    if (!PyArg_ParseTuple(args, "y*OOLLLw*|Ow*p", &table, &cols_o, &slots_o, &incarnation, &clears, &units_version, &out,
+                          &row_bytes_o, &starts_buf, &views))
         return NULL;
     PyObject *ret = NULL, *cols = NULL, *slots = NULL, *longest = NULL, *totals = NULL, *adjacent = NULL, *row_bytes = NULL;
     int64_t *slot_at = NULL;  /* the slots as C ints, converted once for all fields */
@@ -549,7 +560,7 @@ static PyObject *read_locations(PyObject *self, PyObject *args) {
         if (row_bytes && (rb = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(row_bytes, f))) == -1 && PyErr_Occurred()) goto done;
         int64_t *starts = rb > 0 ? (int64_t *)starts_buf.buf + f * (n + 1) : NULL;
         if (!read_field(P, slot_at, n && consecutive ? slot_at[0] : -1, n, unit, offsets + f * n, sizes + f * n, blocks, &runs,
-                        &end, &most, &total, &back_to_back, starts, rb))
+                        &end, &most, &total, &back_to_back, starts, rb, views))
             goto untrusted;
         PyObject *a = PyLong_FromLongLong(most), *b = PyLong_FromLongLong(total);
         if (!a || !b) { Py_XDECREF(a); Py_XDECREF(b); goto done; }

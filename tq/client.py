@@ -1058,11 +1058,12 @@ class TQClient:
         return successor
 
     def _read_table(
-        self, meta: KVBatchMeta, fields: list[str], layout: Layout
+        self, meta: KVBatchMeta, fields: list[str], layout: Layout, views: bool = False
     ) -> tuple[LocatedRows, LocationView, dict[str, FieldSchema], int] | None:
         """The rows located in the partition's shared location table, with no round trip: only for a
         meta with slots, every row on one unit of this host, and a table that can be trusted right
-        now. Jagged fields not asked ``"padded"`` get their offsets made in the same read."""
+        now. Jagged fields not asked ``"padded"`` get their offsets made in the same read; ``views``:
+        see :meth:`LocationView.read`."""
         entry = self._tables.get(meta.partition_id) if meta.slots is not None and meta.keys else None
         if entry is None:
             return None
@@ -1072,9 +1073,9 @@ class TQClient:
         row_bytes = None
         if layout != "padded":
             row_bytes = [lay.row_bytes if (lay := field_layout(schemas[f])).kind == JAGGED else 0 for f in fields]
-        rows = view.read(fields, meta.slots, meta.slot_table, clears, self._units_version, row_bytes)  # type: ignore[arg-type]
+        rows = view.read(fields, meta.slots, meta.slot_table, clears, self._units_version, row_bytes, views)  # type: ignore[arg-type]
         if rows is None and (view := self._follow_table(meta.partition_id, entry)) is not None:  # grown
-            rows = view.read(fields, meta.slots, meta.slot_table, clears, self._units_version, row_bytes)  # type: ignore[arg-type]
+            rows = view.read(fields, meta.slots, meta.slot_table, clears, self._units_version, row_bytes, views)  # type: ignore[arg-type]
         # a unit whose arena this client mapped is local (no file-system check on the hot path); rows
         # past its end are left to the controller's path, which names them
         arena = self._arenas.get(rows.unit) if rows is not None else None
@@ -1267,7 +1268,7 @@ class TQClient:
         it only if that table freed nothing since, so the rows read are the ones pinned (the views are
         built while it is answered). Returns (lease, its pin file and slot or None), or (None, None) - nothing kept,
         nothing counted - to locate instead."""
-        here = self._read_table(meta, fields, layout)
+        here = self._read_table(meta, fields, layout, views=layout != "padded")  # padded views check every size
         if here is None:
             return None, None
         rows, view, schemas, clears = here

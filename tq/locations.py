@@ -390,13 +390,16 @@ class LocationView:
         clears: int,
         units_version: int,
         row_bytes: Sequence[int] | None = None,
+        views: bool = False,
     ) -> LocatedRows | None:
         """Where the rows (``fields`` x ``slots``) lie, when they are all on one storage unit and the
         table can be trusted for them: not retired, its controller alive, ``incarnation`` and
         ``clears`` (when the reader learnt the fields' schemas) still current, the units still at
         ``units_version``, every row produced and its unit up, and no write overlapping the read.
         None otherwise: the reader asks the controller. ``row_bytes`` (bytes per row unit, per field;
-        0 for none): also the fields' jagged offsets, made in the same pass."""
+        0 for none): also the fields' jagged offsets, made in the same pass. ``views`` (a borrowed get,
+        which views rows lying back to back where they are): a field whose rows are one run gets only
+        its first offset, no sizes and longest row 0."""
         cols = [self.columns.get(f) for f in fields]
         if None in cols:
             return None
@@ -406,7 +409,7 @@ class LocationView:
             row_offsets = None
         else:
             row_offsets = np.empty((len(cols), len(slots) + 1), dtype=np.int64)
-            got = _read_locations(self._mm, cols, slots, incarnation, clears, units_version, planes, row_bytes, row_offsets)
+            got = _read_locations(self._mm, cols, slots, incarnation, clears, units_version, planes, row_bytes, row_offsets, views)
         if got is None:
             return None
         *got, runs = got

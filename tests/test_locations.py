@@ -34,6 +34,7 @@ from tq.locations import (
     LocationTable,
     LocationView,
     remove_orphans,
+    take_records,
 )
 from tq import protocol
 from tq.protocol import LOC_COLUMNS, LOC_NBYTES, LOC_RUN
@@ -124,6 +125,25 @@ def test_rows_of_one_run_are_read_by_their_run_and_offset_words(table):
     rows = view.read(["x"], [0, 1, 2, 3], *_ids(table))
     assert rows.offsets.tolist() == [[100, 116, 4096, 164]] and rows.sizes.tolist() == [[16, 48, 12, 20]]
     assert rows.adjacent == (False,) and rows.blocks.tolist() == [7, 8, 7]
+
+
+def test_gathering_a_few_records_does_not_copy_the_table(tmp_path):
+    """A locate gathers its keys' records plane by plane: a gather along the slot axis of the planes'
+    record view would copy the whole table first (O(capacity) per 1-key locate)."""
+    import tracemalloc
+
+    t = LocationTable(None, capacity=1 << 20, columns=1)  # 48 MiB of planes for the field
+    try:
+        t.loc("x")[[5, 700_000]] = [[0, 7, 0, 16, 64, 3], [1, 8, 2, 24, 96, 4]]
+        out = np.empty((2, LOC_COLUMNS), dtype=np.int64)
+        tracemalloc.start()
+        take_records(t.loc("x"), np.array([700_000, 5]), out)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert out.tolist() == [[1, 8, 2, 24, 96, 4], [0, 7, 0, 16, 64, 3]]
+        assert peak < 1 << 20, f"gathering 2 records allocated {peak} bytes"
+    finally:
+        t.close()
 
 
 def test_commits_lay_runs_and_a_restored_table_has_none(loopback):

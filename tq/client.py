@@ -1415,7 +1415,8 @@ class TQClient:
         """The field's rows (``sizes`` bytes each, back to back from ``start`` in ``arena``, checked to
         lie in it) as tensors viewing the arena, or None when they cannot be viewed as asked. Every
         array handed to torch is added to ``arrays`` (the lease lives as long as they do).
-        ``row_offsets``: a jagged field's offsets, where the location read made them."""
+        ``row_offsets``: a jagged field's offsets, where the location read made them - then ``sizes``
+        gives only the row count (a views read of a run does not fill it; padded gets never ask one)."""
         if schema.kind == OBJECT:
             return None
         n = sizes.size

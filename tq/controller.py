@@ -45,7 +45,7 @@ from .errors import (
 from .arena import host_identity
 from .journal import Journal
 from .leases import LeaseBook, leased_blocks, new_lease_id
-from .locations import LocationTable, remove_orphans
+from .locations import LocationTable, remove_orphans, take_records
 from .messages import ControllerOp as Op
 from .partition import Partition, Waiter
 from .pins import POLL_S as PIN_POLL_S, SUPPORTED as PINS_SUPPORTED, PinBoard
@@ -702,7 +702,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         for f, name in enumerate(fields):
             if name not in part.schemas:
                 raise FieldNotProducedError(f"field {name!r} was never produced in partition {part.pid!r}")
-            np.take(part.locs[name], slots, axis=0, out=loc[f])
+            take_records(part.locs[name], slots, loc[f])
         units = loc[:, :, UNIT]
         if units.size and units.min() < 0:
             f, absent = next((f, np.flatnonzero(units[f] < 0)) for f in range(len(fields)) if units[f].min() < 0)

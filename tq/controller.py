@@ -51,8 +51,8 @@ from .partition import Partition, Waiter
 from .pins import POLL_S as PIN_POLL_S, SUPPORTED as PINS_SUPPORTED, PinBoard
 from .recovery import COMPACT_AFTER, JournalRecovery  # noqa: F401 - COMPACT_AFTER: tq.controller's API
 from .supervision import UnitLedger, UnitSupervision
-from .protocol import LOC_BLOCK as BLOCK, LOC_COLUMNS, LOC_NBYTES as NBYTES, LOC_OFFSET as OFFSET  # location
-from .protocol import LOC_ROW as ROW, LOC_RUN as RUN, LOC_UNIT as UNIT  # record columns
+from .protocol import LOC_BLOCK as BLOCK, LOC_COLUMNS, LOC_NBYTES as NBYTES  # location
+from .protocol import LOC_ROW as ROW, LOC_UNIT as UNIT  # record columns
 from .rpc import DEFERRED, Call, RpcServer
 from .schema import FieldSchema
 
@@ -598,22 +598,13 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             unit = np.repeat([u for u, _, _ in parts], counts)
             block = np.repeat([b for _, b, _ in parts], counts)
             rows = np.concatenate([np.arange(r) for r in counts])
-        # one block, ascending consecutive slots: each field whose rows lie back to back is a run
-        in_order = len(parts) == 1 and (len(keys) == 1 or bool((np.diff(slots) == 1).all()))
         with part.table.writing():
             if any(part.prior_schemas.get(name, schemas[name]) != schemas[name] for name in schemas.keys() - part.schemas.keys()):
                 part.table.schemas_changed()  # readers drop what they learnt before the clear
                 part.prior_schemas = {}
             for name, schema in schemas.items():
                 part.schemas[name] = schema
-                loc = part.locs[name]
-                nb, off = rows_of[name]
-                loc[slots, UNIT] = unit
-                loc[slots, BLOCK] = block
-                loc[slots, ROW] = rows
-                loc[slots, NBYTES], loc[slots, OFFSET] = nb, off
-                back_to_back = in_order and (len(keys) == 1 or bool((off[1:] == off[:-1] + nb[:-1]).all()))
-                loc[slots, RUN] = part.table.new_run() if back_to_back else -1
+                part.table.write_rows(name, slots, unit, block, rows, *rows_of[name], one_block=len(parts) == 1)
         if released is not None:
             self._free_rows(part, released)
         for tname, values in tags.items():

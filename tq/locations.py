@@ -58,7 +58,7 @@ from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from .protocol import LOC_BLOCK, LOC_COLUMNS, LOC_NBYTES, LOC_OFFSET, LOC_RUN, LOC_UNIT
+from .protocol import LOC_BLOCK, LOC_COLUMNS, LOC_NBYTES, LOC_OFFSET, LOC_ROW, LOC_RUN, LOC_UNIT
 from .launch import files_of_gone_processes
 from .pins import bump
 
@@ -284,10 +284,33 @@ class LocationTable:
         if capacity > self.capacity:
             self._allocate(max(capacity, 2 * self.capacity), int(self.header[H_COLUMNS]), self.incarnation)
 
-    def new_run(self) -> int:
-        """A run id no record of this table carries yet (see the module docstring)."""
-        self._last_run += 1
-        return self._last_run
+    def write_rows(
+        self,
+        name: str,
+        slots: np.ndarray,
+        unit: int | np.ndarray,
+        block: int | np.ndarray,
+        rows: np.ndarray,
+        nbytes: np.ndarray,
+        offsets: np.ndarray,
+        *,
+        one_block: bool,
+    ) -> None:
+        """Write the records of a commit's rows of field ``name`` (inside :meth:`writing`). They are a
+        run - a new run id, see the module docstring - when they lie in one block (``one_block``), in
+        ascending consecutive slots, back to back; else their run word is -1. The only partial write
+        of records: every other change writes whole records, run word included."""
+        loc = self.loc(name)
+        loc[slots, LOC_UNIT] = unit
+        loc[slots, LOC_BLOCK] = block
+        loc[slots, LOC_ROW] = rows
+        loc[slots, LOC_NBYTES], loc[slots, LOC_OFFSET] = nbytes, offsets
+        run = one_block and (
+            len(slots) == 1 or (bool((np.diff(slots) == 1).all()) and bool((offsets[1:] == offsets[:-1] + nbytes[:-1]).all()))
+        )
+        if run:
+            self._last_run += 1
+        loc[slots, LOC_RUN] = self._last_run if run else -1
 
     def loc(self, name: str) -> np.ndarray:
         """The records of field ``name`` (a new field starts all -1): a ``[capacity, LOC_COLUMNS]`` view

@@ -84,7 +84,9 @@ def test_borrowed_views_keep_their_bytes_while_another_client_discards_and_reput
 
 def test_a_key_rewritten_inside_a_put_is_read_with_its_new_row(tq_server, client, partition):
     """One put lays its rows back to back (a run the reader reads by its offsets alone); a key in its
-    middle rewritten since must come back with its new row, from views and from copies alike."""
+    middle rewritten since must come back with its new row, from views and from copies alike. An end
+    to end guard of the bytes, which any correct read passes: what the run read itself does is pinned
+    in tests/test_locations.py (test_rows_of_one_run_are_read_by_their_run_and_offset_words)."""
     keys = unique_keys(8)
     batch = _batch(8, seed=11)
     meta = client.put(partition, keys, batch)

@@ -435,19 +435,14 @@ static inline int read_field(const int64_t *const P[LOC_COLUMNS], const int64_t 
         int64_t s_last = first + n - 1, start = off_p[first], stop = off_p[s_last] + P[LOC_NBYTES][s_last];
         bad = (P[LOC_UNIT][first] != unit) | (start < 0) | (stop < off_p[s_last]);
         const int64_t *restrict o = off_p + first;
-        offsets[0] = start;
-        if (views) {  /* only the view's start and (jagged) its offsets */
-            for (Py_ssize_t i = 0; starts && i < n; i++) {
-                starts[i] = (o[i] - start) >> shift;
-                bad |= o[i] > (i + 1 < n ? o[i + 1] : stop);
-            }
-        } else {
-            for (Py_ssize_t i = 0; i < n; i++) {
-                int64_t nb = (i + 1 < n ? o[i + 1] : stop) - o[i];
+        offsets[0] = start;  /* views: only the view's start and (jagged) its offsets are written */
+        for (Py_ssize_t i = 0; i < n && (starts || !views); i++) {
+            int64_t nb = (i + 1 < n ? o[i + 1] : stop) - o[i];
+            bad |= nb < 0;
+            if (starts) starts[i] = (o[i] - start) >> shift;
+            if (!views) {
                 offsets[i] = o[i];
                 sizes[i] = nb;
-                if (starts) starts[i] = (o[i] - start) >> shift;
-                bad |= nb < 0;
                 most = nb > most ? nb : most;
             }
         }

@@ -176,10 +176,11 @@ class _Fetched:
         sizes: np.ndarray,
         longest: int | None = None,
         total: int | None = None,
+        row_offsets: np.ndarray | None = None,
     ) -> None:
         self.schema, self.sources, self.src, self.starts, self.sizes = schema, sources, src, starts, sizes
         self._longest, self._total = longest, total  # known up front on the location-table path
-        self.row_offsets: np.ndarray | None = None  # a jagged field's offsets, made by the location read
+        self.row_offsets = row_offsets  # a jagged field's offsets, where the location read made them
 
     @property
     def longest(self) -> int:
@@ -236,15 +237,17 @@ def _in_arena(
     sizes: np.ndarray,
     longest: Sequence[int] | None = None,
     totals: Sequence[int] | None = None,
+    row_offsets: np.ndarray | None = None,
 ) -> dict[str, _Fetched]:
     """The rows ``[fields, keys]`` at ``starts`` / ``sizes`` of one mapped arena, read where they lie
-    (with each field's longest row and byte total where already known)."""
+    (with each field's longest row, byte total and jagged offsets where already known)."""
     src, sources = np.zeros(starts.shape[1], dtype=np.int64), [arena]  # shared: never extended (only _place extends)
     if longest is None or totals is None:
         return {name: _Fetched(schema, sources, src, st, sz) for name, schema, st, sz in zip(fields, schemas, starts, sizes)}
+    offsets = itertools.repeat(None) if row_offsets is None else row_offsets
     return {
-        name: _Fetched(schema, sources, src, st, sz, most, total)
-        for name, schema, st, sz, most, total in zip(fields, schemas, starts, sizes, longest, totals)
+        name: _Fetched(schema, sources, src, st, sz, most, total, offs)
+        for name, schema, st, sz, most, total, offs in zip(fields, schemas, starts, sizes, longest, totals, offsets)
     }
 
 
@@ -1098,10 +1101,8 @@ class TQClient:
         rows, view, schemas, _ = here
         self._count_read(rows)
         arena = self._arenas[rows.unit]
-        fetched = _in_arena(arena.view, [schemas[f] for f in fields], fields, rows.offsets, rows.sizes, rows.longest, rows.totals)
-        if rows.row_offsets is not None:
-            for f, name in enumerate(fields):
-                fetched[name].row_offsets = rows.row_offsets[f]
+        schemas_of = [schemas[f] for f in fields]
+        fetched = _in_arena(arena.view, schemas_of, fields, rows.offsets, rows.sizes, rows.longest, rows.totals, rows.row_offsets)
         return fetched, lambda: view.unchanged(rows.frees)
 
     def _on_unit_here(

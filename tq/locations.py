@@ -312,6 +312,14 @@ class LocationTable:
             self._last_run += 1
         loc[slots, LOC_RUN] = self._last_run if run else -1
 
+    def restore_rows(self, name: str, records: np.ndarray) -> None:
+        """Write field ``name``'s records from a snapshot (``[slots, columns]``, maybe of fewer columns
+        than now) from slot 0 on, with no runs: run ids are counted by the table that handed them out,
+        and a restored one could equal a run this table hands out next, next to it in the slots."""
+        loc = self.loc(name)
+        loc[: records.shape[0], : records.shape[1]] = records
+        loc[:, LOC_RUN] = -1
+
     def loc(self, name: str) -> np.ndarray:
         """The records of field ``name`` (a new field starts all -1): a ``[capacity, LOC_COLUMNS]`` view
         of its planes."""
@@ -428,9 +436,9 @@ class LocationView:
         ``clears`` (when the reader learnt the fields' schemas) still current, the units still at
         ``units_version``, every row produced and its unit up, and no write overlapping the read.
         None otherwise: the reader asks the controller. ``row_bytes`` (bytes per row unit, per field;
-        0 for none): also the fields' jagged offsets, made in the same pass. ``views`` (a borrowed get,
-        which views rows lying back to back where they are): a field whose rows are one run gets only
-        its first offset, no sizes and longest row 0."""
+        0 for none): also the fields' jagged offsets, made in the same pass; with them, ``views`` (a
+        borrowed get, which views rows lying back to back where they are): a field whose rows are one
+        run gets only its first offset, no sizes and longest row 0."""
         cols = [self.columns.get(f) for f in fields]
         if None in cols:
             return None

@@ -23,7 +23,6 @@ import numpy as np
 from .journal import Journal
 from .leases import LeaseBook, pin_ref
 from .messages import AdoptBlock, ControllerOp as Op
-from .protocol import LOC_RUN
 from .rpc import Call
 from .schema import FieldSchema
 from .supervision import UnitLedger
@@ -139,7 +138,5 @@ class JournalRecovery:
             p.schemas = {f: FieldSchema.from_wire(w) for f, w in d["schemas"].items()}
             p.table.grow(max((shape[0] for shape, _ in d["locs"].values()), default=0))
             for f, (shape, b) in d["locs"].items():
-                loc = p.loc(f)
-                loc[: shape[0], : shape[1]] = np.frombuffer(b, dtype=np.int64).reshape(shape)
-                loc[:, LOC_RUN] = -1  # run ids are this table's own (a new table counts them anew)
+                p.table.restore_rows(f, np.frombuffer(b, dtype=np.int64).reshape(shape))
             self.partitions[pid] = p

@@ -523,13 +523,16 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         """A writer gives up on stored blocks (``[[unit, block], ...]``): each one not committed yet is
         fenced and freed. Answers, per block, whether its commit had been applied - so a writer
         whose commit reply was lost learns that its put did land."""
-        committed = []
         for unit, block in args.blocks:
             if unit >= len(self.units):
                 raise InvalidRequestError(f"abort_blocks: no block {block!r} on storage unit {unit!r}")
-            committed.append(self._committed_as(unit, block) is not None)
-            if not committed[-1]:
-                self._fence(unit, [block])
+        committed = [self._committed_as(unit, block) is not None for unit, block in args.blocks]
+        fence: dict[int, list[int]] = {}
+        for (unit, block), landed in zip(args.blocks, committed):
+            if not landed:
+                fence.setdefault(unit, []).append(block)
+        for unit, blocks in fence.items():  # one journal record and one message a unit: a slab given
+            self._fence(unit, blocks)  # back names up to its 1,024 ids
         return messages.AbortBlocksReply(committed=committed)
 
     @staticmethod

@@ -1,0 +1,292 @@
+"""Model-based test of the data plane: random sequences of puts, write-backs (new fields and
+overwrites), discards, clears and gets - every layout, copied and borrowed, same-host and TCP, metas
+from puts (slots: the location-table fast paths, runs and range slots) and from ``get_meta``,
+subsets, permutations and concatenations of them - against a plain dict of what every key holds.
+
+The invariant is the one readers rely on most: a get returns exactly the bytes its keys hold now, or
+fails with a TQ error; never another key's bytes, an overwritten value, or a discarded key's. Two
+storage units, so puts land on either and gets span both.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
+
+from tq import JaggedTensor, KVBatchMeta, TQClient
+from tq.errors import TQError
+
+# field -> how its rows look: jagged token-aligned rows, fixed-shape rows, or Python objects
+FIELDS = {
+    "tok": "jagged_i64",
+    "lp": "jagged_f32",
+    "r": "scalar_f32",
+    "emb": "vec3_f32",
+    "txt": "object",
+}
+LAYOUTS = ("padded", "jagged", "list")
+
+
+def _row(kind: str, rng: np.random.Generator) -> object:
+    if kind == "jagged_i64":
+        return torch.from_numpy(rng.integers(-(2**40), 2**40, size=int(rng.integers(1, 24))))
+    if kind == "jagged_f32":
+        return torch.from_numpy(rng.standard_normal(int(rng.integers(1, 24))).astype(np.float32))
+    if kind == "scalar_f32":
+        return torch.tensor(float(rng.standard_normal()), dtype=torch.float32)
+    if kind == "vec3_f32":
+        return torch.from_numpy(rng.standard_normal(3).astype(np.float32))
+    return f"s{int(rng.integers(0, 10**9))}" * int(rng.integers(0, 4))
+
+
+def _column(kind: str, rows: list) -> object:
+    """The rows as the column a user passes: a JaggedTensor or a list of tensors for jagged fields
+    (both forms), a stacked tensor for fixed-shape ones, the list itself for objects."""
+    if kind.startswith("jagged"):
+        if len(rows) % 2:  # odd batches as a JaggedTensor, even ones as a list of tensors
+            lengths = torch.tensor([len(r) for r in rows])
+            offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
+            offsets[1:] = torch.cumsum(lengths, 0)
+            return JaggedTensor(torch.cat(rows), offsets)
+        return list(rows)
+    if kind == "object":
+        return list(rows)
+    return torch.stack(rows)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and torch.equal(a, b)
+
+
+def _check_field(kind: str, layout: str, got: object, want: list, where: str) -> None:
+    if kind == "object":
+        assert list(got) == want, where
+        return
+    if not kind.startswith("jagged"):
+        assert _same(got, torch.stack(want)), where
+        return
+    if layout == "list":
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert _same(g, w), f"{where}, row {i}"
+        return
+    if layout == "jagged":
+        assert isinstance(got, JaggedTensor), where
+        assert got.lengths.tolist() == [len(w) for w in want], where
+        assert _same(got.values, torch.cat(want)), where
+        return
+    longest = max(len(w) for w in want)
+    assert tuple(got.shape) == (len(want), longest), where
+    for i, w in enumerate(want):
+        assert _same(got[i, : len(w)], w), f"{where}, row {i}"
+        assert not got[i, len(w) :].any(), f"{where}, row {i}: padding is not zeros"
+
+
+def _machine(address: str) -> type:
+    class DataPlaneModel(RuleBasedStateMachine):
+        """The service against a dict: key -> field -> row."""
+
+        @initialize(seed=st.integers(0, 2**32 - 1))
+        def start(self, seed: int) -> None:
+            self.rng = np.random.default_rng(seed)
+            self.clients = {t: TQClient(address, timeout=15.0, transport=t) for t in ("auto", "tcp")}
+            self.pid = f"model-{uuid.uuid4().hex[:8]}"
+            self.clients["auto"].register_partition(self.pid)
+            self.held: dict[str, dict[str, object]] = {}  # key -> field -> row
+            self.metas: list[KVBatchMeta] = []  # metas handed out by puts (they carry slots)
+            self.stale: list[KVBatchMeta] = []  # metas naming keys discarded or cleared since
+            self.names = (f"k{i}" for i in itertools.count())
+            self.views: list[tuple[object, list[str], str, list[str], dict[str, list]]] = []  # borrowed, held on
+
+        def teardown(self) -> None:
+            for batch, *_ in self.views:
+                batch.release()
+            try:
+                self.clients["auto"].drop_partition(self.pid)
+            finally:
+                for c in self.clients.values():
+                    c.close()
+
+        # -- helpers
+        def _live_meta(self, data: st.DataObject) -> KVBatchMeta | None:
+            """A meta of live keys: a put's (or several concatenated) narrowed to its live keys, in
+            its order or shuffled, or one made by ``get_meta``."""
+            live = [m.select_keys([k for k in m.keys if k in self.held]) for m in self.metas]
+            live = [m for m in live if m.size]
+            if not live:
+                return None
+            how = data.draw(st.sampled_from(["put", "concat", "shuffled", "get_meta"]))
+            if how == "get_meta":
+                keys = data.draw(st.lists(st.sampled_from(sorted(self.held)), min_size=1, max_size=8, unique=True))
+                return self.clients[data.draw(st.sampled_from(["auto", "tcp"]))].get_meta(self.pid, keys)
+            picked = data.draw(st.lists(st.sampled_from(range(len(live))), min_size=1, max_size=3, unique=True))
+            fields = live[picked[0]].fields  # metas concatenate when they name the same fields
+            meta = KVBatchMeta.concat([live[i].with_fields(fields) for i in picked]) if how == "concat" else live[picked[0]]
+            if how == "shuffled":
+                order = data.draw(st.permutations(range(meta.size)))
+                meta = meta.select(list(order)[: data.draw(st.integers(1, meta.size))])
+            return meta
+
+        # -- rules
+        @rule(n=st.integers(1, 6), fields=st.sets(st.sampled_from(sorted(FIELDS)), min_size=1), transport=st.sampled_from(["auto", "tcp"]))
+        def put(self, n: int, fields: set, transport: str) -> None:
+            keys = [next(self.names) for _ in range(n)]
+            rows = {f: [_row(FIELDS[f], self.rng) for _ in keys] for f in sorted(fields)}
+            meta = self.clients[transport].put(self.pid, keys, {f: _column(FIELDS[f], r) for f, r in rows.items()})
+            assert list(meta.keys) == keys
+            for i, k in enumerate(keys):
+                self.held[k] = {f: r[i] for f, r in rows.items()}
+            self.metas.append(meta)
+
+        @precondition(lambda self: self.held)
+        @rule(data=st.data(), field=st.sampled_from(sorted(FIELDS)), overwrite=st.booleans(), transport=st.sampled_from(["auto", "tcp"]))
+        def write_back(self, data: st.DataObject, field: str, overwrite: bool, transport: str) -> None:
+            meta = self._live_meta(data)
+            if meta is None:
+                return
+            rows = [_row(FIELDS[field], self.rng) for _ in meta.keys]
+            has = [field in self.held[k] for k in meta.keys]
+            if any(has) and not overwrite:
+                with pytest.raises(TQError):
+                    self.clients[transport].write_back(meta, {field: _column(FIELDS[field], rows)})
+                return
+            self.clients[transport].write_back(meta, {field: _column(FIELDS[field], rows)}, overwrite=overwrite)
+            for k, r in zip(meta.keys, rows):
+                self.held[k][field] = r
+
+        def _whole_put(self, data: st.DataObject) -> KVBatchMeta | None:
+            """A put's meta whose keys are all still held: its slots a range, its rows one run each."""
+            whole = [m for m in self.metas if all(k in self.held for k in m.keys)]
+            return data.draw(st.sampled_from(whole)) if whole else None
+
+        @precondition(lambda self: self.metas)
+        @rule(data=st.data(), transport=st.sampled_from(["auto", "tcp"]))
+        def overwrite_part(self, data: st.DataObject, transport: str) -> None:
+            """Rewrite one field of a slice of a put's keys (its first, middle or last ones): the
+            put's other keys keep their rows, and a reader of the whole put must see both."""
+            meta = self._whole_put(data)
+            if meta is None:
+                return
+            start = data.draw(st.integers(0, meta.size - 1))
+            part = meta.slice(start, data.draw(st.integers(start + 1, meta.size)))
+            common = sorted(set.intersection(*(set(self.held[k]) for k in part.keys)))
+            field = data.draw(st.sampled_from(common))
+            rows = [_row(FIELDS[field], self.rng) for _ in part.keys]
+            self.clients[transport].write_back(part, {field: _column(FIELDS[field], rows)}, overwrite=True)
+            for k, r in zip(part.keys, rows):
+                self.held[k][field] = r
+
+        @precondition(lambda self: self.metas)
+        @rule(data=st.data(), layout=st.sampled_from(LAYOUTS), copy=st.booleans())
+        def get_whole_put(self, data: st.DataObject, layout: str, copy: bool) -> None:
+            """A same-host get of a whole put: the location table's run read, when its rows are intact."""
+            meta = self._whole_put(data)
+            if meta is not None:
+                self._check_get(meta, sorted(set.intersection(*(set(self.held[k]) for k in meta.keys))), layout, copy, "auto")
+
+        @precondition(lambda self: self.held)
+        @rule(data=st.data(), transport=st.sampled_from(["auto", "tcp"]))
+        def discard(self, data: st.DataObject, transport: str) -> None:
+            meta = self._live_meta(data)
+            if meta is None:
+                return
+            assert self.clients[transport].discard(meta) == meta.size
+            for k in meta.keys:
+                del self.held[k]
+            self.stale.append(meta)
+
+        @precondition(lambda self: len(self.metas) >= 4)  # not so often that little else gets built up
+        @rule()
+        def clear(self) -> None:
+            self.clients["auto"].clear_partition(self.pid)
+            self.stale.extend(self.metas)
+            self.metas, self.held = [], {}
+
+        @precondition(lambda self: self.held)
+        @rule(data=st.data(), layout=st.sampled_from(LAYOUTS), copy=st.booleans(), transport=st.sampled_from(["auto", "tcp"]))
+        def get(self, data: st.DataObject, layout: str, copy: bool, transport: str) -> None:
+            meta = self._live_meta(data)
+            if meta is None:
+                return
+            common = sorted(set.intersection(*(set(self.held[k]) for k in meta.keys)))
+            if not common:
+                return
+            fields = data.draw(st.lists(st.sampled_from(common), min_size=1, unique=True))
+            self._check_get(meta, fields, layout, copy, transport)
+
+        def _check_get(self, meta: KVBatchMeta, fields: list[str], layout: str, copy: bool, transport: str) -> None:
+            got = self.clients[transport].get(meta, fields, layout=layout, copy=copy)
+            try:
+                for f in fields:
+                    where = f"get of {f!r} ({layout}, copy={copy}, {transport}) for {list(meta.keys)}"
+                    _check_field(FIELDS[f], layout, got[f], [self.held[k][f] for k in meta.keys], where)
+            finally:
+                if not copy:
+                    got.release()
+
+        @precondition(lambda self: self.held and len(self.views) < 3)
+        @rule(data=st.data(), layout=st.sampled_from(LAYOUTS))
+        def borrow_and_hold(self, data: st.DataObject, layout: str) -> None:
+            """A borrowed get whose views are kept over the next ops (discards, overwrites, clears of
+            their keys included) and checked again by ``check_held``."""
+            meta = self._live_meta(data)
+            if meta is None or not (common := sorted(set.intersection(*(set(self.held[k]) for k in meta.keys)))):
+                return
+            fields = data.draw(st.lists(st.sampled_from(common), min_size=1, unique=True))
+            want = {f: [self.held[k][f] for k in meta.keys] for f in fields}
+            batch = self.clients["auto"].get(meta, fields, layout=layout, copy=False)
+            self.views.append((batch, fields, layout, list(meta.keys), want))
+            self._check_view(len(self.views) - 1)
+
+        @precondition(lambda self: self.views)
+        @rule(data=st.data())
+        def check_held(self, data: st.DataObject) -> None:
+            """A held borrowed batch still reads what its keys held when it was taken; then released."""
+            i = data.draw(st.integers(0, len(self.views) - 1))
+            self._check_view(i)
+            self.views.pop(i)[0].release()
+
+        def _check_view(self, i: int) -> None:
+            batch, fields, layout, keys, want = self.views[i]
+            for f in fields:
+                _check_field(FIELDS[f], layout, batch[f], want[f], f"held borrowed {f!r} ({layout}) of {keys}")
+
+        @precondition(lambda self: self.stale)
+        @rule(data=st.data(), transport=st.sampled_from(["auto", "tcp"]))
+        def get_stale(self, data: st.DataObject, transport: str) -> None:
+            """A meta naming a key no longer held reads nothing: a TQ error, whatever took its slot."""
+            meta = data.draw(st.sampled_from(self.stale))
+            gone = [k for k in meta.keys if k not in self.held]
+            if not gone:  # every key of it was put again since (cannot happen: names are never reused)
+                return
+            with pytest.raises(TQError):
+                self.clients[transport].get(meta, list(meta.fields) or sorted(FIELDS))
+
+        @rule()
+        def listed(self) -> None:
+            assert set(self.clients["auto"].get_meta(self.pid).keys) == set(self.held)
+
+    return DataPlaneModel
+
+
+def test_random_op_sequences_read_exactly_what_each_key_holds(tq_server):
+    """Quick run for CI: 50 sequences of up to 40 ops (the slow variant runs more)."""
+    run_state_machine_as_test(
+        _machine(tq_server.address),
+        settings=settings(max_examples=50, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)),
+    )
+
+
+@pytest.mark.slow
+def test_random_op_sequences_many(tq_server):
+    run_state_machine_as_test(
+        _machine(tq_server.address),
+        settings=settings(max_examples=150, stateful_step_count=50, deadline=None, suppress_health_check=list(HealthCheck)),
+    )

@@ -221,6 +221,59 @@ j.close()
 """
 
 
+def test_a_batch_writes_its_records_in_one_call_when_it_ends_raising_or_not(tmp_path):
+    """Records appended inside ``batch()`` reach the file together when it ends, in order and
+    framed as ever, also when the block raises; a nested batch writes with the outer one."""
+    path = tmp_path / "j"
+    j = Journal(str(path))
+    j.append(["before"])
+    size = os.path.getsize(path)
+    with j.batch():
+        for i in range(500):
+            j.append(["F", i])
+        with j.batch():
+            j.append(["inner"])
+        assert os.path.getsize(path) == size and j.appended == 1  # held
+    assert _replay(path) == [["before"], *(["F", i] for i in range(500)), ["inner"]]
+    assert j.appended == 502
+    with pytest.raises(RuntimeError), j.batch():
+        j.append(["applied", 1])
+        raise RuntimeError("after the change was applied")
+    assert _replay(path)[-1] == ["applied", 1]
+    j.close()
+
+
+def test_a_batch_writes_once_and_a_rewrite_inside_it_drops_what_it_already_holds(tmp_path):
+    """One system call for the whole batch; a compaction inside it (a snapshot of the state those
+    records changed) drops the records held so far and keeps those appended after it."""
+    path = tmp_path / "j"
+    j = Journal(str(path))
+    calls = []
+
+    class Counting:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, b):
+            calls.append(len(b))
+            return self.f.write(b)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    j._f = Counting(j._f)
+    with j.batch():
+        for i in range(100):
+            j.append(["F", i])
+    assert len(calls) == 1
+    with j.batch():
+        j.append(["gone", 1])
+        j.rewrite([["snapshot"]])
+        j.append(["after", 2])
+    assert _replay(path) == [["snapshot"], ["after", 2]]
+    j.close()
+
+
 def test_failed_append_is_cut_back_to_the_last_complete_record(tmp_path):
     """A write that fails after writing part of a record (here a real file-size limit, as a full
     disk would) must not leave the partial record in front of the next append."""

@@ -27,22 +27,43 @@ from tq.errors import TQError
 FIELDS = {
     "tok": "jagged_i64",
     "lp": "jagged_f32",
+    "b16": "jagged_bf16",
+    "msk": "jagged_bool",
+    "pair": "jagged_i32x2",  # two int32 a token: a row is 8 bytes a token
     "r": "scalar_f32",
     "emb": "vec3_f32",
+    "u8": "vec5_u8",
     "txt": "object",
+}
+# pad values a padded get may ask for, by field kind (besides the default 0): each fills its dtype exactly
+PADS = {
+    "jagged_i64": (-1, 7),
+    "jagged_f32": (0.5, -2.0),
+    "jagged_bf16": (0.5, -3.0),
+    "jagged_bool": (True,),
+    "jagged_i32x2": (-1, 9),
 }
 LAYOUTS = ("padded", "jagged", "list")
 
 
 def _row(kind: str, rng: np.random.Generator) -> object:
+    n = int(rng.integers(1, 40))
     if kind == "jagged_i64":
-        return torch.from_numpy(rng.integers(-(2**40), 2**40, size=int(rng.integers(1, 24))))
+        return torch.from_numpy(rng.integers(-(2**40), 2**40, size=n))
     if kind == "jagged_f32":
-        return torch.from_numpy(rng.standard_normal(int(rng.integers(1, 24))).astype(np.float32))
+        return torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    if kind == "jagged_bf16":
+        return torch.from_numpy(rng.standard_normal(n).astype(np.float32)).to(torch.bfloat16)
+    if kind == "jagged_bool":
+        return torch.from_numpy(rng.integers(0, 2, size=n).astype(bool))
+    if kind == "jagged_i32x2":
+        return torch.from_numpy(rng.integers(-(2**31), 2**31, size=(n, 2)).astype(np.int32))
     if kind == "scalar_f32":
         return torch.tensor(float(rng.standard_normal()), dtype=torch.float32)
     if kind == "vec3_f32":
         return torch.from_numpy(rng.standard_normal(3).astype(np.float32))
+    if kind == "vec5_u8":
+        return torch.from_numpy(rng.integers(0, 256, size=5).astype(np.uint8))
     return f"s{int(rng.integers(0, 10**9))}" * int(rng.integers(0, 4))
 
 
@@ -65,7 +86,9 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and torch.equal(a, b)
 
 
-def _check_field(kind: str, layout: str, got: object, want: list, where: str) -> None:
+def _check_field(kind: str, layout: str, got: object, want: list, where: str, pad_len: int | None = None, pad: object = 0) -> None:
+    """``got`` is exactly the rows ``want`` in ``layout``; padded: ``pad_len`` long (default: the
+    longest row), the rest of every row ``pad``."""
     if kind == "object":
         assert list(got) == want, where
         return
@@ -82,11 +105,11 @@ def _check_field(kind: str, layout: str, got: object, want: list, where: str) ->
         assert got.lengths.tolist() == [len(w) for w in want], where
         assert _same(got.values, torch.cat(want)), where
         return
-    longest = max(len(w) for w in want)
-    assert tuple(got.shape) == (len(want), longest), where
+    pad_len = max(len(w) for w in want) if pad_len is None else pad_len
+    assert tuple(got.shape) == (len(want), pad_len, *want[0].shape[1:]), where
     for i, w in enumerate(want):
         assert _same(got[i, : len(w)], w), f"{where}, row {i}"
-        assert not got[i, len(w) :].any(), f"{where}, row {i}: padding is not zeros"
+        assert (got[i, len(w) :] == torch.tensor(pad, dtype=w.dtype)).all(), f"{where}, row {i}: padding is not {pad!r}"
 
 
 def _machine(address: str) -> type:
@@ -189,7 +212,7 @@ def _machine(address: str) -> type:
             """A same-host get of a whole put: the location table's run read, when its rows are intact."""
             meta = self._whole_put(data)
             if meta is not None:
-                self._check_get(meta, sorted(set.intersection(*(set(self.held[k]) for k in meta.keys))), layout, copy, "auto")
+                self._check_get(meta, sorted(set.intersection(*(set(self.held[k]) for k in meta.keys))), layout, copy, "auto", data)
 
         @precondition(lambda self: self.held)
         @rule(data=st.data(), transport=st.sampled_from(["auto", "tcp"]))
@@ -219,14 +242,24 @@ def _machine(address: str) -> type:
             if not common:
                 return
             fields = data.draw(st.lists(st.sampled_from(common), min_size=1, unique=True))
-            self._check_get(meta, fields, layout, copy, transport)
+            self._check_get(meta, fields, layout, copy, transport, data)
 
-        def _check_get(self, meta: KVBatchMeta, fields: list[str], layout: str, copy: bool, transport: str) -> None:
-            got = self.clients[transport].get(meta, fields, layout=layout, copy=copy)
+        def _check_get(
+            self, meta: KVBatchMeta, fields: list[str], layout: str, copy: bool, transport: str, data: st.DataObject | None = None
+        ) -> None:
+            pad_to, pads = None, {}
+            if data is not None and layout == "padded":  # a longer pad length and pad values of its own
+                jagged = [f for f in fields if FIELDS[f].startswith("jagged")]
+                longest = max((len(self.held[k][f]) for k in meta.keys for f in jagged), default=0)
+                pad_to = longest + data.draw(st.integers(0, 9)) if jagged and data.draw(st.booleans()) else None
+                pads = {f: data.draw(st.sampled_from((0, *PADS[FIELDS[f]]))) for f in jagged}
+            got = self.clients[transport].get(meta, fields, layout=layout, copy=copy, pad_to=pad_to, pad_value=pads or 0)
             try:
                 for f in fields:
-                    where = f"get of {f!r} ({layout}, copy={copy}, {transport}) for {list(meta.keys)}"
-                    _check_field(FIELDS[f], layout, got[f], [self.held[k][f] for k in meta.keys], where)
+                    where = (
+                        f"get of {f!r} ({layout}, copy={copy}, {transport}, pad_to={pad_to}, pad={pads.get(f, 0)!r}) for {list(meta.keys)}"
+                    )
+                    _check_field(FIELDS[f], layout, got[f], [self.held[k][f] for k in meta.keys], where, pad_to, pads.get(f, 0))
             finally:
                 if not copy:
                     got.release()

@@ -10,6 +10,7 @@ storage units, so puts land on either and gets span both.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import uuid
 
@@ -123,6 +124,7 @@ def _machine(address: str) -> type:
             self.pid = f"model-{uuid.uuid4().hex[:8]}"
             self.clients["auto"].register_partition(self.pid)
             self.held: dict[str, dict[str, object]] = {}  # key -> field -> row
+            self.scores: dict[str, int] = {}  # key -> its "score" tag, where it has one
             self.metas: list[KVBatchMeta] = []  # metas handed out by puts (they carry slots)
             self.stale: list[KVBatchMeta] = []  # metas naming keys discarded or cleared since
             self.names = (f"k{i}" for i in itertools.count())
@@ -151,7 +153,8 @@ def _machine(address: str) -> type:
                 return self.clients[data.draw(st.sampled_from(["auto", "tcp"]))].get_meta(self.pid, keys)
             picked = data.draw(st.lists(st.sampled_from(range(len(live))), min_size=1, max_size=3, unique=True))
             fields = live[picked[0]].fields  # metas concatenate when they name the same fields
-            meta = KVBatchMeta.concat([live[i].with_fields(fields) for i in picked]) if how == "concat" else live[picked[0]]
+            parts = [dataclasses.replace(live[i].with_fields(fields), tags={}) for i in picked]  # the same fields and tags
+            meta = KVBatchMeta.concat(parts) if how == "concat" else live[picked[0]]
             if how == "shuffled":
                 order = data.draw(st.permutations(range(meta.size)))
                 meta = meta.select(list(order)[: data.draw(st.integers(1, meta.size))])
@@ -162,10 +165,14 @@ def _machine(address: str) -> type:
         def put(self, n: int, fields: set, transport: str) -> None:
             keys = [next(self.names) for _ in range(n)]
             rows = {f: [_row(FIELDS[f], self.rng) for _ in keys] for f in sorted(fields)}
-            meta = self.clients[transport].put(self.pid, keys, {f: _column(FIELDS[f], r) for f, r in rows.items()})
+            scores = [int(x) for x in self.rng.integers(-100, 100, size=n)] if self.rng.random() < 0.5 else None
+            columns = {f: _column(FIELDS[f], r) for f, r in rows.items()}
+            meta = self.clients[transport].put(self.pid, keys, columns, tags={"score": scores} if scores else None)
             assert list(meta.keys) == keys
             for i, k in enumerate(keys):
                 self.held[k] = {f: r[i] for f, r in rows.items()}
+                if scores:
+                    self.scores[k] = scores[i]
             self.metas.append(meta)
 
         @precondition(lambda self: self.held)
@@ -200,6 +207,8 @@ def _machine(address: str) -> type:
             start = data.draw(st.integers(0, meta.size - 1))
             part = meta.slice(start, data.draw(st.integers(start + 1, meta.size)))
             common = sorted(set.intersection(*(set(self.held[k]) for k in part.keys)))
+            if not common:  # registered keys not written yet
+                return
             field = data.draw(st.sampled_from(common))
             rows = [_row(FIELDS[field], self.rng) for _ in part.keys]
             self.clients[transport].write_back(part, {field: _column(FIELDS[field], rows)}, overwrite=True)
@@ -211,8 +220,9 @@ def _machine(address: str) -> type:
         def get_whole_put(self, data: st.DataObject, layout: str, copy: bool) -> None:
             """A same-host get of a whole put: the location table's run read, when its rows are intact."""
             meta = self._whole_put(data)
-            if meta is not None:
-                self._check_get(meta, sorted(set.intersection(*(set(self.held[k]) for k in meta.keys))), layout, copy, "auto", data)
+            common = sorted(set.intersection(*(set(self.held[k]) for k in meta.keys))) if meta is not None else []
+            if common:
+                self._check_get(meta, common, layout, copy, "auto", data)
 
         @precondition(lambda self: self.held)
         @rule(data=st.data(), transport=st.sampled_from(["auto", "tcp"]))
@@ -223,6 +233,7 @@ def _machine(address: str) -> type:
             assert self.clients[transport].discard(meta) == meta.size
             for k in meta.keys:
                 del self.held[k]
+                self.scores.pop(k, None)
             self.stale.append(meta)
 
         @precondition(lambda self: len(self.metas) >= 4)  # not so often that little else gets built up
@@ -230,7 +241,7 @@ def _machine(address: str) -> type:
         def clear(self) -> None:
             self.clients["auto"].clear_partition(self.pid)
             self.stale.extend(self.metas)
-            self.metas, self.held = [], {}
+            self.metas, self.held, self.scores = [], {}, {}
 
         @precondition(lambda self: self.held)
         @rule(data=st.data(), layout=st.sampled_from(LAYOUTS), copy=st.booleans(), transport=st.sampled_from(["auto", "tcp"]))
@@ -304,9 +315,50 @@ def _machine(address: str) -> type:
 
         @rule()
         def listed(self) -> None:
-            assert set(self.clients["auto"].get_meta(self.pid).keys) == set(self.held)
+            meta = self.clients["auto"].get_meta(self.pid)
+            assert set(meta.keys) == set(self.held)
+            got = dict(zip(meta.keys, meta.tags.get("score", (None,) * meta.size)))
+            assert {k: got[k] for k in self.scores} == self.scores
 
     return DataPlaneModel
+
+
+def _machine_with_registered_keys(address: str) -> type:
+    """The model plus keys registered before they hold data, gets that wait for a field, and tags set
+    later: kept apart so the core machine's steps go to the reads and rewrites it checks."""
+
+    class DataPlaneModelWithRegisteredKeys(_machine(address)):  # type: ignore[misc, valid-type]
+        @rule(n=st.integers(1, 4))
+        def register(self, n: int) -> None:
+            """Keys registered with no data yet (as a rollout mints them); write-backs fill them."""
+            keys = [next(self.names) for _ in range(n)]
+            meta = self.clients["auto"].register_keys(self.pid, keys)
+            self.held.update({k: {} for k in keys})
+            self.metas.append(meta)
+
+        @precondition(lambda self: self.held)
+        @rule(data=st.data(), transport=st.sampled_from(["auto", "tcp"]))
+        def wait_for_missing(self, data: st.DataObject, transport: str) -> None:
+            """A get that waits for a field no key of it has yet times out with a TQ error."""
+            key = data.draw(st.sampled_from(sorted(self.held)))
+            missing = sorted(set(FIELDS) - set(self.held[key]))
+            if not missing:
+                return
+            meta = self.clients[transport].get_meta(self.pid, [key])
+            with pytest.raises(TQError):
+                self.clients[transport].get(meta, [data.draw(st.sampled_from(missing))], wait_timeout=0.05)
+
+        @precondition(lambda self: self.held)
+        @rule(data=st.data())
+        def set_scores(self, data: st.DataObject) -> None:
+            meta = self._live_meta(data)
+            if meta is None:
+                return
+            scores = [int(x) for x in self.rng.integers(-100, 100, size=meta.size)]
+            self.clients["auto"].set_tags(meta.stamp_tags(score=scores))
+            self.scores.update(zip(meta.keys, scores))
+
+    return DataPlaneModelWithRegisteredKeys
 
 
 def test_random_op_sequences_read_exactly_what_each_key_holds(tq_server):
@@ -317,9 +369,17 @@ def test_random_op_sequences_read_exactly_what_each_key_holds(tq_server):
     )
 
 
-@pytest.mark.slow
-def test_random_op_sequences_many(tq_server):
+def test_random_op_sequences_with_registered_keys_waits_and_tags(tq_server):
     run_state_machine_as_test(
-        _machine(tq_server.address),
+        _machine_with_registered_keys(tq_server.address),
+        settings=settings(max_examples=15, stateful_step_count=30, deadline=None, suppress_health_check=list(HealthCheck)),
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("machine", [_machine, _machine_with_registered_keys])
+def test_random_op_sequences_many(tq_server, machine):
+    run_state_machine_as_test(
+        machine(tq_server.address),
         settings=settings(max_examples=150, stateful_step_count=50, deadline=None, suppress_health_check=list(HealthCheck)),
     )

@@ -274,6 +274,42 @@ def test_a_batch_writes_once_and_a_rewrite_inside_it_drops_what_it_already_holds
     j.close()
 
 
+def test_a_storage_unit_journals_a_request_in_one_write(tmp_path):
+    """A storage unit serves every request inside its journal's batch (``StorageUnit.applying``):
+    fencing the 512 ids of a slab journals 513 records (each id, then the slab's close) in one write
+    before the reply - one write each before."""
+    import zmq
+
+    from tq import messages, protocol
+    from tq.rpc import Call
+    from tq.storage import StorageUnit
+
+    unit = StorageUnit(0, "tcp://127.0.0.1:0", capacity=8 << 20, shm_dir=str(tmp_path))
+    try:
+        grant = unit.handle("alloc", {"nbytes": 4 << 20, "ids": 512}, [], Call(b"", None, "alloc", 0.0))
+        ids = list(range(grant.first_block, grant.first_block + 512))
+        writes = []
+        real = unit.journal._f
+
+        class Counting:
+            def write(self, b):
+                writes.append(len(b))
+                return real.write(b)
+
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+        unit.journal._f = Counting()
+        frames = protocol.request("free_blocks", 1, messages.FreeBlocks(blocks=ids), [], None)
+        unit._serve_one([zmq.Frame(b"\x00client"), *(zmq.Frame(bytes(memoryview(f))) for f in frames)])
+        unit.journal._f = real
+        assert len(writes) == 1
+        recs = list(Journal.replay(unit.journal.path))
+        assert [r for r in recs if r[0] == "F"] == [["F", b] for b in ids] and recs[-1][0] == "Y"
+    finally:
+        unit.close()  # its journal and arena files go too
+
+
 def test_failed_append_is_cut_back_to_the_last_complete_record(tmp_path):
     """A write that fails after writing part of a record (here a real file-size limit, as a full
     disk would) must not leave the partial record in front of the next append."""

@@ -163,7 +163,7 @@ class Journal:
             yield
         finally:
             frames, self._batch = self._batch, None
-            if frames and not self._f.closed:
+            if frames:
                 self._write(b"".join(frames), len(frames))
 
     def _write(self, data: bytes, records: int) -> None:

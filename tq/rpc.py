@@ -253,6 +253,12 @@ class RpcServer:
         """Called after a request was served successfully (before the reply goes out), with its args as
         the raw msgpack bytes they arrived in."""
 
+    def applying(self) -> contextlib.AbstractContextManager:
+        """The context a request's handler and :meth:`on_applied` run in; its reply goes out after. A
+        server whose handlers send nothing while they run may return its journal's ``batch()``, so a
+        request's records leave in one write (a storage unit does)."""
+        return contextlib.nullcontext()
+
     def serve_ops(self, requests: dict[Any, type[Args]], handlers: dict[Any, Handler]) -> None:
         """Serve every op of ``requests`` (op -> its args struct, see :mod:`tq.messages`) with its handler
         in ``handlers``: each op has exactly one of each."""
@@ -370,8 +376,9 @@ class RpcServer:
                 raise UnknownOperationError(f"{self.name} has no operation {op!r}")
             call.op = op
             handler, decoder = entry
-            out = handler(decoder.decode(msg.args), msg.buffers, call)
-            self.on_applied(op, msg.args, msg.buffers)  # e.g. journal it - before the caller hears it is done
+            with self.applying():
+                out = handler(decoder.decode(msg.args), msg.buffers, call)
+                self.on_applied(op, msg.args, msg.buffers)  # e.g. journal it - before the caller hears it is done
             if out is DEFERRED:
                 return
             result, buffers = out if isinstance(out, tuple) else (out, ())

@@ -238,6 +238,12 @@ class StorageUnit(RpcServer):
             times.append(self._last_ping + self.orphan_timeout_s)
         return min(times, default=None)
 
+    def applying(self) -> Any:
+        """Every request's journal records leave in one write (freeing a slab given back journals up to
+        1,024 records). Nothing is sent while a handler runs: writes and fetches parked behind it are
+        served at the loop's tick, after its reply."""
+        return self.journal.batch()
+
     def on_tick(self, now: float) -> None:
         if self.orphan_timeout_s is not None and now - self._last_ping > self.orphan_timeout_s:
             log.error("storage unit %d heard no controller for %.0fs: stopping", self.unit_id, now - self._last_ping)
@@ -483,7 +489,7 @@ class StorageUnit(RpcServer):
         if block is not None:
             self.alloc.free(block.start, block.size)
             self.journal.append(["F", bid])
-            self._maybe_compact()  # parked writes get the room at this loop's tick (no reply in a journal batch)
+            self._maybe_compact()  # parked writes get the room at this loop's tick (see applying)
             return
         slab = self._slab_of(bid)
         if slab is not None and bid in slab[1].unsettled:  # fenced before it was adopted: never will be
@@ -542,7 +548,6 @@ class StorageUnit(RpcServer):
         """The controller committed these blocks, carved out of slabs by their writers: register them."""
         for ad in args.blocks:
             self._adopt(ad)
-        self._retry_fetches(time.monotonic())
         return messages.AdoptReply(adopted=self._settled_of(args.blocks))
 
     def _settled_of(self, adopts: Any) -> list[int]:
@@ -693,49 +698,46 @@ class StorageUnit(RpcServer):
             claimed = protocol.unpack_array(args.claimed, buffers, name="retain.claimed", dtype="<i8")
             self._claim(claimed.ravel().tolist())
         freed = 0
-        with self.journal.batch():  # a record a block: one write for them all
-            for bid in list(self.blocks):
-                block = self.blocks[bid]
-                if not block.claimed:
-                    continue
-                keep = np.zeros(block.live.size, dtype=bool)
-                r = rows[blocks == bid]
-                keep[r[(r >= 0) & (r < keep.size)]] = True
-                if not (block.live & keep).any():
-                    self._free_block(bid)
-                    freed += 1
-                elif (block.live & ~keep).any():
-                    dropped = np.flatnonzero(block.live & ~keep)
-                    block.live[dropped] = False
-                    block.n_live = int(block.live.sum())
-                    self.journal.append(["R", bid, dropped.astype(np.int64).tobytes()])
+        for bid in list(self.blocks):
+            block = self.blocks[bid]
+            if not block.claimed:
+                continue
+            keep = np.zeros(block.live.size, dtype=bool)
+            r = rows[blocks == bid]
+            keep[r[(r >= 0) & (r < keep.size)]] = True
+            if not (block.live & keep).any():
+                self._free_block(bid)
+                freed += 1
+            elif (block.live & ~keep).any():
+                dropped = np.flatnonzero(block.live & ~keep)
+                block.live[dropped] = False
+                block.n_live = int(block.live.sum())
+                self.journal.append(["R", bid, dropped.astype(np.int64).tobytes()])
         return messages.RetainReply(blocks_freed=freed, adopted=self._settled_of(args.adopts or ()))
 
     def op_free_rows(self, args: messages.FreeRows, buffers: list, call: Call) -> messages.FreeRowsReply:
         blocks, rows = self._rows_of(args, buffers, "free_rows")
         freed = 0
-        with self.journal.batch():  # a discard of a step's samples frees a block each: one write
-            for bid in np.unique(blocks).tolist():
-                block = self.blocks.get(bid)
-                if block is None:
-                    continue
-                self._claim([bid])  # the controller frees rows only of blocks it committed
-                r = rows[blocks == bid]
-                r = r[(r >= 0) & (r < block.live.size)]
-                block.live[r] = False
-                block.n_live = int(block.live.sum())
-                if block.n_live == 0:
-                    self._free_block(bid)
-                    freed += 1
-                else:
-                    self.journal.append(["R", bid, r.astype(np.int64).tobytes()])
+        for bid in np.unique(blocks).tolist():
+            block = self.blocks.get(bid)
+            if block is None:
+                continue
+            self._claim([bid])  # the controller frees rows only of blocks it committed
+            r = rows[blocks == bid]
+            r = r[(r >= 0) & (r < block.live.size)]
+            block.live[r] = False
+            block.n_live = int(block.live.sum())
+            if block.n_live == 0:
+                self._free_block(bid)
+                freed += 1
+            else:
+                self.journal.append(["R", bid, r.astype(np.int64).tobytes()])
         return messages.FreeRowsReply(blocks_freed=freed)
 
     def op_free_blocks(self, args: messages.FreeBlocks, buffers: list, call: Call) -> messages.FreeBlocksReply:
         """Free whole blocks (the controller fenced them: no commit of theirs will ever be applied)."""
-        with self.journal.batch():  # a slab given back fences up to its 1,024 ids: one write
-            for bid in args.blocks:
-                self._free_block(bid)
+        for bid in args.blocks:
+            self._free_block(bid)
         return messages.FreeBlocksReply(blocks_freed=len(args.blocks))
 
     def op_trim(self, args: messages.Trim, buffers: list, call: Call) -> messages.TrimReply:

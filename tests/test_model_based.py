@@ -26,7 +26,7 @@ import uuid
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
 
@@ -621,12 +621,19 @@ def recoverable_service(tmp_path_factory):
         service.close()
 
 
+# Without shrinking: it replays sequences with kills in them (seconds each) whose outcomes depend on
+# timing, so it takes minutes and ends in hypothesis's Flaky errors; the failing sequence is reported as is.
+FAULT_PHASES = (Phase.explicit, Phase.reuse, Phase.generate)
+
+
 def test_random_op_sequences_with_crashes_lose_nothing(recoverable_service):
     """Quick run for CI: a few sequences with units and the controller SIGKILLed between ops and
     stopped during ops (~18 s on the 2-vCPU VM; the slow variant runs 40 x 40)."""
     run_state_machine_as_test(
         _machine_with_faults(recoverable_service),
-        settings=settings(max_examples=4, stateful_step_count=20, deadline=None, suppress_health_check=list(HealthCheck)),
+        settings=settings(
+            max_examples=4, stateful_step_count=20, deadline=None, suppress_health_check=list(HealthCheck), phases=FAULT_PHASES
+        ),
     )
 
 
@@ -634,5 +641,7 @@ def test_random_op_sequences_with_crashes_lose_nothing(recoverable_service):
 def test_random_op_sequences_with_crashes_many(recoverable_service):
     run_state_machine_as_test(
         _machine_with_faults(recoverable_service),
-        settings=settings(max_examples=40, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)),
+        settings=settings(
+            max_examples=40, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck), phases=FAULT_PHASES
+        ),
     )

@@ -571,3 +571,83 @@ def test_frees_leave_the_controller_only_after_the_op_that_freed_them_is_journal
         assert heard() == ["free_rows"] and journaled()[-1] == "discard"
     finally:
         ctrl.close()
+
+
+def _no_room_to_grow(pid: int, path: os.PathLike) -> None:
+    """Make ``pid``'s writes past ``path``'s current size fail (EFBIG), as on a full disk: its file
+    size limit (RLIMIT_FSIZE) set to that size. Python ignores SIGXFSZ, so the write raises."""
+    import resource
+
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (os.path.getsize(path), resource.RLIM_INFINITY))
+
+
+def test_a_controller_that_cannot_journal_a_change_stops_before_anything_else_sees_it(tmp_path):
+    """The controller's journal cannot grow (a full disk). The change it could not journal was applied
+    in memory; serving on let later journaled ops build on it (a discard of the unjournaled key, once
+    the disk had room, made the restarted controller fail to replay its journal at all) and would send
+    its frees to the units. So the writer gets a JournalError and the controller exits at once - no
+    other request served, nothing sent - leaving its units running, as after a crash; restarted on the
+    same dir it has every acknowledged key, bit-exact, and not the failed one."""
+    from tq.errors import JournalError
+
+    port, state = free_port(), tmp_path / "state"
+
+    def start() -> TQServer:
+        return TQServer(port=port, storage_units=1, capacity=32 << 20, journal_dir=str(state))
+
+    servers = [start()]
+    c = TQClient(servers[0].address, timeout=10.0, transport="tcp")
+    unit_pids: list[int] = []
+    try:
+        c.register_partition("p")
+        unit_pids = [u["pid"] for u in c.stats()["units"]]
+        acked = {f"a{i}": torch.full((1, 4), float(i)) for i in range(3)}
+        for k, v in acked.items():
+            c.put("p", [k], {"x": v})
+        _no_room_to_grow(servers[0].proc.pid, state / "controller.journal")
+        with pytest.raises(JournalError, match="could not journal 'commit'"):
+            c.put("p", ["b"], {"x": torch.ones(1, 4)})
+        assert servers[0].proc.wait(10) != 0  # stopped by itself, serving nothing more
+        assert all(pid_alive(p) for p in unit_pids)  # its units outlive it, as after a crash
+
+        servers.append(start())
+        assert sorted(c.get_meta("p").keys) == sorted(acked)  # not "b"
+        for k, v in acked.items():
+            assert torch.equal(c.get(c.get_meta("p", [k]), ["x"])["x"], v)
+        c.put("p", ["b"], {"x": torch.zeros(1, 4)})  # the name is free: the failed put never happened
+        c.discard(c.get_meta("p", ["b", "a0"]))
+        os.kill(servers[-1].proc.pid, signal.SIGKILL)  # and the journal replays again
+        servers[-1].proc.wait(10)
+        servers.append(start())
+        assert sorted(c.get_meta("p").keys) == ["a1", "a2"]
+        assert torch.equal(c.get(c.get_meta("p", ["a2"]), ["x"])["x"], acked["a2"])
+    finally:
+        c.close()
+        for server in reversed(servers):
+            server.shutdown()
+        for p in unit_pids:
+            if pid_alive(p):
+                os.kill(p, signal.SIGKILL)
+
+
+def test_a_storage_unit_that_cannot_journal_stops_and_comes_back_on_its_arena():
+    """A storage unit whose journal cannot grow fails the request that needed it (StorageUnitError
+    naming the journal) and exits as if it had crashed just before writing - arena and journal left
+    in place - instead of serving on with changes a restart would not know (an arena range freed in
+    memory only, say, is double-booked after a restart). Its controller restarts it on its arena:
+    every acknowledged key reads back exactly, the failed put's key is absent, and puts work again."""
+    with TQServer(storage_units=1, capacity=32 << 20) as server, TQClient(server.address, timeout=10.0, transport="tcp") as c:
+        c.register_partition("p")
+        acked = {f"a{i}": torch.full((2, 3), float(i)) for i in range(3)}
+        for k, v in acked.items():
+            c.put("p", [k, k + "'"], {"x": v})
+        old = c.stats()["units"][0]
+        _no_room_to_grow(old["pid"], old["arena_path"] + ".journal")
+        with pytest.raises(StorageUnitError, match="could not journal"):
+            c.put("p", ["b", "b'"], {"x": torch.ones(2, 3)})  # a TCP put: the unit journals the stored block
+        assert wait_until(lambda: (u := c.stats()["units"][0])["pid"] != old["pid"] and u["alive"], timeout=15)
+        assert sorted(c.get_meta("p").keys) == sorted(k for a in acked for k in (a, a + "'"))
+        for k, v in acked.items():
+            assert torch.equal(c.get(c.get_meta("p", [k, k + "'"]), ["x"])["x"], v)
+        c.put("p", ["b", "b'"], {"x": torch.zeros(2, 3)})
+        assert torch.equal(c.get(c.get_meta("p", ["b", "b'"]), ["x"])["x"], torch.zeros(2, 3))

@@ -53,7 +53,7 @@ from .recovery import COMPACT_AFTER, JournalRecovery  # noqa: F401 - COMPACT_AFT
 from .supervision import UnitLedger, UnitSupervision
 from .protocol import LOC_BLOCK as BLOCK, LOC_COLUMNS, LOC_NBYTES as NBYTES  # location
 from .protocol import LOC_ROW as ROW, LOC_UNIT as UNIT  # record columns
-from .rpc import DEFERRED, Call, RpcServer
+from .rpc import DEFERRED, Call, RpcServer, ServerMustStop
 from .schema import FieldSchema
 
 log = logging.getLogger(__name__)
@@ -273,8 +273,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         under the reader's lease id."""
         lease_id = new_lease_id() if lease_id is None else lease_id
         self.lease_book.take(lease_id, ttl, blocks, pin=pin)
-        if self.journal is not None:
-            self.journal.append(["__lease__", {"id": lease_id, "ttl": ttl, "blocks": blocks, "pin": pin}, []])
+        self._journal(["__lease__", {"id": lease_id, "ttl": ttl, "blocks": blocks, "pin": pin}, []])
         return lease_id
 
     def _check_lease_id(self, lease_id: int | None) -> None:
@@ -325,8 +324,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         """End these leases: rows freed under them (no other lease holding their block) are freed now."""
         if not any(i in self.lease_book.leases for i in ids):
             return
-        if self.journal is not None:
-            self.journal.append(["__release__", {"ids": ids}, []])
+        self._journal(["__release__", {"ids": ids}, []])
         rows = self.lease_book.release(ids)
         if self._replaying:
             return
@@ -985,6 +983,10 @@ def serve(
     print(f"TQ_READY {ctrl.address}", flush=True)
     try:
         ctrl.serve_forever()
+    except ServerMustStop as stop:  # exit as after a crash: nothing closed, nothing more sent
+        ctrl.sock.close(linger=1000)  # but the caller's error reply goes out
+        ctrl.children = []  # the units outlive us (journal dir): a restart takes them back
+        raise SystemExit(f"tq.controller: {stop.error}") from None
     finally:
         if metrics is not None:
             launch.stop_process(metrics, 5.0)

@@ -93,6 +93,11 @@ class FencedCommitError(TQError):
     refused): nothing was made visible, and nothing will be - the put did not land."""
 
 
+class JournalError(TQError):
+    """The controller could not journal a change (e.g. its disk is full), so it did not make the change
+    and stopped: restarted on the same journal dir it recovers every change journaled before."""
+
+
 # The wire names clients may re-raise; anything else becomes a plain TQError.
 ERROR_TYPES: dict[str, type[TQError]] = {
     cls.__name__: cls
@@ -116,6 +121,7 @@ ERROR_TYPES: dict[str, type[TQError]] = {
         CapacityError,
         StorageUnitError,
         FencedCommitError,
+        JournalError,
     )
 }
 

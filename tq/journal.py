@@ -98,6 +98,11 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+class JournalWriteError(OSError):
+    """Records could not be written (disk full, file too large, I/O error). The journal is cut back to
+    its last complete record, so it stays readable and appendable; what failed is not in it."""
+
+
 class Journal:
     """Append-only, checksummed log of msgpack records at ``path`` (see the module docstring).
 
@@ -171,11 +176,13 @@ class Journal:
             view = memoryview(data)
             while view:  # a raw write may be short (disk full, a signal); the rest then raises
                 view = view[self._f.write(view) :]
-        except BaseException:
+        except BaseException as exc:
             try:  # cut the partial record off, so later appends stay readable
                 os.ftruncate(self._f.fileno(), self._end)
             except OSError:
                 pass  # the next open truncates it instead
+            if isinstance(exc, OSError):
+                raise JournalWriteError(exc.errno, exc.strerror, self.path) from exc
             raise
         self._end += len(data)
         self.appended += records

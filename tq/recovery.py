@@ -20,10 +20,11 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from .journal import Journal
+from .errors import JournalError
+from .journal import Journal, JournalWriteError
 from .leases import LeaseBook, pin_ref
 from .messages import AdoptBlock, ControllerOp as Op
-from .rpc import Call
+from .rpc import Call, ServerMustStop
 from .schema import FieldSchema
 from .supervision import UnitLedger
 
@@ -52,13 +53,36 @@ class JournalRecovery:
         if self.journal is None or op not in JOURNALED_OPS:
             return
         # the args as they arrived (msgpack bytes): replay decodes them into the op's struct again
-        self.journal.append([op, bytes(raw_args), [bytes(b) for b in buffers]])
+        self._journal([op, bytes(raw_args), [bytes(b) for b in buffers]])
         # Compact once the records since the last snapshot outweigh it: a restart replays at most about
         # twice the state's size (a long run of commits and discards no longer grows the replay), and
         # the snapshots' cost stays proportional to what was appended.
         if self.journal.appended > COMPACT_AFTER and self.journal.size > 2 * self._snapshot_bytes:
-            self.journal.rewrite([["__snapshot__", self._snapshot(), []]])  # [op, args, buffers], as replayed
+            try:
+                self.journal.rewrite([["__snapshot__", self._snapshot(), []]])  # [op, args, buffers], as replayed
+            except OSError as exc:  # the journal is intact (a rewrite replaces it whole or not at all)
+                log.warning("controller journal %s: compaction failed (%s); trying again once it doubles", self.journal.path, exc)
             self._snapshot_bytes = self.journal.size
+
+    def _journal(self, record: list) -> None:
+        """Journal ``record`` (a change already applied in memory), or stop the controller: serving on
+        with a change its journal lacks would let later journaled changes build on it (a restart then
+        cannot replay them) and let its frees reach the units (a restart then points keys at freed
+        bytes). Stopped, it is as if it had crashed just before the change: restarted on the same
+        journal dir it recovers everything journaled, and its units, which outlive it, rejoin."""
+        if self.journal is None:
+            return
+        try:
+            self.journal.append(record)
+        except JournalWriteError as exc:
+            log.critical("controller: %s: stopping", exc)
+            raise ServerMustStop(
+                JournalError(
+                    f"the controller could not journal '{record[0]}' to {self.journal.path} ({exc.strerror}), so it did "
+                    "not make the change and stopped; restart it on the same journal dir once it can be written (it "
+                    "recovers every change journaled before)"
+                )
+            ) from exc
 
     def _replay(self, path: str) -> None:
         self._replaying = True  # rebuild state only: nothing is sent to the units

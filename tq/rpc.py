@@ -192,6 +192,18 @@ class OpStats:
         return out
 
 
+class ServerMustStop(BaseException):
+    """Raised by a handler or :meth:`RpcServer.on_applied` when the server must stop at once - e.g.
+    its journal cannot be written, so a change applied in memory would not survive a restart, and
+    serving on would let later requests (or messages to storage units) build on it. The request's
+    caller gets ``error``; then it leaves :meth:`RpcServer.serve_forever` without serving, ticking or
+    closing anything (a BaseException, so no handler's ``except Exception`` swallows it)."""
+
+    def __init__(self, error: TQError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class RpcServer:
     """A ROUTER socket and a poll loop dispatching ``op`` to registered handlers."""
 
@@ -383,6 +395,9 @@ class RpcServer:
                 return
             result, buffers = out if isinstance(out, tuple) else (out, ())
             self.reply(call, result, buffers)
+        except ServerMustStop as stop:  # the caller hears why; nothing else is served or sent
+            self.reply_error(call, stop.error)
+            raise
         except TQError as exc:
             if call.op == "<invalid>":
                 self.rejected += 1

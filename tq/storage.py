@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import logging
 import os
 import signal
@@ -20,17 +21,17 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from . import argtypes, launch, messages, protocol
 from .arena import ALIGN, Arena, RangeAllocator, align_up, check_shm_room, host_identity, release_heap
-from .journal import Journal
+from .journal import Journal, JournalWriteError
 from .errors import CapacityError, InvalidRequestError, StorageUnitError, TQTimeoutError
 from .bufferpool import HostBufferPool
 from .rowcopy import copy_rows, write_chunks
-from .rpc import DEFERRED, Call, RpcChannel, RpcServer
+from .rpc import DEFERRED, Call, RpcChannel, RpcServer, ServerMustStop
 from .schema import JAGGED, TENSOR, FieldSchema
 
 log = logging.getLogger(__name__)
@@ -238,11 +239,25 @@ class StorageUnit(RpcServer):
             times.append(self._last_ping + self.orphan_timeout_s)
         return min(times, default=None)
 
-    def applying(self) -> Any:
+    @contextlib.contextmanager
+    def applying(self) -> Iterator[None]:
         """Every request's journal records leave in one write (freeing a slab given back journals up to
         1,024 records). Nothing is sent while a handler runs: writes and fetches parked behind it are
-        served at the loop's tick, after its reply."""
-        return self.journal.batch()
+        served at the loop's tick, after its reply. If the records cannot be written, the unit stops
+        (:class:`ServerMustStop`) as if it had crashed just before them: its arena and journal stay,
+        its controller restarts it on them, and it recovers everything journaled before - serving on
+        with changes its journal lacks would let a restart double-book or resurrect arena ranges."""
+        try:
+            with self.journal.batch():
+                yield
+        except JournalWriteError as exc:
+            log.critical("storage unit %d: %s: stopping", self.unit_id, exc)
+            raise ServerMustStop(
+                StorageUnitError(
+                    f"storage unit {self.unit_id} could not journal this request ({exc.strerror}), so it did not make "
+                    "the change and stopped; its controller restarts it on its arena"
+                )
+            ) from exc
 
     def on_tick(self, now: float) -> None:
         if self.orphan_timeout_s is not None and now - self._last_ping > self.orphan_timeout_s:
@@ -648,27 +663,33 @@ class StorageUnit(RpcServer):
 
     def _maybe_compact(self) -> None:
         if self.journal.appended > 4 * len(self.blocks) + 1024:
-            self.journal.rewrite(
-                [
-                    ["N", self._next_id - 1],
-                    *(self._store_record(bid, b, self.tentative.get(bid)) for bid, b in self.blocks.items()),
-                    *(["A", aid, start, size, _wall(exp)] for aid, (start, size, exp) in self.pending.items()),
-                    *(
-                        [
-                            "G",
-                            aid,
-                            sl.start,
-                            sl.size,
-                            sl.first_id,
-                            sl.n_ids,
-                            _wall(sl.expiry),
-                            np.array(sorted(sl.unsettled), dtype=np.int64).tobytes(),
-                            np.array(sl.carved, dtype=np.int64).reshape(-1, 2).tobytes(),
-                        ]
-                        for aid, sl in self.slabs.items()
-                    ),
-                ]
-            )
+            try:
+                self._compact()
+            except OSError as exc:  # the journal is intact (a rewrite replaces it whole or not at all)
+                log.warning("storage unit %d: journal compaction failed (%s); trying again later", self.unit_id, exc)
+
+    def _compact(self) -> None:
+        self.journal.rewrite(
+            [
+                ["N", self._next_id - 1],
+                *(self._store_record(bid, b, self.tentative.get(bid)) for bid, b in self.blocks.items()),
+                *(["A", aid, start, size, _wall(exp)] for aid, (start, size, exp) in self.pending.items()),
+                *(
+                    [
+                        "G",
+                        aid,
+                        sl.start,
+                        sl.size,
+                        sl.first_id,
+                        sl.n_ids,
+                        _wall(sl.expiry),
+                        np.array(sorted(sl.unsettled), dtype=np.int64).tobytes(),
+                        np.array(sl.carved, dtype=np.int64).reshape(-1, 2).tobytes(),
+                    ]
+                    for aid, sl in self.slabs.items()
+                ),
+            ]
+        )
 
     def _claim(self, bids: list[int]) -> None:
         claimed = [b for b in bids if b in self.tentative]
@@ -858,6 +879,9 @@ def run_storage_unit(
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: unit.stop())
         unit.serve_forever()
+    except (ServerMustStop, JournalWriteError) as exc:  # as after a crash: the arena and journal stay for the restart
+        unit.sock.close(linger=1000)  # the caller's error reply goes out
+        raise SystemExit(f"tq storage unit {unit.unit_id}: {getattr(exc, 'error', exc)}") from None
     except BaseException:
         unit.close()
         raise

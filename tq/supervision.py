@@ -132,8 +132,8 @@ class UnitSupervision:
     def _on_unit_heartbeat(self, unit: int, beat: messages.PingReply) -> None:
         """Settle what the unit reports: blocks below its low-water mark are settled (forget them);
         tentative blocks past their lease are claimed if committed, else fenced and freed."""
-        if self._raise_water(unit, beat.low_water) and self.journal is not None:
-            self.journal.append(["__water__", {"unit": unit, "low_water": beat.low_water}, []])
+        if self._raise_water(unit, beat.low_water):
+            self._journal(["__water__", {"unit": unit, "low_water": beat.low_water}, []])
         if unit < len(self.units):
             self.units[unit]["free_bytes"] = beat.free_bytes
         if beat.expired:
@@ -163,8 +163,7 @@ class UnitSupervision:
         new = [b for b in blocks if b not in led.fenced]
         if new:
             led.fenced.update(new)
-            if self.journal is not None:
-                self.journal.append(["__fence__", {"unit": unit, "blocks": new}, []])
+            self._journal(["__fence__", {"unit": unit, "blocks": new}, []])
         self._send_to_unit(unit, messages.UnitOp.FREE_BLOCKS, messages.FreeBlocks(blocks=blocks), [])
 
     def _resync(self, unit: int) -> None:

@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -651,3 +652,52 @@ def test_a_storage_unit_that_cannot_journal_stops_and_comes_back_on_its_arena():
             assert torch.equal(c.get(c.get_meta("p", [k, k + "'"]), ["x"])["x"], v)
         c.put("p", ["b", "b'"], {"x": torch.zeros(2, 3)})
         assert torch.equal(c.get(c.get_meta("p", ["b", "b'"]), ["x"])["x"], torch.zeros(2, 3))
+
+
+def test_a_parked_write_that_cannot_journal_when_room_frees_stops_its_unit_too():
+    """A TCP write parked at a full unit is stored at the unit's tick once a discard frees room - not
+    while a request is served. Its journal record failing there was answered with an OSError message
+    and the unit served on with a stored block its journal lacked; now the unit stops and is restarted
+    on its arena, as for a request (the journal may still take the discard's small free record, not
+    the store's), and the writer gets the StorageUnitError naming the journal - or, when it sees the
+    restart first, stores its batch again on the restarted unit."""
+    with TQServer(storage_units=1, capacity=1 << 20) as server:
+        c = TQClient(server.address, timeout=15.0, transport="tcp")
+        patient = TQClient(server.address, timeout=15.0, transport="tcp", capacity_wait_s=10.0)
+        try:
+            c.register_partition("p")
+            first = torch.randint(0, 255, (1, 600 << 10), dtype=torch.uint8)
+            meta = c.put("p", ["first"], {"x": first})
+            kept = c.put("p", ["kept"], {"k": torch.arange(5)[None]})
+            old = c.stats()["units"][0]
+            journal = old["arena_path"] + ".journal"
+            time.sleep(0.5)  # the puts' claims journaled
+            done: dict = {}
+            second = {"x2": first[:, : 500 << 10], "y": [torch.arange(7)], "z": ["seven"]}
+
+            def write() -> None:
+                try:
+                    done["meta"] = patient.put("p", ["second"], second)
+                except TQError as exc:
+                    done["error"] = exc
+
+            writer = threading.Thread(target=write)
+            writer.start()
+            assert wait_until(lambda: c.stats()["unit_stats"][0]["parked_writes"] == 1, timeout=5)
+            resource_limit = os.path.getsize(journal) + 48  # room for a free record, not for a store's
+            import resource
+
+            resource.prlimit(old["pid"], resource.RLIMIT_FSIZE, (resource_limit, resource.RLIM_INFINITY))
+            c.discard(meta)  # room frees: the parked write is retried at the unit's tick
+            writer.join(15)
+            assert wait_until(lambda: (u := c.stats()["units"][0])["pid"] != old["pid"] and u["alive"], timeout=15)
+            assert torch.equal(c.get(kept, ["k"])["k"], torch.arange(5)[None])
+            if "error" in done:  # told of the failed write
+                assert isinstance(done["error"], StorageUnitError) and "could not journal" in str(done["error"]), done
+                assert sorted(c.get_meta("p").keys) == ["kept"]
+            else:  # or, seeing its unit restarted before that reply, stored it again there: it landed whole
+                got = c.get(done["meta"], layout="list")
+                assert torch.equal(got["x2"][0], second["x2"][0]) and torch.equal(got["y"][0], second["y"][0]) and got["z"] == ["seven"]
+        finally:
+            patient.close()
+            c.close()

@@ -296,7 +296,12 @@ class StorageUnit(RpcServer):
         while self.parked:
             handler, args, buffers, call, deadline = self.parked[0]
             try:
-                out = handler(args, buffers, call)
+                with self.applying():  # as a request is served: its records in one write, or the unit stops
+                    out = handler(args, buffers, call)
+            except ServerMustStop as stop:
+                self.parked.pop(0)
+                self.reply_error(call, stop.error)
+                raise
             except CapacityError as exc:
                 if deadline > now:
                     return  # first in line still does not fit: later ones wait behind it

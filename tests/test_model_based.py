@@ -8,9 +8,10 @@ fails with a TQ error; never another key's bytes, an overwritten value, or a dis
 storage units, so puts land on either and gets span both.
 
 A third machine runs the same ops against a crash-recoverable service (journal dir, fixed port) while
-SIGKILLing storage units and the controller between ops, and SIGSTOPping either during one op of a
-client with a short timeout: nothing acknowledged is lost or changed, an op that raised left all or
-nothing behind, no op hangs, and a late reply is never taken for a later request's.
+SIGKILLing storage units and the controller between ops, SIGSTOPping either during one op of a
+client with a short timeout, and filling the controller's journal disk before a write: nothing
+acknowledged is lost or changed, an op that raised left all or nothing behind (a write the journal
+refused, nothing), no op hangs, and a late reply is never taken for a later request's.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import dataclasses
 from collections.abc import Callable
 import itertools
 import os
+import resource
 import signal
 import time
 import uuid
@@ -32,7 +34,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from conftest import free_port, pid_alive, wait_until
 from tq import JaggedTensor, KVBatchMeta, TQClient, TQServer
-from tq.errors import TQError
+from tq.errors import JournalError, TQError
 
 # field -> how its rows look: jagged token-aligned rows, fixed-shape rows, or Python objects
 FIELDS = {
@@ -433,6 +435,18 @@ class _RecoverableService:
         self.server = self._start()
         self.unit_kills.clear()  # a new incarnation counts its units' restarts afresh
 
+    def fill_journal_disk(self) -> None:
+        """Make the controller's journal unable to grow, as a full disk does (its file size limit)."""
+        journal = os.path.join(self.state_dir, "controller.journal")
+        resource.prlimit(self.server.proc.pid, resource.RLIMIT_FSIZE, (os.path.getsize(journal), resource.RLIM_INFINITY))
+
+    def restart_stopped_controller(self) -> int:
+        """Start the controller again once it stopped by itself (room on its disk again); its exit code."""
+        code = self.server.proc.wait(10)
+        self.server = self._start()
+        self.unit_kills.clear()
+        return code
+
     def close(self) -> None:
         self.server.shutdown()
         if not wait_until(lambda: not any(pid_alive(p) for p in self.pids), timeout=10):
@@ -493,6 +507,28 @@ def _machine_with_faults(service: _RecoverableService) -> type:
         @rule()
         def kill_controller(self) -> None:
             service.kill_controller()
+            self._recovered()
+
+        @precondition(lambda self: self.held)
+        @rule(data=st.data(), op=st.sampled_from(["put", "write_back", "discard"]), transport=st.sampled_from(["auto", "tcp"]))
+        def write_to_a_full_journal_disk(self, data: st.DataObject, op: str, transport: str) -> None:
+            """A write the controller cannot journal fails with JournalError and did not happen: the
+            controller stopped at once, and restarted (room again) it holds what the model holds."""
+            client = self.clients[transport]
+            meta = self._live_meta(data)
+            if meta is None:
+                return
+            field = data.draw(st.sampled_from(sorted(FIELDS)))
+            service.fill_journal_disk()
+            with pytest.raises(JournalError):
+                if op == "put":
+                    client.put(self.pid, [next(self.names)], {field: _column(FIELDS[field], [_row(FIELDS[field], self.rng)])})
+                elif op == "write_back":
+                    rows = [_row(FIELDS[field], self.rng) for _ in meta.keys]
+                    client.write_back(meta, {field: _column(FIELDS[field], rows)}, overwrite=True)
+                else:
+                    client.discard(meta)
+            assert service.restart_stopped_controller() != 0
             self._recovered()
 
         # -- stalls: a SIGSTOPped piece, and one op from a client with a short timeout meanwhile

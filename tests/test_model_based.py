@@ -34,7 +34,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from conftest import free_port, pid_alive, wait_until
 from tq import JaggedTensor, KVBatchMeta, TQClient, TQServer
-from tq.errors import JournalError, TQError
+from tq.errors import JournalError, TQConnectionError, TQError
 
 # field -> how its rows look: jagged token-aligned rows, fixed-shape rows, or Python objects
 FIELDS = {
@@ -447,6 +447,29 @@ class _RecoverableService:
         self.unit_kills.clear()
         return code
 
+    def limit_unit_journals(self, admin: TQClient) -> dict[int, dict]:
+        """Make every storage unit's journal unable to grow (a full disk); the units as they were."""
+        units = self.units(admin)
+        for u in units.values():
+            resource.prlimit(u["pid"], resource.RLIMIT_FSIZE, (os.path.getsize(u["arena_path"] + ".journal"), resource.RLIM_INFINITY))
+        return units
+
+    def lift_unit_journal_limits(self, units: dict[int, dict], admin: TQClient) -> None:
+        """Room again: a unit still running gets its limit back; one that stopped must be restarted."""
+        stopped = []
+        for uid, u in units.items():
+            try:
+                resource.prlimit(u["pid"], resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+            except ProcessLookupError:
+                pass
+            if not pid_alive(u["pid"]) or wait_until(lambda u=u: not pid_alive(u["pid"]), timeout=0.3):
+                stopped.append(uid)
+                self.unit_kills.setdefault(uid, []).append(time.monotonic())
+        for uid in stopped:
+            assert wait_until(lambda uid=uid: (u := self.units(admin)[uid])["pid"] != units[uid]["pid"] and u["alive"], timeout=30), (
+                f"unit {uid} not restarted after it stopped"
+            )
+
     def close(self) -> None:
         self.server.shutdown()
         if not wait_until(lambda: not any(pid_alive(p) for p in self.pids), timeout=10):
@@ -467,7 +490,8 @@ def _machine_with_faults(service: _RecoverableService) -> type:
         def start(self, seed: int) -> None:
             super().start(seed)
             self.short = TQClient(service.address, timeout=STALL_CLIENT_TIMEOUT, transport="tcp")
-            self.clients["short"] = self.short  # closed with the others
+            self.short_auto = TQClient(service.address, timeout=2 * STALL_CLIENT_TIMEOUT)
+            self.clients.update(short=self.short, short_auto=self.short_auto)  # closed with the others
 
         def _recovered(self) -> None:
             """Wait (bounded) until every held key reads again: reads may fail with a TQ error while a
@@ -512,15 +536,17 @@ def _machine_with_faults(service: _RecoverableService) -> type:
         @precondition(lambda self: self.held)
         @rule(data=st.data(), op=st.sampled_from(["put", "write_back", "discard"]), transport=st.sampled_from(["auto", "tcp"]))
         def write_to_a_full_journal_disk(self, data: st.DataObject, op: str, transport: str) -> None:
-            """A write the controller cannot journal fails with JournalError and did not happen: the
-            controller stopped at once, and restarted (room again) it holds what the model holds."""
-            client = self.clients[transport]
+            """A write the controller cannot journal fails and did not happen: the controller stopped
+            at once, and restarted (room again) it holds what the model holds. The error is the
+            JournalError naming the journal - or, when a record of the controller's own (a unit's
+            heartbeat, say) hit the full disk first, no reply within the client's timeout."""
+            client = self.short if transport == "tcp" else self.short_auto
             meta = self._live_meta(data)
             if meta is None:
                 return
             field = data.draw(st.sampled_from(sorted(FIELDS)))
             service.fill_journal_disk()
-            with pytest.raises(JournalError):
+            with pytest.raises((JournalError, TQConnectionError)):
                 if op == "put":
                     client.put(self.pid, [next(self.names)], {field: _column(FIELDS[field], [_row(FIELDS[field], self.rng)])})
                 elif op == "write_back":
@@ -530,6 +556,45 @@ def _machine_with_faults(service: _RecoverableService) -> type:
                     client.discard(meta)
             assert service.restart_stopped_controller() != 0
             self._recovered()
+
+        @precondition(lambda self: self.held)
+        @rule(n=st.integers(1, 4), fields=st.sets(st.sampled_from(sorted(FIELDS)), min_size=1), transport=st.sampled_from(["auto", "tcp"]))
+        def put_to_units_with_full_journal_disks(self, n: int, fields: set, transport: str) -> None:
+            """A put while no unit can journal: the unit it reaches stops and is restarted on its arena.
+            It may fail (a TCP store or a same-host slab grant refused) or land whole - on the restarted
+            unit, or committed before its unit adopts the block (a same-host put), which must then read
+            back exactly once the unit is back. Its keys are discarded either way, so the model does
+            not depend on which."""
+            admin = self.clients["tcp"]
+            if len(service.killable_units(admin)) < 2:  # a unit restarted 3 times a minute is given up
+                return
+            keys = [next(self.names) for _ in range(n)]
+            rows = {f: [_row(FIELDS[f], self.rng) for _ in keys] for f in sorted(fields)}
+            units = service.limit_unit_journals(admin)
+            try:
+                self.clients[transport].put(self.pid, keys, {f: _column(FIELDS[f], r) for f, r in rows.items()})
+                failed = False
+            except TQError:
+                failed = True
+            service.lift_unit_journal_limits(units, admin)
+            meta = KVBatchMeta(self.pid, tuple(keys))
+            present = set(self.clients["tcp"].get_meta(self.pid).keys) & set(keys)  # the controller decided at once
+            assert present in (set(), set(keys)) if failed else present == set(keys), f"put left {sorted(present)} of {keys}"
+            if present:
+                assert wait_until(lambda: self._reads_all(meta, rows), timeout=30, interval=0.1), "an acknowledged put not readable"
+                self.clients["auto"].discard(meta)
+            self.stale.append(meta)
+            self._recovered()
+
+        def _reads_all(self, meta: KVBatchMeta, rows: dict[str, list]) -> bool:
+            """Whether every field of ``meta``'s keys reads exactly ``rows`` (False while a unit rejoins)."""
+            try:
+                got = self.clients["tcp"].get(meta, sorted(rows), layout="list")
+            except TQError:
+                return False
+            for f, want in rows.items():
+                _check_field(FIELDS[f], "list", got[f], want, f"put while the units' journals were full, {f!r}")
+            return True
 
         # -- stalls: a SIGSTOPped piece, and one op from a client with a short timeout meanwhile
         def _stalled(self, pid: int, op: Callable[[TQClient], object]) -> object | BaseException:

@@ -642,6 +642,7 @@ def test_a_storage_unit_that_cannot_journal_stops_and_comes_back_on_its_arena():
         acked = {f"a{i}": torch.full((2, 3), float(i)) for i in range(3)}
         for k, v in acked.items():
             c.put("p", [k, k + "'"], {"x": v})
+        assert wait_until(lambda: c.stats()["unit_stats"][0]["tentative_blocks"] == 0)  # their claims journaled
         old = c.stats()["units"][0]
         _no_room_to_grow(old["pid"], old["arena_path"] + ".journal")
         with pytest.raises(StorageUnitError, match="could not journal"):
@@ -671,7 +672,7 @@ def test_a_parked_write_that_cannot_journal_when_room_frees_stops_its_unit_too()
             kept = c.put("p", ["kept"], {"k": torch.arange(5)[None]})
             old = c.stats()["units"][0]
             journal = old["arena_path"] + ".journal"
-            time.sleep(0.5)  # the puts' claims journaled
+            assert wait_until(lambda: c.stats()["unit_stats"][0]["tentative_blocks"] == 0)  # the puts' claims journaled
             done: dict = {}
             second = {"x2": first[:, : 500 << 10], "y": [torch.arange(7)], "z": ["seven"]}
 

@@ -983,8 +983,8 @@ def serve(
     print(f"TQ_READY {ctrl.address}", flush=True)
     try:
         ctrl.serve_forever()
-    except ServerMustStop as stop:  # exit as after a crash: nothing closed, nothing more sent
-        ctrl.sock.close(linger=1000)  # but the caller's error reply goes out
+    except ServerMustStop as stop:  # exit as after a crash: nothing more served or ticked
+        ctrl.close_after_last_reply()
         ctrl.children = []  # the units outlive us (journal dir): a restart takes them back
         raise SystemExit(f"tq.controller: {stop.error}") from None
     finally:

@@ -313,6 +313,14 @@ class RpcServer:
             st.bytes_in += call.nbytes
             st.bytes_out += sum(memoryview(f).nbytes for f in frames)
 
+    def close_after_last_reply(self) -> None:
+        """For a server leaving on :class:`ServerMustStop`: keep its sockets open for
+        ``LAST_REPLY_GRACE_S`` (serving nothing) so that the error reply it just sent is read by its
+        caller, then drop them. Exiting right after the send lost that reply now and then under load
+        (the caller then waited out its timeout)."""
+        time.sleep(LAST_REPLY_GRACE_S)
+        self.sock.context.destroy(linger=0)
+
     # -- loop
     def stop(self) -> None:
         self._running = False
@@ -436,6 +444,7 @@ def _zero_copy(frames: Sequence[Any]) -> bool:
     return any(memoryview(f).nbytes >= zmq.COPY_THRESHOLD for f in frames)
 
 
+LAST_REPLY_GRACE_S = 0.5  # a server stopping at once (ServerMustStop) keeps its sockets this long first
 SERVE_BATCH = 64  # requests a server takes from its queue before its loop ticks again (bounds the tick's delay)
 
 

@@ -885,7 +885,7 @@ def run_storage_unit(
             signal.signal(sig, lambda *_: unit.stop())
         unit.serve_forever()
     except (ServerMustStop, JournalWriteError) as exc:  # as after a crash: the arena and journal stay for the restart
-        unit.sock.close(linger=1000)  # the caller's error reply goes out
+        unit.close_after_last_reply()
         raise SystemExit(f"tq storage unit {unit.unit_id}: {getattr(exc, 'error', exc)}") from None
     except BaseException:
         unit.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import resource
 import socket
 import time
 import uuid
@@ -80,6 +82,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def no_room_to_grow(pid: int, path: str | os.PathLike, spare: int = 0) -> None:
+    """Make ``pid``'s writes past ``path``'s current size plus ``spare`` bytes fail (EFBIG), as on a
+    full disk: its file size limit (RLIMIT_FSIZE). Python ignores SIGXFSZ, so the write raises.
+    Lift it with :func:`room_to_grow`."""
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (os.path.getsize(path) + spare, resource.RLIM_INFINITY))
+
+
+def room_to_grow(pid: int) -> None:
+    """Lift :func:`no_room_to_grow`'s limit (a process gone already is fine)."""
+    try:
+        resource.prlimit(pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    except ProcessLookupError:
+        pass
 
 
 def pid_alive(pid: int) -> bool:

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import free_port, pid_alive, wait_until
+from conftest import free_port, no_room_to_grow, pid_alive, wait_until
 from tq import TQClient, TQServer, launch, protocol
 from tq.errors import KeyNotFoundError, StorageUnitError, TQConnectionError, TQError
 
@@ -574,14 +574,6 @@ def test_frees_leave_the_controller_only_after_the_op_that_freed_them_is_journal
         ctrl.close()
 
 
-def _no_room_to_grow(pid: int, path: os.PathLike) -> None:
-    """Make ``pid``'s writes past ``path``'s current size fail (EFBIG), as on a full disk: its file
-    size limit (RLIMIT_FSIZE) set to that size. Python ignores SIGXFSZ, so the write raises."""
-    import resource
-
-    resource.prlimit(pid, resource.RLIMIT_FSIZE, (os.path.getsize(path), resource.RLIM_INFINITY))
-
-
 def test_a_controller_that_cannot_journal_a_change_stops_before_anything_else_sees_it(tmp_path):
     """The controller's journal cannot grow (a full disk). The change it could not journal was applied
     in memory; serving on let later journaled ops build on it (a discard of the unjournaled key, once
@@ -605,7 +597,7 @@ def test_a_controller_that_cannot_journal_a_change_stops_before_anything_else_se
         acked = {f"a{i}": torch.full((1, 4), float(i)) for i in range(3)}
         for k, v in acked.items():
             c.put("p", [k], {"x": v})
-        _no_room_to_grow(servers[0].proc.pid, state / "controller.journal")
+        no_room_to_grow(servers[0].proc.pid, state / "controller.journal")
         with pytest.raises(JournalError, match="could not journal 'commit'"):
             c.put("p", ["b"], {"x": torch.ones(1, 4)})
         assert servers[0].proc.wait(10) != 0  # stopped by itself, serving nothing more
@@ -644,7 +636,7 @@ def test_a_storage_unit_that_cannot_journal_stops_and_comes_back_on_its_arena():
             c.put("p", [k, k + "'"], {"x": v})
         assert wait_until(lambda: c.stats()["unit_stats"][0]["tentative_blocks"] == 0)  # their claims journaled
         old = c.stats()["units"][0]
-        _no_room_to_grow(old["pid"], old["arena_path"] + ".journal")
+        no_room_to_grow(old["pid"], old["arena_path"] + ".journal")
         with pytest.raises(StorageUnitError, match="could not journal"):
             c.put("p", ["b", "b'"], {"x": torch.ones(2, 3)})  # a TCP put: the unit journals the stored block
         assert wait_until(lambda: (u := c.stats()["units"][0])["pid"] != old["pid"] and u["alive"], timeout=15)
@@ -685,10 +677,7 @@ def test_a_parked_write_that_cannot_journal_when_room_frees_stops_its_unit_too()
             writer = threading.Thread(target=write)
             writer.start()
             assert wait_until(lambda: c.stats()["unit_stats"][0]["parked_writes"] == 1, timeout=5)
-            resource_limit = os.path.getsize(journal) + 48  # room for a free record, not for a store's
-            import resource
-
-            resource.prlimit(old["pid"], resource.RLIMIT_FSIZE, (resource_limit, resource.RLIM_INFINITY))
+            no_room_to_grow(old["pid"], journal, spare=48)  # room for a free record, not for a store's
             c.discard(meta)  # room frees: the parked write is retried at the unit's tick
             writer.join(15)
             assert wait_until(lambda: (u := c.stats()["units"][0])["pid"] != old["pid"] and u["alive"], timeout=15)

@@ -221,6 +221,23 @@ j.close()
 """
 
 
+def _count_writes(j: Journal) -> list[int]:
+    """Have ``j``'s file record the size of every write made to it; the list they go to."""
+    sizes: list[int] = []
+    real = j._f
+
+    class Counting:
+        def write(self, b):
+            sizes.append(len(b))
+            return real.write(b)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    j._f = Counting()
+    return sizes
+
+
 def test_a_batch_writes_its_records_in_one_call_when_it_ends_raising_or_not(tmp_path):
     """Records appended inside ``batch()`` reach the file together when it ends, in order and
     framed as ever, also when the block raises; a nested batch writes with the outer one."""
@@ -248,20 +265,7 @@ def test_a_batch_writes_once_and_a_rewrite_inside_it_drops_what_it_already_holds
     records changed) drops the records held so far and keeps those appended after it."""
     path = tmp_path / "j"
     j = Journal(str(path))
-    calls = []
-
-    class Counting:
-        def __init__(self, f):
-            self.f = f
-
-        def write(self, b):
-            calls.append(len(b))
-            return self.f.write(b)
-
-        def __getattr__(self, name):
-            return getattr(self.f, name)
-
-    j._f = Counting(j._f)
+    calls = _count_writes(j)
     with j.batch():
         for i in range(100):
             j.append(["F", i])
@@ -288,21 +292,9 @@ def test_a_storage_unit_journals_a_request_in_one_write(tmp_path):
     try:
         grant = unit.handle("alloc", {"nbytes": 4 << 20, "ids": 512}, [], Call(b"", None, "alloc", 0.0))
         ids = list(range(grant.first_block, grant.first_block + 512))
-        writes = []
-        real = unit.journal._f
-
-        class Counting:
-            def write(self, b):
-                writes.append(len(b))
-                return real.write(b)
-
-            def __getattr__(self, name):
-                return getattr(real, name)
-
-        unit.journal._f = Counting()
+        writes = _count_writes(unit.journal)
         frames = protocol.request("free_blocks", 1, messages.FreeBlocks(blocks=ids), [], None)
         unit._serve_one([zmq.Frame(b"\x00client"), *(zmq.Frame(bytes(memoryview(f))) for f in frames)])
-        unit.journal._f = real
         assert len(writes) == 1
         recs = list(Journal.replay(unit.journal.path))
         assert [r for r in recs if r[0] == "F"] == [["F", b] for b in ids] and recs[-1][0] == "Y"

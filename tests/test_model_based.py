@@ -20,7 +20,6 @@ import dataclasses
 from collections.abc import Callable
 import itertools
 import os
-import resource
 import signal
 import time
 import uuid
@@ -32,7 +31,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
 
-from conftest import free_port, pid_alive, wait_until
+from conftest import free_port, no_room_to_grow, pid_alive, room_to_grow, wait_until
 from tq import JaggedTensor, KVBatchMeta, TQClient, TQServer
 from tq.errors import JournalError, TQConnectionError, TQError
 
@@ -437,8 +436,7 @@ class _RecoverableService:
 
     def fill_journal_disk(self) -> None:
         """Make the controller's journal unable to grow, as a full disk does (its file size limit)."""
-        journal = os.path.join(self.state_dir, "controller.journal")
-        resource.prlimit(self.server.proc.pid, resource.RLIMIT_FSIZE, (os.path.getsize(journal), resource.RLIM_INFINITY))
+        no_room_to_grow(self.server.proc.pid, os.path.join(self.state_dir, "controller.journal"))
 
     def restart_stopped_controller(self) -> int:
         """Start the controller again once it stopped by itself (room on its disk again); its exit code."""
@@ -451,16 +449,13 @@ class _RecoverableService:
         """Make every storage unit's journal unable to grow (a full disk); the units as they were."""
         units = self.units(admin)
         for u in units.values():
-            resource.prlimit(u["pid"], resource.RLIMIT_FSIZE, (os.path.getsize(u["arena_path"] + ".journal"), resource.RLIM_INFINITY))
+            no_room_to_grow(u["pid"], u["arena_path"] + ".journal")
         return units
 
     def lift_unit_journal_limits(self, units: dict[int, dict], admin: TQClient) -> None:
         """Room again: a unit still running gets its limit back; one that stopped must be restarted."""
         for uid, u in units.items():
-            try:
-                resource.prlimit(u["pid"], resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-            except ProcessLookupError:
-                pass
+            room_to_grow(u["pid"])
             self.unit_kills.setdefault(uid, []).append(time.monotonic())  # counted whether it stopped or not
         # a unit whose write failed before its limit was lifted exits within about a second (its reply's linger)
         wait_until(lambda: all(not pid_alive(u["pid"]) for u in units.values()), timeout=1.5)
@@ -581,19 +576,24 @@ def _machine_with_faults(service: _RecoverableService) -> type:
             present = set(self.clients["tcp"].get_meta(self.pid).keys) & set(keys)  # the controller decided at once
             assert present in (set(), set(keys)) if failed else present == set(keys), f"put left {sorted(present)} of {keys}"
             if present:
-                assert wait_until(lambda: self._reads_all(meta, rows), timeout=30, interval=0.1), "an acknowledged put not readable"
+                assert wait_until(
+                    lambda: self._reads_exactly(self.clients["tcp"], meta, rows, "put while the units' journals were full"),
+                    timeout=30,
+                    interval=0.1,
+                ), "an acknowledged put not readable"
                 self.clients["auto"].discard(meta)
             self.stale.append(meta)
             self._recovered()
 
-        def _reads_all(self, meta: KVBatchMeta, rows: dict[str, list]) -> bool:
-            """Whether every field of ``meta``'s keys reads exactly ``rows`` (False while a unit rejoins)."""
+        def _reads_exactly(self, client: TQClient, meta: KVBatchMeta, rows: dict[str, list], what: str) -> bool:
+            """Whether ``meta``'s keys read exactly ``rows`` (field -> one row a key) through ``client``:
+            False on a TQ error (a piece still rejoining); other bytes fail the test."""
             try:
-                got = self.clients["tcp"].get(meta, sorted(rows), layout="list")
+                got = client.get(meta, sorted(rows), layout="list")
             except TQError:
                 return False
             for f, want in rows.items():
-                _check_field(FIELDS[f], "list", got[f], want, f"put while the units' journals were full, {f!r}")
+                _check_field(FIELDS[f], "list", got[f], want, f"{what}, {f!r}")
             return True
 
         # -- stalls: a SIGSTOPped piece, and one op from a client with a short timeout meanwhile
@@ -630,16 +630,11 @@ def _machine_with_faults(service: _RecoverableService) -> type:
             others = [k for k in sorted(self.held) if k not in keys and self.held[k]] or keys
             other = KVBatchMeta(self.pid, (others[0],))
             f = sorted(self.held[others[0]])[0]
-            wait_until(lambda: self._reads(other, f), timeout=10, interval=0.05)  # the short client, late replies pending
+            want = {f: [self.held[others[0]][f]]}
+            assert wait_until(lambda: self._reads_exactly(self.short, other, want, "get after a stall"), timeout=10, interval=0.05), (
+                "the short client read nothing 10 s after a stall"  # its late replies pending
+            )
             self._recovered()
-
-        def _reads(self, meta: KVBatchMeta, field: str) -> bool:
-            try:
-                got = self.short.get(meta, [field], layout="list")
-            except TQError:
-                return False
-            _check_field(FIELDS[field], "list", got[field], [self.held[k][field] for k in meta.keys], "get after a stall")
-            return True
 
         @rule(
             n=st.integers(1, 4),
@@ -729,8 +724,8 @@ FAULT_PHASES = (Phase.explicit, Phase.reuse, Phase.generate)
 
 def test_random_op_sequences_with_crashes_lose_nothing(recoverable_service):
     """Quick run for CI: a few sequences with units and the controller SIGKILLed between ops and
-    stopped during ops, and journals that cannot grow (3-30 s on the 2-vCPU VM; the slow variant runs
-    40 x 40)."""
+    stopped during ops, and journals that cannot grow (14-16 s on the 2-vCPU VM; the slow variant
+    runs 40 x 40)."""
     run_state_machine_as_test(
         _machine_with_faults(recoverable_service),
         settings=settings(

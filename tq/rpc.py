@@ -193,7 +193,8 @@ class OpStats:
 
 
 class ServerMustStop(BaseException):
-    """Raised by a handler or :meth:`RpcServer.on_applied` when the server must stop at once - e.g.
+    """Raised by a handler, :meth:`RpcServer.on_applied`, :meth:`RpcServer.applying` or a tick when
+    the server must stop at once - e.g.
     its journal cannot be written, so a change applied in memory would not survive a restart, and
     serving on would let later requests (or messages to storage units) build on it. The request's
     caller gets ``error``; then it leaves :meth:`RpcServer.serve_forever` without serving, ticking or

@@ -176,6 +176,7 @@ class StorageUnit(RpcServer):
             self.alloc = RangeAllocator(self.arena.size)
             self._replay(recover_arena + ".journal")
         self.journal = Journal(self.arena.path + ".journal", fsync=fsync)
+        self._compact_failed_at = 0  # records appended when a compaction last failed
         if self.journal.truncated_bytes:
             log.warning("storage unit %d: dropped a torn journal tail of %d bytes", unit_id, self.journal.truncated_bytes)
         self.parked: list[tuple[Any, dict, list, Call, float]] = []  # writes waiting for room
@@ -263,12 +264,13 @@ class StorageUnit(RpcServer):
         if self.orphan_timeout_s is not None and now - self._last_ping > self.orphan_timeout_s:
             log.error("storage unit %d heard no controller for %.0fs: stopping", self.unit_id, now - self._last_ping)
             self.stop()
-        for aid, (start, size, exp) in list(self.pending.items()):
-            if exp <= now:  # a writer that allocated and never stored (crashed): reclaim
-                log.warning("storage unit %d reclaims expired allocation %d (%d bytes)", self.unit_id, aid, size)
-                del self.pending[aid]
-                self.alloc.free(start, size)
-                self.journal.append(["X", aid])
+        with self.applying():  # every journal write of the unit runs inside it (one failing stops the unit)
+            for aid, (start, size, exp) in list(self.pending.items()):
+                if exp <= now:  # a writer that allocated and never stored (crashed): reclaim
+                    log.warning("storage unit %d reclaims expired allocation %d (%d bytes)", self.unit_id, aid, size)
+                    del self.pending[aid]
+                    self.alloc.free(start, size)
+                    self.journal.append(["X", aid])
         self._retry_parked(now)
         self._retry_fetches(now)
 
@@ -667,11 +669,13 @@ class StorageUnit(RpcServer):
         )
 
     def _maybe_compact(self) -> None:
-        if self.journal.appended > 4 * len(self.blocks) + 1024:
+        if self.journal.appended > max(4 * len(self.blocks) + 1024, 2 * self._compact_failed_at):
             try:
                 self._compact()
+                self._compact_failed_at = 0
             except OSError as exc:  # the journal is intact (a rewrite replaces it whole or not at all)
-                log.warning("storage unit %d: journal compaction failed (%s); trying again later", self.unit_id, exc)
+                self._compact_failed_at = self.journal.appended  # not again at every free: once it doubles
+                log.warning("storage unit %d: journal compaction failed (%s); trying again once it doubles", self.unit_id, exc)
 
     def _compact(self) -> None:
         self.journal.rewrite(
@@ -884,9 +888,9 @@ def run_storage_unit(
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: unit.stop())
         unit.serve_forever()
-    except (ServerMustStop, JournalWriteError) as exc:  # as after a crash: the arena and journal stay for the restart
+    except ServerMustStop as stop:  # as after a crash: the arena and journal stay for the restart
         unit.close_after_last_reply()
-        raise SystemExit(f"tq storage unit {unit.unit_id}: {getattr(exc, 'error', exc)}") from None
+        raise SystemExit(f"tq storage unit {unit.unit_id}: {stop.error}") from None
     except BaseException:
         unit.close()
         raise

@@ -99,6 +99,58 @@ def room_to_grow(pid: int) -> None:
         pass
 
 
+_BUG_SITECUSTOMIZE = """\
+# Written by tests/conftest.py:inject_bug for one test: a bug in the serving loop of a {server}, raised once
+import os
+
+_ARM, _FIRED = {arm!r}, {fired!r}
+
+
+def _patch():
+    # Wrapped through the shared base class: the service modules run as __main__ (python -m), so a
+    # class imported from them here would not be the one serving.
+    from tq.rpc import RpcServer
+
+    real_serve = RpcServer.serve_forever
+
+    def serve_forever(self):
+        if type(self).__name__ == {server!r}:
+            real_tick = self.on_tick
+
+            def on_tick(now):
+                if os.path.exists(_ARM):
+                    try:
+                        os.close(os.open(_FIRED, os.O_CREAT | os.O_EXCL))
+                    except FileExistsError:
+                        pass
+                    else:
+                        raise RuntimeError("a bug injected by the test")
+                return real_tick(now)
+
+            self.on_tick = on_tick
+        return real_serve(self)
+
+    RpcServer.serve_forever = serve_forever
+
+
+_patch()
+"""
+
+
+def inject_bug(monkeypatch, directory: os.PathLike, server: str) -> tuple[str, str]:
+    """Have the loop of the first ``server`` process (a class name: ``StorageUnit``, ``Controller``)
+    that ticks after the test arms it raise RuntimeError, once, in services started from now on: a
+    ``sitecustomize`` on the children's ``PYTHONPATH`` wraps the tick (nothing in the product knows).
+    Returns (arm, fired): create ``arm`` to arm it; ``fired`` exists once it raised."""
+    hook = os.path.join(directory, "inject-bug")
+    os.makedirs(hook, exist_ok=True)
+    arm, fired = os.path.join(hook, "arm"), os.path.join(hook, "fired")
+    with open(os.path.join(hook, "sitecustomize.py"), "w") as f:
+        f.write(_BUG_SITECUSTOMIZE.format(server=server, arm=arm, fired=fired))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (hook, os.environ.get("PYTHONPATH")) if p))
+    return arm, fired
+
+
 def pid_alive(pid: int) -> bool:
     """True while ``pid`` runs (a zombie, exited but not yet reaped, counts as gone)."""
     try:

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import free_port, no_room_to_grow, pid_alive, wait_until
+from conftest import free_port, inject_bug, no_room_to_grow, pid_alive, wait_until
 from tq import TQClient, TQServer, launch, protocol
 from tq.errors import KeyNotFoundError, StorageUnitError, TQConnectionError, TQError
 
@@ -691,3 +691,60 @@ def test_a_parked_write_that_cannot_journal_when_room_frees_stops_its_unit_too()
         finally:
             patient.close()
             c.close()
+
+
+def test_a_storage_unit_failing_on_a_bug_keeps_its_data_for_its_restart(tmp_path, monkeypatch):
+    """A managed storage unit whose loop raises (a bug, not a shutdown) exits as a crashed one would,
+    arena and journal in place, and its controller restarts it on them: every acknowledged key reads
+    back exactly. (It used to clean up as on a shutdown - removing the arena - so the controller found
+    nothing to restart it on and every key it held was lost.)"""
+    arm, fired = inject_bug(monkeypatch, tmp_path, "StorageUnit")
+    with TQServer(storage_units=1, capacity=32 << 20) as server:
+        c = TQClient(server.address, timeout=10.0)
+        tcp = TQClient(server.address, timeout=10.0, transport="tcp")
+        try:
+            c.register_partition("p")
+            acked = {f"a{i}": torch.full((2, 3), float(i)) for i in range(4)}
+            metas = {k: (c if i % 2 else tcp).put("p", [k, k + "'"], {"x": v}) for i, (k, v) in enumerate(acked.items())}
+            old = c.stats()["units"][0]
+            open(arm, "w").close()
+            assert wait_until(lambda: os.path.exists(fired), timeout=10)
+            assert wait_until(lambda: not pid_alive(old["pid"]), timeout=10)
+            assert wait_until(lambda: (u := c.stats()["units"][0])["pid"] != old["pid"] and u["alive"], timeout=15), c.stats()["units"]
+            for client in (c, tcp):
+                for k, v in acked.items():
+                    assert torch.equal(client.get(metas[k])["x"], v)
+            assert torch.equal(c.get(c.put("p", ["b"], {"x": torch.ones(1, 3)}))["x"], torch.ones(1, 3))
+        finally:
+            c.close()
+            tcp.close()
+
+
+def test_a_journaled_controller_failing_on_a_bug_leaves_its_units_running_for_its_restart(tmp_path, monkeypatch):
+    """A controller with a journal whose loop raises exits as a crashed one would: its storage units
+    keep running with their data (it used to stop them on the way out, and they removed their
+    arenas), and the controller started again on the same journal takes them back - every acknowledged
+    key reads back exactly from the same unit processes."""
+    arm, fired = inject_bug(monkeypatch, tmp_path, "Controller")
+    port, state = free_port(), str(tmp_path / "state")
+    first = TQServer(port=port, storage_units=2, capacity=32 << 20, journal_dir=state)
+    second = None
+    c = TQClient(first.address, timeout=10.0)
+    try:
+        c.register_partition("p")
+        acked = {f"a{i}": torch.full((3, 2), float(i)) for i in range(4)}
+        metas = {k: c.put("p", [k, k + "'", k + "''"], {"x": v}) for k, v in acked.items()}
+        units = c.stats()["units"]
+        open(arm, "w").close()
+        assert first.proc.wait(15) != 0 and os.path.exists(fired)
+        time.sleep(0.5)  # a unit being stopped would be gone by now
+        assert all(pid_alive(u["pid"]) and os.path.exists(u["arena_path"]) for u in units)
+        second = TQServer(port=port, storage_units=2, capacity=32 << 20, journal_dir=state)
+        for k, v in acked.items():
+            assert torch.equal(c.get(metas[k])["x"], v)
+        assert sorted(u["pid"] for u in c.stats()["units"]) == sorted(u["pid"] for u in units)
+    finally:
+        c.close()
+        for server in (second, first):
+            if server is not None:
+                server.shutdown()

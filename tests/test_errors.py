@@ -12,6 +12,7 @@ import tempfile
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -719,6 +720,76 @@ def test_rejected_commits_leave_nothing_allocated(small):
     assert u["bytes_used"] == used and u["pending_allocs"] == 0 and u["tentative_blocks"] == 0
     got = c.get(meta, layout="list")
     assert got["lp"][0].shape == (5,) and got["lp"][1].shape == (0,)
+
+
+def _full_shm_dir_scenario(shm_dir: str) -> None:
+    """Run inside a private mount namespace where ``shm_dir`` is a small tmpfs of its own (see below)."""
+    filler = os.path.join(shm_dir, "another-tenant")
+    with TQServer(storage_units=1, capacity=32 << 20, shm_dir=shm_dir) as server:
+        with TQClient(server.address, timeout=5.0) as c, TQClient(server.address, timeout=5.0, transport="tcp") as tcp:
+            c.register_partition("p")
+            meta = c.put("p", ["a"], {"x": torch.arange(2048).reshape(1, -1)})  # its slab's pages are backed
+            c.register_partition("r")
+            c.put("r", ["r0"], {"z": torch.zeros(1, 1, dtype=torch.int8)})
+            pids = [server.proc.pid] + [u.pid for u in c._units]
+            with open(filler, "wb") as f:  # another tenant of the tmpfs takes every free page
+                try:
+                    while True:
+                        f.write(b"\1" * (64 << 10))
+                        f.flush()
+                except OSError:
+                    pass
+            assert os.statvfs(shm_dir).f_bavail == 0
+            meta_s = c.put("p", ["s"], {"x": torch.ones(1, 2048, dtype=torch.int64)})  # fits its slab's backed pages
+            failing = {
+                "same-host put": lambda: c.put("p", ["big"], {"y": torch.ones(1, 1 << 20, dtype=torch.int64)}),
+                "tcp put": lambda: tcp.put("p", ["t"], {"x": torch.ones(1, 2048, dtype=torch.int64)}),
+                "partition": lambda: c.register_partition("q"),  # its location table
+                "table growth": lambda: c.put("r", [f"k{i}" for i in range(5000)], {"z": torch.zeros(5000, 1, dtype=torch.int8)}),
+                "new fields": lambda: c.put("p", ["n"], {f"f{j}": torch.ones(1, 4) for j in range(40)}),
+            }
+            for what, call in failing.items():
+                t0 = time.monotonic()
+                with pytest.raises(CapacityError, match=f"{shm_dir} is full") as err:
+                    call()
+                assert time.monotonic() - t0 < 5.0, what
+                print(what, "->", err.value)
+            borrowed = c.get(meta, copy=False)  # the pin file cannot be made: the lease is asked for
+            assert_same(borrowed["x"], torch.arange(2048).reshape(1, -1))
+            borrowed.release()
+            assert all(pid_alive(p) for p in pids) and [u.pid for u in c._units] == pids[1:], "a process died"
+            os.unlink(filler)
+            for call in failing.values():  # nothing was half-done: each works now
+                call()
+            for client in (c, tcp):
+                assert_same(client.get(meta)["x"], torch.arange(2048).reshape(1, -1))
+                assert_same(client.get(meta_s)["x"], torch.ones(1, 2048, dtype=torch.int64))
+            assert_same(c.get(c.get_meta("p", ["big"]))["y"], torch.ones(1, 1 << 20, dtype=torch.int64))
+    print("scenario passed")
+
+
+def test_a_full_shm_dir_fails_writes_with_capacity_error_not_sigbus(tmp_path):
+    """Arenas (and location tables, pin files) are sparse tmpfs files: on a tmpfs that another tenant
+    (Ray's object store, say) filled after the service started, the first touch of a page through a
+    mapping kills the toucher with SIGBUS - the writing client, a storage unit or the controller.
+    Every page is allocated before it is handed out, so a full tmpfs is a CapacityError naming the
+    directory, every process lives on, and the same writes succeed once there is room."""
+    mount = tmp_path / "shm"
+    mount.mkdir()
+    # user, mount and pid namespaces: the tmpfs is private, and when the scenario's process ends (a
+    # SIGBUS, say) every process it started is killed with it
+    unshare = ["unshare", "--user", "--map-root-user", "--mount", "--pid", "--fork", "--mount-proc"]
+    probe = subprocess.run([*unshare, "true"], capture_output=True, text=True) if shutil.which("unshare") else None
+    if probe is None or probe.returncode:
+        pytest.skip(f"needs a private tmpfs ({' '.join(unshare)}): {probe.stderr.strip() if probe else 'no unshare'}")
+    run = f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import test_errors; test_errors._full_shm_dir_scenario(sys.argv[1])"
+    proc = subprocess.run(
+        [*unshare, "sh", "-c", 'mount -t tmpfs -o size=48m tq-test "$0" && exec "$1" -c "$2" "$0"', str(mount), sys.executable, run],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and "scenario passed" in proc.stdout, f"rc {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
 
 
 def test_errors_are_tq_errors():

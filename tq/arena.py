@@ -9,6 +9,7 @@ socket (the same idea as Ray's plasma store). Freed ranges are reused, so their 
 from __future__ import annotations
 
 import bisect
+import errno
 import fcntl
 import mmap
 import sys
@@ -19,6 +20,7 @@ import numpy as np
 from .errors import CapacityError, StorageUnitError
 
 ALIGN = 4096
+BACKED_CHUNK = 2 << 20  # the granularity at which a storage unit allocates its arena's pages (Arena.allocate_pages)
 
 
 def align_up(n: int, align: int = ALIGN) -> int:
@@ -156,7 +158,7 @@ class Arena:
 
     def __init__(self, path: str, size: int, *, create: bool, own: bool = False) -> None:
         self.path, self.size = path, size
-        self._lock_fd: int | None = None
+        self._lock_fd: int | None = None  # the owner's descriptor: holds the lock, reserves pages
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
@@ -172,6 +174,24 @@ class Arena:
         finally:
             os.close(fd)
         self.view = np.frombuffer(self._mm, dtype=np.uint8)
+        # BACKED_CHUNK-sized pieces whose pages this owner allocated (none known for a reopened arena)
+        self._backed = np.zeros(-(-size // BACKED_CHUNK), dtype=bool)
+
+    def allocate_pages(self, start: int, nbytes: int) -> None:
+        """Allocate the backing pages of ``[start, start + nbytes)`` now (the owner only), so a full
+        tmpfs fails here with :class:`CapacityError` naming the directory: the arena is sparse, and a
+        page that cannot be allocated when a writer first touches it kills that process with SIGBUS
+        (another tenant of ``/dev/shm``, e.g. Ray's object store, may have taken the room since the
+        unit started). Allocated in BACKED_CHUNK pieces, each once (until :meth:`release_pages`)."""
+        if nbytes <= 0 or self._lock_fd is None:
+            return
+        lo, hi = start // BACKED_CHUNK, -(-(start + nbytes) // BACKED_CHUNK)
+        missing = np.flatnonzero(~self._backed[lo:hi])
+        if missing.size:  # a warm range costs no call: the kernel takes ~60 ns a page even for present ones
+            first, last = lo + int(missing[0]), lo + int(missing[-1]) + 1
+            end = min(last * BACKED_CHUNK, self.size)
+            allocate_file_pages(self._lock_fd, self.path, first * BACKED_CHUNK, end - first * BACKED_CHUNK)
+            self._backed[first:last] = True
 
     def prefault(self, start: int, nbytes: int) -> None:
         """Map the pages of ``[start, start + nbytes)`` writable in this process in one call (best
@@ -184,6 +204,7 @@ class Arena:
         """Give the pages of a free range back to the OS (they read as zeros afterwards)."""
         if nbytes > 0 and hasattr(mmap, "MADV_REMOVE"):
             self._mm.madvise(mmap.MADV_REMOVE, start, nbytes)
+            self._backed[start // BACKED_CHUNK : -(-(start + nbytes) // BACKED_CHUNK)] = False
 
     def close(self, *, unlink: bool = False) -> None:
         self.view = None  # type: ignore[assignment]
@@ -201,10 +222,47 @@ class Arena:
             self._lock_fd = None
 
 
+def allocate_file_pages(fd: int, path: str, start: int, nbytes: int) -> None:
+    """Allocate the pages of ``[start, start + nbytes)`` of the shared-memory file ``path`` (open as
+    ``fd``) before anyone maps them: on a full tmpfs that fails here, as :class:`CapacityError` naming
+    the directory, where a first touch through a mapping would kill the process with SIGBUS."""
+    try:
+        os.posix_fallocate(fd, start, nbytes)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise
+        directory = os.path.dirname(path)
+        raise CapacityError(
+            f"{directory} is full ({shm_free_bytes(directory)} bytes free): {os.path.basename(path)} cannot get "
+            f"{nbytes} more bytes of shared memory ({exc.strerror}); free space there or point the service's "
+            "--shm-dir at a larger tmpfs"
+        ) from None
+
+
+def map_new_shm_file(path: str, nbytes: int) -> mmap.mmap:
+    """Create ``path`` (which must not exist) as a file of ``nbytes`` whose pages are all allocated
+    (:func:`allocate_file_pages`) and map it read-write; nothing is left behind when that fails."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        allocate_file_pages(fd, path, 0, nbytes)
+        return mmap.mmap(fd, nbytes)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def shm_free_bytes(directory: str) -> int:
+    """Bytes free to an unprivileged writer in ``directory``'s file system."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
 def check_shm_room(directory: str, nbytes: int) -> None:
     """Fail fast, naming the directory, when it cannot hold an arena of ``nbytes``."""
-    st = os.statvfs(directory)
-    avail = st.f_bavail * st.f_frsize
+    avail = shm_free_bytes(directory)
     if avail < nbytes:
         raise CapacityError(
             f"{directory} has {avail} bytes free but the storage unit needs {nbytes}; "

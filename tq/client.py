@@ -1340,7 +1340,10 @@ class TQClient:
                 self._leases.retire(pins)  # its pins still held stay valid where they were taken
                 pins = None
             if pins is None and not self._pins_refused:
-                pins = PinFile(os.path.dirname(os.path.realpath(view.path))) if PINS_SUPPORTED and epoch else None
+                try:
+                    pins = PinFile(os.path.dirname(os.path.realpath(view.path))) if PINS_SUPPORTED and epoch else None
+                except CapacityError:  # a full tmpfs: lease by request this time, try again later
+                    return None
                 try:
                     reply = self._call(Op.PIN_FILE, messages.PinFile(path=pins.path)) if pins is not None else None
                 except TQError:  # e.g. a controller without pins: lease by request

@@ -585,12 +585,12 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
                         raise SchemaConflictError(
                             f"field {name!r} was already produced for key {keys[int(taken[0])]!r} (pass overwrite=True to replace it)"
                         )
+        for name in schemas:  # a new field's column and new keys' slots may remap the table (and fail
+            part.loc(name)  # on a full tmpfs): before any state changes or records are written
         if new:
             part.add_keys(new)
         slots = part.slots_of(keys)
         released = self._overwritten_rows(part, slots, list(schemas)) if args.overwrite else None
-        for name in schemas:
-            part.loc(name)  # a new field's column (may remap the table): before the records are written
         if len(parts) == 1:
             ((unit, block, _),) = parts
             rows: Any = np.arange(len(keys))
@@ -987,6 +987,11 @@ def serve(
         ctrl.close_after_last_reply()
         ctrl.children = []  # the units outlive us (journal dir): a restart takes them back
         raise SystemExit(f"tq.controller: {stop.error}") from None
+    except Exception:
+        if journal_dir is not None:  # a bug: exit as after a crash; the units (and their data) outlive us
+            log.critical("tq.controller failed; its storage units keep running for its restart", exc_info=True)
+            ctrl.children = []
+        raise
     finally:
         if metrics is not None:
             launch.stop_process(metrics, 5.0)

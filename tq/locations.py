@@ -59,6 +59,7 @@ from typing import Iterator, NamedTuple, Sequence
 import numpy as np
 
 from .protocol import LOC_BLOCK, LOC_COLUMNS, LOC_NBYTES, LOC_OFFSET, LOC_ROW, LOC_RUN, LOC_UNIT
+from .arena import map_new_shm_file
 from .launch import files_of_gone_processes
 from .pins import bump
 
@@ -221,12 +222,7 @@ class LocationTable:
         table_id = new_incarnation()  # also random, positive and 63 bits
         if self.directory is not None:
             path = _table_path(self.directory, os.getpid(), table_id)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, size)
-                mm = mmap.mmap(fd, size)
-            finally:
-                os.close(fd)
+            mm = map_new_shm_file(path, size)  # a full tmpfs fails here, before anything changed
             words = np.frombuffer(mm, dtype=np.int64)
         else:
             words = np.empty(size // 8, dtype=np.int64)

@@ -57,6 +57,7 @@ class Partition:
         # Slots of discarded keys are reused first, so a long-lived partition that keeps discarding
         # (a replay buffer) does not grow without bound between clears.
         reuse = min(len(keys), len(self.free_slots))
+        self.table.grow(len(self.slot_keys) + len(keys) - reuse)  # first: it may fail (a full tmpfs)
         if reuse:  # a slot must never name two keys within one incarnation (see tq.locations)
             self.table.new_incarnation()
         for k, s in zip(keys[:reuse], self.free_slots[-reuse:] if reuse else []):
@@ -75,7 +76,6 @@ class Partition:
         self.seq_lens.extend([-1] * len(keys))
         for values in self.tags.values():
             values.extend([None] * len(keys))
-        self.table.grow(len(self.slot_keys))
 
     def loc(self, name: str) -> np.ndarray:
         return self.table.loc(name)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .arena import map_new_shm_file
 from .launch import files_of_gone_processes, pid_alive
 from .leases import new_lease_id
 
@@ -119,12 +120,7 @@ class PinFile:
 
     def __init__(self, directory: str, slots: int = SLOTS) -> None:
         self.path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:16]}")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, _nbytes(slots))
-            self._mm = mmap.mmap(fd, _nbytes(slots))
-        finally:
-            os.close(fd)
+        self._mm = map_new_shm_file(self.path, _nbytes(slots))
         self._words = np.frombuffer(self._mm, dtype=np.int64)
         self._words[PIN_SLOTS_W], self._words[PIN_WORDS_W], self._words[PIN_OWNER_W] = slots, PIN_WORDS, os.getpid()
         self._words[PIN_MAGIC_W] = MAGIC

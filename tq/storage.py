@@ -280,6 +280,16 @@ class StorageUnit(RpcServer):
             exc.retryable = False  # type: ignore[attr-defined] - waiting for frees cannot help
             raise exc
 
+    def _allocate(self, nbytes: int) -> int:
+        """An arena range of ``nbytes`` whose pages are allocated (a writer touching them cannot SIGBUS)."""
+        start = self.alloc.allocate(nbytes)
+        try:
+            self.arena.allocate_pages(start, align_up(max(nbytes, 1)))
+        except BaseException:
+            self.alloc.free(start, nbytes)
+            raise
+        return start
+
     # -- backpressure: a write that does not fit may wait (``wait_s``) for frees instead of failing
     def _waiting_for_room(self, handler: Any) -> Any:
         def serve(args: messages.Alloc | messages.Store, buffers: list, call: Call) -> Any:
@@ -324,7 +334,7 @@ class StorageUnit(RpcServer):
             raise TQTimeoutError(f"allocation of {args.nbytes} bytes reached storage unit {self.unit_id} after its writer stopped waiting")
         nbytes = args.nbytes
         self._check_fits_at_all(nbytes)
-        start = self.alloc.allocate(nbytes)
+        start = self._allocate(nbytes)
         aid = self._new_id()
         if args.ids:  # a slab: the writer names its blocks (these ids) in its commit
             size, first = align_up(max(nbytes, 1)), self._next_id
@@ -382,7 +392,7 @@ class StorageUnit(RpcServer):
                 raise InvalidRequestError("store without an allocation needs a data frame for every field")
             size = rel
             self._check_fits_at_all(size)
-            start = self.alloc.allocate(size)
+            start = self._allocate(size)
             for _, _, offset, _, chunks in layouts:
                 write_chunks(self.arena.view[start + offset : start + offset + sum(c.size for c in chunks)], chunks)
         block = Block(
@@ -875,6 +885,7 @@ def run_storage_unit(
     # the controller and this unit - and is a shutdown, not an error to print a traceback for.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, exit_now)
+    may_hold_data = recover_arena is not None  # acknowledged data: a restarted unit's arena, or once serving
     try:
         chan = RpcChannel(
             controller, secret=secret, timeout=register_timeout, name="controller", replies=messages.CONTROLLER_REPLY_DECODERS
@@ -887,11 +898,21 @@ def run_storage_unit(
             launch.write_json(ready_file, unit.describe())
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: unit.stop())
+        may_hold_data = True
         unit.serve_forever()
     except ServerMustStop as stop:  # as after a crash: the arena and journal stay for the restart
         unit.close_after_last_reply()
         raise SystemExit(f"tq storage unit {unit.unit_id}: {stop.error}") from None
-    except BaseException:
+    except Exception:
+        # A bug, not a shutdown: a managed unit that may hold acknowledged data (it served, or it
+        # was restarted on an arena) leaves arena and journal as a crash would, for the controller's
+        # restart - which gives the arena up itself after 3 crashes a minute. Others clean up.
+        if unit.managed and may_hold_data:
+            log.critical("storage unit %d failed; its arena and journal stay for its restart", unit.unit_id, exc_info=True)
+        else:
+            unit.close()
+        raise
+    except BaseException:  # SIGTERM / SIGINT before serving, or the watched pipe: a shutdown
         unit.close()
         raise
     finally:

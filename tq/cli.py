@@ -139,7 +139,8 @@ def op_counts(stats: dict[str, Any]) -> dict[tuple[str, str], int]:
 
 
 def render_status(stats: dict[str, Any], *, address: str | None = None, rates: dict[tuple[str, str], float] | None = None) -> Any:
-    """A rich renderable of a service's stats (as returned by :meth:`tq.TQClient.stats`).
+    """A rich renderable of a service's stats (as returned by :meth:`tq.TQClient.stats` or
+    :meth:`tq.admin.ServiceAdmin.stats`).
 
     Sections: a summary line (uptime, throughput, metrics endpoint), partitions (keys, fields, bytes
     held), storage units (health, address, used / arena size, blocks, bytes stored / read) and
@@ -393,14 +394,14 @@ def _run_foreground(proc: subprocess.Popen, run_file: str) -> int:
 
 def cmd_stop(args: argparse.Namespace) -> int:
     """Shut a controller down (RPC, else SIGTERM to the recorded pid), wait for it, remove the run file."""
-    from .client import TQClient
-    from .errors import TQConnectionError
+    from .admin import ServiceAdmin
 
     address, state, run_file = _resolve_target(args)
     pid = state.get("pid") if state else None
     alive = controller_running(pid)
     try:
-        client = TQClient(address, secret=_secret(args), timeout=SHUTDOWN_RPC_TIMEOUT_S)
+        with ServiceAdmin(address, secret=_secret(args), timeout=SHUTDOWN_RPC_TIMEOUT_S) as admin:
+            admin.shutdown_service()
     except TQError as exc:
         if not alive:
             if state:
@@ -408,17 +409,9 @@ def cmd_stop(args: argparse.Namespace) -> int:
             raise CLIError(
                 f"no TQ controller is running at {address} ({exc})" + (f"; removed the stale run file {run_file}" if state else "")
             ) from None
-        # Alive here but not answering us (wrong secret, wedged): the recorded pid is ours to stop.
+        # Alive here but not answering us (wrong secret, wedged), or it stopped before its reply left:
+        # the recorded pid is ours to stop (a controller already stopping takes SIGTERM as the same).
         launch.signal_tree(pid, signal.SIGTERM)
-    else:
-        try:
-            client.shutdown_service()
-        except TQConnectionError:
-            # The controller stops right after handling shutdown and may close its socket before the
-            # reply leaves; the pid wait below is what tells whether it really went away.
-            pass
-        finally:
-            client.close()
     if alive:
         if not launch.wait_pid_exit(pid, STOP_TIMEOUT_S):
             launch.signal_tree(pid, signal.SIGTERM)
@@ -433,17 +426,14 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Print the service's stats as tables (or raw JSON with ``--json``, or live with ``--watch``)."""
-    from .client import TQClient
+    from .admin import ServiceAdmin
 
     address, _, _ = _resolve_target(args)
     if args.watch:
         return _watch(args, address)
     try:
-        client = TQClient(address, secret=_secret(args), timeout=args.timeout)
-        try:
-            stats = client.stats()
-        finally:
-            client.close()
+        with ServiceAdmin(address, secret=_secret(args), timeout=args.timeout) as admin:
+            stats = admin.stats()
     except TQError as exc:
         hint = "" if _secret(args) else " (if the service uses a secret, pass --secret or set TQ_SECRET)"
         raise CLIError(f"TQ controller at {address} is not reachable: {exc}{hint}") from None
@@ -471,11 +461,11 @@ def _watch(args: argparse.Namespace, address: str) -> int:
     from rich.live import Live
     from rich.text import Text
 
-    from .client import TQClient
+    from .admin import ServiceAdmin
 
     console = _console()
     live = Live(console=console, auto_refresh=False, redirect_stdout=False, redirect_stderr=False) if console.is_terminal else None
-    client: TQClient | None = None
+    client: ServiceAdmin | None = None
     previous: tuple[float, dict[tuple[str, str], int]] | None = None
     try:
         if live is not None:
@@ -484,7 +474,7 @@ def _watch(args: argparse.Namespace, address: str) -> int:
             now = time.monotonic()
             try:
                 if client is None:
-                    client = TQClient(address, secret=_secret(args), timeout=args.timeout)
+                    client = ServiceAdmin(address, secret=_secret(args), timeout=args.timeout)
                 stats = client.stats()
             except AuthenticationError as exc:
                 raise CLIError(f"TQ controller at {address} refused this client: {exc}") from None

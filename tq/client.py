@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from . import protocol
+from .admin import service_stats, unit_channel, unit_stats
 from .arena import ALIGN, Arena, align_up, host_identity
 from .bufferpool import HostBufferPool
 from .columns import EncodedColumn, FieldLayout, encode_column, field_layout, tensor_at, to_tensor, unpack_objects
@@ -72,7 +73,6 @@ FREE_GRACE_S = 0.05  # a write that finds no room waits this long for frees alre
 GIVE_BACK_S = 0.25  # how long giving a slab's unused ids back may wait (close() must not hang on a dead controller)
 ABORT_PROBE_S = 0.5  # after a commit got no reply: how long to ask whether it landed
 DEFAULT_LEASE_S = 30.0  # a borrowed get's lease term; a live holder renews it every third of it
-UNIT_STATS_TIMEOUT_S = 2.0  # stats wait this long for each storage unit before showing it down
 
 
 def mint_keys(uids: Sequence[str], group_size: int) -> list[str]:
@@ -561,13 +561,7 @@ class TQClient:
             if chan is None or chan.address != u.address:  # new, or restarted at a new address
                 if chan is not None:
                     chan.close()
-                self._unit_chans[u.unit_id] = RpcChannel(
-                    u.address,
-                    secret=self._secret,
-                    timeout=self.timeout,
-                    name=f"storage unit {u.unit_id}",
-                    replies=messages.UNIT_REPLY_DECODERS,
-                )
+                self._unit_chans[u.unit_id] = unit_channel(u, self._secret, self.timeout)
 
     def _is_local(self, unit: int) -> bool:
         return unit in self._local_units
@@ -934,26 +928,7 @@ class TQClient:
     def _units_room(self) -> dict[int, int]:
         """The largest write each answering unit has room for now."""
         self._refresh_units()
-        return {u: st.largest_free_bytes for u, st in self._unit_stats([u.unit_id for u in self._units]).items()}
-
-    def _unit_stats(self, units: Sequence[int]) -> dict[int, messages.UnitStatsReply]:
-        """The stats of every unit that answers: all are asked before any answer is awaited, each for
-        at most UNIT_STATS_TIMEOUT_S, so one that just died (not yet reported down by the controller)
-        is left out instead of failing the caller."""
-        timeout = min(self.timeout, UNIT_STATS_TIMEOUT_S)
-        asked = []
-        for unit in units:
-            try:
-                asked.append((unit, self._unit_chans[unit].send(UnitOp.STATS, messages.UnitStats(), timeout=timeout)))
-            except TQConnectionError:
-                pass
-        answered = {}
-        for unit, rid in asked:
-            try:
-                answered[unit] = self._unit_chans[unit].recv(rid, "stats", timeout=timeout)[0]
-            except TQConnectionError:
-                pass
-        return answered
+        return {u: st.largest_free_bytes for u, st in unit_stats(self._unit_chans, [u.unit_id for u in self._units], self.timeout).items()}
 
     def _split_plan(self, encoded: dict[str, EncodedColumn], n: int, room: dict[int, int]) -> list[tuple[int, int, int]] | None:
         """Row ranges ``(unit, start, stop)`` that fit the units' ``room``, the units with most room
@@ -1519,13 +1494,7 @@ class TQClient:
         reply: messages.StatsReply = self._call(Op.STATS, self._with_reads(messages.Stats()))
         if reply.units_version != self._units_version:
             self._refresh_units()
-        # a unit the controller reports down is not asked; one that does not answer is shown down
-        answered = self._unit_stats([u.unit_id for u in reply.units if u.alive is not False])
-        for u in reply.units:
-            u.alive = u.unit_id in answered
-        stats = msgspec.to_builtins(reply)
-        stats["unit_stats"] = [msgspec.to_builtins(answered.get(u.unit_id, u)) for u in reply.units]
-        return stats
+        return service_stats(reply, self._unit_chans, self.timeout)
 
     def trim(self) -> int:
         """Have every storage unit give memory back to the OS: the pages of free arena ranges, its idle

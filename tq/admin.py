@@ -51,11 +51,17 @@ def service_stats(reply: messages.StatsReply, unit_chans: Mapping[int, RpcChanne
     return stats
 
 
-def unit_channel(unit: messages.UnitInfo, secret: bytes | None, timeout: float) -> RpcChannel:
-    """A request channel to storage ``unit``."""
-    return RpcChannel(
-        unit.address, secret=secret, timeout=timeout, name=f"storage unit {unit.unit_id}", replies=messages.UNIT_REPLY_DECODERS
-    )
+def connect_units(unit_chans: dict[int, RpcChannel], units: Iterable[messages.UnitInfo], secret: bytes | None, timeout: float) -> None:
+    """Give ``unit_chans`` a request channel to each of ``units`` that has none, or one to the
+    address it moved to (a unit restarted elsewhere)."""
+    for u in units:
+        chan = unit_chans.get(u.unit_id)
+        if chan is None or chan.address != u.address:
+            if chan is not None:
+                chan.close()
+            unit_chans[u.unit_id] = RpcChannel(
+                u.address, secret=secret, timeout=timeout, name=f"storage unit {u.unit_id}", replies=messages.UNIT_REPLY_DECODERS
+            )
 
 
 class ServiceAdmin:
@@ -72,12 +78,7 @@ class ServiceAdmin:
     def stats(self) -> dict[str, Any]:
         """As :meth:`tq.TQClient.stats`: the controller's stats plus every storage unit's."""
         reply: messages.StatsReply = self._ctrl.call(ControllerOp.STATS, messages.Stats())[0]
-        for u in reply.units:
-            chan = self._unit_chans.get(u.unit_id)
-            if chan is None or chan.address != u.address:  # new, or restarted at a new address
-                if chan is not None:
-                    chan.close()
-                self._unit_chans[u.unit_id] = unit_channel(u, self._secret, self.timeout)
+        connect_units(self._unit_chans, reply.units, self._secret, self.timeout)
         return service_stats(reply, self._unit_chans, self.timeout)
 
     def shutdown_service(self) -> None:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from . import protocol
-from .admin import service_stats, unit_channel, unit_stats
+from .admin import connect_units, service_stats, unit_stats
 from .arena import ALIGN, Arena, align_up, host_identity
 from .bufferpool import HostBufferPool
 from .columns import EncodedColumn, FieldLayout, encode_column, field_layout, tensor_at, to_tensor, unpack_objects
@@ -556,12 +556,7 @@ class TQClient:
             for u in info.units
             if self.transport == "auto" and u.host == self._host and u.arena_path is not None and os.path.exists(u.arena_path)
         )
-        for u in self._units:
-            chan = self._unit_chans.get(u.unit_id)
-            if chan is None or chan.address != u.address:  # new, or restarted at a new address
-                if chan is not None:
-                    chan.close()
-                self._unit_chans[u.unit_id] = unit_channel(u, self._secret, self.timeout)
+        connect_units(self._unit_chans, self._units, self._secret, self.timeout)
 
     def _is_local(self, unit: int) -> bool:
         return unit in self._local_units

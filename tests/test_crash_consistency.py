@@ -748,3 +748,81 @@ def test_a_journaled_controller_failing_on_a_bug_leaves_its_units_running_for_it
         for server in (second, first):
             if server is not None:
                 server.shutdown()
+
+
+_PAUSED_WRITER = """
+import os, signal, sys
+import torch
+import tq.client
+from tq import TQClient
+
+c = TQClient(sys.argv[1], timeout=30.0)
+tag = sys.argv[2]
+c.put("p", ["warm" + tag], {"w": torch.zeros(1, 4096, dtype=torch.uint8)})  # this client's slab on the unit
+real = tq.client.write_chunks
+
+def paused(*args, **kwargs):  # the process is stopped after it carved its block, before it copies
+    print("carved", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+    return real(*args, **kwargs)
+
+tq.client.write_chunks = paused
+try:
+    c.put("p", ["late" + tag], {"x": torch.full((1, 256 << 10), 0xAA, dtype=torch.uint8)})
+    print("late put acknowledged", flush=True)
+except Exception as exc:
+    print(f"late put failed: {type(exc).__name__}: {exc}", flush=True)
+c.close()
+"""
+
+
+def _held_bytes(c: TQClient) -> int:
+    return c.stats()["unit_stats"][0]["held_bytes"]
+
+
+def _paused_writer(address: str, tag: str) -> subprocess.Popen:
+    """A writer process stopped after carving its block for key ``late<tag>``, before copying into it."""
+    writer = subprocess.Popen([sys.executable, "-c", _PAUSED_WRITER, address, tag], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline().strip() == "carved"
+    assert wait_until(lambda: open(f"/proc/{writer.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T")
+    time.sleep(1.0 + 3.0)  # its lease (1 s), then heartbeats: the slab of a writer that is gone is closed by now
+    return writer
+
+
+def test_a_writer_paused_past_its_allocation_lease_never_writes_into_another_keys_bytes():
+    """A same-host writer carves a block out of its slab and is stopped (SIGSTOP: a debugger, a
+    frozen cgroup, a VM pause) before it copies, for longer than the unit's allocation lease. Its
+    unit used to give the slab's range to the next put once the lease ran out, and the writer's copy
+    on waking landed in that other key's bytes - which its reader then got (seen: 0xAA in a key
+    written 0x55). The lease is for writers that are gone: the range of a writer whose process lives
+    is held until it says it is done (its next allocation, or close) or exits. Its late commit is
+    refused (its block was fenced with the lease), so its key stays absent."""
+    with TQServer(storage_units=0) as server:
+        unit, _ = _start_unit(server.address, alloc_lease=1.0)
+        c = TQClient(server.address, timeout=10.0, transport="tcp")  # no slab of its own: only the writers' are held
+        writers: list[subprocess.Popen] = []
+        try:
+            c.register_partition("p")
+            writers.append(_paused_writer(server.address, "0"))
+            assert _held_bytes(c) > 0
+            victim = c.put("p", ["victim"], {"v": torch.full((1, 1 << 20), 0x55, dtype=torch.uint8)})
+            os.kill(writers[0].pid, signal.SIGCONT)
+            out, _ = writers[0].communicate(timeout=30)
+            assert torch.equal(c.get(victim)["v"], torch.full((1, 1 << 20), 0x55, dtype=torch.uint8)), out
+            assert "late put failed: FencedCommitError" in out, out
+            assert sorted(c.get_meta("p").keys) == ["victim", "warm0"]
+            assert wait_until(lambda: _held_bytes(c) == 0), "the writer's close did not release its range"
+            # a paused writer that is killed instead: its range is freed once the unit sees it gone
+            writers.append(_paused_writer(server.address, "1"))
+            assert _held_bytes(c) > 0
+            writers[1].kill()
+            writers[1].wait(10)
+            assert wait_until(lambda: _held_bytes(c) == 0, timeout=10), "a dead writer's range stayed held"
+        finally:
+            c.close()
+            for w in writers:
+                if w.poll() is None:
+                    w.kill()
+            server.shutdown()
+            if unit.poll() is None:
+                unit.kill()

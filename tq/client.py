@@ -142,11 +142,13 @@ class _Slab:
     """A range of a same-host unit's arena and a range of block ids granted to this client: puts
     carve blocks out of it with no request to the unit."""
 
-    __slots__ = ("aid", "pos", "end", "next_id", "end_id", "use_until")
+    __slots__ = ("aid", "pos", "end", "next_id", "end_id", "use_until", "writing", "retired")
 
     def __init__(self, aid: int, start: int, size: int, first_id: int, n_ids: int, use_until: float) -> None:
         self.aid, self.pos, self.end = aid, start, start + size
         self.next_id, self.end_id, self.use_until = first_id, first_id + n_ids, use_until
+        self.writing = 0  # puts copying into blocks carved from it right now
+        self.retired = False  # replaced: released to its unit once nothing copies into it
 
     def carve(self, nbytes: int, now: float) -> tuple[int, int] | None:
         """(start, block id) of a block of ``nbytes`` (ALIGN-rounded), or None if it does not fit."""
@@ -155,6 +157,7 @@ class _Slab:
         start, bid = self.pos, self.next_id
         self.pos += nbytes
         self.next_id += 1
+        self.writing += 1
         return start, bid
 
 
@@ -519,7 +522,10 @@ class TQClient:
         self._pins_lock = threading.Lock()  # one registration of a pin file at a time
         self._ro_views: dict[int, np.ndarray] = {}  # unit -> its arena mapped read-only (borrowed views)
         self._slabs: dict[int, _Slab] = {}  # unit -> the slab this client's same-host puts carve from
-        self._slab_lock = threading.Lock()
+        self._slab_lock = threading.RLock()  # re-entered by the allocation a carve makes
+        # unit -> allocations this client is done writing into, told to the unit with its next alloc
+        # (or at close): a unit keeps the range of a live writer whose lease ran out until then
+        self._released: dict[int, list[int]] = {}
         self._secret = secret.encode() if secret else None
         self._pool = buffer_pool or _default_pool
         self._ctrl = RpcChannel(
@@ -602,7 +608,16 @@ class TQClient:
             with self._slab_lock:
                 for unit, slab in list(self._slabs.items()):
                     self._give_back(unit, slab)
+                    self._released.setdefault(unit, []).append(slab.aid)
                 self._slabs.clear()
+                for unit, aids in self._released.items():
+                    try:
+                        self._unit_chans[unit].call(
+                            UnitOp.RELEASE, messages.Release(allocs=aids), [], timeout=min(self.timeout, GIVE_BACK_S)
+                        )
+                    except (TQError, KeyError):
+                        pass  # a unit holds a range for a live writer only: ours end with this process
+                self._released.clear()
         self._ctrl.close()
         for chan in self._unit_chans.values():
             chan.close()
@@ -822,42 +837,59 @@ class TQClient:
     def _put_here(self, unit: int, encoded: dict[str, EncodedColumn], n: int, need: int) -> _StoredPart:
         """Write all rows into a block carved out of this client's slab on ``unit`` (a unit of this
         host): no request to the unit, so the put's commit is its only round trip."""
-        aid, base, bid = self._carve(unit, need)
-        arena = self._arena(unit)
-        if need >= PREFAULT_MIN_BYTES:
-            arena.prefault(base, need)
-        view, starts, pos = arena.view, {}, base
-        for name, col in encoded.items():
-            nb = int(col.row_offsets[n] - col.row_offsets[0])
-            write_chunks(view[pos : pos + nb], col.chunks)
-            starts[name] = pos
-            pos = align_up(pos + nb, _FIELD_ALIGN)
+        aid, base, bid, slab = self._carve(unit, need)
+        try:
+            arena = self._arena(unit)
+            if need >= PREFAULT_MIN_BYTES:
+                arena.prefault(base, need)
+            view, starts, pos = arena.view, {}, base
+            for name, col in encoded.items():
+                nb = int(col.row_offsets[n] - col.row_offsets[0])
+                write_chunks(view[pos : pos + nb], col.chunks)
+                starts[name] = pos
+                pos = align_up(pos + nb, _FIELD_ALIGN)
+        finally:
+            self._done_writing(unit, aid, slab)
         return _StoredPart(unit, bid, 0, n, starts, (aid, base, need))
 
-    def _carve(self, unit: int, need: int) -> tuple[int, int, int]:
-        """(slab id, arena offset, block id) of ``need`` bytes on ``unit``: from this client's slab,
-        else from a new one (a request to the unit, once per SLAB_IDS puts or SLAB_BYTES), or a slab of
-        its own for a put above a quarter slab."""
+    def _done_writing(self, unit: int, aid: int, slab: _Slab | None) -> None:
+        """This put's copy into allocation ``aid`` (carved from ``slab``, or a slab of its own) ended:
+        what nothing copies into any more is released to its unit with the next alloc."""
+        with self._slab_lock:
+            if slab is not None:
+                slab.writing -= 1
+                if not (slab.retired and slab.writing == 0):
+                    return
+            self._released.setdefault(unit, []).append(aid)
+
+    def _carve(self, unit: int, need: int) -> tuple[int, int, int, _Slab | None]:
+        """(slab id, arena offset, block id, slab) of ``need`` bytes on ``unit``: from this client's
+        slab, else from a new one (a request to the unit, once per SLAB_IDS puts or SLAB_BYTES), or a
+        slab of its own for a put above a quarter slab (then None). The caller tells
+        :meth:`_done_writing` when its copy ended."""
         with self._slab_lock:
             now = time.monotonic()
             slab = self._slabs.get(unit)
             got = slab.carve(need, now) if slab is not None else None
             if got is not None:
-                return slab.aid, got[0], got[1]  # type: ignore[union-attr]
+                return slab.aid, got[0], got[1], slab  # type: ignore[union-attr]
             if need > SLAB_BYTES // 4:
                 g = self._alloc(unit, need, ids=1)
-                return g.alloc, g.offset, g.first_block
+                return g.alloc, g.offset, g.first_block, None
             if slab is not None:
                 del self._slabs[unit]
                 self._give_back(unit, slab)
+                slab.retired = True
+                if slab.writing == 0:
+                    self._released.setdefault(unit, []).append(slab.aid)
             try:
                 g = self._alloc(unit, SLAB_BYTES, ids=SLAB_IDS, wait=False)
             except CapacityError:  # no room for a whole slab: one just for this put (waiting for room)
                 g = self._alloc(unit, need, ids=1)
-                return g.alloc, g.offset, g.first_block
+                return g.alloc, g.offset, g.first_block, None
             slab = self._slabs[unit] = _Slab(g.alloc, g.offset, SLAB_BYTES, g.first_block, SLAB_IDS, now + SLAB_USE_S)
             start, bid = slab.carve(need, now)  # type: ignore[misc]
-            return slab.aid, start, bid
+            return slab.aid, start, bid, slab
 
     def _give_back(self, unit: int, slab: _Slab) -> None:
         """Have the ids this client never used fenced, so the unit closes the slab and frees what no
@@ -877,12 +909,22 @@ class TQClient:
         for room up to ``capacity_wait_s`` when ``wait``. The request of a same-host writer says when
         it stops waiting for the answer (one host, one clock): a unit that gets to it later grants
         nothing, since a range nobody fills would stay reserved until its lease ends."""
-        reply_by = None
+        reply_by, writer, released = None, None, []
         if self._is_local(unit):
             timeout = self.timeout + self.capacity_wait_s
             reply_by = time.time() + min(timeout, time_left() or timeout)
+            writer = os.getpid()
+            with self._slab_lock:
+                released = self._released.pop(unit, [])
         wait_s = self._room_wait_s() if wait else 0.0
-        return self._unit_call(unit, UnitOp.ALLOC, messages.Alloc(nbytes=nbytes, wait_s=wait_s, ids=ids, reply_by=reply_by), [])
+        args = messages.Alloc(nbytes=nbytes, wait_s=wait_s, ids=ids, reply_by=reply_by, writer=writer, released=released)
+        try:
+            return self._unit_call(unit, UnitOp.ALLOC, args, [])
+        except BaseException:
+            if released:  # told nothing for sure: tell it again next time
+                with self._slab_lock:
+                    self._released.setdefault(unit, []).extend(released)
+            raise
 
     def _room_wait_s(self) -> float:
         """How long a write waits at its unit for room: ``capacity_wait_s``, and at least FREE_GRACE_S -
@@ -963,14 +1005,19 @@ class TQClient:
                 offsets[name] = pos
                 pos = align_up(pos + int(ro[-1]), _FIELD_ALIGN)
             alloc = self._alloc(unit, pos)
-            view = self._arena(unit).view
-            base = alloc.offset
-            for name, (col, ro, chunks) in cols.items():
-                write_chunks(view[base + offsets[name] : base + offsets[name] + int(ro[-1])], chunks)
-                fields[name] = messages.StoreField(
-                    schema=col.schema.to_wire(), offset=offsets[name], row_offsets=protocol.pack_array(ro, buffers)
-                )
-            args = messages.Store(n_rows=stop - start, fields=fields, alloc=alloc.alloc)
+            try:
+                view = self._arena(unit).view
+                base = alloc.offset
+                for name, (col, ro, chunks) in cols.items():
+                    write_chunks(view[base + offsets[name] : base + offsets[name] + int(ro[-1])], chunks)
+                    fields[name] = messages.StoreField(
+                        schema=col.schema.to_wire(), offset=offsets[name], row_offsets=protocol.pack_array(ro, buffers)
+                    )
+                args = messages.Store(n_rows=stop - start, fields=fields, alloc=alloc.alloc)
+                return self._stored(unit, self._unit_call(unit, UnitOp.STORE, args, buffers), start, stop)
+            except BaseException:
+                self._done_writing(unit, alloc.alloc, None)  # abandoned: the unit may free it now
+                raise
         else:
             for name, (col, ro, chunks) in cols.items():
                 fields[name] = messages.StoreField(
@@ -979,7 +1026,10 @@ class TQClient:
                     data=[protocol.pack_array(c, buffers) for c in _frames_of(chunks)],
                 )
             args = messages.Store(n_rows=stop - start, fields=fields, wait_s=self._room_wait_s())
-        stored = self._unit_call(unit, UnitOp.STORE, args, buffers)
+        return self._stored(unit, self._unit_call(unit, UnitOp.STORE, args, buffers), start, stop)
+
+    @staticmethod
+    def _stored(unit: int, stored: messages.StoreReply, start: int, stop: int) -> _StoredPart:
         return _StoredPart(unit, stored.block, start, stop, stored.starts)
 
     # ------------------------------------------------------------------ reads

@@ -79,6 +79,7 @@ class UnitOp(enum.StrEnum):
     CLAIM = "claim"
     ADOPT = "adopt"
     TRIM = "trim"
+    RELEASE = "release"
     STATS = "stats"
     SHUTDOWN = "shutdown"
 
@@ -533,6 +534,21 @@ class Alloc(Args):
     # a range nobody fills would stay reserved until its lease ends (remote writers send none: their
     # clock need not match the unit's)
     reply_by: Union[Annotated[float, msgspec.Meta(ge=0.0)], None] = None
+    # a same-host writer's pid: past its lease, the range of a writer whose process still lives is
+    # not given to anyone else (it may only be paused mid-copy) until it releases it or exits
+    writer: Union[Annotated[int, msgspec.Meta(gt=0)], None] = None
+    # allocations of this writer's that it will not write into any more (see Release), told in passing
+    released: list[Count] = []
+
+
+class Release(Args):
+    """A same-host writer will not write into these allocations (or slabs) of the unit any more."""
+
+    allocs: list[Count]
+
+
+class ReleaseReply(Reply):
+    released_bytes: int
 
 
 class AllocReply(Reply):
@@ -681,6 +697,7 @@ class UnitStatsReply(ServerStats):
     slabs: int
     tentative_blocks: int
     parked_writes: int
+    held_bytes: int  # ranges kept for same-host writers paused past their lease
 
 
 class UnitShutdown(Args):
@@ -698,6 +715,7 @@ UNIT_REQUESTS: dict[UnitOp, type[Args]] = {
     UnitOp.CLAIM: Claim,
     UnitOp.ADOPT: Adopt,
     UnitOp.TRIM: Trim,
+    UnitOp.RELEASE: Release,
     UnitOp.STATS: UnitStats,
     UnitOp.SHUTDOWN: UnitShutdown,
 }
@@ -714,6 +732,7 @@ UNIT_REPLIES: dict[UnitOp, Any] = {
     UnitOp.CLAIM: ClaimReply,
     UnitOp.ADOPT: AdoptReply,
     UnitOp.TRIM: TrimReply,
+    UnitOp.RELEASE: ReleaseReply,
     UnitOp.STATS: UnitStatsReply,
     UnitOp.SHUTDOWN: Stopping,
 }

@@ -37,6 +37,7 @@ from .schema import JAGGED, TENSOR, FieldSchema
 log = logging.getLogger(__name__)
 
 DEFAULT_ALLOC_LEASE_S = 60.0  # a writer fills its allocation within this (seconds)
+WRITER_CHECK_S = 1.0  # how often ranges held for paused writers are checked for writers gone
 # A stored block waits this long for the controller to claim it (its put committed) before the unit
 # asks the controller to resolve it: claim it, or fence it and have it freed. Never freed unasked.
 DEFAULT_COMMIT_LEASE_S = 30.0
@@ -47,6 +48,17 @@ FETCH_ADOPT_WAIT_S = 2.0  # a fetch of a committed block waits this long for the
 # Fetches of up to this many rows are located and gathered row by row: for a handful of rows a dozen
 # vectorised numpy calls cost more than the loop (a 1-row fetch took ~0.4 ms of handler on the 2-vCPU VM).
 FEW_ROWS = 16
+
+
+def process_identity(pid: int) -> tuple[int, int] | None:
+    """(pid, start time) of a running process of this host, or None (gone, a zombie, or not visible
+    here): the start time tells a process from a later one that got the same pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else (pid, int(fields[19]))
 
 
 def _wall(deadline: float) -> float:
@@ -165,6 +177,12 @@ class StorageUnit(RpcServer):
         self._next_id = 1
         self.pending: dict[int, tuple[int, int, float]] = {}  # alloc id -> (start, size, expiry)
         self.slabs: dict[int, Slab] = {}  # alloc id -> slab (see Slab)
+        self.writers: dict[int, tuple[int, int]] = {}  # alloc id -> its same-host writer's process_identity
+        # ranges of allocations whose lease ran out while their writer's process lived (it may be paused
+        # mid-copy): kept from everyone else until it releases them or exits. alloc id -> the ranges, and
+        # the slab they are the gaps of (None: an allocation)
+        self.held: dict[int, tuple[list[tuple[int, int]], Slab | None]] = {}
+        self._next_writer_check = 0.0
         self.parked_fetches: list[tuple[messages.Fetch, list, Call, float]] = []  # rows of blocks not adopted yet
         self.alloc_lease_s = alloc_lease_s
         if recover_arena is None:
@@ -197,6 +215,7 @@ class StorageUnit(RpcServer):
                 Op.CLAIM: self.op_claim,
                 Op.ADOPT: self.op_adopt,
                 Op.TRIM: self.op_trim,
+                Op.RELEASE: self.op_release,
                 Op.STATS: lambda a, b, c: self.stats(),
                 Op.SHUTDOWN: self.op_shutdown,
             },
@@ -267,10 +286,19 @@ class StorageUnit(RpcServer):
         with self.applying():  # every journal write of the unit runs inside it (one failing stops the unit)
             for aid, (start, size, exp) in list(self.pending.items()):
                 if exp <= now:  # a writer that allocated and never stored (crashed): reclaim
-                    log.warning("storage unit %d reclaims expired allocation %d (%d bytes)", self.unit_id, aid, size)
                     del self.pending[aid]
+                    if self._writer_alive(aid):  # paused, not gone: its copy may still land there
+                        log.warning("storage unit %d holds expired allocation %d for its live writer", self.unit_id, aid)
+                        self.held[aid] = ([(start, size)], None)
+                        continue
+                    log.warning("storage unit %d reclaims expired allocation %d (%d bytes)", self.unit_id, aid, size)
                     self.alloc.free(start, size)
                     self.journal.append(["X", aid])
+                    self.writers.pop(aid, None)
+            if self.held and now >= self._next_writer_check:
+                self._next_writer_check = now + WRITER_CHECK_S
+                for aid in [a for a in self.held if not self._writer_alive(a)]:
+                    self._release_held(aid)
         self._retry_parked(now)
         self._retry_fetches(now)
 
@@ -289,6 +317,20 @@ class StorageUnit(RpcServer):
             self.alloc.free(start, nbytes)
             raise
         return start
+
+    def _writer_alive(self, aid: int) -> bool:
+        """Whether the same-host process that was granted allocation ``aid`` still runs."""
+        ident = self.writers.get(aid)
+        return ident is not None and process_identity(ident[0]) == ident
+
+    def _release_held(self, aid: int) -> int:
+        """Free the ranges held for allocation ``aid``'s writer (see ``held``); the bytes freed."""
+        ranges, slab = self.held.pop(aid)
+        for start, size in ranges:
+            self.alloc.free(start, size)
+        self.journal.append(["X" if slab is None else "Y", aid])
+        self.writers.pop(aid, None)
+        return sum(size for _, size in ranges)
 
     # -- backpressure: a write that does not fit may wait (``wait_s``) for frees instead of failing
     def _waiting_for_room(self, handler: Any) -> Any:
@@ -332,10 +374,17 @@ class StorageUnit(RpcServer):
     def op_alloc(self, args: messages.Alloc, buffers: list, call: Call) -> messages.AllocReply:
         if args.reply_by is not None and time.time() > args.reply_by + ALLOC_CLOCK_SLACK_S:
             raise TQTimeoutError(f"allocation of {args.nbytes} bytes reached storage unit {self.unit_id} after its writer stopped waiting")
+        if args.released:
+            self._release(args.released)
+            args.released = []  # once, should the request be parked and served again
         nbytes = args.nbytes
         self._check_fits_at_all(nbytes)
         start = self._allocate(nbytes)
         aid = self._new_id()
+        writer = process_identity(args.writer) if args.writer is not None else None
+        if writer is not None:  # journaled first: the records below are in the same write
+            self.writers[aid] = writer
+            self.journal.append(["W", aid, *writer])
         if args.ids:  # a slab: the writer names its blocks (these ids) in its commit
             size, first = align_up(max(nbytes, 1)), self._next_id
             self._next_id += args.ids
@@ -385,6 +434,7 @@ class StorageUnit(RpcServer):
             if any(d is not None for *_, d in layouts):
                 raise InvalidRequestError("store: give either an allocation or data frames, not both")
             del self.pending[args.alloc]
+            self.writers.pop(args.alloc, None)
             if n_rows == 0:
                 self.journal.append(["X", args.alloc])
         else:
@@ -537,9 +587,13 @@ class StorageUnit(RpcServer):
         if slab.unsettled:
             return
         del self.slabs[aid]
+        if slab.expiry <= time.monotonic() and self._writer_alive(aid):  # closed by its lease, writer paused?
+            self.held[aid] = (slab.gaps(), slab)
+            return
         for start, size in slab.gaps():
             self.alloc.free(start, size)
         self.journal.append(["Y", aid])
+        self.writers.pop(aid, None)
 
     def _adopt(self, ad: messages.AdoptBlock) -> None:
         """Register a committed block carved out of a slab (idempotent)."""
@@ -641,6 +695,7 @@ class StorageUnit(RpcServer):
                 self._next_id = max(self._next_id, first + n)
             elif kind == "Y":
                 slabs.pop(bid, None)
+                self.writers.pop(bid, None)
             elif kind == "R" and bid in self.blocks:
                 b = self.blocks[bid]
                 b.live[np.frombuffer(rec[2], dtype=np.int64)] = False
@@ -653,14 +708,20 @@ class StorageUnit(RpcServer):
                 allocs[bid] = (rec[2], rec[3], rec[4] if len(rec) > 4 else None)
             elif kind == "X":
                 allocs.pop(bid, None)
+                self.writers.pop(bid, None)
+            elif kind == "W":
+                self.writers[bid] = (rec[2], rec[3])
             if kind == "S":  # an allocation stored as this block is no longer pending
                 allocs = {a: r for a, r in allocs.items() if r[0] != rec[2]}
             self._next_id = max(self._next_id, bid + 1)
         now = time.monotonic()  # the leases run on from their journaled deadlines
         self.tentative = {bid: _monotonic(expiries.get(bid), now, self.commit_lease_s) for bid, b in self.blocks.items() if not b.claimed}
         self.pending = {a: (start, size, _monotonic(wall, now, self.alloc_lease_s)) for a, (start, size, wall) in allocs.items()}
-        # a slab whose ids were all settled before a crash let it close is closed now (its gaps stay free)
+        # a slab whose ids were all settled before a crash let it close is closed now (its gaps stay
+        # free), unless its writer still runs (it was held for it; see ``held``)
         self.slabs = {aid: sl for aid, sl in slabs.items() if sl.unsettled}
+        self.held = {aid: (sl.gaps(), sl) for aid, sl in slabs.items() if not sl.unsettled and self._writer_alive(aid)}
+        self.writers = {a: w for a, w in self.writers.items() if a in self.slabs or a in self.held or a in allocs}
         for aid, sl in self.slabs.items():
             sl.expiry = _monotonic(expiries.get(aid), now, self.alloc_lease_s)
         for b in self.blocks.values():
@@ -669,6 +730,9 @@ class StorageUnit(RpcServer):
             self.alloc.reserve(start, size)
         for sl in self.slabs.values():
             for start, size in sl.gaps():
+                self.alloc.reserve(start, size)
+        for ranges, _ in self.held.values():
+            for start, size in ranges:
                 self.alloc.reserve(start, size)
         log.warning(
             "storage unit %d recovered %d blocks (%d awaiting their claim) from %s",
@@ -692,7 +756,10 @@ class StorageUnit(RpcServer):
             [
                 ["N", self._next_id - 1],
                 *(self._store_record(bid, b, self.tentative.get(bid)) for bid, b in self.blocks.items()),
+                *(["W", aid, *w] for aid, w in self.writers.items()),
                 *(["A", aid, start, size, _wall(exp)] for aid, (start, size, exp) in self.pending.items()),
+                # a held allocation comes back as one whose lease ran out (held again, or freed)
+                *(["A", aid, *ranges[0], 0.0] for aid, (ranges, slab) in self.held.items() if slab is None),
                 *(
                     [
                         "G",
@@ -705,7 +772,8 @@ class StorageUnit(RpcServer):
                         np.array(sorted(sl.unsettled), dtype=np.int64).tobytes(),
                         np.array(sl.carved, dtype=np.int64).reshape(-1, 2).tobytes(),
                     ]
-                    for aid, sl in self.slabs.items()
+                    # a held slab comes back with every id settled (held again, or closed)
+                    for aid, sl in [*self.slabs.items(), *((a, sl) for a, (_, sl) in self.held.items() if sl is not None)]
                 ),
             ]
         )
@@ -780,6 +848,27 @@ class StorageUnit(RpcServer):
             self._free_block(bid)
         return messages.FreeBlocksReply(blocks_freed=len(args.blocks))
 
+    def op_release(self, args: messages.Release, buffers: list, call: Call) -> messages.ReleaseReply:
+        return messages.ReleaseReply(released_bytes=self._release(args.allocs))
+
+    def _release(self, aids: list[int]) -> int:
+        """A same-host writer will not write into these allocations any more: ranges held for it
+        past their lease are freed, an allocation it abandoned unstored is freed now, and an open
+        slab closes as any other once its ids are settled. Returns the bytes freed."""
+        released = 0
+        for aid in aids:
+            if aid in self.held:
+                released += self._release_held(aid)
+            elif aid in self.pending:
+                start, size, _ = self.pending.pop(aid)
+                self.alloc.free(start, size)
+                self.journal.append(["X", aid])
+                self.writers.pop(aid, None)
+                released += size
+            elif aid in self.slabs:
+                self.writers.pop(aid, None)
+        return released
+
     def op_trim(self, args: messages.Trim, buffers: list, call: Call) -> messages.TrimReply:
         """Release the pages of every free arena range to the OS, and the memory this process only
         caches: idle buffers of past fetches (up to 256 MiB) and free heap pages."""
@@ -812,6 +901,7 @@ class StorageUnit(RpcServer):
             slabs=len(self.slabs),
             tentative_blocks=len(self.tentative),
             parked_writes=len(self.parked),
+            held_bytes=sum(size for ranges, _ in self.held.values() for _, size in ranges),
         )
 
     def close(self) -> None:
@@ -836,6 +926,7 @@ def run_storage_unit(
     rejoin: int | None = None,
     orphan_timeout_s: float | None = None,
     commit_lease_s: float = DEFAULT_COMMIT_LEASE_S,
+    alloc_lease_s: float = DEFAULT_ALLOC_LEASE_S,
     fsync: str = "never",
     managed: bool = False,
     metrics: bool = False,
@@ -858,6 +949,7 @@ def run_storage_unit(
         recover_arena=recover_arena,
         orphan_timeout_s=orphan_timeout_s,
         commit_lease_s=commit_lease_s,
+        alloc_lease_s=alloc_lease_s,
         fsync=fsync,
         managed=managed,
     )
@@ -938,6 +1030,12 @@ def main(argv: list[str] | None = None) -> None:
         default=DEFAULT_COMMIT_LEASE_S,
         help="seconds a stored block waits for its commit before the controller is asked to resolve it",
     )
+    p.add_argument(
+        "--alloc-lease",
+        type=argtypes.positive_seconds,
+        default=DEFAULT_ALLOC_LEASE_S,
+        help="seconds a writer has to fill a range it was granted, once its process is gone",
+    )
     p.add_argument("--fsync", choices=("never", "always", "interval"), default="never", help="journal fsync policy")
     p.add_argument("--managed", action="store_true", help="started by the controller, which restarts it on its arena if it dies")
     p.add_argument(
@@ -960,6 +1058,7 @@ def main(argv: list[str] | None = None) -> None:
         rejoin=a.rejoin,
         orphan_timeout_s=a.orphan_timeout,
         commit_lease_s=a.commit_lease,
+        alloc_lease_s=a.alloc_lease,
         fsync=a.fsync,
         managed=a.managed,
         metrics=a.metrics,

@@ -9,10 +9,12 @@ builds the tiny model with the same seed gets the same weights.
 from __future__ import annotations
 
 import string
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:  # transformers is imported where a model or tokenizer is built: seconds a process
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase  # that only reads configs does not pay
 
 TINY_MODEL = "tiny-random"
 PAD, EOS, IM_START, IM_END, UNK = "<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"
@@ -68,6 +70,8 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     if name_or_path == TINY_MODEL:
         return build_tiny_tokenizer()
     try:
+        from transformers import AutoTokenizer
+
         tok = AutoTokenizer.from_pretrained(name_or_path)
     except (OSError, ValueError) as exc:
         raise FileNotFoundError(
@@ -110,6 +114,8 @@ def load_model(
     tiny_overrides: dict[str, Any] | None = None,
 ) -> PreTrainedModel:
     """A causal LM from ``name_or_path``, or the seeded random-init tiny model for TINY_MODEL."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if name_or_path == TINY_MODEL:

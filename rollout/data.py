@@ -18,12 +18,14 @@ from __future__ import annotations
 import json
 import string
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence, TypedDict
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence, TypedDict
 
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
-from transformers import PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 from rollout.interfaces import Message
 

@@ -15,7 +15,7 @@ import torch
 from tq import TQClient
 from tq.jagged import JaggedTensor
 
-from conftest import unique_keys
+from conftest import unique_keys, wait_until
 
 
 def _batch(n: int, seed: int) -> dict:
@@ -347,6 +347,46 @@ def test_a_dead_holders_lease_runs_out(tq_server, client, partition):
         holder.wait(5)
         st = _stats_until(client, lambda s: s["rows_waiting_for_leases"] == 0 and _used(s) < before, timeout=5.0)
         assert st["rows_waiting_for_leases"] == 0 and _used(st) < before
+    finally:
+        holder.kill()
+        holder.wait(5)
+
+
+_PAUSED_HOLDER = """
+import os, signal, sys
+from tq import TQClient
+from tq.meta import KVBatchMeta
+c = TQClient(sys.argv[1], timeout=10.0, lease_s=1.0)
+got = c.get(KVBatchMeta(sys.argv[2], tuple(sys.argv[3:])), ["reward"], copy=False)
+before = got["reward"].clone()
+print("borrowed", flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)  # paused (a debugger, a frozen cgroup) past its lease term
+print("same" if bool((got["reward"] == before).all()) else "changed", flush=True)
+"""
+
+
+def test_a_paused_holders_views_keep_their_bytes(tq_server, client, partition):
+    """A same-host reader holding borrowed views is stopped for longer than its lease term, so it
+    renews nothing; meanwhile the keys are discarded and their room is written again. A lease is for
+    holders that are gone: while the holder's process lives its blocks stay pinned, and its views show
+    the bytes they were handed when it resumes (they used to show whatever the next put wrote there)."""
+    meta = client.put(partition, unique_keys(8), _batch(8, seed=5))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _PAUSED_HOLDER, tq_server.address, partition, *meta.keys], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "borrowed"
+        assert wait_until(lambda: open(f"/proc/{holder.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T")
+        client.discard(meta)
+        time.sleep(3.0)  # three terms with no renewal
+        assert client.stats()["rows_waiting_for_leases"] > 0, "a paused holder's lease ran out"
+        with TQClient(tq_server.address, timeout=10.0, transport="tcp") as tcp:  # each put takes the lowest free range
+            for i in range(16):  # so the room the frees gave back is written again
+                tcp.put(partition, unique_keys(8), _batch(8, seed=50 + i))
+        holder.send_signal(signal.SIGCONT)
+        out, _ = holder.communicate(timeout=30)
+        assert out.strip() == "same", out
+        assert _stats_until(client, lambda s: s["rows_waiting_for_leases"] == 0)["rows_waiting_for_leases"] == 0
     finally:
         holder.kill()
         holder.wait(5)

@@ -374,7 +374,8 @@ class _LeaseKeeper:
 
     def abandon(self, lease: int) -> None:
         """A request asking for ``lease`` failed without a reply: the controller may still grant it (it
-        may only have been slow), so it is given up at every renewal for one term."""
+        may only have been slow), so it is given up at every renewal for one term, and until the
+        controller heard that once the term is over (it keeps the lease of a live reader)."""
         client = self._client()
         with self._lock:
             self._abandoned[lease] = time.monotonic() + (client.lease_s if client is not None else 0.0)
@@ -422,7 +423,6 @@ class _LeaseKeeper:
         with self._lock:
             pinned = list(self._slots.items())
             renew, ended, self._ended = [i for i in self._views if i not in self._slots], self._ended, []
-            self._abandoned = {i: until for i, until in self._abandoned.items() if until > now_s}
             abandoned = list(self._abandoned)
         client = self._client()
         if client is None:
@@ -440,6 +440,8 @@ class _LeaseKeeper:
                     self._ended.extend(ended)
             else:
                 outlived += len(reply.ended)
+                with self._lock:  # given up past their term at least once: no late grant is left to undo
+                    self._abandoned = {i: until for i, until in self._abandoned.items() if until > now_s}
         if outlived:
             warnings.warn(
                 f"{outlived} borrowed gets outlived their lease: their views may show reused storage", RuntimeWarning, stacklevel=1
@@ -563,6 +565,11 @@ class TQClient:
             if self.transport == "auto" and u.host == self._host and u.arena_path is not None and os.path.exists(u.arena_path)
         )
         connect_units(self._unit_chans, self._units, self._secret, self.timeout)
+
+    def _lease_holder(self) -> int | None:
+        """This process's pid for a borrowed get's lease when the controller runs on this host (it
+        keeps the lease while the process lives: see messages.Locate)."""
+        return os.getpid() if self._ctrl_host == self._host else None
 
     def _is_local(self, unit: int) -> bool:
         return unit in self._local_units
@@ -1310,6 +1317,7 @@ class TQClient:
                 units_version=self._units_version,
                 lease_s=self.lease_s,
                 lease_id=new_lease_id(),
+                holder=self._lease_holder(),
             )
             rid = self._ctrl.send(Op.BORROW, self._with_reads(args))
         try:
@@ -1396,6 +1404,7 @@ class TQClient:
             timeout=wait_timeout,
             lease_s=self.lease_s,
             lease_id=new_lease_id(),
+            holder=self._lease_holder(),
         )
         try:
             located, lmsg = self._ctrl.call(Op.LOCATE, self._with_reads(args), timeout=self.timeout + (wait_timeout or 0.0))

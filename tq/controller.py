@@ -266,15 +266,25 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
 
     # -- leases of borrowed gets (tq.leases)
     def _take_lease(
-        self, blocks: list[tuple[int, int]], ttl: float, lease_id: int | None = None, pin: tuple[str, int] | None = None
+        self,
+        blocks: list[tuple[int, int]],
+        ttl: float,
+        lease_id: int | None = None,
+        pin: tuple[str, int] | None = None,
+        holder: tuple[int, int] | None = None,
     ) -> int:
         """Pin these (unit, block) pairs; journaled, so a restarted controller keeps the pins (each for
         a fresh term) and its ``retain`` keeps their rows. ``pin``: a reader's pin taken over (tq.pins),
-        under the reader's lease id."""
+        under the reader's lease id; ``holder``: the reader's process on this host (see Lease)."""
         lease_id = new_lease_id() if lease_id is None else lease_id
-        self.lease_book.take(lease_id, ttl, blocks, pin=pin)
-        self._journal(["__lease__", {"id": lease_id, "ttl": ttl, "blocks": blocks, "pin": pin}, []])
+        self.lease_book.take(lease_id, ttl, blocks, pin=pin, holder=holder)
+        self._journal(["__lease__", {"id": lease_id, "ttl": ttl, "blocks": blocks, "pin": pin, "holder": holder}, []])
         return lease_id
+
+    @staticmethod
+    def _holder(pid: int | None) -> tuple[int, int] | None:
+        """The identity of a reader's process that says it runs on this host (None if none runs)."""
+        return launch.process_identity(pid) if pid is not None else None
 
     def _check_lease_id(self, lease_id: int | None) -> None:
         if lease_id is not None and lease_id in self.lease_book.leases:
@@ -287,8 +297,11 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             return
         now = time.monotonic_ns()
         for p in self.pin_board.pins():
-            if p.deadline_ns > now and p.lease not in self.lease_book.leases:
-                self._take_lease([(p.unit, b) for b in p.blocks], PIN_POLL_S, lease_id=p.lease, pin=(p.path, p.slot))
+            if p.lease in self.lease_book.leases:
+                continue
+            owner = self.pin_board.owner(p.path)  # a pin past its deadline holds while its reader is paused
+            if p.deadline_ns > now or launch.same_process(owner):
+                self._take_lease([(p.unit, b) for b in p.blocks], PIN_POLL_S, lease_id=p.lease, pin=(p.path, p.slot), holder=owner)
 
     def _register_pins(self, path: str) -> bool:
         """Read the pin file at ``path`` at every free from now on; False when this controller reads no
@@ -307,14 +320,21 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         return messages.PinFileReply(registered=self._register_pins(args.path), epoch=self.pin_epoch)
 
     def _poll_pins(self, expired: list[int], now: float) -> list[int]:
-        """Of the leases whose time is up, those that are pins still held get another poll period;
-        returns the others (to end)."""
-        if self.pin_board is None:
-            return expired
+        """Of the leases whose time is up, those whose holder still runs on this host (paused, if it
+        renewed nothing: its views live on) get another term, and pins still held (in their slot, and
+        in time or of a running reader) another poll period; returns the others (to end)."""
         ended, now_ns = [], time.monotonic_ns()
         for i in expired:
             lease = self.lease_book.leases[i]
-            if lease.pin is not None and self.pin_board.holds(*lease.pin, i, now_ns) is not None:
+            if lease.pin is None:
+                if launch.same_process(lease.holder):
+                    lease.deadline = now + lease.ttl
+                else:
+                    ended.append(i)
+            elif self.pin_board is not None and (
+                self.pin_board.holds(*lease.pin, i, now_ns) is not None
+                or (self.pin_board.holds(*lease.pin, i, None) is not None and launch.same_process(lease.holder))
+            ):
                 lease.deadline = now + PIN_POLL_S
             else:
                 ended.append(i)
@@ -344,7 +364,9 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         self._check_lease_id(args.lease_id)
         if (table.incarnation, table.frees, self.units_version) != (args.incarnation, args.frees, args.units_version) or not args.blocks:
             return messages.BorrowReply(lease=None)
-        return messages.BorrowReply(lease=self._take_lease([(args.unit, b) for b in args.blocks], args.lease_s, args.lease_id))
+        return messages.BorrowReply(
+            lease=self._take_lease([(args.unit, b) for b in args.blocks], args.lease_s, args.lease_id, holder=self._holder(args.holder))
+        )
 
     def op_leases(self, args: messages.Leases, buffers: list, call: Call) -> messages.LeasesReply:
         """Renew the leases a borrower still holds, end those it gave up; answers which of the renewed
@@ -670,6 +692,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         self._count_reads(args)
         part = self._partition(args.partition)
         keys, fields, timeout, lease_s, lease_id = args.keys, args.fields, args.timeout, args.lease_s, args.lease_id
+        holder = self._holder(args.holder) if lease_s is not None else None
         self._check_lease_id(lease_id)
         if timeout is not None:
             if self._missing(part, keys, fields)[0]:
@@ -680,14 +703,20 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
                         keys,
                         fields,
                         time.monotonic() + timeout,
-                        lambda: self._locate(self.partitions[part.pid], keys, fields, lease_s, lease_id),
+                        lambda: self._locate(self.partitions[part.pid], keys, fields, lease_s, lease_id, holder),
                     )
                 )
                 return DEFERRED
-        return self._locate(part, keys, fields, lease_s, lease_id)
+        return self._locate(part, keys, fields, lease_s, lease_id, holder)
 
     def _locate(
-        self, part: Partition, keys: list[str], fields: list[str], lease_s: float | None = None, lease_id: int | None = None
+        self,
+        part: Partition,
+        keys: list[str],
+        fields: list[str],
+        lease_s: float | None = None,
+        lease_id: int | None = None,
+        holder: tuple[int, int] | None = None,
     ) -> tuple[messages.LocateReply, list]:
         slots = part.slots_of(keys)
         loc = np.empty((len(fields), len(keys), LOC_COLUMNS), dtype=np.int64)
@@ -727,7 +756,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             units_version=self.units_version,
             table=part.table.descriptor(),  # type: ignore[arg-type] - its map, encoded as a TableRef
             frees=part.table.frees,
-            lease=self._take_lease(leased_blocks(loc), lease_s, lease_id) if lease_s is not None else None,
+            lease=self._take_lease(leased_blocks(loc), lease_s, lease_id, holder=holder) if lease_s is not None else None,
         )
         return reply, frames
 

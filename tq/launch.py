@@ -195,6 +195,22 @@ def await_ready_file(path: str, *, alive: Callable[[], bool], timeout: float, wh
         remove_ready_file(path)
 
 
+def process_identity(pid: int) -> tuple[int, int] | None:
+    """(pid, start time) of a running process of this host, or None (gone, a zombie, or not visible
+    here): the start time tells a process from a later one that got the same pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else (pid, int(fields[19]))
+
+
+def same_process(identity: tuple[int, int] | None) -> bool:
+    """Whether the process :func:`process_identity` described as ``identity`` still runs."""
+    return identity is not None and process_identity(identity[0]) == identity
+
+
 def pid_running(pid: int | None) -> bool:
     """Whether ``pid`` runs; a zombie (exited, not yet reaped) counts as exited."""
     if not isinstance(pid, int) or pid <= 0:

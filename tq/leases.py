@@ -47,12 +47,20 @@ def pin_ref(pin: Any) -> tuple[str, int] | None:
     return None if pin is None else (str(pin[0]), int(pin[1]))
 
 
+def holder_ref(holder: Any) -> tuple[int, int] | None:
+    """A lease's holder as journaled ([pid, start time] or None) back as a tuple."""
+    return None if holder is None else (int(holder[0]), int(holder[1]))
+
+
 @dataclass
 class Lease:
     ttl: float
     deadline: float
     blocks: list[tuple[int, int]]
     pin: tuple[str, int] | None = None  # (pin file, slot) of a lease a reader took as a pin (tq.pins)
+    # (pid, start time) of a holder on the controller's host: while it runs, a term with no renewal
+    # means it is paused (its views live on), not gone, and the lease is kept
+    holder: tuple[int, int] | None = None
 
 
 @dataclass
@@ -64,11 +72,18 @@ class LeaseBook:
     deferred: dict[tuple[int, int], list[np.ndarray]] = field(default_factory=dict)  # [n, 3] (unit, block, row)
 
     def take(
-        self, lease_id: int, ttl: float, blocks: list[tuple[int, int]], now: float | None = None, pin: tuple[str, int] | None = None
+        self,
+        lease_id: int,
+        ttl: float,
+        blocks: list[tuple[int, int]],
+        now: float | None = None,
+        pin: tuple[str, int] | None = None,
+        holder: tuple[int, int] | None = None,
     ) -> None:
-        """Pin ``blocks`` for ``ttl`` seconds under ``lease_id`` (``pin``: the slot whose pin it is)."""
+        """Pin ``blocks`` for ``ttl`` seconds under ``lease_id`` (``pin``: the slot whose pin it is;
+        ``holder``: see :class:`Lease`)."""
         now = time.monotonic() if now is None else now
-        self.leases[lease_id] = Lease(ttl, now + ttl, blocks, pin)
+        self.leases[lease_id] = Lease(ttl, now + ttl, blocks, pin, holder)
         self.refs.update(blocks)
 
     def renew(self, ids: list[int], now: float | None = None) -> list[int]:
@@ -126,7 +141,7 @@ class LeaseBook:
     def snapshot(self) -> dict[str, Any]:
         deferred = [r for rs in self.deferred.values() for r in rs]
         return {
-            "leases": [[i, lease.ttl, [list(b) for b in lease.blocks], lease.pin] for i, lease in self.leases.items()],
+            "leases": [[i, lease.ttl, [list(b) for b in lease.blocks], lease.pin, lease.holder] for i, lease in self.leases.items()],
             "deferred": np.concatenate(deferred).astype(np.int64).tobytes() if deferred else b"",
         }
 
@@ -136,8 +151,9 @@ class LeaseBook:
         book = cls()
         if not snap:
             return book
-        for i, ttl, blocks, *pin in snap["leases"]:
-            book.take(int(i), float(ttl), [(int(u), int(b)) for u, b in blocks], pin=pin_ref(pin[0] if pin else None))
+        for i, ttl, blocks, *rest in snap["leases"]:
+            pin, holder = (rest + [None, None])[:2]
+            book.take(int(i), float(ttl), [(int(u), int(b)) for u, b in blocks], pin=pin_ref(pin), holder=holder_ref(holder))
         rows = np.frombuffer(snap["deferred"], dtype=np.int64).reshape(-1, 3)
         book.hold(rows)
         return book

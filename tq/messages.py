@@ -310,6 +310,9 @@ class Locate(ReadsArgs, kw_only=True):
     lease_s: Union[Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)], None] = None
     # the lease's id, chosen by the reader: one whose reply is lost can still be given up by it
     lease_id: Union[LeaseId, None] = None
+    # the reader's pid when it runs on the controller's host: its lease is kept while that process
+    # lives (renewing nothing for a term means it is paused - its views live on - not gone)
+    holder: Union[Annotated[int, msgspec.Meta(gt=0)], None] = None
 
 
 class TableRef(msgspec.Struct):
@@ -401,6 +404,7 @@ class Borrow(ReadsArgs, kw_only=True):
     units_version: int
     lease_s: Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)]
     lease_id: Union[LeaseId, None] = None  # chosen by the reader (see Locate)
+    holder: Union[Annotated[int, msgspec.Meta(gt=0)], None] = None  # see Locate
 
 
 class BorrowReply(Reply):

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .arena import map_new_shm_file
-from .launch import files_of_gone_processes, pid_alive
+from .launch import files_of_gone_processes, pid_alive, process_identity
 from .leases import new_lease_id
 
 try:
@@ -206,26 +206,33 @@ class PinBoard:
     def __init__(self, directory: str) -> None:
         self.directory = os.path.realpath(directory)
         self.files: dict[str, mmap.mmap] = {}
+        self.owners: dict[str, tuple[int, int] | None] = {}  # path -> its client's process_identity
 
     def register(self, path: str) -> None:
         """Read ``path``'s pins from now on; it must be a pin file directly in the directory."""
         if os.path.dirname(path) != self.directory or not os.path.basename(path).startswith(PREFIX):
             raise ValueError(f"pin file {path!r} is not a {PREFIX}* file in {self.directory}")
         if path not in self.files:
-            self.files[path] = _map(path)
+            self.files[path] = mm = _map(path)
+            self.owners[path] = process_identity(int(np.frombuffer(mm, dtype=np.int64, count=PIN_HEADER)[PIN_OWNER_W]))
+
+    def owner(self, path: str) -> tuple[int, int] | None:
+        """The process identity of the client that registered ``path`` (when it ran on this host)."""
+        return self.owners.get(path)
 
     def pins(self) -> list[Pin]:
         """Every pin in use now, whatever its deadline (the caller compares)."""
         return [Pin(path, *p) for path, mm in self.files.items() for p in _read_pins(mm)]
 
-    def holds(self, path: str, slot: int, lease: int, now_ns: int) -> int | None:
-        """The pin's deadline if ``lease`` still holds ``slot`` of ``path`` and has not run out, else None."""
+    def holds(self, path: str, slot: int, lease: int, now_ns: int | None) -> int | None:
+        """The pin's deadline if ``lease`` still holds ``slot`` of ``path`` and has not run out by
+        ``now_ns`` (None: whatever its deadline), else None."""
         mm = self.files.get(path)
         if mm is None:
             return None
         words = np.frombuffer(mm, dtype=np.int64, count=2, offset=8 * (PIN_HEADER + slot * PIN_WORDS))
         deadline = int(words[P_DEADLINE])
-        return deadline if int(words[P_LEASE]) == lease and deadline > now_ns else None
+        return deadline if int(words[P_LEASE]) == lease and (now_ns is None or deadline > now_ns) else None
 
     def prune(self, now_ns: int) -> None:
         """Stop reading the files of clients that closed them (unlinked) or look gone, once nothing in
@@ -245,6 +252,7 @@ class PinBoard:
             if _read_pins(mm):  # published before the revocation: still read until it ends
                 continue
             del self.files[path], header
+            self.owners.pop(path, None)
             if gone:
                 try:
                     os.unlink(path)
@@ -277,3 +285,4 @@ class PinBoard:
         for mm in self.files.values():
             mm.close()
         self.files.clear()
+        self.owners.clear()

@@ -22,7 +22,7 @@ import numpy as np
 
 from .errors import JournalError
 from .journal import Journal, JournalWriteError
-from .leases import LeaseBook, pin_ref
+from .leases import LeaseBook, holder_ref, pin_ref
 from .messages import AdoptBlock, ControllerOp as Op
 from .rpc import Call, ServerMustStop
 from .schema import FieldSchema
@@ -96,7 +96,13 @@ class JournalRecovery:
                 elif op == "__water__":
                     self._raise_water(args["unit"], args["low_water"])
                 elif op == "__lease__":  # a fresh term from now: its holder renews it if it still lives
-                    self.lease_book.take(args["id"], args["ttl"], [(u, b) for u, b in args["blocks"]], pin=pin_ref(args.get("pin")))
+                    self.lease_book.take(
+                        args["id"],
+                        args["ttl"],
+                        [(u, b) for u, b in args["blocks"]],
+                        pin=pin_ref(args.get("pin")),
+                        holder=holder_ref(args.get("holder")),
+                    )
                 elif op == "__release__":
                     self._release_leases(args["ids"])
                 else:  # args: msgpack bytes, or a map (journals written before args were kept raw)

@@ -50,17 +50,6 @@ FETCH_ADOPT_WAIT_S = 2.0  # a fetch of a committed block waits this long for the
 FEW_ROWS = 16
 
 
-def process_identity(pid: int) -> tuple[int, int] | None:
-    """(pid, start time) of a running process of this host, or None (gone, a zombie, or not visible
-    here): the start time tells a process from a later one that got the same pid."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] in ("Z", "X") else (pid, int(fields[19]))
-
-
 def _wall(deadline: float) -> float:
     """A monotonic deadline as a wall-clock time, as journaled: a restarted unit keeps its leases'
     deadlines instead of granting each a fresh term (a unit restarted more often than a lease is
@@ -320,8 +309,7 @@ class StorageUnit(RpcServer):
 
     def _writer_alive(self, aid: int) -> bool:
         """Whether the same-host process that was granted allocation ``aid`` still runs."""
-        ident = self.writers.get(aid)
-        return ident is not None and process_identity(ident[0]) == ident
+        return launch.same_process(self.writers.get(aid))
 
     def _release_held(self, aid: int) -> int:
         """Free the ranges held for allocation ``aid``'s writer (see ``held``); the bytes freed."""
@@ -381,7 +369,7 @@ class StorageUnit(RpcServer):
         self._check_fits_at_all(nbytes)
         start = self._allocate(nbytes)
         aid = self._new_id()
-        writer = process_identity(args.writer) if args.writer is not None else None
+        writer = launch.process_identity(args.writer) if args.writer is not None else None
         if writer is not None:  # journaled first: the records below are in the same write
             self.writers[aid] = writer
             self.journal.append(["W", aid, *writer])

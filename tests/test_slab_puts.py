@@ -338,3 +338,23 @@ def test_a_unit_fetch_of_few_or_many_rows_serves_them_and_names_a_bad_row(few):
             assert wait_until(lambda: c.stats()["unit_stats"][0]["blocks"] == 0, timeout=5)
             with pytest.raises(StorageUnitError, match="holds no field 'ids' in block"):
                 fetch(entries)
+
+
+def test_a_slab_left_idle_goes_back_to_its_unit_while_its_client_lives(monkeypatch):
+    """A unit keeps a live writer's slab past its allocation lease (the writer may be paused
+    mid-copy), so a client that stops putting must give its slab back itself: once no put carved
+    from it for its use period, the client's keeper fences its unused ids and releases it, and the
+    unit holds nothing for it - no slab, no reserved or held bytes - while the client lives on."""
+    import tq.client
+
+    monkeypatch.setattr(tq.client, "SLAB_USE_S", 1.0)
+    with TQServer(storage_units=1, capacity=32 << 20) as server, TQClient(server.address, timeout=10.0) as c:
+        c.register_partition("p")
+        meta = c.put("p", ["a"], {"x": torch.arange(16)[None]})
+        unit = c.stats()["unit_stats"][0]
+        assert unit["slabs"] == 1 and unit["slab_bytes_reserved"] > 0
+        assert wait_until(lambda: (u := c.stats()["unit_stats"][0])["slabs"] == 0 and u["slab_bytes_reserved"] == 0, timeout=10)
+        assert c.stats()["unit_stats"][0]["held_bytes"] == 0
+        assert torch.equal(c.get(meta)["x"], torch.arange(16)[None])
+        c.put("p", ["b"], {"x": torch.arange(16)[None] + 1})  # a new slab for the next put
+        assert torch.equal(c.get(c.get_meta("p", ["b"]))["x"], torch.arange(16)[None] + 1)

@@ -528,6 +528,8 @@ class TQClient:
         # unit -> allocations this client is done writing into, told to the unit with its next alloc
         # (or at close): a unit keeps the range of a live writer whose lease ran out until then
         self._released: dict[int, list[int]] = {}
+        self._slab_keeper: threading.Thread | None = None  # gives idle slabs back (see _keep_slabs)
+        self._slab_keeper_stop = threading.Event()
         self._secret = secret.encode() if secret else None
         self._pool = buffer_pool or _default_pool
         self._ctrl = RpcChannel(
@@ -612,19 +614,12 @@ class TQClient:
         """Give up every lease, close every connection and unmap every arena."""
         if hasattr(self, "_leases"):
             self._leases.stop()
+            self._slab_keeper_stop.set()
             with self._slab_lock:
-                for unit, slab in list(self._slabs.items()):
-                    self._give_back(unit, slab)
-                    self._released.setdefault(unit, []).append(slab.aid)
-                self._slabs.clear()
-                for unit, aids in self._released.items():
-                    try:
-                        self._unit_chans[unit].call(
-                            UnitOp.RELEASE, messages.Release(allocs=aids), [], timeout=min(self.timeout, GIVE_BACK_S)
-                        )
-                    except (TQError, KeyError):
-                        pass  # a unit holds a range for a live writer only: ours end with this process
-                self._released.clear()
+                self._give_back_slabs(lambda slab: True)
+                for unit in list(self._released):
+                    self._send_released(unit)
+                self._released.clear()  # what could not be sent: a unit holds it only while this process lives
         self._ctrl.close()
         for chan in self._unit_chans.values():
             chan.close()
@@ -884,11 +879,7 @@ class TQClient:
                 g = self._alloc(unit, need, ids=1)
                 return g.alloc, g.offset, g.first_block, None
             if slab is not None:
-                del self._slabs[unit]
-                self._give_back(unit, slab)
-                slab.retired = True
-                if slab.writing == 0:
-                    self._released.setdefault(unit, []).append(slab.aid)
+                self._give_back_slabs(lambda s: s is slab)
             try:
                 g = self._alloc(unit, SLAB_BYTES, ids=SLAB_IDS, wait=False)
             except CapacityError:  # no room for a whole slab: one just for this put (waiting for room)
@@ -896,7 +887,44 @@ class TQClient:
                 return g.alloc, g.offset, g.first_block, None
             slab = self._slabs[unit] = _Slab(g.alloc, g.offset, SLAB_BYTES, g.first_block, SLAB_IDS, now + SLAB_USE_S)
             start, bid = slab.carve(need, now)  # type: ignore[misc]
+            if self._slab_keeper is None:
+                self._slab_keeper = threading.Thread(target=self._keep_slabs, name="tq-slab-keeper", daemon=True)
+                self._slab_keeper.start()
             return slab.aid, start, bid, slab
+
+    def _keep_slabs(self) -> None:
+        """Give back every slab no put carved from for its use period: its unit gets the room back now
+        (it would hold the range for as long as this process lives otherwise: see messages.Alloc)."""
+        while not self._slab_keeper_stop.wait(SLAB_USE_S / 4):
+            with self._slab_lock:
+                now = time.monotonic()
+                for unit in self._give_back_slabs(lambda slab: now > slab.use_until and slab.writing == 0):
+                    self._send_released(unit)
+
+    def _give_back_slabs(self, which: Callable[[_Slab], bool]) -> list[int]:
+        """Give back (and release, once nothing copies into them) the slabs ``which`` picks; returns
+        their units. Under the slab lock."""
+        units = []
+        for unit, slab in list(self._slabs.items()):
+            if which(slab):
+                del self._slabs[unit]
+                self._give_back(unit, slab)
+                slab.retired = True
+                if slab.writing == 0:
+                    self._released.setdefault(unit, []).append(slab.aid)
+                units.append(unit)
+        return units
+
+    def _send_released(self, unit: int) -> None:
+        """Tell ``unit`` now which of its allocations this client no longer writes into (best effort:
+        kept for the next alloc if the unit does not answer). Under the slab lock."""
+        aids = self._released.pop(unit, [])
+        if not aids:
+            return
+        try:
+            self._unit_chans[unit].call(UnitOp.RELEASE, messages.Release(allocs=aids), [], timeout=min(self.timeout, GIVE_BACK_S))
+        except (TQError, KeyError):
+            self._released.setdefault(unit, []).extend(aids)
 
     def _give_back(self, unit: int, slab: _Slab) -> None:
         """Have the ids this client never used fenced, so the unit closes the slab and frees what no

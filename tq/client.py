@@ -161,6 +161,16 @@ class _Slab:
         return start, bid
 
 
+def _keep_slabs(client_ref: "weakref.ref[TQClient]", stop: threading.Event) -> None:
+    """A client's slab keeper thread: every quarter of the slab use period, its idle slabs go back."""
+    while not stop.wait(SLAB_USE_S / 4):
+        client = client_ref()
+        if client is None:
+            return
+        client._give_back_idle_slabs()
+        del client
+
+
 class _UnitRestarted(Exception):
     """A storage unit came back at a new address while a request to its old one was pending."""
 
@@ -887,19 +897,19 @@ class TQClient:
                 return g.alloc, g.offset, g.first_block, None
             slab = self._slabs[unit] = _Slab(g.alloc, g.offset, SLAB_BYTES, g.first_block, SLAB_IDS, now + SLAB_USE_S)
             start, bid = slab.carve(need, now)  # type: ignore[misc]
-            if self._slab_keeper is None:
-                self._slab_keeper = threading.Thread(target=self._keep_slabs, name="tq-slab-keeper", daemon=True)
+            if self._slab_keeper is None:  # holds the client weakly: a client nobody closes is still collected
+                args = (weakref.ref(self), self._slab_keeper_stop)
+                self._slab_keeper = threading.Thread(target=_keep_slabs, args=args, name="tq-slab-keeper", daemon=True)
                 self._slab_keeper.start()
             return slab.aid, start, bid, slab
 
-    def _keep_slabs(self) -> None:
+    def _give_back_idle_slabs(self) -> None:
         """Give back every slab no put carved from for its use period: its unit gets the room back now
         (it would hold the range for as long as this process lives otherwise: see messages.Alloc)."""
-        while not self._slab_keeper_stop.wait(SLAB_USE_S / 4):
-            with self._slab_lock:
-                now = time.monotonic()
-                for unit in self._give_back_slabs(lambda slab: now > slab.use_until and slab.writing == 0):
-                    self._send_released(unit)
+        with self._slab_lock:
+            now = time.monotonic()
+            for unit in self._give_back_slabs(lambda slab: now > slab.use_until and slab.writing == 0):
+                self._send_released(unit)
 
     def _give_back_slabs(self, which: Callable[[_Slab], bool]) -> list[int]:
         """Give back (and release, once nothing copies into them) the slabs ``which`` picks; returns

@@ -358,3 +358,26 @@ def test_a_slab_left_idle_goes_back_to_its_unit_while_its_client_lives(monkeypat
         assert torch.equal(c.get(meta)["x"], torch.arange(16)[None])
         c.put("p", ["b"], {"x": torch.arange(16)[None] + 1})  # a new slab for the next put
         assert torch.equal(c.get(c.get_meta("p", ["b"]))["x"], torch.arange(16)[None] + 1)
+
+
+def test_a_client_dropped_without_close_is_collected_and_its_slab_keeper_ends(monkeypatch):
+    """The slab keeper thread must not keep its client alive: one dropped without close() is
+    garbage-collected, and its keeper thread ends at its next wake-up."""
+    import gc
+    import threading
+    import weakref
+
+    import tq.client
+
+    monkeypatch.setattr(tq.client, "SLAB_USE_S", 0.4)
+    with TQServer(storage_units=1, capacity=16 << 20) as server:
+        c = TQClient(server.address, timeout=10.0)
+        c.register_partition("p")
+        c.put("p", ["a"], {"x": torch.ones(1, 4)})
+        keeper, ref = c._slab_keeper, weakref.ref(c)
+        assert keeper is not None and keeper.is_alive()
+        del c
+        gc.collect()
+        assert ref() is None
+        assert wait_until(lambda: not keeper.is_alive(), timeout=5)
+        assert all(t is not keeper for t in threading.enumerate())

@@ -118,6 +118,7 @@ def test_scrape_reports_what_the_test_did(service):
     assert value(s, "tq_unit_capacity_bytes", unit="0") == 32 << 20
     assert N_PUTS * row_bytes <= value(s, "tq_unit_used_bytes", unit="0") <= 32 << 20
     assert value(s, "tq_units") == 1 and value(s, "tq_unit_up", unit="0") == 1
+    assert value(s, "tq_unit_held_bytes", unit="0") == 0  # no writer paused past its lease
     assert value(s, "tq_parked_waits") == 0
     assert value(s, "tq_journal_bytes", **ctl) == 0 and value(s, "tq_journal_bytes", **unit) > 0  # no --journal-dir
     # nothing exported that the module does not declare (the dashboard test relies on the list)

@@ -57,6 +57,7 @@ METRICS: dict[str, tuple[str, str]] = {
     "tq_unit_served_bytes_total": ("counter", "Bytes the storage unit sent to remote readers"),
     "tq_unit_parked_writes": ("gauge", "Writes parked at the storage unit waiting for room"),
     "tq_unit_tentative_blocks": ("gauge", "Blocks stored but not committed yet"),
+    "tq_unit_held_bytes": ("gauge", "Arena bytes held for same-host writers paused past their allocation lease"),
 }
 
 
@@ -153,6 +154,7 @@ def families(stats: messages.StatsReply, unit_stats: Mapping[int, messages.UnitS
             ("tq_unit_served_bytes_total", st.bytes_served_total),
             ("tq_unit_parked_writes", st.parked_writes),
             ("tq_unit_tentative_blocks", st.tentative_blocks),
+            ("tq_unit_held_bytes", st.held_bytes),
         ):
             out[name].add_metric([uid], value)
     return list(out.values())

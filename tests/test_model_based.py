@@ -735,6 +735,7 @@ def test_random_op_sequences_with_crashes_lose_nothing(recoverable_service):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # 1,600 steps with faults: past the suite's 300 s per test (it stopped there)
 def test_random_op_sequences_with_crashes_many(recoverable_service):
     run_state_machine_as_test(
         _machine_with_faults(recoverable_service),

@@ -151,13 +151,18 @@ def inject_bug(monkeypatch, directory: os.PathLike, server: str) -> tuple[str, s
     return arm, fired
 
 
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie, exited but not yet reaped, counts as gone)."""
+def process_state(pid: int) -> str | None:
+    """``pid``'s state letter in /proc (``R``, ``S``, ``T`` stopped, ``Z`` zombie...), None if gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            return f.read().rsplit(")", 1)[1].split()[0]
     except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, exited but not yet reaped, counts as gone)."""
+    return process_state(pid) not in (None, "Z")
 
 
 def raw_exchange(address: str, frames: list, *, secret: bytes | None = None, timeout: float = 5.0) -> protocol.Message | None:

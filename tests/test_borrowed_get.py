@@ -15,7 +15,7 @@ import torch
 from tq import TQClient
 from tq.jagged import JaggedTensor
 
-from conftest import unique_keys, wait_until
+from conftest import process_state, unique_keys, wait_until
 
 
 def _batch(n: int, seed: int) -> dict:
@@ -376,7 +376,7 @@ def test_a_paused_holders_views_keep_their_bytes(tq_server, client, partition):
     )
     try:
         assert holder.stdout.readline().strip() == "borrowed"
-        assert wait_until(lambda: open(f"/proc/{holder.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T")
+        assert wait_until(lambda: process_state(holder.pid) == "T")
         client.discard(meta)
         time.sleep(3.0)  # three terms with no renewal
         assert client.stats()["rows_waiting_for_leases"] > 0, "a paused holder's lease ran out"

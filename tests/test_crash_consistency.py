@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import free_port, inject_bug, no_room_to_grow, pid_alive, wait_until
+from conftest import free_port, inject_bug, no_room_to_grow, pid_alive, process_state, wait_until
 from tq import TQClient, TQServer, launch, protocol
 from tq.errors import KeyNotFoundError, StorageUnitError, TQConnectionError, TQError
 
@@ -784,7 +784,7 @@ def _paused_writer(address: str, tag: str) -> subprocess.Popen:
     """A writer process stopped after carving its block for key ``late<tag>``, before copying into it."""
     writer = subprocess.Popen([sys.executable, "-c", _PAUSED_WRITER, address, tag], stdout=subprocess.PIPE, text=True)
     assert writer.stdout.readline().strip() == "carved"
-    assert wait_until(lambda: open(f"/proc/{writer.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T")
+    assert wait_until(lambda: process_state(writer.pid) == "T")
     time.sleep(1.0 + 3.0)  # its lease (1 s), then heartbeats: the slab of a writer that is gone is closed by now
     return writer
 

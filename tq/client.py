@@ -868,11 +868,16 @@ class TQClient:
         """This put's copy into allocation ``aid`` (carved from ``slab``, or a slab of its own) ended:
         what nothing copies into any more is released to its unit with the next alloc."""
         with self._slab_lock:
-            if slab is not None:
+            if slab is None:
+                self._released.setdefault(unit, []).append(aid)
+            else:
                 slab.writing -= 1
-                if not (slab.retired and slab.writing == 0):
-                    return
-            self._released.setdefault(unit, []).append(aid)
+                self._release_when_idle(unit, slab)
+
+    def _release_when_idle(self, unit: int, slab: _Slab) -> None:
+        """A slab given back is released to its unit once no put copies into it. Under the slab lock."""
+        if slab.retired and slab.writing == 0:
+            self._released.setdefault(unit, []).append(slab.aid)
 
     def _carve(self, unit: int, need: int) -> tuple[int, int, int, _Slab | None]:
         """(slab id, arena offset, block id, slab) of ``need`` bytes on ``unit``: from this client's
@@ -920,8 +925,7 @@ class TQClient:
                 del self._slabs[unit]
                 self._give_back(unit, slab)
                 slab.retired = True
-                if slab.writing == 0:
-                    self._released.setdefault(unit, []).append(slab.aid)
+                self._release_when_idle(unit, slab)
                 units.append(unit)
         return units
 

@@ -62,6 +62,12 @@ PIN_PRUNE_S = 5.0  # how often the pin files of clients that closed or died are 
 RECENT_COMMITS = 1 << 12  # settled commits remembered so that a resent one is answered like the first
 
 
+def _pin_holds(deadline_ns: int | None, holder: tuple[int, int] | None, now_ns: int) -> bool:
+    """Whether a reader's pin (its slot's deadline, None once given up) still pins its blocks: in
+    time, or past it while its reader's process on this host runs (paused: its views live on)."""
+    return deadline_ns is not None and (deadline_ns > now_ns or launch.same_process(holder))
+
+
 class Controller(UnitSupervision, JournalRecovery, RpcServer):
     """The controller process's server (see module docstring): the ops and the partition state here,
     its storage units in :class:`~tq.supervision.UnitSupervision`, crash recovery in
@@ -297,10 +303,8 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             return
         now = time.monotonic_ns()
         for p in self.pin_board.pins():
-            if p.lease in self.lease_book.leases:
-                continue
-            owner = self.pin_board.owner(p.path)  # a pin past its deadline holds while its reader is paused
-            if p.deadline_ns > now or launch.same_process(owner):
+            owner = self.pin_board.owner(p.path)
+            if p.lease not in self.lease_book.leases and _pin_holds(p.deadline_ns, owner, now):
                 self._take_lease([(p.unit, b) for b in p.blocks], PIN_POLL_S, lease_id=p.lease, pin=(p.path, p.slot), holder=owner)
 
     def _register_pins(self, path: str) -> bool:
@@ -331,10 +335,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
                     lease.deadline = now + lease.ttl
                 else:
                     ended.append(i)
-            elif self.pin_board is not None and (
-                self.pin_board.holds(*lease.pin, i, now_ns) is not None
-                or (self.pin_board.holds(*lease.pin, i, None) is not None and launch.same_process(lease.holder))
-            ):
+            elif self.pin_board is not None and _pin_holds(self.pin_board.deadline(*lease.pin, i), lease.holder, now_ns):
                 lease.deadline = now + PIN_POLL_S
             else:
                 ended.append(i)

@@ -224,15 +224,18 @@ class PinBoard:
         """Every pin in use now, whatever its deadline (the caller compares)."""
         return [Pin(path, *p) for path, mm in self.files.items() for p in _read_pins(mm)]
 
-    def holds(self, path: str, slot: int, lease: int, now_ns: int | None) -> int | None:
-        """The pin's deadline if ``lease`` still holds ``slot`` of ``path`` and has not run out by
-        ``now_ns`` (None: whatever its deadline), else None."""
+    def deadline(self, path: str, slot: int, lease: int) -> int | None:
+        """The pin's deadline if ``lease`` still holds ``slot`` of ``path`` (run out or not), else None."""
         mm = self.files.get(path)
         if mm is None:
             return None
         words = np.frombuffer(mm, dtype=np.int64, count=2, offset=8 * (PIN_HEADER + slot * PIN_WORDS))
-        deadline = int(words[P_DEADLINE])
-        return deadline if int(words[P_LEASE]) == lease and (now_ns is None or deadline > now_ns) else None
+        return int(words[P_DEADLINE]) if int(words[P_LEASE]) == lease else None
+
+    def holds(self, path: str, slot: int, lease: int, now_ns: int) -> int | None:
+        """The pin's deadline if ``lease`` still holds ``slot`` of ``path`` and has not run out, else None."""
+        deadline = self.deadline(path, slot, lease)
+        return deadline if deadline is not None and deadline > now_ns else None
 
     def prune(self, now_ns: int) -> None:
         """Stop reading the files of clients that closed them (unlinked) or look gone, once nothing in

@@ -281,9 +281,7 @@ class StorageUnit(RpcServer):
                         self.held[aid] = ([(start, size)], None)
                         continue
                     log.warning("storage unit %d reclaims expired allocation %d (%d bytes)", self.unit_id, aid, size)
-                    self.alloc.free(start, size)
-                    self.journal.append(["X", aid])
-                    self.writers.pop(aid, None)
+                    self._free_allocation(aid, [(start, size)], "X")
             if self.held and now >= self._next_writer_check:
                 self._next_writer_check = now + WRITER_CHECK_S
                 for aid in [a for a in self.held if not self._writer_alive(a)]:
@@ -314,9 +312,14 @@ class StorageUnit(RpcServer):
     def _release_held(self, aid: int) -> int:
         """Free the ranges held for allocation ``aid``'s writer (see ``held``); the bytes freed."""
         ranges, slab = self.held.pop(aid)
+        return self._free_allocation(aid, ranges, "X" if slab is None else "Y")
+
+    def _free_allocation(self, aid: int, ranges: list[tuple[int, int]], record: str) -> int:
+        """Free what is left of allocation (or slab) ``aid`` - ``ranges`` - journaling its end
+        (``record``: "X" for an allocation, "Y" for a slab), and forget its writer; the bytes freed."""
         for start, size in ranges:
             self.alloc.free(start, size)
-        self.journal.append(["X" if slab is None else "Y", aid])
+        self.journal.append([record, aid])
         self.writers.pop(aid, None)
         return sum(size for _, size in ranges)
 
@@ -577,11 +580,8 @@ class StorageUnit(RpcServer):
         del self.slabs[aid]
         if slab.expiry <= time.monotonic() and self._writer_alive(aid):  # closed by its lease, writer paused?
             self.held[aid] = (slab.gaps(), slab)
-            return
-        for start, size in slab.gaps():
-            self.alloc.free(start, size)
-        self.journal.append(["Y", aid])
-        self.writers.pop(aid, None)
+        else:
+            self._free_allocation(aid, slab.gaps(), "Y")
 
     def _adopt(self, ad: messages.AdoptBlock) -> None:
         """Register a committed block carved out of a slab (idempotent)."""
@@ -849,10 +849,7 @@ class StorageUnit(RpcServer):
                 released += self._release_held(aid)
             elif aid in self.pending:
                 start, size, _ = self.pending.pop(aid)
-                self.alloc.free(start, size)
-                self.journal.append(["X", aid])
-                self.writers.pop(aid, None)
-                released += size
+                released += self._free_allocation(aid, [(start, size)], "X")
             elif aid in self.slabs:
                 self.writers.pop(aid, None)
         return released

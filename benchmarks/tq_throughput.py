@@ -12,7 +12,7 @@ a shared machine does not land on one system only.
 
 Every system runs its best documented configuration, and every timed get ends in the same padded
 tensors made by the same padding code (TQ's C row copier, ``tq.rowcopy.copy_rows``, into pooled
-result buffers, ``tq.bufferpool``):
+result buffers, ``tq.bufferpool``, on as many threads as TQ's get: torch's intra-op threads, at most 8):
   TQ             ``TQClient.get`` (padded layout), one storage unit, one partition reused.
   Ray            ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1``, Ray's switch for zero-copy torch tensors
                  (ray/_private/ray_constants.py; ray-project/ray PR 57639): an actor ``ray.put``s the
@@ -25,7 +25,8 @@ result buffers, ``tq.bufferpool``):
                  viewed as dense tensors (no copy after the get). The faster get is compared.
   Both baselines put both forms ([jagged], [padded]); the faster put is compared (the same unpadded
   payload is counted either way).
-  memcpy         ``np.copyto`` of the payload a producer process just wrote into shared memory (the ceiling).
+  memcpy         ``np.copyto`` of the payload a producer process just wrote into shared memory (one thread:
+                 the ceiling of a one-thread copy).
 
     python -m benchmarks.tq_throughput                 # 8 MiB .. 512 MiB, all systems (~15 minutes on 2 cores)
     python -m benchmarks.tq_throughput --quick         # 8 and 32 MiB, fewer iterations, 1 round
@@ -144,7 +145,9 @@ def padded(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
 def pad_rows(values: torch.Tensor, offsets: np.ndarray, pool: Any) -> torch.Tensor:
     """``[n, longest]`` zero-padded copy of the rows ``values[offsets[i]:offsets[i + 1]]``, made by TQ's C
     row copier into a buffer of ``pool`` (a ``tq.bufferpool.HostBufferPool``): the padding work TQ's own
-    padded get does, so every system's timed get does the same work. ``values`` may be read-only."""
+    padded get does, on as many threads (torch's intra-op threads, ``tq.client.copy_threads``), so every
+    system's timed get does the same work. ``values`` may be read-only."""
+    from tq.client import copy_threads
     from tq.rowcopy import copy_rows
 
     item = values.element_size()
@@ -152,7 +155,7 @@ def pad_rows(values: torch.Tensor, offsets: np.ndarray, pool: Any) -> torch.Tens
     sizes = (offsets[1:] - offsets[:-1]) * item
     n, span = sizes.size, int(sizes.max())
     dst = pool.empty(n * span)
-    copy_rows(dst, None, [src], np.zeros(n, dtype=np.int64), offsets[:-1] * item, sizes, span, bytes(item))
+    copy_rows(dst, None, [src], np.zeros(n, dtype=np.int64), offsets[:-1] * item, sizes, span, bytes(item), copy_threads())
     return torch.from_numpy(dst).view(values.dtype).reshape(n, span // item)
 
 

@@ -135,6 +135,53 @@ def test_copy_fields_matches_field_by_field_copies(seed, padded, pad_width, n_fi
     assert np.array_equal(got, want)
 
 
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("threads", [2, 3, 8])
+def test_a_large_copy_shared_among_threads_gives_the_same_bytes(padded, threads):
+    """A copy of several SHARE_BYTES runs on up to ``threads`` threads, each a contiguous share of the
+    rows: shares end inside fields and between rows that share a store vector (odd row lengths, odd
+    field starts), and each thread writes only its own bytes - the result is byte for byte the
+    one-thread copy's, on every streaming width."""
+    rng = np.random.default_rng(threads + 10 * padded)
+    n = 64
+    max_row = 6 * rowcopy.SHARE_BYTES // (n * 3)  # 3 fields: 3 (rows half full) to 6 shares in all
+    jobs, total = _fields_case(rng, 3, n, max_row, padded, 3)
+    written = sum(n * j[5] if padded else int(j[4].sum()) for j in jobs)
+    want = _reference(jobs, total)
+    for isa in rowcopy.STREAM_ISAS or (None,):
+        got = np.full(total + 32, 0xAB, dtype=np.uint8)
+        was = rowcopy.set_stream_isa(isa) if isa else None
+        try:
+            ran = rowcopy.copy_fields(got, jobs, threads)
+        finally:
+            if was:
+                rowcopy.set_stream_isa(was)
+        assert ran == min(threads, written // rowcopy.SHARE_BYTES) > 1
+        assert np.array_equal(got, want)
+    one = np.full(total + 32, 0xAB, dtype=np.uint8)  # copy_rows shares its rows the same way
+    base, sources, src_idx, src_starts, sizes, span, pad = jobs[0]
+    part = one[base : base + (n * span if padded else int(sizes.sum()))]
+    assert rowcopy.copy_rows(part, None, sources, src_idx, src_starts, sizes, span, pad, threads=threads) == max(
+        1, min(threads, part.size // rowcopy.SHARE_BYTES)
+    )
+    assert np.array_equal(part, want[base : base + part.size])
+    small = np.full(1 << 20, 0xAB, dtype=np.uint8)
+    assert rowcopy.copy_rows(small, None, [small.copy()], np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([1 << 20]), threads=8) == 1
+
+
+def test_write_chunks_of_a_large_put_shares_the_copy_and_keeps_its_bytes():
+    """A put's column copy (``write_chunks``), one chunk or many, large enough to share: the same bytes."""
+    rng = np.random.default_rng(3)
+    total = 3 * rowcopy.SHARE_BYTES + 12345
+    one = [rng.integers(0, 256, size=total, dtype=np.uint8)]
+    cuts = np.sort(rng.integers(0, total, size=40))
+    many = np.split(one[0], cuts)
+    for chunks in (one, many):
+        got = np.zeros(total, dtype=np.uint8)
+        assert rowcopy.write_chunks(got, chunks, threads=4) == 3
+        assert np.array_equal(got, one[0])
+
+
 def test_copy_fields_numpy_fallback_gives_the_same_bytes(monkeypatch):
     rng = np.random.default_rng(7)
     jobs, total = _fields_case(rng, 5, 16, 300, True, 4)

@@ -1,15 +1,17 @@
 /* Row copies for the TQ client and storage units, with the GIL released.
  *
- * copy_rows(dst, dst_starts, sources, src_idx, src_starts, sizes, row_span, pad)
+ * copy_rows(dst, dst_starts, sources, src_idx, src_starts, sizes, row_span, pad[, threads])
  *   for every row i: memcpy(dst + dst_starts[i], sources[src_idx[i]] + src_starts[i], sizes[i]);
  *   when row_span > 0, the rest of the row up to row_span bytes is filled with the byte pattern `pad`.
  *   dst_starts None: the rows go back to back (row i at i * row_span, or packed when row_span is 0).
- * copy_fields(dst, jobs)
+ * copy_fields(dst, jobs[, threads])
  *   several such copies into one destination, one per field of a get, each job a tuple
  *   (dst_start, sources, src_idx, src_starts, sizes, row_span, pad) whose rows go back to back from
  *   dst_start; int64 index arrays only. One call per get, not per field: the per-field costs (call,
  *   buffer exports, the GIL released and taken) are paid once, and the streaming decision below is
  *   made on the whole get - a get of 32 fields of 0.8 MB each is as large as one of 1 field of 24 MB.
+ * Both return the number of threads the copy ran on: up to `threads` (default 1, at most
+ * MAX_COPY_THREADS), one per SHARE_BYTES written, each a contiguous share of the rows.
  * Every range is bounds-checked first (offsets may come from another process), so bad offsets raise
  * ValueError instead of touching memory they do not own; nothing is written unless every job is
  * valid. A pure-numpy fallback lives in tq/rowcopy.py.
@@ -29,6 +31,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+#include <pthread.h>
 #if defined(__x86_64__) || defined(_M_X64)
 #include <emmintrin.h>
 #define HAVE_STREAM 1
@@ -37,6 +40,8 @@
 #endif
 
 #define STREAM_BYTES ((Py_ssize_t)1 << 20)
+#define SHARE_BYTES ((Py_ssize_t)4 << 20) /* the least a copy thread is started for */
+#define MAX_COPY_THREADS 8
 #define PAT_BYTES 192 /* a pad pattern expanded: PAT_BYTES bytes of it from its phase 0 */
 
 static int get_i64(PyObject *obj, Py_buffer *view, const char *name, int strict) {
@@ -168,13 +173,13 @@ static const unsigned char MASK[128] = {
         sw_put_##W(w, s, m, 0);                                                                         \
         if (padn) sw_put_##W(w, E, padn, 1);                                                            \
     }                                                                                                   \
-    TARGET static void stream_job_##W(const job_t *j, char *d) {                                        \
+    TARGET static void stream_job_##W(const job_t *j, char *d, Py_ssize_t i0, Py_ssize_t i1) {          \
         const int64_t *ds = j->dst_starts.buf, *si = j->src_idx.buf, *ss = j->src_starts.buf;          \
         const int64_t *sz = j->sizes.buf;                                                               \
         sw_t w = {0};                                                                                   \
-        for (Py_ssize_t i = 0; i < j->n; i++) {                                                         \
+        for (Py_ssize_t i = i0; i < i1; i++) {                                                          \
             char *r = d + ds[i];                                                                        \
-            if (i == 0 || r != w.v + w.k) { /* not right after the previous row: a new run */           \
+            if (i == i0 || r != w.v + w.k) { /* not right after the previous row: a new run */          \
                 if (w.k > w.lo) memcpy(w.v + w.lo, w.buf + w.lo, w.k - w.lo);                           \
                 w.v = r - ((uintptr_t)r & (W - 1));                                                     \
                 w.k = w.lo = (uintptr_t)r & (W - 1);                                                    \
@@ -196,7 +201,7 @@ DEFINE_STREAM(64, __attribute__((target("avx512f"))), __m512i, _mm512_loadu_si51
 #define HAVE_WIDE 0
 #endif
 
-typedef void (*stream_job_fn)(const job_t *, char *);
+typedef void (*stream_job_fn)(const job_t *, char *, Py_ssize_t, Py_ssize_t);
 static const struct { const char *name; stream_job_fn job; } ISAS[] = {
     {"sse2", stream_job_16},
 #if HAVE_WIDE
@@ -280,42 +285,102 @@ fail:
     return -1;
 }
 
-/* Run a prepared job into dst (no GIL). */
-static void job_run(const job_t *j, char *d, int stream) {
+/* Run rows [i0, i1) of a prepared job into dst (no GIL). */
+static void job_run(const job_t *j, char *d, int stream, Py_ssize_t i0, Py_ssize_t i1) {
     const int64_t *ds = j->dst_starts.buf, *si = j->src_idx.buf, *ss = j->src_starts.buf, *sz = j->sizes.buf;
     const Py_buffer *srcs = j->srcs;
 #if HAVE_STREAM
     if (stream && (j->row_span == 0 || j->pat_ok)) {
-        ISAS[isa].job(j, d);
+        ISAS[isa].job(j, d, i0, i1);
         return;
     }
 #endif
     (void)stream;
-    for (Py_ssize_t i = 0; i < j->n; i++) {
+    for (Py_ssize_t i = i0; i < i1; i++) {
         memcpy(d + ds[i], (const char *)srcs[si[i]].buf + ss[i], (size_t)sz[i]);
         if (j->row_span > 0) fill_pattern(d + ds[i] + sz[i], j->row_span - sz[i], j->pad.buf, j->pad.len);
     }
 }
 
-/* Run prepared jobs into dst with the GIL released: streaming when they write STREAM_BYTES or more. */
-static void run_jobs(const job_t *jobs, Py_ssize_t njobs, char *d) {
+/* A thread's share of a copy: rows from row i0 of job k0 up to (not including) row i1 of job k1.
+ * Shares end on row boundaries, and a run's partial vectors at either end are written byte-exactly
+ * (stream_job: plain stores of the bytes it owns), so two threads never write the same byte. */
+typedef struct {
+    const job_t *jobs;
+    char *d;
+    Py_ssize_t k0, i0, k1, i1;
+    int stream;
+} share_t;
+
+static void *run_share(void *arg) {
+    const share_t *s = arg;
+    for (Py_ssize_t k = s->k0; k <= s->k1; k++) {
+        Py_ssize_t from = k == s->k0 ? s->i0 : 0, to = k == s->k1 ? s->i1 : s->jobs[k].n;
+        if (to > from) job_run(&s->jobs[k], s->d, s->stream, from, to);
+    }
+#if HAVE_STREAM
+    if (s->stream) _mm_sfence();  /* streaming stores are weakly ordered: publish them before returning */
+#endif
+    return NULL;
+}
+
+/* Where the copy's byte `target` falls, as (job, row): the first row starting at or after it. */
+static void share_bound(const job_t *jobs, Py_ssize_t njobs, Py_ssize_t target, Py_ssize_t *k_out, Py_ssize_t *i_out) {
+    Py_ssize_t at = 0;
+    for (Py_ssize_t k = 0; k < njobs; k++) {
+        const job_t *j = &jobs[k];
+        if (at + j->bytes <= target) { at += j->bytes; continue; }
+        Py_ssize_t i = 0;
+        if (j->row_span > 0) i = (target - at + j->row_span - 1) / j->row_span;
+        else for (const int64_t *z = j->sizes.buf; i < j->n && at < target; i++) at += z[i] > 0 ? z[i] : 0;
+        *k_out = k, *i_out = i < j->n ? i : j->n;
+        return;
+    }
+    *k_out = njobs - 1, *i_out = njobs ? jobs[njobs - 1].n : 0;
+}
+
+/* Run prepared jobs into dst with the GIL released: streaming when they write STREAM_BYTES or more;
+ * on up to `threads` threads (each a share of at least SHARE_BYTES), started for this call and
+ * joined before it returns - no pool outlives a call, so a fork never inherits half a pool.
+ * Returns the number of threads that ran it. */
+static int run_jobs(const job_t *jobs, Py_ssize_t njobs, char *d, int threads) {
     Py_ssize_t total = 0;
     for (Py_ssize_t k = 0; k < njobs; k++) total += jobs[k].bytes;
     int stream = total >= STREAM_BYTES;
+    Py_ssize_t parts = total / SHARE_BYTES;
+    if (parts > threads) parts = threads;
+    if (parts > MAX_COPY_THREADS) parts = MAX_COPY_THREADS;
+    if (parts < 1 || njobs == 0) parts = 1;
+    share_t shares[MAX_COPY_THREADS];
+    pthread_t tids[MAX_COPY_THREADS];
+    int started[MAX_COPY_THREADS] = {0};
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t k = 0; k < njobs; k++) job_run(&jobs[k], d, stream);
-#if HAVE_STREAM
-    if (stream) _mm_sfence();  /* streaming stores are weakly ordered: publish them before returning */
-#endif
+    Py_ssize_t k = 0, i = 0;
+    for (Py_ssize_t p = 0; p < parts; p++) {
+        Py_ssize_t k1 = njobs - 1, i1 = njobs ? jobs[njobs - 1].n : 0;
+        if (p + 1 < parts) share_bound(jobs, njobs, total / parts * (p + 1), &k1, &i1);
+        shares[p] = (share_t){jobs, d, k, i, k1, i1, stream};
+        k = k1, i = i1;
+    }
+    for (Py_ssize_t p = 1; p < parts; p++) started[p] = pthread_create(&tids[p], NULL, run_share, &shares[p]) == 0;
+    run_share(&shares[0]);
+    for (Py_ssize_t p = 1; p < parts; p++) {
+        if (started[p]) pthread_join(tids[p], NULL);
+        else run_share(&shares[p]);  /* no thread to be had: this one does the share */
+    }
     Py_END_ALLOW_THREADS
+    int ran = 1;
+    for (Py_ssize_t p = 1; p < parts; p++) ran += started[p];
+    return ran;
 }
 
 static PyObject *copy_rows(PyObject *self, PyObject *args) {
     PyObject *dst_o, *dst_starts_o, *sources_o, *src_idx_o, *src_starts_o, *sizes_o;
     job_t j = {0};
     Py_buffer dst;
-    if (!PyArg_ParseTuple(args, "OOOOOOny*", &dst_o, &dst_starts_o, &sources_o, &src_idx_o, &src_starts_o, &sizes_o,
-                          &j.row_span, &j.pad))
+    int threads = 1;
+    if (!PyArg_ParseTuple(args, "OOOOOOny*|i", &dst_o, &dst_starts_o, &sources_o, &src_idx_o, &src_starts_o, &sizes_o,
+                          &j.row_span, &j.pad, &threads))
         return NULL;
     j.have_pad = 1;
     if (PyObject_GetBuffer(dst_o, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
@@ -324,10 +389,9 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
     }
     PyObject *ret = NULL;
     if (job_prepare(&j, dst.len, dst_starts_o, 0, sources_o, src_idx_o, src_starts_o, sizes_o, j.row_span, 0) == 0) {
-        run_jobs(&j, 1, dst.buf);
+        int ran = run_jobs(&j, 1, dst.buf, threads);
         job_release(&j);
-        ret = Py_None;
-        Py_INCREF(ret);
+        ret = PyLong_FromLong(ran);
     }
     PyBuffer_Release(&dst);
     return ret;
@@ -335,7 +399,8 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
 
 static PyObject *copy_fields(PyObject *self, PyObject *args) {
     PyObject *dst_o, *jobs_o;
-    if (!PyArg_ParseTuple(args, "OO", &dst_o, &jobs_o)) return NULL;
+    int threads = 1;
+    if (!PyArg_ParseTuple(args, "OO|i", &dst_o, &jobs_o, &threads)) return NULL;
     PyObject *jobs_seq = PySequence_Fast(jobs_o, "jobs must be a sequence of tuples");
     if (!jobs_seq) return NULL;
     Py_ssize_t njobs = PySequence_Fast_GET_SIZE(jobs_seq), ready = 0;
@@ -366,9 +431,7 @@ static PyObject *copy_fields(PyObject *self, PyObject *args) {
             goto done_dst;
         }
     }
-    run_jobs(jobs, njobs, dst.buf);
-    ret = Py_None;
-    Py_INCREF(ret);
+    ret = PyLong_FromLong(run_jobs(jobs, njobs, dst.buf, threads));
 done_dst:
     for (Py_ssize_t k = 0; k < ready; k++) job_release(&jobs[k]);
     PyBuffer_Release(&dst);
@@ -761,7 +824,8 @@ PyMODINIT_FUNC PyInit__fastcopy(void) {
         }
 #endif
     if (!isas || PyModule_AddObject(m, "STREAM_ISAS", PyList_AsTuple(isas)) < 0 ||
-        PyModule_AddIntConstant(m, "STREAM_BYTES", HAVE_STREAM ? (long)STREAM_BYTES : -1) < 0) {
+        PyModule_AddIntConstant(m, "STREAM_BYTES", HAVE_STREAM ? (long)STREAM_BYTES : -1) < 0 ||
+        PyModule_AddIntConstant(m, "SHARE_BYTES", (long)SHARE_BYTES) < 0) {
         Py_XDECREF(isas);
         Py_DECREF(m);
         return NULL;

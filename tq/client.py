@@ -171,6 +171,12 @@ def _keep_slabs(client_ref: "weakref.ref[TQClient]", stop: threading.Event) -> N
         del client
 
 
+def copy_threads() -> int:
+    """Threads a large copy of a put or get may use: torch's intra-op threads (``torch.set_num_threads``,
+    ``OMP_NUM_THREADS``; Ray sets the latter to an actor's ``num_cpus``), as torch's own copies do."""
+    return torch.get_num_threads()
+
+
 class _UnitRestarted(Exception):
     """A storage unit came back at a new address while a request to its old one was pending."""
 
@@ -857,7 +863,7 @@ class TQClient:
             view, starts, pos = arena.view, {}, base
             for name, col in encoded.items():
                 nb = int(col.row_offsets[n] - col.row_offsets[0])
-                write_chunks(view[pos : pos + nb], col.chunks)
+                write_chunks(view[pos : pos + nb], col.chunks, copy_threads())
                 starts[name] = pos
                 pos = align_up(pos + nb, _FIELD_ALIGN)
         finally:
@@ -1058,7 +1064,7 @@ class TQClient:
                 view = self._arena(unit).view
                 base = alloc.offset
                 for name, (col, ro, chunks) in cols.items():
-                    write_chunks(view[base + offsets[name] : base + offsets[name] + int(ro[-1])], chunks)
+                    write_chunks(view[base + offsets[name] : base + offsets[name] + int(ro[-1])], chunks, copy_threads())
                     fields[name] = messages.StoreField(
                         schema=col.schema.to_wire(), offset=offsets[name], row_offsets=protocol.pack_array(ro, buffers)
                     )
@@ -1577,7 +1583,7 @@ class TQClient:
             jobs.append((at, fx.sources, fx.src, fx.starts, fx.sizes, span, pad))
             at += -(-nbytes // OUT_ALIGN) * OUT_ALIGN
         raw = self._pool.empty(at)
-        copy_fields(raw, jobs)
+        copy_fields(raw, jobs, copy_threads())
         return raw, planned
 
     # ------------------------------------------------------------------ deletes and stats

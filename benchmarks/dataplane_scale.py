@@ -706,7 +706,8 @@ def markdown(result: dict[str, Any]) -> str:
         "## One rank's get: the same bytes in 1..32 per-token fields",
         "",
         f"{gets['n']} samples of up to {gets['length']} tokens, 32 float32 per token in all "
-        "(``[L_i, 32 / fields]`` per field), padded; median of the warm gets.",
+        "(``[L_i, 32 / fields]`` per field), padded; median of the "
+        + (f"{gets['iters']} warm gets of each, TQ's copies on up to {gets['copy_threads']} threads." if "iters" in gets else "warm gets."),
         "",
         "| fields | MiB | TQ get s | TQ GB/s | transferqueue get s | transferqueue GB/s |",
         "|---|---|---|---|---|---|",
@@ -827,12 +828,20 @@ def run(
         sweeps = {k: (v if k in sweep_names else []) for k, v in sweeps.items()}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     t0 = time.perf_counter()
-    n, length, iters = {"quick": (32, 256, 2), "cpu": (256, 1024, 15), "large": (1024, 4096, 9)}[kind]
+    n, length, iters = {"quick": (32, 256, 2), "cpu": (256, 1024, 40), "large": (1024, 4096, 9)}[kind]
     counts = (1, 32) if kind == "quick" else (1, 2, 8, 32)
     points = unique(sweeps)
     log(f"dataplane_scale: {len(points)} points x 2 paths, {steps} timed steps each, {cores} cores")
     rows = run_sweep(points, steps=steps, storage_units=storage_units, cpus_per_rank=cpus_per_rank, log=log, rows_file=rows_file)
-    gets: dict[str, Any] = {"n": n, "length": length, "tq": get_sweep_tq(n, length, counts, iters)}
+    from tq.client import copy_threads
+
+    gets: dict[str, Any] = {
+        "n": n,
+        "length": length,
+        "iters": iters,
+        "copy_threads": copy_threads(),
+        "tq": get_sweep_tq(n, length, counts, iters),
+    }
     if transferqueue:
         gets["transferqueue"] = get_sweep_transferqueue(n, length, counts, iters)
     log(f"get sweep: {json.dumps({k: v for k, v in gets.items() if k in ('tq', 'transferqueue')}, default=str)[:600]}")

@@ -169,6 +169,21 @@ def test_a_large_copy_shared_among_threads_gives_the_same_bytes(padded, threads)
     assert rowcopy.copy_rows(small, None, [small.copy()], np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([1 << 20]), threads=8) == 1
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_shared_copy_of_many_short_rows_gives_the_same_bytes(padded):
+    """Hundreds of thousands of rows of 0-60 bytes (a get of many short fields): the chunks the
+    threads claim end between rows that share a store vector, in and across jobs."""
+    rng = np.random.default_rng(5 + padded)
+    n, max_row = 100_000, 60
+    jobs, total = _fields_case(rng, 6, n, max_row, padded, 2)
+    written = sum(n * j[5] if padded else int(j[4].sum()) for j in jobs)
+    want = np.full(total + 32, 0xAB, dtype=np.uint8)  # one thread (the tests above hold it to numpy's bytes)
+    assert rowcopy.copy_fields(want, jobs, 1) == 1
+    got = np.full(total + 32, 0xAB, dtype=np.uint8)
+    assert rowcopy.copy_fields(got, jobs, 4) == min(4, written // rowcopy.SHARE_BYTES) > 1
+    assert np.array_equal(got, want)
+
+
 def test_write_chunks_of_a_large_put_shares_the_copy_and_keeps_its_bytes():
     """A put's column copy (``write_chunks``), one chunk or many, large enough to share: the same bytes."""
     rng = np.random.default_rng(3)

@@ -42,6 +42,7 @@
 #define STREAM_BYTES ((Py_ssize_t)1 << 20)
 #define SHARE_BYTES ((Py_ssize_t)4 << 20) /* the least a copy thread is started for */
 #define MAX_COPY_THREADS 8
+#define CHUNK_BYTES ((Py_ssize_t)1 << 20) /* the piece of a shared copy a thread claims at a time */
 #define PAT_BYTES 192 /* a pad pattern expanded: PAT_BYTES bytes of it from its phase 0 */
 
 static int get_i64(PyObject *obj, Py_buffer *view, const char *name, int strict) {
@@ -302,75 +303,118 @@ static void job_run(const job_t *j, char *d, int stream, Py_ssize_t i0, Py_ssize
     }
 }
 
-/* A thread's share of a copy: rows from row i0 of job k0 up to (not including) row i1 of job k1.
- * Shares end on row boundaries, and a run's partial vectors at either end are written byte-exactly
- * (stream_job: plain stores of the bytes it owns), so two threads never write the same byte. */
+/* A copy on several threads is cut, on row boundaries, into chunks of about CHUNK_BYTES that the
+ * threads claim one at a time: a thread the OS leaves waiting (a busy machine) just takes fewer, so
+ * the copy is not as slow as its slowest thread's fixed share. A run's partial vectors at either end
+ * of a chunk are written byte-exactly (stream_job: plain stores of the bytes it owns), so two
+ * threads never write the same byte. Chunk c runs from row bounds[c] to row bounds[c + 1], a row
+ * counted across the jobs in order. */
 typedef struct {
     const job_t *jobs;
+    Py_ssize_t njobs, nchunks;
+    const Py_ssize_t *first_row; /* the first row of each job, counted across the jobs */
+    const Py_ssize_t *bounds;
     char *d;
-    Py_ssize_t k0, i0, k1, i1;
     int stream;
-} share_t;
+    Py_ssize_t next; /* the next chunk to claim (atomic) */
+} chunks_t;
 
-static void *run_share(void *arg) {
-    const share_t *s = arg;
-    for (Py_ssize_t k = s->k0; k <= s->k1; k++) {
-        Py_ssize_t from = k == s->k0 ? s->i0 : 0, to = k == s->k1 ? s->i1 : s->jobs[k].n;
-        if (to > from) job_run(&s->jobs[k], s->d, s->stream, from, to);
+/* Rows [from, to) counted across the jobs: the part of each job they cover. */
+static void run_rows(const chunks_t *c, Py_ssize_t from, Py_ssize_t to) {
+    Py_ssize_t k = 0;
+    while (k + 1 < c->njobs && c->first_row[k + 1] <= from) k++;
+    for (; k < c->njobs && c->first_row[k] < to; k++) {
+        Py_ssize_t lo = from > c->first_row[k] ? from - c->first_row[k] : 0;
+        Py_ssize_t hi = to - c->first_row[k] < c->jobs[k].n ? to - c->first_row[k] : c->jobs[k].n;
+        if (hi > lo) job_run(&c->jobs[k], c->d, c->stream, lo, hi);
+    }
+}
+
+static void *run_chunks(void *arg) {
+    chunks_t *c = arg;
+    for (;;) {
+        Py_ssize_t i = __atomic_fetch_add(&c->next, 1, __ATOMIC_RELAXED);
+        if (i >= c->nchunks) break;
+        run_rows(c, c->bounds[i], c->bounds[i + 1]);
     }
 #if HAVE_STREAM
-    if (s->stream) _mm_sfence();  /* streaming stores are weakly ordered: publish them before returning */
+    if (c->stream) _mm_sfence();  /* streaming stores are weakly ordered: publish them before returning */
 #endif
     return NULL;
 }
 
-/* Where the copy's byte `target` falls, as (job, row): the first row starting at or after it. */
-static void share_bound(const job_t *jobs, Py_ssize_t njobs, Py_ssize_t target, Py_ssize_t *k_out, Py_ssize_t *i_out) {
-    Py_ssize_t at = 0;
+/* Row bounds of chunks of about `chunk` bytes each (a chunk ends at the first row boundary at or past
+ * its share; bounds strictly increase); returns the number of chunks, bounds[0..n] filled. */
+static Py_ssize_t cut_chunks(const job_t *jobs, Py_ssize_t njobs, Py_ssize_t chunk, Py_ssize_t *first_row, Py_ssize_t *bounds) {
+    Py_ssize_t n = 1, rows = 0, at = 0, next = chunk;
+    bounds[0] = 0;
+#define EMIT(b) do { if ((b) > bounds[n - 1]) bounds[n++] = (b); } while (0)
     for (Py_ssize_t k = 0; k < njobs; k++) {
         const job_t *j = &jobs[k];
-        if (at + j->bytes <= target) { at += j->bytes; continue; }
-        Py_ssize_t i = 0;
-        if (j->row_span > 0) i = (target - at + j->row_span - 1) / j->row_span;
-        else for (const int64_t *z = j->sizes.buf; i < j->n && at < target; i++) at += z[i] > 0 ? z[i] : 0;
-        *k_out = k, *i_out = i < j->n ? i : j->n;
-        return;
+        first_row[k] = rows;
+        if (j->row_span > 0) { /* rows of one span: each chunk end found by arithmetic */
+            while (at + j->bytes > next) {
+                Py_ssize_t i = next <= at ? 0 : (next - at + j->row_span - 1) / j->row_span;
+                EMIT(rows + i);
+                next = at + i * j->row_span + chunk;
+            }
+        } else {
+            const int64_t *z = j->sizes.buf;
+            for (Py_ssize_t i = 0, a = at; i < j->n; i++) {
+                a += z[i];
+                if (a >= next) {
+                    EMIT(rows + i + 1);
+                    next = a + chunk;
+                }
+            }
+        }
+        at += j->bytes;
+        rows += j->n;
     }
-    *k_out = njobs - 1, *i_out = njobs ? jobs[njobs - 1].n : 0;
+    EMIT(rows);
+#undef EMIT
+    return n - 1;
 }
 
 /* Run prepared jobs into dst with the GIL released: streaming when they write STREAM_BYTES or more;
- * on up to `threads` threads (each a share of at least SHARE_BYTES), started for this call and
- * joined before it returns - no pool outlives a call, so a fork never inherits half a pool.
- * Returns the number of threads that ran it. */
+ * on up to `threads` threads (one per SHARE_BYTES written), started for this call and joined before
+ * it returns - no pool outlives a call, so a fork never inherits half a pool. Returns the number of
+ * threads that ran it. */
 static int run_jobs(const job_t *jobs, Py_ssize_t njobs, char *d, int threads) {
-    Py_ssize_t total = 0;
-    for (Py_ssize_t k = 0; k < njobs; k++) total += jobs[k].bytes;
+    Py_ssize_t total = 0, rows = 0;
+    for (Py_ssize_t k = 0; k < njobs; k++) total += jobs[k].bytes, rows += jobs[k].n;
     int stream = total >= STREAM_BYTES;
     Py_ssize_t parts = total / SHARE_BYTES;
     if (parts > threads) parts = threads;
     if (parts > MAX_COPY_THREADS) parts = MAX_COPY_THREADS;
-    if (parts < 1 || njobs == 0) parts = 1;
-    share_t shares[MAX_COPY_THREADS];
-    pthread_t tids[MAX_COPY_THREADS];
-    int started[MAX_COPY_THREADS] = {0};
-    Py_BEGIN_ALLOW_THREADS
-    Py_ssize_t k = 0, i = 0;
-    for (Py_ssize_t p = 0; p < parts; p++) {
-        Py_ssize_t k1 = njobs - 1, i1 = njobs ? jobs[njobs - 1].n : 0;
-        if (p + 1 < parts) share_bound(jobs, njobs, total / parts * (p + 1), &k1, &i1);
-        shares[p] = (share_t){jobs, d, k, i, k1, i1, stream};
-        k = k1, i = i1;
+    Py_ssize_t *first_row = NULL, *bounds = NULL;
+    if (parts > 1) {  /* at most one chunk per row, and one per CHUNK_BYTES (+ the ends) */
+        Py_ssize_t most = total / CHUNK_BYTES + njobs + 2;  /* bounds strictly increase: also <= rows + 1 */
+        if (most > rows + 1) most = rows + 1;
+        first_row = PyMem_Malloc((size_t)njobs * sizeof(Py_ssize_t));
+        bounds = PyMem_Malloc((size_t)(most + 1) * sizeof(Py_ssize_t));
+        if (!first_row || !bounds) parts = 1;  /* no memory to plan with: one thread */
     }
-    for (Py_ssize_t p = 1; p < parts; p++) started[p] = pthread_create(&tids[p], NULL, run_share, &shares[p]) == 0;
-    run_share(&shares[0]);
-    for (Py_ssize_t p = 1; p < parts; p++) {
-        if (started[p]) pthread_join(tids[p], NULL);
-        else run_share(&shares[p]);  /* no thread to be had: this one does the share */
+    int ran = 1;
+    Py_BEGIN_ALLOW_THREADS
+    if (parts <= 1) {
+        for (Py_ssize_t k = 0; k < njobs; k++) job_run(&jobs[k], d, stream, 0, jobs[k].n);
+#if HAVE_STREAM
+        if (stream) _mm_sfence();
+#endif
+    } else {
+        chunks_t c = {jobs, njobs, 0, first_row, bounds, d, stream, 0};
+        c.nchunks = cut_chunks(jobs, njobs, CHUNK_BYTES, first_row, bounds);
+        pthread_t tids[MAX_COPY_THREADS];
+        int started[MAX_COPY_THREADS] = {0};
+        for (Py_ssize_t p = 1; p < parts; p++) ran += started[p] = pthread_create(&tids[p], NULL, run_chunks, &c) == 0;
+        run_chunks(&c);
+        for (Py_ssize_t p = 1; p < parts; p++)
+            if (started[p]) pthread_join(tids[p], NULL);
     }
     Py_END_ALLOW_THREADS
-    int ran = 1;
-    for (Py_ssize_t p = 1; p < parts; p++) ran += started[p];
+    PyMem_Free(first_row);
+    PyMem_Free(bounds);
     return ran;
 }
 

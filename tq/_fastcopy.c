@@ -11,7 +11,7 @@
  *   buffer exports, the GIL released and taken) are paid once, and the streaming decision below is
  *   made on the whole get - a get of 32 fields of 0.8 MB each is as large as one of 1 field of 24 MB.
  * Both return the number of threads the copy ran on: up to `threads` (default 1, at most
- * MAX_COPY_THREADS), one per SHARE_BYTES written, each a contiguous share of the rows.
+ * MAX_COPY_THREADS), one per SHARE_BYTES written, claiming chunks of about CHUNK_BYTES of rows.
  * Every range is bounds-checked first (offsets may come from another process), so bad offsets raise
  * ValueError instead of touching memory they do not own; nothing is written unless every job is
  * valid. A pure-numpy fallback lives in tq/rowcopy.py.

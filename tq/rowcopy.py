@@ -4,8 +4,9 @@
 stores for destinations of ``STREAM_BYTES`` or more, of the widest vectors the CPU has: ``STREAM_ISAS``
 lists those it supports, ``set_stream_isa`` picks one) and falls back to numpy slicing (same results, more
 Python overhead per row) where it was not built. A copy of ``SHARE_BYTES`` or more per thread is split
-among up to ``threads`` threads (at most 8) that the call starts and joins: memory bandwidth is per
-core until the socket's is reached (2 vCPUs: a 24 MiB padded get copies 1.3x faster on 2 threads).
+among up to ``threads`` threads (at most 8) that the call starts and joins, each claiming 1 MiB chunks
+of rows in turn: memory bandwidth is per core until the socket's is reached (2 vCPUs: a 24 MiB padded
+get copies 1.4x faster on 2 threads; a 32-core host: a 512 MiB get 5.3x faster on 8).
 """
 
 from __future__ import annotations

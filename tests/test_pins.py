@@ -156,6 +156,7 @@ def test_a_file_whose_client_looks_gone_is_revoked_before_it_is_let_go(tmp_path)
     import subprocess
     import sys
 
+    from tq.launch import process_identity
     from tq.locations import H_CLEARS
     from tq.pins import PIN_OWNER_W
 
@@ -169,6 +170,7 @@ def test_a_file_whose_client_looks_gone_is_revoked_before_it_is_let_go(tmp_path)
         far = time.monotonic_ns() + 10**10
         lease, slot = pins.pin(far, 0, [1], table._mm, *state)
         pins._words[PIN_OWNER_W] = int(gone)  # as the controller sees it: no such process
+        board.owners[pins.path] = process_identity(int(gone))  # (None: what it records for one)
         board.prune(time.monotonic_ns())
         assert pins.path in board.files  # a live pin: still read, and the file is kept
         assert [p.lease for p in board.pins()] == [lease]
@@ -180,6 +182,28 @@ def test_a_file_whose_client_looks_gone_is_revoked_before_it_is_let_go(tmp_path)
         assert board.files == {} and not os.path.exists(pins.path)
     finally:
         table.close()
+        pins.close()
+        board.close()
+
+
+def test_a_file_whose_client_exited_is_let_go_though_its_pid_was_reused(tmp_path):
+    """The controller tells a pin file's client by (pid, start time), recorded when it registered the
+    file: once that process has exited, the file is revoked and removed even if another process now
+    runs under the same pid (here this test's own process, standing in for the reused pid) - before,
+    a live pid kept a dead client's file read and in shared memory for good."""
+    from tq.launch import process_identity
+
+    pins = _pin_file(tmp_path)
+    board = PinBoard(str(tmp_path))
+    board.register(pins.path)
+    try:
+        pid, started = process_identity(os.getpid())
+        board.prune(time.monotonic_ns())
+        assert pins.path in board.files  # its client (this process) runs: kept
+        board.owners[pins.path] = (pid, started - 1)  # the client that registered it started earlier
+        board.prune(time.monotonic_ns())
+        assert pins.revoked and board.files == {} and not os.path.exists(pins.path)
+    finally:
         pins.close()
         board.close()
 

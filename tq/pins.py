@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .arena import map_new_shm_file
-from .launch import files_of_gone_processes, pid_alive, process_identity
+from .launch import files_of_gone_processes, process_identity, same_process
 from .leases import new_lease_id
 
 try:
@@ -238,8 +238,9 @@ class PinBoard:
         return deadline if deadline is not None and deadline > now_ns else None
 
     def prune(self, now_ns: int) -> None:
-        """Stop reading the files of clients that closed them (unlinked) or look gone, once nothing in
-        them pins beyond ``now_ns``. A file is revoked first (atomic, fenced) and read once more: a pin
+        """Stop reading the files of clients that closed them (unlinked) or look gone (the process that
+        registered the file, told by pid and start time, no longer runs), once nothing in them pins
+        beyond ``now_ns``. A file is revoked first (atomic, fenced) and read once more: a pin
         published before the revocation is seen then (the file is kept), one after it is given up by
         its client, which registers a new file - so a client only thought gone (another pid
         namespace) loses no pin. A revoked file of a gone client is unlinked."""
@@ -247,7 +248,7 @@ class PinBoard:
             header = np.frombuffer(mm, dtype=np.int64, count=PIN_HEADER)
             if any(deadline > now_ns for _, _, deadline, _, _ in _read_pins(mm)):
                 continue
-            gone = not pid_alive(int(header[PIN_OWNER_W]))
+            gone = not same_process(self.owners.get(path))  # by start time too: its pid may be reused
             if not gone and os.path.exists(path):
                 continue
             if not header[PIN_REVOKED_W]:

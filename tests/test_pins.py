@@ -158,7 +158,6 @@ def test_a_file_whose_client_looks_gone_is_revoked_before_it_is_let_go(tmp_path)
 
     from tq.launch import process_identity
     from tq.locations import H_CLEARS
-    from tq.pins import PIN_OWNER_W
 
     table = _table(tmp_path)
     pins = _pin_file(tmp_path)
@@ -169,8 +168,7 @@ def test_a_file_whose_client_looks_gone_is_revoked_before_it_is_let_go(tmp_path)
         state = (table.frees, table.incarnation, int(table.header[H_CLEARS]))
         far = time.monotonic_ns() + 10**10
         lease, slot = pins.pin(far, 0, [1], table._mm, *state)
-        pins._words[PIN_OWNER_W] = int(gone)  # as the controller sees it: no such process
-        board.owners[pins.path] = process_identity(int(gone))  # (None: what it records for one)
+        board.owners[pins.path] = process_identity(int(gone))  # as the controller sees it: no such process (None)
         board.prune(time.monotonic_ns())
         assert pins.path in board.files  # a live pin: still read, and the file is kept
         assert [p.lease for p in board.pins()] == [lease]

@@ -138,10 +138,10 @@ def test_copy_fields_matches_field_by_field_copies(seed, padded, pad_width, n_fi
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("threads", [2, 3, 8])
 def test_a_large_copy_shared_among_threads_gives_the_same_bytes(padded, threads):
-    """A copy of several SHARE_BYTES runs on up to ``threads`` threads, each a contiguous share of the
-    rows: shares end inside fields and between rows that share a store vector (odd row lengths, odd
-    field starts), and each thread writes only its own bytes - the result is byte for byte the
-    one-thread copy's, on every streaming width."""
+    """A copy of several SHARE_BYTES runs on up to ``threads`` threads, which claim its rows in chunks:
+    chunks end inside fields and between rows that share a store vector (odd row lengths, odd field
+    starts), and each thread writes only its own bytes - the result is byte for byte the one-thread
+    copy's, on every streaming width."""
     rng = np.random.default_rng(threads + 10 * padded)
     n = 64
     max_row = 6 * rowcopy.SHARE_BYTES // (n * 3)  # 3 fields: 3 (rows half full) to 6 shares in all

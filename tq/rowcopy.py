@@ -21,7 +21,7 @@ try:
     from ._fastcopy import copy_rows as _c_copy_rows
 except ImportError:  # no compiler at install time
     _c_copy_rows, _c_copy_fields, STREAM_BYTES, STREAM_ISAS, set_stream_isa = None, None, -1, (), None
-    SHARE_BYTES = 1 << 62  # numpy copies on one thread
+    SHARE_BYTES = 1 << 62  # numpy copies on one thread (write_chunks keeps one chunk on numpy too)
 
 # One field's copy for copy_fields: (dst_start, sources, src_idx, src_starts, sizes, row_span, pad).
 FieldCopy = tuple[int, Sequence[np.ndarray], np.ndarray, np.ndarray, np.ndarray, int, bytes]
@@ -134,7 +134,7 @@ def write_chunks(dst: np.ndarray, chunks: Sequence[np.ndarray], threads: int = 1
     """Copy chunks back to back into ``dst`` (a uint8 view of exactly their total size), on up to
     ``threads`` threads where it is large enough to share (see :data:`SHARE_BYTES`); returns how many
     it ran on."""
-    if len(chunks) == 1 and (threads < 2 or dst.size < 2 * SHARE_BYTES or _c_copy_rows is None):
+    if len(chunks) == 1 and (threads < 2 or dst.size < 2 * SHARE_BYTES):  # one thread: numpy's memcpy
         dst[:] = chunks[0]
         return 1
     sizes = np.fromiter((c.size for c in chunks), dtype=np.int64, count=len(chunks))

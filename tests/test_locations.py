@@ -29,6 +29,7 @@ from tq.locations import (
     H_COLUMNS,
     H_INCARNATION,
     H_RETIRED,
+    FEW_RECORDS,
     HEADER_WORDS,
     SUPPORTED,
     LocationTable,
@@ -177,6 +178,52 @@ def test_commits_lay_runs_and_a_restored_table_has_none(loopback):
         ctrl._restore(snap)
         loc = ctrl.partitions["p"].loc("x")
         assert loc[:7, LOC_RUN].tolist() == [-1] * 7 and loc[:7, protocol.LOC_OFFSET].tolist() == [0, 8, 64, 72, 200, 100, 300]
+    finally:
+        ctrl.close()
+
+
+@pytest.mark.parametrize("n", [3, FEW_RECORDS + 5], ids=["record-by-record", "numpy"])
+def test_a_commit_writes_the_same_records_whatever_its_size(loopback, n):
+    """Up to FEW_RECORDS rows a commit is checked and written with Python ints, above with NumPy: both
+    write each row's whole record, give rows back to back in consecutive slots one new run, rows laid
+    otherwise none, and refuse a slab commit whose rows are not back to back inside the slab's range."""
+    from tq.errors import InvalidRequestError
+
+    ctrl = loopback.start()
+    try:
+        loopback.commit_two_rows(ctrl)  # slots 0, 1: a run
+
+        def commit(keys: list[str], sizes: np.ndarray, offsets: np.ndarray, block: int, slab: list | None = None) -> None:
+            bufs: list = []
+            rows = {
+                "schema": ["tensor", "int64", []],
+                "row_nbytes": protocol.pack_array(sizes, bufs),
+                "arena_offsets": protocol.pack_array(offsets, bufs),
+            }
+            args = {"partition": "p", "keys": keys, "mode": "put", "blocks": [[0, block, len(keys)]], "fields": {"x": rows}}
+            loopback.apply(ctrl, "commit", args | ({"slabs": [slab]} if slab else {}), bufs)
+
+        sizes = np.arange(n, dtype=np.int64) % 3 * 8  # some rows empty
+        packed = 4096 + np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        commit([f"k{i}" for i in range(n)], sizes, packed, 6, [1, 4096, int(sizes.sum())])
+        commit([f"r{i}" for i in range(n)], sizes, packed[::-1].copy(), 7)  # offsets descend: no run
+        loc = ctrl.partitions["p"].loc("x")
+        run = int(loc[2, LOC_RUN])
+        assert run > int(loc[0, LOC_RUN]) and run >= 0
+        expect = [[0, 6, i, int(sizes[i]), int(packed[i]), run] for i in range(n)]
+        assert loc[2 : 2 + n].tolist() == expect
+        assert loc[2 + n : 2 + 2 * n, LOC_RUN].tolist() == [-1] * n
+        assert loc[2 + n : 2 + 2 * n, protocol.LOC_OFFSET].tolist() == packed[::-1].tolist()
+        gap = packed + (np.arange(n) == n - 1)  # the last row one byte off
+        bad = (
+            (gap, [2, 4096, 1 << 16], "a gap before the last row"),
+            (packed, [2, 4104, 1 << 16], "starts before the slab"),
+            (packed, [2, 4096, int(sizes.sum()) - 1], "ends past the slab"),
+        )
+        for block, (offsets, slab, why) in enumerate(bad, start=8):  # a refused commit's block is fenced
+            with pytest.raises(InvalidRequestError, match="not back to back inside its slab range"):
+                commit([f"bad{i}" for i in range(n)], sizes, offsets, block, slab)
+            assert "bad0" not in ctrl.partitions["p"].index, why
     finally:
         ctrl.close()
 

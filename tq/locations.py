@@ -69,6 +69,7 @@ try:
 except ImportError:  # no compiler at install time: every get asks the controller
     _read_locations = _c_table_layout = None
 
+FEW_RECORDS = 64  # a commit of up to this many rows writes them record by record (see write_rows)
 MAGIC = 0x5451_4C4F_4354_0002  # "TQLOCT" v2: planes per record word, runs
 (
     H_MAGIC,
@@ -297,6 +298,16 @@ class LocationTable:
         ascending consecutive slots, back to back; else their run word is -1. The only partial write
         of records: every other change writes whole records, run word included."""
         loc = self.loc(name)
+        if one_block and len(slots) <= FEW_RECORDS:  # record by record: NumPy's indexing costs more on a few
+            ss, nbl, offl = slots.tolist(), nbytes.tolist(), offsets.tolist()
+            if len(ss) == 1 or (all(b - a == 1 for a, b in zip(ss, ss[1:])) and all(o + n == p for o, n, p in zip(offl, nbl, offl[1:]))):
+                self._last_run += 1
+                run = self._last_run
+            else:
+                run = -1
+            for s, row, n, off in zip(ss, rows.tolist(), nbl, offl):
+                loc[s] = (unit, block, row, n, off, run)  # LOC_UNIT .. LOC_RUN, in order
+            return
         loc[slots, LOC_UNIT] = unit
         loc[slots, LOC_BLOCK] = block
         loc[slots, LOC_ROW] = rows

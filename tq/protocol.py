@@ -459,7 +459,7 @@ def unpack_array(ref: Any, buffers: Sequence[memoryview], *, name: str = "array"
         index, dt, shape = ref["b"], ref.get("d"), ref["s"]
     else:
         raise MalformedMessageError(f"{name}: expected an array ref, got {ref!r}")
-    if dt not in ARRAY_DTYPES or (dtype is not None and np.dtype(dt) != np.dtype(dtype)):
+    if dt not in ARRAY_DTYPES or (dtype is not None and dt != dtype and np.dtype(dt) != np.dtype(dtype)):
         raise MalformedMessageError(f"{name}: dtype {dt!r} not allowed here")
     if not 0 <= index < len(buffers):
         raise MalformedMessageError(f"{name}: buffer index {index} out of range")

@@ -29,7 +29,7 @@ from tq.locations import (
     H_COLUMNS,
     H_INCARNATION,
     H_RETIRED,
-    FEW_RECORDS,
+    FEW_ROWS,
     HEADER_WORDS,
     SUPPORTED,
     LocationTable,
@@ -182,9 +182,9 @@ def test_commits_lay_runs_and_a_restored_table_has_none(loopback):
         ctrl.close()
 
 
-@pytest.mark.parametrize("n", [3, FEW_RECORDS + 5], ids=["record-by-record", "numpy"])
+@pytest.mark.parametrize("n", [3, FEW_ROWS + 5], ids=["record-by-record", "numpy"])
 def test_a_commit_writes_the_same_records_whatever_its_size(loopback, n):
-    """Up to FEW_RECORDS rows a commit is checked and written with Python ints, above with NumPy: both
+    """Up to FEW_ROWS rows a commit is checked and written with Python ints, above with NumPy: both
     write each row's whole record, give rows back to back in consecutive slots one new run, rows laid
     otherwise none, and refuse a slab commit whose rows are not back to back inside the slab's range."""
     from tq.errors import InvalidRequestError

@@ -19,9 +19,9 @@ from __future__ import annotations
 import argparse
 import collections
 import hashlib
+import itertools
 import logging
 import os
-import itertools
 import signal
 import struct
 import time
@@ -47,7 +47,7 @@ from .errors import (
 from .arena import host_identity
 from .journal import Journal
 from .leases import LeaseBook, leased_blocks, new_lease_id
-from .locations import LocationTable, remove_orphans, take_records
+from .locations import FEW_ROWS, LocationTable, remove_orphans, take_records
 from .messages import ControllerOp as Op
 from .partition import Partition, Waiter
 from .pins import POLL_S as PIN_POLL_S, SUPPORTED as PINS_SUPPORTED, PinBoard
@@ -62,10 +62,6 @@ log = logging.getLogger(__name__)
 
 PIN_PRUNE_S = 5.0  # how often the pin files of clients that closed or died are let go
 RECENT_COMMITS = 1 << 12  # settled commits remembered so that a resent one is answered like the first
-# A commit's rows are checked with Python ints up to this many keys: a NumPy call on a few elements
-# costs 3-5 us warm and several times that in the controller's loop, whose caches the clients' work
-# between two requests evicts; a list operation a tenth (measured on the 2-vCPU VM)
-FEW_ROWS = 64
 
 
 def _pin_holds(deadline_ns: int | None, holder: tuple[int, int] | None, now_ns: int) -> bool:

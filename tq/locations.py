@@ -69,7 +69,10 @@ try:
 except ImportError:  # no compiler at install time: every get asks the controller
     _read_locations = _c_table_layout = None
 
-FEW_RECORDS = 64  # a commit of up to this many rows writes them record by record (see write_rows)
+# A commit of up to this many rows is checked (controller) and written (write_rows) with Python ints:
+# a NumPy call on a few elements costs 3-5 us warm and several times that in the controller's loop,
+# whose caches the other processes' work between two requests evicts; a list operation a tenth
+FEW_ROWS = 64
 MAGIC = 0x5451_4C4F_4354_0002  # "TQLOCT" v2: planes per record word, runs
 (
     H_MAGIC,
@@ -298,7 +301,7 @@ class LocationTable:
         ascending consecutive slots, back to back; else their run word is -1. The only partial write
         of records: every other change writes whole records, run word included."""
         loc = self.loc(name)
-        if one_block and len(slots) <= FEW_RECORDS:  # record by record: NumPy's indexing costs more on a few
+        if one_block and len(slots) <= FEW_ROWS:  # record by record: NumPy's indexing costs more on a few
             ss, nbl, offl = slots.tolist(), nbytes.tolist(), offsets.tolist()
             if len(ss) == 1 or (all(b - a == 1 for a, b in zip(ss, ss[1:])) and all(o + n == p for o, n, p in zip(offl, nbl, offl[1:]))):
                 self._last_run += 1

@@ -22,6 +22,7 @@ import threading
 import time
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -780,42 +781,84 @@ def _held_bytes(c: TQClient) -> int:
     return c.stats()["unit_stats"][0]["held_bytes"]
 
 
-def _paused_writer(address: str, tag: str) -> subprocess.Popen:
-    """A writer process stopped after carving its block for key ``late<tag>``, before copying into it."""
-    writer = subprocess.Popen([sys.executable, "-c", _PAUSED_WRITER, address, tag], stdout=subprocess.PIPE, text=True)
+# A pid namespace of its own (and its own /proc), whose pids start near pid_max: the writer's pid
+# there names no process here - as for a writer in another container of a pod sharing /dev/shm.
+_IN_PID_NAMESPACE = """echo "$1" > /proc/sys/kernel/ns_last_pid && "$2" -c "$0" "$3" "$4"; exit $?"""
+
+
+def _pid_namespace_start() -> int | None:
+    """A pid to number a new pid namespace's processes from, none of whose next few exists here; None
+    where this process cannot make pid namespaces (not root, no ``unshare``)."""
+    start = int(open("/proc/sys/kernel/pid_max").read()) - 1000
+    while start > 1000 and any(os.path.exists(f"/proc/{start + i}") for i in range(1, 8)):
+        start -= 1000
+    try:
+        probe = subprocess.run(
+            ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", _IN_PID_NAMESPACE, "import os; print(os.getpid())"]
+            + [str(start), sys.executable, "", ""],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return start if probe.returncode == 0 and probe.stdout.strip() == str(start + 1) else None
+
+
+def _paused_writer(address: str, tag: str, pid_namespace_start: int | None = None) -> tuple[subprocess.Popen, int]:
+    """A writer process stopped after carving its block for key ``late<tag>``, before copying into it
+    (in a pid namespace of its own numbered from ``pid_namespace_start``, when given); and its pid here."""
+    if pid_namespace_start is None:
+        cmd = [sys.executable, "-c", _PAUSED_WRITER, address, tag]
+    else:
+        cmd = ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", _IN_PID_NAMESPACE, _PAUSED_WRITER]
+        cmd += [str(pid_namespace_start), sys.executable, address, tag]
+    writer = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     assert writer.stdout.readline().strip() == "carved"
-    assert wait_until(lambda: process_state(writer.pid) == "T")
+    pid = writer.pid
+    if pid_namespace_start is not None:  # the python process under unshare and sh
+        pid = next(p.pid for p in psutil.Process(writer.pid).children(recursive=True) if p.cmdline()[0] == sys.executable)
+    assert wait_until(lambda: process_state(pid) == "T")
     time.sleep(1.0 + 3.0)  # its lease (1 s), then heartbeats: the slab of a writer that is gone is closed by now
-    return writer
+    return writer, pid
 
 
-def test_a_writer_paused_past_its_allocation_lease_never_writes_into_another_keys_bytes():
+@pytest.mark.parametrize("namespace", ["same", "own"], ids=["same-pid-namespace", "other-pid-namespace"])
+def test_a_writer_paused_past_its_allocation_lease_never_writes_into_another_keys_bytes(namespace):
     """A same-host writer carves a block out of its slab and is stopped (SIGSTOP: a debugger, a
     frozen cgroup, a VM pause) before it copies, for longer than the unit's allocation lease. Its
     unit used to give the slab's range to the next put once the lease ran out, and the writer's copy
     on waking landed in that other key's bytes - which its reader then got (seen: 0xAA in a key
     written 0x55). The lease is for writers that are gone: the range of a writer whose process lives
     is held until it says it is done (its next allocation, or close) or exits. Its late commit is
-    refused (its block was fenced with the lease), so its key stays absent."""
+    refused (its block was fenced with the lease), so its key stays absent. A writer in another pid
+    namespace sharing /dev/shm (a container of the same pod) is told alive by the lock it holds on
+    its liveness file: by its pid, which names no process of the unit's namespace, its range was
+    freed under it."""
+    start = _pid_namespace_start() if namespace == "own" else None
+    if namespace == "own" and start is None:
+        pytest.skip("cannot make a pid namespace here (needs root and util-linux's unshare)")
     with TQServer(storage_units=0) as server:
         unit, _ = _start_unit(server.address, alloc_lease=1.0)
         c = TQClient(server.address, timeout=10.0, transport="tcp")  # no slab of its own: only the writers' are held
         writers: list[subprocess.Popen] = []
         try:
             c.register_partition("p")
-            writers.append(_paused_writer(server.address, "0"))
+            writer, pid = _paused_writer(server.address, "0", start)
+            writers.append(writer)
             assert _held_bytes(c) > 0
             victim = c.put("p", ["victim"], {"v": torch.full((1, 1 << 20), 0x55, dtype=torch.uint8)})
-            os.kill(writers[0].pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGCONT)
             out, _ = writers[0].communicate(timeout=30)
             assert torch.equal(c.get(victim)["v"], torch.full((1, 1 << 20), 0x55, dtype=torch.uint8)), out
             assert "late put failed: FencedCommitError" in out, out
             assert sorted(c.get_meta("p").keys) == ["victim", "warm0"]
             assert wait_until(lambda: _held_bytes(c) == 0), "the writer's close did not release its range"
             # a paused writer that is killed instead: its range is freed once the unit sees it gone
-            writers.append(_paused_writer(server.address, "1"))
+            writer, pid = _paused_writer(server.address, "1", start)
+            writers.append(writer)
             assert _held_bytes(c) > 0
-            writers[1].kill()
+            os.kill(pid, signal.SIGKILL)
             writers[1].wait(10)
             assert wait_until(lambda: _held_bytes(c) == 0, timeout=10), "a dead writer's range stayed held"
         finally:

@@ -28,7 +28,7 @@ import msgspec
 import numpy as np
 import torch
 
-from . import protocol
+from . import liveness, protocol
 from .admin import connect_units, service_stats, unit_stats
 from .arena import ALIGN, Arena, align_up, host_identity
 from .bufferpool import HostBufferPool
@@ -968,20 +968,31 @@ class TQClient:
             except TQError:
                 pass
 
+    def _liveness_file(self, unit: int) -> str | None:
+        """This process's liveness file in ``unit``'s shared-memory directory (see tq.liveness), or
+        None where none can be made there (the unit then judges this writer by its pid)."""
+        try:
+            return liveness.own_file(os.path.dirname(self._units[unit].arena_path))
+        except OSError:
+            return None
+
     def _alloc(self, unit: int, nbytes: int, *, ids: int = 0, wait: bool = True) -> messages.AllocReply:
         """Reserve ``nbytes`` of ``unit``'s arena (a slab with ``ids`` block ids, when ``ids``), waiting
         for room up to ``capacity_wait_s`` when ``wait``. The request of a same-host writer says when
         it stops waiting for the answer (one host, one clock): a unit that gets to it later grants
         nothing, since a range nobody fills would stay reserved until its lease ends."""
-        reply_by, writer, released = None, None, []
+        reply_by, writer, writer_file, released = None, None, None, []
         if self._is_local(unit):
             timeout = self.timeout + self.capacity_wait_s
             reply_by = time.time() + min(timeout, time_left() or timeout)
             writer = os.getpid()
+            writer_file = self._liveness_file(unit)
             with self._slab_lock:
                 released = self._released.pop(unit, [])
         wait_s = self._room_wait_s() if wait else 0.0
-        args = messages.Alloc(nbytes=nbytes, wait_s=wait_s, ids=ids, reply_by=reply_by, writer=writer, released=released)
+        args = messages.Alloc(
+            nbytes=nbytes, wait_s=wait_s, ids=ids, reply_by=reply_by, writer=writer, writer_file=writer_file, released=released
+        )
         try:
             return self._unit_call(unit, UnitOp.ALLOC, args, [])
         except BaseException:

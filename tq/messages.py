@@ -541,6 +541,9 @@ class Alloc(Args):
     # a same-host writer's pid: past its lease, the range of a writer whose process still lives is
     # not given to anyone else (it may only be paused mid-copy) until it releases it or exits
     writer: Union[Annotated[int, msgspec.Meta(gt=0)], None] = None
+    # ... told, where the writer could make one, by its liveness file in the unit's shared-memory
+    # directory instead (tq.liveness): a pid does not name the writer in another pid namespace
+    writer_file: Union[Annotated[str, msgspec.Meta(pattern=r"^tq-live-[0-9a-f]{32}$")], None] = None
     # allocations of this writer's that it will not write into any more (see Release), told in passing
     released: list[Count] = []
 

@@ -25,7 +25,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from . import argtypes, launch, messages, protocol
+from . import argtypes, launch, liveness, messages, protocol
 from .arena import ALIGN, Arena, RangeAllocator, align_up, check_shm_room, host_identity, release_heap
 from .journal import Journal, JournalWriteError
 from .errors import CapacityError, InvalidRequestError, StorageUnitError, TQTimeoutError
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_ALLOC_LEASE_S = 60.0  # a writer fills its allocation within this (seconds)
 WRITER_CHECK_S = 1.0  # how often ranges held for paused writers are checked for writers gone
+LIVENESS_SWEEP_S = 60.0  # how often the liveness files of exited writers are unlinked (tq.liveness)
 # A stored block waits this long for the controller to claim it (its put committed) before the unit
 # asks the controller to resolve it: claim it, or fence it and have it freed. Never freed unasked.
 DEFAULT_COMMIT_LEASE_S = 30.0
@@ -48,6 +49,11 @@ FETCH_ADOPT_WAIT_S = 2.0  # a fetch of a committed block waits this long for the
 # Fetches of up to this many rows are located and gathered row by row: for a handful of rows a dozen
 # vectorised numpy calls cost more than the loop (a 1-row fetch took ~0.4 ms of handler on the 2-vCPU VM).
 FEW_ROWS = 16
+
+
+def _writer_record(aid: int, writer: str | tuple[int, int]) -> list:
+    """The journal record of allocation ``aid``'s writer: its liveness file, or its pid and start time."""
+    return ["W", aid, writer] if isinstance(writer, str) else ["W", aid, *writer]
 
 
 def _wall(deadline: float) -> float:
@@ -166,12 +172,15 @@ class StorageUnit(RpcServer):
         self._next_id = 1
         self.pending: dict[int, tuple[int, int, float]] = {}  # alloc id -> (start, size, expiry)
         self.slabs: dict[int, Slab] = {}  # alloc id -> slab (see Slab)
-        self.writers: dict[int, tuple[int, int]] = {}  # alloc id -> its same-host writer's process_identity
+        # alloc id -> its same-host writer: its liveness file (tq.liveness) or, where it sent none, its
+        # process_identity
+        self.writers: dict[int, str | tuple[int, int]] = {}
         # ranges of allocations whose lease ran out while their writer's process lived (it may be paused
         # mid-copy): kept from everyone else until it releases them or exits. alloc id -> the ranges, and
         # the slab they are the gaps of (None: an allocation)
         self.held: dict[int, tuple[list[tuple[int, int]], Slab | None]] = {}
         self._next_writer_check = 0.0
+        self._next_liveness_sweep = 0.0  # the first tick sweeps: files of writers that exited while no unit ran
         self.parked_fetches: list[tuple[messages.Fetch, list, Call, float]] = []  # rows of blocks not adopted yet
         self.alloc_lease_s = alloc_lease_s
         if recover_arena is None:
@@ -286,6 +295,9 @@ class StorageUnit(RpcServer):
                 self._next_writer_check = now + WRITER_CHECK_S
                 for aid in [a for a in self.held if not self._writer_alive(a)]:
                     self._release_held(aid)
+        if now >= self._next_liveness_sweep:
+            self._next_liveness_sweep = now + LIVENESS_SWEEP_S
+            liveness.remove_gone(os.path.dirname(self.arena.path))
         self._retry_parked(now)
         self._retry_fetches(now)
 
@@ -307,7 +319,10 @@ class StorageUnit(RpcServer):
 
     def _writer_alive(self, aid: int) -> bool:
         """Whether the same-host process that was granted allocation ``aid`` still runs."""
-        return launch.same_process(self.writers.get(aid))
+        writer = self.writers.get(aid)
+        if isinstance(writer, str):
+            return liveness.holder_alive(os.path.dirname(self.arena.path), writer)
+        return launch.same_process(writer)
 
     def _release_held(self, aid: int) -> int:
         """Free the ranges held for allocation ``aid``'s writer (see ``held``); the bytes freed."""
@@ -372,10 +387,12 @@ class StorageUnit(RpcServer):
         self._check_fits_at_all(nbytes)
         start = self._allocate(nbytes)
         aid = self._new_id()
-        writer = launch.process_identity(args.writer) if args.writer is not None else None
+        writer: str | tuple[int, int] | None = args.writer_file
+        if writer is None and args.writer is not None:
+            writer = launch.process_identity(args.writer)
         if writer is not None:  # journaled first: the records below are in the same write
             self.writers[aid] = writer
-            self.journal.append(["W", aid, *writer])
+            self.journal.append(_writer_record(aid, writer))
         if args.ids:  # a slab: the writer names its blocks (these ids) in its commit
             size, first = align_up(max(nbytes, 1)), self._next_id
             self._next_id += args.ids
@@ -697,8 +714,8 @@ class StorageUnit(RpcServer):
             elif kind == "X":
                 allocs.pop(bid, None)
                 self.writers.pop(bid, None)
-            elif kind == "W":
-                self.writers[bid] = (rec[2], rec[3])
+            elif kind == "W":  # a liveness file's name, or a pid and start time
+                self.writers[bid] = rec[2] if len(rec) == 3 else (rec[2], rec[3])
             if kind == "S":  # an allocation stored as this block is no longer pending
                 allocs = {a: r for a, r in allocs.items() if r[0] != rec[2]}
             self._next_id = max(self._next_id, bid + 1)
@@ -744,7 +761,7 @@ class StorageUnit(RpcServer):
             [
                 ["N", self._next_id - 1],
                 *(self._store_record(bid, b, self.tentative.get(bid)) for bid, b in self.blocks.items()),
-                *(["W", aid, *w] for aid, w in self.writers.items()),
+                *(_writer_record(aid, w) for aid, w in self.writers.items()),
                 *(["A", aid, start, size, _wall(exp)] for aid, (start, size, exp) in self.pending.items()),
                 # a held allocation comes back as one whose lease ran out (held again, or freed)
                 *(["A", aid, *ranges[0], 0.0] for aid, (ranges, slab) in self.held.items() if slab is None),

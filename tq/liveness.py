@@ -1,0 +1,83 @@
+"""Whether a process of this host still runs, told across pid namespaces by a lock it holds on a file.
+
+A storage unit keeps the range of a same-host writer that was paused past its allocation lease for as
+long as the writer runs (its copy may still land there). A pid cannot tell that when the two processes
+are in different pid namespaces sharing the shared-memory directory (containers of one pod with a
+common ``/dev/shm``): the writer's pid names another process of the unit's namespace, or none, so its
+range would be freed under it, or held for good. Instead the writer holds a shared ``flock`` on a
+file of its own in that directory for as long as it lives, and names the file; the unit asks by
+trying an exclusive lock. The kernel drops the lock when the holder exits, however it ends (a child
+forked after the file was made holds it too, until both have exited: a range is then held longer,
+never freed under a writer).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import threading
+import uuid
+
+PREFIX = "tq-live-"
+NAME = re.compile(r"tq-live-[0-9a-f]{32}")  # what a file name a writer sends must look like
+
+_lock = threading.Lock()
+_own: dict[tuple[int, str], str] = {}  # (pid, directory) -> this process's file there (its fd stays open)
+
+
+def own_file(directory: str) -> str:
+    """The name of this process's liveness file in ``directory``, made (and locked) at the first call
+    of the process. Made under a temporary name and renamed once locked, so no process ever finds it
+    unlocked while its maker runs. Raises OSError where the directory does not allow it."""
+    key = (os.getpid(), directory)
+    with _lock:
+        name = _own.get(key)
+        if name is None:
+            name = f"{PREFIX}{uuid.uuid4().hex}"
+            tmp = os.path.join(directory, f".{name}.tmp")
+            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDONLY | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                os.rename(tmp, os.path.join(directory, name))
+            except BaseException:
+                os.close(fd)
+                os.unlink(tmp)
+                raise
+            _own[key] = name  # the fd is never closed: the lock lasts as long as the process
+        return name
+
+
+def holder_alive(directory: str, name: str) -> bool:
+    """Whether the process that made liveness file ``name`` of ``directory`` still runs: the file
+    is there and locked. A file this process cannot open (another user's) counts as alive."""
+    try:
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # drops the exclusive lock, if it was taken
+    return False
+
+
+def remove_gone(directory: str) -> int:
+    """Unlink the liveness files of ``directory`` whose makers exited; returns how many."""
+    removed = 0
+    try:
+        names = [n for n in os.listdir(directory) if NAME.fullmatch(n)]
+    except OSError:
+        return 0
+    for name in names:
+        if not holder_alive(directory, name):
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed += 1
+            except FileNotFoundError:
+                pass
+    return removed

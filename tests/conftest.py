@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import resource
 import socket
+import subprocess
+import sys
 import time
 import uuid
 
@@ -179,6 +181,54 @@ def raw_exchange(address: str, frames: list, *, secret: bytes | None = None, tim
         return protocol.decode(sock.recv_multipart(), secret)
     finally:
         sock.close(0)
+
+
+# Runs python in a pid namespace of its own (and its own /proc) whose pids start near pid_max, so
+# that its pid there names no process here - as for a process in another container of a pod
+# sharing /dev/shm. $0: the code, $1: the first pid's predecessor, $2: the interpreter, then its args.
+_IN_PID_NAMESPACE = """n="$1"; py="$2"; shift 2; echo "$n" > /proc/sys/kernel/ns_last_pid && "$py" -c "$0" "$@"; exit $?"""
+
+
+def python_command(code: str, args: list[str], pid_namespace_start: int | None = None) -> list[str]:
+    """``python -c code args``, in a pid namespace of its own numbered from ``pid_namespace_start``
+    when given (see :func:`pid_namespace_start`)."""
+    if pid_namespace_start is None:
+        return [sys.executable, "-c", code, *args]
+    return [
+        "unshare",
+        "--pid",
+        "--fork",
+        "--mount-proc",
+        "sh",
+        "-c",
+        _IN_PID_NAMESPACE,
+        code,
+        str(pid_namespace_start),
+        sys.executable,
+        *args,
+    ]
+
+
+def python_pid(proc: subprocess.Popen) -> int:
+    """The pid here of the python process :func:`python_command` started (under unshare and sh)."""
+    if os.path.basename(proc.args[0]) != "unshare":
+        return proc.pid
+    import psutil
+
+    return next(p.pid for p in psutil.Process(proc.pid).children(recursive=True) if p.cmdline()[0] == sys.executable)
+
+
+def pid_namespace_start() -> int | None:
+    """A pid to number a new pid namespace's processes from, none of whose next few exists here; None
+    where this process cannot make pid namespaces (not root, no util-linux ``unshare``)."""
+    start = int(open("/proc/sys/kernel/pid_max").read()) - 1000
+    while start > 1000 and any(os.path.exists(f"/proc/{start + i}") for i in range(1, 8)):
+        start -= 1000
+    try:
+        probe = subprocess.run(python_command("import os; print(os.getpid())", [], start), capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return start if probe.returncode == 0 and probe.stdout.strip() == str(start + 1) else None
 
 
 def wait_until(pred, timeout: float = 5.0, interval: float = 0.02):

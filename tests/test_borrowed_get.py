@@ -15,7 +15,7 @@ import torch
 from tq import TQClient
 from tq.jagged import JaggedTensor
 
-from conftest import process_state, unique_keys, wait_until
+from conftest import pid_namespace_start, process_state, python_command, python_pid, unique_keys, wait_until
 
 
 def _batch(n: int, seed: int) -> dict:
@@ -365,25 +365,33 @@ print("same" if bool((got["reward"] == before).all()) else "changed", flush=True
 """
 
 
-def test_a_paused_holders_views_keep_their_bytes(tq_server, client, partition):
+@pytest.mark.parametrize("namespace", ["same", "own"], ids=["same-pid-namespace", "other-pid-namespace"])
+def test_a_paused_holders_views_keep_their_bytes(tq_server, client, partition, namespace):
     """A same-host reader holding borrowed views is stopped for longer than its lease term, so it
     renews nothing; meanwhile the keys are discarded and their room is written again. A lease is for
     holders that are gone: while the holder's process lives its blocks stay pinned, and its views show
-    the bytes they were handed when it resumes (they used to show whatever the next put wrote there)."""
+    the bytes they were handed when it resumes (they used to show whatever the next put wrote there).
+    Also for a reader in another pid namespace sharing /dev/shm, told alive by the locks it holds on
+    its pin file and liveness file: its pid names no process of the controller's namespace."""
+    start = pid_namespace_start() if namespace == "own" else None
+    if namespace == "own" and start is None:
+        pytest.skip("cannot make a pid namespace here (needs root and util-linux's unshare)")
     meta = client.put(partition, unique_keys(8), _batch(8, seed=5))
     holder = subprocess.Popen(
-        [sys.executable, "-c", _PAUSED_HOLDER, tq_server.address, partition, *meta.keys], stdout=subprocess.PIPE, text=True
+        python_command(_PAUSED_HOLDER, [tq_server.address, partition, *meta.keys], start), stdout=subprocess.PIPE, text=True
     )
+    pid = None
     try:
         assert holder.stdout.readline().strip() == "borrowed"
-        assert wait_until(lambda: process_state(holder.pid) == "T")
+        pid = python_pid(holder)
+        assert wait_until(lambda: process_state(pid) == "T")
         client.discard(meta)
         time.sleep(3.0)  # three terms with no renewal
         assert client.stats()["rows_waiting_for_leases"] > 0, "a paused holder's lease ran out"
         with TQClient(tq_server.address, timeout=10.0, transport="tcp") as tcp:  # each put takes the lowest free range
             for i in range(16):  # so the room the frees gave back is written again
                 tcp.put(partition, unique_keys(8), _batch(8, seed=50 + i))
-        holder.send_signal(signal.SIGCONT)
+        os.kill(pid, signal.SIGCONT)
         out, _ = holder.communicate(timeout=30)
         assert out.strip() == "same", out
         assert _stats_until(client, lambda s: s["rows_waiting_for_leases"] == 0)["rows_waiting_for_leases"] == 0
@@ -424,6 +432,51 @@ def test_leases_survive_a_controller_restart_from_its_journal(tmp_path, loopback
         assert "free_rows" in heard() and ctrl._rows_on(0).tolist() == [[5, 1]]
     finally:
         ctrl.close()
+
+
+_LIVENESS_HOLDER = """
+import sys
+from tq import liveness
+print(liveness.own_file(sys.argv[1]), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_lease_by_request_is_kept_while_its_holders_liveness_file_is_locked(tmp_path, loopback):
+    """A reader on the controller's host names its liveness file with a lease it asks for (``locate``
+    / ``borrow``): a term with no renewal while the file is locked extends the lease (the reader is
+    paused), also after a restart from the journal; once the reader exited the lease ends. Its pid,
+    which names no process here when it runs in another pid namespace, is not what decides."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    reader = subprocess.Popen([sys.executable, "-c", _LIVENESS_HOLDER, str(shm)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    name = reader.stdout.readline().strip()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    ctrl = None
+    try:
+        ctrl = loopback.start(journal_dir=str(tmp_path / "j"), shm_dir=str(shm))
+        loopback.commit_two_rows(ctrl)
+        ask = {"partition": "p", "keys": ["a", "b"], "fields": ["x"], "lease_s": 0.05, "holder": int(gone), "holder_file": name}
+        lease = loopback.apply(ctrl, "locate", ask)[0].lease
+        time.sleep(0.1)
+        ctrl.on_tick(time.monotonic())
+        assert lease in ctrl.lease_book.leases and ctrl.lease_book.leases[lease].holder == name  # past its term, kept
+        ctrl.close()  # as if killed: the journal stays
+        ctrl = loopback.start(journal_dir=str(tmp_path / "j"), shm_dir=str(shm))
+        time.sleep(0.1)
+        ctrl.on_tick(time.monotonic())
+        assert lease in ctrl.lease_book.leases
+        reader.stdin.write("\n")
+        reader.stdin.flush()
+        reader.wait(10)
+        time.sleep(0.1)
+        ctrl.on_tick(time.monotonic())
+        assert lease not in ctrl.lease_book.leases
+    finally:
+        if ctrl is not None:
+            ctrl.close()
+        if reader.poll() is None:
+            reader.kill()
 
 
 def test_pinned_views_hold_their_bytes_while_a_writer_frees_and_reuses_concurrently():

@@ -22,11 +22,20 @@ import threading
 import time
 
 import numpy as np
-import psutil
 import pytest
 import torch
 
-from conftest import free_port, inject_bug, no_room_to_grow, pid_alive, process_state, wait_until
+from conftest import (
+    free_port,
+    inject_bug,
+    no_room_to_grow,
+    pid_alive,
+    pid_namespace_start,
+    process_state,
+    python_command,
+    python_pid,
+    wait_until,
+)
 from tq import TQClient, TQServer, launch, protocol
 from tq.errors import KeyNotFoundError, StorageUnitError, TQConnectionError, TQError
 
@@ -781,43 +790,12 @@ def _held_bytes(c: TQClient) -> int:
     return c.stats()["unit_stats"][0]["held_bytes"]
 
 
-# A pid namespace of its own (and its own /proc), whose pids start near pid_max: the writer's pid
-# there names no process here - as for a writer in another container of a pod sharing /dev/shm.
-_IN_PID_NAMESPACE = """echo "$1" > /proc/sys/kernel/ns_last_pid && "$2" -c "$0" "$3" "$4"; exit $?"""
-
-
-def _pid_namespace_start() -> int | None:
-    """A pid to number a new pid namespace's processes from, none of whose next few exists here; None
-    where this process cannot make pid namespaces (not root, no ``unshare``)."""
-    start = int(open("/proc/sys/kernel/pid_max").read()) - 1000
-    while start > 1000 and any(os.path.exists(f"/proc/{start + i}") for i in range(1, 8)):
-        start -= 1000
-    try:
-        probe = subprocess.run(
-            ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", _IN_PID_NAMESPACE, "import os; print(os.getpid())"]
-            + [str(start), sys.executable, "", ""],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return start if probe.returncode == 0 and probe.stdout.strip() == str(start + 1) else None
-
-
 def _paused_writer(address: str, tag: str, pid_namespace_start: int | None = None) -> tuple[subprocess.Popen, int]:
     """A writer process stopped after carving its block for key ``late<tag>``, before copying into it
     (in a pid namespace of its own numbered from ``pid_namespace_start``, when given); and its pid here."""
-    if pid_namespace_start is None:
-        cmd = [sys.executable, "-c", _PAUSED_WRITER, address, tag]
-    else:
-        cmd = ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", _IN_PID_NAMESPACE, _PAUSED_WRITER]
-        cmd += [str(pid_namespace_start), sys.executable, address, tag]
-    writer = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    writer = subprocess.Popen(python_command(_PAUSED_WRITER, [address, tag], pid_namespace_start), stdout=subprocess.PIPE, text=True)
     assert writer.stdout.readline().strip() == "carved"
-    pid = writer.pid
-    if pid_namespace_start is not None:  # the python process under unshare and sh
-        pid = next(p.pid for p in psutil.Process(writer.pid).children(recursive=True) if p.cmdline()[0] == sys.executable)
+    pid = python_pid(writer)
     assert wait_until(lambda: process_state(pid) == "T")
     time.sleep(1.0 + 3.0)  # its lease (1 s), then heartbeats: the slab of a writer that is gone is closed by now
     return writer, pid
@@ -835,7 +813,7 @@ def test_a_writer_paused_past_its_allocation_lease_never_writes_into_another_key
     namespace sharing /dev/shm (a container of the same pod) is told alive by the lock it holds on
     its liveness file: by its pid, which names no process of the unit's namespace, its range was
     freed under it."""
-    start = _pid_namespace_start() if namespace == "own" else None
+    start = pid_namespace_start() if namespace == "own" else None
     if namespace == "own" and start is None:
         pytest.skip("cannot make a pid namespace here (needs root and util-linux's unshare)")
     with TQServer(storage_units=0) as server:

@@ -3,7 +3,11 @@ its journaling across a controller restart, and hostile pin files."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -148,27 +152,39 @@ def test_a_controller_names_a_bad_pin_file(tq_server, client):
         client._call(Op.PIN_FILE, messages.PinFile(path="/etc/passwd"))
 
 
-def test_a_file_whose_client_looks_gone_is_revoked_before_it_is_let_go(tmp_path):
-    """The controller lets a pin file go when its client looks gone (its pid not alive here - maybe
-    only another pid namespace). It revokes the file first and reads it once more, so no pin is lost:
-    a pin held then keeps the file read; a pin tried after the revocation is refused (its client
-    registers a new file)."""
-    import subprocess
-    import sys
+_PIN_CLIENT = """
+import sys
+from tq.pins import PinFile
+pins = PinFile(sys.argv[1])
+print(pins.path, flush=True)
+sys.stdin.readline()  # live until told to exit (without closing: the file stays, unlocked)
+"""
 
-    from tq.launch import process_identity
+
+def _pin_client(directory) -> tuple[subprocess.Popen, str]:
+    """Another process that made a pin file in ``directory`` and holds it; and the file's path."""
+    proc = subprocess.Popen([sys.executable, "-c", _PIN_CLIENT, str(directory)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return proc, proc.stdout.readline().strip()
+
+
+def test_a_file_whose_client_is_gone_is_revoked_before_it_is_let_go(tmp_path):
+    """The controller tells a pin file's client alive by the lock the client holds on the file (its
+    pid may name another process, in another pid namespace, or a later one). Once the client is
+    gone it revokes the file first and reads it once more, so no pin is lost: a pin held then keeps
+    the file read; a pin tried after the revocation is refused (its client registers a new file)."""
     from tq.locations import H_CLEARS
 
     table = _table(tmp_path)
     pins = _pin_file(tmp_path)
     board = PinBoard(str(tmp_path))
     board.register(pins.path)
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout
     try:
         state = (table.frees, table.incarnation, int(table.header[H_CLEARS]))
         far = time.monotonic_ns() + 10**10
         lease, slot = pins.pin(far, 0, [1], table._mm, *state)
-        board.owners[pins.path] = process_identity(int(gone))  # as the controller sees it: no such process (None)
+        board.prune(far + 1)
+        assert pins.path in board.files and not pins.revoked  # its client runs (this process): kept
+        fcntl.flock(pins._lock_fd, fcntl.LOCK_UN)  # as when its client is gone
         board.prune(time.monotonic_ns())
         assert pins.path in board.files  # a live pin: still read, and the file is kept
         assert [p.lease for p in board.pins()] == [lease]
@@ -184,25 +200,26 @@ def test_a_file_whose_client_looks_gone_is_revoked_before_it_is_let_go(tmp_path)
         board.close()
 
 
-def test_a_file_whose_client_exited_is_let_go_though_its_pid_was_reused(tmp_path):
-    """The controller tells a pin file's client by (pid, start time), recorded when it registered the
-    file: once that process has exited, the file is revoked and removed even if another process now
-    runs under the same pid (here this test's own process, standing in for the reused pid) - before,
-    a live pid kept a dead client's file read and in shared memory for good."""
-    from tq.launch import process_identity
-
-    pins = _pin_file(tmp_path)
+def test_a_file_whose_client_exited_is_let_go(tmp_path):
+    """Another process's pin file is kept while that process runs - stopped included - and let go
+    (revoked and removed) once it exited without closing it."""
+    proc, path = _pin_client(tmp_path)
     board = PinBoard(str(tmp_path))
-    board.register(pins.path)
     try:
-        pid, started = process_identity(os.getpid())
+        board.register(path)
+        proc.send_signal(signal.SIGSTOP)
         board.prune(time.monotonic_ns())
-        assert pins.path in board.files  # its client (this process) runs: kept
-        board.owners[pins.path] = (pid, started - 1)  # the client that registered it started earlier
+        assert path in board.files and board.client_runs(path)
+        proc.send_signal(signal.SIGCONT)
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        proc.wait(10)
+        assert os.path.exists(path) and not board.client_runs(path)
         board.prune(time.monotonic_ns())
-        assert pins.revoked and board.files == {} and not os.path.exists(pins.path)
+        assert board.files == {} and not os.path.exists(path)
     finally:
-        pins.close()
+        if proc.poll() is None:
+            proc.kill()
         board.close()
 
 
@@ -210,31 +227,31 @@ def test_a_starting_controller_removes_pin_files_nothing_reads_of_clients_that_a
     """Pin files of clients killed while no controller read them (or registered with one started
     since without a journal) are removed when a controller starts - not those of live clients, not
     files just made (their client may be about to register them), not files its journal registered."""
-    import subprocess
-    import sys
-
-    from tq.pins import PREFIX
-
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
     old = time.time() - 3600
 
-    def made(owner: str, age_s: float) -> str:
-        pins = PinFile(str(tmp_path))
-        path = str(tmp_path / f"{PREFIX}{owner}-{os.path.basename(pins.path).rsplit('-', 1)[1]}")
-        os.rename(pins.path, path)
-        pins.path = path
+    def made(age_s: float, live: bool) -> str:
+        proc, path = _pin_client(tmp_path)
+        if not live:
+            proc.kill()
+            proc.wait(10)
         os.utime(path, (time.time() - age_s, time.time() - age_s))
-        return path
+        return proc, path
 
-    orphan, young, live = made(gone, 3600), made(gone, 0), made(str(os.getpid()), 3600)
-    registered = made(gone, 0)  # young while the first controller registers it
-    ctrl = loopback.start(journal_dir=str(tmp_path / "j"), shm_dir=str(tmp_path))
-    loopback.apply(ctrl, "pin_file", {"path": registered})
-    ctrl.close()
-    os.utime(registered, (old, old))
-    ctrl = loopback.start(journal_dir=str(tmp_path / "j"), shm_dir=str(tmp_path))  # replays its registration
+    (_, orphan), (_, young), (alive, live) = made(3600, False), made(0, False), made(3600, True)
+    client, registered = made(0, True)  # registered by a live client, which is killed after
     try:
-        assert not os.path.exists(orphan)
-        assert all(os.path.exists(p) for p in (young, live, registered))
-    finally:
+        ctrl = loopback.start(journal_dir=str(tmp_path / "j"), shm_dir=str(tmp_path))
+        loopback.apply(ctrl, "pin_file", {"path": registered}, tick=False)
         ctrl.close()
+        client.kill()
+        client.wait(10)
+        os.utime(registered, (old, old))
+        ctrl = loopback.start(journal_dir=str(tmp_path / "j"), shm_dir=str(tmp_path))  # replays its registration
+        try:
+            assert not os.path.exists(orphan)
+            assert all(os.path.exists(p) for p in (young, live, registered))
+        finally:
+            ctrl.close()
+    finally:
+        alive.kill()
+        alive.wait(10)

@@ -765,7 +765,11 @@ def _old_replies() -> list[tuple[str, str, dict]]:
     }
     table = {"path": "/dev/shm/t", "clears": 0, "columns": {"x": 0}}
     return [
-        ("controller", "hello", {"units": [unit, {**unit, "unit_id": 1, "free_bytes": 32}], "units_version": 2, "host": "h"}),
+        (
+            "controller",
+            "hello",
+            {"units": [unit, {**unit, "unit_id": 1, "free_bytes": 32}], "units_version": 2, "host": "h", "shm_dir": "/dev/shm"},
+        ),
         ("controller", "register_unit", {"unit_id": 1, "metrics": False}),
         ("controller", "create_partition", {"partition": "p", "reused": True}),
         ("controller", "clear_partition", {"keys_cleared": 3}),

@@ -566,6 +566,7 @@ class TQClient:
         self._arenas: dict[int, Arena] = {}
         self._host = host_identity()
         self._ctrl_host: str | None = None
+        self._ctrl_shm_dir: str | None = None
         # partition -> (its location table mapped here, its clears count and the schemas located then)
         self._tables: dict[str, tuple[LocationView, int, dict[str, FieldSchema]]] = {}
         self._tables_lock = threading.Lock()
@@ -585,6 +586,7 @@ class TQClient:
         self._units = info.units
         self._units_version = info.units_version
         self._ctrl_host = info.host
+        self._ctrl_shm_dir = info.shm_dir
         # Units whose arena this client can map: known once per units version, not per put (a stat each).
         self._local_units = frozenset(
             u.unit_id
@@ -593,10 +595,17 @@ class TQClient:
         )
         connect_units(self._unit_chans, self._units, self._secret, self.timeout)
 
-    def _lease_holder(self) -> int | None:
-        """This process's pid for a borrowed get's lease when the controller runs on this host (it
-        keeps the lease while the process lives: see messages.Locate)."""
-        return os.getpid() if self._ctrl_host == self._host else None
+    def _lease_holder(self) -> dict[str, Any]:
+        """What tells the controller, when it runs on this host, that this process still runs (it
+        keeps a borrowed get's lease while it does: see messages.Locate): its pid and, where it can
+        make one, its liveness file in the controller's shared-memory directory (tq.liveness)."""
+        if self._ctrl_host != self._host:
+            return {}
+        try:
+            holder_file = liveness.own_file(self._ctrl_shm_dir) if self._ctrl_shm_dir else None
+        except OSError:
+            holder_file = None
+        return {"holder": os.getpid(), "holder_file": holder_file}
 
     def _is_local(self, unit: int) -> bool:
         return unit in self._local_units
@@ -1384,7 +1393,7 @@ class TQClient:
                 units_version=self._units_version,
                 lease_s=self.lease_s,
                 lease_id=new_lease_id(),
-                holder=self._lease_holder(),
+                **self._lease_holder(),
             )
             rid = self._ctrl.send(Op.BORROW, self._with_reads(args))
         try:
@@ -1471,7 +1480,7 @@ class TQClient:
             timeout=wait_timeout,
             lease_s=self.lease_s,
             lease_id=new_lease_id(),
-            holder=self._lease_holder(),
+            **self._lease_holder(),
         )
         try:
             located, lmsg = self._ctrl.call(Op.LOCATE, self._with_reads(args), timeout=self.timeout + (wait_timeout or 0.0))

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from . import argtypes, launch, messages, protocol
+from . import argtypes, launch, liveness, messages, protocol
 from .errors import (
     DuplicateKeyError,
     FencedCommitError,
@@ -46,7 +46,7 @@ from .errors import (
 )
 from .arena import host_identity
 from .journal import Journal
-from .leases import LeaseBook, leased_blocks, new_lease_id
+from .leases import Holder, LeaseBook, leased_blocks, new_lease_id
 from .locations import FEW_ROWS, LocationTable, remove_orphans, take_records
 from .messages import ControllerOp as Op
 from .partition import Partition, Waiter
@@ -64,10 +64,10 @@ PIN_PRUNE_S = 5.0  # how often the pin files of clients that closed or died are 
 RECENT_COMMITS = 1 << 12  # settled commits remembered so that a resent one is answered like the first
 
 
-def _pin_holds(deadline_ns: int | None, holder: tuple[int, int] | None, now_ns: int) -> bool:
+def _pin_holds(deadline_ns: int | None, holder: Holder | None, now_ns: int, directory: str | None) -> bool:
     """Whether a reader's pin (its slot's deadline, None once given up) still pins its blocks: in
     time, or past it while its reader's process on this host runs (paused: its views live on)."""
-    return deadline_ns is not None and (deadline_ns > now_ns or launch.same_process(holder))
+    return deadline_ns is not None and (deadline_ns > now_ns or liveness.runs(holder, directory))
 
 
 class Controller(UnitSupervision, JournalRecovery, RpcServer):
@@ -178,7 +178,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
 
     def _units_info(self) -> messages.HelloReply:
         # the unit maps are encoded as they are: the reply type describes them for the client
-        return messages.HelloReply(units=self.units, units_version=self.units_version, host=self.host)  # type: ignore[arg-type]
+        return messages.HelloReply(units=self.units, units_version=self.units_version, host=self.host, shm_dir=self.shm_dir)  # type: ignore[arg-type]
 
     def _new_partition(self, pid: str, table: LocationTable | None = None) -> Partition:
         part = Partition(pid, table or LocationTable(self.shm_dir, pin_epoch=self.pin_epoch))
@@ -279,7 +279,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         ttl: float,
         lease_id: int | None = None,
         pin: tuple[str, int] | None = None,
-        holder: tuple[int, int] | None = None,
+        holder: Holder | None = None,
     ) -> int:
         """Pin these (unit, block) pairs; journaled, so a restarted controller keeps the pins (each for
         a fresh term) and its ``retain`` keeps their rows. ``pin``: a reader's pin taken over (tq.pins),
@@ -289,9 +289,12 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         self._journal(["__lease__", {"id": lease_id, "ttl": ttl, "blocks": blocks, "pin": pin, "holder": holder}, []])
         return lease_id
 
-    @staticmethod
-    def _holder(pid: int | None) -> tuple[int, int] | None:
-        """The identity of a reader's process that says it runs on this host (None if none runs)."""
+    def _holder(self, pid: int | None, file: str | None) -> Holder | None:
+        """What tells whether a reader's process that says it runs on this host still runs: its
+        liveness file in this controller's shared-memory directory, else its pid and start time
+        (None if none runs)."""
+        if file is not None and self.shm_dir is not None:
+            return file
         return launch.process_identity(pid) if pid is not None else None
 
     def _check_lease_id(self, lease_id: int | None) -> None:
@@ -306,7 +309,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         now = time.monotonic_ns()
         for p in self.pin_board.pins():
             owner = self.pin_board.owner(p.path)
-            if p.lease not in self.lease_book.leases and _pin_holds(p.deadline_ns, owner, now):
+            if p.lease not in self.lease_book.leases and _pin_holds(p.deadline_ns, owner, now, self.shm_dir):
                 self._take_lease([(p.unit, b) for b in p.blocks], PIN_POLL_S, lease_id=p.lease, pin=(p.path, p.slot), holder=owner)
 
     def _register_pins(self, path: str) -> bool:
@@ -333,11 +336,11 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         for i in expired:
             lease = self.lease_book.leases[i]
             if lease.pin is None:
-                if launch.same_process(lease.holder):
+                if liveness.runs(lease.holder, self.shm_dir):
                     lease.deadline = now + lease.ttl
                 else:
                     ended.append(i)
-            elif self.pin_board is not None and _pin_holds(self.pin_board.deadline(*lease.pin, i), lease.holder, now_ns):
+            elif self.pin_board is not None and _pin_holds(self.pin_board.deadline(*lease.pin, i), lease.holder, now_ns, self.shm_dir):
                 lease.deadline = now + PIN_POLL_S
             else:
                 ended.append(i)
@@ -368,7 +371,9 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         if (table.incarnation, table.frees, self.units_version) != (args.incarnation, args.frees, args.units_version) or not args.blocks:
             return messages.BorrowReply(lease=None)
         return messages.BorrowReply(
-            lease=self._take_lease([(args.unit, b) for b in args.blocks], args.lease_s, args.lease_id, holder=self._holder(args.holder))
+            lease=self._take_lease(
+                [(args.unit, b) for b in args.blocks], args.lease_s, args.lease_id, holder=self._holder(args.holder, args.holder_file)
+            )
         )
 
     def op_leases(self, args: messages.Leases, buffers: list, call: Call) -> messages.LeasesReply:
@@ -694,7 +699,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         self._count_reads(args)
         part = self._partition(args.partition)
         keys, fields, timeout, lease_s, lease_id = args.keys, args.fields, args.timeout, args.lease_s, args.lease_id
-        holder = self._holder(args.holder) if lease_s is not None else None
+        holder = self._holder(args.holder, args.holder_file) if lease_s is not None else None
         self._check_lease_id(lease_id)
         if timeout is not None:
             if self._missing(part, keys, fields)[0]:
@@ -718,7 +723,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         fields: list[str],
         lease_s: float | None = None,
         lease_id: int | None = None,
-        holder: tuple[int, int] | None = None,
+        holder: Holder | None = None,
     ) -> tuple[messages.LocateReply, list]:
         slots = part.slots_of(keys)
         loc = np.empty((len(fields), len(keys), LOC_COLUMNS), dtype=np.int64)

@@ -14,7 +14,7 @@ import collections
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 
@@ -47,9 +47,16 @@ def pin_ref(pin: Any) -> tuple[str, int] | None:
     return None if pin is None else (str(pin[0]), int(pin[1]))
 
 
-def holder_ref(holder: Any) -> tuple[int, int] | None:
-    """A lease's holder as journaled ([pid, start time] or None) back as a tuple."""
-    return None if holder is None else (int(holder[0]), int(holder[1]))
+# What tells whether a lease's holder still runs (tq.liveness.runs): its liveness file's name, or
+# the pid and start time of a process of the controller's pid namespace
+Holder = Union[str, tuple[int, int]]
+
+
+def holder_ref(holder: Any) -> Holder | None:
+    """A lease's holder as journaled (a liveness file's name, [pid, start time] or None) back."""
+    if holder is None or isinstance(holder, str):
+        return holder
+    return (int(holder[0]), int(holder[1]))
 
 
 @dataclass
@@ -58,9 +65,9 @@ class Lease:
     deadline: float
     blocks: list[tuple[int, int]]
     pin: tuple[str, int] | None = None  # (pin file, slot) of a lease a reader took as a pin (tq.pins)
-    # (pid, start time) of a holder on the controller's host: while it runs, a term with no renewal
-    # means it is paused (its views live on), not gone, and the lease is kept
-    holder: tuple[int, int] | None = None
+    # a holder on the controller's host: while it runs, a term with no renewal means it is paused
+    # (its views live on), not gone, and the lease is kept
+    holder: Holder | None = None
 
 
 @dataclass
@@ -78,7 +85,7 @@ class LeaseBook:
         blocks: list[tuple[int, int]],
         now: float | None = None,
         pin: tuple[str, int] | None = None,
-        holder: tuple[int, int] | None = None,
+        holder: Holder | None = None,
     ) -> None:
         """Pin ``blocks`` for ``ttl`` seconds under ``lease_id`` (``pin``: the slot whose pin it is;
         ``holder``: see :class:`Lease`)."""

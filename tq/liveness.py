@@ -19,6 +19,8 @@ import re
 import threading
 import uuid
 
+from .launch import same_process
+
 PREFIX = "tq-live-"
 NAME = re.compile(r"tq-live-[0-9a-f]{32}")  # what a file name a writer sends must look like
 
@@ -64,6 +66,14 @@ def holder_alive(directory: str, name: str) -> bool:
     finally:
         os.close(fd)  # drops the exclusive lock, if it was taken
     return False
+
+
+def runs(holder: str | tuple[int, int] | None, directory: str | None) -> bool:
+    """Whether the process ``holder`` names still runs: a liveness file's name (in ``directory``), or
+    the pid and start time of a process of this pid namespace (:func:`tq.launch.process_identity`)."""
+    if isinstance(holder, str):
+        return directory is not None and holder_alive(directory, holder)
+    return same_process(holder)
 
 
 def remove_gone(directory: str) -> int:

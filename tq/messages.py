@@ -32,6 +32,8 @@ import msgspec
 from .errors import InvalidRequestError, MalformedMessageError, TQError
 
 BLOCK_ID_LIMIT = 1 << 40  # storage units number blocks from 1 and never get near this
+# a process's liveness file in a server's shared-memory directory (tq.liveness), which the server opens
+LivenessFile = Annotated[str, msgspec.Meta(pattern=r"^tq-live-[0-9a-f]{32}$")]
 
 Count = Annotated[int, msgspec.Meta(ge=0)]  # msgspec never takes a bool for an int
 BlockId = Annotated[int, msgspec.Meta(ge=0, lt=BLOCK_ID_LIMIT)]
@@ -162,6 +164,7 @@ class HelloReply(Reply, omit_defaults=False):
     units: list[UnitInfo]
     units_version: int
     host: Union[str, None] = None
+    shm_dir: Union[str, None] = None  # its shared-memory directory (location tables, pin files)
 
 
 class RegisterUnit(Args):
@@ -311,8 +314,11 @@ class Locate(ReadsArgs, kw_only=True):
     # the lease's id, chosen by the reader: one whose reply is lost can still be given up by it
     lease_id: Union[LeaseId, None] = None
     # the reader's pid when it runs on the controller's host: its lease is kept while that process
-    # lives (renewing nothing for a term means it is paused - its views live on - not gone)
+    # lives (renewing nothing for a term means it is paused - its views live on - not gone); told,
+    # where the reader could make one, by its liveness file in the controller's shared-memory
+    # directory instead (a pid does not name a reader in another pid namespace)
     holder: Union[Annotated[int, msgspec.Meta(gt=0)], None] = None
+    holder_file: Union[LivenessFile, None] = None
 
 
 class TableRef(msgspec.Struct):
@@ -405,6 +411,7 @@ class Borrow(ReadsArgs, kw_only=True):
     lease_s: Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)]
     lease_id: Union[LeaseId, None] = None  # chosen by the reader (see Locate)
     holder: Union[Annotated[int, msgspec.Meta(gt=0)], None] = None  # see Locate
+    holder_file: Union[LivenessFile, None] = None  # see Locate
 
 
 class BorrowReply(Reply):
@@ -543,7 +550,7 @@ class Alloc(Args):
     writer: Union[Annotated[int, msgspec.Meta(gt=0)], None] = None
     # ... told, where the writer could make one, by its liveness file in the unit's shared-memory
     # directory instead (tq.liveness): a pid does not name the writer in another pid namespace
-    writer_file: Union[Annotated[str, msgspec.Meta(pattern=r"^tq-live-[0-9a-f]{32}$")], None] = None
+    writer_file: Union[LivenessFile, None] = None
     # allocations of this writer's that it will not write into any more (see Release), told in passing
     released: list[Count] = []
 

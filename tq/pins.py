@@ -6,7 +6,9 @@ host. A pin takes the lease where the reader already is, in shared memory:
 
 * Each client that borrows registers one **pin file** with the controller (``pin_file``, once, journaled):
   a header and ``SLOTS`` slots of ``(lease id, deadline, unit, block count, blocks...)``, written only
-  by that client, in the controller's shared-memory directory.
+  by that client, in the controller's shared-memory directory. The client holds a shared ``flock``
+  on the file while it lives: the controller tells a paused client (its pins past their deadline
+  still hold) from a gone one by that lock (tq.liveness), in any pid namespace.
 * **Reader** (after it located its rows in the partition's location table under a ``frees`` count):
   writes the blocks into a free slot, publishes the lease id, full fence, then reads the table's
   ``frees`` (and retirement, incarnation, clears) again. Unchanged: the pin holds. Changed: it clears
@@ -33,6 +35,7 @@ from __future__ import annotations
 import collections
 import mmap
 import os
+import fcntl
 import stat
 import time
 import uuid
@@ -41,7 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .arena import map_new_shm_file
-from .launch import files_of_gone_processes, process_identity, same_process
+from .liveness import holder_alive
 from .leases import new_lease_id
 
 try:
@@ -58,7 +61,7 @@ MAX_BLOCKS = PIN_WORDS - P_BLOCKS  # a get whose rows lie in more blocks leases 
 SLOTS = 256  # borrowed gets a client holds through pins at once; more lease by request
 MAX_SLOTS = 4096  # a pin file claiming more is refused (the controller reads every slot at every free)
 MAGIC = 0x5451_50494E_0001  # "TQ" "PIN" v1
-PREFIX = "tq-pin-"  # pin files are named tq-pin-<client pid>-<random>
+PREFIX = "tq-pin-"  # pin files are named tq-pin-<client pid>-<random> (the pid only informs)
 ORPHAN_AGE_S = 60.0  # an unregistered pin file of a gone client this old is removed at a controller's start
 POLL_S = 0.05  # how often the controller looks at the pins it holds as leases (a released pin's rows wait this long)
 SUPPORTED = _pin is not None
@@ -126,6 +129,10 @@ class PinFile:
         self._words[PIN_MAGIC_W] = MAGIC
         self._slots = self._words[PIN_HEADER:].reshape(slots, PIN_WORDS)
         self.owner = os.getpid()
+        # held (shared) while the client lives: the controller tells a paused client from a gone one
+        # by this lock, in any pid namespace (tq.liveness); registered only once it is taken
+        self._lock_fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_SH)
         self.epoch = 0  # the pin board it is registered with (tables carry theirs): set on registration
         # free slots; a deque's append and pop need no lock, so a release is safe from a finalizer
         self._free = collections.deque(range(slots))
@@ -182,6 +189,7 @@ class PinFile:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        os.close(self._lock_fd)
         try:
             self._mm.close()
         except BufferError:
@@ -206,19 +214,23 @@ class PinBoard:
     def __init__(self, directory: str) -> None:
         self.directory = os.path.realpath(directory)
         self.files: dict[str, mmap.mmap] = {}
-        self.owners: dict[str, tuple[int, int] | None] = {}  # path -> its client's process_identity
 
     def register(self, path: str) -> None:
         """Read ``path``'s pins from now on; it must be a pin file directly in the directory."""
         if os.path.dirname(path) != self.directory or not os.path.basename(path).startswith(PREFIX):
             raise ValueError(f"pin file {path!r} is not a {PREFIX}* file in {self.directory}")
         if path not in self.files:
-            self.files[path] = mm = _map(path)
-            self.owners[path] = process_identity(int(np.frombuffer(mm, dtype=np.int64, count=PIN_HEADER)[PIN_OWNER_W]))
+            self.files[path] = _map(path)
 
-    def owner(self, path: str) -> tuple[int, int] | None:
-        """The process identity of the client that registered ``path`` (when it ran on this host)."""
-        return self.owners.get(path)
+    @staticmethod
+    def owner(path: str) -> str:
+        """What tells whether the client of pin file ``path`` still runs (a lease's holder, see
+        tq.liveness.runs): the file's name - its client holds it locked while it lives."""
+        return os.path.basename(path)
+
+    def client_runs(self, path: str) -> bool:
+        """Whether the client that made pin file ``path`` still runs (paused, maybe)."""
+        return holder_alive(self.directory, os.path.basename(path))
 
     def pins(self) -> list[Pin]:
         """Every pin in use now, whatever its deadline (the caller compares)."""
@@ -238,43 +250,42 @@ class PinBoard:
         return deadline if deadline is not None and deadline > now_ns else None
 
     def prune(self, now_ns: int) -> None:
-        """Stop reading the files of clients that closed them (unlinked) or look gone (the process that
-        registered the file, told by pid and start time, no longer runs), once nothing in them pins
-        beyond ``now_ns``. A file is revoked first (atomic, fenced) and read once more: a pin
+        """Stop reading the files of clients that closed them (unlinked) or are gone (the file is no
+        longer locked: its client exited, however it ended; see tq.liveness), once nothing in them
+        pins beyond ``now_ns``. A file is revoked first (atomic, fenced) and read once more: a pin
         published before the revocation is seen then (the file is kept), one after it is given up by
-        its client, which registers a new file - so a client only thought gone (another pid
-        namespace) loses no pin. A revoked file of a gone client is unlinked."""
+        its client, which registers a new file - so no pin is lost. A let-go file is unlinked."""
         for path, mm in list(self.files.items()):
             header = np.frombuffer(mm, dtype=np.int64, count=PIN_HEADER)
             if any(deadline > now_ns for _, _, deadline, _, _ in _read_pins(mm)):
                 continue
-            gone = not same_process(self.owners.get(path))  # by start time too: its pid may be reused
-            if not gone and os.path.exists(path):
+            if self.client_runs(path):
                 continue
             if not header[PIN_REVOKED_W]:
                 _bump_word(header, PIN_REVOKED_W)
             if _read_pins(mm):  # published before the revocation: still read until it ends
                 continue
             del self.files[path], header
-            self.owners.pop(path, None)
-            if gone:
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
             mm.close()
 
     def remove_orphans(self, min_age_s: float = ORPHAN_AGE_S) -> int:
         """Unlink the pin files of the directory that nothing reads and whose client is gone: not
-        registered with this board, the pid in the file's name not alive on this host, and the file
-        older than ``min_age_s`` (a client may be about to register a file it just made). A controller
-        runs this at start, after its journal registered its files again: files of clients killed while
-        no controller read them (or registered with a predecessor that had no journal) are removed
-        instead of staying in shared memory. A live client only thought gone (another pid namespace)
-        keeps its mapping; its controller, or this one, gets a new file from it. Returns how many."""
+        registered with this board, not locked by a client, and older than ``min_age_s`` (a client
+        may be about to lock and register a file it just made). A controller runs this at start, after
+        its journal registered its files again: files of clients killed while no controller read them
+        (or registered with a predecessor that had no journal) are removed instead of staying in
+        shared memory. Returns how many."""
         removed, now = 0, time.time()
-        for path in files_of_gone_processes(self.directory, PREFIX):
-            if path in self.files:
+        try:
+            names = [n for n in os.listdir(self.directory) if n.startswith(PREFIX)]
+        except OSError:
+            return 0
+        for path in (os.path.join(self.directory, n) for n in names):
+            if path in self.files or self.client_runs(path):
                 continue
             try:
                 st = os.lstat(path)
@@ -289,4 +300,3 @@ class PinBoard:
         for mm in self.files.values():
             mm.close()
         self.files.clear()
-        self.owners.clear()

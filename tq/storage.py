@@ -319,10 +319,7 @@ class StorageUnit(RpcServer):
 
     def _writer_alive(self, aid: int) -> bool:
         """Whether the same-host process that was granted allocation ``aid`` still runs."""
-        writer = self.writers.get(aid)
-        if isinstance(writer, str):
-            return liveness.holder_alive(os.path.dirname(self.arena.path), writer)
-        return launch.same_process(writer)
+        return liveness.runs(self.writers.get(aid), os.path.dirname(self.arena.path))
 
     def _release_held(self, aid: int) -> int:
         """Free the ranges held for allocation ``aid``'s writer (see ``held``); the bytes freed."""

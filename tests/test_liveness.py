@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import msgspec
 import pytest
@@ -35,8 +36,13 @@ def test_a_file_is_alive_while_its_maker_runs_and_swept_once_it_exited(tmp_path)
         holder.wait(10)
         assert not liveness.holder_alive(d, theirs)  # the kernel dropped its lock with it
         assert sorted(os.listdir(d)) == sorted([theirs, mine])
-        assert liveness.remove_gone(d) == 1
-        assert os.listdir(d) == [mine] and not liveness.holder_alive(d, theirs)
+        left = os.path.join(d, f".{liveness.PREFIX}{'c' * 32}.tmp")  # its maker was killed while making it
+        making = os.path.join(d, f".{liveness.PREFIX}{'d' * 32}.tmp")  # being made now
+        for path, age in ((left, 2 * liveness.TMP_AGE_S), (making, 0)):
+            open(path, "w").close()
+            os.utime(path, (time.time() - age, time.time() - age))
+        assert liveness.remove_gone(d) == 2
+        assert sorted(os.listdir(d)) == sorted([mine, os.path.basename(making)]) and not liveness.holder_alive(d, theirs)
     finally:
         if holder.poll() is None:
             holder.kill()

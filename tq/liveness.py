@@ -17,12 +17,15 @@ import fcntl
 import os
 import re
 import threading
+import time
 import uuid
 
 from .launch import same_process
 
 PREFIX = "tq-live-"
 NAME = re.compile(r"tq-live-[0-9a-f]{32}")  # what a file name a writer sends must look like
+_TMP = re.compile(r"\.tq-live-[0-9a-f]{32}\.tmp")  # a file being made (its maker locks, then renames it)
+TMP_AGE_S = 60.0  # a file still being made this long after was left by a maker killed meanwhile
 
 _lock = threading.Lock()
 _own: dict[tuple[int, str], str] = {}  # (pid, directory) -> this process's file there (its fd stays open)
@@ -77,17 +80,23 @@ def runs(holder: str | tuple[int, int] | None, directory: str | None) -> bool:
 
 
 def remove_gone(directory: str) -> int:
-    """Unlink the liveness files of ``directory`` whose makers exited; returns how many."""
-    removed = 0
+    """Unlink the liveness files of ``directory`` whose makers exited (and files a maker killed while
+    making one left behind); returns how many."""
     try:
-        names = [n for n in os.listdir(directory) if NAME.fullmatch(n)]
+        names = os.listdir(directory)
     except OSError:
         return 0
+    removed, now = 0, time.time()
     for name in names:
-        if not holder_alive(directory, name):
-            try:
-                os.unlink(os.path.join(directory, name))
-                removed += 1
-            except FileNotFoundError:
-                pass
+        path = os.path.join(directory, name)
+        try:
+            if NAME.fullmatch(name) and not holder_alive(directory, name):
+                os.unlink(path)
+            elif _TMP.fullmatch(name) and now - os.lstat(path).st_mtime > TMP_AGE_S:
+                os.unlink(path)
+            else:
+                continue
+            removed += 1
+        except FileNotFoundError:
+            pass
     return removed

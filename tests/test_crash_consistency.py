@@ -797,7 +797,6 @@ def _paused_writer(address: str, tag: str, pid_namespace_start: int | None = Non
     assert writer.stdout.readline().strip() == "carved"
     pid = python_pid(writer)
     assert wait_until(lambda: process_state(pid) == "T")
-    time.sleep(1.0 + 3.0)  # its lease (1 s), then heartbeats: the slab of a writer that is gone is closed by now
     return writer, pid
 
 
@@ -824,7 +823,8 @@ def test_a_writer_paused_past_its_allocation_lease_never_writes_into_another_key
             c.register_partition("p")
             writer, pid = _paused_writer(server.address, "0", start)
             writers.append(writer)
-            assert _held_bytes(c) > 0
+            # past its lease (1 s) the unit holds the range for the live writer (a gone one's is freed)
+            assert wait_until(lambda: _held_bytes(c) > 0, timeout=10)
             victim = c.put("p", ["victim"], {"v": torch.full((1, 1 << 20), 0x55, dtype=torch.uint8)})
             os.kill(pid, signal.SIGCONT)
             out, _ = writers[0].communicate(timeout=30)
@@ -835,7 +835,7 @@ def test_a_writer_paused_past_its_allocation_lease_never_writes_into_another_key
             # a paused writer that is killed instead: its range is freed once the unit sees it gone
             writer, pid = _paused_writer(server.address, "1", start)
             writers.append(writer)
-            assert _held_bytes(c) > 0
+            assert wait_until(lambda: _held_bytes(c) > 0, timeout=10)
             os.kill(pid, signal.SIGKILL)
             writers[1].wait(10)
             assert wait_until(lambda: _held_bytes(c) == 0, timeout=10), "a dead writer's range stayed held"

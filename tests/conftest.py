@@ -257,9 +257,12 @@ def _uses_ray_session(item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Move the modules that use ``ray_session`` to the end (each module's tests stay together and in order)."""
+    """Tests marked ``long`` first, then the rest, with the modules that use ``ray_session`` at the end
+    (each module's tests together and in order). pytest-xdist's worksteal hands each worker a
+    contiguous share of this order and lets an idle worker take from the end of another's queue: a
+    test of a minute that starts late is the suite's tail, one that starts first is not."""
     _ray_modules.update(item.module for item in items if _uses_ray_session(item))
-    items.sort(key=lambda item: getattr(item, "module", None) in _ray_modules)
+    items.sort(key=lambda item: (item.get_closest_marker("long") is None, getattr(item, "module", None) in _ray_modules))
 
 
 def _shared_ray_up():

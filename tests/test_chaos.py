@@ -21,6 +21,7 @@ TIMEOUT = 2.0
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.long
 def test_short_chaos_loses_nothing_and_leaves_nothing(tmp_path):
     lines: list[str] = []
     report = run_chaos(

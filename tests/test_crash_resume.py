@@ -240,6 +240,7 @@ def _crash_and_resume(
     return ck_step, dead_steps
 
 
+@pytest.mark.long
 def test_sync_driver_killed_mid_run_resumes_exactly_once(tmp_path, tq_service):
     """kill -9 of ``python -m trainer.grpo_sync`` mid-step after a checkpoint; the same command resumes:
     every prompt trained once per epoch over the lineage, and the steps the dead run trained past its

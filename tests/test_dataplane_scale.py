@@ -11,6 +11,7 @@ from benchmarks import dataplane_scale as ds
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.long
 def test_tq_driver_bytes_do_not_grow_with_payload_while_legacys_do():
     small, big = ds.Point(1, 16, 64, 2), ds.Point(1, 16, 1024, 2, images=1)
     rows = ds.run_sweep([small, big], steps=1, timeout=120, log=lambda *_: None)

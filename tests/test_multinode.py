@@ -39,6 +39,7 @@ def _left_behind(tag: str) -> list[str]:
 
 @pytest.mark.skipif(WHY is not None, reason=WHY or "")
 @pytest.mark.timeout(300)
+@pytest.mark.long
 def test_cross_node_get_on_an_emulated_cluster(tmp_path):
     report = multinode.run(nodes=2, steps=0, link_rate=None, run_dir=tmp_path)  # a head + one worker node
     placed = report["placement"]

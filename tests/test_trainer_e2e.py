@@ -56,6 +56,7 @@ def _fit(cls, cfg):
         trainer.shutdown()
 
 
+@pytest.mark.long
 def test_legacy_and_tq_trainers_produce_the_same_metrics(tmp_path, monkeypatch):
     """Same config and seed: per-step reward, loss and log-prob metrics agree for 3 steps. The same
     runs check the TQ trainer's per-step data-plane metrics, and that Ray's token-authentication
@@ -123,6 +124,7 @@ def test_tq_driver_receives_per_sample_data_only_and_the_store_empties(tmp_path)
     assert max(h["driver_bytes_received"] for h in legacy) > 2 * runs[24]
 
 
+@pytest.mark.long
 def test_tq_trainer_takes_the_data_plane_secret_from_the_config_alone(tmp_path, monkeypatch, capsys):
     """``data_plane.secret`` set in the config only - no ``TQ_SECRET`` in any environment, and Ray already
     running (as in a notebook), so no worker can inherit one: every client the trainer starts (driver,

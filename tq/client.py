@@ -601,11 +601,7 @@ class TQClient:
         make one, its liveness file in the controller's shared-memory directory (tq.liveness)."""
         if self._ctrl_host != self._host:
             return {}
-        try:
-            holder_file = liveness.own_file(self._ctrl_shm_dir) if self._ctrl_shm_dir else None
-        except OSError:
-            holder_file = None
-        return {"holder": os.getpid(), "holder_file": holder_file}
+        return {"holder": os.getpid(), "holder_file": liveness.own_file_or_none(self._ctrl_shm_dir)}
 
     def _is_local(self, unit: int) -> bool:
         return unit in self._local_units
@@ -977,14 +973,6 @@ class TQClient:
             except TQError:
                 pass
 
-    def _liveness_file(self, unit: int) -> str | None:
-        """This process's liveness file in ``unit``'s shared-memory directory (see tq.liveness), or
-        None where none can be made there (the unit then judges this writer by its pid)."""
-        try:
-            return liveness.own_file(os.path.dirname(self._units[unit].arena_path))
-        except OSError:
-            return None
-
     def _alloc(self, unit: int, nbytes: int, *, ids: int = 0, wait: bool = True) -> messages.AllocReply:
         """Reserve ``nbytes`` of ``unit``'s arena (a slab with ``ids`` block ids, when ``ids``), waiting
         for room up to ``capacity_wait_s`` when ``wait``. The request of a same-host writer says when
@@ -995,7 +983,7 @@ class TQClient:
             timeout = self.timeout + self.capacity_wait_s
             reply_by = time.time() + min(timeout, time_left() or timeout)
             writer = os.getpid()
-            writer_file = self._liveness_file(unit)
+            writer_file = liveness.own_file_or_none(os.path.dirname(self._units[unit].arena_path))
             with self._slab_lock:
                 released = self._released.pop(unit, [])
         wait_s = self._room_wait_s() if wait else 0.0

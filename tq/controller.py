@@ -46,7 +46,7 @@ from .errors import (
 )
 from .arena import host_identity
 from .journal import Journal
-from .leases import Holder, LeaseBook, leased_blocks, new_lease_id
+from .leases import LeaseBook, leased_blocks, new_lease_id
 from .locations import FEW_ROWS, LocationTable, remove_orphans, take_records
 from .messages import ControllerOp as Op
 from .partition import Partition, Waiter
@@ -64,7 +64,7 @@ PIN_PRUNE_S = 5.0  # how often the pin files of clients that closed or died are 
 RECENT_COMMITS = 1 << 12  # settled commits remembered so that a resent one is answered like the first
 
 
-def _pin_holds(deadline_ns: int | None, holder: Holder | None, now_ns: int, directory: str | None) -> bool:
+def _pin_holds(deadline_ns: int | None, holder: liveness.Holder | None, now_ns: int, directory: str | None) -> bool:
     """Whether a reader's pin (its slot's deadline, None once given up) still pins its blocks: in
     time, or past it while its reader's process on this host runs (paused: its views live on)."""
     return deadline_ns is not None and (deadline_ns > now_ns or liveness.runs(holder, directory))
@@ -279,7 +279,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         ttl: float,
         lease_id: int | None = None,
         pin: tuple[str, int] | None = None,
-        holder: Holder | None = None,
+        holder: liveness.Holder | None = None,
     ) -> int:
         """Pin these (unit, block) pairs; journaled, so a restarted controller keeps the pins (each for
         a fresh term) and its ``retain`` keeps their rows. ``pin``: a reader's pin taken over (tq.pins),
@@ -289,13 +289,11 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         self._journal(["__lease__", {"id": lease_id, "ttl": ttl, "blocks": blocks, "pin": pin, "holder": holder}, []])
         return lease_id
 
-    def _holder(self, pid: int | None, file: str | None) -> Holder | None:
+    def _holder(self, pid: int | None, file: str | None) -> liveness.Holder | None:
         """What tells whether a reader's process that says it runs on this host still runs: its
         liveness file in this controller's shared-memory directory, else its pid and start time
         (None if none runs)."""
-        if file is not None and self.shm_dir is not None:
-            return file
-        return launch.process_identity(pid) if pid is not None else None
+        return liveness.identify(pid, file if self.shm_dir is not None else None)
 
     def _check_lease_id(self, lease_id: int | None) -> None:
         if lease_id is not None and lease_id in self.lease_book.leases:
@@ -644,7 +642,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         if seq is not None:
             for s, v in zip(slots.tolist(), seq):
                 part.seq_lens[s] = v
-        total = sum(sum(nb.tolist()) if nb.size <= FEW_ROWS else int(nb.sum()) for nb, _ in rows_of.values())
+        total = sum(_total(nb) for nb, _ in rows_of.values())
         self.bytes_committed += total
         self.recent.append((time.monotonic(), total))
         self._check_waiters(part.pid)
@@ -723,7 +721,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         fields: list[str],
         lease_s: float | None = None,
         lease_id: int | None = None,
-        holder: Holder | None = None,
+        holder: liveness.Holder | None = None,
     ) -> tuple[messages.LocateReply, list]:
         slots = part.slots_of(keys)
         loc = np.empty((len(fields), len(keys), LOC_COLUMNS), dtype=np.int64)
@@ -913,9 +911,15 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         )
 
 
+# Sums and minima of a commit's per-row arrays: Python's for a few rows (see tq.locations.FEW_ROWS)
 def _least(a: np.ndarray) -> int:
     """The least entry of a non-empty int array."""
     return min(a.tolist()) if a.size <= FEW_ROWS else int(a.min())
+
+
+def _total(a: np.ndarray) -> int:
+    """The sum of an int array."""
+    return sum(a.tolist()) if a.size <= FEW_ROWS else int(a.sum())
 
 
 def _packed_rows(nb: np.ndarray, off: np.ndarray, start: int, size: int) -> tuple[int, bytes] | None:

@@ -14,9 +14,11 @@ import collections
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
+
+from .liveness import Holder
 
 UNIT, BLOCK, ROW = 0, 1, 2  # columns of the rows kept here, as in the location records
 BLOCK_BITS = 40  # block ids stay below 2**40, so (unit, block) packs into one int64
@@ -45,11 +47,6 @@ def new_lease_id() -> int:
 def pin_ref(pin: Any) -> tuple[str, int] | None:
     """A lease's pin reference as journaled ([path, slot] or None) back as a tuple."""
     return None if pin is None else (str(pin[0]), int(pin[1]))
-
-
-# What tells whether a lease's holder still runs (tq.liveness.runs): its liveness file's name, or
-# the pid and start time of a process of the controller's pid namespace
-Holder = Union[str, tuple[int, int]]
 
 
 def holder_ref(holder: Any) -> Holder | None:

@@ -19,16 +19,34 @@ import re
 import threading
 import time
 import uuid
+from typing import Union
 
-from .launch import same_process
+from .launch import process_identity, same_process
 
 PREFIX = "tq-live-"
-NAME = re.compile(r"tq-live-[0-9a-f]{32}")  # what a file name a writer sends must look like
+NAME_PATTERN = r"tq-live-[0-9a-f]{32}"  # what a file name a process sends must look like
+NAME = re.compile(NAME_PATTERN)
 _TMP = re.compile(r"\.tq-live-[0-9a-f]{32}\.tmp")  # a file being made (its maker locks, then renames it)
 TMP_AGE_S = 60.0  # a file still being made this long after was left by a maker killed meanwhile
 
 _lock = threading.Lock()
 _own: dict[tuple[int, str], str] = {}  # (pid, directory) -> this process's file there (its fd stays open)
+
+# What tells whether a process of this host still runs (see runs): its liveness file's name, or its
+# pid and start time (tq.launch.process_identity) in the asker's pid namespace
+Holder = Union[str, tuple[int, int]]
+
+
+def hold(path: str) -> int:
+    """Lock the file at ``path`` (shared) for as long as the returned descriptor stays open: to the
+    processes that ask :func:`holder_alive`, this process runs while it does."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def own_file(directory: str) -> str:
@@ -41,12 +59,14 @@ def own_file(directory: str) -> str:
         if name is None:
             name = f"{PREFIX}{uuid.uuid4().hex}"
             tmp = os.path.join(directory, f".{name}.tmp")
-            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDONLY | os.O_CLOEXEC, 0o644)
+            os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDONLY | os.O_CLOEXEC, 0o644))
+            fd = None
             try:
-                fcntl.flock(fd, fcntl.LOCK_SH)
+                fd = hold(tmp)
                 os.rename(tmp, os.path.join(directory, name))
             except BaseException:
-                os.close(fd)
+                if fd is not None:
+                    os.close(fd)
                 os.unlink(tmp)
                 raise
             _own[key] = name  # the fd is never closed: the lock lasts as long as the process
@@ -71,7 +91,24 @@ def holder_alive(directory: str, name: str) -> bool:
     return False
 
 
-def runs(holder: str | tuple[int, int] | None, directory: str | None) -> bool:
+def identify(pid: int | None, file: str | None) -> Holder | None:
+    """What tells whether a process that says it runs on this host still runs: the liveness file it
+    named, else its pid's (pid, start time) here; None if it named neither (or that pid runs not)."""
+    if file is not None:
+        return file
+    return process_identity(pid) if pid is not None else None
+
+
+def own_file_or_none(directory: str | None) -> str | None:
+    """:func:`own_file`, or None where no directory is known or none can be made there (the server
+    then judges this process by its pid)."""
+    try:
+        return own_file(directory) if directory else None
+    except OSError:
+        return None
+
+
+def runs(holder: Holder | None, directory: str | None) -> bool:
     """Whether the process ``holder`` names still runs: a liveness file's name (in ``directory``), or
     the pid and start time of a process of this pid namespace (:func:`tq.launch.process_identity`)."""
     if isinstance(holder, str):

@@ -30,10 +30,11 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 
 from .errors import InvalidRequestError, MalformedMessageError, TQError
+from .liveness import NAME_PATTERN
 
 BLOCK_ID_LIMIT = 1 << 40  # storage units number blocks from 1 and never get near this
 # a process's liveness file in a server's shared-memory directory (tq.liveness), which the server opens
-LivenessFile = Annotated[str, msgspec.Meta(pattern=r"^tq-live-[0-9a-f]{32}$")]
+LivenessFile = Annotated[str, msgspec.Meta(pattern=f"^{NAME_PATTERN}$")]
 
 Count = Annotated[int, msgspec.Meta(ge=0)]  # msgspec never takes a bool for an int
 BlockId = Annotated[int, msgspec.Meta(ge=0, lt=BLOCK_ID_LIMIT)]

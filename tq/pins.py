@@ -35,7 +35,6 @@ from __future__ import annotations
 import collections
 import mmap
 import os
-import fcntl
 import stat
 import time
 import uuid
@@ -44,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .arena import map_new_shm_file
-from .liveness import holder_alive
+from .liveness import hold, holder_alive
 from .leases import new_lease_id
 
 try:
@@ -131,8 +130,7 @@ class PinFile:
         self.owner = os.getpid()
         # held (shared) while the client lives: the controller tells a paused client from a gone one
         # by this lock, in any pid namespace (tq.liveness); registered only once it is taken
-        self._lock_fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        fcntl.flock(self._lock_fd, fcntl.LOCK_SH)
+        self._lock_fd = hold(self.path)
         self.epoch = 0  # the pin board it is registered with (tables carry theirs): set on registration
         # free slots; a deque's append and pop need no lock, so a release is safe from a finalizer
         self._free = collections.deque(range(slots))

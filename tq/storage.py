@@ -51,7 +51,7 @@ FETCH_ADOPT_WAIT_S = 2.0  # a fetch of a committed block waits this long for the
 FEW_ROWS = 16
 
 
-def _writer_record(aid: int, writer: str | tuple[int, int]) -> list:
+def _writer_record(aid: int, writer: liveness.Holder) -> list:
     """The journal record of allocation ``aid``'s writer: its liveness file, or its pid and start time."""
     return ["W", aid, writer] if isinstance(writer, str) else ["W", aid, *writer]
 
@@ -174,7 +174,7 @@ class StorageUnit(RpcServer):
         self.slabs: dict[int, Slab] = {}  # alloc id -> slab (see Slab)
         # alloc id -> its same-host writer: its liveness file (tq.liveness) or, where it sent none, its
         # process_identity
-        self.writers: dict[int, str | tuple[int, int]] = {}
+        self.writers: dict[int, liveness.Holder] = {}
         # ranges of allocations whose lease ran out while their writer's process lived (it may be paused
         # mid-copy): kept from everyone else until it releases them or exits. alloc id -> the ranges, and
         # the slab they are the gaps of (None: an allocation)
@@ -384,9 +384,7 @@ class StorageUnit(RpcServer):
         self._check_fits_at_all(nbytes)
         start = self._allocate(nbytes)
         aid = self._new_id()
-        writer: str | tuple[int, int] | None = args.writer_file
-        if writer is None and args.writer is not None:
-            writer = launch.process_identity(args.writer)
+        writer = liveness.identify(args.writer, args.writer_file)
         if writer is not None:  # journaled first: the records below are in the same write
             self.writers[aid] = writer
             self.journal.append(_writer_record(aid, writer))

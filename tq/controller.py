@@ -124,6 +124,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         # (a controller started anew reads none of the files its predecessor had registered)
         self.pin_epoch = new_lease_id() if self.pin_board is not None else 0
         self._next_pin_prune = 0.0
+        self._next_liveness_sweep = 0.0  # the first tick sweeps: files of readers that exited while none ran
         self.serve_ops(
             messages.CONTROLLER_REQUESTS,
             {
@@ -248,6 +249,8 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             part.table.close()
         if self.pin_board is not None:
             self.pin_board.close()
+        if self.shm_dir is not None:  # readers' liveness files (tq.liveness) of processes that exited
+            liveness.remove_gone(self.shm_dir)
         super().close()
 
     @staticmethod
@@ -808,6 +811,9 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         if self.pin_board is not None and now >= self._next_pin_prune:
             self._next_pin_prune = now + PIN_PRUNE_S
             self.pin_board.prune(time.monotonic_ns())
+        if self.shm_dir is not None and now >= self._next_liveness_sweep:
+            self._next_liveness_sweep = now + liveness.SWEEP_S
+            liveness.remove_gone(self.shm_dir)
         self._flush_units()
         self._heartbeat(now)
         if self._running:  # once stopping (shutdown, SIGTERM, Ctrl-C), units that exit are not crashes

@@ -28,6 +28,7 @@ NAME_PATTERN = r"tq-live-[0-9a-f]{32}"  # what a file name a process sends must 
 NAME = re.compile(NAME_PATTERN)
 _TMP = re.compile(r"\.tq-live-[0-9a-f]{32}\.tmp")  # a file being made (its maker locks, then renames it)
 TMP_AGE_S = 60.0  # a file still being made this long after was left by a maker killed meanwhile
+SWEEP_S = 60.0  # how often a server unlinks the files of exited processes from its directory (remove_gone)
 
 _lock = threading.Lock()
 _own: dict[tuple[int, str], str] = {}  # (pid, directory) -> this process's file there (its fd stays open)

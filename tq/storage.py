@@ -38,7 +38,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_ALLOC_LEASE_S = 60.0  # a writer fills its allocation within this (seconds)
 WRITER_CHECK_S = 1.0  # how often ranges held for paused writers are checked for writers gone
-LIVENESS_SWEEP_S = 60.0  # how often the liveness files of exited writers are unlinked (tq.liveness)
 # A stored block waits this long for the controller to claim it (its put committed) before the unit
 # asks the controller to resolve it: claim it, or fence it and have it freed. Never freed unasked.
 DEFAULT_COMMIT_LEASE_S = 30.0
@@ -296,7 +295,7 @@ class StorageUnit(RpcServer):
                 for aid in [a for a in self.held if not self._writer_alive(a)]:
                     self._release_held(aid)
         if now >= self._next_liveness_sweep:
-            self._next_liveness_sweep = now + LIVENESS_SWEEP_S
+            self._next_liveness_sweep = now + liveness.SWEEP_S
             liveness.remove_gone(os.path.dirname(self.arena.path))
         self._retry_parked(now)
         self._retry_fetches(now)
@@ -903,6 +902,7 @@ class StorageUnit(RpcServer):
 
     def close(self) -> None:
         super().close()
+        liveness.remove_gone(os.path.dirname(self.arena.path))  # the service owns its directory: leave no litter
         self.journal.close(unlink=True)
         self.arena.close(unlink=True)
 

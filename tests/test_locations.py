@@ -12,8 +12,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -43,7 +43,7 @@ from tq.protocol import LOC_COLUMNS, LOC_NBYTES, LOC_RUN
 if SUPPORTED:
     from tq._fastcopy import read_locations
 
-from conftest import unique_keys
+from conftest import pid_namespace_start, python_command, python_pid, unique_keys
 
 pytestmark = pytest.mark.skipif(not SUPPORTED, reason="same-host location tables are used on x86-64 only")
 
@@ -353,27 +353,59 @@ def test_the_c_reader_refuses_a_header_claiming_more_records_than_the_buffer_hol
         read_locations(header.tobytes(), [0], [capacity - 1], 0, 0, 0, out)
 
 
-def test_tables_of_controllers_that_are_gone_are_removed_at_start(tmp_path):
+_TABLE_MAKER = """
+import sys
+from tq.locations import LocationTable
+table = LocationTable(sys.argv[1])  # a controller's table: held for as long as this process runs
+print(table.path, flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.parametrize("namespace", ["same", "own"], ids=["same-pid-namespace", "other-pid-namespace"])
+def test_tables_of_controllers_that_are_gone_are_removed_at_start(tmp_path, namespace):
+    """A controller starting retires and unlinks the tables its predecessors left (killed before they
+    could), so no reader trusts them once it can free bytes - and only those: a controller that runs,
+    even in another pid namespace sharing the directory (its pid names no process here), keeps its
+    tables. A table is judged by the lock its controller holds on it, not by the pid in its name."""
+    from tq import liveness
     from tq.controller import Controller
 
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    orphan, mine, arena = (tmp_path / f"tq-loc-{dead.pid}-ab", tmp_path / f"tq-loc-{os.getpid()}-ab", tmp_path / "tq-x.arena")
-    for p in (orphan, mine, arena):
-        p.write_bytes(b"x")
-    table = LocationTable(str(tmp_path))  # a real table, renamed as if its controller were gone
-    os.rename(table.path, tmp_path / f"tq-loc-{dead.pid}-cd")
-    view = LocationView(str(tmp_path / f"tq-loc-{dead.pid}-cd"), {})
-    assert not view.header[H_RETIRED]
-    assert remove_orphans(str(tmp_path)) == 2
-    assert not orphan.exists() and mine.exists() and arena.exists()
-    assert view.header[H_RETIRED] == 1  # a reader still holding it stops trusting it at once
-    orphan.write_bytes(b"x")
-    ctrl = Controller("tcp://127.0.0.1:0", shm_dir=str(tmp_path))  # a controller sweeps when it starts
+    start = pid_namespace_start() if namespace == "own" else None
+    if namespace == "own" and start is None:
+        pytest.skip("cannot make a pid namespace here (needs root and util-linux unshare)")
+    d = str(tmp_path)
+    makers = [
+        subprocess.Popen(python_command(_TABLE_MAKER, [d], start), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     try:
-        assert not orphan.exists() and mine.exists()
+        running, killed = (m.stdout.readline().strip() for m in makers)
+        os.kill(python_pid(makers[1]), signal.SIGKILL)  # the maker itself, not the unshare above it
+        makers[1].wait(10)
+        views = {path: LocationView(path, {}) for path in (running, killed)}
+        mine = LocationTable(d)
+        left = tmp_path / f".tq-loc-1-{'e' * 16}.tmp"  # a maker killed while making one
+        bare, arena = tmp_path / f"tq-loc-{os.getpid()}-{'a' * 16}", tmp_path / "tq-x.arena"  # no lock: no controller holds it
+        for p in (left, bare, arena):
+            p.write_bytes(b"x")
+        os.utime(left, (time.time() - 2 * liveness.TMP_AGE_S,) * 2)
+        assert remove_orphans(d) == 3
+        assert sorted(os.listdir(d)) == sorted([os.path.basename(running), os.path.basename(mine.path), arena.name])
+        assert views[killed].header[H_RETIRED] == 1  # a reader still holding it stops trusting it at once
+        assert not views[running].header[H_RETIRED] and not mine.header[H_RETIRED]
+        bare.write_bytes(b"x")
+        ctrl = Controller("tcp://127.0.0.1:0", shm_dir=d)  # a controller sweeps when it starts
+        try:
+            assert not bare.exists() and os.path.exists(running) and os.path.exists(mine.path)
+        finally:
+            ctrl.close()
     finally:
-        ctrl.close()
+        for m in makers:
+            if m.poll() is None:
+                m.stdin.write("\n")  # lets it go (under unshare, killing unshare would leave it running)
+                m.stdin.flush()
+                m.wait(10)
 
 
 def test_private_tables_have_no_descriptor():

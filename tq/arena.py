@@ -18,6 +18,7 @@ import os
 import numpy as np
 
 from .errors import CapacityError, StorageUnitError
+from .liveness import create_held
 
 ALIGN = 4096
 BACKED_CHUNK = 2 << 20  # the granularity at which a storage unit allocates its arena's pages (Arena.allocate_pages)
@@ -239,19 +240,18 @@ def allocate_file_pages(fd: int, path: str, start: int, nbytes: int) -> None:
         ) from None
 
 
-def map_new_shm_file(path: str, nbytes: int) -> mmap.mmap:
+def map_new_shm_file(path: str, nbytes: int) -> tuple[int, mmap.mmap]:
     """Create ``path`` (which must not exist) as a file of ``nbytes`` whose pages are all allocated
-    (:func:`allocate_file_pages`) and map it read-write; nothing is left behind when that fails."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    (:func:`allocate_file_pages`), map it read-write and return (a descriptor holding a shared lock on
+    it, the mapping): the file is in use for as long as the descriptor stays open, in any pid
+    namespace (:func:`tq.liveness.create_held`). Nothing is left behind when that fails."""
+    fd = create_held(path, fill=lambda fd: (os.ftruncate(fd, nbytes), allocate_file_pages(fd, path, 0, nbytes)))
     try:
-        os.ftruncate(fd, nbytes)
-        allocate_file_pages(fd, path, 0, nbytes)
-        return mmap.mmap(fd, nbytes)
+        return fd, mmap.mmap(fd, nbytes)
     except BaseException:
+        os.close(fd)
         os.unlink(path)
         raise
-    finally:
-        os.close(fd)
 
 
 def shm_free_bytes(directory: str) -> int:

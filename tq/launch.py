@@ -152,30 +152,6 @@ def remove_ready_file(path: str) -> None:
             pass
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists here (another user's counts as alive; a pid of another pid
-    namespace looks gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def files_of_gone_processes(directory: str, prefix: str) -> list[str]:
-    """Paths of the files in ``directory`` named ``<prefix><pid>-...`` whose process is not alive
-    here (shared-memory files a killed process could not remove; see :func:`pid_alive` for the pid
-    namespace caveat)."""
-    out = []
-    for name in os.listdir(directory):
-        pid = name[len(prefix) :].split("-", 1)[0]
-        if name.startswith(prefix) and pid.isdigit() and not pid_alive(int(pid)):
-            out.append(os.path.join(directory, name))
-    return out
-
-
 def await_ready_file(path: str, *, alive: Callable[[], bool], timeout: float, what: str) -> dict[str, Any]:
     """Wait until ``path`` exists and return what it holds; read and removed.
 

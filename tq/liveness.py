@@ -8,7 +8,8 @@ range would be freed under it, or held for good. Instead the writer holds a shar
 file of its own in that directory for as long as it lives, and names the file; the unit asks by
 trying an exclusive lock. The kernel drops the lock when the holder exits, however it ends (a child
 forked after the file was made holds it too, until both have exited: a range is then held longer,
-never freed under a writer).
+never freed under a writer). A controller holds its location tables the same way (a controller
+starting retires only tables nobody holds: tq.locations.remove_orphans).
 """
 
 from __future__ import annotations
@@ -19,14 +20,13 @@ import re
 import threading
 import time
 import uuid
-from typing import Union
+from typing import Callable, Union
 
 from .launch import process_identity, same_process
 
 PREFIX = "tq-live-"
 NAME_PATTERN = r"tq-live-[0-9a-f]{32}"  # what a file name a process sends must look like
 NAME = re.compile(NAME_PATTERN)
-_TMP = re.compile(r"\.tq-live-[0-9a-f]{32}\.tmp")  # a file being made (its maker locks, then renames it)
 TMP_AGE_S = 60.0  # a file still being made this long after was left by a maker killed meanwhile
 SWEEP_S = 60.0  # how often a server unlinks the files of exited processes from its directory (remove_gone)
 
@@ -38,39 +38,37 @@ _own: dict[tuple[int, str], str] = {}  # (pid, directory) -> this process's file
 Holder = Union[str, tuple[int, int]]
 
 
-def hold(path: str) -> int:
-    """Lock the file at ``path`` (shared) for as long as the returned descriptor stays open: to the
-    processes that ask :func:`holder_alive`, this process runs while it does."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+def create_held(path: str, *, mode: int = 0o600, fill: Callable[[int], None] | None = None) -> int:
+    """Create the file ``path`` (filled by ``fill(fd)``) and return a read-write descriptor holding a
+    shared lock on it: to the processes that ask :func:`holder_alive`, this process runs for as long
+    as the descriptor stays open. Made under a temporary name and renamed once locked, so no process
+    finds it unlocked at ``path`` while its maker runs; nothing is left behind when that fails."""
+    directory, name = os.path.split(path)
+    tmp = os.path.join(directory, f".{name}.tmp")
+    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, mode)
     try:
+        if fill is not None:
+            fill(fd)
         fcntl.flock(fd, fcntl.LOCK_SH)
+        os.rename(tmp, path)
     except BaseException:
         os.close(fd)
+        os.unlink(tmp)
         raise
     return fd
 
 
 def own_file(directory: str) -> str:
-    """The name of this process's liveness file in ``directory``, made (and locked) at the first call
-    of the process. Made under a temporary name and renamed once locked, so no process ever finds it
-    unlocked while its maker runs. Raises OSError where the directory does not allow it."""
+    """The name of this process's liveness file in ``directory``, made (and locked: see
+    :func:`create_held`) at the first call of the process. Raises OSError where the directory does
+    not allow it."""
     key = (os.getpid(), directory)
     with _lock:
         name = _own.get(key)
         if name is None:
             name = f"{PREFIX}{uuid.uuid4().hex}"
-            tmp = os.path.join(directory, f".{name}.tmp")
-            os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDONLY | os.O_CLOEXEC, 0o644))
-            fd = None
-            try:
-                fd = hold(tmp)
-                os.rename(tmp, os.path.join(directory, name))
-            except BaseException:
-                if fd is not None:
-                    os.close(fd)
-                os.unlink(tmp)
-                raise
-            _own[key] = name  # the fd is never closed: the lock lasts as long as the process
+            create_held(os.path.join(directory, name), mode=0o644)  # never closed: held as long as the process
+            _own[key] = name
         return name
 
 
@@ -117,20 +115,24 @@ def runs(holder: Holder | None, directory: str | None) -> bool:
     return same_process(holder)
 
 
-def remove_gone(directory: str) -> int:
-    """Unlink the liveness files of ``directory`` whose makers exited (and files a maker killed while
-    making one left behind); returns how many."""
+def remove_gone(directory: str, pattern: re.Pattern[str] = NAME, retire: Callable[[str], None] | None = None) -> int:
+    """Unlink the files of ``directory`` named as ``pattern`` says (default: liveness files) whose
+    makers exited - none holds its lock (:func:`create_held`) - calling ``retire(path)`` on each first;
+    and files a maker killed while making one left behind. Returns how many."""
     try:
         names = os.listdir(directory)
     except OSError:
         return 0
+    tmp = re.compile(rf"\.(?:{pattern.pattern})\.tmp")
     removed, now = 0, time.time()
     for name in names:
         path = os.path.join(directory, name)
         try:
-            if NAME.fullmatch(name) and not holder_alive(directory, name):
+            if pattern.fullmatch(name) and not holder_alive(directory, name):
+                if retire is not None:
+                    retire(path)
                 os.unlink(path)
-            elif _TMP.fullmatch(name) and now - os.lstat(path).st_mtime > TMP_AGE_S:
+            elif tmp.fullmatch(name) and now - os.lstat(path).st_mtime > TMP_AGE_S:
                 os.unlink(path)
             else:
                 continue

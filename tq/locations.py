@@ -52,6 +52,7 @@ from __future__ import annotations
 import mmap
 import os
 import platform
+import re
 import secrets
 from contextlib import contextmanager
 from typing import Iterator, NamedTuple, Sequence
@@ -59,8 +60,8 @@ from typing import Iterator, NamedTuple, Sequence
 import numpy as np
 
 from .protocol import LOC_BLOCK, LOC_COLUMNS, LOC_NBYTES, LOC_OFFSET, LOC_ROW, LOC_RUN, LOC_UNIT
+from . import liveness
 from .arena import map_new_shm_file
-from .launch import files_of_gone_processes
 from .pins import bump
 
 try:
@@ -141,6 +142,7 @@ class LocatedRows(NamedTuple):
 
 
 PREFIX = "tq-loc-"  # table files are named tq-loc-<controller pid>-<random id, 16 hex digits>
+NAME = re.compile(r"tq-loc-[0-9]+-[0-9a-f]{16}")
 
 
 def _table_path(directory: str, pid: int, table_id: int) -> str:
@@ -150,18 +152,11 @@ def _table_path(directory: str, pid: int, table_id: int) -> str:
 def remove_orphans(directory: str) -> int:
     """Retire and unlink the tables of controllers that are gone (killed before they could); returns
     how many. A controller restarted on the same state runs this before serving anything, so no reader
-    trusts its predecessor's table once the new one can free bytes. Harmless if a pid was reused or
-    belongs to another pid namespace: a reader that finds a table retired, or cannot open one, asks
-    the controller instead."""
-    removed = 0
-    for path in files_of_gone_processes(directory, PREFIX):
-        try:
-            _retire_file(path)
-            os.unlink(path)
-            removed += 1
-        except FileNotFoundError:
-            pass
-    return removed
+    trusts its predecessor's table once the new one can free bytes. A controller holds a lock on each
+    of its tables for as long as it runs (:func:`tq.liveness.create_held`): a table is judged by that,
+    not by the pid in its name, which may be another pid namespace's (a controller of another
+    container sharing the directory) or reused."""
+    return liveness.remove_gone(directory, NAME, retire=_retire_file)
 
 
 def _retire_file(path: str) -> None:
@@ -213,6 +208,7 @@ class LocationTable:
         self.views: dict[str, np.ndarray] = {}  # fields in use -> their [capacity, LOC_COLUMNS] records
         self.path: str | None = None
         self._mm: mmap.mmap | None = None
+        self._held: int | None = None  # a descriptor holding the lock that says the table is in use
         self.header = np.zeros(HEADER_WORDS, dtype=np.int64)
         self.header[H_PIN_EPOCH] = pin_epoch  # the pin board readers' pins must be registered with (tq.pins)
         self._last_run = 0  # run ids handed out (see the module docstring), kept across growth and clears
@@ -226,7 +222,9 @@ class LocationTable:
         table_id = new_incarnation()  # also random, positive and 63 bits
         if self.directory is not None:
             path = _table_path(self.directory, os.getpid(), table_id)
-            mm = map_new_shm_file(path, size)  # a full tmpfs fails here, before anything changed
+            # held while this table is in use: a controller starting meanwhile must not take it for an
+            # orphan (remove_orphans); a full tmpfs fails here, before anything changed
+            fd, mm = map_new_shm_file(path, size)
             words = np.frombuffer(mm, dtype=np.int64)
         else:
             words = np.empty(size // 8, dtype=np.int64)
@@ -247,6 +245,7 @@ class LocationTable:
             self.header[H_SUCCESSOR] = table_id  # before it is retired: readers seeing that see this
         self._retire_storage()
         self.header, self._locs, self.path, self._mm = header, locs, path, mm
+        self._held = fd if path is not None else None
         self.views = {name: locs[self.columns[name]].T for name in in_use}
 
     def _retire_storage(self) -> None:
@@ -265,6 +264,9 @@ class LocationTable:
                 self._mm.close()
             except BufferError:  # a view is still referenced somewhere; the mapping dies with it
                 pass
+        if self._held is not None:  # only once unlinked: unlocked, it would be an orphan to retire
+            os.close(self._held)
+            self._held = None
 
     @property
     def capacity(self) -> int:

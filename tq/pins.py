@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .arena import map_new_shm_file
-from .liveness import hold, holder_alive
+from .liveness import holder_alive
 from .leases import new_lease_id
 
 try:
@@ -122,15 +122,14 @@ class PinFile:
 
     def __init__(self, directory: str, slots: int = SLOTS) -> None:
         self.path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:16]}")
-        self._mm = map_new_shm_file(self.path, _nbytes(slots))
+        # held (shared) while the client lives: the controller tells a paused client from a gone one
+        # by this lock, in any pid namespace (tq.liveness); registered only once it is taken
+        self._lock_fd, self._mm = map_new_shm_file(self.path, _nbytes(slots))
         self._words = np.frombuffer(self._mm, dtype=np.int64)
         self._words[PIN_SLOTS_W], self._words[PIN_WORDS_W], self._words[PIN_OWNER_W] = slots, PIN_WORDS, os.getpid()
         self._words[PIN_MAGIC_W] = MAGIC
         self._slots = self._words[PIN_HEADER:].reshape(slots, PIN_WORDS)
         self.owner = os.getpid()
-        # held (shared) while the client lives: the controller tells a paused client from a gone one
-        # by this lock, in any pid namespace (tq.liveness); registered only once it is taken
-        self._lock_fd = hold(self.path)
         self.epoch = 0  # the pin board it is registered with (tables carry theirs): set on registration
         # free slots; a deque's append and pop need no lock, so a release is safe from a finalizer
         self._free = collections.deque(range(slots))

@@ -719,7 +719,10 @@ def recoverable_service(tmp_path_factory):
 
 # Without shrinking: it replays sequences with kills in them (seconds each) whose outcomes depend on
 # timing, so it takes minutes and ends in hypothesis's Flaky errors; the failing sequence is reported as is.
-FAULT_PHASES = (Phase.explicit, Phase.reuse, Phase.generate)
+# No example database either: replaying a saved sequence draws differently once the timing differs,
+# and a second run of the suite in the same checkout failed with FlakyStrategyDefinition instead of
+# testing anything (seen: four runs in a row after one run had saved a sequence).
+FAULT_PHASES = (Phase.explicit, Phase.generate)
 
 
 def test_random_op_sequences_with_crashes_lose_nothing(recoverable_service):
@@ -729,7 +732,12 @@ def test_random_op_sequences_with_crashes_lose_nothing(recoverable_service):
     run_state_machine_as_test(
         _machine_with_faults(recoverable_service),
         settings=settings(
-            max_examples=3, stateful_step_count=20, deadline=None, suppress_health_check=list(HealthCheck), phases=FAULT_PHASES
+            max_examples=3,
+            stateful_step_count=20,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+            phases=FAULT_PHASES,
+            database=None,
         ),
     )
 
@@ -740,6 +748,11 @@ def test_random_op_sequences_with_crashes_many(recoverable_service):
     run_state_machine_as_test(
         _machine_with_faults(recoverable_service),
         settings=settings(
-            max_examples=40, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck), phases=FAULT_PHASES
+            max_examples=40,
+            stateful_step_count=40,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+            phases=FAULT_PHASES,
+            database=None,
         ),
     )

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import psutil
 import pytest
@@ -235,13 +236,28 @@ def test_status_into_a_closed_pipe_exits_quietly(cli_env, json_out):
     assert err == "" and proc.returncode == 141, (proc.returncode, err)
 
 
+def _exit_code_or_stacks(proc: subprocess.Popen, timeout: float, stderr: Path) -> int:
+    """``proc``'s exit code once it exits within ``timeout``; else fail with its threads' stacks
+    (started with ``-X faulthandler``, it dumps them to ``stderr`` on SIGABRT): a process that does not
+    stop on Ctrl-C is a freeze to diagnose, and under load it happened once without a trace."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        pytest.fail(f"pid {proc.pid} still ran {timeout:.0f}s after SIGINT; its stacks:\n{stderr.read_text()[-6000:]}")
+
+
 def test_status_watch_redraws_until_ctrl_c(cli_env, tmp_path):
     """``status --watch``: into a pipe its reader closes it ends quietly (141, as ``| head``); into a
     file (not a TTY: one view after the other) it redraws with request rates, shows a controller that
     went away as unreachable and keeps watching, and ends on Ctrl-C with 0."""
     from tq import TQServer
 
-    watch = [sys.executable, "-m", "tq.cli", "status", "--watch", "--timeout", "1", "--interval"]
+    watch = [sys.executable, "-X", "faulthandler", "-m", "tq.cli", "status", "--watch", "--timeout", "1", "--interval"]
     out, err = tmp_path / "stdout", tmp_path / "stderr"
     with TQServer(storage_units=1, capacity=16 << 20) as server:
         piped = subprocess.Popen(
@@ -262,7 +278,7 @@ def test_status_watch_redraws_until_ctrl_c(cli_env, tmp_path):
             assert wait_until(lambda: "is not reachable" in out.read_text(), timeout=30), out.read_text()[-2000:]
             assert proc.poll() is None  # still watching, for the controller to come back
             proc.send_signal(signal.SIGINT)
-            assert proc.wait(timeout=30) == 0
+            assert _exit_code_or_stacks(proc, 30, err) == 0
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -273,6 +289,8 @@ def test_status_watch_redraws_until_ctrl_c(cli_env, tmp_path):
 CTRL_C_LAUNCHERS = {
     "tq-controller start --foreground": [
         sys.executable,
+        "-X",
+        "faulthandler",
         "-m",
         "tq.cli",
         "start",
@@ -285,6 +303,8 @@ CTRL_C_LAUNCHERS = {
     # the trainer's way: a TQServer embedded in a Python program that stops on KeyboardInterrupt
     "embedded TQServer": [
         sys.executable,
+        "-X",
+        "faulthandler",
         "-c",
         (
             "import sys, time\n"
@@ -320,7 +340,7 @@ def test_ctrl_c_stops_the_service_quietly(cli_env, launcher, tmp_path):
         group = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
         assert len(group) >= 4  # launcher, controller, 2 units
         os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout=30)
+        _exit_code_or_stacks(proc, 30, err)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -225,8 +225,9 @@ def test_a_file_whose_client_exited_is_let_go(tmp_path):
 
 def test_a_starting_controller_removes_pin_files_nothing_reads_of_clients_that_are_gone(tmp_path, loopback):
     """Pin files of clients killed while no controller read them (or registered with one started
-    since without a journal) are removed when a controller starts - not those of live clients, not
-    files just made (their client may be about to register them), not files its journal registered."""
+    since without a journal) are removed when a controller starts, however young (a client locks its
+    file before it appears under its name), and so are files a client killed while making one left -
+    not those of live clients, not files its journal registered (read until their pins end)."""
     old = time.time() - 3600
 
     def made(age_s: float, live: bool) -> str:
@@ -239,6 +240,10 @@ def test_a_starting_controller_removes_pin_files_nothing_reads_of_clients_that_a
 
     (_, orphan), (_, young), (alive, live) = made(3600, False), made(0, False), made(3600, True)
     client, registered = made(0, True)  # registered by a live client, which is killed after
+    left, making = (str(tmp_path / f".tq-pin-1-{c * 16}.tmp") for c in "ab")  # a maker killed meanwhile; one at it now
+    for path, age in ((left, 3600), (making, 0)):
+        open(path, "w").close()
+        os.utime(path, (time.time() - age, time.time() - age))
     try:
         ctrl = loopback.start(journal_dir=str(tmp_path / "j"), shm_dir=str(tmp_path))
         loopback.apply(ctrl, "pin_file", {"path": registered}, tick=False)
@@ -248,8 +253,8 @@ def test_a_starting_controller_removes_pin_files_nothing_reads_of_clients_that_a
         os.utime(registered, (old, old))
         ctrl = loopback.start(journal_dir=str(tmp_path / "j"), shm_dir=str(tmp_path))  # replays its registration
         try:
-            assert not os.path.exists(orphan)
-            assert all(os.path.exists(p) for p in (young, live, registered))
+            assert not any(os.path.exists(p) for p in (orphan, young, left))
+            assert all(os.path.exists(p) for p in (live, registered, making))
         finally:
             ctrl.close()
     finally:

@@ -115,10 +115,16 @@ def runs(holder: Holder | None, directory: str | None) -> bool:
     return same_process(holder)
 
 
-def remove_gone(directory: str, pattern: re.Pattern[str] = NAME, retire: Callable[[str], None] | None = None) -> int:
+def remove_gone(
+    directory: str,
+    pattern: re.Pattern[str] = NAME,
+    retire: Callable[[str], None] | None = None,
+    keep: Callable[[str], bool] | None = None,
+) -> int:
     """Unlink the files of ``directory`` named as ``pattern`` says (default: liveness files) whose
-    makers exited - none holds its lock (:func:`create_held`) - calling ``retire(path)`` on each first;
-    and files a maker killed while making one left behind. Returns how many."""
+    makers exited - none holds its lock (:func:`create_held`) - calling ``retire(path)`` on each first
+    and leaving those ``keep(path)`` says to; and files a maker killed while making one left behind.
+    Returns how many."""
     try:
         names = os.listdir(directory)
     except OSError:
@@ -128,7 +134,7 @@ def remove_gone(directory: str, pattern: re.Pattern[str] = NAME, retire: Callabl
     for name in names:
         path = os.path.join(directory, name)
         try:
-            if pattern.fullmatch(name) and not holder_alive(directory, name):
+            if pattern.fullmatch(name) and not (keep is not None and keep(path)) and not holder_alive(directory, name):
                 if retire is not None:
                     retire(path)
                 os.unlink(path)

@@ -35,15 +35,14 @@ from __future__ import annotations
 import collections
 import mmap
 import os
-import stat
-import time
+import re
 import uuid
 from dataclasses import dataclass
 
 import numpy as np
 
 from .arena import map_new_shm_file
-from .liveness import holder_alive
+from .liveness import holder_alive, remove_gone
 from .leases import new_lease_id
 
 try:
@@ -61,7 +60,7 @@ SLOTS = 256  # borrowed gets a client holds through pins at once; more lease by 
 MAX_SLOTS = 4096  # a pin file claiming more is refused (the controller reads every slot at every free)
 MAGIC = 0x5451_50494E_0001  # "TQ" "PIN" v1
 PREFIX = "tq-pin-"  # pin files are named tq-pin-<client pid>-<random> (the pid only informs)
-ORPHAN_AGE_S = 60.0  # an unregistered pin file of a gone client this old is removed at a controller's start
+NAME = re.compile(r"tq-pin-[0-9]+-[0-9a-f]{16}")
 POLL_S = 0.05  # how often the controller looks at the pins it holds as leases (a released pin's rows wait this long)
 SUPPORTED = _pin is not None
 
@@ -269,29 +268,15 @@ class PinBoard:
                 pass
             mm.close()
 
-    def remove_orphans(self, min_age_s: float = ORPHAN_AGE_S) -> int:
+    def remove_orphans(self) -> int:
         """Unlink the pin files of the directory that nothing reads and whose client is gone: not
-        registered with this board, not locked by a client, and older than ``min_age_s`` (a client
-        may be about to lock and register a file it just made). A controller runs this at start, after
-        its journal registered its files again: files of clients killed while no controller read them
-        (or registered with a predecessor that had no journal) are removed instead of staying in
-        shared memory. Returns how many."""
-        removed, now = 0, time.time()
-        try:
-            names = [n for n in os.listdir(self.directory) if n.startswith(PREFIX)]
-        except OSError:
-            return 0
-        for path in (os.path.join(self.directory, n) for n in names):
-            if path in self.files or self.client_runs(path):
-                continue
-            try:
-                st = os.lstat(path)
-                if stat.S_ISREG(st.st_mode) and now - st.st_mtime >= min_age_s:
-                    os.unlink(path)
-                    removed += 1
-            except FileNotFoundError:
-                pass
-        return removed
+        registered with this board and not locked by a client (a client locks its file before the file
+        appears under its name: see tq.liveness.create_held); and files a client killed while making
+        one left behind. A controller runs this at start, after its journal registered its files
+        again: files of clients killed while no controller read them (or registered with a
+        predecessor that had no journal) are removed instead of staying in shared memory. Returns
+        how many."""
+        return remove_gone(self.directory, NAME, keep=self.files.__contains__)
 
     def close(self) -> None:
         for mm in self.files.values():

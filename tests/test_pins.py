@@ -260,3 +260,26 @@ def test_a_starting_controller_removes_pin_files_nothing_reads_of_clients_that_a
     finally:
         alive.kill()
         alive.wait(10)
+
+
+def test_a_running_controller_removes_the_pin_file_of_a_client_killed_before_it_registered_it(tmp_path, loopback):
+    """A client killed between making its pin file and registering it leaves a file no controller
+    reads: a running controller removes it at its next liveness sweep (not only at a restart), and
+    keeps a live client's file whether registered or not."""
+    from tq import liveness
+
+    (killed, orphan), (alive, live) = _pin_client(tmp_path), _pin_client(tmp_path)
+    ctrl = loopback.start(shm_dir=str(tmp_path))
+    try:
+        ctrl.on_tick(time.monotonic())
+        killed.kill()
+        killed.wait(10)
+        ctrl.on_tick(time.monotonic())
+        assert os.path.exists(orphan)  # not before the next sweep
+        ctrl.on_tick(time.monotonic() + liveness.SWEEP_S)
+        assert not os.path.exists(orphan) and os.path.exists(live)
+    finally:
+        ctrl.close()
+        for p in (killed, alive):
+            p.kill()
+            p.wait(10)

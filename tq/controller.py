@@ -814,6 +814,8 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         if self.shm_dir is not None and now >= self._next_liveness_sweep:
             self._next_liveness_sweep = now + liveness.SWEEP_S
             liveness.remove_gone(self.shm_dir)
+            if self.pin_board is not None:  # files of clients killed before they registered them
+                self.pin_board.remove_orphans()
         self._flush_units()
         self._heartbeat(now)
         if self._running:  # once stopping (shutdown, SIGTERM, Ctrl-C), units that exit are not crashes

@@ -816,7 +816,7 @@ def test_a_writer_paused_past_its_allocation_lease_never_writes_into_another_key
     if namespace == "own" and start is None:
         pytest.skip("cannot make a pid namespace here (needs root and util-linux's unshare)")
     with TQServer(storage_units=0) as server:
-        unit, _ = _start_unit(server.address, alloc_lease=1.0)
+        unit, info = _start_unit(server.address, alloc_lease=1.0)
         c = TQClient(server.address, timeout=10.0, transport="tcp")  # no slab of its own: only the writers' are held
         writers: list[subprocess.Popen] = []
         try:
@@ -845,5 +845,5 @@ def test_a_writer_paused_past_its_allocation_lease_never_writes_into_another_key
                 if w.poll() is None:
                     w.kill()
             server.shutdown()
-            if unit.poll() is None:
-                unit.kill()
+            launch.stop_process(unit, 10.0)  # SIGTERM first: the unit removes its arena (a SIGKILL left it in /dev/shm)
+            assert not os.path.exists(info["arena_path"])

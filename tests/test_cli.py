@@ -351,3 +351,54 @@ def test_ctrl_c_stops_the_service_quietly(cli_env, launcher, tmp_path):
     assert proc.returncode in (0, 130), (proc.returncode, stderr)
     for noise in ("Traceback", "KeyboardInterrupt", "exited with code", "ERROR"):
         assert noise not in stderr, stderr
+
+
+def test_clean_lists_then_removes_what_a_service_killed_whole_left_and_nothing_of_a_live_one(cli_env):
+    """A service SIGKILLed whole (controller and units: an OOM kill, a node agent) leaves its arenas,
+    journals and location table in shared memory - on purpose, a controller started again on its
+    journal dir recovers them. ``clean`` lists them, leaves arenas written within ``--min-age`` (a
+    crashed unit about to be restarted), removes them with ``--yes``, and never touches a running
+    service's files: its data stays readable."""
+    import tempfile
+
+    import torch
+
+    from tq import TQClient, TQServer
+    from tq.arena import ARENA_NAME
+
+    shm_dir = tempfile.mkdtemp(prefix="tq-test-", dir="/dev/shm")
+    dead = TQServer(storage_units=1, capacity=8 << 20, shm_dir=shm_dir)
+    live = None
+    try:
+        with TQClient(dead.address, timeout=30.0) as c:
+            c.register_partition("p")
+            c.put("p", ["a"], {"x": torch.arange(1000).view(1, -1)})
+        victims = [psutil.Process(dead.proc.pid), *psutil.Process(dead.proc.pid).children(recursive=True)]
+        for p in victims:
+            p.kill()
+        psutil.wait_procs(victims, timeout=10)
+        left = sorted(n for n in os.listdir(shm_dir) if ARENA_NAME.fullmatch(n))
+        assert len(left) == 1 and os.path.exists(os.path.join(shm_dir, left[0] + ".journal"))
+        live = TQServer(storage_units=1, capacity=8 << 20, shm_dir=shm_dir)
+        with TQClient(live.address, timeout=30.0) as c:
+            c.register_partition("p")
+            meta = c.put("p", ["b"], {"x": torch.arange(7).view(1, -1)})
+            theirs = sorted(n for n in os.listdir(shm_dir) if ARENA_NAME.fullmatch(n) and n not in left)
+            assert len(theirs) == 1
+
+            young = run_cli("clean", "--shm-dir", shm_dir, "--yes", env=cli_env)  # the dead arena is seconds old
+            assert young.returncode == 0 and left[0] in os.listdir(shm_dir), young.stdout + young.stderr
+            listed = run_cli("clean", "--shm-dir", shm_dir, "--min-age", "0", env=cli_env)
+            assert listed.returncode == 0 and "--yes" in listed.stdout, listed.stdout + listed.stderr
+            assert left[0] in listed.stdout and f"{left[0]}.journal" in listed.stdout and theirs[0] not in listed.stdout
+            assert left[0] in os.listdir(shm_dir)  # listing removes nothing
+            removed = run_cli("clean", "--shm-dir", shm_dir, "--min-age", "0", "--yes", env=cli_env)
+            assert removed.returncode == 0 and "removed" in removed.stdout, removed.stdout + removed.stderr
+            names = os.listdir(shm_dir)
+            assert left[0] not in names and f"{left[0]}.journal" not in names and theirs[0] in names
+            assert c.get(meta)["x"].tolist() == [list(range(7))]
+    finally:
+        if live is not None:
+            live.shutdown()
+        dead.shutdown()
+        shutil.rmtree(shm_dir, ignore_errors=True)

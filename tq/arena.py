@@ -14,6 +14,8 @@ import fcntl
 import mmap
 import sys
 import os
+import re
+import time
 
 import numpy as np
 
@@ -128,6 +130,30 @@ def arena_in_use(path: str) -> bool:
         return True
     finally:
         os.close(fd)
+
+
+ARENA_NAME = re.compile(r"tq-[0-9a-f]{12}-unit[0-9]+\.arena")  # as storage units name them
+
+
+def unowned_arenas(directory: str, min_age_s: float) -> list[str]:
+    """The arenas of ``directory`` no live storage unit owns (:func:`arena_in_use`) that nothing wrote
+    for ``min_age_s`` (arena and journal): left by units killed with their whole service. A unit
+    restarted by a live controller recovers its arena within seconds; one left longer is stored data
+    only a controller started again on the service's journal dir would take back."""
+    try:
+        names = sorted(n for n in os.listdir(directory) if ARENA_NAME.fullmatch(n))
+    except OSError:
+        return []
+    out, now = [], time.time()
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            newest = max(os.stat(p).st_mtime for p in (path, path + ".journal") if os.path.exists(p))
+        except (OSError, ValueError):
+            continue
+        if now - newest >= min_age_s and not arena_in_use(path):
+            out.append(path)
+    return out
 
 
 # madvise(MADV_POPULATE_WRITE) (Linux >= 5.14; Python names it from 3.13 on).

@@ -505,9 +505,55 @@ def _watch(args: argparse.Namespace, address: str) -> int:
             client.close()
 
 
+AWAITING_RESTART_S = 60.0  # an unowned arena written this recently may be a crashed unit's, about to be restarted
+
+
+def cmd_clean(args: argparse.Namespace) -> int:
+    """List (and with ``--yes`` remove) what TQ processes that are gone left in ``--shm-dir``: the
+    arenas and journals of storage units killed with their whole service (kept on purpose - a
+    controller started again on the service's journal dir recovers them - so only the operator can
+    let them go), and the location tables, pin files and liveness files of processes that exited."""
+    from . import liveness, locations, pins
+    from .arena import unowned_arenas
+
+    d = args.shm_dir
+    if not os.path.isdir(d):
+        raise CLIError(f"--shm-dir {d} is not a directory")
+    arenas = unowned_arenas(d, args.min_age)
+    stored = [p for a in arenas for p in (a, a + ".journal") if os.path.exists(p)]
+    files = [p for pattern in (locations.NAME, pins.NAME, liveness.NAME) for p in liveness.gone(d, pattern)]
+
+    def size(path: str) -> int:
+        try:
+            return os.stat(path).st_blocks * 512  # what the file holds in tmpfs (arenas are sparse)
+        except OSError:
+            return 0
+
+    total = sum(size(p) for p in stored + files)
+    for path in stored + files:
+        print(f"{format_bytes(size(path)):>10}  {path}", flush=True)
+    if not args.yes:
+        print(
+            f"{len(stored) + len(files)} files ({format_bytes(total)}) left by TQ processes that are gone; "
+            f"{len(arenas)} storage-unit arenas among them hold data a controller started again on its "
+            "journal dir would recover - run with --yes to remove them all",
+            flush=True,
+        )
+        return 0
+    for path in stored:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    # each as its own sweep does it (a table is retired first: a reader that still maps it stops trusting it)
+    n = locations.remove_orphans(d) + liveness.remove_gone(d, pins.NAME) + liveness.remove_gone(d)
+    print(f"removed {len(stored) + n} files ({format_bytes(total)}) from {d}", flush=True)
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- entry point
 def build_parser() -> argparse.ArgumentParser:
-    """The ``tq-controller`` argument parser (subcommands start, stop, status)."""
+    """The ``tq-controller`` argument parser (subcommands start, stop, status, clean)."""
     p = argparse.ArgumentParser(prog="tq-controller", description="Start, stop and inspect a TransferQueue service.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -551,6 +597,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     common(s)
     s.set_defaults(func=cmd_start)
+
+    c = sub.add_parser("clean", help="list (--yes: remove) shared-memory files left by TQ processes that are gone")
+    c.add_argument("--shm-dir", default="/dev/shm", help="the directory the services' --shm-dir named")
+    c.add_argument("--yes", action="store_true", help="remove them (arenas of killed units included: their data is lost)")
+    c.add_argument(
+        "--min-age",
+        type=float,
+        default=AWAITING_RESTART_S,
+        metavar="SECONDS",
+        help="leave arenas written this recently (a crashed unit's, about to be restarted by its controller)",
+    )
+    c.set_defaults(func=cmd_clean)
 
     for name, func, help_ in (("stop", cmd_stop, "shut the service down"), ("status", cmd_status, "show partitions, units and op stats")):
         sp = sub.add_parser(name, help=help_)

@@ -115,33 +115,42 @@ def runs(holder: Holder | None, directory: str | None) -> bool:
     return same_process(holder)
 
 
+def gone(directory: str, pattern: re.Pattern[str] = NAME, keep: Callable[[str], bool] | None = None) -> list[str]:
+    """Paths of the files of ``directory`` named as ``pattern`` says (default: liveness files) whose
+    makers exited - none holds its lock (:func:`create_held`) - but those ``keep(path)`` says to; and
+    of files a maker killed while making one left behind (older than ``TMP_AGE_S``)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    tmp = re.compile(rf"\.(?:{pattern.pattern})\.tmp")
+    out, now = [], time.time()
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            if pattern.fullmatch(name) and not (keep is not None and keep(path)) and not holder_alive(directory, name):
+                out.append(path)
+            elif tmp.fullmatch(name) and now - os.lstat(path).st_mtime > TMP_AGE_S:
+                out.append(path)
+        except FileNotFoundError:
+            pass
+    return out
+
+
 def remove_gone(
     directory: str,
     pattern: re.Pattern[str] = NAME,
     retire: Callable[[str], None] | None = None,
     keep: Callable[[str], bool] | None = None,
 ) -> int:
-    """Unlink the files of ``directory`` named as ``pattern`` says (default: liveness files) whose
-    makers exited - none holds its lock (:func:`create_held`) - calling ``retire(path)`` on each first
-    and leaving those ``keep(path)`` says to; and files a maker killed while making one left behind.
-    Returns how many."""
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return 0
-    tmp = re.compile(rf"\.(?:{pattern.pattern})\.tmp")
-    removed, now = 0, time.time()
-    for name in names:
-        path = os.path.join(directory, name)
+    """Unlink the files :func:`gone` names, calling ``retire(path)`` on each that is not a half-made
+    one first; returns how many."""
+    removed = 0
+    for path in gone(directory, pattern, keep):
         try:
-            if pattern.fullmatch(name) and not (keep is not None and keep(path)) and not holder_alive(directory, name):
-                if retire is not None:
-                    retire(path)
-                os.unlink(path)
-            elif tmp.fullmatch(name) and now - os.lstat(path).st_mtime > TMP_AGE_S:
-                os.unlink(path)
-            else:
-                continue
+            if retire is not None and not os.path.basename(path).startswith("."):
+                retire(path)
+            os.unlink(path)
             removed += 1
         except FileNotFoundError:
             pass

@@ -180,6 +180,8 @@ def test_start_fails_fast_when_units_cannot_start(cli_env):
         (["start", "--capacity", "0"], "size must be positive"),
         (["status", "--timeout", "0"], "finite number of seconds > 0"),
         (["status", "--timeout", "nan"], "finite number of seconds > 0"),
+        (["clean", "--min-age", "-1"], "finite number of seconds >= 0"),
+        (["clean", "--min-age", "nan"], "finite number of seconds >= 0"),
     ],
 )
 def test_numeric_arguments_are_checked_at_parse_time(cli_env, argv, message):

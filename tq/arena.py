@@ -149,10 +149,10 @@ def unowned_arenas(directory: str, min_age_s: float) -> list[str]:
         path = os.path.join(directory, name)
         try:
             newest = max(os.stat(p).st_mtime for p in (path, path + ".journal") if os.path.exists(p))
-        except (OSError, ValueError):
+            if now - newest >= min_age_s and not arena_in_use(path):
+                out.append(path)
+        except (OSError, ValueError):  # gone meanwhile, or not ours to open (another user's): left alone
             continue
-        if now - newest >= min_age_s and not arena_in_use(path):
-            out.append(path)
     return out
 
 

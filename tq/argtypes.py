@@ -39,15 +39,24 @@ def count(text: str) -> int:
     return value
 
 
-def positive_seconds(text: str) -> float:
-    """A finite number of seconds > 0."""
+def _seconds(text: str, *, zero: bool) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid number of seconds {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds {'>=' if zero else '>'} 0, got {text!r}")
     return value
+
+
+def positive_seconds(text: str) -> float:
+    """A finite number of seconds > 0."""
+    return _seconds(text, zero=False)
+
+
+def seconds(text: str) -> float:
+    """A finite number of seconds >= 0."""
+    return _seconds(text, zero=True)
 
 
 def size(text: str) -> int:

@@ -603,7 +603,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--yes", action="store_true", help="remove them (arenas of killed units included: their data is lost)")
     c.add_argument(
         "--min-age",
-        type=float,
+        type=argtypes.seconds,
         default=AWAITING_RESTART_S,
         metavar="SECONDS",
         help="leave arenas written this recently (a crashed unit's, about to be restarted by its controller)",

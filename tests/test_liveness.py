@@ -124,7 +124,7 @@ def test_a_service_leaves_no_liveness_file_of_its_clients_behind(tmp_path):
 
 def test_a_controller_sweeps_the_liveness_files_of_exited_readers_from_its_directory(tmp_path, loopback):
     """Readers of the controller's host name liveness files in the controller's directory (which no
-    storage unit may share): the controller unlinks those of processes that exited, at its first tick
+    storage unit may share): the controller unlinks those of processes that exited, at its start
     and every ``liveness.SWEEP_S`` after; a running process's file stays."""
     d = str(tmp_path)
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER, d], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

@@ -725,20 +725,25 @@ def recoverable_service(tmp_path_factory):
 FAULT_PHASES = (Phase.explicit, Phase.generate)
 
 
+def _fault_settings(examples: int, steps: int) -> settings:
+    """Hypothesis settings of the runs with faults: ``examples`` sequences of ``steps`` ops each."""
+    return settings(
+        max_examples=examples,
+        stateful_step_count=steps,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        phases=FAULT_PHASES,
+        database=None,
+    )
+
+
 def test_random_op_sequences_with_crashes_lose_nothing(recoverable_service):
     """Quick run for CI: a few sequences with units and the controller SIGKILLed between ops and
     stopped during ops, and journals that cannot grow (14-16 s on the 2-vCPU VM; the slow variant
     runs 40 x 40)."""
     run_state_machine_as_test(
         _machine_with_faults(recoverable_service),
-        settings=settings(
-            max_examples=3,
-            stateful_step_count=20,
-            deadline=None,
-            suppress_health_check=list(HealthCheck),
-            phases=FAULT_PHASES,
-            database=None,
-        ),
+        settings=_fault_settings(examples=3, steps=20),
     )
 
 
@@ -747,12 +752,5 @@ def test_random_op_sequences_with_crashes_lose_nothing(recoverable_service):
 def test_random_op_sequences_with_crashes_many(recoverable_service):
     run_state_machine_as_test(
         _machine_with_faults(recoverable_service),
-        settings=settings(
-            max_examples=40,
-            stateful_step_count=40,
-            deadline=None,
-            suppress_health_check=list(HealthCheck),
-            phases=FAULT_PHASES,
-            database=None,
-        ),
+        settings=_fault_settings(examples=40, steps=40),
     )

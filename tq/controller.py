@@ -124,7 +124,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         # (a controller started anew reads none of the files its predecessor had registered)
         self.pin_epoch = new_lease_id() if self.pin_board is not None else 0
         self._next_pin_prune = 0.0
-        self._next_liveness_sweep = 0.0  # the first tick sweeps: files of readers that exited while none ran
+        self._next_liveness_sweep = time.monotonic() + liveness.SWEEP_S  # swept once at start (below), then every SWEEP_S
         self.serve_ops(
             messages.CONTROLLER_REQUESTS,
             {
@@ -160,7 +160,15 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             self.expected_units = max(self.expected_units, len(self.units))
             for uid in range(len(self.units)):  # frees lost with the crash: settle them once each unit answers
                 self.ledgers[uid].resync = True
-        if self.pin_board is not None and (n := self.pin_board.remove_orphans()):  # after the journal's files
+        self._sweep_gone_files()  # after the journal registered its pin files again
+
+    def _sweep_gone_files(self) -> None:
+        """Unlink what processes that exited left in the shared-memory directory: readers' liveness
+        files and pin files no controller reads (files a pin board reads go once their pins end)."""
+        if self.shm_dir is None:
+            return
+        liveness.remove_gone(self.shm_dir)
+        if self.pin_board is not None and (n := self.pin_board.remove_orphans()):
             log.warning("removed %d pin files of clients that are gone from %s", n, self.shm_dir)
 
     # -- small helpers
@@ -811,11 +819,9 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         if self.pin_board is not None and now >= self._next_pin_prune:
             self._next_pin_prune = now + PIN_PRUNE_S
             self.pin_board.prune(time.monotonic_ns())
-        if self.shm_dir is not None and now >= self._next_liveness_sweep:
+        if now >= self._next_liveness_sweep:
             self._next_liveness_sweep = now + liveness.SWEEP_S
-            liveness.remove_gone(self.shm_dir)
-            if self.pin_board is not None:  # files of clients killed before they registered them
-                self.pin_board.remove_orphans()
+            self._sweep_gone_files()
         self._flush_units()
         self._heartbeat(now)
         if self._running:  # once stopping (shutdown, SIGTERM, Ctrl-C), units that exit are not crashes

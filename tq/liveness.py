@@ -143,12 +143,12 @@ def remove_gone(
     retire: Callable[[str], None] | None = None,
     keep: Callable[[str], bool] | None = None,
 ) -> int:
-    """Unlink the files :func:`gone` names, calling ``retire(path)`` on each that is not a half-made
-    one first; returns how many."""
+    """Unlink the files :func:`gone` names, calling ``retire(path)`` first on each that is not a
+    half-made one; returns how many."""
     removed = 0
     for path in gone(directory, pattern, keep):
         try:
-            if retire is not None and not os.path.basename(path).startswith("."):
+            if retire is not None and pattern.fullmatch(os.path.basename(path)):
                 retire(path)
             os.unlink(path)
             removed += 1

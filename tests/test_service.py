@@ -325,6 +325,41 @@ def test_data_spread_over_both_units_comes_back_in_key_order(tclient, part):
     assert_same(got["val"], val[order])
 
 
+def test_a_large_tcp_get_is_several_pipelined_fetches_and_comes_back_bit_exact(tq_server):
+    """Over TCP a unit's rows are asked for in requests of about TCP_FETCH_BYTES, all sent at once (the
+    unit gathers the next while the last one's frames stream): the rows come back whole, bit-exact and
+    in key order across the requests' boundaries, in every layout."""
+    from tq import protocol
+
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(1, 4096, size=1200).tolist()  # ~30 MiB of jagged rows, cut mid-field
+    ids, logp = jrows(lengths, torch.int64, 81), jrows(lengths, torch.float32, 82)
+    dense = rand((1200, 1024), torch.float32, 83)
+    nbytes = sum(lengths) * 12 + dense.numel() * 4
+    assert nbytes > 2 * protocol.TCP_FETCH_BYTES
+
+    def fetches(c, unit):
+        return c.stats()["unit_stats"][unit]["ops"].get("fetch", {}).get("count", 0)
+
+    with TQClient(tq_server.address, transport="tcp", timeout=30.0) as c:
+        pid = f"big-{uuid.uuid4().hex[:6]}"
+        c.register_partition(pid)
+        try:
+            meta = c.put(pid, keys_for(1200), {"ids": ids, "logp": logp, "dense": dense})
+            before = [fetches(c, u) for u in range(2)]
+            order = rng.permutation(1200).tolist()
+            got = c.get(meta.select(order), layout="jagged")
+            asked = sum(fetches(c, u) - b for u, b in enumerate(before))
+            assert asked >= -(-nbytes // protocol.TCP_FETCH_BYTES), f"{asked} fetch requests for {nbytes} bytes"
+            assert_jagged(got["ids"], [ids[i] for i in order])
+            assert_jagged(got["logp"], [logp[i] for i in order])
+            assert_same(got["dense"], dense[order])
+            padded = c.get(meta, ["ids"], pad_value=-1)
+            assert_padded(padded["ids"], ids, max(lengths), -1)
+        finally:
+            c.drop_partition(pid)
+
+
 # ----------------------------------------------------------------------------- keys and tags
 def test_register_keys_then_write_back_fills_them_and_a_duplicate_registers_nothing(tclient, part):
     meta = tclient.register_keys(part, ["a", "b", "c"])

@@ -117,3 +117,19 @@ def test_inline_buffers_arrive_writable_like_frames():
     got = _unpacked(frames, refs)[0]
     got[0] = 9  # a handler may work on a received array in place, as on a ZMQ frame
     assert got.tolist() == [9, 1, 2, 3]
+
+
+def test_tcp_fetch_parts_cut_between_whole_rows_near_the_request_size():
+    from tq.client import _fetch_parts
+
+    limit = protocol.TCP_FETCH_BYTES
+    assert _fetch_parts(np.array([10, 20], np.int64)) == [slice(0, 2)]  # small: one request
+    assert _fetch_parts(np.empty(0, np.int64)) == [slice(0, 0)]
+    rng = np.random.default_rng(0)
+    for nbytes in (rng.integers(1, limit // 50, 400), np.array([3 * limit, 5, limit, limit, 7], np.int64)):
+        parts = _fetch_parts(nbytes)
+        assert len(parts) > 1
+        assert parts[0].start == 0 and parts[-1].stop == nbytes.size  # every row, in order, once
+        assert all(a.stop == b.start and a.stop > a.start for a, b in zip(parts, parts[1:]))
+        for p in parts:  # a request ends with the row that crossed the size (a bigger row goes alone)
+            assert int(nbytes[p][:-1].sum()) < limit

@@ -227,6 +227,20 @@ class _Fetched:
 _Planned = tuple[_Fetched, FieldLayout, int, int, "tuple[int, ...] | None"]
 
 
+def _fetch_parts(nbytes: np.ndarray) -> list[slice]:
+    """The rows of a TCP fetch from one unit (``nbytes`` each, in order) cut into requests of about
+    ``protocol.TCP_FETCH_BYTES``, all sent before any reply is awaited: the unit gathers the next
+    request's rows while the last one's frames stream, instead of gathering all before the first
+    byte leaves. A row is never split."""
+    n = nbytes.size
+    if n == 0 or int(nbytes.sum()) <= protocol.TCP_FETCH_BYTES:
+        return [slice(0, n)]
+    part_of_row = (np.cumsum(nbytes) - nbytes) // protocol.TCP_FETCH_BYTES
+    cuts = np.flatnonzero(np.diff(part_of_row)) + 1
+    bounds = [0, *cuts.tolist(), n]
+    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
 def _place(
     out: dict[str, _Fetched],
     fields: list[str],
@@ -1241,11 +1255,12 @@ class TQClient:
                 view = self._arena_view(unit, rec[:, OFFSET], rec[:, NBYTES], lambda i: (fields[where[i, 0]], meta.keys[where[i, 1]]))  # noqa: B023
                 _place(out, fields, where, [view], np.zeros(where.shape[0], np.int64), rec[:, OFFSET], rec[:, NBYTES])
                 continue
-            bufs: list[Any] = []
-            entries = protocol.pack_array(np.stack([where[:, 0], rec[:, BLOCK], rec[:, ROW]], axis=1), bufs)
             chan = self._unit_chans[unit]
-            rid = chan.send(UnitOp.FETCH, messages.Fetch(fields=fields, entries=entries), bufs, check=self._unit_check(unit))
-            pending.append((unit, where, chan, rid))
+            for part in _fetch_parts(rec[:, NBYTES]):  # pipelined: the unit gathers one while the last streams
+                bufs: list[Any] = []
+                entries = protocol.pack_array(np.stack([where[part, 0], rec[part, BLOCK], rec[part, ROW]], axis=1), bufs)
+                rid = chan.send(UnitOp.FETCH, messages.Fetch(fields=fields, entries=entries), bufs, check=self._unit_check(unit))
+                pending.append((unit, where[part], chan, rid))
         for unit, where, chan, rid in pending:  # frames of whole rows, back to back
             reply, msg = chan.recv(rid, "fetch", check=self._unit_check(unit))
             m = where.shape[0]

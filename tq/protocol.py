@@ -77,6 +77,8 @@ DEFAULT_MAX_MESSAGE_BYTES = 8 << 30
 # 256 KiB / 1 / 2 / 8 MiB frames; a TQ TCP get of 256 MiB 2.5 / 2.6 / 1.9 / 1.1 GB/s with 512 KiB /
 # 1 / 2 / 8 MiB (a plain socket: 3.0 GB/s).
 TCP_FRAME_BYTES = 1 << 20
+# A TCP get asks a unit for at most about this many bytes of rows per request (several requests in flight).
+TCP_FETCH_BYTES = 16 << 20
 # Columns of a location record (the ``locate`` reply and the controller's tables): where one
 # (key, field) row lives - storage unit, block, row in the block, byte size and absolute byte offset in
 # the unit's arena. The offset lets a client on the unit's host copy the row straight out of the

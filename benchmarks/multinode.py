@@ -371,6 +371,23 @@ def node_leaves(cluster: NetnsCluster, tq_address: str, data: dict[str, Any], ru
     return seen
 
 
+def node_env(secret: str) -> dict[str, str]:
+    """What every process of the emulated cluster gets on top of the caller's environment: the TQ
+    secret, Ray's token authentication (it stays on, as a real cluster needs it: one token per run,
+    given to every node and driver through the environment, as the TQ secret is) and this repository
+    ahead of the caller's ``PYTHONPATH`` (kept: packages installed there must still import)."""
+    return {
+        "TQ_SECRET": secret,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(32),
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        # The emulated hosts' names resolve nowhere: tell gloo (the DP ranks' CPU collectives) which
+        # interface to use, as on any cluster whose hostnames do not resolve to the node's address.
+        "GLOO_SOCKET_IFNAME": "eth0",
+    }
+
+
 # ------------------------------------------------------------------------ the whole run
 def run(nodes: int, steps: int, link_rate: str | None, run_dir: Path, log: Any = print, fault: bool = False) -> dict[str, Any]:
     """Set the cluster up, run the transfer check and (``steps`` > 0) the GRPO job, tear down; returns the report.
@@ -381,18 +398,7 @@ def run(nodes: int, steps: int, link_rate: str | None, run_dir: Path, log: Any =
     work.mkdir(parents=True, exist_ok=True)
     cluster = NetnsCluster(nodes, link_rate)
     secret = secrets.token_hex(16)
-    # Ray's token authentication stays on (a real cluster needs it): one token per run, given to every
-    # node and driver through the environment, as the TQ secret is.
-    env = {
-        "TQ_SECRET": secret,
-        "RAY_AUTH_MODE": "token",
-        "RAY_AUTH_TOKEN": secrets.token_hex(32),
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "PYTHONPATH": str(REPO),
-        # The emulated hosts' names resolve nowhere: tell gloo (the DP ranks' CPU collectives) which
-        # interface to use, as on any cluster whose hostnames do not resolve to the node's address.
-        "GLOO_SOCKET_IFNAME": "eth0",
-    }
+    env = node_env(secret)
     shm_dir = f"/dev/shm/{cluster.tag}"
     os.makedirs(shm_dir, exist_ok=True)
     head = cluster.ips[0]

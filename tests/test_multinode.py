@@ -85,3 +85,11 @@ def test_link_rate_puts_a_tbf_qdisc_on_every_link(tmp_path):
     assert len(report["tc"]) == 2 and all("tbf" in q and "10Gbit" in q for q in report["tc"]), report["tc"]
     assert report["placement"]["xfer"]["cross_node"]["gb_s"] < 10 / 8 * 1.05  # cannot beat the link
     assert _left_behind(f"tqmn{os.getpid() % 100000}") == []
+
+
+def test_node_processes_import_this_repo_first_and_keep_the_callers_pythonpath(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/opt/site-packages")  # e.g. Ray installed outside site-packages
+    path = multinode.node_env("s")["PYTHONPATH"].split(os.pathsep)
+    assert path == [str(multinode.REPO), "/opt/site-packages"]
+    monkeypatch.delenv("PYTHONPATH")
+    assert multinode.node_env("s")["PYTHONPATH"] == str(multinode.REPO)

@@ -394,8 +394,11 @@ def run(nodes: int, steps: int, link_rate: str | None, run_dir: Path, log: Any =
 
     ``fault``: instead of the job, the last worker node leaves (every process in its namespace is
     killed) while a reader on the head gets rows from its storage unit (see :func:`node_leaves`)."""
+    # Every file of a run is made afresh: the run waits for its helpers' output files to appear, so one
+    # left by an earlier run into the same directory would be read as this run's result.
+    shutil.rmtree(run_dir, ignore_errors=True)
     work = run_dir / "work"
-    work.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True)
     cluster = NetnsCluster(nodes, link_rate)
     secret = secrets.token_hex(16)
     env = node_env(secret)

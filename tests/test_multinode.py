@@ -5,6 +5,7 @@ Skipped where namespaces cannot be made (not root, no ``ip``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -41,6 +42,9 @@ def _left_behind(tag: str) -> list[str]:
 @pytest.mark.timeout(300)
 @pytest.mark.long
 def test_cross_node_get_on_an_emulated_cluster(tmp_path):
+    stale = {"units": 9, "nodes": [], "xfer": {}}  # an earlier run's result in the same directory: not this run's
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "probe.json").write_text(json.dumps(stale))
     report = multinode.run(nodes=2, steps=0, link_rate=None, run_dir=tmp_path)  # a head + one worker node
     placed = report["placement"]
     assert placed["units"] == 2 and len(placed["nodes"]) == 2

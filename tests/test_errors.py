@@ -844,6 +844,38 @@ def test_hung_storage_unit_fails_reads_fast_naming_unit_and_key():
             tcp.close()
 
 
+def test_a_hung_unit_fails_a_pipelined_tcp_get_fast_and_its_late_replies_confuse_no_later_get():
+    """A TCP get of a unit's rows is several requests in flight at once (protocol.TCP_FETCH_BYTES each).
+    With the unit stopped, the get fails with StorageUnitError naming it once its heartbeat misses,
+    its requests abandoned; once the unit is back, the next get is bit-exact and in order (whatever
+    became of the abandoned requests, no reply to one is taken for its own)."""
+    value = torch.arange(288 * 32768, dtype=torch.float32).reshape(288, 32768)  # 36 MiB: three requests
+    assert value.numel() * 4 > 2 * protocol.TCP_FETCH_BYTES
+    with TQServer(storage_units=1, capacity=128 << 20) as server:
+        c = TQClient(server.address, timeout=30.0)
+        tcp = TQClient(server.address, timeout=30.0, transport="tcp")
+        try:
+            c.register_partition("p")
+            meta = c.put("p", [f"big{i}" for i in range(288)], {"x": value})
+            pid = c._units[0].pid
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(StorageUnitError, match=r"storage unit 0 .* is down"):
+                    tcp.get(meta)
+                assert time.monotonic() - t0 < 8
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert wait_until(lambda: all(u["alive"] for u in c.stats()["units"]), timeout=10)
+            order = list(range(287, -1, -1))
+            assert torch.equal(tcp.get(meta.select(order))["x"], value[order])
+            parts = -(-value.numel() * 4 // protocol.TCP_FETCH_BYTES)
+            assert c.stats()["unit_stats"][0]["ops"]["fetch"]["count"] >= parts  # that get was pipelined too
+        finally:
+            c.close()
+            tcp.close()
+
+
 def test_killed_storage_unit_is_restarted_and_recovers_its_data():
     """SIGKILL one of two units mid-run: reads of its keys fail fast (or already succeed) instead of
     hanging; the controller restarts it on its shared-memory arena, it replays its journal, and every

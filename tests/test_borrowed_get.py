@@ -302,6 +302,47 @@ def test_lease_ends_when_the_views_are_collected_and_the_rows_are_freed(tq_serve
         assert st["rows_waiting_for_leases"] == 0 and _used(st) < before
 
 
+_COLLECTED_MID_REQUEST = """
+import gc, sys
+from tq import TQClient
+from tq.meta import KVBatchMeta
+c = TQClient(sys.argv[1], timeout=10.0, lease_s=3.0)
+meta = KVBatchMeta(sys.argv[2], tuple(sys.argv[3:]))
+for i in range(2):  # a pin (same host), then after the pin file is given up, a lease by request
+    got = c.get(meta, ["reward"], copy=False)
+    assert got.viewed == {"reward"}
+    cycle = [got]
+    cycle.append(cycle)  # freed only by the cyclic collector, which runs at any allocation of any thread
+    del got, cycle
+    gc.disable()
+    with c._leases._lock:  # the collector running while this thread is inside the keeper (a renewal, a new hold)
+        gc.collect()
+    gc.enable()
+    if i == 0:
+        c._leases.retire(c._leases.pins)
+print("collected", flush=True)
+c.close()
+"""
+
+
+def test_views_collected_while_their_thread_is_inside_the_lease_keeper_do_not_deadlock(tq_server, client, partition):
+    """A borrowed get's lease ends when its views are collected - by a finalizer, which runs wherever
+    the collector happens to run: also in the middle of the client's own lease bookkeeping, on the
+    thread that holds its lock. The finalizer took that lock too, so the thread waited on itself
+    forever (found by the chaos benchmark: a reader stuck for 765 s). It now only queues the lease
+    for the keeper's thread; the leases still end."""
+    meta = client.put(partition, unique_keys(8), _batch(8, seed=9))
+    out = subprocess.run(
+        [sys.executable, "-c", _COLLECTED_MID_REQUEST, tq_server.address, partition, *meta.keys],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ},
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "collected", out.stderr[-2000:]
+    assert _stats_until(client, lambda s: s["leases"] == 0)["leases"] == 0
+
+
 def test_explicit_release_and_the_copy_fallbacks(tq_server, client, partition):
     keys = unique_keys(16)
     batch = _batch(16, seed=3)

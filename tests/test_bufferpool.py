@@ -6,6 +6,8 @@ from __future__ import annotations
 import gc
 import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -116,3 +118,31 @@ def test_a_fresh_buffer_is_populated_before_the_get_writes_it():
     plain[:] = 1
     faulted = _thread_faults() - before
     assert faulted >= 16 and populated <= 2, (populated, faulted)  # 32 huge pages or 16k small ones, against none
+
+
+_COLLECTED_INSIDE_THE_POOL = """
+import gc
+from tq.bufferpool import HostBufferPool
+pool = HostBufferPool(max_cached_bytes=64 << 20)
+arr = pool.empty(4 << 20)
+cycle = [arr]
+cycle.append(cycle)  # freed only by the cyclic collector, which runs at any allocation of any thread
+del arr, cycle
+gc.disable()
+with pool._lock:  # the collector running while this thread is inside the pool (a get taking a buffer)
+    gc.collect()
+gc.enable()
+assert pool.cached_bytes == 4 << 20, pool.cached_bytes  # the buffer still came back
+again = pool.empty(4 << 20)
+assert pool.cached_bytes == 0
+print("collected", flush=True)
+"""
+
+
+def test_a_buffer_collected_while_its_thread_is_inside_the_pool_does_not_deadlock():
+    """A pooled buffer returns when its last array is collected - by a finalizer, which runs wherever
+    the collector happens to run: also inside the pool's own critical section, on the thread that
+    holds its lock. The finalizer took that lock too, so the thread waited on itself forever. It now
+    only queues the buffer; the next use of the pool takes it back."""
+    out = subprocess.run([sys.executable, "-c", _COLLECTED_INSIDE_THE_POOL], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout.strip() == "collected", out.stderr[-2000:]

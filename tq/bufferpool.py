@@ -12,6 +12,7 @@ import bisect
 import itertools
 import mmap
 import os
+import queue
 import threading
 import weakref
 
@@ -46,10 +47,15 @@ class HostBufferPool:
         self._cached = 0
         self._seq = itertools.count()
         self._lock = threading.Lock()
+        # Buffers whose last array was collected, not yet back in ``_free``. The finalizer only queues
+        # them: it runs wherever the collector runs, also on a thread inside ``empty`` with the lock held.
+        self._released: queue.SimpleQueue[tuple[mmap.mmap, int]] = queue.SimpleQueue()
 
     @property
     def cached_bytes(self) -> int:
-        return self._cached
+        with self._lock:
+            self._take_back()
+            return self._cached
 
     def empty(self, nbytes: int) -> np.ndarray:
         """An uninitialised uint8 array of ``nbytes`` (pooled when large)."""
@@ -58,6 +64,7 @@ class HostBufferPool:
         size = -(-nbytes // POOL_GRANULE) * POOL_GRANULE
         mm = None
         with self._lock:  # best fit: the smallest idle buffer that holds the request, if not over 2x;
+            self._take_back()
             # among equal sizes the most recently released (its lines are likeliest still cached)
             i = bisect.bisect_left(self._free, (size, -(1 << 62)))
             if i < len(self._free) and self._free[i][0] <= 2 * size:
@@ -71,16 +78,25 @@ class HostBufferPool:
         return arr
 
     def _release(self, mm: mmap.mmap, size: int) -> None:
-        with self._lock:
+        """A buffer's finalizer: queue it (see ``_released``)."""
+        self._released.put((mm, size))
+
+    def _take_back(self) -> None:
+        """Move the queued buffers into ``_free`` (call with the lock held), in the order they died."""
+        while True:
+            try:
+                mm, size = self._released.get_nowait()
+            except queue.Empty:
+                return
             if self._cached + size <= self.max_cached_bytes:
                 bisect.insort(self._free, (size, -next(self._seq), mm))
                 self._cached += size
-        # Over budget: drop the mapping. It is unmapped once the dying array releases its export
-        # (weakref callbacks run before that, so closing it here would fail).
+            # Over budget: drop the mapping (unmapped once nothing references it).
 
     def clear(self) -> None:
         """Unmap every idle buffer."""
         with self._lock:
+            self._take_back()
             for _, _, mm in self._free:
                 mm.close()  # idle: no array views it
             self._free.clear()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
+import queue
 import threading
 import time
 import warnings
@@ -364,9 +365,13 @@ class BorrowedBatch(dict):
 
 class _LeaseKeeper:
     """The leases of a client's borrowed gets: renews those with live views every third of their
-    term and gives up each one once its last view is collected (from a thread of its own, since a
-    collection may run in the middle of any request of the client's own threads). A lease taken as a
-    pin (``tq.pins``) is renewed and given up in this client's pin file, with no request."""
+    term and gives up each one once its last view is collected. A lease taken as a pin (``tq.pins``)
+    is renewed and given up in this client's pin file, with no request.
+
+    A view's finalizer runs wherever the collector happens to run - in the middle of any code of any
+    of the client's threads, this keeper's own included, possibly with ``_lock`` held. So it only
+    queues the lease (``SimpleQueue.put`` is safe there: it takes no lock a thread could hold); the
+    keeper's thread counts the views down and gives the lease up."""
 
     def __init__(self, client: "TQClient") -> None:
         self._client = weakref.ref(client)
@@ -376,7 +381,8 @@ class _LeaseKeeper:
         # lease ids asked for by requests that failed (no reply): given up until then, in case one was granted
         self._abandoned: dict[int, float] = {}
         self._lock = threading.Lock()
-        self._wake = threading.Event()
+        # a collected view's lease id, or None: wake up and flush (see the class docstring)
+        self._events: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._stopped = False
         self._thread: threading.Thread | None = None
         self.pins: PinFile | None = None  # the client's pin file for new pins, once registered
@@ -395,21 +401,36 @@ class _LeaseKeeper:
         return lambda: self.release_now(lease)
 
     def _collected(self, lease: int) -> None:
+        """A view's finalizer: queue the lease for the keeper's thread, nothing else."""
+        self._events.put(lease)
+
+    def _settle(self, lease: int) -> bool:
+        """One of ``lease``'s views was collected: count it; at the last one give a pin up (one store)
+        or queue the lease to be given up by request (then True: the caller flushes)."""
         with self._lock:
             left = self._views.get(lease)
-            if left is None:
-                return
+            if left is None:  # released explicitly before
+                return False
             if left > 1:
                 self._views[lease] = left - 1
-                return
+                return False
             del self._views[lease]
             pin = self._slots.pop(lease, None)
             if pin is None:
                 self._ended.append(lease)
-        if pin is not None:  # a pin: one store, no request
-            pin[0].release(pin[1], lease)
-        else:
-            self._wake.set()
+                return True
+        pin[0].release(pin[1], lease)
+        return False
+
+    def _settle_queued(self) -> bool:
+        """Settle every queued event without waiting; True if one asks for a flush."""
+        flush = False
+        while True:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                return flush
+            flush = (self._settle(event) if event is not None else True) or flush
 
     def abandon(self, lease: int) -> None:
         """A request asking for ``lease`` failed without a reply: the controller may still grant it (it
@@ -419,7 +440,7 @@ class _LeaseKeeper:
         with self._lock:
             self._abandoned[lease] = time.monotonic() + (client.lease_s if client is not None else 0.0)
             self._start()
-        self._wake.set()
+        self._events.put(None)
 
     def _start(self) -> None:
         """Start the keeper's thread if not yet (call with the lock held)."""
@@ -443,21 +464,27 @@ class _LeaseKeeper:
         except TQError:  # the controller is away: the keeper gives it up later (or its term runs out)
             with self._lock:
                 self._ended.append(lease)
-            self._wake.set()
+            self._events.put(None)
 
     def _run(self) -> None:
         while not self._stopped:
             client = self._client()
             if client is None:
                 return
-            period = client.lease_s / 3
+            deadline = time.monotonic() + client.lease_s / 3
             del client
-            self._wake.wait(period)
-            self._wake.clear()
+            while not self._stopped:  # settle collected views as they come; flush once a period or when asked
+                try:
+                    event = self._events.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                if (self._settle(event) if event is not None else True) or self._settle_queued():
+                    break
             self.flush()
 
     def flush(self) -> None:
         """Renew the leases still viewed, give up the others."""
+        self._settle_queued()
         now_s = time.monotonic()
         with self._lock:
             pinned = list(self._slots.items())
@@ -519,7 +546,7 @@ class _LeaseKeeper:
             self.flush()
         except TQError:
             pass
-        self._wake.set()
+        self._events.put(None)
 
 
 class TQClient:

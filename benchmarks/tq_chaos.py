@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import faulthandler
 import json
 import multiprocessing as mp
 import os
@@ -668,6 +669,9 @@ def client_main(
     idx: int, address: str, cfg: dict[str, Any], ready: Any, go: Any, go_at: Any, faults_done: Any, inflight: Any, results: Any
 ) -> None:
     """Entry point of one spawned client process."""
+    # A client stuck at the end gets SIGUSR1 before it is killed: its threads' stacks go to stderr (the
+    # run's log), so a freeze says where it froze.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     is_ready = False
     try:
         w = ChaosClient(idx, address, cfg["seed"], cfg["transport"], cfg["client_timeout"], inflight)
@@ -1297,6 +1301,9 @@ def run_chaos(
             p.join(timeout=5)
         stragglers = [p for p in workers if p.is_alive()]
         for p in stragglers:
+            print(f"client process {p.pid} is stuck: its threads' stacks follow (SIGUSR1), then it is killed", file=sys.stderr, flush=True)
+            os.kill(p.pid, signal.SIGUSR1)
+            time.sleep(1.0)
             p.kill()
             p.join(timeout=5)
         for c in (canary.client if canary else None, admin):

@@ -270,12 +270,20 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as exc:
         launch.write_json(a.ready_file, {"error": exc.strerror})
         raise SystemExit(1) from None
-    stop = threading.Event()
+
+    def stop(*_: Any) -> None:
+        # Raise out of the wait rather than set an Event: a handler runs between two bytecodes of the
+        # main thread, which may be holding that Event's lock just then (a set() would wait on it forever).
+        raise SystemExit(0)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    launch.write_json(a.ready_file, {"url": server.url})
-    stop.wait()
-    server.close()
+        signal.signal(sig, stop)
+    try:
+        launch.write_json(a.ready_file, {"url": server.url})
+        while True:
+            signal.pause()
+    finally:
+        server.close()
 
 
 if __name__ == "__main__":

@@ -404,9 +404,13 @@ class _LeaseKeeper:
         """A view's finalizer: queue the lease for the keeper's thread, nothing else."""
         self._events.put(lease)
 
-    def _settle(self, lease: int) -> bool:
-        """One of ``lease``'s views was collected: count it; at the last one give a pin up (one store)
-        or queue the lease to be given up by request (then True: the caller flushes)."""
+    def _settle(self, event: int | None) -> bool:
+        """A queued event: None asks for a flush (True); a lease id says one of its views was collected -
+        count it, and at the last one give a pin up (one store) or queue the lease to be given up by
+        request (True: the caller flushes)."""
+        if event is None:
+            return True
+        lease = event
         with self._lock:
             left = self._views.get(lease)
             if left is None:  # released explicitly before
@@ -430,7 +434,7 @@ class _LeaseKeeper:
                 event = self._events.get_nowait()
             except queue.Empty:
                 return flush
-            flush = (self._settle(event) if event is not None else True) or flush
+            flush = self._settle(event) or flush
 
     def abandon(self, lease: int) -> None:
         """A request asking for ``lease`` failed without a reply: the controller may still grant it (it
@@ -478,7 +482,7 @@ class _LeaseKeeper:
                     event = self._events.get(timeout=max(0.0, deadline - time.monotonic()))
                 except queue.Empty:
                     break
-                if (self._settle(event) if event is not None else True) or self._settle_queued():
+                if self._settle(event) or self._settle_queued():
                     break
             self.flush()
 

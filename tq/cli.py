@@ -529,9 +529,10 @@ def cmd_clean(args: argparse.Namespace) -> int:
         except OSError:
             return 0
 
-    total = sum(size(p) for p in stored + files)
-    for path in stored + files:
-        print(f"{format_bytes(size(path)):>10}  {path}", flush=True)
+    held = {path: size(path) for path in stored + files}
+    total = sum(held.values())
+    for path, nbytes in held.items():
+        print(f"{format_bytes(nbytes):>10}  {path}", flush=True)
     if not args.yes:
         print(
             f"{len(stored) + len(files)} files ({format_bytes(total)}) left by TQ processes that are gone; "

@@ -236,9 +236,7 @@ def _fetch_parts(nbytes: np.ndarray) -> list[slice]:
     n = nbytes.size
     if n == 0 or int(nbytes.sum()) <= protocol.TCP_FETCH_BYTES:
         return [slice(0, n)]
-    part_of_row = (np.cumsum(nbytes) - nbytes) // protocol.TCP_FETCH_BYTES
-    cuts = np.flatnonzero(np.diff(part_of_row)) + 1
-    bounds = [0, *cuts.tolist(), n]
+    bounds = [*protocol.whole_row_runs(np.cumsum(nbytes) - nbytes, protocol.TCP_FETCH_BYTES).tolist(), n]
     return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
 

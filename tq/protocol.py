@@ -79,6 +79,16 @@ DEFAULT_MAX_MESSAGE_BYTES = 8 << 30
 TCP_FRAME_BYTES = 1 << 20
 # A TCP get asks a unit for at most about this many bytes of rows per request (several requests in flight).
 TCP_FETCH_BYTES = 16 << 20
+
+
+def whole_row_runs(row_starts: np.ndarray, limit: int) -> np.ndarray:
+    """Rows laid back to back (``row_starts``: each row's byte offset, ascending) cut into runs of about
+    ``limit`` bytes: the index of each run's first row. A run begins at each row whose start crosses a
+    multiple of ``limit``, so it holds less than ``limit`` bytes before its last row, and no row is split
+    (a unit's reply frames, a client's fetch requests)."""
+    return np.flatnonzero(np.diff(row_starts // limit, prepend=-1))
+
+
 # Columns of a location record (the ``locate`` reply and the controller's tables): where one
 # (key, field) row lives - storage unit, block, row in the block, byte size and absolute byte offset in
 # the unit's arena. The offset lets a client on the unit's host copy the row straight out of the

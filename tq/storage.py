@@ -560,9 +560,8 @@ class StorageUnit(RpcServer):
         n = sizes.size
         rel = np.cumsum(sizes) - sizes
         copy_rows(data, rel, [self.arena.view], np.zeros(n, dtype=np.int64), starts, sizes)
-        frame_of_row = rel // protocol.TCP_FRAME_BYTES
-        firsts = np.flatnonzero(np.diff(frame_of_row, prepend=-1)) if n else np.empty(0, np.int64)
-        bounds = np.append(rel[firsts], total).tolist() if n else [0]
+        firsts = protocol.whole_row_runs(rel, protocol.TCP_FRAME_BYTES)
+        bounds = np.append(rel[firsts], total).tolist()
         refs = [protocol.pack_array(data[a:b], frames) for a, b in zip(bounds[:-1], bounds[1:])]
         frame_rows = protocol.pack_array(np.diff(np.append(firsts, n)), frames)
         return messages.FetchReply(sizes=sizes_ref, frames=refs, frame_rows=frame_rows), frames

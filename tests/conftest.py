@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -239,6 +240,17 @@ def wait_until(pred, timeout: float = 5.0, interval: float = 0.02):
         if value or time.monotonic() > deadline:
             return value
         time.sleep(interval)
+
+
+def popen_ctrl_c(cmd: list[str], **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen`` of a process a test will Ctrl-C: it starts with SIGINT's default action even
+    when this run inherited SIGINT ignored (a shell's background job does: ``pytest ... &``), which
+    Popen passes on and Python then installs no KeyboardInterrupt handler under (the SIGINT is lost)."""
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)  # a handler is reset to SIG_DFL at exec
+    try:
+        return subprocess.Popen(cmd, **kwargs)
+    finally:
+        signal.signal(signal.SIGINT, inherited)
 
 
 # ----------------------------------------------------------------------------- one Ray for the Ray tests

@@ -17,7 +17,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import wait_until
+from conftest import popen_ctrl_c, wait_until
 from tq import TQClient
 from tq.cli import parse_size
 
@@ -270,7 +270,7 @@ def test_status_watch_redraws_until_ctrl_c(cli_env, tmp_path):
         assert piped.stderr.read() == "" and piped.wait(timeout=60) == 141
 
         with open(out, "w") as o, open(err, "w") as e:
-            proc = subprocess.Popen([*watch, "0.2", "--address", server.address], env=cli_env, cwd=REPO, stdout=o, stderr=e)
+            proc = popen_ctrl_c([*watch, "0.2", "--address", server.address], env=cli_env, cwd=REPO, stdout=o, stderr=e)
         try:
             assert wait_until(lambda: out.read_text().count("Operations") >= 2, timeout=60), err.read_text()
             view = out.read_text().split("Operations")[-1]
@@ -330,7 +330,7 @@ def test_ctrl_c_stops_the_service_quietly(cli_env, launcher, tmp_path):
     17-line KeyboardInterrupt traceback)."""
     out, err = tmp_path / "stdout", tmp_path / "stderr"
     with open(out, "w") as o, open(err, "w") as e:  # files, not pipes: nothing here can block on a read
-        proc = subprocess.Popen(
+        proc = popen_ctrl_c(
             CTRL_C_LAUNCHERS[launcher], env=cli_env, cwd=REPO, stdout=o, stderr=e, start_new_session=True
         )  # its own process group: our "terminal"
     try:

@@ -11,6 +11,7 @@ import math
 import pytest
 import ray
 
+from conftest import popen_ctrl_c
 from tq import TQClient, TQServer
 from trainer.base import run
 from trainer.config import parse_cli
@@ -217,33 +218,27 @@ def test_ctrl_c_stops_cleanly_without_orphans(tmp_path):
     from trainer.checkpoint import latest_checkpoint
 
     ck = tmp_path / "ck"
-    # A process started with SIGINT ignored (as a shell's background job is) passes that on to its
-    # children, and Python then installs no Ctrl-C handler in them: give the trainer a terminal's default.
-    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "trainer.grpo_sync",
-                "grpo.max_num_steps=100000",
-                "grpo.num_prompts_per_step=4",
-                "grpo.num_generations_per_prompt=4",
-                "policy.train_global_batch_size=16",
-                "checkpointing.enabled=true",
-                "checkpointing.save_period=2",
-                f"checkpointing.checkpoint_dir={ck}",
-                f"logger.log_dir={tmp_path}/logs",
-                "logger.tensorboard=false",
-                "logger.plot=false",
-                "cluster.num_cpus=2",
-            ],
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-    finally:
-        signal.signal(signal.SIGINT, inherited)
+    proc = popen_ctrl_c(  # a terminal's Ctrl-C, even when this run ignores SIGINT
+        [
+            sys.executable,
+            "-m",
+            "trainer.grpo_sync",
+            "grpo.max_num_steps=100000",
+            "grpo.num_prompts_per_step=4",
+            "grpo.num_generations_per_prompt=4",
+            "policy.train_global_batch_size=16",
+            "checkpointing.enabled=true",
+            "checkpointing.save_period=2",
+            f"checkpointing.checkpoint_dir={ck}",
+            f"logger.log_dir={tmp_path}/logs",
+            "logger.tensorboard=false",
+            "logger.plot=false",
+            "cluster.num_cpus=2",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while latest_checkpoint(ck) is None and time.monotonic() < deadline and proc.poll() is None:

@@ -74,7 +74,8 @@ class GRPOTrainerBase(ABC):
         # measured only with logger.data_movement_metrics (counting re-pickles every payload).
         self.calls = self.new_calls()
         self.step = 0
-        self.policy = self.build_policy()
+        # The rollout actor and the DP workers start side by side (each process spends seconds importing
+        # torch and building its model); the rollout actor is awaited once the policy's ranks are up.
         self.rollout = SyncRolloutActor.remote(
             generation=cfg.generation.model_dump(),
             environments={cfg.env.name: {"name": cfg.env.name, **({"num_workers": cfg.env.num_workers} if cfg.env.name == "math" else {})}},
@@ -86,7 +87,12 @@ class GRPOTrainerBase(ABC):
             seed=cfg.grpo.seed,
             **self.rollout_kwargs(),
         )
-        self.get(self.rollout.ready.remote(), "rollout actor start-up")
+        try:
+            self.policy = self.build_policy()
+            self.get(self.rollout.ready.remote(), "rollout actor start-up")
+        except BaseException:
+            ray.kill(self.rollout)
+            raise
         self._pop_driver_counters()
         # A resumed run keeps logging into the run directory its checkpoint names (unless
         # logger.run_name says otherwise), so metrics.jsonl and prompts.jsonl hold the whole lineage.

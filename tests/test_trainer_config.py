@@ -168,3 +168,18 @@ def test_print_config_prints_the_resolved_config_and_exits(capsys):
     printed = MasterConfig.model_validate(yaml.safe_load(capsys.readouterr().out))
     assert printed == parse_cli(["grpo.max_num_steps=7", "policy.learning_rate=3e-4"])
     assert main(["--print-config", "grpo.bogus=1"]) == 2 and "grpo.bogus" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "recipe, side_by_side",
+    [
+        ("grpo_offline_cpu.yaml", True),  # nothing on a GPU
+        ("grpo_gpu_vllm_1gpu.yaml", False),  # vLLM colocated with the policy: it profiles free GPU memory at start-up
+        ("grpo_gpu_vllm_2gpu.yaml", True),  # vLLM on its own GPU (NCCL refit)
+    ],
+)
+def test_the_rollout_actor_starts_beside_the_policy_only_when_they_share_no_gpu(recipe, side_by_side):
+    from trainer.base import _start_side_by_side
+
+    cfg = load_config(CONFIG_DIR / recipe)
+    assert _start_side_by_side(cfg) is side_by_side

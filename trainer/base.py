@@ -48,6 +48,14 @@ def peak_rss_bytes() -> int:
     return int(peak) * (1 if sys.platform == "darwin" else 1024)
 
 
+def _start_side_by_side(cfg: MasterConfig) -> bool:
+    """Whether the rollout actor may start while the policy's DP workers start: yes unless both the
+    generation workers and the policy take GPUs that may be the same ones (``refit_transport="nccl"``
+    puts vLLM on other GPUs)."""
+    g, p = cfg.generation, cfg.policy
+    return g.num_gpus_per_worker == 0 or p.num_gpus_per_worker == 0 or g.refit_transport == "nccl"
+
+
 class GRPOTrainerBase(ABC):
     """One run of GRPO. ``fit()`` trains ``grpo.max_num_steps`` steps (resuming from a checkpoint)."""
 
@@ -75,7 +83,11 @@ class GRPOTrainerBase(ABC):
         self.calls = self.new_calls()
         self.step = 0
         # The rollout actor and the DP workers start side by side (each process spends seconds importing
-        # torch and building its model); the rollout actor is awaited once the policy's ranks are up.
+        # torch and building its model) unless both put models on GPUs they may share: a colocated vLLM
+        # sizes its KV cache from the device's free memory, measured while it starts, which a policy
+        # loading onto that GPU meanwhile would skew.
+        if not _start_side_by_side(cfg):
+            self.policy = self.build_policy()
         self.rollout = SyncRolloutActor.remote(
             generation=cfg.generation.model_dump(),
             environments={cfg.env.name: {"name": cfg.env.name, **({"num_workers": cfg.env.num_workers} if cfg.env.name == "math" else {})}},
@@ -88,7 +100,8 @@ class GRPOTrainerBase(ABC):
             **self.rollout_kwargs(),
         )
         try:
-            self.policy = self.build_policy()
+            if _start_side_by_side(cfg):
+                self.policy = self.build_policy()
             self.get(self.rollout.ready.remote(), "rollout actor start-up")
         except BaseException:
             ray.kill(self.rollout)

@@ -170,13 +170,19 @@ def pid_alive(pid: int) -> bool:
 
 def raw_exchange(address: str, frames: list, *, secret: bytes | None = None, timeout: float = 5.0) -> protocol.Message | None:
     """Send raw frames from a fresh DEALER (connecting with the credentials of the server's ``secret``);
-    return the decoded reply, or None if none came within ``timeout``."""
+    return the decoded reply, or None if none came within ``timeout``. The send is bounded too: a
+    connection the server refused (a peer without the secret) may leave the DEALER nothing to queue
+    on, and a plain send then blocks for good (seen once in CI: test_auth's 100 MiB send, 300 s)."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1e3))
     set_client_credentials(sock, secret)
     try:
         sock.connect(address)
-        sock.send_multipart(frames)
+        try:
+            sock.send_multipart(frames)
+        except zmq.Again:
+            return None
         if not sock.poll(timeout * 1e3, zmq.POLLIN):
             return None
         return protocol.decode(sock.recv_multipart(), secret)

@@ -171,15 +171,32 @@ def test_print_config_prints_the_resolved_config_and_exits(capsys):
 
 
 @pytest.mark.parametrize(
-    "recipe, side_by_side",
+    "recipe, first",
     [
-        ("grpo_offline_cpu.yaml", True),  # nothing on a GPU
-        ("grpo_gpu_vllm_1gpu.yaml", False),  # vLLM colocated with the policy: it profiles free GPU memory at start-up
-        ("grpo_gpu_vllm_2gpu.yaml", True),  # vLLM on its own GPU (NCCL refit)
+        ("grpo_offline_cpu.yaml", ["rollout", "policy"]),  # nothing on a GPU: side by side
+        ("grpo_gpu_vllm_1gpu.yaml", ["policy"]),  # vLLM colocated with the policy: it measures free GPU memory at start-up
+        ("grpo_gpu_vllm_2gpu.yaml", ["rollout", "policy"]),  # vLLM on its own GPU (NCCL refit)
     ],
 )
-def test_the_rollout_actor_starts_beside_the_policy_only_when_they_share_no_gpu(recipe, side_by_side):
-    from trainer.base import _start_side_by_side
+def test_the_rollout_actor_starts_beside_the_policy_only_when_they_share_no_gpu(ray_session, monkeypatch, recipe, first):
+    """The trainer's start-up order, up to the policy's build (stopped there: no model, no GPU needed);
+    a rollout actor launched first is killed when the policy fails to build."""
+    import trainer.base as base
+    from trainer.grpo import GRPOTrainer
 
-    cfg = load_config(CONFIG_DIR / recipe)
-    assert _start_side_by_side(cfg) is side_by_side
+    class Stop(Exception):
+        pass
+
+    order, killed, handle = [], [], object()
+
+    def build_policy(self):
+        order.append("policy")
+        raise Stop
+
+    monkeypatch.setattr(GRPOTrainer, "_launch_rollout_actor", lambda self: order.append("rollout") or handle)
+    monkeypatch.setattr(GRPOTrainer, "build_policy", build_policy)
+    monkeypatch.setattr(base.ray, "kill", killed.append)
+    with pytest.raises(Stop):
+        GRPOTrainer(load_config(CONFIG_DIR / recipe))
+    assert order == first
+    assert killed == ([handle] if first[0] == "rollout" else [])

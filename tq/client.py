@@ -234,8 +234,8 @@ def _fetch_parts(nbytes: np.ndarray) -> list[slice]:
     request's rows while the last one's frames stream, instead of gathering all before the first
     byte leaves. A row is never split."""
     n = nbytes.size
-    if n == 0 or int(nbytes.sum()) <= protocol.TCP_FETCH_BYTES:
-        return [slice(0, n)]
+    if n == 0:
+        return [slice(0, 0)]
     bounds = [*protocol.whole_row_runs(np.cumsum(nbytes) - nbytes, protocol.TCP_FETCH_BYTES).tolist(), n]
     return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 

@@ -86,26 +86,17 @@ class GRPOTrainerBase(ABC):
         # torch and building its model) unless both put models on GPUs they may share: a colocated vLLM
         # sizes its KV cache from the device's free memory, measured while it starts, which a policy
         # loading onto that GPU meanwhile would skew.
-        if not _start_side_by_side(cfg):
-            self.policy = self.build_policy()
-        self.rollout = SyncRolloutActor.remote(
-            generation=cfg.generation.model_dump(),
-            environments={cfg.env.name: {"name": cfg.env.name, **({"num_workers": cfg.env.num_workers} if cfg.env.name == "math" else {})}},
-            limits={
-                "max_seq_len": cfg.data.processor.max_seq_length + cfg.grpo.max_rollout_turns * cfg.grpo.max_new_tokens,
-                "max_new_tokens": cfg.grpo.max_new_tokens,
-                "max_rollout_turns": cfg.grpo.max_rollout_turns,
-            },
-            seed=cfg.grpo.seed,
-            **self.rollout_kwargs(),
-        )
+        rollout = self._launch_rollout_actor() if _start_side_by_side(cfg) else None
         try:
-            if _start_side_by_side(cfg):
-                self.policy = self.build_policy()
-            self.get(self.rollout.ready.remote(), "rollout actor start-up")
+            self.policy = self.build_policy()
+            if rollout is None:
+                rollout = self._launch_rollout_actor()
+            self.get(rollout.ready.remote(), "rollout actor start-up")
         except BaseException:
-            ray.kill(self.rollout)
+            if rollout is not None:
+                ray.kill(rollout)
             raise
+        self.rollout = rollout
         self._pop_driver_counters()
         # A resumed run keeps logging into the run directory its checkpoint names (unless
         # logger.run_name says otherwise), so metrics.jsonl and prompts.jsonl hold the whole lineage.
@@ -118,6 +109,21 @@ class GRPOTrainerBase(ABC):
         self.ledger.start(self.step, self.resume_from, self.loader.state_dict())
         if cfg.logger.progress:
             print("\n".join(self.startup_lines()), flush=True)
+
+    def _launch_rollout_actor(self) -> Any:
+        """Start the rollout actor (not awaited: its ``ready`` says when it is up)."""
+        cfg = self.cfg
+        return SyncRolloutActor.remote(
+            generation=cfg.generation.model_dump(),
+            environments={cfg.env.name: {"name": cfg.env.name, **({"num_workers": cfg.env.num_workers} if cfg.env.name == "math" else {})}},
+            limits={
+                "max_seq_len": cfg.data.processor.max_seq_length + cfg.grpo.max_rollout_turns * cfg.grpo.max_new_tokens,
+                "max_new_tokens": cfg.grpo.max_new_tokens,
+                "max_rollout_turns": cfg.grpo.max_rollout_turns,
+            },
+            seed=cfg.grpo.seed,
+            **self.rollout_kwargs(),
+        )
 
     def startup_lines(self) -> list[str]:
         """The start-up block: the resolved config's key facts and where the logs go."""

@@ -129,7 +129,15 @@ class NoComputeWorker(DPPolicyWorker):
         self._timings = defaultdict(float)
 
     def init_distributed(self, master_addr: str, master_port: int) -> dict[str, Any]:
-        return {"rank": self.rank, "world_size": self.world_size, "device": "cpu", "pid": os.getpid()}
+        import ray
+
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "device": "cpu",
+            "pid": os.getpid(),
+            "node": ray.util.get_node_ip_address(),
+        }
 
     def _logprobs(self, data: Mapping[str, torch.Tensor], plan: Any, reference: bool) -> torch.Tensor:
         t = time.perf_counter()
@@ -231,6 +239,12 @@ class RolloutSource:
         meta = self.client.put(partition, keys, self.jagged, tags={"group_id": [i // GROUP for i in range(len(keys))]})
         return meta, {"total_reward": self.rewards}, time.perf_counter() - t
 
+    def node(self) -> str:
+        """The IP of the node this actor runs on."""
+        import ray
+
+        return ray.util.get_node_ip_address()
+
     def close(self) -> bool:
         if self.client is not None:
             self.client.close()
@@ -323,6 +337,18 @@ def measure_step(path: str, policy: Any, source: Any, point: Point, timeout: flo
 
 
 # ----------------------------------------------------------------------------- a sweep on one Ray session
+@dataclass(frozen=True)
+class OnCluster:
+    """Where a sweep runs instead of a Ray session and TQ service of its own: a running Ray cluster
+    (``ray_address``) and TQ service (``connection``, storage units already placed), the rollout
+    actor on the node with IP ``source_ip`` and the DP ranks spread over the nodes that have CPUs
+    (``benchmarks.multinode`` runs the sweep this way on its emulated cluster)."""
+
+    ray_address: str
+    connection: Any  # tq.connection.TQConnection
+    source_ip: str
+
+
 def run_sweep(
     points: Sequence[Point],
     *,
@@ -332,43 +358,62 @@ def run_sweep(
     timeout: float = 600.0,
     log: Any = print,
     rows_file: str | None = None,
+    cluster: OnCluster | None = None,
 ) -> list[dict[str, Any]]:
     """Every point on both paths (one warm-up step each, then ``steps`` timed steps, the paths
     alternating step by step); DP groups are started once per DP size. Returns one row per (point, path),
-    each also appended to ``rows_file`` (JSON lines) as it is measured."""
+    each also appended to ``rows_file`` (JSON lines) as it is measured, with the node of the rollout
+    actor and of each rank."""
     import ray
 
     from policy.config import PolicyConfig
     from policy.policy import Policy, TQPolicy
     from policy.traffic import DriverTraffic
+    from tq.connection import TQConnection
     from tq.server import TQServer
 
     biggest = max(p.payload_bytes() for p in points)
     max_dp = max(p.dp for p in points)
     capacity = max(256 * MiB, 3 * biggest)
-    # Ray's default object store (30% of RAM) holds the legacy path's batches; the workers inherit PYTHONPATH.
-    # Both paths' ranks are up at once (a legacy and a TQ group per DP size): logical CPUs for both.
-    ray.init(address="local", num_cpus=int(2 * max_dp * cpus_per_rank + 2), include_dashboard=False, log_to_driver=False)
-    server = TQServer(storage_units=storage_units, capacity=capacity)
+    server = None
+    src_cls = ray.remote(num_cpus=0)(RolloutSource)
+    spread: dict[str, Any] = {}
+    if cluster is None:
+        # Ray's default object store (30% of RAM) holds the legacy path's batches; the workers inherit PYTHONPATH.
+        # Both paths' ranks are up at once (a legacy and a TQ group per DP size): logical CPUs for both.
+        ray.init(address="local", num_cpus=int(2 * max_dp * cpus_per_rank + 2), include_dashboard=False, log_to_driver=False)
+        server = TQServer(storage_units=storage_units, capacity=capacity)
+        conn = TQConnection(server.address, timeout_s=timeout)
+    else:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        ray.init(address=cluster.ray_address, log_to_driver=False)
+        conn = cluster.connection
+        node = next((n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == cluster.source_ip), None)
+        if node is None:
+            ray.shutdown()
+            raise ValueError(f"no live Ray node has IP {cluster.source_ip} (the rollout actor's node)")
+        src_cls = src_cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+        spread = {"scheduling_strategy": "SPREAD"}
     rows: list[dict[str, Any]] = []
 
     class LegacyPolicy(Policy):
         worker_cls = NoComputeWorker
+        worker_options = spread
 
     class NoComputeTQPolicy(TQPolicy):
         worker_cls = NoComputeWorker
+        worker_options = spread
 
-    src_cls = ray.remote(num_cpus=0)(RolloutSource)
     try:
-        from tq.connection import TQConnection
-
-        conn = TQConnection(server.address, timeout_s=timeout)
         source = src_cls.remote(conn)
+        source_node = ray.get(source.node.remote(), timeout=timeout)
         step_no = 0
         for dp in sorted({p.dp for p in points}):
             here = [p for p in points if p.dp == dp]
             cfg = PolicyConfig(dp_size=dp, num_cpus_per_worker=cpus_per_rank, ray_timeout_s=timeout)
             policies = {"legacy": LegacyPolicy(cfg, calls=DriverTraffic()), "tq": NoComputeTQPolicy(cfg, conn, calls=DriverTraffic())}
+            rank_nodes = {path: [w.get("node") for w in pol.worker_info] for path, pol in policies.items()}
             try:
                 for p in here:
                     cfg_p = cfg.model_copy(update={"train_global_batch_size": p.batch})
@@ -387,6 +432,7 @@ def run_sweep(
                     for path in PATHS:
                         row = summarize(p, path, per_path[path], payload)
                         row["store_bytes_after"] = store_left if path == "tq" else 0
+                        row["source_node"], row["rank_nodes"] = source_node, rank_nodes[path]
                         rows.append(row)
                         if rows_file:
                             with open(rows_file, "a") as f:
@@ -403,7 +449,8 @@ def run_sweep(
         ray.get(source.close.remote(), timeout=60)
     finally:
         ray.shutdown()
-        server.shutdown()
+        if server is not None:
+            server.shutdown()
     return rows
 
 
@@ -663,6 +710,29 @@ def _mib(b: float) -> str:
     return f"{b / MiB:.3f}" if abs(b) < 10 * MiB else f"{b / MiB:.0f}"
 
 
+def step_table(rows: Sequence[dict[str, Any]], points: Sequence[Point]) -> list[str]:
+    """The markdown table of ``points``' rows, legacy then TQ, with TQ's data-movement ratio."""
+    lines = [
+        "| DP | batch | response (max) | token fields | images | payload MiB | path | data movement s | driver s "
+        "| slowest rank s | driver MiB in / out | driver peak RSS + MiB | fetch per rank ms (mean / max) | GB/s | legacy / TQ |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in points:
+        a = _row(rows, p, "legacy")
+        for path in PATHS:
+            r = _row(rows, p, path)
+            if r is None:
+                continue
+            speed = f"{a['data_movement_s'] / r['data_movement_s']:.1f}x" if path == "tq" and a else ""
+            lines.append(
+                f"| {p.dp} | {p.batch} | {p.response} | {p.fields} | {p.images} | {_mib(r['payload_bytes'])} | {path} "
+                f"| {r['data_movement_s']:.3f} | {r['driver_s']:.3f} | {r['slowest_rank_s']:.3f} "
+                f"| {_mib(r['driver_bytes_in'])} / {_mib(r['driver_bytes_out'])} | {r['peak_rss_growth'] / MiB:.0f} "
+                f"| {1e3 * r['rank_fetch_mean_s']:.1f} / {1e3 * r['rank_fetch_max_s']:.1f} | {r['gb_s']:.2f} | {speed} |"
+            )
+    return lines
+
+
 def markdown(result: dict[str, Any]) -> str:
     rows, sweeps = result["rows"], {k: [Point(**p) for p in v] for k, v in result["sweeps"].items()}
     lines = [
@@ -678,29 +748,8 @@ def markdown(result: dict[str, Any]) -> str:
         "",
     ]
     for name, pts in sweeps.items():
-        if not pts:
-            continue
-        lines += [
-            f"## {name}",
-            "",
-            "| DP | batch | response (max) | token fields | images | payload MiB | path | data movement s | driver s "
-            "| slowest rank s | driver MiB in / out | driver peak RSS + MiB | fetch per rank ms (mean / max) | GB/s | legacy / TQ |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for p in pts:
-            a = _row(rows, p, "legacy")
-            for path in PATHS:
-                r = _row(rows, p, path)
-                if r is None:
-                    continue
-                speed = f"{a['data_movement_s'] / r['data_movement_s']:.1f}x" if path == "tq" and a else ""
-                lines.append(
-                    f"| {p.dp} | {p.batch} | {p.response} | {p.fields} | {p.images} | {_mib(r['payload_bytes'])} | {path} "
-                    f"| {r['data_movement_s']:.3f} | {r['driver_s']:.3f} | {r['slowest_rank_s']:.3f} "
-                    f"| {_mib(r['driver_bytes_in'])} / {_mib(r['driver_bytes_out'])} | {r['peak_rss_growth'] / MiB:.0f} "
-                    f"| {1e3 * r['rank_fetch_mean_s']:.1f} / {1e3 * r['rank_fetch_max_s']:.1f} | {r['gb_s']:.2f} | {speed} |"
-                )
-        lines.append("")
+        if pts:
+            lines += [f"## {name}", "", *step_table(rows, pts), ""]
     gets = result["gets"]
     lines += [
         "## One rank's get: the same bytes in 1..32 per-token fields",

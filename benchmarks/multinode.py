@@ -12,7 +12,11 @@ user runs on several machines:
    tasks on the other worker node and on the same node read it back (TCP vs shared memory);
 4. ``python -m trainer.grpo_sync`` connected to that Ray cluster and TQ service, with its DP ranks on
    different nodes (each worker node offers 2 logical CPUs and a DP worker asks for 1.5, so no node
-   can hold two), reading their shards across nodes.
+   can hold two), reading their shards across nodes;
+5. ``benchmarks.dataplane_scale``'s step (legacy vs TQ, the model replaced by a pass that reads every
+   byte) across the nodes: the rollout actor on the head, one rank of each path on every worker node -
+   every byte a rank reads crosses the network on both paths (legacy: rollout -> driver -> ranks
+   through Ray's object transfer; TQ: the head's storage unit -> the ranks' gets over TCP).
 
 ``--fault`` adds a cluster on which a worker node leaves mid-read: a reader on the head gets rows held
 by the head's unit and by the last worker node's unit in a loop while every process of that node's
@@ -51,6 +55,7 @@ RAY_PORT = 6379
 TQ_PORT = 5555
 NODE_CPUS = 2  # logical CPUs a worker node offers: one DP worker (1.5) plus small actors (0.25 each)
 DP_WORKER_CPUS = 1.5
+DATAPLANE_RANK_CPUS = 1.0  # a legacy and a TQ rank share a worker node (both groups are up at once)
 XFER_MIB = 64
 FAULT_ROWS = 64  # rows of the fault check's batch on each of two units
 
@@ -371,6 +376,37 @@ def node_leaves(cluster: NetnsCluster, tq_address: str, data: dict[str, Any], ru
     return seen
 
 
+def dataplane_points(dp: int, quick: bool) -> list[Any]:
+    """The data-plane step's points across the cluster at ``dp`` ranks: 128 samples a rank of up to
+    1k and 4k tokens (4 per-token fields) and 64 a rank with one 3x448x448 image each; ``quick``:
+    one small point (CI)."""
+    from benchmarks.dataplane_scale import Point
+
+    if quick:
+        return [Point(dp, 16 * dp, 256, 2)]
+    return [Point(dp, 128 * dp, 1024, 4), Point(dp, 128 * dp, 4096, 4), Point(dp, 64 * dp, 1024, 2, images=1)]
+
+
+def dataplane_across_nodes(ray_address: str, tq_address: str, out: str, dp: int, steps: int, quick: bool) -> None:
+    """Runs on the head: ``benchmarks.dataplane_scale``'s legacy and TQ steps with the rollout actor on
+    the head (the node of ``ray_address``) and the DP ranks spread over the worker nodes; writes the points and rows to ``out``."""
+    from dataclasses import asdict
+
+    from benchmarks.dataplane_scale import OnCluster, run_sweep
+    from tq.connection import TQConnection
+
+    points = dataplane_points(dp, quick)
+    here = ray_address.rsplit(":", 1)[0]  # the head's IP: this driver's node
+    rows = run_sweep(
+        points,
+        steps=steps,
+        cpus_per_rank=DATAPLANE_RANK_CPUS,
+        timeout=180.0,
+        cluster=OnCluster(ray_address, TQConnection(tq_address, timeout_s=120.0), source_ip=here),
+    )
+    Path(out).write_text(json.dumps({"points": [asdict(p) for p in points], "rows": rows, "source_ip": here}))
+
+
 def node_env(secret: str) -> dict[str, str]:
     """What every process of the emulated cluster gets on top of the caller's environment: the TQ
     secret, Ray's token authentication (it stays on, as a real cluster needs it: one token per run,
@@ -389,8 +425,18 @@ def node_env(secret: str) -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------ the whole run
-def run(nodes: int, steps: int, link_rate: str | None, run_dir: Path, log: Any = print, fault: bool = False) -> dict[str, Any]:
-    """Set the cluster up, run the transfer check and (``steps`` > 0) the GRPO job, tear down; returns the report.
+def run(
+    nodes: int,
+    steps: int,
+    link_rate: str | None,
+    run_dir: Path,
+    log: Any = print,
+    fault: bool = False,
+    dataplane_steps: int = 0,
+    dataplane_quick: bool = False,
+) -> dict[str, Any]:
+    """Set the cluster up, run the transfer check, (``steps`` > 0) the GRPO job and (``dataplane_steps``
+    > 0) the data-plane step across the nodes (:func:`dataplane_points`), tear down; returns the report.
 
     ``fault``: instead of the job, the last worker node leaves (every process in its namespace is
     killed) while a reader on the head gets rows from its storage unit (see :func:`node_leaves`)."""
@@ -490,39 +536,53 @@ def run(nodes: int, steps: int, link_rate: str | None, run_dir: Path, log: Any =
                 f"{report['fault'].get('error_after_s')} s: {report['fault'].get('error')}"
             )
             return report
-        if steps <= 0:
-            return report
-        t0 = time.monotonic()
-        train_cmd = [
-            sys.executable,
-            "-m",
-            "trainer.grpo_sync",
-            f"cluster.ray_address={head}:{RAY_PORT}",
-            f"data_plane.address={tq_address}",
-            f"data_plane.secret={secret}",
-            f"grpo.max_num_steps={steps}",
-            f"policy.dp_size={nodes - 1}",
-            f"policy.num_cpus_per_worker={DP_WORKER_CPUS}",
-            f"logger.log_dir={run_dir / 'train'}",
-            "logger.run_name=multinode",
-            "logger.data_movement_metrics=true",
-            "logger.tensorboard=false",
-            "logger.plot=false",
-        ]
-        rc = cluster.run(0, train_cmd, run_dir / "train.log", timeout=480, env=env)
-        report["train"] = {"rc": rc, "wall_s": round(time.monotonic() - t0, 1)}
-        metrics = run_dir / "train" / "multinode" / "metrics.jsonl"
-        if rc != 0 or not metrics.exists():
-            raise RuntimeError(f"the GRPO job failed (exit {rc}); see {run_dir / 'train.log'}")
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        steps_rows = [r for r in rows if any(k.startswith("timing/") for k in r)]
-        report["train"]["steps"] = steps_rows
-        log(f"GRPO job: {len(steps_rows)} steps in {report['train']['wall_s']} s")
+        if steps > 0:
+            report["train"] = run_grpo_job(cluster, steps, tq_address, secret, run_dir, env)
+            log(f"GRPO job: {len(report['train']['steps'])} steps in {report['train']['wall_s']} s")
+        if dataplane_steps > 0:
+            out = work / "dataplane.json"
+            cmd = [sys.executable, "-m", "benchmarks.multinode", "_dataplane", "--ray-address", f"{head}:{RAY_PORT}"]
+            cmd += ["--tq-address", tq_address, "--out", str(out), "--dp", str(nodes - 1), "--steps", str(dataplane_steps)]
+            rc = cluster.run(0, [*cmd, *(["--quick"] if dataplane_quick else [])], run_dir / "dataplane.log", timeout=600, env=env)
+            if rc != 0 or not out.exists():
+                raise RuntimeError(f"the data-plane step across nodes failed (exit {rc}); see {run_dir / 'dataplane.log'}")
+            report["dataplane"] = json.loads(out.read_text())
+            log(f"data-plane step across nodes: {len(report['dataplane']['rows'])} rows")
     finally:
         cluster.down()
         shutil.rmtree(shm_dir, ignore_errors=True)
         report["total_s"] = round(time.monotonic() - t_start, 1)
     return report
+
+
+def run_grpo_job(cluster: NetnsCluster, steps: int, tq_address: str, secret: str, run_dir: Path, env: dict[str, str]) -> dict[str, Any]:
+    """``trainer.grpo_sync`` on the head, connected to the cluster, one DP rank per worker node;
+    returns its exit status, wall time and per-step metrics."""
+    head, nodes = cluster.ips[0], len(cluster.ips)
+    t0 = time.monotonic()
+    train_cmd = [
+        sys.executable,
+        "-m",
+        "trainer.grpo_sync",
+        f"cluster.ray_address={head}:{RAY_PORT}",
+        f"data_plane.address={tq_address}",
+        f"data_plane.secret={secret}",
+        f"grpo.max_num_steps={steps}",
+        f"policy.dp_size={nodes - 1}",
+        f"policy.num_cpus_per_worker={DP_WORKER_CPUS}",
+        f"logger.log_dir={run_dir / 'train'}",
+        "logger.run_name=multinode",
+        "logger.data_movement_metrics=true",
+        "logger.tensorboard=false",
+        "logger.plot=false",
+    ]
+    rc = cluster.run(0, train_cmd, run_dir / "train.log", timeout=480, env=env)
+    wall_s = round(time.monotonic() - t0, 1)
+    metrics = run_dir / "train" / "multinode" / "metrics.jsonl"
+    if rc != 0 or not metrics.exists():
+        raise RuntimeError(f"the GRPO job failed (exit {rc}); see {run_dir / 'train.log'}")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return {"rc": rc, "wall_s": wall_s, "steps": [r for r in rows if any(k.startswith("timing/") for k in r)]}
 
 
 def _median(xs: list[float]) -> float:
@@ -532,6 +592,15 @@ def _median(xs: list[float]) -> float:
 
 def _step_s(r: dict[str, Any]) -> float:
     return sum(v for k, v in r.items() if k in ("timing/generation", "timing/logprobs", "timing/training", "timing/refit"))
+
+
+def _dataplane_ratio(d: dict[str, Any] | None) -> str:
+    """Legacy's data movement over TQ's at the data-plane step's largest point, e.g. ``4.8x``."""
+    if not d:
+        return "n/a"
+    largest = max(d["rows"], key=lambda r: r["payload_bytes"])["point"]
+    t = {r["path"]: r["data_movement_s"] for r in d["rows"] if r["point"] == largest}
+    return f"{t['legacy'] / t['tq']:.1f}x" if len(t) == 2 else "n/a"
 
 
 def render_section(report: dict[str, Any]) -> list[str]:
@@ -570,6 +639,22 @@ def render_section(report: dict[str, Any]) -> list[str]:
                 f"{int(r.get('driver_bytes_received', 0))} / {int(r.get('driver_bytes_sent', 0))} |"
             )
         lines.append("")
+    d = report.get("dataplane")
+    if d:
+        from benchmarks.dataplane_scale import Point, step_table
+
+        rows = d["rows"]
+        nodes = {path: sorted({ip for r in rows if r["path"] == path for ip in r["rank_nodes"]}) for path in ("legacy", "tq")}
+        lines += [
+            "One GRPO step's data movement across the nodes (`benchmarks.dataplane_scale`'s legacy and TQ steps, the "
+            f"model replaced by a pass that reads every byte; {rows[0]['steps']} timed steps per point and path after a "
+            f"warm-up, medians): the rollout actor on the head ({d['source_ip']}), the DP ranks on the worker nodes "
+            f"(legacy on {', '.join(nodes['legacy'])}, TQ on {', '.join(nodes['tq'])}), so every byte a rank reads "
+            "crosses the network on both paths.",
+            "",
+            *step_table(rows, [Point(**p) for p in d["points"]]),
+            "",
+        ]
     f = report.get("fault")
     if f:
         e, s = f["expected"], f["survivors"]
@@ -598,14 +683,16 @@ def render_md(reports: list[dict[str, Any]], machine: str, code: dict[str, Any])
     rated = [r for r in reports if not r.get("fault") and r.get("placement", {}).get("xfer")]
     if len(rated) > 1:
         lines += [
-            "| links | cross-node get GB/s | same-node get GB/s | GRPO step s (median) | rank fetch s (median of max) |",
-            "|---|---|---|---|---|",
+            "| links | cross-node get GB/s | same-node get GB/s | GRPO step s (median) | rank fetch s (median of max) "
+            "| data movement legacy / TQ (largest point) |",
+            "|---|---|---|---|---|---|",
         ]
         for r in rated:
             x, steps = r["placement"]["xfer"], r.get("train", {}).get("steps", [])[1:]  # step 1 warms up
             lines.append(
                 f"| {r['link_rate'] or 'no limit'} | {x['cross_node']['gb_s']:.2f} | {x['same_node']['gb_s']:.2f} | "
-                f"{_median([_step_s(s) for s in steps]):.2f} | {_median([s.get('timing/worker_fetch', 0) for s in steps]):.3f} |"
+                f"{_median([_step_s(s) for s in steps]):.2f} | {_median([s.get('timing/worker_fetch', 0) for s in steps]):.3f} | "
+                f"{_dataplane_ratio(r.get('dataplane'))} |"
             )
         lines.append("")
     for r in reports:
@@ -627,6 +714,16 @@ def main(argv: list[str] | None = None) -> int:
         a = place.parse_args(argv[1:])
         place_and_probe(a.ray_address, a.tq_address, a.shm_dir, a.capacity, a.out, a.nodes, a.fault)
         return 0
+    if argv[:1] == ["_dataplane"]:  # internal: the data-plane step's driver, inside the head namespace
+        dp = argparse.ArgumentParser(prog="python -m benchmarks.multinode _dataplane")
+        for flag in ("--ray-address", "--tq-address", "--out"):
+            dp.add_argument(flag, required=True)
+        dp.add_argument("--dp", type=int, required=True)
+        dp.add_argument("--steps", type=int, required=True)
+        dp.add_argument("--quick", action="store_true")
+        a = dp.parse_args(argv[1:])
+        dataplane_across_nodes(a.ray_address, a.tq_address, a.out, a.dp, a.steps, a.quick)
+        return 0
     if argv[:1] == ["_read"]:  # internal: the fault check's reader, inside the head namespace
         read = argparse.ArgumentParser(prog="python -m benchmarks.multinode _read")
         for flag in ("--tq-address", "--out", "--ready"):
@@ -644,6 +741,12 @@ def main(argv: list[str] | None = None) -> int:
         "'none' for no limit (e.g. none,10gbit,25gbit; default: none)",
     )
     ap.add_argument(
+        "--dataplane-steps",
+        type=int,
+        default=3,
+        help="timed steps of the data-plane step across the nodes, legacy vs TQ, per point (default 3; 0: not run)",
+    )
+    ap.add_argument(
         "--fault",
         action="store_true",
         help="also run the fault check on a cluster of its own: a worker node leaves while a reader gets its rows",
@@ -655,7 +758,9 @@ def main(argv: list[str] | None = None) -> int:
     reports = []
     try:
         for rate in rates:
-            reports.append(run(args.nodes, args.steps, rate, Path(out.run_dir) / f"links-{rate or 'none'}"))
+            reports.append(
+                run(args.nodes, args.steps, rate, Path(out.run_dir) / f"links-{rate or 'none'}", dataplane_steps=args.dataplane_steps)
+            )
         if args.fault:
             reports.append(run(max(2, args.nodes), 0, None, Path(out.run_dir) / "fault", fault=True))
     except SetupError as exc:

@@ -40,10 +40,12 @@ class _WorkerGroup:
     by default, a :class:`~policy.traffic.DriverTraffic` to measure the driver's traffic (benchmarks).
     ``connection`` is handed to every worker at start-up (the TQ path; None on the legacy path).
     ``worker_cls`` is the actor class of a rank (``benchmarks.dataplane_scale`` swaps in one whose
-    compute is a no-op, keeping every data-moving call as it is).
+    compute is a no-op, keeping every data-moving call as it is); ``worker_options``, Ray actor options
+    added to the ranks' resources (the benchmark spreads its ranks over an emulated cluster's nodes).
     """
 
     worker_cls: type = DPPolicyWorker
+    worker_options: Mapping[str, Any] = {}
 
     def __init__(
         self, config: PolicyConfig | Mapping[str, Any], *, calls: ActorCalls | None = None, connection: TQConnection | None = None
@@ -54,7 +56,9 @@ class _WorkerGroup:
             raise RuntimeError("call ray.init() before creating a policy")
         self.config = config if isinstance(config, PolicyConfig) else PolicyConfig(**config)
         cfg = self.config
-        actor_cls = ray.remote(self.worker_cls).options(num_cpus=cfg.num_cpus_per_worker, num_gpus=cfg.num_gpus_per_worker)
+        actor_cls = ray.remote(self.worker_cls).options(
+            num_cpus=cfg.num_cpus_per_worker, num_gpus=cfg.num_gpus_per_worker, **self.worker_options
+        )
         cfg_dict = cfg.model_dump()
         self.calls = calls if calls is not None else ActorCalls()
         self.workers = [actor_cls.remote(cfg_dict, r, cfg.dp_size, connection) for r in range(cfg.dp_size)]

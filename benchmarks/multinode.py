@@ -28,7 +28,7 @@ namespaces is killed), namespaces, temporary and shared-memory dirs. Traffic goe
 namespaces it made (10.213.<n>.0/24, chosen per run). Needs root and ``ip``/``unshare``; it says so
 and exits 2 where namespaces cannot be made.
 
-    python -m benchmarks.multinode                     # 1 head + 2 worker nodes, 4 GRPO steps (~3 min on 2 cores)
+    python -m benchmarks.multinode                     # 1 head + 2 worker nodes, 4 GRPO steps, the data-plane step (~2 min on 2 cores)
     python -m benchmarks.multinode --link-rate 10gbit  # tc-limited links
     python -m benchmarks.multinode --link-rate none,10gbit,25gbit --fault   # one cluster per rate, then the fault check
     python -m benchmarks.multinode --publish           # also writes benchmarks/results/multinode_<machine>.{json,md}

@@ -3,7 +3,11 @@
 Builds a ~110M-parameter decoder (the tiny Qwen2 config scaled up, random init), one DP worker per GPU
 (NCCL), and runs one GRPO step on the same synthetic batch through the legacy ``Policy`` (driver-side
 batch shipped through Ray) and through ``TQPolicy`` (KVBatchMeta shards, workers fetch from TQ). It
-checks both compute the same log-probs, metrics and updated weights, and times each pass.
+checks both compute the same log-probs, metrics and updated weights, and times each pass. Then it
+times a GPU rank's fetch of a larger batch both ways in the same process, alternating: the padded get
+on the host then copied to the GPU (what a rank did before), against ``policy.worker.fetch_padded``
+(rows borrowed from the arena, only their bytes copied to the GPU, padded there), and checks both give
+the same tensors.
 
     python -m benchmarks.policy_gpu_check --samples 256 --max-len 1024
 
@@ -33,8 +37,56 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="autocast dtype of both policies (default bfloat16)"
     )
     p.add_argument("--dp", type=int, default=0, help="DP ranks (default: one per visible GPU)")
+    p.add_argument("--fetch-samples", type=int, default=1024, help="samples of the fetch comparison's batch (default 1024; 0: skip it)")
+    p.add_argument(
+        "--fetch-max-len", type=int, default=4096, help="longest sample of that batch; lengths from a quarter of it (default 4096)"
+    )
     add_output_args(p, "policy_gpu_check")
     return p
+
+
+def fetch_ab(client, partition: str, samples: int, max_len: int, rounds: int = 15) -> dict:
+    """A GPU rank's fetch of one batch, two ways, alternating (medians of ``rounds`` warm ones each):
+    the host's padded get then ``.to("cuda")``, and :func:`policy.worker.fetch_padded` on the GPU."""
+    from common.fields import tensor_nbytes
+    from policy.synthetic import synthetic_batch, to_tq_columns
+    from policy.worker import LOGPROB_INPUT_FIELDS, fetch_padded
+
+    fields = (*LOGPROB_INPUT_FIELDS, "token_mask", "sample_mask", "generation_logprobs")
+    batch = synthetic_batch(samples, min_len=max_len // 4, max_len=max_len, prompt_len=32, seed=2)
+    meta = client.put(partition, [f"f{i}" for i in range(samples)], to_tq_columns(batch.select_columns(fields)))
+    pad, dev = {"input_ids": 0}, torch.device("cuda", 0)
+
+    def host() -> dict:
+        got = client.get(meta, list(fields), layout="padded", pad_value=pad)
+        return {k: v.to(dev) for k, v in got.items()}
+
+    def on_device() -> dict:
+        return fetch_padded(client, meta, fields, pad, dev)
+
+    times: dict[str, list[float]] = {"host": [], "device": []}
+    for i in range(rounds + 1):
+        for name, fn in (("host", host), ("device", on_device)) if i % 2 else (("device", on_device), ("host", host)):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            got = fn()
+            torch.cuda.synchronize()
+            if i:  # the first round warms both up
+                times[name].append(time.perf_counter() - t0)
+            del got
+    a, b = host(), on_device()
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    client.discard(meta)
+    return {
+        "fetch_samples": samples,
+        "fetch_max_len": max_len,
+        "fetch_jagged_bytes": tensor_nbytes(dict(to_tq_columns(batch.select_columns(fields)))),
+        "fetch_padded_bytes": tensor_nbytes(a),
+        "fetch_host_pad_s": med["host"],
+        "fetch_device_pad_s": med["device"],
+        "fetch_host_over_device": med["host"] / med["device"],
+        "fetch_equal": all(torch.equal(a[k], b[k]) for k in fields),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -125,6 +177,10 @@ def main(argv: list[str] | None = None) -> None:
         out["max_weight_diff"] = max(float((wl[k].float() - wt[k].float()).abs().max()) for k in wl)
         out["loss"] = float(m_legacy["loss"])
         tqp.finish_step(meta)
+        if a.fetch_samples:
+            tqp.prepare_step(a.fetch_samples, 4)
+            out.update(fetch_ab(tqp.client, tqp.train_partition, a.fetch_samples, a.fetch_max_len))
+            say(f"fetch: host pad {out['fetch_host_pad_s'] * 1e3:.2f} ms, device pad {out['fetch_device_pad_s'] * 1e3:.2f} ms")
     ray.shutdown()
     with open(run.path(".json"), "w") as f:
         json.dump(out, f, indent=1)

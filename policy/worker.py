@@ -46,7 +46,7 @@ from .loss import metric_reduction, reduce_metrics
 from .micro_batching import MicroBatchPlan, forward_backward, local_valid_counts, logprobs_for_plan, plan_from_extra_info
 from .optim import build_optimizer, build_scheduler
 
-__all__ = ["DPPolicyWorker", "LOGPROB_INPUT_FIELDS"]
+__all__ = ["DPPolicyWorker", "LOGPROB_INPUT_FIELDS", "borrow_and_pad", "fetch_padded"]
 
 # The subset of LP_SEED_FIELDS a log-prob pass reads (the masks do not change log-probs).
 LOGPROB_INPUT_FIELDS = tuple(f for f in LP_SEED_FIELDS if f in ("input_ids", "input_lengths"))
@@ -57,6 +57,39 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def fetch_padded(
+    client: Any, meta: KVBatchMeta, fields: Sequence[str], pad_value: Mapping[str, Any], device: torch.device
+) -> dict[str, Any]:
+    """A shard's ``fields`` on ``device``, jagged ones padded as ``client.get(meta, fields,
+    layout="padded", pad_value=pad_value)`` pads them (``meta.pad_length``; other fields 0).
+
+    On the CPU that is the padded get itself (one copy, by TQ's row copier). On another device (a
+    GPU rank) the rows are borrowed where they lie (``copy=False``: no host copy), only their bytes
+    are copied to the device, and the padding is written there: the padded get would copy every row
+    into a host buffer and then send rows and padding alike over PCIe. The borrow ends once the
+    copies to the device are done (a copy from pageable memory returns when the source was read)."""
+    if device.type == "cpu":
+        return client.get(meta, list(fields), layout="padded", pad_value=dict(pad_value), wait_timeout=client.timeout)
+    return borrow_and_pad(client, meta, fields, pad_value, device)
+
+
+def borrow_and_pad(
+    client: Any, meta: KVBatchMeta, fields: Sequence[str], pad_value: Mapping[str, Any], device: torch.device
+) -> dict[str, Any]:
+    """:func:`fetch_padded` off the CPU: borrow the rows, copy their bytes to ``device``, pad there."""
+    from tq import JaggedTensor
+
+    out: dict[str, Any] = {}
+    with client.get(meta, list(fields), layout="jagged", copy=False, wait_timeout=client.timeout) as got:
+        for name, v in got.items():
+            if isinstance(v, JaggedTensor):
+                longest = int(v.lengths.max()) if len(v) else 0
+                out[name] = v.to_padded(meta.pad_length(longest), pad_value.get(name, 0), device=device)
+            else:
+                out[name] = v.to(device, copy=True) if isinstance(v, torch.Tensor) else v  # never a view past the borrow
+    return out
 
 
 class DPPolicyWorker:
@@ -298,7 +331,7 @@ class DPPolicyWorker:
     def _fetch(self, meta: KVBatchMeta, fields: Sequence[str]) -> BatchedDataDict:
         client = self._client()
         t = time.perf_counter()
-        cols = client.get(meta, list(fields), layout="padded", pad_value={"input_ids": self.pad_token_id}, wait_timeout=client.timeout)
+        cols = fetch_padded(client, meta, fields, {"input_ids": self.pad_token_id}, self.device)
         waited = time.perf_counter() - t
         self._timings["tq_get_s"] += waited
         self._timings["fetch_s"] += waited

@@ -41,37 +41,36 @@ def _left_behind(tag: str) -> list[str]:
 @pytest.mark.skipif(WHY is not None, reason=WHY or "")
 @pytest.mark.timeout(300)
 @pytest.mark.long
-def test_cross_node_get_and_dataplane_step_on_an_emulated_cluster(tmp_path):
+def test_cross_node_get_on_an_emulated_cluster(tmp_path):
     stale = {"units": 9, "nodes": [], "xfer": {}}  # an earlier run's result in the same directory: not this run's
     (tmp_path / "work").mkdir()
     (tmp_path / "work" / "probe.json").write_text(json.dumps(stale))
-    # a head + one worker node; the data-plane step's quick point, one timed step
-    report = multinode.run(nodes=2, steps=0, link_rate=None, run_dir=tmp_path, dataplane_steps=1, dataplane_quick=True)
+    report = multinode.run(nodes=2, steps=0, link_rate=None, run_dir=tmp_path)  # a head + one worker node
     placed = report["placement"]
     assert placed["units"] == 2 and len(placed["nodes"]) == 2
     x = placed["xfer"]  # the sums were checked equal inside the cluster
     assert x["cross_node"]["host"] != x["writer_host"] == x["same_node"]["host"]
     assert x["cross_node"]["gb_s"] > 0 and x["same_node"]["gb_s"] > 0
-    # Both paths' steps ran across the nodes: the rollout actor on the head, every rank on the worker node.
-    d = report["dataplane"]
-    head, worker = placed["nodes"][0], placed["nodes"][1]
-    assert {r["path"] for r in d["rows"]} == {"legacy", "tq"} and d["source_ip"] == head
-    for r in d["rows"]:
-        assert r["source_node"] == head and r["rank_nodes"] == [worker], r
-        assert r["rank_bytes"][0] > 0  # the rank read its shard
-    legacy, tq = (next(r for r in d["rows"] if r["path"] == p) for p in ("legacy", "tq"))
-    # the driver hands TQ's ranks handles, legacy's the batch
-    assert tq["driver_bytes"] < legacy["driver_bytes"] / 10
-    assert "| 1 | 16 | 256 | 2 | 0 |" in "\n".join(multinode.render_section(report))
     assert _left_behind(f"tqmn{os.getpid() % 100000}") == []
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(WHY is not None, reason=WHY or "")
 @pytest.mark.timeout(900)
-def test_grpo_job_with_dp_ranks_on_different_nodes(tmp_path):
-    report = multinode.run(nodes=3, steps=2, link_rate=None, run_dir=tmp_path)
+def test_grpo_job_and_dataplane_step_with_dp_ranks_on_different_nodes(tmp_path):
+    # the job, then the data-plane step's quick point (one timed step), on a head + two worker nodes
+    report = multinode.run(nodes=3, steps=2, link_rate=None, run_dir=tmp_path, dataplane_steps=1, dataplane_quick=True)
     assert report["train"]["rc"] == 0 and len(report["train"]["steps"]) == 2
+    # Both paths' steps ran across the nodes: the rollout actor on the head, one rank on each worker node.
+    d, nodes = report["dataplane"], report["placement"]["nodes"]
+    head, workers = nodes[0], set(nodes[1:])
+    assert {r["path"] for r in d["rows"]} == {"legacy", "tq"} and d["source_ip"] == head
+    for r in d["rows"]:
+        assert r["source_node"] == head and set(r["rank_nodes"]) == workers, r
+        assert all(b > 0 for b in r["rank_bytes"])  # every rank read its shard
+    legacy, tq = (next(r for r in d["rows"] if r["path"] == p) for p in ("legacy", "tq"))
+    assert tq["driver_bytes"] < legacy["driver_bytes"] / 10  # the driver hands TQ's ranks handles, legacy's the batch
+    assert "| 2 | 32 | 256 | 2 | 0 |" in "\n".join(multinode.render_section(report))
     assert _left_behind(f"tqmn{os.getpid() % 100000}") == []
 
 

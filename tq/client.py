@@ -283,15 +283,6 @@ def _in_arena(
     }
 
 
-def _pad_length(meta: KVBatchMeta, pad_to: int | None, longest: int) -> int:
-    """The padded length of a jagged field in a get: ``pad_to``, else the meta's
-    ``global_forward_pad_seqlen``, else its ``longest`` row, rounded up to ``pad_to_multiple``."""
-    target = pad_to if pad_to is not None else meta.extra_info.get("global_forward_pad_seqlen")
-    target = longest if target is None else target
-    multiple = meta.extra_info.get("pad_to_multiple")
-    return -(-target // multiple) * multiple if multiple else target
-
-
 def _jagged(values: torch.Tensor, sizes: np.ndarray, row_bytes: int, offsets: np.ndarray | None = None) -> JaggedTensor:
     """``values`` as rows of ``sizes`` bytes back to back (offsets made here, or by the location
     read from the same sizes: trusted as made)."""
@@ -1566,7 +1557,7 @@ class TQClient:
         if schema.kind != JAGGED:
             return self._borrow_tensor(raw, schema, (n, *schema.shape), arrays)
         if layout == "padded":
-            target = _pad_length(meta, pad_to, int(sizes.max()) // row_bytes)
+            target = meta.pad_length(int(sizes.max()) // row_bytes, pad_to)
             if (sizes != target * row_bytes).any():  # padding needs a copy
                 return None
             return self._borrow_tensor(raw, schema, (n, target, *schema.shape), arrays)
@@ -1629,7 +1620,7 @@ class TQClient:
             span, pad = 0, b""
             if lay.kind == JAGGED and padded:
                 longest = fx.longest // lay.row_bytes
-                pad_len = _pad_length(meta, pad_to, longest)
+                pad_len = meta.pad_length(longest, pad_to)
                 if pad_len < longest:
                     raise InvalidRequestError(
                         f"field {name!r}: key {meta.keys[int(np.argmax(fx.sizes))]!r} has {longest} tokens, more than the pad length {pad_len}"

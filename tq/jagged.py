@@ -74,14 +74,19 @@ class JaggedTensor:
         torch.cumsum(lengths, 0, out=offsets[1:])
         return cls(padded[mask.to(padded.device)], offsets)
 
-    def to_padded(self, pad_to: int | None = None, pad_value: float | int | bool = 0) -> torch.Tensor:
-        """Dense ``[n, pad_to, *trailing]`` tensor (``pad_to`` defaults to the longest row)."""
+    def to_padded(
+        self, pad_to: int | None = None, pad_value: float | int | bool = 0, device: torch.device | str | None = None
+    ) -> torch.Tensor:
+        """Dense ``[n, pad_to, *trailing]`` tensor (``pad_to`` defaults to the longest row), made on
+        ``device`` (default: the values' own): only the rows' bytes move there, the padding is
+        written where it lands (a GPU rank pads on the GPU instead of copying padding across)."""
         lengths = self.lengths
         longest = int(lengths.max()) if len(self) else 0
         pad_to = longest if pad_to is None else pad_to
         if pad_to < longest:
             raise ValueError(f"pad_to={pad_to} is shorter than the longest row ({longest})")
-        out = self.values.new_full((len(self), pad_to, *self.values.shape[1:]), pad_value)
-        mask = torch.arange(pad_to).unsqueeze(0) < lengths.unsqueeze(1)
-        out[mask] = self.values
+        values = self.values if device is None else self.values.to(device)
+        out = values.new_full((len(self), pad_to, *values.shape[1:]), pad_value)
+        mask = torch.arange(pad_to, device=values.device).unsqueeze(0) < lengths.to(values.device).unsqueeze(1)
+        out[mask] = values
         return out

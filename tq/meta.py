@@ -430,6 +430,15 @@ class KVBatchMeta:
                 new[name] = _normalise_tag_values(name, value, n)
         return self._replace(tags=new)
 
+    def pad_length(self, longest: int, pad_to: int | None = None) -> int:
+        """The padded length of a jagged field of this batch whose longest row has ``longest`` entries:
+        ``pad_to``, else ``extra_info["global_forward_pad_seqlen"]``, else ``longest``, rounded up to
+        ``extra_info["pad_to_multiple"]`` - what a padded get pads to, wherever the padding is done."""
+        target = pad_to if pad_to is not None else self.extra_info.get("global_forward_pad_seqlen")
+        target = longest if target is None else target
+        multiple = self.extra_info.get("pad_to_multiple")
+        return -(-target // multiple) * multiple if multiple else target
+
     def with_extra_info(self, **kv: Any) -> KVBatchMeta:
         """Return a meta whose ``extra_info`` is the current one updated with ``kv``."""
         return self._replace(extra_info={**self.extra_info, **kv})

@@ -460,3 +460,14 @@ def test_concat_across_slot_tables_drops_the_slots():
 def test_bad_slots_are_rejected(kwargs, err):
     with pytest.raises(err):
         KVBatchMeta("p", ["a", "b"], **kwargs)
+
+
+def test_pad_length_is_pad_to_else_the_global_length_else_the_longest_rounded_up():
+    m = KVBatchMeta("p", ("a", "b"))
+    assert m.pad_length(13) == 13
+    assert m.pad_length(13, pad_to=20) == 20
+    g = m.with_extra_info(global_forward_pad_seqlen=30)
+    assert g.pad_length(13) == 30 and g.pad_length(13, pad_to=16) == 16  # an explicit pad_to wins
+    r = g.with_extra_info(pad_to_multiple=8)
+    assert r.pad_length(13) == 32 and r.pad_length(13, pad_to=16) == 16
+    assert m.with_extra_info(pad_to_multiple=8).pad_length(13) == 16

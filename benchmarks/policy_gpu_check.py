@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import ray
 
+    from policy.logprobs import per_sample_reductions
     from policy.loss import ClippedPGLossFn
     from policy.policy import Policy, PolicyConfig, TQPolicy
     from policy.synthetic import synthetic_batch, to_tq_columns
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         keys = [f"p{i // 4}_g{i % 4}" for i in range(a.samples)]
         meta = tqp.client.put(tqp.train_partition, keys, to_tq_columns(batch.select_columns(fields)))
         t0 = time.perf_counter()
-        meta = tqp.get_logprobs_from_meta(meta)
+        meta = tqp.get_logprobs_from_meta(meta, with_reductions=True)  # as trainer.grpo_sync asks
         t["tq_logprobs_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         meta = tqp.get_reference_policy_logprobs_from_meta(meta)
@@ -172,6 +173,10 @@ def main(argv: list[str] | None = None) -> None:
         wl, wt = legacy.get_weights(), tqp.get_weights()
         out.update(t)
         out["logprobs_equal"] = bool(torch.equal(got, data["prev_logprobs"]))
+        # the per-sample reductions the ranks wrote with the log-probs, against the legacy driver's
+        want = per_sample_reductions(data)
+        red = tqp.client.get(meta, list(want))
+        out["reductions_equal"] = all(torch.equal(red[k], want[k]) for k in want)
         out["metrics_equal"] = m_legacy == m_tq
         out["weights_equal"] = all(torch.equal(wl[k], wt[k]) for k in wl)
         out["max_weight_diff"] = max(float((wl[k].float() - wt[k].float()).abs().max()) for k in wl)

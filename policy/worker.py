@@ -369,9 +369,9 @@ class DPPolicyWorker:
         lp = self._logprobs(data, self._plan(meta.extra_info, len(meta), "logprob"), reference).cpu()
         lengths = data["input_lengths"].cpu()
         cols: dict[str, Any] = {field: JaggedTensor.from_padded(lp, lengths)}
-        if reductions:
+        if reductions:  # on the CPU, as the legacy driver computes them (a GPU rank's fetch is on its GPU)
             t = time.perf_counter()
-            cols.update(per_sample_reductions({"prev_logprobs": lp, **{f: data[f] for f in extra}}))
+            cols.update(per_sample_reductions({"prev_logprobs": lp, **{f: data[f].cpu() for f in extra}}))
             self._timings["compute_s"] += time.perf_counter() - t
         self._write_back(meta, cols)
         return {"rank": self.rank, "samples": len(meta), "tokens": int(lengths.sum()), "field": field, "fields": sorted(cols)}
@@ -393,7 +393,7 @@ class DPPolicyWorker:
         self._arrived(sent_at, shard_in_args=False)
         data = self._fetch(meta, REDUCTION_INPUT_FIELDS)
         t = time.perf_counter()
-        cols = per_sample_reductions(data)
+        cols = per_sample_reductions({k: v.cpu() for k, v in data.items()})  # on the CPU, as the legacy driver
         self._timings["compute_s"] += time.perf_counter() - t
         self._write_back(meta, cols)
         return {"rank": self.rank, "samples": len(meta), "fields": sorted(cols)}

@@ -65,14 +65,22 @@ class JaggedTensor:
 
     @classmethod
     def from_padded(cls, padded: torch.Tensor, lengths: Sequence[int] | torch.Tensor) -> "JaggedTensor":
-        """Take the first ``lengths[i]`` entries of row ``i`` of a ``[n, L, ...]`` padded tensor."""
+        """Take the first ``lengths[i]`` entries of row ``i`` of a ``[n, L, ...]`` padded tensor.
+
+        On the CPU the rows are copied by TQ's row copier (a masked select there took ~4.7 ms for a
+        DP rank's 256 x 2048 float32 log-probs, once per log-prob pass); elsewhere by a masked select
+        on the tensor's device."""
         lengths = torch.as_tensor(lengths, dtype=torch.int64).cpu()
-        if lengths.numel() != padded.shape[0] or (lengths.numel() and int(lengths.max()) > padded.shape[1]):
+        if padded.dim() < 2 or lengths.numel() != padded.shape[0] or (lengths.numel() and int(lengths.min()) < 0):
             raise ValueError(f"lengths {tuple(lengths.shape)} do not fit padded shape {tuple(padded.shape)}")
-        mask = torch.arange(padded.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+        if lengths.numel() and int(lengths.max()) > padded.shape[1]:
+            raise ValueError(f"lengths {tuple(lengths.shape)} do not fit padded shape {tuple(padded.shape)}")
         offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
         torch.cumsum(lengths, 0, out=offsets[1:])
-        return cls(padded[mask.to(padded.device)], offsets)
+        if padded.device.type == "cpu":
+            return cls(_gather_rows(padded, lengths, int(offsets[-1])), offsets)
+        mask = torch.arange(padded.shape[1], device=padded.device).unsqueeze(0) < lengths.to(padded.device).unsqueeze(1)
+        return cls(padded[mask], offsets)
 
     def to_padded(
         self, pad_to: int | None = None, pad_value: float | int | bool = 0, device: torch.device | str | None = None
@@ -90,3 +98,20 @@ class JaggedTensor:
         mask = torch.arange(pad_to, device=values.device).unsqueeze(0) < lengths.to(values.device).unsqueeze(1)
         out[mask] = values
         return out
+
+
+def _gather_rows(padded: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
+    """The first ``lengths[i]`` entries of each row of a CPU ``[n, L, ...]`` tensor, back to back."""
+    import numpy as np
+
+    from .rowcopy import copy_rows
+
+    src = padded.contiguous()
+    out = torch.empty((total, *src.shape[2:]), dtype=src.dtype)
+    entry = src[0, 0].numel() * src.element_size() if src.shape[0] and src.shape[1] else 0
+    if total == 0 or entry == 0:
+        return out
+    as_bytes = lambda t: t.reshape(-1).view(torch.uint8).numpy()  # noqa: E731 - any dtype, bfloat16 included
+    n, span = src.shape[0], src.shape[1] * entry
+    copy_rows(as_bytes(out), None, [as_bytes(src)], np.zeros(n, np.int64), np.arange(n, dtype=np.int64) * span, lengths.numpy() * entry)
+    return out

@@ -51,3 +51,26 @@ def test_from_padded_reads_a_non_contiguous_tensor_and_edge_shapes():
 def test_from_padded_refuses_lengths_that_do_not_fit(padded, lengths):
     with pytest.raises(ValueError, match="do not fit"):
         JaggedTensor.from_padded(padded, lengths)
+
+
+@pytest.mark.parametrize(
+    "dtype, pad", [(torch.int64, -3), (torch.float32, 1.5), (torch.bfloat16, -2.0), (torch.bool, True), (torch.uint8, 9)]
+)
+@pytest.mark.parametrize("trailing", [(), (3,)])
+def test_to_padded_writes_rows_then_the_pad_value(dtype, pad, trailing):
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([5, 0, 11, 1, 7])
+    offsets = torch.zeros(6, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    values = (torch.randn((int(offsets[-1]), *trailing), generator=g) * 50).to(dtype)
+    jt = JaggedTensor(values, offsets)
+    want = torch.full((5, 13, *trailing), pad, dtype=dtype)
+    want[_mask(lengths, 13)] = values
+    got = jt.to_padded(13, pad)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert torch.equal(
+        got.view(torch.uint8) if dtype == torch.bfloat16 else got, want.view(torch.uint8) if dtype == torch.bfloat16 else want
+    )
+    assert jt.to_padded().shape[1] == 11  # the longest row by default
+    with pytest.raises(ValueError, match="shorter than the longest row"):
+        jt.to_padded(10)

@@ -87,17 +87,52 @@ class JaggedTensor:
     ) -> torch.Tensor:
         """Dense ``[n, pad_to, *trailing]`` tensor (``pad_to`` defaults to the longest row), made on
         ``device`` (default: the values' own): only the rows' bytes move there, the padding is
-        written where it lands (a GPU rank pads on the GPU instead of copying padding across)."""
+        written where it lands (a GPU rank pads on the GPU instead of copying padding across). On
+        the CPU, rows and padding are written by TQ's row copier (a masked scatter took 20 ms where it takes 0.4)."""
         lengths = self.lengths
         longest = int(lengths.max()) if len(self) else 0
         pad_to = longest if pad_to is None else pad_to
         if pad_to < longest:
             raise ValueError(f"pad_to={pad_to} is shorter than the longest row ({longest})")
         values = self.values if device is None else self.values.to(device)
+        if values.device.type == "cpu":
+            return _scatter_rows(values, self.offsets, pad_to, pad_value)
         out = values.new_full((len(self), pad_to, *values.shape[1:]), pad_value)
         mask = torch.arange(pad_to, device=values.device).unsqueeze(0) < lengths.to(values.device).unsqueeze(1)
         out[mask] = values
         return out
+
+
+def _as_bytes(t: torch.Tensor):  # noqa: ANN202 - a numpy uint8 view of a contiguous CPU tensor, any dtype
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _scatter_rows(values: torch.Tensor, offsets: torch.Tensor, pad_to: int, pad_value: float | int | bool) -> torch.Tensor:
+    """Rows ``values[offsets[i]:offsets[i + 1]]`` of a CPU tensor, each padded to ``pad_to`` entries."""
+    import numpy as np
+
+    from .rowcopy import copy_rows
+
+    src = values.contiguous()
+    n, trailing = offsets.numel() - 1, tuple(src.shape[1:])
+    out = torch.empty((n, pad_to, *trailing), dtype=src.dtype)
+    pattern = torch.full(trailing or (1,), pad_value, dtype=src.dtype)  # one entry of padding
+    entry = pattern.numel() * pattern.element_size()
+    if out.numel() == 0:
+        return out
+    offs = offsets.numpy()
+    sizes = (offs[1:] - offs[:-1]) * entry
+    copy_rows(
+        _as_bytes(out),
+        None,
+        [_as_bytes(src)],
+        np.zeros(n, np.int64),
+        offs[:-1] * entry,
+        sizes,
+        pad_to * entry,
+        _as_bytes(pattern).tobytes(),
+    )
+    return out
 
 
 def _gather_rows(padded: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
@@ -111,7 +146,6 @@ def _gather_rows(padded: torch.Tensor, lengths: torch.Tensor, total: int) -> tor
     entry = src[0, 0].numel() * src.element_size() if src.shape[0] and src.shape[1] else 0
     if total == 0 or entry == 0:
         return out
-    as_bytes = lambda t: t.reshape(-1).view(torch.uint8).numpy()  # noqa: E731 - any dtype, bfloat16 included
     n, span = src.shape[0], src.shape[1] * entry
-    copy_rows(as_bytes(out), None, [as_bytes(src)], np.zeros(n, np.int64), np.arange(n, dtype=np.int64) * span, lengths.numpy() * entry)
+    copy_rows(_as_bytes(out), None, [_as_bytes(src)], np.zeros(n, np.int64), np.arange(n, dtype=np.int64) * span, lengths.numpy() * entry)
     return out

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
+
+from .rowcopy import copy_rows
 
 
 @dataclass
@@ -71,9 +74,8 @@ class JaggedTensor:
         DP rank's 256 x 2048 float32 log-probs, once per log-prob pass); elsewhere by a masked select
         on the tensor's device."""
         lengths = torch.as_tensor(lengths, dtype=torch.int64).cpu()
-        if padded.dim() < 2 or lengths.numel() != padded.shape[0] or (lengths.numel() and int(lengths.min()) < 0):
-            raise ValueError(f"lengths {tuple(lengths.shape)} do not fit padded shape {tuple(padded.shape)}")
-        if lengths.numel() and int(lengths.max()) > padded.shape[1]:
+        fits = padded.dim() >= 2 and lengths.numel() == padded.shape[0]
+        if not fits or (lengths.numel() and (int(lengths.min()) < 0 or int(lengths.max()) > padded.shape[1])):
             raise ValueError(f"lengths {tuple(lengths.shape)} do not fit padded shape {tuple(padded.shape)}")
         offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
         torch.cumsum(lengths, 0, out=offsets[1:])
@@ -88,7 +90,8 @@ class JaggedTensor:
         """Dense ``[n, pad_to, *trailing]`` tensor (``pad_to`` defaults to the longest row), made on
         ``device`` (default: the values' own): only the rows' bytes move there, the padding is
         written where it lands (a GPU rank pads on the GPU instead of copying padding across). On
-        the CPU, rows and padding are written by TQ's row copier (a masked scatter took 20 ms where it takes 0.4)."""
+        the CPU, rows and padding are written by TQ's row copier (256 rows of up to 2048 float32 on
+        the VM: 0.37 ms, against 20 ms for a masked scatter)."""
         lengths = self.lengths
         longest = int(lengths.max()) if len(self) else 0
         pad_to = longest if pad_to is None else pad_to
@@ -103,16 +106,13 @@ class JaggedTensor:
         return out
 
 
-def _as_bytes(t: torch.Tensor):  # noqa: ANN202 - a numpy uint8 view of a contiguous CPU tensor, any dtype
+def _as_bytes(t: torch.Tensor) -> np.ndarray:
+    """A uint8 numpy view of a contiguous CPU tensor of any dtype (bfloat16 included)."""
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
 def _scatter_rows(values: torch.Tensor, offsets: torch.Tensor, pad_to: int, pad_value: float | int | bool) -> torch.Tensor:
     """Rows ``values[offsets[i]:offsets[i + 1]]`` of a CPU tensor, each padded to ``pad_to`` entries."""
-    import numpy as np
-
-    from .rowcopy import copy_rows
-
     src = values.contiguous()
     n, trailing = offsets.numel() - 1, tuple(src.shape[1:])
     out = torch.empty((n, pad_to, *trailing), dtype=src.dtype)
@@ -120,7 +120,7 @@ def _scatter_rows(values: torch.Tensor, offsets: torch.Tensor, pad_to: int, pad_
     entry = pattern.numel() * pattern.element_size()
     if out.numel() == 0:
         return out
-    offs = offsets.numpy()
+    offs = offsets.cpu().numpy()
     sizes = (offs[1:] - offs[:-1]) * entry
     copy_rows(
         _as_bytes(out),
@@ -137,10 +137,6 @@ def _scatter_rows(values: torch.Tensor, offsets: torch.Tensor, pad_to: int, pad_
 
 def _gather_rows(padded: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
     """The first ``lengths[i]`` entries of each row of a CPU ``[n, L, ...]`` tensor, back to back."""
-    import numpy as np
-
-    from .rowcopy import copy_rows
-
     src = padded.contiguous()
     out = torch.empty((total, *src.shape[2:]), dtype=src.dtype)
     entry = src[0, 0].numel() * src.element_size() if src.shape[0] and src.shape[1] else 0

@@ -373,20 +373,26 @@ def test_driver_record_refuses_a_live_driver_and_reaps_a_dead_ones_processes(tmp
 
 
 # ---------------------------------------------------------------------------------------------- slow
-# The default offline recipe (200 prompts, 16 per step: 12 steps an epoch, 192 rows each), 240 steps =
-# 20 epochs, checkpoints every 40 steps; killed after the checkpoint of step 80 or later.
-LONG_STEPS = 240
+# The default offline recipe (200 prompts, 16 per step: 12 steps an epoch, 192 rows each), 396 steps =
+# 33 epochs, checkpoints every 40 steps; killed after the checkpoint of step 80 or later. Since the
+# built-in task holds out its validation pairs (874b7de) the recipe learns more slowly: the mean reward
+# of the last 20 steps, uninterrupted, on the 2-vCPU VM (2026-11-28) - sync 0.67 at step 240 (the old
+# length, under the 0.7 bar this test had), 0.80 at 360, 0.79 at 400; async 0.69 at 240, then 0.71-0.78
+# from 280 to 400 (a plateau with noise).
+LONG_STEPS = 396
+LEARNED = 0.6  # the final reward both runs must pass (a random model: 0.01)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("module, partition", [("trainer.grpo_sync", "train"), ("trainer.grpo_async", "async_replay")])
 def test_killed_learning_run_ends_like_an_uninterrupted_one(tmp_path, tq_service, module, partition):
-    """The default recipe for 240 steps, killed after step 80 and resumed, against the same run
-    uninterrupted: every prompt of all 20 epochs trained once over the lineage; sync: every step's
+    """The default recipe for 396 steps, killed after step 80 and resumed, against the same run
+    uninterrupted: every prompt of all 33 epochs trained once over the lineage; sync: every step's
     metrics bit-identical to the uninterrupted run's; async: the final reward (mean of the last 20
-    steps) within 0.1 of the uninterrupted run's, both past 0.7 (from 0.01 at step 1)."""
+    steps) within 0.1 of the uninterrupted run's, both past ``LEARNED`` (from 0.01 at step 1)."""
     straight_dir = tmp_path / "straight"
-    done, pid = _run(module, _args(straight_dir, tq_service, LONG_STEPS, "checkpointing.save_period=40"), tmp_path, name="straight")
+    args = _args(straight_dir, tq_service, LONG_STEPS, "checkpointing.save_period=40")
+    done, pid = _run(module, args, tmp_path, timeout=600, name="straight")
     assert done.returncode == 0, done.stdout[-4000:]
     _check_no_leftovers(tq_service, pid)
     straight = {r["step"]: r for r in _metrics(straight_dir) if r["split"] == "train"}
@@ -394,7 +400,7 @@ def test_killed_learning_run_ends_like_an_uninterrupted_one(tmp_path, tq_service
     crashed_dir = tmp_path / "crashed"
     crashed_dir.mkdir()
     _crash_and_resume(
-        module, partition, crashed_dir, tq_service, LONG_STEPS, "checkpointing.save_period=40", min_checkpoint=80, timeout=400
+        module, partition, crashed_dir, tq_service, LONG_STEPS, "checkpointing.save_period=40", min_checkpoint=80, timeout=600
     )
     from trainer.logger import read_metrics_lineage
 
@@ -410,4 +416,4 @@ def test_killed_learning_run_ends_like_an_uninterrupted_one(tmp_path, tq_service
                 assert lineage[t][key] == straight[t][key], (t, key, lineage[t][key], straight[t][key])
     else:
         assert abs(final(lineage) - final(straight)) <= 0.1, (final(lineage), final(straight))
-    assert final(lineage) > 0.7 and final(straight) > 0.7, (final(lineage), final(straight))
+    assert final(lineage) > LEARNED and final(straight) > LEARNED, (final(lineage), final(straight))

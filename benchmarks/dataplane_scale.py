@@ -372,17 +372,15 @@ def run_sweep(
     from tq.connection import TQConnection
     from tq.server import TQServer
 
-    biggest = max(p.payload_bytes() for p in points)
-    max_dp = max(p.dp for p in points)
-    capacity = max(256 * MiB, 3 * biggest)
     server = None
     src_cls = ray.remote(num_cpus=0)(RolloutSource)
     spread: dict[str, Any] = {}
     if cluster is None:
         # Ray's default object store (30% of RAM) holds the legacy path's batches; the workers inherit PYTHONPATH.
         # Both paths' ranks are up at once (a legacy and a TQ group per DP size): logical CPUs for both.
+        max_dp = max(p.dp for p in points)
         ray.init(address="local", num_cpus=int(2 * max_dp * cpus_per_rank + 2), include_dashboard=False, log_to_driver=False)
-        server = TQServer(storage_units=storage_units, capacity=capacity)
+        server = TQServer(storage_units=storage_units, capacity=max(256 * MiB, 3 * max(p.payload_bytes() for p in points)))
         conn = TQConnection(server.address, timeout_s=timeout)
     else:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

@@ -54,7 +54,8 @@ def fetch_ab(client, partition: str, samples: int, max_len: int, rounds: int = 1
 
     fields = (*LOGPROB_INPUT_FIELDS, "token_mask", "sample_mask", "generation_logprobs")
     batch = synthetic_batch(samples, min_len=max_len // 4, max_len=max_len, prompt_len=32, seed=2)
-    meta = client.put(partition, [f"f{i}" for i in range(samples)], to_tq_columns(batch.select_columns(fields)))
+    columns = to_tq_columns(batch.select_columns(fields))
+    meta = client.put(partition, [f"f{i}" for i in range(samples)], columns)
     pad, dev = {"input_ids": 0}, torch.device("cuda", 0)
 
     def host() -> dict:
@@ -80,7 +81,7 @@ def fetch_ab(client, partition: str, samples: int, max_len: int, rounds: int = 1
     return {
         "fetch_samples": samples,
         "fetch_max_len": max_len,
-        "fetch_jagged_bytes": tensor_nbytes(dict(to_tq_columns(batch.select_columns(fields)))),
+        "fetch_jagged_bytes": tensor_nbytes(dict(columns)),
         "fetch_padded_bytes": tensor_nbytes(a),
         "fetch_host_pad_s": med["host"],
         "fetch_device_pad_s": med["device"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -139,7 +140,7 @@ def _gather_rows(padded: torch.Tensor, lengths: torch.Tensor, total: int) -> tor
     """The first ``lengths[i]`` entries of each row of a CPU ``[n, L, ...]`` tensor, back to back."""
     src = padded.contiguous()
     out = torch.empty((total, *src.shape[2:]), dtype=src.dtype)
-    entry = src[0, 0].numel() * src.element_size() if src.shape[0] and src.shape[1] else 0
+    entry = math.prod(src.shape[2:]) * src.element_size()  # bytes of one entry
     if total == 0 or entry == 0:
         return out
     n, span = src.shape[0], src.shape[1] * entry

@@ -45,7 +45,7 @@ def _system(size: int, put: float, get: float, **more: float) -> dict:
 def test_report_computes_ratios_against_baselines_of_the_same_run():
     size = 8 * MiB
     res = {
-        "memcpy": {size: {"copy": [10e9, 20e9], "bytes": 8_000_000}},
+        "memcpy": {size: {"copy": [10e9, 20e9], "pad": [5e9, 12.5e9], "bytes": 8_000_000}},
         "tq": {size: {"put": [3e9, 4e9], "get": [2.5e9, 10e9, 8e9, 10e9], "bytes": 8_000_000}},
         "tq_tcp": _system(size, 1e9, 2e9),
         "ray": _system(size, 0.5e9, 2.5e9, put_padded=0.4e9, get_views=20e9),
@@ -57,9 +57,11 @@ def test_report_computes_ratios_against_baselines_of_the_same_run():
     r = res["ratios"][0]
     assert (r["get_vs_memcpy"], r["get_vs_ray"], r["get_vs_transferqueue"]) == (0.5, 4.0, 50.0)
     assert (r["put_vs_transferqueue"], r["tcp_get_vs_transferqueue"], r["get_vs_ray_views"]) == (8.0, 10.0, 0.5)
-    assert "| 8 MiB | 0.50x | 4.00x | 0.50x | n/a | 50.00x | 8.00x | 8.00x | 10.00x |" in table
+    assert (r["get_vs_padding"], r["padding_vs_ray"]) == (0.8, 5.0)  # the padding alone: 12.5 GB/s
+    assert "| 8 MiB | 0.50x | 0.80x | 4.00x | 5.00x | 0.50x | n/a | 50.00x | 8.00x | 8.00x | 10.00x |" in table
+    assert "| 8 MiB | 8 | 20.00 | 12.50 | 4.00 | 10.00 |" in table  # memcpy, padding only, TQ put, TQ get
     assert "| 8 MiB | 10.00 | 2.50 |" in table  # cold gets: memcpy's and TQ's first iterations
-    assert res["targets"]["get_vs_ray"] == {"target": 2.0, "worst": 4.0, "met": True}
+    assert res["targets"]["get_vs_ray"] == {"target": 2.0, "worst": 4.0, "met": True, "bound": 5.0}
     assert not res["targets"]["control_p99_over_bar"]["met"]  # 0.6 ms: over the same-host 1-key put's 0.5 ms
     assert res["targets"]["cold_get_gbps"]["met"]
     assert res["targets"]["warm_get_floor"] == {"target": 0.5, "worst": 0.8, "met": True}
@@ -74,6 +76,8 @@ def test_report_computes_ratios_against_baselines_of_the_same_run():
     report(res, [size])
     t = res["targets"]
     assert not any(t[k]["met"] for k in ("get_vs_ray", "get_vs_memcpy", "cold_get_gbps", "warm_get_floor"))
+    res["memcpy"][size]["pad"] = [1.0, 4e9]  # a get that only padded would be 1.6x Ray: the report says so
+    assert "get_vs_ray 0.70 vs 2.0 - NOT met (bound at that size: 1.60, the padding alone / Ray)" in report(res, [size])
     assert t["control_p99_over_bar"]["met"] and t["control_p99_over_bar"]["worst"] == pytest.approx(0.9)
     assert t["borrowed_vs_ray_views"] == {"target": 1.0, "worst": 1.5, "met": True}
     assert t["get_vs_transferqueue"]["met"]
@@ -91,7 +95,7 @@ def test_a_system_that_did_not_run_reads_n_a_with_the_reason_and_sets_no_target(
         "unavailable": {"transferqueue": "transferqueue not installed: pip install -e '.[bench]'"},
     }
     table = report(res, [size])
-    assert "| 8 MiB | 0.50x | n/a | n/a | n/a | n/a | n/a | n/a | n/a |" in table
+    assert "| 8 MiB | 0.50x | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a |" in table  # no padding-only run either
     assert "- transferqueue: n/a - transferqueue not installed: pip install -e '.[bench]'" in table
     assert set(res["targets"]) == {"get_vs_memcpy", "control_p99_over_bar", "cold_get_gbps", "warm_get_floor"}
 
@@ -116,6 +120,16 @@ def test_memcpy_ceiling_copies_every_byte_of_the_batch_a_producer_process_wrote(
     res = bench_memcpy([MiB], 1)[MiB]
     assert res["bytes"] == payload_bytes(MiB, 1000)
     assert len(res["copy"]) == 3 and all(r > 0 for r in res["copy"])
+    assert len(res["pad"]) == 3 and all(r > 0 for r in res["pad"])  # its first padding is checked too
+
+
+def test_padding_only_reads_the_columns_out_of_the_bytes_the_producer_wrote():
+    from benchmarks.tq_throughput import _shm_columns, batch_bytes
+
+    b = make_batch(MiB, 5)
+    cols, offsets = _shm_columns(np.concatenate(batch_bytes(b)), MiB, 5)
+    assert torch.equal(offsets, b["offsets"])
+    assert all(torch.equal(cols[f], b[f]) for f in (*FIELDS, "rewards"))
 
 
 def test_rounds_pool_every_rounds_warm_iterations_behind_the_first_cold_one():

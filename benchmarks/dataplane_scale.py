@@ -550,7 +550,7 @@ def get_sweep_transferqueue(n: int, length: int, field_counts: Sequence[int], it
         from tensordict import TensorDict
     except ImportError as exc:
         return f"transferqueue not installed ({exc.name}): pip install -e '.[bench]'"
-    from benchmarks.tq_throughput import pad_rows
+    from benchmarks.tq_throughput import pad_fields
     from tq.bufferpool import HostBufferPool
 
     pool = HostBufferPool()
@@ -568,7 +568,7 @@ def get_sweep_transferqueue(n: int, length: int, field_counts: Sequence[int], it
             for _ in range(iters + 1):
                 t = time.perf_counter()
                 td = transfer_queue.kv_batch_get(keys=keys, partition_id="fields")
-                padded = {f: pad_rows(td[f].values(), td[f].offsets().numpy(), pool) for f in cols}
+                padded = pad_fields({f: (td[f].values(), td[f].offsets().numpy()) for f in cols}, pool)
                 times.append(time.perf_counter() - t)
                 del td, padded
             transfer_queue.kv_clear(keys=keys, partition_id="fields")

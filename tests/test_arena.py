@@ -27,3 +27,36 @@ def test_prefault_maps_the_range_and_only_it() -> None:
     finally:
         arena.close(unlink=True)
     assert not os.path.exists(path)
+
+
+@pytest.mark.skipif(_MADV_POPULATE_WRITE is None, reason="MADV_POPULATE_WRITE is Linux-only")
+def test_prefault_skips_pieces_it_mapped_before_until_told_they_were_given_back() -> None:
+    """A writer's mapping remembers the whole 2 MiB pieces it populated: populating them again walks
+    every page for nothing. Proven by the owner giving the pages back behind its back (what a trim
+    does): the stale memory skips them, and after forget_populated they are mapped again."""
+    path = f"/dev/shm/tq-test-arena-{uuid.uuid4().hex}"
+    owner = Arena(path, 16 << 20, create=True, own=True)
+    writer = Arena(path, 16 << 20, create=False)
+    try:
+        owner.allocate_pages(0, 16 << 20)
+        writer.prefault(0, 8 << 20)
+        assert _resident_bytes(path) >= 8 << 20
+        owner.release_pages(0, 16 << 20)  # the pages go back to the OS: unmapped in every process
+        assert _resident_bytes(path) == 0
+        writer.prefault(0, 8 << 20)  # remembered as mapped: no call
+        assert _resident_bytes(path) == 0
+        writer.prefault(3 * 4096 + (8 << 20), 4 << 20)  # new pieces are still mapped
+        assert 4 << 20 <= _resident_bytes(path) <= (4 << 20) + 2 * 4096
+        writer.forget_populated()
+        writer.prefault(0, 8 << 20)
+        assert _resident_bytes(path) >= 12 << 20
+        # an unaligned range marks only the pieces it covered whole: the partial ones are mapped again
+        owner.release_pages(0, 16 << 20)
+        writer.forget_populated()
+        writer.prefault(4096, (4 << 20) - 8192)  # piece 0 from its second page, piece 1 but its last page
+        owner.release_pages(0, 16 << 20)
+        writer.prefault(0, 4 << 20)
+        assert _resident_bytes(path) == 4 << 20  # neither piece was whole: both mapped again
+    finally:
+        writer.close()
+        owner.close(unlink=True)

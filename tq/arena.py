@@ -203,6 +203,9 @@ class Arena:
         self.view = np.frombuffer(self._mm, dtype=np.uint8)
         # BACKED_CHUNK-sized pieces whose pages this owner allocated (none known for a reopened arena)
         self._backed = np.zeros(-(-size // BACKED_CHUNK), dtype=bool)
+        # ... and those this mapping populated writable (prefault): mapped until the owner gives the
+        # pages back (release_pages, which its writers learn of: forget_populated)
+        self._populated = np.zeros(-(-size // BACKED_CHUNK), dtype=bool)
 
     def allocate_pages(self, start: int, nbytes: int) -> None:
         """Allocate the backing pages of ``[start, start + nbytes)`` now (the owner only), so a full
@@ -224,8 +227,22 @@ class Arena:
         """Map the pages of ``[start, start + nbytes)`` writable in this process in one call (best
         effort), so a big copy into them takes no page faults: one fault per 4 KiB page, each a trap
         into a kernel that serialises them per shared-memory file, is what kept concurrent writers
-        from scaling."""
-        populate_writable(self._mm, start, nbytes)
+        from scaling. Pieces this mapping populated before are skipped: the call walks every page even
+        where all are mapped already (25 ms for 512 MiB on the 2-vCPU VM, against a 31 ms copy)."""
+        if nbytes <= 0:
+            return
+        lo, hi = start // BACKED_CHUNK, -(-(start + nbytes) // BACKED_CHUNK)
+        missing = np.flatnonzero(~self._populated[lo:hi])
+        if not missing.size:
+            return
+        first, end = max(start, (lo + int(missing[0])) * BACKED_CHUNK), min(start + nbytes, (lo + int(missing[-1]) + 1) * BACKED_CHUNK)
+        populate_writable(self._mm, first, end - first)
+        # only the pieces the call covered whole count as mapped (the arena's last one may be short)
+        self._populated[-(-first // BACKED_CHUNK) : -(-end // BACKED_CHUNK) if end == self.size else end // BACKED_CHUNK] = True
+
+    def forget_populated(self) -> None:
+        """The owner gave pages back (:meth:`release_pages`): the next prefault maps them all again."""
+        self._populated[:] = False
 
     def release_pages(self, start: int, nbytes: int) -> None:
         """Give the pages of a free range back to the OS (they read as zeros afterwards)."""

@@ -598,6 +598,7 @@ class TQClient:
         self._local_units: frozenset[int] = frozenset()
         self._unit_chans: dict[int, RpcChannel] = {}
         self._arenas: dict[int, Arena] = {}
+        self._unit_trims: dict[int, int] = {}  # each local unit's trim count at its last alloc reply
         self._host = host_identity()
         self._ctrl_host: str | None = None
         self._ctrl_shm_dir: str | None = None
@@ -1025,12 +1026,16 @@ class TQClient:
             nbytes=nbytes, wait_s=wait_s, ids=ids, reply_by=reply_by, writer=writer, writer_file=writer_file, released=released
         )
         try:
-            return self._unit_call(unit, UnitOp.ALLOC, args, [])
+            reply = self._unit_call(unit, UnitOp.ALLOC, args, [])
         except BaseException:
             if released:  # told nothing for sure: tell it again next time
                 with self._slab_lock:
                     self._released.setdefault(unit, []).extend(released)
             raise
+        if self._is_local(unit) and self._unit_trims.get(unit) != reply.trims:  # its free pages went back to the OS
+            self._unit_trims[unit] = reply.trims
+            self._arena(unit).forget_populated()
+        return reply
 
     def _room_wait_s(self) -> float:
         """How long a write waits at its unit for room: ``capacity_wait_s``, and at least FREE_GRACE_S -

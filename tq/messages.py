@@ -572,6 +572,9 @@ class AllocReply(Reply):
     alloc: int
     offset: int
     first_block: Union[int, None] = None
+    # how often the unit gave its free pages back to the OS (trim): a same-host writer that saw another
+    # count forgets which pages its mapping had populated (Arena.forget_populated)
+    trims: int = 0
 
 
 class StoreField(msgspec.Struct):

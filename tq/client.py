@@ -69,6 +69,7 @@ OUT_ALIGN = 64
 # Same-host puts carve blocks out of slabs: SLAB_BYTES and SLAB_IDS blocks per grant, used for at most
 # SLAB_USE_S (well inside the unit's 60 s allocation lease); a put above a quarter slab gets its own.
 SLAB_BYTES, SLAB_IDS, SLAB_USE_S = 4 << 20, 1024, 20.0
+PUT_MIN_THREADS = 4  # see put_copy_threads
 PREFAULT_MIN_BYTES = 1 << 20  # a put this big maps its pages in one call first (Arena.prefault); a small one is not worth the syscall
 FREE_GRACE_S = 0.05  # a write that finds no room waits this long for frees already decided (see _room_wait_s)
 GIVE_BACK_S = 0.25  # how long giving a slab's unused ids back may wait (close() must not hang on a dead controller)
@@ -173,9 +174,20 @@ def _keep_slabs(client_ref: "weakref.ref[TQClient]", stop: threading.Event) -> N
 
 
 def copy_threads() -> int:
-    """Threads a large copy of a put or get may use: torch's intra-op threads (``torch.set_num_threads``,
+    """Threads a large copy of a get may use: torch's intra-op threads (``torch.set_num_threads``,
     ``OMP_NUM_THREADS``; Ray sets the latter to an actor's ``num_cpus``), as torch's own copies do."""
     return torch.get_num_threads()
+
+
+def put_copy_threads() -> int:
+    """Threads a large same-host put may copy on: :func:`copy_threads`, but at least PUT_MIN_THREADS
+    (or this process's cores, if fewer). A producer is typically a Ray actor of one CPU or less, which
+    Ray gives one intra-op thread, and a big put is one copy bound by memory bandwidth, not compute:
+    Ray's own object store copies a big object on several threads whatever the worker's thread count
+    (one thread left TQ's 512 MiB put at 0.27-0.40x Ray's on a 16-core H200 host)."""
+    return max(
+        copy_threads(), min(PUT_MIN_THREADS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    )
 
 
 class _UnitRestarted(Exception):
@@ -909,7 +921,7 @@ class TQClient:
             arena = self._arena(unit)
             if need >= PREFAULT_MIN_BYTES:
                 arena.prefault(base, need)
-            view, starts, pos, threads = arena.view, {}, base, copy_threads()
+            view, starts, pos, threads = arena.view, {}, base, put_copy_threads()
             for name, col in encoded.items():
                 nb = int(col.row_offsets[n] - col.row_offsets[0])
                 write_chunks(view[pos : pos + nb], col.chunks, threads)
@@ -1117,7 +1129,7 @@ class TQClient:
                 pos = align_up(pos + int(ro[-1]), _FIELD_ALIGN)
             alloc = self._alloc(unit, pos)
             try:
-                view, base, threads = self._arena(unit).view, alloc.offset, copy_threads()
+                view, base, threads = self._arena(unit).view, alloc.offset, put_copy_threads()
                 for name, (col, ro, chunks) in cols.items():
                     write_chunks(view[base + offsets[name] : base + offsets[name] + int(ro[-1])], chunks, threads)
                     fields[name] = messages.StoreField(

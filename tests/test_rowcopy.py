@@ -185,12 +185,15 @@ def test_a_shared_copy_of_many_short_rows_gives_the_same_bytes(padded):
 
 
 def test_write_chunks_of_a_large_put_shares_the_copy_and_keeps_its_bytes():
-    """A put's column copy (``write_chunks``), one chunk or many, large enough to share: the same bytes."""
+    """A put's column copy (``write_chunks``), one chunk or many, large enough to share: the same bytes,
+    on as many threads as it has shares - one chunk too (cut into rows: the copier never splits a row,
+    and starts no more threads than it has pieces of rows), empty chunks among them."""
     rng = np.random.default_rng(3)
     total = 3 * rowcopy.SHARE_BYTES + 12345
     one = [rng.integers(0, 256, size=total, dtype=np.uint8)]
     cuts = np.sort(rng.integers(0, total, size=40))
     many = np.split(one[0], cuts)
+    many.insert(3, one[0][:0])
     for chunks in (one, many):
         got = np.zeros(total, dtype=np.uint8)
         assert rowcopy.write_chunks(got, chunks, threads=4) == 3

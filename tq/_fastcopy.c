@@ -405,6 +405,7 @@ static int run_jobs(const job_t *jobs, Py_ssize_t njobs, char *d, int threads) {
     } else {
         chunks_t c = {jobs, njobs, 0, first_row, bounds, d, stream, 0};
         c.nchunks = cut_chunks(jobs, njobs, CHUNK_BYTES, first_row, bounds);
+        if (parts > c.nchunks) parts = c.nchunks;  /* a thread per chunk at most: rows are never split */
         pthread_t tids[MAX_COPY_THREADS];
         int started[MAX_COPY_THREADS] = {0};
         for (Py_ssize_t p = 1; p < parts; p++) ran += started[p] = pthread_create(&tids[p], NULL, run_chunks, &c) == 0;

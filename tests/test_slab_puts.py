@@ -42,16 +42,17 @@ def test_a_same_host_put_asks_only_the_controller_and_reads_back_everywhere():
 
 def test_a_big_put_after_a_trim_writes_into_pages_given_back_and_reads_back():
     """A writer skips mapping arena pages it mapped before (Arena.prefault); a trim gives free pages
-    back to the OS behind its back, and its next alloc reply carries the unit's trim count, so the
+    back to the OS behind its back, and its next alloc reply carries the unit's trim epoch, so the
     writer maps them again - the bytes put after the trim read back either way."""
     with TQServer(storage_units=1, capacity=64 << 20) as server, TQClient(server.address, timeout=10.0) as c:
         c.register_partition("p")
         first = torch.randn(4, 1 << 18)  # 4 MiB: an allocation of its own, pre-faulted
         c.discard(c.put("p", ["a0", "a1", "a2", "a3"], {"big": first}))
+        before = dict(c._trim_epochs)
         assert c.trim() > 0
         second = torch.randn(4, 1 << 18)
         m = c.put("p", ["b0", "b1", "b2", "b3"], {"big": second})
-        assert c._unit_trims == {0: 1}  # told by the alloc reply
+        assert c._trim_epochs == {0: before[0] + 1}  # told by the alloc reply
         assert torch.equal(c.get(m)["big"], second)
         with TQClient(server.address, timeout=10.0, transport="tcp") as tcp:
             assert torch.equal(tcp.get(m)["big"], second)

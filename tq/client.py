@@ -610,7 +610,7 @@ class TQClient:
         self._local_units: frozenset[int] = frozenset()
         self._unit_chans: dict[int, RpcChannel] = {}
         self._arenas: dict[int, Arena] = {}
-        self._unit_trims: dict[int, int] = {}  # each local unit's trim count at its last alloc reply
+        self._trim_epochs: dict[int, int] = {}  # each local unit's trim epoch at its last alloc reply
         self._host = host_identity()
         self._ctrl_host: str | None = None
         self._ctrl_shm_dir: str | None = None
@@ -1044,8 +1044,8 @@ class TQClient:
                 with self._slab_lock:
                     self._released.setdefault(unit, []).extend(released)
             raise
-        if self._is_local(unit) and self._unit_trims.get(unit) != reply.trims:  # its free pages went back to the OS
-            self._unit_trims[unit] = reply.trims
+        if self._is_local(unit) and self._trim_epochs.get(unit) != reply.trim_epoch:  # it gave pages back (or restarted)
+            self._trim_epochs[unit] = reply.trim_epoch
             self._arena(unit).forget_populated()
         return reply
 

@@ -572,9 +572,10 @@ class AllocReply(Reply):
     alloc: int
     offset: int
     first_block: Union[int, None] = None
-    # how often the unit gave its free pages back to the OS (trim): a same-host writer that saw another
-    # count forgets which pages its mapping had populated (Arena.forget_populated)
-    trims: int = 0
+    # changes whenever the unit gives free pages back to the OS (trim) and with every unit process: a
+    # same-host writer that sees another value forgets which pages its mapping populated
+    # (Arena.forget_populated)
+    trim_epoch: int = 0
 
 
 class StoreField(msgspec.Struct):

@@ -16,6 +16,7 @@ import bisect
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import threading
 import time
@@ -197,7 +198,9 @@ class StorageUnit(RpcServer):
         self.parked: list[tuple[Any, dict, list, Call, float]] = []  # writes waiting for room
         self.bytes_stored = 0
         self.pool = HostBufferPool(max_cached_bytes=256 << 20)
-        self.trims = 0  # trims served (in alloc replies: writers' mappings lost the pages given back)
+        # changes with every trim, and with every unit process (random start): in alloc replies, so a
+        # same-host writer learns its mapping lost the pages given back (Arena.forget_populated)
+        self.trim_epoch = secrets.randbits(31)
         self.bytes_served = 0
         Op = messages.UnitOp
         self.serve_ops(
@@ -394,12 +397,12 @@ class StorageUnit(RpcServer):
             expiry = time.monotonic() + self.alloc_lease_s
             self.slabs[aid] = Slab(start, size, first, args.ids, expiry, set(range(first, first + args.ids)), [])
             self.journal.append(["G", aid, start, size, first, args.ids, _wall(expiry)])  # a restarted unit keeps it
-            return messages.AllocReply(alloc=aid, offset=start, first_block=first, trims=self.trims)
+            return messages.AllocReply(alloc=aid, offset=start, first_block=first, trim_epoch=self.trim_epoch)
         self.pending[aid] = (start, nbytes, time.monotonic() + self.alloc_lease_s)
         # journaled: a writer may still be filling the range when this unit is killed and restarted,
         # so the restarted unit must not hand the range to anyone else before the lease ends
         self.journal.append(["A", aid, start, nbytes, _wall(self.pending[aid][2])])
-        return messages.AllocReply(alloc=aid, offset=start, trims=self.trims)
+        return messages.AllocReply(alloc=aid, offset=start, trim_epoch=self.trim_epoch)
 
     def op_store(self, args: messages.Store, buffers: list, call: Call) -> messages.StoreReply:
         """Register a block: either an earlier ``alloc`` the client filled, or bytes sent as frames."""
@@ -871,7 +874,7 @@ class StorageUnit(RpcServer):
         released = self.pool.cached_bytes
         self.pool.clear()
         release_heap()
-        self.trims += 1
+        self.trim_epoch += 1
         for start, size in self.alloc.free_ranges():
             self.arena.release_pages(start, size)
             released += size

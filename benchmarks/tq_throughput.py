@@ -80,7 +80,6 @@ CONTROL_P99_BARS_MS = {"put, 1 key (same host)": 0.5, "get, 1 key (same host)": 
 COLD_GET_GBPS = 2.0
 WARM_FLOOR = 0.5
 FIELDS = ("input_ids", "generation_logprobs", "prev_logprobs", "token_mask")
-FIELD_DTYPES = (torch.int64, torch.float32, torch.float32, torch.bool)
 BYTES_PER_TOKEN = 8 + 4 + 4 + 1
 SYSTEMS = ("tq", "tq_tcp", "ray", "transferqueue")
 RAY_ZERO_COPY_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
@@ -166,7 +165,7 @@ def pad_fields(fields: dict[str, tuple[torch.Tensor, np.ndarray]], pool: Any) ->
         parts.append((name, at, n, span // item, values.dtype))
         at = -(-(at + n * span) // 64) * 64
     dst = pool.empty(at)
-    out = {name: torch.from_numpy(dst[a : a + n * w * d.itemsize]).view(d).reshape(n, w) for name, a, n, w, d in parts}
+    out = {name: torch.from_numpy(dst[a : a + rows * w * d.itemsize]).view(d).reshape(rows, w) for name, a, rows, w, d in parts}
     copy_fields(dst, jobs, copy_threads())
     return out
 
@@ -692,14 +691,16 @@ def _memcpy_producer(name: str, conn: Any) -> None:
 
 def _shm_columns(src: np.ndarray, size: int, seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The columns of ``make_batch(size, seed)`` as views of the bytes a producer wrote into ``src``
-    (:func:`batch_bytes`' order), and the batch's offsets (computed here: they are not in the payload)."""
+    (:func:`batch_bytes`' order), and the batch's offsets (computed here: they are not in the payload).
+    The dtypes are those of a small batch from the same :func:`make_batch`."""
     lengths = batch_lengths(size, seed)
-    total, n = int(lengths.sum()), lengths.size
-    offsets = torch.zeros(n + 1, dtype=torch.int64)
+    offsets = torch.zeros(lengths.size + 1, dtype=torch.int64)
     offsets[1:] = torch.from_numpy(np.cumsum(lengths))
+    small = make_batch(WARMUP_BYTES, 0)
     columns, pos = {}, 0
-    for name, dtype, count in (*((f, d, total) for f, d in zip(FIELDS, FIELD_DTYPES)), ("rewards", torch.float32, n)):
-        nbytes = count * torch.empty((), dtype=dtype).element_size()
+    for name in (*FIELDS, "rewards"):
+        dtype = small[name].dtype
+        nbytes = (lengths.size if name == "rewards" else int(offsets[-1])) * dtype.itemsize
         columns[name] = torch.from_numpy(src[pos : pos + nbytes]).view(dtype)
         pos += nbytes
     return columns, offsets
@@ -738,17 +739,18 @@ def bench_memcpy(sizes: list[int], iters: int) -> dict[int, dict[str, list[float
                 t0 = time.perf_counter()
                 np.copyto(dst[:n], src[:n])
                 rates.append(n / (time.perf_counter() - t0))
-                if it == 0 and not np.array_equal(dst[:n], np.concatenate(batch_bytes(make_batch(size, seed)))):
-                    raise AssertionError("the memcpy ceiling copied other bytes than the producer's batch")  # checked like every first read
+                want = make_batch(size, seed) if it == 0 else None  # every first read is checked
+                if want is not None and not np.array_equal(dst[:n], np.concatenate(batch_bytes(want))):
+                    raise AssertionError("the memcpy ceiling copied other bytes than the producer's batch")
                 parent.send((size, seed))  # written again: the padding finds the bytes as the copy did
                 parent.recv()
                 columns, offsets = _shm_columns(src, size, seed)
                 t0 = time.perf_counter()
                 got = pad_batch(columns, offsets, pool)
                 pads.append(n / (time.perf_counter() - t0))
-                if it == 0:
-                    _check(got, make_batch(size, seed))
-                del got, columns
+                if want is not None:
+                    _check(got, want)
+                del got, columns, want
                 nbytes = nbytes or n
             results[size] = {"copy": rates, "pad": pads, "bytes": nbytes}
         del src
@@ -961,7 +963,7 @@ def report(all_res: dict[str, Any], sizes: list[int]) -> str:
         if mc.get("pad"):
             r["get_vs_padding"] = med(tq, "get") / med(mc, "pad")
         if ray_:
-            if mc.get("pad"):  # the padding alone against Ray's get: the most a copying get can beat Ray by
+            if mc.get("pad"):  # the padding alone against Ray's get: what a get costing only its copy would reach
                 r["padding_vs_ray"] = med(mc, "pad") / med(ray_, "get")
             r.update(
                 get_vs_ray=med(tq, "get") / med(ray_, "get"),
@@ -1009,9 +1011,9 @@ def report(all_res: dict[str, Any], sizes: list[int]) -> str:
         lines.append(f"| {name} | {v['p50_ms']:.3f} | {v['p99_ms']:.3f} | {CONTROL_P99_BARS_MS.get(name, CONTROL_P99_MS):g} |")
     targets = {}
     for key, bar in TARGETS.items():
-        got = [r[key] for r in ratios if key in r]
-        if got:
-            worst = min((r for r in ratios if key in r), key=lambda r: r[key])
+        rows = [r for r in ratios if key in r]
+        if rows:
+            worst = min(rows, key=lambda r: r[key])
             targets[key] = {"target": bar, "worst": worst[key], "met": worst[key] >= bar}
             if key == "get_vs_ray" and "padding_vs_ray" in worst:
                 targets[key]["bound"] = worst["padding_vs_ray"]  # at the worst size: what a get that only pads would reach

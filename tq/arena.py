@@ -235,10 +235,12 @@ class Arena:
         missing = np.flatnonzero(~self._populated[lo:hi])
         if not missing.size:
             return
-        first, end = max(start, (lo + int(missing[0])) * BACKED_CHUNK), min(start + nbytes, (lo + int(missing[-1]) + 1) * BACKED_CHUNK)
+        first = max(start, (lo + int(missing[0])) * BACKED_CHUNK)  # from the first piece not mapped yet
+        end = min(start + nbytes, (lo + int(missing[-1]) + 1) * BACKED_CHUNK)  # to the end of the last one
         populate_writable(self._mm, first, end - first)
         # only the pieces the call covered whole count as mapped (the arena's last one may be short)
-        self._populated[-(-first // BACKED_CHUNK) : -(-end // BACKED_CHUNK) if end == self.size else end // BACKED_CHUNK] = True
+        whole_end = -(-end // BACKED_CHUNK) if end == self.size else end // BACKED_CHUNK
+        self._populated[-(-first // BACKED_CHUNK) : whole_end] = True
 
     def forget_populated(self) -> None:
         """The owner gave pages back (:meth:`release_pages`): the next prefault maps them all again."""

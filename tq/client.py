@@ -14,6 +14,7 @@ trust what it read.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import mmap
 import os
@@ -185,9 +186,13 @@ def put_copy_threads() -> int:
     Ray gives one intra-op thread, and a big put is one copy bound by memory bandwidth, not compute:
     Ray's own object store copies a big object on several threads whatever the worker's thread count
     (one thread left TQ's 512 MiB put at 0.27-0.40x Ray's on a 16-core H200 host)."""
-    return max(
-        copy_threads(), min(PUT_MIN_THREADS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    )
+    return max(copy_threads(), min(PUT_MIN_THREADS, _cores()))
+
+
+@functools.cache
+def _cores() -> int:
+    """The cores this process may run on (looked up once: put_copy_threads runs on every put)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class _UnitRestarted(Exception):

@@ -40,19 +40,25 @@ def test_a_same_host_put_asks_only_the_controller_and_reads_back_everywhere():
             assert wait_until(lambda: admin.stats()["unit_stats"][0]["slabs"] == 0, timeout=5)
 
 
-def test_a_big_put_after_a_trim_writes_into_pages_given_back_and_reads_back():
+def test_a_big_put_after_a_trim_writes_into_pages_given_back_and_reads_back(monkeypatch):
     """A writer skips mapping arena pages it mapped before (Arena.prefault); a trim gives free pages
     back to the OS behind its back, and its next alloc reply carries the unit's trim epoch, so the
-    writer maps them again - the bytes put after the trim read back either way."""
+    writer forgets what it had mapped (counted through the real method) - the bytes put after the
+    trim read back either way."""
+    from tq.arena import Arena
+
+    forgets, real_forget = [], Arena.forget_populated
+    monkeypatch.setattr(Arena, "forget_populated", lambda self: forgets.append(self.path) or real_forget(self))
     with TQServer(storage_units=1, capacity=64 << 20) as server, TQClient(server.address, timeout=10.0) as c:
         c.register_partition("p")
         first = torch.randn(4, 1 << 18)  # 4 MiB: an allocation of its own, pre-faulted
         c.discard(c.put("p", ["a0", "a1", "a2", "a3"], {"big": first}))
-        before = dict(c._trim_epochs)
+        before, forgot = dict(c._trim_epochs), len(forgets)
         assert c.trim() > 0
         second = torch.randn(4, 1 << 18)
         m = c.put("p", ["b0", "b1", "b2", "b3"], {"big": second})
         assert c._trim_epochs == {0: before[0] + 1}  # told by the alloc reply
+        assert len(forgets) == forgot + 1  # and the mapping forgot what it had populated
         assert torch.equal(c.get(m)["big"], second)
         with TQClient(server.address, timeout=10.0, transport="tcp") as tcp:
             assert torch.equal(tcp.get(m)["big"], second)

@@ -803,7 +803,14 @@ def _old_replies() -> list[tuple[str, str, dict]]:
         (
             "controller",
             "hello",
-            {"units": [unit, {**unit, "unit_id": 1, "free_bytes": 32}], "units_version": 2, "host": "h", "shm_dir": "/dev/shm"},
+            # local_address: added with the same-host socket (tq.local_transport); older clients ignore it
+            {
+                "units": [unit, {**unit, "unit_id": 1, "free_bytes": 32}],
+                "units_version": 2,
+                "host": "h",
+                "shm_dir": "/dev/shm",
+                "local_address": None,
+            },
         ),
         ("controller", "register_unit", {"unit_id": 1, "metrics": False}),
         ("controller", "create_partition", {"partition": "p", "reused": True}),

@@ -639,6 +639,9 @@ class TQClient:
         self._units_version = info.units_version
         self._ctrl_host = info.host
         self._ctrl_shm_dir = info.shm_dir
+        # A client of the controller's host talks to it over its Unix socket (a 'tcp' client is one
+        # that acts as if it were remote: it keeps to ZMQ)
+        self._ctrl.use_local(info.local_address if self.transport == "auto" and info.host == self._host else None)
         # Units whose arena this client can map: known once per units version, not per put (a stat each).
         self._local_units = frozenset(
             u.unit_id

@@ -46,6 +46,7 @@ from .errors import (
 )
 from .arena import host_identity
 from .journal import Journal
+from .local_transport import RECV_CHUNK, StreamPeer
 from .leases import LeaseBook, leased_blocks, new_lease_id
 from .locations import FEW_ROWS, LocationTable, remove_orphans, take_records
 from .messages import ControllerOp as Op
@@ -87,6 +88,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         fsync: str = "never",
     ) -> None:
         super().__init__("controller", bind, secret=secret, max_message_bytes=max_message_bytes)
+        self.listen_local()  # this host's clients skip ZMQ's I/O threads (tq.local_transport)
         # Location tables go to shared memory when there is a tmpfs to hold them (see tq.locations).
         self.shm_dir = shm_dir if shm_dir is not None and os.access(shm_dir, os.W_OK | os.X_OK) else None
         if self.shm_dir is not None and remove_orphans(self.shm_dir):
@@ -100,6 +102,8 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         self.partitions: dict[str, Partition] = {}
         self.units: list[dict[str, Any]] = []
         self.unit_socks: dict[int, Any] = {}
+        self.unit_streams: dict[int, StreamPeer] = {}  # units of this host, reached over their Unix socket
+        self._unit_read_buf = bytearray(RECV_CHUNK)
         self.expected_units = expected_units
         self.waiters: list[Waiter] = []
         self.unit_seen: dict[int, float] = {}  # last time each storage unit answered
@@ -187,7 +191,13 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
 
     def _units_info(self) -> messages.HelloReply:
         # the unit maps are encoded as they are: the reply type describes them for the client
-        return messages.HelloReply(units=self.units, units_version=self.units_version, host=self.host, shm_dir=self.shm_dir)  # type: ignore[arg-type]
+        return messages.HelloReply(
+            units=self.units,  # type: ignore[arg-type]
+            units_version=self.units_version,
+            host=self.host,
+            shm_dir=self.shm_dir,
+            local_address=self.local.address if self.local is not None else None,
+        )
 
     def _new_partition(self, pid: str, table: LocationTable | None = None) -> Partition:
         part = Partition(pid, table or LocationTable(self.shm_dir, pin_epoch=self.pin_epoch))
@@ -213,13 +223,14 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             "arena_size": args.arena_size,
             "pid": args.pid,
             "managed": args.managed,
+            "local_address": args.local_address,
         }
         rejoin = args.rejoin
         if rejoin is not None and rejoin >= len(self.units):
             raise InvalidRequestError(f"register_unit: no unit {rejoin!r} to rejoin")
         uid = len(self.units) if rejoin is None else rejoin  # new units are numbered in registration order
         info["unit_id"] = uid
-        self._connect_unit(uid, info["address"])
+        self._connect_unit(uid, info["address"], args.local_address)
         if rejoin is None:
             self.units.append(info)
         else:  # keep what it recovered that we still reference; it frees the rest
@@ -244,6 +255,8 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
 
     def close(self) -> None:
         if self.stop_units_on_close:
+            for unit in list(self.unit_streams):  # after what waits on them (adopts before the shutdown)
+                self._close_unit_stream(unit, protocol.request(messages.UnitOp.SHUTDOWN, 0, messages.UnitShutdown(), [], self.secret))
             for sock in list(self.unit_socks.values()):
                 try:
                     sock.send_multipart(

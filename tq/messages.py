@@ -133,6 +133,7 @@ class ServerStats(Reply):
     metrics: bool
     metrics_url: Union[str, None]
     journal_bytes: int
+    local_connections: int  # open connections to its same-host Unix socket (tq.local_transport)
 
 
 class UnitInfo(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -148,6 +149,7 @@ class UnitInfo(msgspec.Struct, omit_defaults=True, kw_only=True):
     managed: bool
     free_bytes: Union[int, None] = None
     alive: Union[bool, None] = None
+    local_address: Union[str, None] = None  # its same-host Unix socket (tq.local_transport), if any
 
 
 # ----------------------------------------------------------------------------- controller requests
@@ -159,13 +161,14 @@ class Hello(Args):
 
 
 class HelloReply(Reply, omit_defaults=False):
-    """The registered storage units (``units_version`` changes whenever one registers or rejoins) and
-    the controller's host (absent from an older controller's reply)."""
+    """The registered storage units (``units_version`` changes whenever one registers or rejoins), the
+    controller's host and its same-host socket (absent from an older controller's reply)."""
 
     units: list[UnitInfo]
     units_version: int
     host: Union[str, None] = None
     shm_dir: Union[str, None] = None  # its shared-memory directory (location tables, pin files)
+    local_address: Union[str, None] = None  # its same-host Unix socket (tq.local_transport), if any
 
 
 class RegisterUnit(Args):
@@ -179,6 +182,7 @@ class RegisterUnit(Args):
     pid: Union[int, None] = None
     managed: bool = False
     rejoin: Union[Count, None] = None
+    local_address: Union[str, None] = None
 
 
 class RegisterUnitReply(Reply, omit_defaults=False):
@@ -717,6 +721,7 @@ class UnitStatsReply(ServerStats):
     tentative_blocks: int
     parked_writes: int
     held_bytes: int  # ranges kept for same-host writers paused past their lease
+    local_address: Union[str, None] = None  # its same-host Unix socket, if any
 
 
 class UnitShutdown(Args):

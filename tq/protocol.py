@@ -35,6 +35,7 @@ import hmac
 import itertools
 import math
 import os
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -137,7 +138,8 @@ class Message:
     buffers: list[memoryview] = field(default_factory=list)
 
 
-def _frame_bytes(frame: Any) -> memoryview:
+def frame_view(frame: Any) -> memoryview:
+    """A frame (zmq.Frame, bytes or any buffer) as a flat byte memoryview, not copied."""
     buf = getattr(frame, "buffer", frame)  # zmq.Frame or bytes
     return memoryview(buf).cast("B") if not isinstance(buf, memoryview) or buf.format != "B" else buf
 
@@ -201,11 +203,11 @@ def _open(frames: Sequence[Any], secret: bytes | None) -> bytes:
     """The header bytes of a message, once its frame count, header size and signature are checked."""
     if len(frames) < 2:
         raise MalformedMessageError(f"message has {len(frames)} frame(s); expected header, mac, buffers")
-    hview = _frame_bytes(frames[0])
+    hview = frame_view(frames[0])
     if hview.nbytes > MAX_HEADER_BYTES:
         raise MessageTooLargeError(f"header of {hview.nbytes} bytes exceeds {MAX_HEADER_BYTES}")
     hb = hview.tobytes()
-    mac = _frame_bytes(frames[1]).tobytes()
+    mac = frame_view(frames[1]).tobytes()
     if secret is not None and not hmac.compare_digest(mac, sign(secret, hb)):
         raise AuthenticationError("request signature missing or invalid for this server's secret")
     return hb
@@ -226,7 +228,7 @@ def _buffers(version: Any, sizes: Any, frames: Sequence[Any], max_message_bytes:
     their total) are checked."""
     if version not in ACCEPTED_VERSIONS or type(version) is not int:
         raise ProtocolVersionError(f"protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})")
-    buffers = [_frame_bytes(f) for f in frames[2:]]
+    buffers = [frame_view(f) for f in frames[2:]]
     if inline is not None:
         buffers = _with_inline(version, sizes, inline, buffers)
     if not isinstance(sizes, list) or len(sizes) != len(buffers):
@@ -454,6 +456,81 @@ def _raise_error(err: Any, reply: Any) -> None:
     if not isinstance(err, dict):
         raise MalformedMessageError(f"reply carries neither result nor error: {reply!r}")
     raise ERROR_TYPES.get(str(err.get("type")), TQError)(str(err.get("message")))
+
+
+# ----------------------------------------------------------------------------- byte streams
+# Same-host clients may talk to the controller over a Unix stream socket instead of ZMQ (see
+# tq.rpc.LocalListener). A stream has no message boundaries, so each message travels as
+#
+#     u32 frame count, u64 size of every frame (little-endian), then the frames back to back
+#
+# - the same frames as on ZMQ ([header, mac, buffers...]), so everything above is shared.
+MAX_STREAM_FRAMES = 4096  # a peer declaring more frames than any request has is refused before it sends them
+_COUNT = struct.Struct("<I")
+
+
+def stream_prefix(frames: Sequence[Any]) -> bytes:
+    """The bytes that go before ``frames`` on a stream (their count and sizes)."""
+    sizes = [memoryview(f).nbytes for f in frames]
+    return _COUNT.pack(len(sizes)) + struct.pack(f"<{len(sizes)}Q", *sizes)
+
+
+class StreamReader:
+    """Cuts a byte stream into messages (lists of frames) as bytes arrive: pure, no I/O.
+
+    ``max_message_bytes`` bounds a message's frames together, checked from its prefix before its
+    frames are buffered (a server reading an unauthenticated peer sets it; None: no bound)."""
+
+    def __init__(self, max_message_bytes: int | None = None) -> None:
+        self.max_message_bytes = max_message_bytes
+        self._buf = bytearray()
+        self._sizes: list[int] | None = None  # the current message's frame sizes, once its prefix arrived
+        self._prefix = 0  # the current message's prefix bytes
+
+    @property
+    def pending(self) -> int:
+        """Bytes received of a message not yet complete (0 between messages)."""
+        return len(self._buf)
+
+    def feed(self, data: Any) -> list[list[memoryview]]:
+        """Take received bytes; return the messages they completed, in order. Raises
+        :class:`MalformedMessageError` or :class:`MessageTooLargeError` for a prefix no TQ peer sends
+        (the stream cannot be read past it: close it)."""
+        self._buf += data
+        out = []
+        while True:
+            msg = self._next()
+            if msg is None:
+                return out
+            out.append(msg)
+
+    def _next(self) -> list[memoryview] | None:
+        buf = self._buf
+        if self._sizes is None:
+            if len(buf) < _COUNT.size:
+                return None
+            (n,) = _COUNT.unpack_from(buf)
+            if not 0 < n <= MAX_STREAM_FRAMES:
+                raise MalformedMessageError(f"stream message declares {n} frames (1 to {MAX_STREAM_FRAMES} allowed)")
+            if len(buf) < _COUNT.size + 8 * n:
+                return None
+            sizes = list(struct.unpack_from(f"<{n}Q", buf, _COUNT.size))
+            if max(sizes) > MAX_FRAME_BYTES:
+                raise MessageTooLargeError(f"stream message declares a frame of {max(sizes)} bytes, over {MAX_FRAME_BYTES}")
+            if self.max_message_bytes is not None and sum(sizes) > self.max_message_bytes:
+                raise MessageTooLargeError(f"stream message of {sum(sizes)} bytes exceeds the limit of {self.max_message_bytes}")
+            self._sizes, self._prefix = sizes, _COUNT.size + 8 * n
+        end = self._prefix + sum(self._sizes)
+        if len(buf) < end:
+            return None
+        whole = memoryview(bytearray(buf[self._prefix : end]))  # writable, as a received ZMQ frame is
+        frames, pos = [], 0
+        for size in self._sizes:
+            frames.append(whole[pos : pos + size])
+            pos += size
+        del buf[:end]
+        self._sizes = None
+        return frames
 
 
 # ----------------------------------------------------------------------------- array refs

@@ -30,7 +30,7 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from . import protocol
+from . import local_transport, protocol
 from .errors import AuthenticationError, MalformedMessageError, TQConnectionError, TQError, UnknownOperationError
 from .messages import Args, ArgsDecoder, ReplyDecoder, is_map
 
@@ -146,7 +146,7 @@ class Call:
 
     __slots__ = ("identity", "rid", "op", "started", "nbytes")
 
-    def __init__(self, identity: bytes, rid: Any, op: str, started: float, nbytes: int = 0) -> None:
+    def __init__(self, identity: bytes | local_transport.StreamPeer, rid: Any, op: str, started: float, nbytes: int = 0) -> None:
         self.identity, self.rid, self.op, self.started, self.nbytes = identity, rid, op, started, nbytes
 
 
@@ -247,6 +247,27 @@ class RpcServer:
             self._monitor = _handshake_monitor(self.sock)
             self._poller.register(self._monitor, zmq.POLLIN)
         self._poller.register(self.sock, zmq.POLLIN)
+        self._fd_handlers: dict[int, Callable[[bool, bool], None]] = {}  # see watch_fd
+        self.local: local_transport.LocalListener | None = None  # see listen_local
+
+    def listen_local(self) -> str | None:
+        """Also serve this host's processes on a Unix stream socket (:mod:`tq.local_transport`: a round
+        trip without ZMQ's I/O threads); returns its address for them, or None where the platform has
+        no abstract Unix sockets."""
+        if self.local is None and local_transport.supported():
+            # a message's limit is on its buffers; its header comes on top
+            limit = self.max_message_bytes + protocol.MAX_FRAME_BYTES
+            self.local = local_transport.LocalListener(self.name, self, self._serve_frames, max_message_bytes=limit)
+        return self.local.address if self.local is not None else None
+
+    def watch_fd(self, fd: int, writable: bool, handler: Callable[[bool, bool], None]) -> None:
+        """Poll a file descriptor in this loop (:class:`tq.local_transport.PollLoop`)."""
+        self._fd_handlers[fd] = handler
+        self._poller.register(fd, zmq.POLLIN | (zmq.POLLOUT if writable else 0))
+
+    def unwatch_fd(self, fd: int) -> None:
+        if self._fd_handlers.pop(fd, None) is not None:
+            self._poller.unregister(fd)
 
     # -- hooks for subclasses
     def next_deadline(self) -> float | None:
@@ -295,13 +316,19 @@ class RpcServer:
     # -- replies
     def reply(self, call: Call, result: Any, buffers: Sequence[Any] = ()) -> None:
         frames = protocol.reply_ok(call.rid, result, buffers, self.secret)
-        self.sock.send_multipart([call.identity, *frames], copy=not _zero_copy(frames))
+        self._send_reply(call, frames)
         self._record(call, frames, ok=True)
 
     def reply_error(self, call: Call, exc: BaseException) -> None:
         frames = protocol.reply_error(call.rid, exc, self.secret)
-        self.sock.send_multipart([call.identity, *frames])
+        self._send_reply(call, frames)
         self._record(call, frames, ok=False)
+
+    def _send_reply(self, call: Call, frames: list[Any]) -> None:
+        if type(call.identity) is bytes:
+            self.sock.send_multipart([call.identity, *frames], copy=not _zero_copy(frames))
+        elif self.local is not None:
+            self.local.send(call.identity, frames)
 
     def _record(self, call: Call, frames: Sequence[Any], *, ok: bool) -> None:
         st = self.op_stats[call.op]
@@ -321,6 +348,8 @@ class RpcServer:
         (the caller then waited out its timeout)."""
         time.sleep(LAST_REPLY_GRACE_S)
         self.sock.context.destroy(linger=0)
+        if self.local is not None:
+            self.local.close()
 
     # -- loop
     def stop(self) -> None:
@@ -331,16 +360,23 @@ class RpcServer:
         while self._running:
             deadline = self.next_deadline()
             timeout_ms = 100.0 if deadline is None else max(0.0, min(100.0, (deadline - time.monotonic()) * 1e3))
-            for sock, _ in self._poller.poll(timeout_ms):
+            for sock, event in self._poller.poll(timeout_ms):
                 if sock is self.sock:
                     self._serve_ready()
+                elif type(sock) is int:  # a file descriptor (watch_fd); None: unwatched earlier in this batch
+                    handler = self._fd_handlers.get(sock)
+                    if handler is not None:
+                        handler(bool(event & (zmq.POLLIN | zmq.POLLERR)), bool(event & zmq.POLLOUT))
                 elif sock is self._monitor:
                     self._on_refused_handshake()
                 else:
                     on_message = self._extra_sockets.get(sock)
                     if on_message is not None:  # None: closed by a message earlier in this batch (a unit rejoined)
                         on_message(sock.recv_multipart())
-            self.on_tick(time.monotonic())
+            now = time.monotonic()
+            if self.local is not None:
+                self.local.on_tick(now)
+            self.on_tick(now)
         self.close()
 
     def close(self) -> None:
@@ -350,6 +386,8 @@ class RpcServer:
         self.sock.close(linger=1000)  # let the last replies (e.g. to "shutdown") go out
         for s in self._extra_sockets:
             s.close(0)
+        if self.local is not None:
+            self.local.close()
 
     def _on_refused_handshake(self) -> None:
         event = recv_monitor_message(self._monitor)["event"]
@@ -381,11 +419,15 @@ class RpcServer:
             self._serve_one(frames)
 
     def _serve_one(self, frames: list[zmq.Frame]) -> None:
+        self._serve_frames(frames[0].bytes, frames[1:])
+
+    def _serve_frames(self, identity: bytes | local_transport.StreamPeer, frames: Sequence[Any]) -> None:
+        """Serve one request (its frames after the ZMQ identity) from ``identity``: a ZMQ peer, or a
+        same-host client of :attr:`local`."""
         started = time.perf_counter()
-        identity = frames[0].bytes
-        call = Call(identity, None, "<invalid>", started, sum(map(len, frames[1:])) if self.metrics else 0)
+        call = Call(identity, None, "<invalid>", started, sum(map(len, frames)) if self.metrics else 0)
         try:
-            msg = protocol.decode_request(frames[1:], self.secret, max_message_bytes=self.max_message_bytes)
+            msg = protocol.decode_request(frames, self.secret, max_message_bytes=self.max_message_bytes)
             call.rid = msg.rid
             if self._guard is not None:
                 self._guard.check_stamp(msg.sid, msg.seq, msg.ts)  # authentic, but is it fresh?
@@ -423,12 +465,13 @@ class RpcServer:
         journal = getattr(self, "journal", None)
         return {
             "uptime_s": time.time() - self.started_at,
-            "rejected_messages": self.rejected,
+            "rejected_messages": self.rejected + (self.local.rejected if self.local is not None else 0),
             "auth_failures": self.auth_failures,
             "ops": {op: st.summary(self.metrics) for op, st in sorted(self.op_stats.items())},
             "metrics": self.metrics,
             "metrics_url": self.metrics_url,
             "journal_bytes": _file_size(journal.path) if journal is not None else 0,
+            "local_connections": len(self.local.peers) if self.local is not None else 0,
         }
 
 
@@ -488,6 +531,43 @@ class RpcChannel:
         self._monitors: list[zmq.Socket] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._streams: list[local_transport.LocalStream] = []
+        self.local_address: str | None = None  # see use_local
+
+    def use_local(self, address: str | None) -> None:
+        """Send this channel's requests over the server's same-host socket at ``address`` (from the
+        server's hello; None: ZMQ only). A thread that cannot connect to it keeps using ZMQ."""
+        self.local_address = address if address and local_transport.supported() else None
+
+    def _stream(self) -> local_transport.LocalStream | None:
+        """This thread's stream to :attr:`local_address`, connected on first use; None when there is
+        none to use (no address, or it refused this thread: another host or network namespace)."""
+        stream = getattr(self._local, "stream", None)
+        address = self.local_address
+        if stream is not None or address is None or getattr(self._local, "stream_refused", None) == address:
+            return stream
+        try:
+            stream = local_transport.LocalStream(address, min(self.timeout, 5.0))
+        except OSError as exc:
+            log.debug("%s: no same-host connection at %s (%s); using %s", self.name, address, exc, self.address)
+            self._local.stream_refused = address
+            return None
+        stream.sender = protocol.Sender() if self.secret else None
+        with self._lock:
+            if self._closed:
+                stream.close()
+                raise TQConnectionError(f"client connection to {self.name} is closed")
+            self._streams.append(stream)
+        self._local.stream = stream
+        return stream
+
+    def _drop_stream(self, stream: local_transport.LocalStream) -> None:
+        """Forget a broken stream: this thread's next request connects again (or uses ZMQ)."""
+        self._local.stream = None
+        with self._lock:
+            if stream in self._streams:
+                self._streams.remove(stream)
+        stream.close()
 
     def _socket(self) -> zmq.Socket:
         if self._closed:
@@ -542,9 +622,19 @@ class RpcChannel:
             raise TQConnectionError(f"client connection to {self.name} was closed during '{op}'") from None
 
     def _send(self, op: str, args: Any, buffers: Sequence[Any], timeout: float | None, check: Callable[[], None] | None) -> int:
-        sock = self._socket()
         rid = next(self._rids)
         timeout = _bounded(self.timeout if timeout is None else timeout, op, f"{self.name} at {self.address}")
+        stream = self._stream() if self.local_address is not None else None
+        if stream is not None:
+            frames = protocol.request(op, rid, args, buffers, self.secret, stream.sender)
+            try:
+                stream.send(frames, timeout)
+                return rid
+            except OSError as exc:  # the server closed it (stopped or restarted): it read none of this
+                self._drop_stream(stream)  # request, so it goes over ZMQ, which waits for a server
+                self._local.stream_refused = stream.address
+                log.debug("%s: same-host connection lost (%s); using %s", self.name, exc, self.address)
+        sock = self._socket()
         frames = protocol.request(op, rid, args, buffers, self.secret, self._local.sender)
         copy = not _zero_copy(frames)
         try:  # the common case: connected, so the send is queued at once without an extra poll
@@ -644,18 +734,25 @@ class RpcChannel:
             return self._recv(rid, op, timeout, check)
 
     def _recv(self, rid: int, op: str, timeout: float | None, check: Callable[[], None] | None) -> tuple[Any, protocol.ReplyMessage]:
-        sock = self._socket()
         timeout = _bounded(self.timeout if timeout is None else timeout, op, f"{self.name} at {self.address}")
         deadline = time.monotonic() + timeout
+        stream = getattr(self._local, "stream", None)
+        sock = self._socket() if stream is None else None
         spin = True  # for the first reply only: a stale one does not start a second spin
         while True:
             left = deadline - time.monotonic()
-            ready, spin = spin and _polled_within(sock, REPLY_SPIN_S), False
-            if not ready and (left <= 0 or not self._wait(sock, zmq.POLLIN, left, check)):
+            if stream is not None:
+                frames = self._recv_stream(stream, op, left, check)
+            else:
+                ready, spin = spin and _polled_within(sock, REPLY_SPIN_S), False
+                if not ready and (left <= 0 or not self._wait(sock, zmq.POLLIN, left, check)):
+                    frames = None
+                else:
+                    frames = sock.recv_multipart(copy=False)
+            if frames is None:
                 raise TQConnectionError(
                     f"no reply from {self.name} at {self.address} to '{op}' within {timeout:.1f}s: server down, unreachable or overloaded"
                 )
-            frames = sock.recv_multipart(copy=False)
             try:
                 msg = protocol.decode_reply(frames, self.secret)
             except AuthenticationError:
@@ -671,6 +768,27 @@ class RpcChannel:
                 continue  # a late reply to a request that timed out earlier (maybe of another op)
             protocol.raise_for_error(msg)
             return self._decoder(op).decode(msg.result), msg
+
+    def _recv_stream(
+        self, stream: local_transport.LocalStream, op: str, left: float, check: Callable[[], None] | None
+    ) -> list[memoryview] | None:
+        """The next message on this thread's stream within ``left`` seconds (None: none came), calling
+        ``check`` every CHECK_EVERY_S; TQConnectionError at once if the server closed the connection
+        (it stopped or restarted: no reply will come)."""
+        deadline = time.monotonic() + left
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            try:
+                frames = stream.recv(min(left, CHECK_EVERY_S) if check is not None else left)
+            except TQConnectionError as exc:
+                self._drop_stream(stream)
+                raise TQConnectionError(f"{self.name} at {self.address}: same-host connection lost during '{op}': {exc}") from None
+            if frames is not None:
+                return frames
+            if check is not None:
+                check()
 
     def _decoder(self, op: str) -> ReplyDecoder:
         decoder = self.replies.get(op)
@@ -699,3 +817,6 @@ class RpcChannel:
                 s.close(0)
             self._sockets.clear()
             self._monitors.clear()
+            for stream in self._streams:
+                stream.close()
+            self._streams.clear()

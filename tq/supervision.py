@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import zmq
 
-from . import messages, protocol
+from . import local_transport, messages, protocol
 from .arena import arena_in_use
-from .errors import InvalidRequestError
+from .errors import InvalidRequestError, TQError
 from .locations import ALIVE_S, LocationTable
 from .protocol import LOC_BLOCK as BLOCK, LOC_ROW as ROW, LOC_UNIT as UNIT
 
@@ -32,6 +32,7 @@ HEARTBEAT_S = 1.0  # the controller pings every storage unit this often
 UNIT_TIMEOUT_S = 3.0  # a unit silent for longer is reported down and reads of its keys fail fast
 ADOPTED_CHECK_S = 0.2  # how often the pids of units taken back from the journal are checked
 UNIT_SEND_HWM = 1000  # messages queued per storage unit before sends to it are dropped (then a retain)
+UNIT_STREAM_MAX_QUEUED = 64 << 20  # the same bound, in bytes, for a unit reached over its Unix socket
 # Requests to units go out fire-and-forget, each with its op's number as request id, which the reply
 # echoes: so a reply is decoded into the reply type of the op it answers.
 _OP_RIDS = {op: rid for rid, op in enumerate(messages.UnitOp, 1)}
@@ -83,7 +84,10 @@ class UnitSupervision:
         for table in tables or [p.table for p in self.partitions.values()]:
             table.set_status(self.units_version, down, alive_until)
 
-    def _connect_unit(self, uid: int, address: str) -> None:
+    def _connect_unit(self, uid: int, address: str, local_address: str | None = None) -> None:
+        """Connect to a (re)registered unit: over ZMQ, and over its Unix socket where it is on this host
+        (``local_address``; then every message goes that way while the connection holds, so they keep
+        their order)."""
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, UNIT_SEND_HWM)  # bounded: past it, sends fail (never block) - see _send_to_unit
@@ -99,6 +103,48 @@ class UnitSupervision:
         self.unit_socks[uid] = sock
         self.add_socket(sock, lambda frames: self._on_unit_reply(uid, frames))
         self.unit_seen[uid] = time.monotonic()
+        self._close_unit_stream(uid)
+        if local_address is not None and local_transport.supported():
+            try:
+                stream = local_transport.StreamPeer(local_transport.connect(local_address, 1.0), None)
+            except (OSError, ValueError):  # another host or network namespace: ZMQ it is
+                return
+            self.unit_streams[uid] = stream
+            self._watch_unit_stream(uid, stream)
+
+    def _watch_unit_stream(self, unit: int, stream: local_transport.StreamPeer) -> None:
+        self.watch_fd(stream.sock.fileno(), stream.writing, lambda r, w: self._on_unit_stream(unit, stream, r, w))
+
+    def _on_unit_stream(self, unit: int, stream: local_transport.StreamPeer, readable: bool, writable: bool) -> None:
+        try:
+            if writable:
+                self._stream_flushed(unit, stream, stream.flush())
+            if readable:
+                for frames in stream.read(self._unit_read_buf):
+                    self._on_unit_reply(unit, frames)
+                    if stream.closed:
+                        return
+        except (OSError, TQError) as exc:  # the unit is gone (or restarting): what it did not read is lost
+            log.info("storage unit %d: its same-host connection ended (%s)", unit, exc)
+            self._close_unit_stream(unit)
+            self.ledgers[unit].resync = True  # it gets a retain once it answers again
+
+    def _stream_flushed(self, unit: int, stream: local_transport.StreamPeer, waiting: bool) -> None:
+        if stream.writing != waiting and not stream.closed:
+            stream.writing = waiting
+            self._watch_unit_stream(unit, stream)
+
+    def _close_unit_stream(self, unit: int, last: list[Any] | None = None) -> None:
+        """Close the unit's Unix-socket connection; its messages go over ZMQ from now on. With a
+        ``last`` message (the controller stopping), what waits and it are written first, within a
+        second (as ZMQ's linger); else what waits is dropped (a gone or replaced unit gets a retain)."""
+        stream = self.unit_streams.pop(unit, None)
+        if stream is not None:
+            self.unwatch_fd(stream.sock.fileno())
+            if last is not None:
+                stream.finish(last, timeout=1.0)
+            else:
+                stream.close()
 
     def _rows_on(self, unit: int) -> np.ndarray:
         """(block, row) pairs of ``unit`` that live keys still reference, int64 ``[n, 2]``."""
@@ -257,6 +303,19 @@ class UnitSupervision:
         A dropped free or claim is not lost: the unit gets a ``retain`` once it answers again."""
         if self._replaying:
             return
+        stream = self.unit_streams.get(unit)
+        if stream is not None:
+            if stream.queued > UNIT_STREAM_MAX_QUEUED:  # not reading: as past the HWM below
+                if op != messages.UnitOp.PING and not self.ledgers[unit].resync:
+                    log.warning("storage unit %d is not taking messages: its frees wait for it to answer again", unit)
+                    self.ledgers[unit].resync = True
+                return
+            try:
+                self._stream_flushed(unit, stream, stream.send(protocol.request(op, _OP_RIDS[op], args, buffers, self.secret)))
+                return
+            except OSError:  # gone: it missed this message (and maybe more), so it gets a retain
+                self._close_unit_stream(unit)
+                self.ledgers[unit].resync = True
         sock = self.unit_socks.get(unit)
         if sock is None:
             return

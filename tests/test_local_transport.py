@@ -1,0 +1,225 @@
+"""Same-host Unix sockets (tq.local_transport): the stream framing, and real controller and storage-unit
+processes serving this host's clients (and the controller reaching its units) over them - also when
+the peer is hostile, stops reading, or dies.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import raw_exchange, unique_keys, wait_until
+from tq import TQClient, TQServer, protocol
+from tq.errors import AuthenticationError, MalformedMessageError, MessageTooLargeError, ReplayError, TQConnectionError
+from tq.local_transport import LocalStream
+
+MiB = 1 << 20
+pytestmark = pytest.mark.skipif(not os.uname().sysname == "Linux", reason="abstract Unix sockets are Linux's")
+
+
+# ----------------------------------------------------------------------------- framing (pure)
+def _message(frames: list[bytes]) -> bytes:
+    return protocol.stream_prefix(frames) + b"".join(frames)
+
+
+def test_stream_reader_cuts_messages_wherever_the_bytes_split():
+    msgs = [[b"head", b"", b"x" * 70_000], [b"h2", b"mac", b"", b"tail"], [b"only"]]
+    stream = b"".join(_message(m) for m in msgs)
+    for chunk in (1, 3, 4096, len(stream)):
+        reader = protocol.StreamReader()
+        got = []
+        for i in range(0, len(stream), chunk):
+            got += reader.feed(stream[i : i + chunk])
+        assert [[bytes(f) for f in m] for m in got] == msgs
+        assert reader.pending == 0
+    frame = protocol.StreamReader().feed(_message([b"abc"]))[0][0]
+    frame[0] = ord("z")  # writable, as a received ZMQ frame is (a decoder may reuse it in place)
+
+
+def test_stream_reader_refuses_what_no_peer_sends_before_buffering_it():
+    with pytest.raises(MalformedMessageError, match="declares 0 frames"):
+        protocol.StreamReader().feed(struct.pack("<I", 0))
+    with pytest.raises(MalformedMessageError, match="declares 4097 frames"):
+        protocol.StreamReader().feed(struct.pack("<I", protocol.MAX_STREAM_FRAMES + 1))
+    huge = struct.pack("<IQ", 1, protocol.MAX_FRAME_BYTES + 1)
+    with pytest.raises(MessageTooLargeError, match="frame of"):
+        protocol.StreamReader().feed(huge)  # refused from the prefix: the frame's bytes never came
+    with pytest.raises(MessageTooLargeError, match="exceeds the limit of 1000"):
+        protocol.StreamReader(max_message_bytes=1000).feed(struct.pack("<IQQ", 2, 600, 600))
+
+
+# ----------------------------------------------------------------------------- a real service
+@pytest.fixture(scope="module")
+def server():
+    with TQServer(storage_units=1, capacity=64 * MiB) as srv:
+        yield srv
+
+
+def _hello(address: str, secret: bytes | None = None) -> dict:
+    reply = raw_exchange(address, protocol.request("hello", 1, {"timeout": 5.0}, [], secret), secret=secret)
+    return protocol.raise_for_reply(reply)
+
+
+def _local_connections(server: TQServer) -> int:
+    with TQClient(server.address, transport="tcp") as remote:  # adds none itself
+        return remote.stats()["local_connections"]
+
+
+def test_same_host_clients_and_units_talk_over_the_unix_socket(server):
+    """A same-host client's requests reach the controller over its Unix socket, and the controller
+    reaches its unit over the unit's; a 'tcp' client (acting as a remote one) keeps to ZMQ."""
+    info = _hello(server.address)
+    assert info["local_address"].startswith("@tq-")
+    assert info["units"][0]["local_address"].startswith("@tq-")
+    with TQClient(server.address, transport="tcp") as remote:
+        remote.register_partition("lt-remote", reuse=True)
+        st = remote.stats()
+        base = st["local_connections"]
+        assert [u["local_connections"] for u in st["unit_stats"]] == [1]  # the controller's connection
+    with TQClient(server.address) as local:
+        local.register_partition("lt-local", reuse=True)
+        meta = local.put("lt-local", unique_keys(4), {"x": torch.arange(4.0)})
+        assert local.get(meta, ["x"])["x"].tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert local.stats()["local_connections"] == base + 1
+    wait_until(lambda: _local_connections(server) == base, timeout=5.0)
+
+
+def test_hostile_bytes_on_the_unix_socket_close_that_connection_only(server):
+    """Garbage, an oversized frame, and a request cut short: each closes its own connection (counted
+    as rejected) and the controller serves everyone else as before."""
+    address = _hello(server.address)["local_address"]
+    with TQClient(server.address) as client:
+        before = client.stats()["rejected_messages"]
+        for junk in (b"\xff" * 64, struct.pack("<IQ", 1, protocol.MAX_FRAME_BYTES + 1), struct.pack("<I", 10**6)):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect("\0" + address[1:])
+            s.sendall(junk)
+            s.settimeout(5.0)
+            assert s.recv(10) == b""  # closed by the server, without a reply
+            s.close()
+        cut = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # half a request, then gone
+        cut.connect("\0" + address[1:])
+        whole = _message(protocol.request("list_partitions", 1, {}, [], None))
+        cut.sendall(whole[: len(whole) // 2])
+        cut.close()
+        client.register_partition("lt-hostile", reuse=True)
+        assert "lt-hostile" in [p["partition"] for p in client.list_partitions()]
+        assert client.stats()["rejected_messages"] == before + 3
+
+
+def test_a_peer_that_never_reads_its_replies_does_not_stall_the_controller(server):
+    """Requests whose replies pile up unread (more than the socket buffer holds) are queued by the
+    controller, which goes on serving other clients; the replies all arrive once the peer reads."""
+    with TQClient(server.address) as client:
+        client.register_partition("lt-slow", reuse=True)
+        keys = unique_keys(20_000, "slow")
+        client.put("lt-slow", keys, {"x": torch.zeros(len(keys))})
+        stream = LocalStream(_hello(server.address)["local_address"], 5.0)
+        n = 40  # each reply lists 20,000 keys (~400 KB): far past a Unix socket's buffer
+        for rid in range(1, n + 1):
+            stream.send(protocol.request("get_meta", rid, {"partition": "lt-slow"}, [], None), 5.0)
+        t0 = time.monotonic()
+        assert len(client.get_meta("lt-slow").keys) == len(keys)
+        assert time.monotonic() - t0 < 5.0
+        rids = [protocol.decode_reply(stream.recv(10.0), None).rid for _ in range(n)]
+        assert rids == list(range(1, n + 1))
+        stream.close()
+
+
+def test_a_client_waiting_on_a_controller_that_dies_hears_it_at_once():
+    """A call in flight over the Unix socket fails as soon as the controller's process is gone - not
+    after its timeout, as over ZMQ, where a lost request looks like a slow one."""
+    with TQServer(storage_units=1, capacity=16 * MiB) as srv, TQClient(srv.address, timeout=60.0) as client:
+        client.register_partition("lt-dies")
+        meta = client.mint_keys("lt-dies", ["u"], 1)
+        failed: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                client.wait(meta, ["never"], timeout=50.0)
+            except BaseException as exc:  # noqa: BLE001 - the test looks at what it was
+                failed.append(exc)
+
+        t = threading.Thread(target=wait)
+        t.start()
+        time.sleep(0.5)  # parked in the controller
+        os.kill(srv.proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        t.join(20.0)
+        assert not t.is_alive() and time.monotonic() - t0 < 10.0
+        assert isinstance(failed[0], TQConnectionError) and "connection lost" in str(failed[0])
+
+
+def test_the_unix_socket_checks_the_secret_and_refuses_replays():
+    secret = "local-s3cret"
+    key = secret.encode()
+    with TQServer(storage_units=1, capacity=16 * MiB, secret=secret) as srv:
+        address = _hello(srv.address, key)["local_address"]
+        stream = LocalStream(address, 5.0)
+        stream.send(protocol.request("create_partition", 1, {"partition": "lt-unsigned"}, [], None), 5.0)
+        with pytest.raises(AuthenticationError):
+            protocol.raise_for_error(protocol.decode_reply(stream.recv(5.0), None))
+        wrong = protocol.request("create_partition", 2, {"partition": "lt-wrong"}, [], b"not-the-secret", protocol.Sender())
+        stream.send(wrong, 5.0)
+        with pytest.raises(AuthenticationError):
+            protocol.raise_for_error(protocol.decode_reply(stream.recv(5.0), key))  # a reply signed with the real one
+        signed = protocol.request("create_partition", 3, {"partition": "lt-signed"}, [], key, protocol.Sender())
+        stream.send(signed, 5.0)
+        protocol.raise_for_error(protocol.decode_reply(stream.recv(5.0), key))
+        stream.send(signed, 5.0)  # captured and sent again
+        with pytest.raises(ReplayError):
+            protocol.raise_for_error(protocol.decode_reply(stream.recv(5.0), key))
+        stream.close()
+        with TQClient(srv.address, secret=secret) as client:
+            assert sorted(p["partition"] for p in client.list_partitions()) == ["lt-signed"]
+            assert client.stats()["local_connections"] >= 1
+
+
+def test_puts_go_on_while_a_unit_dies_and_rejoins_over_its_new_socket():
+    """The controller's connection to a unit ends with the unit; the restarted unit comes back with a new
+    socket, which the controller connects to; nothing committed is lost."""
+    with TQServer(storage_units=1, capacity=16 * MiB) as srv, TQClient(srv.address, timeout=30.0, capacity_wait_s=10.0) as client:
+        client.register_partition("lt-unit")
+        first = client.put("lt-unit", unique_keys(8, "a"), {"x": torch.arange(8.0)})
+        st = client.stats()
+        old = st["unit_stats"][0]["local_address"]
+        os.kill(st["unit_stats"][0]["pid"], signal.SIGKILL)
+
+        def rejoined() -> bool:
+            try:
+                u = client.stats()["unit_stats"]
+            except TQConnectionError:
+                return False
+            return bool(u) and u[0]["local_address"] not in (None, old) and u[0]["local_connections"] >= 1
+
+        wait_until(rejoined, timeout=30.0, interval=0.2)
+        second = None
+        for _ in range(100):  # the client learns of the restarted unit on its next write
+            try:
+                second = client.put("lt-unit", unique_keys(8, "b"), {"x": torch.arange(8.0) + 8})
+                break
+            except Exception:  # noqa: BLE001 - retried until the unit is back for this client
+                time.sleep(0.2)
+        assert second is not None
+        assert client.get(first, ["x"])["x"].tolist() == list(np.arange(8.0))
+        assert client.get(second, ["x"])["x"].tolist() == list(np.arange(8.0) + 8)
+
+
+def test_a_client_that_cannot_reach_the_unix_socket_keeps_to_zmq(server):
+    """As a client in another network namespace of the same host: the controller's socket name leads
+    nowhere from there, so its requests go over ZMQ and still work."""
+    base = _local_connections(server)
+    with TQClient(server.address) as client:
+        client._ctrl.use_local("@tq-" + "0" * 32)  # what another namespace sees: nothing listens there
+        client.register_partition("lt-elsewhere", reuse=True)
+        meta = client.put("lt-elsewhere", unique_keys(2), {"x": torch.tensor([5.0, 6.0])})
+        assert client.get(meta, ["x"])["x"].tolist() == [5.0, 6.0]
+        assert client.stats()["local_connections"] == base

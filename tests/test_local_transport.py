@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import raw_exchange, unique_keys, wait_until
+from conftest import free_port, pid_alive, raw_exchange, unique_keys, wait_until
 from tq import TQClient, TQServer, protocol
 from tq.errors import AuthenticationError, MalformedMessageError, MessageTooLargeError, ReplayError, TQConnectionError
 from tq.local_transport import LocalStream
@@ -223,3 +223,41 @@ def test_a_client_that_cannot_reach_the_unix_socket_keeps_to_zmq(server):
         meta = client.put("lt-elsewhere", unique_keys(2), {"x": torch.tensor([5.0, 6.0])})
         assert client.get(meta, ["x"])["x"].tolist() == [5.0, 6.0]
         assert client.stats()["local_connections"] == base
+
+
+def test_a_controller_restarted_on_its_journal_is_reached_on_the_same_socket_again(tmp_path):
+    """Killed and started again on its journal dir, the controller listens at the address its
+    same-host clients had: their next calls connect to it again (not ZMQ from then on), and the data
+    they put before the crash reads back through it."""
+    port = free_port()
+    state = str(tmp_path / "state")
+    first = TQServer(port=port, storage_units=1, capacity=16 * MiB, journal_dir=state)
+    second, units = None, []
+    try:
+        with TQClient(first.address, timeout=10.0) as client:
+            client.register_partition("lt-restart")
+            meta = client.put("lt-restart", unique_keys(3), {"x": torch.arange(3.0)})
+            address = client._ctrl.local_address
+            units = [u["pid"] for u in client.stats()["units"]]
+            os.kill(first.proc.pid, signal.SIGKILL)
+            first.proc.wait(10)
+            second = TQServer(port=port, storage_units=1, capacity=16 * MiB, journal_dir=state)
+            assert _hello(second.address)["local_address"] == address
+
+            def readable() -> bool:
+                try:
+                    return client.get(meta, ["x"])["x"].tolist() == [0.0, 1.0, 2.0]
+                except TQConnectionError:
+                    return False
+
+            assert wait_until(readable, timeout=20)
+            assert wait_until(lambda: client.stats()["local_connections"] >= 1, timeout=5)
+            assert [u["pid"] for u in client.stats()["units"]] == units  # taken back, not restarted
+            assert client.stats()["unit_stats"][0]["local_connections"] == 1  # the new controller's
+    finally:
+        for srv in (second, first):
+            if srv is not None:
+                srv.shutdown()
+        for pid in units:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from . import argtypes, launch, liveness, messages, protocol
+from . import argtypes, launch, liveness, local_transport, messages, protocol
 from .errors import (
     DuplicateKeyError,
     FencedCommitError,
@@ -88,7 +88,6 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         fsync: str = "never",
     ) -> None:
         super().__init__("controller", bind, secret=secret, max_message_bytes=max_message_bytes)
-        self.listen_local()  # this host's clients skip ZMQ's I/O threads (tq.local_transport)
         # Location tables go to shared memory when there is a tmpfs to hold them (see tq.locations).
         self.shm_dir = shm_dir if shm_dir is not None and os.access(shm_dir, os.W_OK | os.X_OK) else None
         if self.shm_dir is not None and remove_orphans(self.shm_dir):
@@ -154,8 +153,12 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
                 Op.SHUTDOWN: self.op_shutdown,
             },
         )
-        if journal_dir is not None:  # crash recovery: replay what was journaled, then keep journaling
+        # this host's clients skip ZMQ's I/O threads (tq.local_transport); a controller restarted on its
+        # journal listens where its clients found it before
+        if journal_dir is not None:
             os.makedirs(journal_dir, exist_ok=True)
+        self.listen_local(local_transport.stable_token(journal_dir) if journal_dir is not None else None)
+        if journal_dir is not None:  # crash recovery: replay what was journaled, then keep journaling
             path = os.path.join(journal_dir, "controller.journal")
             self._replay(path)
             self.journal = Journal(path, fsync=fsync)

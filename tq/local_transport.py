@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import secrets
 import select
 import socket
@@ -37,6 +38,27 @@ ACCEPT_PAUSE_S = 1.0  # after accept fails for want of file descriptors, the lis
 # a server waking a sleeping thread on another CPU is what a round trip mostly costs on a VM (2 vCPUs:
 # list_partitions p50 0.12 -> 0.054 ms with it; measured).
 SPIN_S = 250e-6
+RETRY_S = 1.0  # a client that found nothing at a server's socket uses ZMQ this long before it tries again
+
+
+def stable_token(directory: str) -> str:
+    """The socket token kept in ``directory`` (made there on first use): a server restarted on its
+    state directory (a crash-recovered controller) listens at the same address, so the same-host
+    clients that lost their connection get it back by connecting again."""
+    path = os.path.join(directory, "local-socket-token")
+    try:
+        with open(path) as f:
+            token = f.read().strip()
+        if len(token) == 32 and all(c in "0123456789abcdef" for c in token):
+            return token
+    except FileNotFoundError:
+        pass
+    token = secrets.token_hex(16)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(token)
+    os.replace(tmp, path)
+    return token
 
 
 def supported() -> bool:
@@ -162,13 +184,25 @@ class LocalListener:
     blocking; ``serve(peer, frames)`` handles one complete request."""
 
     def __init__(
-        self, name: str, loop: PollLoop, serve: Callable[[StreamPeer, list[memoryview]], None], *, max_message_bytes: int | None
+        self,
+        name: str,
+        loop: PollLoop,
+        serve: Callable[[StreamPeer, list[memoryview]], None],
+        *,
+        max_message_bytes: int | None,
+        token: str | None = None,
     ) -> None:
         self.name, self.loop, self.serve = name, loop, serve
         self.max_message_bytes = max_message_bytes
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.address = f"@tq-{secrets.token_hex(16)}"
-        self.sock.bind(_sockaddr(self.address))
+        try:  # a given token (a restarted server's) when it is free, else a fresh one
+            self.address = f"@tq-{token or secrets.token_hex(16)}"
+            self.sock.bind(_sockaddr(self.address))
+        except OSError:
+            if token is None:
+                raise
+            self.address = f"@tq-{secrets.token_hex(16)}"
+            self.sock.bind(_sockaddr(self.address))
         self.sock.listen(256)
         self.sock.setblocking(False)
         self.peers: dict[int, StreamPeer] = {}

@@ -250,14 +250,15 @@ class RpcServer:
         self._fd_handlers: dict[int, Callable[[bool, bool], None]] = {}  # see watch_fd
         self.local: local_transport.LocalListener | None = None  # see listen_local
 
-    def listen_local(self) -> str | None:
+    def listen_local(self, token: str | None = None) -> str | None:
         """Also serve this host's processes on a Unix stream socket (:mod:`tq.local_transport`: a round
         trip without ZMQ's I/O threads); returns its address for them, or None where the platform has
-        no abstract Unix sockets."""
+        no abstract Unix sockets. ``token``: the address's random part, kept by a server that is
+        restarted on its state (see :func:`tq.local_transport.stable_token`)."""
         if self.local is None and local_transport.supported():
             # a message's limit is on its buffers; its header comes on top
             limit = self.max_message_bytes + protocol.MAX_FRAME_BYTES
-            self.local = local_transport.LocalListener(self.name, self, self._serve_frames, max_message_bytes=limit)
+            self.local = local_transport.LocalListener(self.name, self, self._serve_frames, max_message_bytes=limit, token=token)
         return self.local.address if self.local is not None else None
 
     def watch_fd(self, fd: int, writable: bool, handler: Callable[[bool, bool], None]) -> None:
@@ -544,13 +545,14 @@ class RpcChannel:
         none to use (no address, or it refused this thread: another host or network namespace)."""
         stream = getattr(self._local, "stream", None)
         address = self.local_address
-        if stream is not None or address is None or getattr(self._local, "stream_refused", None) == address:
+        refused = getattr(self._local, "stream_refused", None)  # (address, until when)
+        if stream is not None or address is None or (refused is not None and refused[0] == address and time.monotonic() < refused[1]):
             return stream
         try:
             stream = local_transport.LocalStream(address, min(self.timeout, 5.0))
         except OSError as exc:
             log.debug("%s: no same-host connection at %s (%s); using %s", self.name, address, exc, self.address)
-            self._local.stream_refused = address
+            self._local.stream_refused = (address, time.monotonic() + local_transport.RETRY_S)
             return None
         stream.sender = protocol.Sender() if self.secret else None
         with self._lock:
@@ -632,7 +634,7 @@ class RpcChannel:
                 return rid
             except OSError as exc:  # the server closed it (stopped or restarted): it read none of this
                 self._drop_stream(stream)  # request, so it goes over ZMQ, which waits for a server
-                self._local.stream_refused = stream.address
+                self._local.stream_refused = (stream.address, time.monotonic() + local_transport.RETRY_S)
                 log.debug("%s: same-host connection lost (%s); using %s", self.name, exc, self.address)
         sock = self._socket()
         frames = protocol.request(op, rid, args, buffers, self.secret, self._local.sender)

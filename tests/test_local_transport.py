@@ -89,6 +89,9 @@ def test_same_host_clients_and_units_talk_over_the_unix_socket(server):
         meta = local.put("lt-local", unique_keys(4), {"x": torch.arange(4.0)})
         assert local.get(meta, ["x"])["x"].tolist() == [0.0, 1.0, 2.0, 3.0]
         assert local.stats()["local_connections"] == base + 1
+        big = local.put("lt-local", unique_keys(1), {"y": torch.zeros(1, 512 * 1024)})  # 2 MiB: a slab of its own
+        assert local.get(big, ["y"])["y"].shape == (1, 512 * 1024)
+        assert [u["local_connections"] for u in local.stats()["unit_stats"]] == [2]  # the controller's and ours
     wait_until(lambda: _local_connections(server) == base, timeout=5.0)
 
 
@@ -253,7 +256,8 @@ def test_a_controller_restarted_on_its_journal_is_reached_on_the_same_socket_aga
             assert wait_until(readable, timeout=20)
             assert wait_until(lambda: client.stats()["local_connections"] >= 1, timeout=5)
             assert [u["pid"] for u in client.stats()["units"]] == units  # taken back, not restarted
-            assert client.stats()["unit_stats"][0]["local_connections"] == 1  # the new controller's
+            # the new controller's connection and this client's (its stats): the dead one's is gone
+            assert client.stats()["unit_stats"][0]["local_connections"] == 2
     finally:
         for srv in (second, first):
             if srv is not None:
@@ -261,3 +265,16 @@ def test_a_controller_restarted_on_its_journal_is_reached_on_the_same_socket_aga
         for pid in units:
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_channel_taken_off_the_unix_socket_goes_on_over_zmq(server):
+    """A channel told to stop using the socket (or that the server moved) sends and waits for its
+    replies over ZMQ from the next call on - also for a thread that had a connection open."""
+    with TQClient(server.address) as client:
+        client.register_partition("lt-switch", reuse=True)
+        meta = client.put("lt-switch", unique_keys(2), {"x": torch.tensor([1.0, 2.0])})
+        address = client._ctrl.local_address
+        for switch in (None, address, None):
+            client._ctrl.use_local(switch)
+            assert client.get(meta, ["x"])["x"].tolist() == [1.0, 2.0]
+            client.wait(meta, ["x"], timeout=5.0)

@@ -649,6 +649,8 @@ class TQClient:
             if self.transport == "auto" and u.host == self._host and u.arena_path is not None and os.path.exists(u.arena_path)
         )
         connect_units(self._unit_chans, self._units, self._secret, self.timeout)
+        for u in info.units:  # a same-host unit's allocations (a put above a quarter slab) skip ZMQ too
+            self._unit_chans[u.unit_id].use_local(u.local_address if u.unit_id in self._local_units else None)
 
     def _lease_holder(self) -> dict[str, Any]:
         """What tells the controller, when it runs on this host, that this process still runs (it

@@ -545,6 +545,9 @@ class RpcChannel:
         none to use (no address, or it refused this thread: another host or network namespace)."""
         stream = getattr(self._local, "stream", None)
         address = self.local_address
+        if stream is not None and stream.address != address:  # the server moved (or is not to be used)
+            self._drop_stream(stream)
+            stream = None
         refused = getattr(self._local, "stream_refused", None)  # (address, until when)
         if stream is not None or address is None or (refused is not None and refused[0] == address and time.monotonic() < refused[1]):
             return stream
@@ -626,11 +629,13 @@ class RpcChannel:
     def _send(self, op: str, args: Any, buffers: Sequence[Any], timeout: float | None, check: Callable[[], None] | None) -> int:
         rid = next(self._rids)
         timeout = _bounded(self.timeout if timeout is None else timeout, op, f"{self.name} at {self.address}")
-        stream = self._stream() if self.local_address is not None else None
+        stream = self._stream()
+        self._local.sent_on = None  # where _recv waits for the reply: that stream, or ZMQ
         if stream is not None:
             frames = protocol.request(op, rid, args, buffers, self.secret, stream.sender)
             try:
                 stream.send(frames, timeout)
+                self._local.sent_on = stream
                 return rid
             except OSError as exc:  # the server closed it (stopped or restarted): it read none of this
                 self._drop_stream(stream)  # request, so it goes over ZMQ, which waits for a server
@@ -738,7 +743,7 @@ class RpcChannel:
     def _recv(self, rid: int, op: str, timeout: float | None, check: Callable[[], None] | None) -> tuple[Any, protocol.ReplyMessage]:
         timeout = _bounded(self.timeout if timeout is None else timeout, op, f"{self.name} at {self.address}")
         deadline = time.monotonic() + timeout
-        stream = getattr(self._local, "stream", None)
+        stream = getattr(self._local, "sent_on", None)
         sock = self._socket() if stream is None else None
         spin = True  # for the first reply only: a stale one does not start a second spin
         while True:

@@ -168,6 +168,23 @@ def pid_alive(pid: int) -> bool:
     return process_state(pid) not in (None, "Z")
 
 
+def raw_exchange_local(address: str, frames: list, *, secret: bytes | None = None, timeout: float = 5.0) -> protocol.Message | None:
+    """As :func:`raw_exchange`, over a server's same-host Unix socket (``@name``, tq.local_transport)
+    from a fresh connection: None if no reply came within ``timeout`` or the server closed it."""
+    from tq.errors import TQConnectionError
+    from tq.local_transport import LocalStream
+
+    stream = LocalStream(address, timeout)
+    try:
+        stream.send(frames, timeout)
+        got = stream.recv(timeout)
+    except (OSError, TQConnectionError):
+        return None
+    finally:
+        stream.close()
+    return None if got is None else protocol.decode(got, secret)
+
+
 def raw_exchange(address: str, frames: list, *, secret: bytes | None = None, timeout: float = 5.0) -> protocol.Message | None:
     """Send raw frames from a fresh DEALER (connecting with the credentials of the server's ``secret``);
     return the decoded reply, or None if none came within ``timeout``. The send is bounded too: a

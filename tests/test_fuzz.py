@@ -44,7 +44,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tq.testing import digest, rows_of
-from conftest import raw_exchange, wait_until
+from conftest import raw_exchange, raw_exchange_local, wait_until
 from tq import TQClient, TQServer, messages, protocol
 from tq.errors import (
     InvalidRequestError,
@@ -139,6 +139,8 @@ class FuzzEnv:
     unit_pids: list[int]
     unit_chans: list[RpcChannel]
     ref_blocks: list[list[int]]  # per unit: block ids holding reference data (read-only fetch targets)
+    local_address: str  # the controller's same-host Unix socket (tq.local_transport)
+    unit_local_addresses: list[str]
     outcomes: collections.Counter = field(default_factory=collections.Counter)
     internal: collections.Counter = field(default_factory=collections.Counter)  # generic (non-specific) errors
 
@@ -157,7 +159,19 @@ def env(tq_server):
     chans = [
         RpcChannel(u.address, secret=None, timeout=10.0, name=f"unit {u.unit_id}", replies=messages.UNIT_REPLY_DECODERS) for u in units
     ]
-    e = FuzzEnv(tq_server.address, ref, client, scratch, [u.address for u in units], [u.pid for u in units], chans, ref_blocks)
+    hello = protocol.raise_for_reply(raw_exchange(tq_server.address, protocol.request("hello", 1, {}, [], None)))
+    e = FuzzEnv(
+        tq_server.address,
+        ref,
+        client,
+        scratch,
+        [u.address for u in units],
+        [u.pid for u in units],
+        chans,
+        ref_blocks,
+        hello["local_address"],
+        [u.local_address for u in units],
+    )
     assert ref.verify() == 2 * len(ref.keys) * len(REF_FIELDS)
     yield e
     for ch in chans:
@@ -580,17 +594,21 @@ def _same(a: Any, b: Any) -> bool:
     return msgpack.packb(a, use_bin_type=True) == msgpack.packb(b, use_bin_type=True)
 
 
-def check_example(env: FuzzEnv, target: str, unit: int, ex: Example) -> None:
+def check_example(env: FuzzEnv, target: str, unit: int, ex: Example, transport: str = "zmq") -> None:
     frames = ex.frames
     msg = _decodes(frames)
     if msg is not None and _defang(target, msg.header, env):  # re-encode the defanged header
         frames = [msgpack.packb(msg.header, use_bin_type=True), *frames[1:]]
         msg = _decodes(frames)
     header = _header_of(frames)
-    address = env.address if target == "controller" else env.unit_addresses[unit]
+    if transport == "unix":  # the same server over its same-host socket: a stream of prefixed messages
+        address = env.local_address if target == "controller" else env.unit_local_addresses[unit]
+    else:
+        address = env.address if target == "controller" else env.unit_addresses[unit]
     before = _state(env, target, unit)
     timeout = DROP_WAIT_S if header is None else REPLY_TIMEOUT_S
-    reply = raw_exchange(address, frames, timeout=timeout)  # a reply that fails to decode raises here
+    exchange = raw_exchange_local if transport == "unix" else raw_exchange
+    reply = exchange(address, frames, timeout=timeout)  # a reply that fails to decode raises here
     if reply is None:
         assert header is None, f"{target} sent no reply within {timeout}s to a request with a readable header: {header!r}"
         env.outcomes["dropped"] += 1
@@ -628,11 +646,13 @@ def check_example(env: FuzzEnv, target: str, unit: int, ex: Example) -> None:
 
 
 # ----------------------------------------------------------------------------- the fuzz tests
+@pytest.mark.parametrize("transport", ["zmq", "unix"])
 @pytest.mark.parametrize("target", ["controller", "unit"])
-def test_fuzz_hostile_messages(env, target):
-    """Random, mutated and truncated messages to the controller or a storage unit: each gets an error
-    reply (or is dropped, if unreadable), changes nothing when refused, and the service keeps serving;
-    the reference data stays intact (sha256 over both transports)."""
+def test_fuzz_hostile_messages(env, target, transport):
+    """Random, mutated and truncated messages to the controller or a storage unit, over ZMQ or the
+    server's same-host Unix socket: each gets an error reply (or is dropped, if unreadable), changes
+    nothing when refused, and the service keeps serving; the reference data stays intact (sha256
+    over both transports)."""
     rejected_before = _rejected(env)
     env.outcomes.clear()
     env.internal.clear()
@@ -647,7 +667,7 @@ def test_fuzz_hostile_messages(env, target):
     @given(data=st.data())
     def run(data):
         unit = data.draw(st.integers(0, len(env.unit_addresses) - 1), label="unit") if target == "unit" else 0
-        check_example(env, target, unit, draw_example(data, target, env, unit))
+        check_example(env, target, unit, draw_example(data, target, env, unit), transport)
 
     run()
     assert env.ref.verify() == 2 * len(env.ref.keys) * len(REF_FIELDS)

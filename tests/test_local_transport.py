@@ -15,6 +15,8 @@ import time
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from conftest import free_port, pid_alive, raw_exchange, unique_keys, wait_until
 from tq import TQClient, TQServer, protocol
@@ -278,3 +280,29 @@ def test_a_channel_taken_off_the_unix_socket_goes_on_over_zmq(server):
             client._ctrl.use_local(switch)
             assert client.get(meta, ["x"])["x"].tolist() == [1.0, 2.0]
             client.wait(meta, ["x"], timeout=5.0)
+
+
+@settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    count=st.one_of(st.none(), st.integers(0, 2**32 - 1)),
+    sizes=st.lists(st.integers(0, 2**64 - 1) | st.integers(0, 64), max_size=4),
+    tail=st.binary(max_size=256),
+)
+def test_fuzz_stream_prefixes(server, count, sizes, tail):
+    """Random prefixes (frame counts and sizes, small or absurd) and bytes on a fresh connection: the
+    controller answers, or closes that connection, and keeps serving everyone else."""
+    address = _hello(server.address)["local_address"]
+    head = b"" if count is None else struct.pack("<I", count) + b"".join(struct.pack("<Q", n) for n in sizes)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect("\0" + address[1:])
+    try:
+        s.sendall(head + tail)
+        s.shutdown(socket.SHUT_WR)  # no more bytes: a message still waiting for its frames never completes
+        s.settimeout(5.0)
+        while s.recv(1 << 16):  # replies (errors), until the server closes the connection
+            pass
+    except (ConnectionResetError, BrokenPipeError):
+        pass
+    finally:
+        s.close()
+    assert protocol.raise_for_reply(raw_exchange(server.address, protocol.request("list_partitions", 1, {}, [], None))) is not None

@@ -224,7 +224,8 @@ class LocalListener:
                 return
             except OSError as exc:  # out of descriptors: rest, or the loop would spin on the pending connection
                 if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    raise
+                    log.info("%s: a same-host connection failed before it was accepted (%s)", self.name, exc)
+                    continue
                 log.warning("%s: cannot accept a same-host connection (%s); pausing %.0f s", self.name, exc, ACCEPT_PAUSE_S)
                 self.loop.unwatch_fd(self.sock.fileno())
                 self._paused_until = time.monotonic() + ACCEPT_PAUSE_S

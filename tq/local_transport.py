@@ -16,7 +16,6 @@ poll loop (:class:`PollLoop`); a client's side (:class:`LocalStream`) is a block
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import secrets
@@ -222,10 +221,9 @@ class LocalListener:
                 conn, _ = self.sock.accept()
             except BlockingIOError:
                 return
-            except OSError as exc:  # out of descriptors: rest, or the loop would spin on the pending connection
-                if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    log.info("%s: a same-host connection failed before it was accepted (%s)", self.name, exc)
-                    continue
+            except (ConnectionAbortedError, InterruptedError):  # that one connection is gone: the next
+                continue
+            except OSError as exc:  # out of descriptors (or worse): rest, or the loop would spin on it
                 log.warning("%s: cannot accept a same-host connection (%s); pausing %.0f s", self.name, exc, ACCEPT_PAUSE_S)
                 self.loop.unwatch_fd(self.sock.fileno())
                 self._paused_until = time.monotonic() + ACCEPT_PAUSE_S
@@ -290,6 +288,8 @@ class LocalStream:
         self.reader = protocol.StreamReader()
         self._buf = bytearray(RECV_CHUNK)
         self._ready: list[list[memoryview]] = []  # messages read past the one asked for
+        self._poll = select.poll()  # not select(): a process may hold descriptors past FD_SETSIZE
+        self._poll.register(self.sock, select.POLLIN)
         self.sender: protocol.Sender | None = None  # with a secret: this stream's request stamps
 
     def send(self, frames: Sequence[Any], timeout: float) -> None:
@@ -315,7 +315,7 @@ class LocalStream:
                 if time.perf_counter() < spin_until:
                     continue
                 left = deadline - time.monotonic()
-                if left <= 0 or not select.select([self.sock], [], [], left)[0]:
+                if left <= 0 or not self._poll.poll(left * 1e3):
                     return None
                 continue
             except OSError as exc:

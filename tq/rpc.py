@@ -1,15 +1,20 @@
-"""Request/reply over ZMQ: a single-threaded server loop and a thread-safe client channel.
+"""Request/reply over ZMQ (and, between processes of one host, Unix sockets: :mod:`tq.local_transport`):
+a single-threaded server loop and a thread-safe client channel.
 
-Servers (controller, storage units) own one ROUTER socket and never sleep on a request: a handler
+Servers (controller, storage units) own one ROUTER socket (and a same-host Unix socket, served by the
+same loop) and never sleep on a request: a handler
 either answers at once or parks the request (``DEFERRED``) and answers it later from the loop, e.g.
 when a wait's fields are produced or its deadline passes. Clients talk through DEALER sockets, one per
-thread per server, so a client object is safe to share between threads without a lock; replies carry
+thread per server (or a Unix-socket connection per thread), so a client object is safe to share
+between threads without a lock; replies carry
 the request id, so a late reply to a request that already timed out is recognised and dropped.
 
 With a secret, a server accepts connections only through ZMTP PLAIN with the password derived from the
 secret, checked by a ZAP handler thread (one per ZMQ context, shared by every server in the process),
 and refuses replayed requests (:class:`protocol.ReplayGuard`); clients set those credentials on every
-socket they connect (:func:`set_client_credentials`).
+socket they connect (:func:`set_client_credentials`). The Unix socket has no handshake to gate: any
+local process can connect (as to a loopback port), and every request there is checked by its HMAC and
+the replay guard alone, as every request over ZMQ is too.
 """
 
 from __future__ import annotations
@@ -637,8 +642,9 @@ class RpcChannel:
                 stream.send(frames, timeout)
                 self._local.sent_on = stream
                 return rid
-            except OSError as exc:  # the server closed it (stopped or restarted): it read none of this
-                self._drop_stream(stream)  # request, so it goes over ZMQ, which waits for a server
+            except OSError as exc:  # the server closed it (stopped or restarted), or took nothing for the
+                self._drop_stream(stream)  # whole timeout: it served none of this request (a message cut
+                # short is dropped unread), so it goes over ZMQ, which waits for a server
                 self._local.stream_refused = (stream.address, time.monotonic() + local_transport.RETRY_S)
                 log.debug("%s: same-host connection lost (%s); using %s", self.name, exc, self.address)
         sock = self._socket()

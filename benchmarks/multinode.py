@@ -187,6 +187,20 @@ class NetnsCluster:
         self.made.clear()
 
 
+def forget_ray_cluster(address: str, temp_dir: str = "/tmp/ray") -> None:
+    """Remove the note ``ray start --head`` leaves in Ray's temp dir (shared with this host: network
+    namespaces do not separate files) while it still names our head, gone now: a later ``ray.init()``
+    here would try to join it ("When connecting to an existing cluster, num_cpus ... must not be
+    provided" - seen after a multinode run)."""
+    path = os.path.join(temp_dir, "ray_current_cluster")
+    try:
+        with open(path) as f:
+            if f.read().strip() == address:
+                os.unlink(path)
+    except OSError:
+        pass
+
+
 def _killpg(p: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(p.pid, sig)
@@ -550,6 +564,7 @@ def run(
             log(f"data-plane step across nodes: {len(report['dataplane']['rows'])} rows")
     finally:
         cluster.down()
+        forget_ray_cluster(f"{head}:{RAY_PORT}")
         shutil.rmtree(shm_dir, ignore_errors=True)
         report["total_s"] = round(time.monotonic() - t_start, 1)
     return report

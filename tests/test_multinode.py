@@ -108,3 +108,16 @@ def test_node_processes_import_this_repo_first_and_keep_the_callers_pythonpath(m
     assert path == [str(multinode.REPO), "/opt/site-packages"]
     monkeypatch.delenv("PYTHONPATH")
     assert multinode.node_env("s")["PYTHONPATH"] == str(multinode.REPO)
+
+
+def test_the_emulated_cluster_forgets_its_ray_head_note_when_it_is_gone(tmp_path):
+    """``ray start --head`` in a namespace leaves /tmp/ray/ray_current_cluster naming it; once the
+    cluster is down that note goes (a later ray.init(num_cpus=...) here tried to join the gone head),
+    and a note naming another cluster stays."""
+    note = tmp_path / "ray_current_cluster"
+    note.write_text("10.213.153.1:6379")
+    multinode.forget_ray_cluster("10.213.153.1:6379", str(tmp_path))
+    assert not note.exists()
+    note.write_text("127.0.0.1:6379")
+    multinode.forget_ray_cluster("10.213.153.1:6379", str(tmp_path))
+    assert note.read_text() == "127.0.0.1:6379"

@@ -94,7 +94,7 @@ def test_same_host_clients_and_units_talk_over_the_unix_socket(server):
         big = local.put("lt-local", unique_keys(1), {"y": torch.zeros(1, 512 * 1024)})  # 2 MiB: a slab of its own
         assert local.get(big, ["y"])["y"].shape == (1, 512 * 1024)
         assert [u["local_connections"] for u in local.stats()["unit_stats"]] == [2]  # the controller's and ours
-    wait_until(lambda: _local_connections(server) == base, timeout=5.0)
+    assert wait_until(lambda: _local_connections(server) == base, timeout=5.0)  # closed: the server dropped it
 
 
 def test_hostile_bytes_on_the_unix_socket_close_that_connection_only(server):
@@ -205,7 +205,7 @@ def test_puts_go_on_while_a_unit_dies_and_rejoins_over_its_new_socket():
                 return False
             return bool(u) and u[0]["local_address"] not in (None, old) and u[0]["local_connections"] >= 1
 
-        wait_until(rejoined, timeout=30.0, interval=0.2)
+        assert wait_until(rejoined, timeout=30.0, interval=0.2)
         second = None
         for _ in range(100):  # the client learns of the restarted unit on its next write
             try:

@@ -121,6 +121,7 @@ def test_scrape_reports_what_the_test_did(service):
     assert value(s, "tq_unit_held_bytes", unit="0") == 0  # no writer paused past its lease
     assert value(s, "tq_parked_waits") == 0
     assert value(s, "tq_journal_bytes", **ctl) == 0 and value(s, "tq_journal_bytes", **unit) > 0  # no --journal-dir
+    assert value(s, "tq_local_connections", **unit) >= 1  # the controller reaches its same-host unit that way
     # nothing exported that the module does not declare (the dashboard test relies on the list)
     assert {name for name, _ in s} <= exported_names()
 

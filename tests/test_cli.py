@@ -95,6 +95,7 @@ def test_start_status_put_stop(cli_env):
     for section in ("Partitions", "Storage units", "Operations", "put throughput", address, metrics_url):
         assert section in table.stdout
     assert "(none)" in table.stdout  # no partition yet
+    assert "same-host connections 0" in table.stdout  # status and the metrics endpoint ask over ZMQ
 
     raw = run_cli("status", "--json", env=cli_env)
     assert raw.returncode == 0, raw.stderr

@@ -160,6 +160,7 @@ def render_status(stats: dict[str, Any], *, address: str | None = None, rates: d
         f"  committed total {format_bytes(stats.get('bytes_committed_total', 0))}",
         f"  parked waits {stats.get('parked_waits', 0)}",
         f"  rejected messages {stats.get('rejected_messages', 0)}",
+        f"  same-host connections {stats.get('local_connections', 0)}",
     )
 
     parts = Table(title="Partitions", title_justify="left", expand=False)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import uuid
+from typing import Any, Iterable
 
 import pytest
 import zmq
@@ -166,6 +167,18 @@ def process_state(pid: int) -> str | None:
 def pid_alive(pid: int) -> bool:
     """True while ``pid`` runs (a zombie, exited but not yet reaped, counts as gone)."""
     return process_state(pid) not in (None, "Z")
+
+
+def shut_down(servers: Iterable[Any], unit_pids: Iterable[int]) -> None:
+    """Shut down ``servers`` (the ones not None; a journaled controller restarted in the test, say),
+    then SIGKILL the storage units of ``unit_pids`` still running: a journaled service's units outlive
+    a killed controller, so no shutdown reaches those of an incarnation that is gone."""
+    for server in servers:
+        if server is not None:
+            server.shutdown()
+    for pid in unit_pids:
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 def raw_exchange_local(address: str, frames: list, *, secret: bytes | None = None, timeout: float = 5.0) -> protocol.Message | None:

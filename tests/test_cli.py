@@ -106,6 +106,8 @@ def test_start_status_put_stop(cli_env):
     with TQClient(address, timeout=10.0) as client:
         client.register_partition("cli-test")
         client.put("cli-test", ["a", "b", "c"], {"input_ids": [torch.arange(n) for n in (3, 5, 7)], "rewards": torch.ones(3)})
+        connected = run_cli("status", env=cli_env)  # this client's thread holds its same-host connection
+        assert connected.returncode == 0 and "same-host connections 1" in connected.stdout, connected.stdout
 
     table = run_cli("status", env=cli_env)
     assert table.returncode == 0, table.stderr

@@ -34,6 +34,7 @@ from conftest import (
     process_state,
     python_command,
     python_pid,
+    shut_down,
     wait_until,
 )
 from tq import TQClient, TQServer, launch, protocol
@@ -129,12 +130,7 @@ def test_restarted_controller_supervises_the_units_it_took_back(tmp_path):
         assert wait_until(lambda: all(u.get("bytes_used") == 0 for u in c.stats()["unit_stats"]), timeout=10)
     finally:
         c.close()
-        for server in (second, first):
-            if server is not None:
-                server.shutdown()
-        for p in unit_pids:
-            if pid_alive(p):
-                os.kill(p, signal.SIGKILL)
+        shut_down((second, first), unit_pids)
 
 
 @pytest.mark.parametrize("mode", ["put", "write_back"])
@@ -626,11 +622,7 @@ def test_a_controller_that_cannot_journal_a_change_stops_before_anything_else_se
         assert torch.equal(c.get(c.get_meta("p", ["a2"]), ["x"])["x"], acked["a2"])
     finally:
         c.close()
-        for server in reversed(servers):
-            server.shutdown()
-        for p in unit_pids:
-            if pid_alive(p):
-                os.kill(p, signal.SIGKILL)
+        shut_down(reversed(servers), unit_pids)
 
 
 def test_a_storage_unit_that_cannot_journal_stops_and_comes_back_on_its_arena():

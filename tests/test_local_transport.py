@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import free_port, pid_alive, raw_exchange, unique_keys, wait_until
+from conftest import free_port, raw_exchange, shut_down, unique_keys, wait_until
 from tq import TQClient, TQServer, protocol
 from tq.errors import AuthenticationError, MalformedMessageError, MessageTooLargeError, ReplayError, TQConnectionError
 from tq.local_transport import LocalStream
@@ -261,12 +261,7 @@ def test_a_controller_restarted_on_its_journal_is_reached_on_the_same_socket_aga
             # the new controller's connection and this client's (its stats): the dead one's is gone
             assert client.stats()["unit_stats"][0]["local_connections"] == 2
     finally:
-        for srv in (second, first):
-            if srv is not None:
-                srv.shutdown()
-        for pid in units:
-            if pid_alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        shut_down((second, first), units)
 
 
 def test_a_channel_taken_off_the_unix_socket_goes_on_over_zmq(server):

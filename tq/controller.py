@@ -46,7 +46,6 @@ from .errors import (
 )
 from .arena import host_identity
 from .journal import Journal
-from .local_transport import RECV_CHUNK, StreamPeer
 from .leases import LeaseBook, leased_blocks, new_lease_id
 from .locations import FEW_ROWS, LocationTable, remove_orphans, take_records
 from .messages import ControllerOp as Op
@@ -101,8 +100,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         self.partitions: dict[str, Partition] = {}
         self.units: list[dict[str, Any]] = []
         self.unit_socks: dict[int, Any] = {}
-        self.unit_streams: dict[int, StreamPeer] = {}  # units of this host, reached over their Unix socket
-        self._unit_read_buf = bytearray(RECV_CHUNK)
+        self.unit_streams: dict[int, local_transport.StreamPeer] = {}  # units of this host, reached over their Unix socket
         self.expected_units = expected_units
         self.waiters: list[Waiter] = []
         self.unit_seen: dict[int, float] = {}  # last time each storage unit answered
@@ -155,8 +153,6 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         )
         # this host's clients skip ZMQ's I/O threads (tq.local_transport); a controller restarted on its
         # journal listens where its clients found it before
-        if journal_dir is not None:
-            os.makedirs(journal_dir, exist_ok=True)
         self.listen_local(local_transport.stable_token(journal_dir) if journal_dir is not None else None)
         if journal_dir is not None:  # crash recovery: replay what was journaled, then keep journaling
             path = os.path.join(journal_dir, "controller.journal")
@@ -258,15 +254,15 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
 
     def close(self) -> None:
         if self.stop_units_on_close:
-            for unit in list(self.unit_streams):  # after what waits on them (adopts before the shutdown)
-                self._close_unit_stream(unit, protocol.request(messages.UnitOp.SHUTDOWN, 0, messages.UnitShutdown(), [], self.secret))
-            for sock in list(self.unit_socks.values()):
-                try:
-                    sock.send_multipart(
-                        protocol.request(messages.UnitOp.SHUTDOWN, 0, messages.UnitShutdown(), [], self.secret), flags=zmq.NOBLOCK
-                    )
-                except zmq.ZMQError:
-                    pass
+            shutdown = protocol.request(messages.UnitOp.SHUTDOWN, 0, messages.UnitShutdown(), [], self.secret)
+            for unit, sock in list(self.unit_socks.items()):
+                if unit in self.unit_streams:  # after what waits on it there (adopts before the shutdown)
+                    self._close_unit_stream(unit, shutdown)
+                else:
+                    try:
+                        sock.send_multipart(shutdown, flags=zmq.NOBLOCK)
+                    except zmq.ZMQError:
+                        pass
                 self._extra_sockets.pop(sock, None)
                 sock.close(linger=1000)  # let the shutdown request go out
         for part in self.partitions.values():

@@ -2,9 +2,8 @@
 how the controller reaches its storage units there.
 
 A ZMQ round trip crosses six thread hand-offs (the caller, ZMQ's I/O thread on each side, the server
-loop, and back); on a 2-vCPU VM a cross-CPU wake-up costs ~50 us, and a pyzmq DEALER/ROUTER echo
-measured p50 0.16 ms against 0.010 ms for a blocking echo over a Unix socket between the same two
-processes. Every same-host put and control call is such a round trip, and every put's commit sends its
+loop, and back): on a 2-vCPU VM a pyzmq DEALER/ROUTER echo measured p50 0.16 ms against 0.010 ms for a
+blocking echo over a Unix socket between the same two processes. Every same-host put and control call is such a round trip, and every put's commit sends its
 unit a message (an adopt) and reads its answer. So a server also listens on a Unix socket in Linux's
 abstract namespace (no file to clean up after a crash; the name carries 128 random bits, so a process on
 another host or in another network namespace cannot reach a different server by it: it fails to
@@ -44,6 +43,7 @@ def stable_token(directory: str) -> str:
     """The socket token kept in ``directory`` (made there on first use): a server restarted on its
     state directory (a crash-recovered controller) listens at the same address, so the same-host
     clients that lost their connection get it back by connecting again."""
+    os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, "local-socket-token")
     try:
         with open(path) as f:
@@ -84,24 +84,31 @@ def connect(address: str, timeout: float) -> socket.socket:
     return sock
 
 
-def _views(buffers: Sequence[Any]) -> list[memoryview]:
-    return [v for v in (protocol.frame_view(b) for b in buffers) if v.nbytes]
+def _wire(frames: Sequence[Any]) -> list[memoryview]:
+    """One message as it goes on the stream: its prefix, then its frames (empty ones need no bytes)."""
+    views = [protocol.frame_view(f) for f in frames]
+    return [memoryview(protocol.stream_prefix(views)), *(v for v in views if v.nbytes)]
 
 
-def _advance(views: list[memoryview], sent: int) -> None:
-    """Drop ``sent`` bytes from the front of ``views`` (what one sendmsg took)."""
-    while sent:
-        head = views[0]
-        if sent >= head.nbytes:
-            sent -= head.nbytes
-            views.pop(0)
-        else:
-            views[0] = head[sent:]
-            sent = 0
+def _write(sock: socket.socket, views: list[memoryview]) -> None:
+    """Write ``views`` until none is left, dropping what is written from the list: BlockingIOError
+    when a non-blocking socket takes no more, OSError when the connection is broken."""
+    while views:
+        sent = sock.sendmsg(views[:MAX_IOV])
+        while sent:
+            head = views[0]
+            if sent >= head.nbytes:
+                sent -= head.nbytes
+                views.pop(0)
+            else:
+                views[0] = head[sent:]
+                sent = 0
 
 
 class PollLoop(Protocol):
     """What a stream needs from the server loop that drives it (:class:`tq.rpc.RpcServer`)."""
+
+    read_buffer: bytearray  # one receive buffer for every stream of the loop (it serves one at a time)
 
     def watch_fd(self, fd: int, writable: bool, handler: Callable[[bool, bool], None]) -> None:
         """Call ``handler(readable, writable)`` whenever ``fd`` is readable (or, with ``writable``,
@@ -112,75 +119,108 @@ class PollLoop(Protocol):
 
 
 class StreamPeer:
-    """One non-blocking connection driven by a poll loop: a client a server accepted (a reply goes to
-    it: it stands where a ZMQ identity stands in :class:`tq.rpc.Call`), or the controller's connection
-    to a storage unit. What the socket has not taken yet waits in ``out``."""
+    """One non-blocking connection driven by a server's poll loop: a client the server accepted (a
+    reply goes to it: it stands where a ZMQ identity stands in :class:`tq.rpc.Call`), or the
+    controller's connection to a storage unit. Each message that arrives goes to
+    ``on_message(peer, frames)``; when the connection ends by itself (the peer closed it, a write
+    failed, it sent bytes no TQ peer sends) it is closed and ``on_close(peer, exc)`` hears why. What
+    the socket has not taken yet waits in ``out`` until it is writable."""
 
-    __slots__ = ("sock", "reader", "out", "queued", "closed", "writing")
+    __slots__ = ("sock", "loop", "on_message", "on_close", "reader", "out", "queued", "closed", "writing")
 
-    def __init__(self, sock: socket.socket, max_message_bytes: int | None) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        loop: PollLoop,
+        on_message: Callable[["StreamPeer", list[memoryview]], None],
+        on_close: Callable[["StreamPeer", Exception], None],
+        *,
+        max_message_bytes: int | None = None,
+    ) -> None:
         sock.setblocking(False)
-        self.sock = sock
+        self.sock, self.loop, self.on_message, self.on_close = sock, loop, on_message, on_close
         self.reader = protocol.StreamReader(max_message_bytes)
         self.out: list[memoryview] = []
         self.queued = 0  # bytes in ``out`` (approximately: not lowered by partial writes)
         self.closed = False
         self.writing = False  # polled for writability (bytes wait in ``out``)
+        loop.watch_fd(sock.fileno(), False, self._on_ready)
 
     def send(self, frames: Sequence[Any]) -> bool:
-        """Queue one message and write what the socket takes now; True while bytes wait for the
-        socket to become writable. OSError: the connection is broken."""
+        """Queue one message and write what the socket takes now; False if the connection is closed,
+        or this write ended it (``on_close`` heard why)."""
         if self.closed:
-            raise BrokenPipeError("connection closed")
-        views = _views([protocol.stream_prefix(frames), *frames])
-        self.out += views
-        self.queued += sum(v.nbytes for v in views)
-        return self.flush()
+            return False
+        wire = _wire(frames)
+        self.out += wire
+        self.queued += sum(v.nbytes for v in wire)
+        self._flush()
+        return not self.closed
 
-    def flush(self) -> bool:
-        """Write what waits, as far as the socket takes it; True while bytes still wait."""
-        out = self.out
+    def _flush(self) -> None:
         try:
-            while out:
-                _advance(out, self.sock.sendmsg(out[:MAX_IOV]))
+            _write(self.sock, self.out)
+            self.queued, waiting = 0, False
         except BlockingIOError:
-            return True
-        self.queued = 0
-        return False
+            waiting = True
+        except OSError as exc:
+            self._ended(exc)
+            return
+        if waiting != self.writing:
+            self.writing = waiting
+            self.loop.watch_fd(self.sock.fileno(), waiting, self._on_ready)
 
-    def read(self, buf: bytearray) -> list[list[memoryview]]:
-        """The messages that one read completes (none yet: ``[]``). OSError once the peer closed;
-        :class:`~tq.errors.TQError` for bytes no TQ peer sends (the stream cannot be read past them)."""
+    def _on_ready(self, readable: bool, writable: bool) -> None:
+        if writable:
+            self._flush()
+        if not readable or self.closed:
+            return
+        buf = self.loop.read_buffer
         try:
             n = self.sock.recv_into(buf)
+            if n == 0:
+                raise ConnectionResetError("closed by the peer")  # a message it cut short is dropped
+            messages = self.reader.feed(memoryview(buf)[:n])
         except BlockingIOError:
-            return []
-        if n == 0:
-            raise ConnectionResetError("closed by the peer")
-        return self.reader.feed(memoryview(buf)[:n])
+            return
+        except (OSError, TQError) as exc:
+            self._ended(exc)
+            return
+        for frames in messages:
+            if self.closed:
+                return
+            self.on_message(self, frames)
+
+    def _ended(self, exc: Exception) -> None:
+        if not self.closed:
+            self.close()
+            self.on_close(self, exc)
 
     def finish(self, frames: Sequence[Any], *, timeout: float) -> None:
         """Write what waits and one last message, blocking up to ``timeout`` a write, then close: best
         effort, for a connection being given up."""
-        if not self.closed:
-            try:
-                self.out += _views([protocol.stream_prefix(frames), *frames])
-                self.sock.settimeout(timeout)
-                while self.out:
-                    _advance(self.out, self.sock.sendmsg(self.out[:MAX_IOV]))
-            except OSError:
-                pass
+        if self.closed:
+            return
+        try:
+            self.out += _wire(frames)
+            self.sock.settimeout(timeout)
+            _write(self.sock, self.out)
+        except OSError:
+            pass
         self.close()
 
     def close(self) -> None:
-        self.closed = True
-        self.out.clear()
-        self.sock.close()
+        """Close it (its owner's decision: ``on_close`` is not called)."""
+        if not self.closed:
+            self.closed = True
+            self.out.clear()
+            self.loop.unwatch_fd(self.sock.fileno())
+            self.sock.close()
 
 
 class LocalListener:
-    """A server's same-host socket: accepts connections, reads requests and writes replies without
-    blocking; ``serve(peer, frames)`` handles one complete request."""
+    """A server's same-host socket: accepts connections (each a :class:`StreamPeer` whose requests go
+    to ``serve(peer, frames)`` and which the server answers with ``peer.send``)."""
 
     def __init__(
         self,
@@ -204,8 +244,7 @@ class LocalListener:
             self.sock.bind(_sockaddr(self.address))
         self.sock.listen(256)
         self.sock.setblocking(False)
-        self.peers: dict[int, StreamPeer] = {}
-        self._buf = bytearray(RECV_CHUNK)
+        self.peers: set[StreamPeer] = set()
         self._paused_until = 0.0
         self.rejected = 0  # connections closed for sending what no TQ client sends
         loop.watch_fd(self.sock.fileno(), False, self._accept)
@@ -228,51 +267,20 @@ class LocalListener:
                 self.loop.unwatch_fd(self.sock.fileno())
                 self._paused_until = time.monotonic() + ACCEPT_PAUSE_S
                 return
-            peer = StreamPeer(conn, self.max_message_bytes)
-            self.peers[conn.fileno()] = peer
-            self.loop.watch_fd(conn.fileno(), False, lambda r, w, peer=peer: self._on_peer(peer, r, w))
+            self.peers.add(StreamPeer(conn, self.loop, self.serve, self._ended, max_message_bytes=self.max_message_bytes))
 
-    def _on_peer(self, peer: StreamPeer, readable: bool, writable: bool) -> None:
-        try:
-            if writable:
-                self._flushed(peer, peer.flush())
-            if readable:
-                for frames in peer.read(self._buf):
-                    if peer.closed:
-                        return
-                    self.serve(peer, frames)
-        except OSError:  # the client went away (a request it cut short is dropped unread)
-            self.drop(peer)
-        except TQError as exc:
+    def _ended(self, peer: StreamPeer, exc: Exception) -> None:
+        """A client's connection ended: it went away (a request it cut short is dropped unread), or it
+        sent what no TQ client sends."""
+        self.peers.discard(peer)
+        if isinstance(exc, TQError):
             self.rejected += 1
             log.warning("%s closed a same-host connection: %s", self.name, exc)
-            self.drop(peer)
-
-    def send(self, peer: StreamPeer, frames: Sequence[Any]) -> None:
-        """Send a reply: written now as far as the socket takes it, the rest when it is writable."""
-        if peer.closed:
-            return  # the client went away: its reply has no reader
-        try:
-            self._flushed(peer, peer.send(frames))
-        except OSError:
-            self.drop(peer)
-
-    def _flushed(self, peer: StreamPeer, waiting: bool) -> None:
-        if peer.writing != waiting:
-            peer.writing = waiting
-            self.loop.watch_fd(peer.sock.fileno(), waiting, lambda r, w, peer=peer: self._on_peer(peer, r, w))
-
-    def drop(self, peer: StreamPeer) -> None:
-        if peer.closed:
-            return
-        fd = peer.sock.fileno()
-        self.peers.pop(fd, None)
-        self.loop.unwatch_fd(fd)
-        peer.close()
 
     def close(self) -> None:
-        for peer in list(self.peers.values()):
-            self.drop(peer)
+        for peer in self.peers:
+            peer.close()
+        self.peers.clear()
         if not self._paused_until:
             self.loop.unwatch_fd(self.sock.fileno())
         self.sock.close()
@@ -295,10 +303,8 @@ class LocalStream:
     def send(self, frames: Sequence[Any], timeout: float) -> None:
         """Write a whole request; OSError (the server closed, or took nothing within ``timeout``)
         leaves the stream unusable: close it."""
-        views = _views([protocol.stream_prefix(frames), *frames])
         self.sock.settimeout(max(timeout, 1e-3))
-        while views:
-            _advance(views, self.sock.sendmsg(views[:MAX_IOV]))
+        _write(self.sock, _wire(frames))
 
     def recv(self, timeout: float) -> list[memoryview] | None:
         """The next message, or None if none came within ``timeout``; TQConnectionError once the

@@ -459,8 +459,8 @@ def _raise_error(err: Any, reply: Any) -> None:
 
 
 # ----------------------------------------------------------------------------- byte streams
-# Same-host clients may talk to the controller over a Unix stream socket instead of ZMQ (see
-# tq.rpc.LocalListener). A stream has no message boundaries, so each message travels as
+# Processes of one host may talk to a server over a Unix stream socket instead of ZMQ (see
+# tq.local_transport). A stream has no message boundaries, so each message travels as
 #
 #     u32 frame count, u64 size of every frame (little-endian), then the frames back to back
 #
@@ -486,6 +486,7 @@ class StreamReader:
         self._buf = bytearray()
         self._sizes: list[int] | None = None  # the current message's frame sizes, once its prefix arrived
         self._prefix = 0  # the current message's prefix bytes
+        self._end = 0  # ... and where its last frame ends
 
     @property
     def pending(self) -> int:
@@ -520,7 +521,8 @@ class StreamReader:
             if self.max_message_bytes is not None and sum(sizes) > self.max_message_bytes:
                 raise MessageTooLargeError(f"stream message of {sum(sizes)} bytes exceeds the limit of {self.max_message_bytes}")
             self._sizes, self._prefix = sizes, _COUNT.size + 8 * n
-        end = self._prefix + sum(self._sizes)
+            self._end = self._prefix + sum(sizes)
+        end = self._end
         if len(buf) < end:
             return None
         whole = memoryview(bytearray(buf[self._prefix : end]))  # writable, as a received ZMQ frame is

@@ -253,6 +253,7 @@ class RpcServer:
             self._poller.register(self._monitor, zmq.POLLIN)
         self._poller.register(self.sock, zmq.POLLIN)
         self._fd_handlers: dict[int, Callable[[bool, bool], None]] = {}  # see watch_fd
+        self.read_buffer = bytearray(local_transport.RECV_CHUNK)  # for every stream of this loop
         self.local: local_transport.LocalListener | None = None  # see listen_local
 
     def listen_local(self, token: str | None = None) -> str | None:
@@ -333,8 +334,8 @@ class RpcServer:
     def _send_reply(self, call: Call, frames: list[Any]) -> None:
         if type(call.identity) is bytes:
             self.sock.send_multipart([call.identity, *frames], copy=not _zero_copy(frames))
-        elif self.local is not None:
-            self.local.send(call.identity, frames)
+        else:  # a same-host client (nothing is sent to one that went away)
+            call.identity.send(frames)
 
     def _record(self, call: Call, frames: Sequence[Any], *, ok: bool) -> None:
         st = self.op_stats[call.op]

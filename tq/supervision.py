@@ -22,7 +22,7 @@ import zmq
 
 from . import local_transport, messages, protocol
 from .arena import arena_in_use
-from .errors import InvalidRequestError, TQError
+from .errors import InvalidRequestError
 from .locations import ALIVE_S, LocationTable
 from .protocol import LOC_BLOCK as BLOCK, LOC_ROW as ROW, LOC_UNIT as UNIT
 
@@ -106,45 +106,30 @@ class UnitSupervision:
         self._close_unit_stream(uid)
         if local_address is not None and local_transport.supported():
             try:
-                stream = local_transport.StreamPeer(local_transport.connect(local_address, 1.0), None)
+                sock = local_transport.connect(local_address, 1.0)
             except (OSError, ValueError):  # another host or network namespace: ZMQ it is
                 return
-            self.unit_streams[uid] = stream
-            self._watch_unit_stream(uid, stream)
+            self.unit_streams[uid] = local_transport.StreamPeer(
+                sock, self, lambda _, frames: self._on_unit_reply(uid, frames), lambda s, exc: self._unit_stream_ended(uid, s, exc)
+            )
 
-    def _watch_unit_stream(self, unit: int, stream: local_transport.StreamPeer) -> None:
-        self.watch_fd(stream.sock.fileno(), stream.writing, lambda r, w: self._on_unit_stream(unit, stream, r, w))
-
-    def _on_unit_stream(self, unit: int, stream: local_transport.StreamPeer, readable: bool, writable: bool) -> None:
-        try:
-            if writable:
-                self._stream_flushed(unit, stream, stream.flush())
-            if readable:
-                for frames in stream.read(self._unit_read_buf):
-                    self._on_unit_reply(unit, frames)
-                    if stream.closed:
-                        return
-        except (OSError, TQError) as exc:  # the unit is gone (or restarting): what it did not read is lost
-            log.info("storage unit %d: its same-host connection ended (%s)", unit, exc)
-            self._close_unit_stream(unit)
-            self.ledgers[unit].resync = True  # it gets a retain once it answers again
-
-    def _stream_flushed(self, unit: int, stream: local_transport.StreamPeer, waiting: bool) -> None:
-        if stream.writing != waiting and not stream.closed:
-            stream.writing = waiting
-            self._watch_unit_stream(unit, stream)
+    def _unit_stream_ended(self, unit: int, stream: local_transport.StreamPeer, exc: Exception) -> None:
+        """The unit is gone (or restarting): what it did not read is lost, so it gets a retain once it
+        answers again; its messages go over ZMQ until it registers again."""
+        log.info("storage unit %d: its same-host connection ended (%s)", unit, exc)
+        if self.unit_streams.get(unit) is stream:
+            del self.unit_streams[unit]
+        self.ledgers[unit].resync = True
 
     def _close_unit_stream(self, unit: int, last: list[Any] | None = None) -> None:
         """Close the unit's Unix-socket connection; its messages go over ZMQ from now on. With a
         ``last`` message (the controller stopping), what waits and it are written first, within a
         second (as ZMQ's linger); else what waits is dropped (a gone or replaced unit gets a retain)."""
         stream = self.unit_streams.pop(unit, None)
-        if stream is not None:
-            self.unwatch_fd(stream.sock.fileno())
-            if last is not None:
-                stream.finish(last, timeout=1.0)
-            else:
-                stream.close()
+        if stream is not None and last is not None:
+            stream.finish(last, timeout=1.0)
+        elif stream is not None:
+            stream.close()
 
     def _rows_on(self, unit: int) -> np.ndarray:
         """(block, row) pairs of ``unit`` that live keys still reference, int64 ``[n, 2]``."""
@@ -310,12 +295,9 @@ class UnitSupervision:
                     log.warning("storage unit %d is not taking messages: its frees wait for it to answer again", unit)
                     self.ledgers[unit].resync = True
                 return
-            try:
-                self._stream_flushed(unit, stream, stream.send(protocol.request(op, _OP_RIDS[op], args, buffers, self.secret)))
+            if stream.send(protocol.request(op, _OP_RIDS[op], args, buffers, self.secret)):
                 return
-            except OSError:  # gone: it missed this message (and maybe more), so it gets a retain
-                self._close_unit_stream(unit)
-                self.ledgers[unit].resync = True
+            # the write found the unit gone (a retain is due): this message goes over ZMQ
         sock = self.unit_socks.get(unit)
         if sock is None:
             return

@@ -194,6 +194,46 @@ def test_a_fetch_of_a_committed_block_waits_for_its_adopt():
         assert frame.view(np.int64).tolist() == [42]
 
 
+def test_a_stream_of_puts_reaches_its_unit_in_fewer_adopts_and_claims_than_puts():
+    """While commits keep coming, the controller sends their adopts (same-host puts) and claims (puts
+    sent to the unit) several to a message, at most every UNIT_FLUSH_S - one each per put cost a unit
+    about what serving the write did - and every block still gets there: all read back from the unit,
+    none left tentative."""
+    n = 100
+    with TQServer(storage_units=1, capacity=32 << 20) as server:
+        with TQClient(server.address, timeout=10.0) as c, TQClient(server.address, timeout=10.0, transport="tcp") as tcp:
+            c.register_partition("p")
+            before = _unit_ops(c)
+            here = [c.put("p", [f"h{i}"], {"x": torch.tensor([i])}) for i in range(n)]
+            sent = [tcp.put("p", [f"t{i}"], {"x": torch.tensor([i])}) for i in range(n)]
+            for i, (a, b) in enumerate(zip(here, sent)):
+                assert tcp.get(a)["x"].tolist() == [i] and tcp.get(b)["x"].tolist() == [i]
+            assert wait_until(lambda: c.stats()["unit_stats"][0]["tentative_blocks"] == 0, timeout=5)
+            after = _unit_ops(c)
+    adopts, claims = (after.get(op, 0) - before.get(op, 0) for op in ("adopt", "claim"))
+    assert 1 <= adopts < 0.75 * n and 1 <= claims < 0.75 * n, (adopts, claims)
+
+
+def test_a_deadline_under_a_millisecond_away_does_not_spin_the_loop():
+    """The loop sleeps in zmq's poll until its next deadline; zmq truncates the timeout to whole
+    milliseconds, so a deadline 0.5 ms away polled with 0 ms and the loop spun a CPU until it passed
+    (the controller's unit flushes are due that soon while puts stream in)."""
+    import threading
+    import time
+
+    from tq.rpc import RpcServer
+
+    server = RpcServer("t", "tcp://127.0.0.1:0", secret=None, max_message_bytes=1 << 20)
+    ticks = [0]
+    server.next_deadline = lambda: time.monotonic() + 0.0005  # type: ignore[method-assign]
+    server.on_tick = lambda now: ticks.__setitem__(0, ticks[0] + 1)  # type: ignore[method-assign]
+    stopper = threading.Timer(0.2, server.stop)
+    stopper.start()
+    server.serve_forever()
+    stopper.join()
+    assert 20 <= ticks[0] <= 250, ticks[0]  # about one a millisecond (spinning: tens of thousands)
+
+
 def test_a_socket_closed_by_an_earlier_message_of_the_same_poll_does_not_stop_the_server():
     """A unit that rejoins gets a new socket, the old one is closed while a reply on it may still be in
     the same poll's batch: the chaos run's controller died of a KeyError there (more replies on unit

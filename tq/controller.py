@@ -113,6 +113,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         self.recent_commits: collections.OrderedDict[tuple[int, int], int] = collections.OrderedDict()
         self._next_adopted_check = 0.0
         self._next_heartbeat = 0.0
+        self._next_unit_flush = 0.0
         self.children: list[Any] = []  # storage-unit processes this controller started (serve())
         self.hello_waiters: list[tuple[Call, float]] = []
         self.bytes_committed = 0
@@ -253,6 +254,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         return messages.UnitStatusReply(alive=not down, down_for_s=down, address=self.units[unit]["address"])
 
     def close(self) -> None:
+        self._flush_units()  # what the coalescing window still held
         if self.stop_units_on_close:
             shutdown = protocol.request(messages.UnitOp.SHUTDOWN, 0, messages.UnitShutdown(), [], self.secret)
             for unit, sock in list(self.unit_socks.items()):
@@ -814,6 +816,9 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             times.append(lease_end)
         if self.unit_socks:
             times.append(self._next_heartbeat)
+        flush = self._unit_flush_due()
+        if flush is not None:
+            times.append(flush)
         return min(times, default=None)
 
     def on_applied(self, op: str, raw_args: Any, buffers: list) -> None:
@@ -834,7 +839,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         if now >= self._next_liveness_sweep:
             self._next_liveness_sweep = now + liveness.SWEEP_S
             self._sweep_gone_files()
-        self._flush_units()
+        self._flush_units(now)
         self._heartbeat(now)
         if self._running:  # once stopping (shutdown, SIGTERM, Ctrl-C), units that exit are not crashes
             self._reap_children()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import collections
 import contextlib
+import math
 import os
 import hashlib
 import hmac
@@ -366,7 +367,9 @@ class RpcServer:
         self._running = True
         while self._running:
             deadline = self.next_deadline()
-            timeout_ms = 100.0 if deadline is None else max(0.0, min(100.0, (deadline - time.monotonic()) * 1e3))
+            # whole milliseconds, rounded up: zmq's poll truncates, so a deadline under 1 ms away would
+            # spin the loop (and a CPU) until it passed
+            timeout_ms = 100 if deadline is None else max(0, min(100, math.ceil((deadline - time.monotonic()) * 1e3)))
             for sock, event in self._poller.poll(timeout_ms):
                 if sock is self.sock:
                     self._serve_ready()

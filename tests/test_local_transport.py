@@ -163,29 +163,74 @@ def test_a_client_waiting_on_a_controller_that_dies_hears_it_at_once():
         assert isinstance(failed[0], TQConnectionError) and "connection lost" in str(failed[0])
 
 
-def test_the_unix_socket_checks_the_secret_and_refuses_replays():
+def test_the_unix_socket_checks_the_secret_refuses_replays_and_drops_who_fails():
+    """No handshake authenticates a same-host connection (ZMQ's CURVE does on TCP), so each request's
+    HMAC and stamp are checked; a connection whose request fails them gets its error and is closed -
+    an unauthenticated process holds no more of the server than one reply."""
     secret = "local-s3cret"
     key = secret.encode()
     with TQServer(storage_units=1, capacity=16 * MiB, secret=secret) as srv:
         address = _hello(srv.address, key)["local_address"]
-        stream = LocalStream(address, 5.0)
-        stream.send(protocol.request("create_partition", 1, {"partition": "lt-unsigned"}, [], None), 5.0)
-        with pytest.raises(AuthenticationError):
-            protocol.raise_for_error(protocol.decode_reply(stream.recv(5.0), None))
+
+        def answered_then_dropped(request: list, expected: type[Exception]) -> None:
+            stream = LocalStream(address, 5.0)
+            stream.send(request, 5.0)
+            with pytest.raises(expected):
+                protocol.raise_for_error(protocol.decode_reply(stream.recv(5.0), None))
+            with pytest.raises(TQConnectionError):  # closed by the server
+                stream.recv(5.0)
+            stream.close()
+
+        answered_then_dropped(protocol.request("create_partition", 1, {"partition": "lt-unsigned"}, [], None), AuthenticationError)
         wrong = protocol.request("create_partition", 2, {"partition": "lt-wrong"}, [], b"not-the-secret", protocol.Sender())
-        stream.send(wrong, 5.0)
-        with pytest.raises(AuthenticationError):
-            protocol.raise_for_error(protocol.decode_reply(stream.recv(5.0), key))  # a reply signed with the real one
+        answered_then_dropped(wrong, AuthenticationError)
+        stream = LocalStream(address, 5.0)
         signed = protocol.request("create_partition", 3, {"partition": "lt-signed"}, [], key, protocol.Sender())
         stream.send(signed, 5.0)
         protocol.raise_for_error(protocol.decode_reply(stream.recv(5.0), key))
-        stream.send(signed, 5.0)  # captured and sent again
-        with pytest.raises(ReplayError):
-            protocol.raise_for_error(protocol.decode_reply(stream.recv(5.0), key))
+        again = protocol.request("list_partitions", 4, {}, [], key, protocol.Sender())
+        stream.send(again, 5.0)  # a signed connection stays open
+        protocol.raise_for_error(protocol.decode_reply(stream.recv(5.0), key))
         stream.close()
+        answered_then_dropped(signed, ReplayError)  # captured and sent again
         with TQClient(srv.address, secret=secret) as client:
             assert sorted(p["partition"] for p in client.list_partitions()) == ["lt-signed"]
             assert client.stats()["local_connections"] >= 1
+            assert client.stats()["auth_failures"] >= 3
+
+
+def test_a_peer_that_floods_requests_and_never_reads_is_dropped_at_a_bound(server):
+    """A same-host peer that sends request after request and reads no reply is disconnected once
+    MAX_QUEUED_MESSAGES replies wait for it (a ZMQ peer's replies stop at its send high-water mark):
+    the controller's memory does not grow with what a peer leaves unread, and it serves on."""
+    from tq.local_transport import MAX_QUEUED_MESSAGES
+
+    address = _hello(server.address)["local_address"]
+    with TQClient(server.address) as client:
+        before = client.stats()["rejected_messages"]
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect("\0" + address[1:])
+        n = 5 * MAX_QUEUED_MESSAGES
+        one = _message(protocol.request("list_partitions", 1, {}, [], None))
+        try:
+            s.sendall(one * n)
+        except (BrokenPipeError, ConnectionResetError):  # dropped while we were still sending
+            pass
+        s.settimeout(10.0)
+        reader, replies = protocol.StreamReader(), 0
+        while True:
+            try:
+                chunk = s.recv(1 << 16)
+            except ConnectionResetError:
+                break
+            if not chunk:
+                break  # closed by the server
+            replies += len(reader.feed(chunk))
+        s.close()
+        assert replies < n
+        assert client.stats()["rejected_messages"] == before + 1
+        client.register_partition("lt-flood", reuse=True)
+        assert "lt-flood" in [p["partition"] for p in client.list_partitions()]
 
 
 def test_puts_go_on_while_a_unit_dies_and_rejoins_over_its_new_socket():

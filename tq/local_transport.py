@@ -37,6 +37,11 @@ ACCEPT_PAUSE_S = 1.0  # after accept fails for want of file descriptors, the lis
 # list_partitions p50 0.12 -> 0.054 ms with it; measured).
 SPIN_S = 250e-6
 RETRY_S = 1.0  # a client that found nothing at a server's socket uses ZMQ this long before it tries again
+# A client's connection with this many replies (or bytes of them) waiting unwritten is not reading them:
+# it is dropped. A ZMQ peer's replies stop at its send high-water mark (1,000 messages by default); a
+# stream cannot skip a message, so the connection ends instead of the server's memory growing with it.
+MAX_QUEUED_MESSAGES = 1000
+MAX_QUEUED_BYTES = 256 << 20
 
 
 def stable_token(directory: str) -> str:
@@ -123,10 +128,11 @@ class StreamPeer:
     reply goes to it: it stands where a ZMQ identity stands in :class:`tq.rpc.Call`), or the
     controller's connection to a storage unit. Each message that arrives goes to
     ``on_message(peer, frames)``; when the connection ends by itself (the peer closed it, a write
-    failed, it sent bytes no TQ peer sends) it is closed and ``on_close(peer, exc)`` hears why. What
-    the socket has not taken yet waits in ``out`` until it is writable."""
+    failed, it sent bytes no TQ peer sends, or - ``bounded`` - it left MAX_QUEUED_MESSAGES replies
+    unread) it is closed and ``on_close(peer, exc)`` hears why. What the socket has not taken yet
+    waits in ``out`` until it is writable."""
 
-    __slots__ = ("sock", "loop", "on_message", "on_close", "reader", "out", "queued", "closed", "writing")
+    __slots__ = ("sock", "loop", "on_message", "on_close", "reader", "out", "queued", "pending", "bounded", "closed", "writing", "ending")
 
     def __init__(
         self,
@@ -136,31 +142,48 @@ class StreamPeer:
         on_close: Callable[["StreamPeer", Exception], None],
         *,
         max_message_bytes: int | None = None,
+        bounded: bool = False,
     ) -> None:
         sock.setblocking(False)
         self.sock, self.loop, self.on_message, self.on_close = sock, loop, on_message, on_close
         self.reader = protocol.StreamReader(max_message_bytes)
         self.out: list[memoryview] = []
         self.queued = 0  # bytes in ``out`` (approximately: not lowered by partial writes)
+        self.pending = 0  # messages in ``out`` (the same way)
+        self.bounded = bounded
         self.closed = False
         self.writing = False  # polled for writability (bytes wait in ``out``)
+        self.ending = False  # closed once ``out`` is written; nothing more is read or sent
         loop.watch_fd(sock.fileno(), False, self._on_ready)
 
     def send(self, frames: Sequence[Any]) -> bool:
         """Queue one message and write what the socket takes now; False if the connection is closed,
         or this write ended it (``on_close`` heard why)."""
-        if self.closed:
+        if self.closed or self.ending:
+            return False
+        if self.bounded and self.out and (self.pending >= MAX_QUEUED_MESSAGES or self.queued >= MAX_QUEUED_BYTES):
+            self._ended(TQError(f"the peer left {self.pending} replies ({self.queued} bytes) unread"))
             return False
         wire = _wire(frames)
         self.out += wire
         self.queued += sum(v.nbytes for v in wire)
+        self.pending += 1
         self._flush()
         return not self.closed
+
+    def end_after_flush(self) -> None:
+        """Close once what waits in ``out`` is written (the reply just sent, say), reading nothing more."""
+        self.ending = True
+        if not self.out:
+            self._ended(ConnectionAbortedError("closed by this side"))
 
     def _flush(self) -> None:
         try:
             _write(self.sock, self.out)
-            self.queued, waiting = 0, False
+            self.queued, self.pending, waiting = 0, 0, False
+            if self.ending:
+                self._ended(ConnectionAbortedError("closed by this side"))
+                return
         except BlockingIOError:
             waiting = True
         except OSError as exc:
@@ -187,7 +210,7 @@ class StreamPeer:
             self._ended(exc)
             return
         for frames in messages:
-            if self.closed:
+            if self.closed or self.ending:
                 return
             self.on_message(self, frames)
 
@@ -267,11 +290,12 @@ class LocalListener:
                 self.loop.unwatch_fd(self.sock.fileno())
                 self._paused_until = time.monotonic() + ACCEPT_PAUSE_S
                 return
-            self.peers.add(StreamPeer(conn, self.loop, self.serve, self._ended, max_message_bytes=self.max_message_bytes))
+            self.peers.add(StreamPeer(conn, self.loop, self.serve, self._ended, max_message_bytes=self.max_message_bytes, bounded=True))
 
     def _ended(self, peer: StreamPeer, exc: Exception) -> None:
-        """A client's connection ended: it went away (a request it cut short is dropped unread), or it
-        sent what no TQ client sends."""
+        """A client's connection ended: it went away (a request it cut short is dropped unread), it
+        sent what no TQ client sends or left too many replies unread (a TQError: counted), or this
+        server closed it."""
         self.peers.discard(peer)
         if isinstance(exc, TQError):
             self.rejected += 1

@@ -14,7 +14,8 @@ secret, checked by a ZAP handler thread (one per ZMQ context, shared by every se
 and refuses replayed requests (:class:`protocol.ReplayGuard`); clients set those credentials on every
 socket they connect (:func:`set_client_credentials`). The Unix socket has no handshake to gate: any
 local process can connect (as to a loopback port), and every request there is checked by its HMAC and
-the replay guard alone, as every request over ZMQ is too.
+the replay guard alone, as every request over ZMQ is too; a connection whose request fails them gets
+that error and is closed, so an unauthenticated process holds at most one reply of a server at a time.
 """
 
 from __future__ import annotations
@@ -465,6 +466,10 @@ class RpcServer:
                 self.auth_failures += isinstance(exc, AuthenticationError)
                 log.warning("%s rejected a message: %s", self.name, exc)
             self.reply_error(call, exc)
+            if isinstance(exc, AuthenticationError) and type(call.identity) is not bytes:
+                # no handshake authenticated this same-host connection (CURVE does a ZMQ one): a peer
+                # failing the check gets this one answer, then the connection ends
+                call.identity.end_after_flush()
         except Exception as exc:  # a bug must not take the server down
             log.exception("%s failed serving %s", self.name, call.op)
             self.reply_error(call, exc)

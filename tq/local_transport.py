@@ -37,9 +37,10 @@ ACCEPT_PAUSE_S = 1.0  # after accept fails for want of file descriptors, the lis
 # list_partitions p50 0.12 -> 0.054 ms with it; measured).
 SPIN_S = 250e-6
 RETRY_S = 1.0  # a client that found nothing at a server's socket uses ZMQ this long before it tries again
-# A client's connection with this many replies (or bytes of them) waiting unwritten is not reading them:
-# it is dropped. A ZMQ peer's replies stop at its send high-water mark (1,000 messages by default); a
-# stream cannot skip a message, so the connection ends instead of the server's memory growing with it.
+# A client's connection with this many replies (or bytes of them) waiting unwritten is not reading them
+# (a TQ client waits for each reply on its connection): it is dropped, so a process flooding requests it
+# never reads cannot grow the server's memory. (Servers queue ZMQ replies without a bound, so that none
+# is dropped; with a secret, only a peer that passed the PLAIN handshake gets that far.)
 MAX_QUEUED_MESSAGES = 1000
 MAX_QUEUED_BYTES = 256 << 20
 

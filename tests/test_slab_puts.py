@@ -194,24 +194,31 @@ def test_a_fetch_of_a_committed_block_waits_for_its_adopt():
         assert frame.view(np.int64).tolist() == [42]
 
 
-def test_a_stream_of_puts_reaches_its_unit_in_fewer_adopts_and_claims_than_puts():
+def test_a_stream_of_puts_reaches_its_unit_at_most_once_a_flush_window():
     """While commits keep coming, the controller sends their adopts (same-host puts) and claims (puts
-    sent to the unit) several to a message, at most every UNIT_FLUSH_S - one each per put cost a unit
-    about what serving the write did - and every block still gets there: all read back from the unit,
-    none left tentative."""
+    sent to the unit) at most once every UNIT_FLUSH_S, several to a message - one each per put cost a
+    unit about what serving the write did - and every block still gets there: all read back from the
+    unit, none left tentative. (Puts slower than the window would meet the bound even sent one by one:
+    the bound counts windows, so it holds on a loaded machine and fails whenever puts come faster.)"""
+    import time
+
+    from tq.supervision import UNIT_FLUSH_S
+
     n = 100
     with TQServer(storage_units=1, capacity=32 << 20) as server:
         with TQClient(server.address, timeout=10.0) as c, TQClient(server.address, timeout=10.0, transport="tcp") as tcp:
             c.register_partition("p")
             before = _unit_ops(c)
+            t0 = time.monotonic()
             here = [c.put("p", [f"h{i}"], {"x": torch.tensor([i])}) for i in range(n)]
             sent = [tcp.put("p", [f"t{i}"], {"x": torch.tensor([i])}) for i in range(n)]
+            windows = (time.monotonic() - t0) / UNIT_FLUSH_S
             for i, (a, b) in enumerate(zip(here, sent)):
                 assert tcp.get(a)["x"].tolist() == [i] and tcp.get(b)["x"].tolist() == [i]
             assert wait_until(lambda: c.stats()["unit_stats"][0]["tentative_blocks"] == 0, timeout=5)
             after = _unit_ops(c)
     adopts, claims = (after.get(op, 0) - before.get(op, 0) for op in ("adopt", "claim"))
-    assert 1 <= adopts < 0.75 * n and 1 <= claims < 0.75 * n, (adopts, claims)
+    assert adopts >= 1 and claims >= 1 and adopts + claims <= windows + 4, (adopts, claims, windows)
 
 
 def test_a_deadline_under_a_millisecond_away_does_not_spin_the_loop():

@@ -37,10 +37,11 @@ ACCEPT_PAUSE_S = 1.0  # after accept fails for want of file descriptors, the lis
 # list_partitions p50 0.12 -> 0.054 ms with it; measured).
 SPIN_S = 250e-6
 RETRY_S = 1.0  # a client that found nothing at a server's socket uses ZMQ this long before it tries again
-# A client's connection with this many replies (or bytes of them) waiting unwritten is not reading them
-# (a TQ client waits for each reply on its connection): it is dropped, so a process flooding requests it
-# never reads cannot grow the server's memory. (Servers queue ZMQ replies without a bound, so that none
-# is dropped; with a secret, only a peer that passed the PLAIN handshake gets that far.)
+# While this many replies (or bytes of them) wait unwritten for a client's connection, the server reads
+# no more of its requests (until they are all written): a process sending requests whose replies it
+# does not read is held back by its own socket, instead of growing the server's memory. A client that
+# pipelines (a big fetch's parts) still gets every reply. (Servers queue ZMQ replies without a bound,
+# so that none is dropped; with a secret, only a peer that passed the PLAIN handshake gets that far.)
 MAX_QUEUED_MESSAGES = 1000
 MAX_QUEUED_BYTES = 256 << 20
 
@@ -116,9 +117,10 @@ class PollLoop(Protocol):
 
     read_buffer: bytearray  # one receive buffer for every stream of the loop (it serves one at a time)
 
-    def watch_fd(self, fd: int, writable: bool, handler: Callable[[bool, bool], None]) -> None:
-        """Call ``handler(readable, writable)`` whenever ``fd`` is readable (or, with ``writable``,
-        writable); watching a watched fd again replaces its handler and interest."""
+    def watch_fd(self, fd: int, writable: bool, handler: Callable[[bool, bool], None], readable: bool = True) -> None:
+        """Call ``handler(readable, writable)`` whenever ``fd`` is readable (unless not ``readable``; an
+        error or hang-up counts as readable either way) or, with ``writable``, writable; watching a
+        watched fd again replaces its handler and interest."""
 
     def unwatch_fd(self, fd: int) -> None:
         """Stop watching ``fd``."""
@@ -129,11 +131,25 @@ class StreamPeer:
     reply goes to it: it stands where a ZMQ identity stands in :class:`tq.rpc.Call`), or the
     controller's connection to a storage unit. Each message that arrives goes to
     ``on_message(peer, frames)``; when the connection ends by itself (the peer closed it, a write
-    failed, it sent bytes no TQ peer sends, or - ``bounded`` - it left MAX_QUEUED_MESSAGES replies
-    unread) it is closed and ``on_close(peer, exc)`` hears why. What the socket has not taken yet
-    waits in ``out`` until it is writable."""
+    failed, it sent bytes no TQ peer sends) it is closed and ``on_close(peer, exc)`` hears why. What
+    the socket has not taken yet waits in ``out`` until it is writable; a ``bounded`` connection is not
+    read while MAX_QUEUED_MESSAGES (or MAX_QUEUED_BYTES) wait there."""
 
-    __slots__ = ("sock", "loop", "on_message", "on_close", "reader", "out", "queued", "pending", "bounded", "closed", "writing", "ending")
+    __slots__ = (
+        "sock",
+        "loop",
+        "on_message",
+        "on_close",
+        "reader",
+        "out",
+        "queued",
+        "pending",
+        "bounded",
+        "paused",
+        "watching",
+        "closed",
+        "ending",
+    )
 
     def __init__(
         self,
@@ -152,8 +168,9 @@ class StreamPeer:
         self.queued = 0  # bytes in ``out`` (approximately: not lowered by partial writes)
         self.pending = 0  # messages in ``out`` (the same way)
         self.bounded = bounded
+        self.paused = False  # not read: too much waits in ``out`` (bounded only)
+        self.watching = (True, False)  # polled for (readable, writable)
         self.closed = False
-        self.writing = False  # polled for writability (bytes wait in ``out``)
         self.ending = False  # closed once ``out`` is written; nothing more is read or sent
         loop.watch_fd(sock.fileno(), False, self._on_ready)
 
@@ -161,9 +178,6 @@ class StreamPeer:
         """Queue one message and write what the socket takes now; False if the connection is closed,
         or this write ended it (``on_close`` heard why)."""
         if self.closed or self.ending:
-            return False
-        if self.bounded and self.out and (self.pending >= MAX_QUEUED_MESSAGES or self.queued >= MAX_QUEUED_BYTES):
-            self._ended(TQError(f"the peer left {self.pending} replies ({self.queued} bytes) unread"))
             return False
         wire = _wire(frames)
         self.out += wire
@@ -181,23 +195,26 @@ class StreamPeer:
     def _flush(self) -> None:
         try:
             _write(self.sock, self.out)
-            self.queued, self.pending, waiting = 0, 0, False
+            self.queued = self.pending = 0
             if self.ending:
                 self._ended(ConnectionAbortedError("closed by this side"))
                 return
         except BlockingIOError:
-            waiting = True
+            pass
         except OSError as exc:
             self._ended(exc)
             return
-        if waiting != self.writing:
-            self.writing = waiting
-            self.loop.watch_fd(self.sock.fileno(), waiting, self._on_ready)
+        if self.bounded:  # paused from a bound until everything waiting is written
+            self.paused = bool(self.out) and (self.paused or self.pending >= MAX_QUEUED_MESSAGES or self.queued >= MAX_QUEUED_BYTES)
+        want = (not self.paused, bool(self.out))
+        if want != self.watching:
+            self.watching = want
+            self.loop.watch_fd(self.sock.fileno(), want[1], self._on_ready, readable=want[0])
 
     def _on_ready(self, readable: bool, writable: bool) -> None:
-        if writable:
+        if writable or (readable and self.paused):  # paused, "readable" is a hang-up: the write meets it
             self._flush()
-        if not readable or self.closed:
+        if not readable or self.closed or self.paused:
             return
         buf = self.loop.read_buffer
         try:

@@ -269,10 +269,10 @@ class RpcServer:
             self.local = local_transport.LocalListener(self.name, self, self._serve_frames, max_message_bytes=limit, token=token)
         return self.local.address if self.local is not None else None
 
-    def watch_fd(self, fd: int, writable: bool, handler: Callable[[bool, bool], None]) -> None:
+    def watch_fd(self, fd: int, writable: bool, handler: Callable[[bool, bool], None], readable: bool = True) -> None:
         """Poll a file descriptor in this loop (:class:`tq.local_transport.PollLoop`)."""
         self._fd_handlers[fd] = handler
-        self._poller.register(fd, zmq.POLLIN | (zmq.POLLOUT if writable else 0))
+        self._poller.register(fd, (zmq.POLLIN if readable else 0) | (zmq.POLLOUT if writable else 0))
 
     def unwatch_fd(self, fd: int) -> None:
         if self._fd_handlers.pop(fd, None) is not None:

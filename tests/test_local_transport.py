@@ -164,7 +164,7 @@ def test_a_client_waiting_on_a_controller_that_dies_hears_it_at_once():
 
 
 def test_the_unix_socket_checks_the_secret_refuses_replays_and_drops_who_fails():
-    """No handshake authenticates a same-host connection (ZMQ's CURVE does on TCP), so each request's
+    """No handshake authenticates a same-host connection (ZMTP PLAIN does on TCP), so each request's
     HMAC and stamp are checked; a connection whose request fails them gets its error and is closed -
     an unauthenticated process holds no more of the server than one reply."""
     secret = "local-s3cret"

@@ -312,8 +312,8 @@ class LocalListener:
 
     def _ended(self, peer: StreamPeer, exc: Exception) -> None:
         """A client's connection ended: it went away (a request it cut short is dropped unread), it
-        sent what no TQ client sends or left too many replies unread (a TQError: counted), or this
-        server closed it."""
+        sent what no TQ client sends (a TQError: counted), or this server closed it (a request that
+        failed the secret's check)."""
         self.peers.discard(peer)
         if isinstance(exc, TQError):
             self.rejected += 1

@@ -467,7 +467,7 @@ class RpcServer:
                 log.warning("%s rejected a message: %s", self.name, exc)
             self.reply_error(call, exc)
             if isinstance(exc, AuthenticationError) and type(call.identity) is not bytes:
-                # no handshake authenticated this same-host connection (CURVE does a ZMQ one): a peer
+                # no handshake authenticated this same-host connection (PLAIN does a ZMQ one): a peer
                 # failing the check gets this one answer, then the connection ends
                 call.identity.end_after_flush()
         except Exception as exc:  # a bug must not take the server down

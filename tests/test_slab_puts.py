@@ -238,7 +238,7 @@ def test_a_deadline_under_a_millisecond_away_does_not_spin_the_loop():
     stopper.start()
     server.serve_forever()
     stopper.join()
-    assert 20 <= ticks[0] <= 250, ticks[0]  # about one a millisecond (spinning: tens of thousands)
+    assert 5 <= ticks[0] <= 250, ticks[0]  # about one a millisecond (spinning: tens of thousands)
 
 
 def test_a_socket_closed_by_an_earlier_message_of_the_same_poll_does_not_stop_the_server():

@@ -242,6 +242,27 @@ def test_a_peer_that_sends_requests_without_reading_replies_is_held_back_not_buf
         assert replies == n and not sender.is_alive()
 
 
+def test_a_fetch_of_many_big_parts_over_a_units_socket_gets_every_reply(monkeypatch):
+    """A get read as frames from a same-host unit (a same-host get's last try, after its copies raced
+    frees) sends all its ~16 MiB parts before reading a reply: 384 MiB waits at the unit, past
+    MAX_QUEUED_BYTES, so the unit stops reading that connection and resumes as the client drains it -
+    every part arrives, nothing is dropped."""
+    import tq.client
+    from tq.local_transport import MAX_QUEUED_BYTES
+
+    monkeypatch.setattr(tq.client, "SHM_READ_TRIES", 0)  # straight to the frames path
+    monkeypatch.setattr(TQClient, "_locate_here", lambda self, *args: None)
+    rows = torch.arange(24 * (MiB * 2), dtype=torch.float64).reshape(24, -1)  # 24 rows of 16 MiB
+    assert rows.numel() * 8 > MAX_QUEUED_BYTES
+    with TQServer(storage_units=1, capacity=512 * MiB) as srv, TQClient(srv.address, timeout=60.0) as c:
+        c.register_partition("lt-big")
+        meta = c.put("lt-big", [f"b{i}" for i in range(24)], {"x": rows})
+        before = c.stats()["unit_stats"][0]["ops"].get("fetch", {}).get("count", 0)
+        assert torch.equal(c.get(meta)["x"], rows)
+        st = c.stats()["unit_stats"][0]
+        assert st["ops"]["fetch"]["count"] - before >= 24 and st["local_connections"] >= 2  # the controller's and ours
+
+
 def test_puts_go_on_while_a_unit_dies_and_rejoins_over_its_new_socket():
     """The controller's connection to a unit ends with the unit; the restarted unit comes back with a new
     socket, which the controller connects to; nothing committed is lost."""

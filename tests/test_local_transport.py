@@ -199,6 +199,33 @@ def test_the_unix_socket_checks_the_secret_refuses_replays_and_drops_who_fails()
             assert client.stats()["auth_failures"] >= 3
 
 
+def test_with_a_secret_a_connection_that_never_authenticates_is_closed_after_the_handshake_time():
+    """With a secret, a same-host connection that sends no authenticated request within HANDSHAKE_S of
+    being accepted is closed (an idle one would hold a descriptor of the server for as long as it
+    liked; ZMQ gives its PLAIN handshake a time limit the same way). One that sent a signed request
+    stays open past it."""
+    from tq.local_transport import HANDSHAKE_S
+
+    secret = "idle-s3cret"
+    key = secret.encode()
+    with TQServer(storage_units=1, capacity=16 * MiB, secret=secret) as srv:
+        address = _hello(srv.address, key)["local_address"]
+        idle = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        idle.connect("\0" + address[1:])
+        signed = LocalStream(address, 5.0)
+        signed.sender = protocol.Sender()
+        signed.send(protocol.request("list_partitions", 1, {}, [], key, signed.sender), 5.0)
+        protocol.raise_for_error(protocol.decode_reply(signed.recv(5.0), key))
+        t0 = time.monotonic()
+        idle.settimeout(HANDSHAKE_S + 5.0)
+        assert idle.recv(10) == b""  # closed by the server
+        assert HANDSHAKE_S - 0.5 <= time.monotonic() - t0 <= HANDSHAKE_S + 5.0
+        idle.close()
+        signed.send(protocol.request("list_partitions", 2, {}, [], key, signed.sender), 5.0)
+        protocol.raise_for_error(protocol.decode_reply(signed.recv(5.0), key))  # still open
+        signed.close()
+
+
 def test_a_peer_that_sends_requests_without_reading_replies_is_held_back_not_buffered(server):
     """A same-host peer that sends request after request and reads no reply: once MAX_QUEUED_MESSAGES
     replies wait for it, the controller reads no more of its requests (its own socket holds it back),

@@ -44,6 +44,11 @@ RETRY_S = 1.0  # a client that found nothing at a server's socket uses ZMQ this 
 # so that none is dropped; with a secret, only a peer that passed the PLAIN handshake gets that far.)
 MAX_QUEUED_MESSAGES = 1000
 MAX_QUEUED_BYTES = 256 << 20
+# With a secret, a connection that has sent no authenticated request this long after it was accepted is
+# closed: no handshake gates the socket, and an idle connection would hold one of the server's file
+# descriptors for as long as it liked (ZMQ gives its PLAIN handshake a limit too, ZMQ_HANDSHAKE_IVL).
+# A TQ client sends its first request as soon as it has connected.
+HANDSHAKE_S = 10.0
 
 
 def stable_token(directory: str) -> str:
@@ -271,9 +276,12 @@ class LocalListener:
         *,
         max_message_bytes: int | None,
         token: str | None = None,
+        handshake_s: float | None = None,
     ) -> None:
         self.name, self.loop, self.serve = name, loop, serve
         self.max_message_bytes = max_message_bytes
+        self.handshake_s = handshake_s  # None: no secret, nothing to prove
+        self.unproven: dict[StreamPeer, float] = {}  # accepted, no authenticated request yet -> closed at
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:  # a given token (a restarted server's) when it is free, else a fresh one
             self.address = f"@tq-{token or secrets.token_hex(16)}"
@@ -294,6 +302,14 @@ class LocalListener:
         if self._paused_until and now >= self._paused_until:
             self._paused_until = 0.0
             self.loop.watch_fd(self.sock.fileno(), False, self._accept)
+        if self.unproven:
+            for peer in [p for p, until in self.unproven.items() if until <= now]:
+                peer.close()
+                self._ended(peer, TQError(f"no authenticated request within {self.handshake_s:g} s of connecting"))
+
+    def proven(self, peer: StreamPeer) -> None:
+        """``peer`` sent a request that passed the secret's check: it may stay connected."""
+        self.unproven.pop(peer, None)
 
     def _accept(self, readable: bool, writable: bool) -> None:
         while True:
@@ -308,13 +324,17 @@ class LocalListener:
                 self.loop.unwatch_fd(self.sock.fileno())
                 self._paused_until = time.monotonic() + ACCEPT_PAUSE_S
                 return
-            self.peers.add(StreamPeer(conn, self.loop, self.serve, self._ended, max_message_bytes=self.max_message_bytes, bounded=True))
+            peer = StreamPeer(conn, self.loop, self.serve, self._ended, max_message_bytes=self.max_message_bytes, bounded=True)
+            self.peers.add(peer)
+            if self.handshake_s is not None:
+                self.unproven[peer] = time.monotonic() + self.handshake_s
 
     def _ended(self, peer: StreamPeer, exc: Exception) -> None:
         """A client's connection ended: it went away (a request it cut short is dropped unread), it
         sent what no TQ client sends (a TQError: counted), or this server closed it (a request that
         failed the secret's check)."""
         self.peers.discard(peer)
+        self.unproven.pop(peer, None)
         if isinstance(exc, TQError):
             self.rejected += 1
             log.warning("%s closed a same-host connection: %s", self.name, exc)
@@ -323,6 +343,7 @@ class LocalListener:
         for peer in self.peers:
             peer.close()
         self.peers.clear()
+        self.unproven.clear()
         if not self._paused_until:
             self.loop.unwatch_fd(self.sock.fileno())
         self.sock.close()

@@ -15,7 +15,9 @@ and refuses replayed requests (:class:`protocol.ReplayGuard`); clients set those
 socket they connect (:func:`set_client_credentials`). The Unix socket has no handshake to gate: any
 local process can connect (as to a loopback port), and every request there is checked by its HMAC and
 the replay guard alone, as every request over ZMQ is too; a connection whose request fails them gets
-that error and is closed, so an unauthenticated process holds at most one reply of a server at a time.
+that error and is closed, and one that sends no authenticated request within
+:data:`tq.local_transport.HANDSHAKE_S` is closed too, so an unauthenticated process holds at most a
+reply and a descriptor of a server, and not for long.
 """
 
 from __future__ import annotations
@@ -266,7 +268,10 @@ class RpcServer:
         if self.local is None and local_transport.supported():
             # a message's limit is on its buffers; its header comes on top
             limit = self.max_message_bytes + protocol.MAX_FRAME_BYTES
-            self.local = local_transport.LocalListener(self.name, self, self._serve_frames, max_message_bytes=limit, token=token)
+            handshake_s = local_transport.HANDSHAKE_S if self.secret else None
+            self.local = local_transport.LocalListener(
+                self.name, self, self._serve_frames, max_message_bytes=limit, token=token, handshake_s=handshake_s
+            )
         return self.local.address if self.local is not None else None
 
     def watch_fd(self, fd: int, writable: bool, handler: Callable[[bool, bool], None], readable: bool = True) -> None:
@@ -442,6 +447,8 @@ class RpcServer:
             call.rid = msg.rid
             if self._guard is not None:
                 self._guard.check_stamp(msg.sid, msg.seq, msg.ts)  # authentic, but is it fresh?
+                if type(identity) is not bytes:  # a same-host connection proved it holds the secret
+                    self.local.proven(identity)  # type: ignore[union-attr]
             op = msg.op
             if not isinstance(op, str) or not is_map(msg.args):
                 raise MalformedMessageError("request needs a string 'op' and a map 'args'")

@@ -226,6 +226,43 @@ def test_with_a_secret_a_connection_that_never_authenticates_is_closed_after_the
         signed.close()
 
 
+def test_a_first_request_left_unread_by_a_busy_loop_is_served_not_taken_for_idleness(monkeypatch):
+    """The handshake time is checked at the loop's tick, after the requests of that turn: a connection
+    whose first request came while the loop was busy past the time (in another request's handler) has
+    it waiting unread - it is put off once and served, not closed as idle."""
+    import tq.local_transport as lt
+    from tq import messages
+    from tq.rpc import RpcServer
+
+    monkeypatch.setattr(lt, "HANDSHAKE_S", 1.0)
+    key = b"busy-s3cret"
+    server = RpcServer("busy", "tcp://127.0.0.1:0", secret=key, max_message_bytes=1 << 20)
+    address = server.listen_local()
+
+    def ping(args: messages.Ping, buffers: list, call: object) -> dict:
+        if getattr(call, "rid", None) == 1:
+            time.sleep(1.5)  # the loop is busy past HANDSHAKE_S
+        return {}
+
+    server.serve_ops({"ping": messages.Ping}, {"ping": ping})
+    loop = threading.Thread(target=server.serve_forever, daemon=True)
+    loop.start()
+    a, b = LocalStream(address, 5.0), LocalStream(address, 5.0)
+    try:
+        assert wait_until(lambda: len(server.local.peers) == 2)  # both accepted, the clock running
+        a.sender, b.sender = protocol.Sender(), protocol.Sender()
+        a.send(protocol.request("ping", 1, {}, [], key, a.sender), 5.0)
+        time.sleep(0.3)  # the loop is in a's handler
+        b.send(protocol.request("ping", 2, {}, [], key, b.sender), 5.0)
+        protocol.raise_for_error(protocol.decode_reply(a.recv(5.0), key))
+        protocol.raise_for_error(protocol.decode_reply(b.recv(5.0), key))  # served, not closed
+    finally:
+        a.close()
+        b.close()
+        server.stop()
+        loop.join(5)
+
+
 def test_a_peer_that_sends_requests_without_reading_replies_is_held_back_not_buffered(server):
     """A same-host peer that sends request after request and reads no reply: once MAX_QUEUED_MESSAGES
     replies wait for it, the controller reads no more of its requests (its own socket holds it back),

@@ -191,6 +191,15 @@ class StreamPeer:
         self._flush()
         return not self.closed
 
+    def has_input(self) -> bool:
+        """Whether bytes from the peer wait unread (or the connection ended: its read finds out)."""
+        try:
+            return bool(self.sock.recv(1, socket.MSG_PEEK))
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+
     def end_after_flush(self) -> None:
         """Close once what waits in ``out`` is written (the reply just sent, say), reading nothing more."""
         self.ending = True
@@ -281,7 +290,8 @@ class LocalListener:
         self.name, self.loop, self.serve = name, loop, serve
         self.max_message_bytes = max_message_bytes
         self.handshake_s = handshake_s  # None: no secret, nothing to prove
-        self.unproven: dict[StreamPeer, float] = {}  # accepted, no authenticated request yet -> closed at
+        # accepted, no authenticated request yet -> (when it is closed, whether that was put off once)
+        self.unproven: dict[StreamPeer, tuple[float, bool]] = {}
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:  # a given token (a restarted server's) when it is free, else a fresh one
             self.address = f"@tq-{token or secrets.token_hex(16)}"
@@ -303,7 +313,10 @@ class LocalListener:
             self._paused_until = 0.0
             self.loop.watch_fd(self.sock.fileno(), False, self._accept)
         if self.unproven:
-            for peer in [p for p, until in self.unproven.items() if until <= now]:
+            for peer, (_, put_off) in [(p, u) for p, u in self.unproven.items() if u[0] <= now]:
+                if not put_off and peer.has_input():  # its request waits unread (this loop was busy): read it first
+                    self.unproven[peer] = (now + self.handshake_s, True)  # type: ignore[operator]
+                    continue
                 peer.close()
                 self._ended(peer, TQError(f"no authenticated request within {self.handshake_s:g} s of connecting"))
 
@@ -327,7 +340,7 @@ class LocalListener:
             peer = StreamPeer(conn, self.loop, self.serve, self._ended, max_message_bytes=self.max_message_bytes, bounded=True)
             self.peers.add(peer)
             if self.handshake_s is not None:
-                self.unproven[peer] = time.monotonic() + self.handshake_s
+                self.unproven[peer] = (time.monotonic() + self.handshake_s, False)
 
     def _ended(self, peer: StreamPeer, exc: Exception) -> None:
         """A client's connection ended: it went away (a request it cut short is dropped unread), it

@@ -22,7 +22,15 @@ TIMEOUT = 2.0
 
 @pytest.mark.timeout(240)
 @pytest.mark.long
-def test_short_chaos_loses_nothing_and_leaves_nothing(tmp_path):
+@pytest.mark.parametrize("secret", [None, "chaos-ci-s3cret"], ids=["open", "secret"])
+def test_short_chaos_loses_nothing_and_leaves_nothing(tmp_path, monkeypatch, secret):
+    """Run twice: without a secret, and with one for every process of the run (``TQ_SECRET``, which the
+    controller, its units and every client take) - so every request is signed and checked, and a
+    same-host connection that fails the check or sends nothing authenticated is closed, under faults."""
+    if secret is None:
+        monkeypatch.delenv("TQ_SECRET", raising=False)
+    else:
+        monkeypatch.setenv("TQ_SECRET", secret)
     lines: list[str] = []
     report = run_chaos(
         duration=36.0,

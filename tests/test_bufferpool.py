@@ -117,7 +117,9 @@ def test_a_fresh_buffer_is_populated_before_the_get_writes_it():
     before = _thread_faults()
     plain[:] = 1
     faulted = _thread_faults() - before
-    assert faulted >= 16 and populated <= 2, (populated, faulted)  # 32 huge pages or 16k small ones, against none
+    # 32 huge pages or 16k small ones, against (nearly) none: a loaded machine's kernel may fault a few
+    # populated pages again (5 of 32 seen in a full-suite run), never most of them
+    assert faulted >= 16 and populated * 4 <= faulted, (populated, faulted)
 
 
 _COLLECTED_INSIDE_THE_POOL = """

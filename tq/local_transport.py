@@ -3,8 +3,9 @@ how the controller reaches its storage units there.
 
 A ZMQ round trip crosses six thread hand-offs (the caller, ZMQ's I/O thread on each side, the server
 loop, and back): on a 2-vCPU VM a pyzmq DEALER/ROUTER echo measured p50 0.16 ms against 0.010 ms for a
-blocking echo over a Unix socket between the same two processes. Every same-host put and control call is such a round trip, and every put's commit sends its
-unit a message (an adopt) and reads its answer. So a server also listens on a Unix socket in Linux's
+blocking echo over a Unix socket between the same two processes. Every same-host put and control call
+is such a round trip, and the controller tells the units of its host of the blocks committed (adopts,
+claims) and reads their answers. So a server also listens on a Unix socket in Linux's
 abstract namespace (no file to clean up after a crash; the name carries 128 random bits, so a process on
 another host or in another network namespace cannot reach a different server by it: it fails to
 connect and keeps using ZMQ). Messages are the same frames as on ZMQ, framed for a stream by
@@ -203,8 +204,7 @@ class StreamPeer:
     def end_after_flush(self) -> None:
         """Close once what waits in ``out`` is written (the reply just sent, say), reading nothing more."""
         self.ending = True
-        if not self.out:
-            self._ended(ConnectionAbortedError("closed by this side"))
+        self._flush()
 
     def _flush(self) -> None:
         try:
@@ -312,10 +312,10 @@ class LocalListener:
         if self._paused_until and now >= self._paused_until:
             self._paused_until = 0.0
             self.loop.watch_fd(self.sock.fileno(), False, self._accept)
-        if self.unproven:
+        if self.unproven and self.handshake_s is not None:
             for peer, (_, put_off) in [(p, u) for p, u in self.unproven.items() if u[0] <= now]:
                 if not put_off and peer.has_input():  # its request waits unread (this loop was busy): read it first
-                    self.unproven[peer] = (now + self.handshake_s, True)  # type: ignore[operator]
+                    self.unproven[peer] = (now + self.handshake_s, True)
                     continue
                 peer.close()
                 self._ended(peer, TQError(f"no authenticated request within {self.handshake_s:g} s of connecting"))

@@ -415,6 +415,33 @@ def test_decode_rejects_bad_array_refs():
         protocol.unpack_array({"b": 0, "d": "<f8", "s": [2]}, bufs, dtype="<i8")
 
 
+def test_a_storage_unit_refuses_row_offsets_that_do_not_fit_the_schema():
+    """The layout check every store and every adopted block passes: offsets start at 0, never go
+    back (a row ending before it starts would read bytes outside its own), and fit the kind - a
+    tensor's rows all of one size (a row going back is named as that, not as a size), a jagged
+    column's rows whole elements."""
+    from tq.schema import FieldSchema
+    from tq.storage import validate_layout
+
+    def check(wire, offsets):
+        validate_layout(FieldSchema.from_wire(wire), np.asarray(offsets, dtype="<i8"), "f")
+
+    tensor, jagged, obj = ["tensor", "float32", [2]], ["jagged", "int64", []], ["object", "object", []]
+    for wire, offsets in [(tensor, [0, 8, 16]), (tensor, [0]), (jagged, [0, 0, 24, 32]), (obj, [0, 3, 3, 10])]:
+        check(wire, offsets)
+    for wire, offsets, pattern in [
+        (tensor, [8, 16], "start at 0"),
+        (tensor, [], "start at 0"),
+        (tensor, [0, 8, 12], "holds 8 bytes"),
+        (tensor, [0, 16, 8], "non-decreasing"),
+        (jagged, [0, 16, 8], "non-decreasing"),
+        (jagged, [0, 12], "multiples of 8"),
+        (obj, [0, 5, 2], "non-decreasing"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=pattern):
+            check(wire, offsets)
+
+
 def test_storage_unit_enforces_its_message_size_limit():
     """A storage unit run standalone with a 4 KiB limit: larger messages get MessageTooLargeError."""
     ctx = zmq.Context.instance()

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from conftest import free_port, raw_exchange, shut_down, unique_keys, wait_until
 from tq import TQClient, TQServer, protocol
 from tq.errors import AuthenticationError, MalformedMessageError, MessageTooLargeError, ReplayError, TQConnectionError
-from tq.local_transport import LocalStream
+from tq.local_transport import RECV_CHUNK, LocalStream
 
 MiB = 1 << 20
 pytestmark = pytest.mark.skipif(not os.uname().sysname == "Linux", reason="abstract Unix sockets are Linux's")
@@ -261,6 +261,46 @@ def test_a_first_request_left_unread_by_a_busy_loop_is_served_not_taken_for_idle
         b.close()
         server.stop()
         loop.join(5)
+
+
+@pytest.mark.parametrize("apart", [False, True], ids=["one-read", "next-read"])
+def test_every_request_a_peer_sent_before_it_went_away_is_served(apart):
+    """A controller stopping sends its units its last messages and ``shutdown``, and closes its
+    connection without reading the replies. A unit that reads the first fails to write its reply (the
+    peer is gone) - and must still read and serve the rest, as ZMQ serves what a peer sent before it
+    disconnected: only the replies are lost. ``next-read``: the shutdown (carrying a buffer bigger
+    than one read) is still in the socket when the reply fails. (Found as a storage unit left running,
+    its arena left in /dev/shm, after a journaled controller's clean stop on a loaded machine.)"""
+    from tq import messages
+    from tq.rpc import RpcServer
+
+    server = RpcServer("unit-like", "tcp://127.0.0.1:0", secret=None, max_message_bytes=1 << 20)
+    address = server.listen_local()
+    served: list[str] = []
+
+    def ping(args: messages.Ping, buffers: list, call: object) -> dict:
+        served.append("ping")
+        return {}
+
+    def shutdown(args: messages.UnitShutdown, buffers: list, call: object) -> dict:
+        served.append("shutdown")
+        server.stop()
+        return {"stopping": True}
+
+    server.serve_ops({"ping": messages.Ping, "shutdown": messages.UnitShutdown}, {"ping": ping, "shutdown": shutdown})
+    peer = LocalStream(address, 5.0)  # waits in the listen backlog: the loop is not running yet
+    peer.send(protocol.request("ping", 1, {}, [], None), 5.0)
+    pad = [np.zeros(RECV_CHUNK, np.uint8)] if apart else []  # the first read ends inside the shutdown
+    peer.send(protocol.request("shutdown", 2, {}, pad, None), 5.0)
+    peer.close()  # gone before the server reads either request
+    loop = threading.Thread(target=server.serve_forever, daemon=True)
+    loop.start()
+    try:
+        loop.join(5.0)
+        assert served == ["ping", "shutdown"] and not loop.is_alive()  # it stopped on its own
+    finally:
+        server.stop()
+        loop.join(5.0)
 
 
 def test_a_peer_that_sends_requests_without_reading_replies_is_held_back_not_buffered(server):

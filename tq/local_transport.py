@@ -136,8 +136,10 @@ class StreamPeer:
     """One non-blocking connection driven by a server's poll loop: a client the server accepted (a
     reply goes to it: it stands where a ZMQ identity stands in :class:`tq.rpc.Call`), or the
     controller's connection to a storage unit. Each message that arrives goes to
-    ``on_message(peer, frames)``; when the connection ends by itself (the peer closed it, a write
-    failed, it sent bytes no TQ peer sends) it is closed and ``on_close(peer, exc)`` hears why. What
+    ``on_message(peer, frames)``; when the connection ends by itself (the peer closed it, it sent bytes
+    no TQ peer sends) it is closed and ``on_close(peer, exc)`` hears why. A write that fails (the peer
+    went away) ends only the writing: what the peer sent before is still read and served, as ZMQ
+    serves what a peer sent before it disconnected, until the read finds the end. What
     the socket has not taken yet waits in ``out`` until it is writable; a ``bounded`` connection is not
     read while MAX_QUEUED_MESSAGES (or MAX_QUEUED_BYTES) wait there."""
 
@@ -155,6 +157,7 @@ class StreamPeer:
         "watching",
         "closed",
         "ending",
+        "gone",
     )
 
     def __init__(
@@ -178,19 +181,21 @@ class StreamPeer:
         self.watching = (True, False)  # polled for (readable, writable)
         self.closed = False
         self.ending = False  # closed once ``out`` is written; nothing more is read or sent
+        self.gone = False  # a write failed: nothing more is written, what arrived is still read
         loop.watch_fd(sock.fileno(), False, self._on_ready)
 
     def send(self, frames: Sequence[Any]) -> bool:
-        """Queue one message and write what the socket takes now; False if the connection is closed,
-        or this write ended it (``on_close`` heard why)."""
-        if self.closed or self.ending:
+        """Queue one message and write what the socket takes now; False if nothing more can be written
+        to the connection: closed (``on_close`` heard why), or the peer went away (this write or an
+        earlier one failed)."""
+        if self.closed or self.ending or self.gone:
             return False
         wire = _wire(frames)
         self.out += wire
         self.queued += sum(v.nbytes for v in wire)
         self.pending += 1
         self._flush()
-        return not self.closed
+        return not (self.closed or self.gone)
 
     def has_input(self) -> bool:
         """Whether bytes from the peer wait unread (or the connection ended: its read finds out)."""
@@ -215,6 +220,16 @@ class StreamPeer:
                 return
         except BlockingIOError:
             pass
+        except (BrokenPipeError, ConnectionResetError) as exc:  # the peer went away
+            if self.ending:
+                self._ended(exc)
+                return
+            # A controller stopping sends its units a shutdown after its last messages and reads no
+            # reply: a unit failing to write one reply must still read the shutdown. The read that
+            # finds the end closes the connection.
+            self.out.clear()
+            self.queued = self.pending = 0
+            self.gone = True
         except OSError as exc:
             self._ended(exc)
             return

@@ -341,6 +341,14 @@ HOSTILE = {
     "extra-frame": ([_hdr(v=1, rid=3, op="stats", args={}, bs=[]), b"", b"xx"], MalformedMessageError, r"\[\].*1 buffer"),
     "sizes-not-list": ([_hdr(v=1, rid=3, op="stats", args={}, bs="4"), b"", b"1234"], MalformedMessageError, "buffer sizes"),
     "single-frame": ([_hdr(v=1, rid=3, op="stats", args={}, bs=[])], None, "1 frame"),
+    # what a peer sent is shown cut short in the error (and the log line): a 1 MB field makes no 1 MB reply
+    "huge-version": (
+        [_hdr(v="v" * 1_000_000, rid=3, op="stats", args={}, bs=[]), b""],
+        ProtocolVersionError,
+        "version 'vvv.*not supported",
+    ),
+    "huge-op": ([_hdr(v=1, rid=3, op="o" * 1_000_000, args={}, bs=[]), b""], UnknownOperationError, "no operation 'ooo"),
+    "huge-sizes": ([_hdr(v=1, rid=3, op="stats", args={}, bs=[7] * 200_000), b""], MalformedMessageError, r"\[7, 7, .*0 buffer frames"),
     "bad-array-ref": (_bad_ref_fetch(), None, None),  # per target below
 }
 
@@ -375,8 +383,9 @@ def test_hostile_message_gets_error_reply_and_server_keeps_serving(ref, target, 
                 protocol.raise_for_reply(reply)
     else:
         assert reply is not None, f"{target} sent no reply to a {case} message"
-        with pytest.raises(exc_type, match=pattern):
+        with pytest.raises(exc_type, match=pattern) as raised:
             protocol.raise_for_reply(reply)
+        assert len(str(raised.value)) < 400, f"an error of {len(str(raised.value))} characters"
         if case == "unknown-op":
             assert reply.header["rid"] == 3  # the request id is echoed
     if case != "bad-array-ref":  # well-framed requests with bad arguments are not "rejected messages"

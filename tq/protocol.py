@@ -35,6 +35,7 @@ import hmac
 import itertools
 import math
 import os
+import reprlib
 import struct
 import threading
 import time
@@ -116,6 +117,18 @@ def _packb(obj: Any) -> bytes:
 
 def _unpackb(data: bytes | memoryview) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 60
+_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 8
+_SHOWN.maxlevel = 3
+
+
+def shown(value: Any) -> str:
+    """A value a peer sent, as an error message names it: its repr cut short. A header may hold
+    megabytes, and the error goes back in the reply and into the server's log."""
+    return _SHOWN.repr(value)
 
 
 def sign(secret: bytes | None, header: bytes) -> bytes:
@@ -227,16 +240,16 @@ def _buffers(version: Any, sizes: Any, frames: Sequence[Any], max_message_bytes:
     """The buffers (inline ones and frames, in order), once the version and the declared sizes (and
     their total) are checked."""
     if version not in ACCEPTED_VERSIONS or type(version) is not int:
-        raise ProtocolVersionError(f"protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})")
+        raise ProtocolVersionError(f"protocol version {shown(version)} is not supported (this side speaks {PROTOCOL_VERSION})")
     buffers = [frame_view(f) for f in frames[2:]]
     if inline is not None:
         buffers = _with_inline(version, sizes, inline, buffers)
     if not isinstance(sizes, list) or len(sizes) != len(buffers):
-        raise MalformedMessageError(f"header declares {sizes!r} buffer sizes but {len(buffers)} buffer frames arrived")
+        raise MalformedMessageError(f"header declares {shown(sizes)} buffer sizes but {len(buffers)} buffer frames arrived")
     total = 0
     for declared, buf in zip(sizes, buffers):
         if not isinstance(declared, int) or declared != buf.nbytes:
-            raise MalformedMessageError(f"buffer size mismatch: declared {declared!r}, got {buf.nbytes}")
+            raise MalformedMessageError(f"buffer size mismatch: declared {shown(declared)}, got {buf.nbytes}")
         total += declared
     if max_message_bytes is not None and total > max_message_bytes:
         raise MessageTooLargeError(f"message of {total} bytes exceeds the limit of {max_message_bytes}")
@@ -247,7 +260,7 @@ def _with_inline(version: int, sizes: Any, inline: Any, frames: list[memoryview]
     """The buffers of a message with inline ones: ``inline`` holds each buffer's bytes, or nil for
     the next frame."""
     if version < 2 or not isinstance(inline, list) or not isinstance(sizes, list) or len(inline) != len(sizes):
-        raise MalformedMessageError(f"header's inline buffers ({type(inline).__name__}) do not match its buffer sizes {sizes!r}")
+        raise MalformedMessageError(f"header's inline buffers ({type(inline).__name__}) do not match its buffer sizes {shown(sizes)}")
     framed = sum(b is None for b in inline)
     if framed != len(frames):
         raise MalformedMessageError(f"header declares {framed} buffer frames but {len(frames)} arrived")
@@ -454,7 +467,7 @@ def raise_for_error(reply: ReplyMessage) -> None:
 
 def _raise_error(err: Any, reply: Any) -> None:
     if not isinstance(err, dict):
-        raise MalformedMessageError(f"reply carries neither result nor error: {reply!r}")
+        raise MalformedMessageError(f"reply carries neither result nor error: {shown(reply)}")
     raise ERROR_TYPES.get(str(err.get("type")), TQError)(str(err.get("message")))
 
 
@@ -554,13 +567,13 @@ def unpack_array(ref: Any, buffers: Sequence[memoryview], *, name: str = "array"
     elif isinstance(ref, dict) and isinstance(ref.get("b"), int) and isinstance(ref.get("s"), list):
         index, dt, shape = ref["b"], ref.get("d"), ref["s"]
     else:
-        raise MalformedMessageError(f"{name}: expected an array ref, got {ref!r}")
+        raise MalformedMessageError(f"{name}: expected an array ref, got {shown(ref)}")
     if dt not in ARRAY_DTYPES or (dtype is not None and dt != dtype and np.dtype(dt) != np.dtype(dtype)):
-        raise MalformedMessageError(f"{name}: dtype {dt!r} not allowed here")
+        raise MalformedMessageError(f"{name}: dtype {shown(dt)} not allowed here")
     if not 0 <= index < len(buffers):
         raise MalformedMessageError(f"{name}: buffer index {index} out of range")
     if len(shape) > 8 or any(not isinstance(d, int) or d < 0 for d in shape):
-        raise MalformedMessageError(f"{name}: invalid shape {shape!r}")
+        raise MalformedMessageError(f"{name}: invalid shape {shown(shape)}")
     npdt = np.dtype(dt)
     expected = math.prod(shape) * npdt.itemsize  # Python ints: a huge shape cannot wrap around
     buf = buffers[index]

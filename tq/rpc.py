@@ -454,7 +454,7 @@ class RpcServer:
                 raise MalformedMessageError("request needs a string 'op' and a map 'args'")
             entry = self.handlers.get(op)
             if entry is None:
-                raise UnknownOperationError(f"{self.name} has no operation {op!r}")
+                raise UnknownOperationError(f"{self.name} has no operation {protocol.shown(op)}")
             call.op = op
             handler, decoder = entry
             with self.applying():

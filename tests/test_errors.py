@@ -393,6 +393,39 @@ def test_hostile_message_gets_error_reply_and_server_keeps_serving(ref, target, 
     ref.check()  # the service keeps serving and nothing stored was disturbed
 
 
+def test_a_peer_flooding_malformed_messages_gets_every_error_but_not_a_log_line_each(caplog):
+    """A server answers every malformed message with its error and counts each (stats, metrics), but
+    logs what peers do wrong at most once per 10 s per kind, then says how many it left out: a peer
+    sending garbage as fast as it can (or, with a secret, failing handshakes) must not fill the log."""
+    import logging
+
+    from tq import messages
+    from tq.rpc import RpcServer
+
+    server = RpcServer("flooded", "tcp://127.0.0.1:0", secret=None, max_message_bytes=1 << 20)
+    server.serve_ops({"ping": messages.Ping}, {"ping": lambda args, buffers, call: {}})
+    loop = threading.Thread(target=server.serve_forever, daemon=True)
+    caplog.set_level(logging.WARNING, logger="tq.rpc")
+    loop.start()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.address)
+    try:
+        for _ in range(300):
+            sock.send_multipart([b"\xc1\xc1", b""])
+        for _ in range(300):  # every one answered with its error
+            assert sock.poll(5000), "a malformed message went unanswered"
+            with pytest.raises(MalformedMessageError, match="not valid msgpack"):
+                protocol.raise_for_reply(protocol.decode(sock.recv_multipart(), None))
+        assert server.rejected == 300
+        lines = [r for r in caplog.records if "rejected a message" in r.getMessage()]
+        assert 1 <= len(lines) <= 2, f"{len(lines)} warning lines for 300 malformed messages"
+    finally:
+        sock.close(0)
+        server.stop()
+        loop.join(5)
+
+
 def test_decode_rejects_oversized_messages_and_headers():
     frames = protocol.encode({"op": "x", "rid": 1, "args": {}}, [b"\0" * 64], None)
     assert protocol.decode(frames, None, max_message_bytes=64).buffers[0].nbytes == 64

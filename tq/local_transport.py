@@ -27,6 +27,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from . import protocol
 from .errors import TQConnectionError, TQError
+from .peerlog import PeerLog
 
 log = logging.getLogger(__name__)
 
@@ -321,6 +322,7 @@ class LocalListener:
         self.peers: set[StreamPeer] = set()
         self._paused_until = 0.0
         self.rejected = 0  # connections closed for sending what no TQ client sends
+        self.peer_log = PeerLog(log)  # a line per 10 s for them, however many come
         loop.watch_fd(self.sock.fileno(), False, self._accept)
 
     def on_tick(self, now: float) -> None:
@@ -365,7 +367,7 @@ class LocalListener:
         self.unproven.pop(peer, None)
         if isinstance(exc, TQError):
             self.rejected += 1
-            log.warning("%s closed a same-host connection: %s", self.name, exc)
+            self.peer_log.warning("connection", "%s closed a same-host connection: %s", self.name, exc)
 
     def close(self) -> None:
         for peer in self.peers:

@@ -40,6 +40,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from . import local_transport, protocol
+from .peerlog import PeerLog
 from .errors import AuthenticationError, MalformedMessageError, TQConnectionError, TQError, UnknownOperationError
 from .messages import Args, ArgsDecoder, ReplyDecoder, is_map
 
@@ -243,6 +244,7 @@ class RpcServer:
         self.handlers: dict[str, tuple[Handler, ArgsDecoder]] = {}  # op -> its handler and args decoder
         self.op_stats: dict[str, OpStats] = collections.defaultdict(OpStats)
         self.rejected = 0  # malformed, unauthenticated or otherwise refused messages (and handshakes)
+        self.peer_log = PeerLog(log)  # what peers do wrong: every one counted, a line per kind per 10 s
         self.auth_failures = 0  # of those: refused handshakes and requests failing the secret's checks
         # Per-op latency histograms and bytes in/out, for the Prometheus endpoint (tq.metrics): off
         # unless metrics are exported, so a service without them pays nothing for them.
@@ -413,7 +415,9 @@ class RpcServer:
             log.info("%s: a peer hung up during its handshake", self.name)
         else:
             why = "wrong credentials" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else "no or another security mechanism"
-            log.warning("%s refused a connection at its handshake: %s (the peer lacks this service's secret)", self.name, why)
+            self.peer_log.warning(
+                "handshake", "%s refused a connection at its handshake: %s (the peer lacks this service's secret)", self.name, why
+            )
 
     def secure_client_socket(self, sock: zmq.Socket) -> None:
         """Set this server's credentials on a client socket it opens to its peers (before ``connect``)."""
@@ -471,7 +475,7 @@ class RpcServer:
             if call.op == "<invalid>":
                 self.rejected += 1
                 self.auth_failures += isinstance(exc, AuthenticationError)
-                log.warning("%s rejected a message: %s", self.name, exc)
+                self.peer_log.warning("message", "%s rejected a message: %s", self.name, exc)
             self.reply_error(call, exc)
             if isinstance(exc, AuthenticationError) and type(call.identity) is not bytes:
                 # no handshake authenticated this same-host connection (PLAIN does a ZMQ one): a peer

@@ -31,6 +31,6 @@ class PeerLog:
             self._last[kind] = (last, left_out + 1)
             return
         if left_out:
-            msg, args = f"{msg} (and {left_out} more like it since the last such line, not logged)", args
+            msg = f"{msg} (and {left_out} more like it since the last such line, not logged)"
         self._last[kind] = (now, 0)
         self.logger.warning(msg, *args)

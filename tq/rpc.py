@@ -40,9 +40,9 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from . import local_transport, protocol
-from .peerlog import PeerLog
 from .errors import AuthenticationError, MalformedMessageError, TQConnectionError, TQError, UnknownOperationError
 from .messages import Args, ArgsDecoder, ReplyDecoder, is_map
+from .peerlog import PeerLog
 
 log = logging.getLogger(__name__)
 

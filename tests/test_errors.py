@@ -426,6 +426,30 @@ def test_a_peer_flooding_malformed_messages_gets_every_error_but_not_a_log_line_
         loop.join(5)
 
 
+def test_peer_log_writes_a_line_per_kind_per_interval_and_counts_what_it_left_out(caplog):
+    """PeerLog itself: within its interval only the first line of a kind goes out, kinds apart; the
+    next line after the interval says how many it left out (and only once)."""
+    import logging
+
+    from tq.peerlog import PeerLog
+
+    peer_log = PeerLog(logging.getLogger("tq.test_peerlog"), every_s=0.2)
+    with caplog.at_level(logging.WARNING, logger="tq.test_peerlog"):
+        for i in range(5):
+            peer_log.warning("message", "rejected %d", i)
+        peer_log.warning("handshake", "refused %d", 0)
+        time.sleep(0.25)
+        peer_log.warning("message", "rejected %d", 5)
+        time.sleep(0.25)
+        peer_log.warning("message", "rejected %d", 6)
+    assert [r.getMessage() for r in caplog.records] == [
+        "rejected 0",
+        "refused 0",
+        "rejected 5 (and 4 more like it since the last such line, not logged)",
+        "rejected 6",
+    ]
+
+
 def test_decode_rejects_oversized_messages_and_headers():
     frames = protocol.encode({"op": "x", "rid": 1, "args": {}}, [b"\0" * 64], None)
     assert protocol.decode(frames, None, max_message_bytes=64).buffers[0].nbytes == 64

@@ -221,19 +221,16 @@ class StreamPeer:
                 return
         except BlockingIOError:
             pass
-        except (BrokenPipeError, ConnectionResetError) as exc:  # the peer went away
-            if self.ending:
+        except OSError as exc:
+            if self.ending or not isinstance(exc, (BrokenPipeError, ConnectionResetError)):
                 self._ended(exc)
                 return
-            # A controller stopping sends its units a shutdown after its last messages and reads no
-            # reply: a unit failing to write one reply must still read the shutdown. The read that
-            # finds the end closes the connection.
+            # The peer went away. A controller stopping sends its units a shutdown after its last
+            # messages and reads no reply: a unit failing to write one reply must still read the
+            # shutdown. The read that finds the end closes the connection.
             self.out.clear()
             self.queued = self.pending = 0
             self.gone = True
-        except OSError as exc:
-            self._ended(exc)
-            return
         if self.bounded:  # paused from a bound until everything waiting is written
             self.paused = bool(self.out) and (self.paused or self.pending >= MAX_QUEUED_MESSAGES or self.queued >= MAX_QUEUED_BYTES)
         want = (not self.paused, bool(self.out))

@@ -181,13 +181,14 @@ def shut_down(servers: Iterable[Any], unit_pids: Iterable[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def raw_exchange_local(address: str, frames: list, *, secret: bytes | None = None, timeout: float = 5.0) -> protocol.Message | None:
-    """As :func:`raw_exchange`, over a server's same-host Unix socket (``@name``, tq.local_transport)
-    from a fresh connection: None if no reply came within ``timeout`` or the server closed it."""
+def raw_exchange_stream(address: str, frames: list, *, secret: bytes | None = None, timeout: float = 5.0) -> protocol.Message | None:
+    """As :func:`raw_exchange`, over a server's stream socket (its Unix one ``@name`` or its TCP one
+    ``tcp://host:port/token``, tq.stream_transport) from a fresh connection: None if no reply came
+    within ``timeout`` or the server closed it."""
     from tq.errors import TQConnectionError
-    from tq.local_transport import LocalStream
+    from tq.stream_transport import ClientStream
 
-    stream = LocalStream(address, timeout)
+    stream = ClientStream(address, timeout)
     try:
         stream.send(frames, timeout)
         got = stream.recv(timeout)

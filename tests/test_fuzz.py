@@ -44,7 +44,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tq.testing import digest, rows_of
-from conftest import raw_exchange, raw_exchange_local, wait_until
+from conftest import raw_exchange, raw_exchange_stream, wait_until
 from tq import TQClient, TQServer, messages, protocol
 from tq.errors import (
     InvalidRequestError,
@@ -139,8 +139,10 @@ class FuzzEnv:
     unit_pids: list[int]
     unit_chans: list[RpcChannel]
     ref_blocks: list[list[int]]  # per unit: block ids holding reference data (read-only fetch targets)
-    local_address: str  # the controller's same-host Unix socket (tq.local_transport)
+    local_address: str  # the controller's same-host Unix socket (tq.stream_transport)
     unit_local_addresses: list[str]
+    stream_address: str  # ... and its TCP stream socket
+    unit_stream_addresses: list[str]
     outcomes: collections.Counter = field(default_factory=collections.Counter)
     internal: collections.Counter = field(default_factory=collections.Counter)  # generic (non-specific) errors
 
@@ -171,6 +173,8 @@ def env(tq_server):
         ref_blocks,
         hello["local_address"],
         [u.local_address for u in units],
+        hello["stream_address"],
+        [u.stream_address for u in units],
     )
     assert ref.verify() == 2 * len(ref.keys) * len(REF_FIELDS)
     yield e
@@ -603,11 +607,13 @@ def check_example(env: FuzzEnv, target: str, unit: int, ex: Example, transport: 
     header = _header_of(frames)
     if transport == "unix":  # the same server over its same-host socket: a stream of prefixed messages
         address = env.local_address if target == "controller" else env.unit_local_addresses[unit]
+    elif transport == "tcp":  # ... and over its TCP stream socket (after the token)
+        address = env.stream_address if target == "controller" else env.unit_stream_addresses[unit]
     else:
         address = env.address if target == "controller" else env.unit_addresses[unit]
     before = _state(env, target, unit)
     timeout = DROP_WAIT_S if header is None else REPLY_TIMEOUT_S
-    exchange = raw_exchange_local if transport == "unix" else raw_exchange
+    exchange = raw_exchange if transport == "zmq" else raw_exchange_stream
     reply = exchange(address, frames, timeout=timeout)  # a reply that fails to decode raises here
     if reply is None:
         assert header is None, f"{target} sent no reply within {timeout}s to a request with a readable header: {header!r}"
@@ -646,11 +652,11 @@ def check_example(env: FuzzEnv, target: str, unit: int, ex: Example, transport: 
 
 
 # ----------------------------------------------------------------------------- the fuzz tests
-@pytest.mark.parametrize("transport", ["zmq", "unix"])
+@pytest.mark.parametrize("transport", ["zmq", "unix", "tcp"])
 @pytest.mark.parametrize("target", ["controller", "unit"])
 def test_fuzz_hostile_messages(env, target, transport):
     """Random, mutated and truncated messages to the controller or a storage unit, over ZMQ or the
-    server's same-host Unix socket: each gets an error reply (or is dropped, if unreadable), changes
+    server's Unix or TCP stream socket: each gets an error reply (or is dropped, if unreadable), changes
     nothing when refused, and the service keeps serving; the reference data stays intact (sha256
     over both transports)."""
     rejected_before = _rejected(env)

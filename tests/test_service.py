@@ -803,13 +803,15 @@ def _old_replies() -> list[tuple[str, str, dict]]:
         (
             "controller",
             "hello",
-            # local_address: added with the same-host socket (tq.local_transport); older clients ignore it
+            # local_address / stream_address: added with the Unix / TCP stream sockets (tq.stream_transport);
+            # older clients ignore them
             {
                 "units": [unit, {**unit, "unit_id": 1, "free_bytes": 32}],
                 "units_version": 2,
                 "host": "h",
                 "shm_dir": "/dev/shm",
                 "local_address": None,
+                "stream_address": None,
             },
         ),
         ("controller", "register_unit", {"unit_id": 1, "metrics": False}),

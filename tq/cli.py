@@ -161,6 +161,7 @@ def render_status(stats: dict[str, Any], *, address: str | None = None, rates: d
         f"  parked waits {stats.get('parked_waits', 0)}",
         f"  rejected messages {stats.get('rejected_messages', 0)}",
         f"  same-host connections {stats.get('local_connections', 0)}",
+        f"  TCP stream connections {stats.get('tcp_stream_connections', 0)}",
     )
 
     parts = Table(title="Partitions", title_justify="left", expand=False)

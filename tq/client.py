@@ -639,9 +639,10 @@ class TQClient:
         self._units_version = info.units_version
         self._ctrl_host = info.host
         self._ctrl_shm_dir = info.shm_dir
-        # A client of the controller's host talks to it over its Unix socket (a 'tcp' client is one
-        # that acts as if it were remote: it keeps to ZMQ)
-        self._ctrl.use_local(info.local_address if self.transport == "auto" and info.host == self._host else None)
+        # A client of the controller's host talks to it over its Unix socket, others (and a 'tcp' client,
+        # one that acts as if it were remote) over its TCP stream socket: ZMQ where neither connects
+        here = self.transport == "auto" and info.host == self._host
+        self._ctrl.use_stream(info.local_address if here and info.local_address else info.stream_address)
         # Units whose arena this client can map: known once per units version, not per put (a stat each).
         self._local_units = frozenset(
             u.unit_id
@@ -649,8 +650,9 @@ class TQClient:
             if self.transport == "auto" and u.host == self._host and u.arena_path is not None and os.path.exists(u.arena_path)
         )
         connect_units(self._unit_chans, self._units, self._secret, self.timeout)
-        for u in info.units:  # a same-host unit's allocations (a put above a quarter slab) skip ZMQ too
-            self._unit_chans[u.unit_id].use_local(u.local_address if u.unit_id in self._local_units else None)
+        for u in info.units:  # a same-host unit's allocations (a put above a quarter slab), others' writes and reads
+            here = u.unit_id in self._local_units and u.local_address
+            self._unit_chans[u.unit_id].use_stream(u.local_address if here else u.stream_address)
 
     def _lease_holder(self) -> dict[str, Any]:
         """What tells the controller, when it runs on this host, that this process still runs (it

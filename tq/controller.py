@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from . import argtypes, launch, liveness, local_transport, messages, protocol
+from . import argtypes, launch, liveness, stream_transport, messages, protocol
 from .errors import (
     DuplicateKeyError,
     FencedCommitError,
@@ -100,7 +100,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         self.partitions: dict[str, Partition] = {}
         self.units: list[dict[str, Any]] = []
         self.unit_socks: dict[int, Any] = {}
-        self.unit_streams: dict[int, local_transport.StreamPeer] = {}  # units of this host, reached over their Unix socket
+        self.unit_streams: dict[int, stream_transport.StreamPeer] = {}  # units of this host, reached over their Unix socket
         self.expected_units = expected_units
         self.waiters: list[Waiter] = []
         self.unit_seen: dict[int, float] = {}  # last time each storage unit answered
@@ -152,9 +152,14 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
                 Op.SHUTDOWN: self.op_shutdown,
             },
         )
-        # this host's clients skip ZMQ's I/O threads (tq.local_transport); a controller restarted on its
+        # this host's clients skip ZMQ's I/O threads (tq.stream_transport); a controller restarted on its
         # journal listens where its clients found it before
-        self.listen_local(local_transport.stable_token(journal_dir) if journal_dir is not None else None)
+        if journal_dir is None:
+            self.listen_streams()
+        else:  # restarted on its journal, it is found where its clients' streams were
+            self.listen_streams(stream_transport.stable_token(journal_dir), stream_transport.remembered_port(journal_dir))
+            if self.tcp is not None:
+                stream_transport.remember_port(journal_dir, stream_transport.parse_tcp_address(self.tcp.address)[1])
         if journal_dir is not None:  # crash recovery: replay what was journaled, then keep journaling
             path = os.path.join(journal_dir, "controller.journal")
             self._replay(path)
@@ -197,6 +202,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             host=self.host,
             shm_dir=self.shm_dir,
             local_address=self.local.address if self.local is not None else None,
+            stream_address=self.tcp.address if self.tcp is not None else None,
         )
 
     def _new_partition(self, pid: str, table: LocationTable | None = None) -> Partition:
@@ -224,6 +230,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             "pid": args.pid,
             "managed": args.managed,
             "local_address": args.local_address,
+            "stream_address": args.stream_address,
         }
         rejoin = args.rejoin
         if rejoin is not None and rejoin >= len(self.units):

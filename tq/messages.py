@@ -123,7 +123,7 @@ class OpSummary(msgspec.Struct, omit_defaults=True, kw_only=True):
     bytes_out: Union[int, None] = None
 
 
-class ServerStats(Reply):
+class ServerStats(Reply, kw_only=True):
     """What every server reports of itself (:meth:`tq.rpc.RpcServer.server_stats`)."""
 
     uptime_s: float
@@ -133,7 +133,8 @@ class ServerStats(Reply):
     metrics: bool
     metrics_url: Union[str, None]
     journal_bytes: int
-    local_connections: int  # open connections to its same-host Unix socket (tq.local_transport)
+    local_connections: int  # open connections to its same-host Unix socket (tq.stream_transport)
+    tcp_stream_connections: int = 0  # ... and to its TCP stream socket (absent from an older server's)
 
 
 class UnitInfo(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -149,7 +150,8 @@ class UnitInfo(msgspec.Struct, omit_defaults=True, kw_only=True):
     managed: bool
     free_bytes: Union[int, None] = None
     alive: Union[bool, None] = None
-    local_address: Union[str, None] = None  # its same-host Unix socket (tq.local_transport), if any
+    local_address: Union[str, None] = None  # its same-host Unix socket (tq.stream_transport), if any
+    stream_address: Union[str, None] = None  # its TCP stream socket (tq.stream_transport), if any
 
 
 # ----------------------------------------------------------------------------- controller requests
@@ -168,7 +170,8 @@ class HelloReply(Reply, omit_defaults=False):
     units_version: int
     host: Union[str, None] = None
     shm_dir: Union[str, None] = None  # its shared-memory directory (location tables, pin files)
-    local_address: Union[str, None] = None  # its same-host Unix socket (tq.local_transport), if any
+    local_address: Union[str, None] = None  # its same-host Unix socket (tq.stream_transport), if any
+    stream_address: Union[str, None] = None  # its TCP stream socket (tq.stream_transport), if any
 
 
 class RegisterUnit(Args):
@@ -183,6 +186,7 @@ class RegisterUnit(Args):
     managed: bool = False
     rejoin: Union[Count, None] = None
     local_address: Union[str, None] = None
+    stream_address: Union[str, None] = None
 
 
 class RegisterUnitReply(Reply, omit_defaults=False):
@@ -722,6 +726,7 @@ class UnitStatsReply(ServerStats):
     parked_writes: int
     held_bytes: int  # ranges kept for same-host writers paused past their lease
     local_address: Union[str, None] = None  # its same-host Unix socket, if any
+    stream_address: Union[str, None] = None  # its TCP stream socket, if any
 
 
 class UnitShutdown(Args):

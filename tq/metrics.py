@@ -42,6 +42,7 @@ METRICS: dict[str, tuple[str, str]] = {
     "tq_uptime_seconds": ("gauge", "Seconds since the server started"),
     "tq_journal_bytes": ("gauge", "Size of the server's crash-recovery journal (0 without one)"),
     "tq_local_connections": ("gauge", "Open connections to the server's same-host Unix socket"),
+    "tq_tcp_stream_connections": ("gauge", "Open connections to the server's TCP stream socket"),
     "tq_partitions": ("gauge", "Partitions registered"),
     "tq_partition_keys": ("gauge", "Keys held, by partition"),
     "tq_partition_bytes": ("gauge", "Bytes held, by partition"),
@@ -102,6 +103,7 @@ def families(stats: messages.StatsReply, unit_stats: Mapping[int, messages.UnitS
             ("tq_uptime_seconds", ("server",)),
             ("tq_journal_bytes", ("server",)),
             ("tq_local_connections", ("server",)),
+            ("tq_tcp_stream_connections", ("server",)),
             ("tq_partitions", ()),
             ("tq_partition_keys", ("partition",)),
             ("tq_partition_bytes", ("partition",)),
@@ -130,6 +132,7 @@ def families(stats: messages.StatsReply, unit_stats: Mapping[int, messages.UnitS
         out["tq_uptime_seconds"].add_metric([label], st.uptime_s)
         out["tq_journal_bytes"].add_metric([label], st.journal_bytes)
         out["tq_local_connections"].add_metric([label], st.local_connections)
+        out["tq_tcp_stream_connections"].add_metric([label], st.tcp_stream_connections)
 
     server("controller", stats)
     out["tq_partitions"].add_metric([], len(stats.partitions))

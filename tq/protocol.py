@@ -472,14 +472,29 @@ def _raise_error(err: Any, reply: Any) -> None:
 
 
 # ----------------------------------------------------------------------------- byte streams
-# Processes of one host may talk to a server over a Unix stream socket instead of ZMQ (see
-# tq.local_transport). A stream has no message boundaries, so each message travels as
+# A client may talk to a server over a stream socket instead of ZMQ - a Unix socket on the server's
+# host, TCP from elsewhere (see tq.stream_transport). A stream has no message boundaries, so each
+# message travels as
 #
 #     u32 frame count, u64 size of every frame (little-endian), then the frames back to back
 #
-# - the same frames as on ZMQ ([header, mac, buffers...]), so everything above is shared.
+# - the same frames as on ZMQ ([header, mac, buffers...]), so everything above is shared. A TCP
+# connection first carries the preamble below (the server's token: a client that reached another
+# server on a reused port finds out before it sends a request) and the server's one-byte answer.
 MAX_STREAM_FRAMES = 4096  # a peer declaring more frames than any request has is refused before it sends them
 _COUNT = struct.Struct("<I")
+STREAM_MAGIC = b"TQS1"
+STREAM_TOKEN_BYTES = 32  # hex characters of a server's token (128 random bits)
+STREAM_PREAMBLE_BYTES = len(STREAM_MAGIC) + STREAM_TOKEN_BYTES
+STREAM_ACCEPTED = b"\x06"
+
+
+def stream_preamble(token: str) -> bytes:
+    """What a client sends first on a TCP stream to the server whose token is ``token``."""
+    raw = token.encode("ascii")
+    if len(raw) != STREAM_TOKEN_BYTES:
+        raise ValueError(f"a stream token has {STREAM_TOKEN_BYTES} characters, got {shown(token)}")
+    return STREAM_MAGIC + raw
 
 
 def stream_prefix(frames: Sequence[Any]) -> bytes:
@@ -491,60 +506,95 @@ def stream_prefix(frames: Sequence[Any]) -> bytes:
 class StreamReader:
     """Cuts a byte stream into messages (lists of frames) as bytes arrive: pure, no I/O.
 
-    ``max_message_bytes`` bounds a message's frames together, checked from its prefix before its
-    frames are buffered (a server reading an unauthenticated peer sets it; None: no bound)."""
+    Once a message's prefix has come, its frames get one buffer of their total size: later bytes are
+    copied into it (:meth:`feed`), or a large message's rest is received straight into it
+    (:meth:`body_left`, then :meth:`received`) - a 100 MiB reply costs one copy out of the kernel,
+    not a growing buffer copied again as it grows. ``max_message_bytes`` bounds a message's frames
+    together, checked from its prefix before anything is allocated (a server reading an
+    unauthenticated peer sets it; None: no bound)."""
 
     def __init__(self, max_message_bytes: int | None = None) -> None:
         self.max_message_bytes = max_message_bytes
-        self._buf = bytearray()
-        self._sizes: list[int] | None = None  # the current message's frame sizes, once its prefix arrived
-        self._prefix = 0  # the current message's prefix bytes
-        self._end = 0  # ... and where its last frame ends
+        self._head = bytearray()  # bytes before the current message's frames (its prefix, the next messages')
+        self._sizes: list[int] = []  # the current message's frame sizes, once its prefix arrived
+        self._body: bytearray | None = None  # ... and the buffer its frames arrive in
+        self._got = 0  # bytes of the body arrived
 
     @property
     def pending(self) -> int:
-        """Bytes received of a message not yet complete (0 between messages)."""
-        return len(self._buf)
+        """Bytes held of a message not yet complete (0 between messages)."""
+        return len(self._head) + self._got
 
     def feed(self, data: Any) -> list[list[memoryview]]:
         """Take received bytes; return the messages they completed, in order. Raises
         :class:`MalformedMessageError` or :class:`MessageTooLargeError` for a prefix no TQ peer sends
         (the stream cannot be read past it: close it)."""
-        self._buf += data
-        out = []
+        view = memoryview(data).cast("B")
+        pos, out = 0, []
         while True:
-            msg = self._next()
-            if msg is None:
+            if self._body is not None:
+                take = min(len(self._body) - self._got, len(view) - pos)
+                self._body[self._got : self._got + take] = view[pos : pos + take]
+                self._got += take
+                pos += take
+                if self._got < len(self._body):
+                    return out
+                out.append(self._complete())
+                continue
+            if pos < len(view):
+                self._head += view[pos:]
+                pos = len(view)
+            if not self._start():
                 return out
-            out.append(msg)
 
-    def _next(self) -> list[memoryview] | None:
-        buf = self._buf
-        if self._sizes is None:
-            if len(buf) < _COUNT.size:
-                return None
-            (n,) = _COUNT.unpack_from(buf)
-            if not 0 < n <= MAX_STREAM_FRAMES:
-                raise MalformedMessageError(f"stream message declares {n} frames (1 to {MAX_STREAM_FRAMES} allowed)")
-            if len(buf) < _COUNT.size + 8 * n:
-                return None
-            sizes = list(struct.unpack_from(f"<{n}Q", buf, _COUNT.size))
-            if max(sizes) > MAX_FRAME_BYTES:
-                raise MessageTooLargeError(f"stream message declares a frame of {max(sizes)} bytes, over {MAX_FRAME_BYTES}")
-            if self.max_message_bytes is not None and sum(sizes) > self.max_message_bytes:
-                raise MessageTooLargeError(f"stream message of {sum(sizes)} bytes exceeds the limit of {self.max_message_bytes}")
-            self._sizes, self._prefix = sizes, _COUNT.size + 8 * n
-            self._end = self._prefix + sum(sizes)
-        end = self._end
-        if len(buf) < end:
+    def body_left(self, at_least: int) -> memoryview | None:
+        """The rest of the current message's buffer, to receive into, when at least ``at_least``
+        bytes of it are still to come (None: read into a chunk and :meth:`feed` it)."""
+        if self._body is None or len(self._body) - self._got < at_least:
             return None
-        whole = memoryview(bytearray(buf[self._prefix : end]))  # writable, as a received ZMQ frame is
+        return memoryview(self._body)[self._got :]
+
+    def received(self, n: int) -> list[list[memoryview]]:
+        """``n`` bytes were received into :meth:`body_left`'s view: the message, if that completed it."""
+        if self._body is None or not 0 <= n <= len(self._body) - self._got:
+            raise ValueError(f"received {n} bytes into a body with {len(self._body or b'') - self._got} left")
+        self._got += n
+        if self._got < len(self._body):
+            return []
+        return [self._complete(), *self.feed(b"")]
+
+    def _start(self) -> bool:
+        """Read a prefix out of the head, if it has one whole: then the body is made, filled with the
+        head's bytes after the prefix."""
+        head = self._head
+        if len(head) < _COUNT.size:
+            return False
+        (n,) = _COUNT.unpack_from(head)
+        if not 0 < n <= MAX_STREAM_FRAMES:
+            raise MalformedMessageError(f"stream message declares {n} frames (1 to {MAX_STREAM_FRAMES} allowed)")
+        prefix = _COUNT.size + 8 * n
+        if len(head) < prefix:
+            return False
+        sizes = list(struct.unpack_from(f"<{n}Q", head, _COUNT.size))
+        if max(sizes) > MAX_FRAME_BYTES:
+            raise MessageTooLargeError(f"stream message declares a frame of {max(sizes)} bytes, over {MAX_FRAME_BYTES}")
+        total = sum(sizes)
+        if self.max_message_bytes is not None and total > self.max_message_bytes:
+            raise MessageTooLargeError(f"stream message of {total} bytes exceeds the limit of {self.max_message_bytes}")
+        take = min(total, len(head) - prefix)
+        self._sizes, self._body = sizes, bytearray(total)  # writable, as a received ZMQ frame is
+        self._body[:take] = head[prefix : prefix + take]
+        self._got = take
+        del head[: prefix + take]
+        return True
+
+    def _complete(self) -> list[memoryview]:
+        whole = memoryview(self._body)  # type: ignore[arg-type]
         frames, pos = [], 0
         for size in self._sizes:
             frames.append(whole[pos : pos + size])
             pos += size
-        del buf[:end]
-        self._sizes = None
+        self._body, self._got = None, 0
         return frames
 
 

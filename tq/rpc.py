@@ -1,4 +1,4 @@
-"""Request/reply over ZMQ (and, between processes of one host, Unix sockets: :mod:`tq.local_transport`):
+"""Request/reply over ZMQ (and, between processes of one host, Unix sockets: :mod:`tq.stream_transport`):
 a single-threaded server loop and a thread-safe client channel.
 
 Servers (controller, storage units) own one ROUTER socket (and a same-host Unix socket, served by the
@@ -16,7 +16,7 @@ socket they connect (:func:`set_client_credentials`). The Unix socket has no han
 local process can connect (as to a loopback port), and every request there is checked by its HMAC and
 the replay guard alone, as every request over ZMQ is too; a connection whose request fails them gets
 that error and is closed, and one that sends no authenticated request within
-:data:`tq.local_transport.HANDSHAKE_S` is closed too, so an unauthenticated process holds at most a
+:data:`tq.stream_transport.HANDSHAKE_S` is closed too, so an unauthenticated process holds at most a
 reply and a descriptor of a server, and not for long.
 """
 
@@ -31,6 +31,7 @@ import hashlib
 import hmac
 import itertools
 import logging
+import secrets
 import threading
 import time
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -39,7 +40,7 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from . import local_transport, protocol
+from . import stream_transport, protocol
 from .errors import AuthenticationError, MalformedMessageError, TQConnectionError, TQError, UnknownOperationError
 from .messages import Args, ArgsDecoder, ReplyDecoder, is_map
 from .peerlog import PeerLog
@@ -156,7 +157,7 @@ class Call:
 
     __slots__ = ("identity", "rid", "op", "started", "nbytes")
 
-    def __init__(self, identity: bytes | local_transport.StreamPeer, rid: Any, op: str, started: float, nbytes: int = 0) -> None:
+    def __init__(self, identity: bytes | stream_transport.StreamPeer, rid: Any, op: str, started: float, nbytes: int = 0) -> None:
         self.identity, self.rid, self.op, self.started, self.nbytes = identity, rid, op, started, nbytes
 
 
@@ -259,25 +260,40 @@ class RpcServer:
             self._poller.register(self._monitor, zmq.POLLIN)
         self._poller.register(self.sock, zmq.POLLIN)
         self._fd_handlers: dict[int, Callable[[bool, bool], None]] = {}  # see watch_fd
-        self.read_buffer = bytearray(local_transport.RECV_CHUNK)  # for every stream of this loop
-        self.local: local_transport.LocalListener | None = None  # see listen_local
+        self.read_buffer = bytearray(stream_transport.RECV_CHUNK)  # for every stream of this loop
+        # see listen_streams: this host's processes come over the Unix socket, others' over TCP
+        self.local: stream_transport.StreamListener | None = None
+        self.tcp: stream_transport.StreamListener | None = None
 
-    def listen_local(self, token: str | None = None) -> str | None:
-        """Also serve this host's processes on a Unix stream socket (:mod:`tq.local_transport`: a round
-        trip without ZMQ's I/O threads); returns its address for them, or None where the platform has
-        no abstract Unix sockets. ``token``: the address's random part, kept by a server that is
-        restarted on its state (see :func:`tq.local_transport.stable_token`)."""
-        if self.local is None and local_transport.supported():
-            # a message's limit is on its buffers; its header comes on top
-            limit = self.max_message_bytes + protocol.MAX_FRAME_BYTES
-            handshake_s = local_transport.HANDSHAKE_S if self.secret else None
-            self.local = local_transport.LocalListener(
-                self.name, self, self._serve_frames, max_message_bytes=limit, token=token, handshake_s=handshake_s
-            )
-        return self.local.address if self.local is not None else None
+    def listen_streams(self, token: str | None = None, tcp_port: int = 0) -> None:
+        """Also serve clients over stream sockets (:mod:`tq.stream_transport`: a round trip without ZMQ's
+        I/O threads): this host's on an abstract Unix socket (where the platform has them), others on a
+        TCP port of the interface the ZMQ socket is bound to (where it is a TCP one). ``token``: the
+        addresses' random part, and ``tcp_port``, kept by a server that is restarted on its state (see
+        :func:`tq.stream_transport.stable_token`); taken by another process, fresh ones are drawn."""
+        if self.local is not None or self.tcp is not None:
+            return
+        limit = self.max_message_bytes + protocol.MAX_FRAME_BYTES  # a limit on buffers; the header comes on top
+        token = token or secrets.token_hex(16)
+        kw: dict[str, Any] = {"max_message_bytes": limit, "secret": bool(self.secret)}
+        if stream_transport.supported():
+            try:
+                self.local = stream_transport.listen_unix(self.name, self, self._serve_frames, token=token, **kw)
+            except OSError:  # the token is taken (a restarted server's old one, still held)
+                token = secrets.token_hex(16)
+                self.local = stream_transport.listen_unix(self.name, self, self._serve_frames, token=token, **kw)
+        if self.address.startswith("tcp://"):
+            host = self.address[len("tcp://") :].rsplit(":", 1)[0]
+            try:
+                self.tcp = stream_transport.listen_tcp(self.name, self, self._serve_frames, host, token=token, port=tcp_port, **kw)
+            except OSError as exc:  # e.g. a ZMQ interface name: its clients keep to ZMQ
+                log.info("%s: no TCP stream socket on %s (%s); remote clients use ZMQ", self.name, host, exc)
+
+    def stream_listeners(self) -> list[stream_transport.StreamListener]:
+        return [x for x in (self.local, self.tcp) if x is not None]
 
     def watch_fd(self, fd: int, writable: bool, handler: Callable[[bool, bool], None], readable: bool = True) -> None:
-        """Poll a file descriptor in this loop (:class:`tq.local_transport.PollLoop`)."""
+        """Poll a file descriptor in this loop (:class:`tq.stream_transport.PollLoop`)."""
         self._fd_handlers[fd] = handler
         self._poller.register(fd, (zmq.POLLIN if readable else 0) | (zmq.POLLOUT if writable else 0))
 
@@ -364,8 +380,8 @@ class RpcServer:
         (the caller then waited out its timeout)."""
         time.sleep(LAST_REPLY_GRACE_S)
         self.sock.context.destroy(linger=0)
-        if self.local is not None:
-            self.local.close()
+        for listener in self.stream_listeners():
+            listener.close()
 
     # -- loop
     def stop(self) -> None:
@@ -392,8 +408,8 @@ class RpcServer:
                     if on_message is not None:  # None: closed by a message earlier in this batch (a unit rejoined)
                         on_message(sock.recv_multipart())
             now = time.monotonic()
-            if self.local is not None:
-                self.local.on_tick(now)
+            for listener in self.stream_listeners():
+                listener.on_tick(now)
             self.on_tick(now)
         self.close()
 
@@ -404,8 +420,8 @@ class RpcServer:
         self.sock.close(linger=1000)  # let the last replies (e.g. to "shutdown") go out
         for s in self._extra_sockets:
             s.close(0)
-        if self.local is not None:
-            self.local.close()
+        for listener in self.stream_listeners():
+            listener.close()
 
     def _on_refused_handshake(self) -> None:
         event = recv_monitor_message(self._monitor)["event"]
@@ -441,7 +457,7 @@ class RpcServer:
     def _serve_one(self, frames: list[zmq.Frame]) -> None:
         self._serve_frames(frames[0].bytes, frames[1:])
 
-    def _serve_frames(self, identity: bytes | local_transport.StreamPeer, frames: Sequence[Any]) -> None:
+    def _serve_frames(self, identity: bytes | stream_transport.StreamPeer, frames: Sequence[Any]) -> None:
         """Serve one request (its frames after the ZMQ identity) from ``identity``: a ZMQ peer, or a
         same-host client of :attr:`local`."""
         started = time.perf_counter()
@@ -451,8 +467,9 @@ class RpcServer:
             call.rid = msg.rid
             if self._guard is not None:
                 self._guard.check_stamp(msg.sid, msg.seq, msg.ts)  # authentic, but is it fresh?
-                if type(identity) is not bytes:  # a same-host connection proved it holds the secret
-                    self.local.proven(identity)  # type: ignore[union-attr]
+                if type(identity) is not bytes:  # a stream connection proved it holds the secret
+                    for listener in self.stream_listeners():
+                        listener.proven(identity)
             op = msg.op
             if not isinstance(op, str) or not is_map(msg.args):
                 raise MalformedMessageError("request needs a string 'op' and a map 'args'")
@@ -491,13 +508,14 @@ class RpcServer:
         journal = getattr(self, "journal", None)
         return {
             "uptime_s": time.time() - self.started_at,
-            "rejected_messages": self.rejected + (self.local.rejected if self.local is not None else 0),
+            "rejected_messages": self.rejected + sum(x.rejected for x in self.stream_listeners()),
             "auth_failures": self.auth_failures,
             "ops": {op: st.summary(self.metrics) for op, st in sorted(self.op_stats.items())},
             "metrics": self.metrics,
             "metrics_url": self.metrics_url,
             "journal_bytes": _file_size(journal.path) if journal is not None else 0,
             "local_connections": len(self.local.peers) if self.local is not None else 0,
+            "tcp_stream_connections": len(self.tcp.peers) if self.tcp is not None else 0,
         }
 
 
@@ -557,19 +575,21 @@ class RpcChannel:
         self._monitors: list[zmq.Socket] = []
         self._lock = threading.Lock()
         self._closed = False
-        self._streams: list[local_transport.LocalStream] = []
-        self.local_address: str | None = None  # see use_local
+        self._streams: list[stream_transport.ClientStream] = []
+        self.stream_address: str | None = None  # see use_stream
 
-    def use_local(self, address: str | None) -> None:
-        """Send this channel's requests over the server's same-host socket at ``address`` (from the
-        server's hello; None: ZMQ only). A thread that cannot connect to it keeps using ZMQ."""
-        self.local_address = address if address and local_transport.supported() else None
+    def use_stream(self, address: str | None) -> None:
+        """Send this channel's requests over the server's stream socket at ``address`` (its Unix socket
+        or its TCP one, from the server's hello; None: ZMQ only). A thread that cannot connect to it
+        keeps using ZMQ."""
+        self.stream_address = address if address and (address.startswith("tcp://") or stream_transport.supported()) else None
 
-    def _stream(self) -> local_transport.LocalStream | None:
-        """This thread's stream to :attr:`local_address`, connected on first use; None when there is
-        none to use (no address, or it refused this thread: another host or network namespace)."""
+    def _stream(self) -> stream_transport.ClientStream | None:
+        """This thread's stream to :attr:`stream_address`, connected on first use; None when there is
+        none to use (no address, or it refused this thread: another host or network namespace, a
+        firewall, another server on the port)."""
         stream = getattr(self._local, "stream", None)
-        address = self.local_address
+        address = self.stream_address
         if stream is not None and stream.address != address:  # the server moved (or is not to be used)
             self._drop_stream(stream)
             stream = None
@@ -577,10 +597,11 @@ class RpcChannel:
         if stream is not None or address is None or (refused is not None and refused[0] == address and time.monotonic() < refused[1]):
             return stream
         try:
-            stream = local_transport.LocalStream(address, min(self.timeout, 5.0))
+            stream = stream_transport.ClientStream(address, min(self.timeout, stream_transport.TCP_CONNECT_S))
         except OSError as exc:
-            log.debug("%s: no same-host connection at %s (%s); using %s", self.name, address, exc, self.address)
-            self._local.stream_refused = (address, time.monotonic() + local_transport.RETRY_S)
+            log.debug("%s: no stream connection at %s (%s); using %s", self.name, address, exc, self.address)
+            retry_s = stream_transport.UNREACHABLE_RETRY_S if isinstance(exc, TimeoutError) else stream_transport.RETRY_S
+            self._local.stream_refused = (address, time.monotonic() + retry_s)
             return None
         stream.sender = protocol.Sender() if self.secret else None
         with self._lock:
@@ -591,7 +612,7 @@ class RpcChannel:
         self._local.stream = stream
         return stream
 
-    def _drop_stream(self, stream: local_transport.LocalStream) -> None:
+    def _drop_stream(self, stream: stream_transport.ClientStream) -> None:
         """Forget a broken stream: this thread's next request connects again (or uses ZMQ)."""
         self._local.stream = None
         with self._lock:
@@ -665,8 +686,8 @@ class RpcChannel:
             except OSError as exc:  # the server closed it (stopped or restarted), or took nothing for the
                 self._drop_stream(stream)  # whole timeout: it served none of this request (a message cut
                 # short is dropped unread), so it goes over ZMQ, which waits for a server
-                self._local.stream_refused = (stream.address, time.monotonic() + local_transport.RETRY_S)
-                log.debug("%s: same-host connection lost (%s); using %s", self.name, exc, self.address)
+                self._local.stream_refused = (stream.address, time.monotonic() + stream_transport.RETRY_S)
+                log.debug("%s: stream connection lost (%s); using %s", self.name, exc, self.address)
         sock = self._socket()
         frames = protocol.request(op, rid, args, buffers, self.secret, self._local.sender)
         copy = not _zero_copy(frames)
@@ -803,7 +824,7 @@ class RpcChannel:
             return self._decoder(op).decode(msg.result), msg
 
     def _recv_stream(
-        self, stream: local_transport.LocalStream, op: str, left: float, check: Callable[[], None] | None
+        self, stream: stream_transport.ClientStream, op: str, left: float, check: Callable[[], None] | None
     ) -> list[memoryview] | None:
         """The next message on this thread's stream within ``left`` seconds (None: none came), calling
         ``check`` every CHECK_EVERY_S; TQConnectionError at once if the server closed the connection
@@ -817,7 +838,7 @@ class RpcChannel:
                 frames = stream.recv(min(left, CHECK_EVERY_S) if check is not None else left)
             except TQConnectionError as exc:
                 self._drop_stream(stream)
-                raise TQConnectionError(f"{self.name} at {self.address}: same-host connection lost during '{op}': {exc}") from None
+                raise TQConnectionError(f"{self.name} at {self.address}: stream connection lost during '{op}': {exc}") from None
             if frames is not None:
                 return frames
             if check is not None:

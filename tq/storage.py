@@ -166,7 +166,7 @@ class StorageUnit(RpcServer):
         managed: bool = False,
     ) -> None:
         super().__init__(f"storage unit {unit_id}", bind, secret=secret, max_message_bytes=max_message_bytes)
-        self.listen_local()  # the controller of this host, and its clients, skip ZMQ's I/O threads
+        self.listen_streams()  # the controller of this host, and clients, skip ZMQ's I/O threads
         self.orphan_timeout_s = orphan_timeout_s  # stop after this long without a controller heartbeat
         self._last_ping = time.monotonic()
         self.unit_id = unit_id
@@ -237,6 +237,7 @@ class StorageUnit(RpcServer):
             "pid": os.getpid(),
             "managed": self.managed,
             "local_address": self.local.address if self.local is not None else None,
+            "stream_address": self.tcp.address if self.tcp is not None else None,
         }
 
     # -- helpers

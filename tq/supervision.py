@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from . import local_transport, messages, protocol
+from . import stream_transport, messages, protocol
 from .arena import arena_in_use
 from .errors import InvalidRequestError
 from .locations import ALIVE_S, LocationTable
@@ -108,16 +108,16 @@ class UnitSupervision:
         self.add_socket(sock, lambda frames: self._on_unit_reply(uid, frames))
         self.unit_seen[uid] = time.monotonic()
         self._close_unit_stream(uid)
-        if local_address is not None and local_transport.supported():
+        if local_address is not None and stream_transport.supported():
             try:
-                sock = local_transport.connect(local_address, 1.0)
+                sock = stream_transport.connect(local_address, 1.0)
             except (OSError, ValueError):  # another host or network namespace: ZMQ it is
                 return
-            self.unit_streams[uid] = local_transport.StreamPeer(
+            self.unit_streams[uid] = stream_transport.StreamPeer(
                 sock, self, lambda _, frames: self._on_unit_reply(uid, frames), lambda s, exc: self._unit_stream_ended(uid, s, exc)
             )
 
-    def _unit_stream_ended(self, unit: int, stream: local_transport.StreamPeer, exc: Exception) -> None:
+    def _unit_stream_ended(self, unit: int, stream: stream_transport.StreamPeer, exc: Exception) -> None:
         """The unit is gone (or restarting): what it did not read is lost, so it gets a retain once it
         answers again; its messages go over ZMQ until it registers again."""
         log.info("storage unit %d: its same-host connection ended (%s)", unit, exc)

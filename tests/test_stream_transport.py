@@ -1,6 +1,7 @@
-"""Same-host Unix sockets (tq.local_transport): the stream framing, and real controller and storage-unit
-processes serving this host's clients (and the controller reaching its units) over them - also when
-the peer is hostile, stops reading, or dies.
+"""Stream sockets (tq.stream_transport): the stream framing, and real controller and storage-unit
+processes serving clients over their Unix sockets (this host's; also the controller reaching its
+units) and their TCP stream sockets (other hosts') - also when the peer is hostile, stops reading,
+dies, or reached the wrong server.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 from conftest import free_port, raw_exchange, shut_down, unique_keys, wait_until
 from tq import TQClient, TQServer, protocol
 from tq.errors import AuthenticationError, MalformedMessageError, MessageTooLargeError, ReplayError, TQConnectionError
-from tq.local_transport import RECV_CHUNK, LocalStream
+from tq.stream_transport import RECV_CHUNK, ClientStream, parse_tcp_address, tcp_address
 
 MiB = 1 << 20
 pytestmark = pytest.mark.skipif(not os.uname().sysname == "Linux", reason="abstract Unix sockets are Linux's")
@@ -44,6 +45,30 @@ def test_stream_reader_cuts_messages_wherever_the_bytes_split():
         assert reader.pending == 0
     frame = protocol.StreamReader().feed(_message([b"abc"]))[0][0]
     frame[0] = ord("z")  # writable, as a received ZMQ frame is (a decoder may reuse it in place)
+
+
+def test_stream_reader_receives_a_large_message_straight_into_its_buffer():
+    """Once a large message's prefix came, the rest of it is received into the message's own buffer
+    (no chunk copied into it); a small one's is not offered; what follows is read as before."""
+    big, small = [b"h", bytes(range(256)) * 1024], [b"next"]
+    wire = _message(big) + _message(small)
+    reader = protocol.StreamReader()
+    cut = 100
+    assert reader.feed(wire[:cut]) == [] and reader.pending > 0
+    into = reader.body_left(RECV_CHUNK)
+    assert into is not None and into.nbytes == len(_message(big)) - cut
+    into[:1000] = wire[cut : cut + 1000]
+    assert reader.received(1000) == []
+    rest = reader.body_left(RECV_CHUNK)
+    end = len(_message(big))
+    rest[:] = wire[cut + 1000 : end]
+    assert [bytes(f) for f in reader.received(rest.nbytes)[0]] == big
+    assert reader.body_left(1) is None  # between messages: nothing to receive into
+    assert [[bytes(f) for f in m] for m in reader.feed(wire[end:])] == [small]
+    reader.feed(_message([b"x" * 100])[:20])
+    assert reader.body_left(RECV_CHUNK) is None  # too little left to be worth a receive of its own
+    with pytest.raises(ValueError, match="received 200 bytes"):
+        reader.received(200)
 
 
 def test_stream_reader_refuses_what_no_peer_sends_before_buffering_it():
@@ -77,7 +102,7 @@ def _local_connections(server: TQServer) -> int:
 
 def test_same_host_clients_and_units_talk_over_the_unix_socket(server):
     """A same-host client's requests reach the controller over its Unix socket, and the controller
-    reaches its unit over the unit's; a 'tcp' client (acting as a remote one) keeps to ZMQ."""
+    reaches its unit over the unit's; a 'tcp' client (acting as a remote one) uses neither."""
     info = _hello(server.address)
     assert info["local_address"].startswith("@tq-")
     assert info["units"][0]["local_address"].startswith("@tq-")
@@ -97,21 +122,33 @@ def test_same_host_clients_and_units_talk_over_the_unix_socket(server):
     assert wait_until(lambda: _local_connections(server) == base, timeout=5.0)  # closed: the server dropped it
 
 
-def test_hostile_bytes_on_the_unix_socket_close_that_connection_only(server):
+def _raw_connect(address: str) -> socket.socket:
+    """A bare connection to a server's stream socket (a TCP one past its token), nothing sent yet."""
+    if address.startswith("tcp://"):
+        host, port, token = parse_tcp_address(address)
+        s = socket.create_connection((host, port), 5.0)
+        s.sendall(protocol.stream_preamble(token))
+        assert s.recv(1) == protocol.STREAM_ACCEPTED
+        return s
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect("\0" + address[1:])
+    return s
+
+
+@pytest.mark.parametrize("kind", ["local_address", "stream_address"], ids=["unix", "tcp"])
+def test_hostile_bytes_on_a_stream_socket_close_that_connection_only(server, kind):
     """Garbage, an oversized frame, and a request cut short: each closes its own connection (counted
     as rejected) and the controller serves everyone else as before."""
-    address = _hello(server.address)["local_address"]
+    address = _hello(server.address)[kind]
     with TQClient(server.address) as client:
         before = client.stats()["rejected_messages"]
         for junk in (b"\xff" * 64, struct.pack("<IQ", 1, protocol.MAX_FRAME_BYTES + 1), struct.pack("<I", 10**6)):
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.connect("\0" + address[1:])
+            s = _raw_connect(address)
             s.sendall(junk)
             s.settimeout(5.0)
             assert s.recv(10) == b""  # closed by the server, without a reply
             s.close()
-        cut = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # half a request, then gone
-        cut.connect("\0" + address[1:])
+        cut = _raw_connect(address)  # half a request, then gone
         whole = _message(protocol.request("list_partitions", 1, {}, [], None))
         cut.sendall(whole[: len(whole) // 2])
         cut.close()
@@ -127,7 +164,7 @@ def test_a_peer_that_never_reads_its_replies_does_not_stall_the_controller(serve
         client.register_partition("lt-slow", reuse=True)
         keys = unique_keys(20_000, "slow")
         client.put("lt-slow", keys, {"x": torch.zeros(len(keys))})
-        stream = LocalStream(_hello(server.address)["local_address"], 5.0)
+        stream = ClientStream(_hello(server.address)["local_address"], 5.0)
         n = 40  # each reply lists 20,000 keys (~400 KB): far past a Unix socket's buffer
         for rid in range(1, n + 1):
             stream.send(protocol.request("get_meta", rid, {"partition": "lt-slow"}, [], None), 5.0)
@@ -163,17 +200,19 @@ def test_a_client_waiting_on_a_controller_that_dies_hears_it_at_once():
         assert isinstance(failed[0], TQConnectionError) and "connection lost" in str(failed[0])
 
 
-def test_the_unix_socket_checks_the_secret_refuses_replays_and_drops_who_fails():
-    """No handshake authenticates a same-host connection (ZMTP PLAIN does on TCP), so each request's
-    HMAC and stamp are checked; a connection whose request fails them gets its error and is closed -
-    an unauthenticated process holds no more of the server than one reply."""
+@pytest.mark.parametrize("kind", ["local_address", "stream_address"], ids=["unix", "tcp"])
+def test_a_stream_socket_checks_the_secret_refuses_replays_and_drops_who_fails(kind):
+    """No handshake authenticates a stream connection (ZMTP PLAIN does ZMQ's; a TCP stream's token only
+    names the server), so each request's HMAC and stamp are checked; a connection whose request fails
+    them gets its error and is closed - an unauthenticated process holds no more of the server than
+    one reply."""
     secret = "local-s3cret"
     key = secret.encode()
     with TQServer(storage_units=1, capacity=16 * MiB, secret=secret) as srv:
-        address = _hello(srv.address, key)["local_address"]
+        address = _hello(srv.address, key)[kind]
 
         def answered_then_dropped(request: list, expected: type[Exception]) -> None:
-            stream = LocalStream(address, 5.0)
+            stream = ClientStream(address, 5.0)
             stream.send(request, 5.0)
             with pytest.raises(expected):
                 protocol.raise_for_error(protocol.decode_reply(stream.recv(5.0), None))
@@ -184,7 +223,7 @@ def test_the_unix_socket_checks_the_secret_refuses_replays_and_drops_who_fails()
         answered_then_dropped(protocol.request("create_partition", 1, {"partition": "lt-unsigned"}, [], None), AuthenticationError)
         wrong = protocol.request("create_partition", 2, {"partition": "lt-wrong"}, [], b"not-the-secret", protocol.Sender())
         answered_then_dropped(wrong, AuthenticationError)
-        stream = LocalStream(address, 5.0)
+        stream = ClientStream(address, 5.0)
         signed = protocol.request("create_partition", 3, {"partition": "lt-signed"}, [], key, protocol.Sender())
         stream.send(signed, 5.0)
         protocol.raise_for_error(protocol.decode_reply(stream.recv(5.0), key))
@@ -204,7 +243,7 @@ def test_with_a_secret_a_connection_that_never_authenticates_is_closed_after_the
     being accepted is closed (an idle one would hold a descriptor of the server for as long as it
     liked; ZMQ gives its PLAIN handshake a time limit the same way). One that sent a signed request
     stays open past it."""
-    from tq.local_transport import HANDSHAKE_S
+    from tq.stream_transport import HANDSHAKE_S
 
     secret = "idle-s3cret"
     key = secret.encode()
@@ -212,7 +251,7 @@ def test_with_a_secret_a_connection_that_never_authenticates_is_closed_after_the
         address = _hello(srv.address, key)["local_address"]
         idle = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         idle.connect("\0" + address[1:])
-        signed = LocalStream(address, 5.0)
+        signed = ClientStream(address, 5.0)
         signed.sender = protocol.Sender()
         signed.send(protocol.request("list_partitions", 1, {}, [], key, signed.sender), 5.0)
         protocol.raise_for_error(protocol.decode_reply(signed.recv(5.0), key))
@@ -230,14 +269,15 @@ def test_a_first_request_left_unread_by_a_busy_loop_is_served_not_taken_for_idle
     """The handshake time is checked at the loop's tick, after the requests of that turn: a connection
     whose first request came while the loop was busy past the time (in another request's handler) has
     it waiting unread - it is put off once and served, not closed as idle."""
-    import tq.local_transport as lt
+    import tq.stream_transport as lt
     from tq import messages
     from tq.rpc import RpcServer
 
     monkeypatch.setattr(lt, "HANDSHAKE_S", 1.0)
     key = b"busy-s3cret"
     server = RpcServer("busy", "tcp://127.0.0.1:0", secret=key, max_message_bytes=1 << 20)
-    address = server.listen_local()
+    server.listen_streams()
+    address = server.local.address
 
     def ping(args: messages.Ping, buffers: list, call: object) -> dict:
         if getattr(call, "rid", None) == 1:
@@ -247,7 +287,7 @@ def test_a_first_request_left_unread_by_a_busy_loop_is_served_not_taken_for_idle
     server.serve_ops({"ping": messages.Ping}, {"ping": ping})
     loop = threading.Thread(target=server.serve_forever, daemon=True)
     loop.start()
-    a, b = LocalStream(address, 5.0), LocalStream(address, 5.0)
+    a, b = ClientStream(address, 5.0), ClientStream(address, 5.0)
     try:
         assert wait_until(lambda: len(server.local.peers) == 2)  # both accepted, the clock running
         a.sender, b.sender = protocol.Sender(), protocol.Sender()
@@ -275,7 +315,8 @@ def test_every_request_a_peer_sent_before_it_went_away_is_served(apart):
     from tq.rpc import RpcServer
 
     server = RpcServer("unit-like", "tcp://127.0.0.1:0", secret=None, max_message_bytes=1 << 20)
-    address = server.listen_local()
+    server.listen_streams()
+    address = server.local.address
     served: list[str] = []
 
     def ping(args: messages.Ping, buffers: list, call: object) -> dict:
@@ -288,7 +329,7 @@ def test_every_request_a_peer_sent_before_it_went_away_is_served(apart):
         return {"stopping": True}
 
     server.serve_ops({"ping": messages.Ping, "shutdown": messages.UnitShutdown}, {"ping": ping, "shutdown": shutdown})
-    peer = LocalStream(address, 5.0)  # waits in the listen backlog: the loop is not running yet
+    peer = ClientStream(address, 5.0)  # waits in the listen backlog: the loop is not running yet
     peer.send(protocol.request("ping", 1, {}, [], None), 5.0)
     pad = [np.zeros(RECV_CHUNK, np.uint8)] if apart else []  # the first read ends inside the shutdown
     peer.send(protocol.request("shutdown", 2, {}, pad, None), 5.0)
@@ -309,7 +350,7 @@ def test_a_peer_that_sends_requests_without_reading_replies_is_held_back_not_buf
     so the controller's memory does not grow with what a peer leaves unread (200,000 unread requests
     grew it by 154 MiB before) - and it serves everyone else meanwhile, and every reply once the peer
     reads."""
-    from tq.local_transport import MAX_QUEUED_MESSAGES
+    from tq.stream_transport import MAX_QUEUED_MESSAGES
 
     address = _hello(server.address)["local_address"]
     with TQClient(server.address) as client:
@@ -352,7 +393,7 @@ def test_a_fetch_of_many_big_parts_over_a_units_socket_gets_every_reply(monkeypa
     MAX_QUEUED_BYTES, so the unit stops reading that connection and resumes as the client drains it -
     every part arrives, nothing is dropped."""
     import tq.client
-    from tq.local_transport import MAX_QUEUED_BYTES
+    from tq.stream_transport import MAX_QUEUED_BYTES
 
     monkeypatch.setattr(tq.client, "SHM_READ_TRIES", 0)  # straight to the frames path
     monkeypatch.setattr(TQClient, "_locate_here", lambda self, *args: None)
@@ -402,7 +443,7 @@ def test_a_client_that_cannot_reach_the_unix_socket_keeps_to_zmq(server):
     nowhere from there, so its requests go over ZMQ and still work."""
     base = _local_connections(server)
     with TQClient(server.address) as client:
-        client._ctrl.use_local("@tq-" + "0" * 32)  # what another namespace sees: nothing listens there
+        client._ctrl.use_stream("@tq-" + "0" * 32)  # what another namespace sees: nothing listens there
         client.register_partition("lt-elsewhere", reuse=True)
         meta = client.put("lt-elsewhere", unique_keys(2), {"x": torch.tensor([5.0, 6.0])})
         assert client.get(meta, ["x"])["x"].tolist() == [5.0, 6.0]
@@ -421,7 +462,7 @@ def test_a_controller_restarted_on_its_journal_is_reached_on_the_same_socket_aga
         with TQClient(first.address, timeout=10.0) as client:
             client.register_partition("lt-restart")
             meta = client.put("lt-restart", unique_keys(3), {"x": torch.arange(3.0)})
-            address = client._ctrl.local_address
+            address = client._ctrl.stream_address
             units = [u["pid"] for u in client.stats()["units"]]
             os.kill(first.proc.pid, signal.SIGKILL)
             first.proc.wait(10)
@@ -449,9 +490,9 @@ def test_a_channel_taken_off_the_unix_socket_goes_on_over_zmq(server):
     with TQClient(server.address) as client:
         client.register_partition("lt-switch", reuse=True)
         meta = client.put("lt-switch", unique_keys(2), {"x": torch.tensor([1.0, 2.0])})
-        address = client._ctrl.local_address
+        address = client._ctrl.stream_address
         for switch in (None, address, None):
-            client._ctrl.use_local(switch)
+            client._ctrl.use_stream(switch)
             assert client.get(meta, ["x"])["x"].tolist() == [1.0, 2.0]
             client.wait(meta, ["x"], timeout=5.0)
 
@@ -480,3 +521,137 @@ def test_fuzz_stream_prefixes(server, count, sizes, tail):
     finally:
         s.close()
     assert protocol.raise_for_reply(raw_exchange(server.address, protocol.request("list_partitions", 1, {}, [], None))) is not None
+
+
+# ----------------------------------------------------------------------------- TCP stream sockets
+def _tcp_streams(server: TQServer) -> tuple[int, int]:
+    """Open TCP stream connections of the controller and of its unit."""
+    with TQClient(server.address) as local:  # adds none itself
+        st = local.stats()
+    return st.get("tcp_stream_connections", 0), st["unit_stats"][0].get("tcp_stream_connections", 0)  # left out while 0
+
+
+def test_remote_clients_talk_over_the_tcp_stream_sockets(server):
+    """A client of another host (a 'tcp' client acts as one) sends its requests to the controller and
+    to the unit over their TCP stream sockets, not ZMQ (its hello aside): a 12 MiB put and get - sent
+    and received straight into their buffers - and an object column come back whole; the
+    connections end with the client."""
+    info = _hello(server.address)
+    token = info["local_address"][len("@tq-") :]
+    assert parse_tcp_address(info["stream_address"])[::2] == ("127.0.0.1", token)  # the server's token
+    assert info["units"][0]["stream_address"].startswith("tcp://127.0.0.1:")
+    base = _tcp_streams(server)
+    with TQClient(server.address, transport="tcp") as remote:
+        remote.register_partition("lt-tcp", reuse=True)
+        x = torch.arange(3 * MiB, dtype=torch.float32).reshape(3, MiB)
+        meta = remote.put("lt-tcp", unique_keys(3), {"x": x, "t": ["a", "b", "c"]})
+        got = remote.get(meta, ["x", "t"])
+        assert torch.equal(got["x"], x) and got["t"] == ["a", "b", "c"]
+        assert _tcp_streams(server) == (base[0] + 1, base[1] + 1)
+        assert remote._unit_chans[0]._sockets == []  # no ZMQ socket was ever made to the unit
+    assert wait_until(lambda: _tcp_streams(server) == base, timeout=5.0)
+
+
+def test_a_tcp_stream_socket_answers_only_its_own_token(server):
+    """A client that reached another server on a port (one reused after a restart) is refused at
+    connect, before it sent a request - and keeps to ZMQ; bytes that are not a token close the
+    connection unanswered. Each refusal is counted."""
+    host, port, _ = parse_tcp_address(_hello(server.address)["stream_address"])
+    wrong = tcp_address(host, port, "0" * 32)
+    with TQClient(server.address, transport="tcp") as client:
+        before = client.stats()["rejected_messages"]
+        with pytest.raises(ConnectionRefusedError, match="token refused"):
+            ClientStream(wrong, 5.0)
+        s = socket.create_connection((host, port), 5.0)
+        s.sendall(_message(protocol.request("list_partitions", 1, {}, [], None)))  # a request, no token
+        s.settimeout(5.0)
+        assert s.recv(10) == b""
+        s.close()
+        client._ctrl.use_stream(wrong)
+        client.register_partition("lt-wrong-token", reuse=True)  # over ZMQ
+        assert "lt-wrong-token" in [p["partition"] for p in client.list_partitions()]
+        assert client._ctrl._local.stream is None and client._ctrl._local.stream_refused[0] == wrong
+        assert client.stats()["rejected_messages"] == before + 3
+
+
+def test_without_a_secret_a_tcp_connection_must_still_send_the_token_in_time(monkeypatch):
+    """No secret to prove, but a connection that never sends the token (a port scanner, a stray
+    client) is closed after the handshake time, and counted; one that did stays."""
+    import tq.stream_transport as lt
+    from tq import messages
+    from tq.rpc import RpcServer
+
+    monkeypatch.setattr(lt, "HANDSHAKE_S", 0.5)
+    server = RpcServer("tokens", "tcp://127.0.0.1:0", secret=None, max_message_bytes=1 << 20)
+    server.listen_streams()
+    server.serve_ops({"ping": messages.Ping}, {"ping": lambda a, b, c: {}})
+    loop = threading.Thread(target=server.serve_forever, daemon=True)
+    loop.start()
+    host, port, _ = parse_tcp_address(server.tcp.address)
+    mute = socket.create_connection((host, port), 5.0)
+    good = ClientStream(server.tcp.address, 5.0)
+    try:
+        mute.settimeout(5.0)
+        assert mute.recv(10) == b""  # closed, once the handshake time passed
+        assert wait_until(lambda: server.tcp.rejected == 1, timeout=5.0)
+        good.send(protocol.request("ping", 1, {}, [], None), 5.0)
+        protocol.raise_for_error(protocol.decode_reply(good.recv(5.0), None))  # still connected, served
+    finally:
+        mute.close()
+        good.close()
+        server.stop()
+        loop.join(5)
+
+
+def test_a_tcp_stream_socket_that_does_not_answer_is_left_alone_for_long(server, monkeypatch):
+    """A stream address where a connect or the token's answer times out (a firewall dropping
+    packets, a hung process) is given up within the connect time and not tried again for
+    UNREACHABLE_RETRY_S - each try would cost that time - while the calls go on over ZMQ."""
+    import tq.stream_transport as lt
+
+    monkeypatch.setattr(lt, "TCP_CONNECT_S", 0.3)
+    hung = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # listens, never accepts nor answers
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(8)
+    try:
+        with TQClient(server.address, transport="tcp") as client:
+            client._ctrl.use_stream(tcp_address("127.0.0.1", hung.getsockname()[1], "1" * 32))
+            t0 = time.monotonic()
+            client.register_partition("lt-hung", reuse=True)
+            assert time.monotonic() - t0 < 3.0
+            refused = client._ctrl._local.stream_refused
+            assert refused[1] - time.monotonic() > lt.UNREACHABLE_RETRY_S - 5
+            assert "lt-hung" in [p["partition"] for p in client.list_partitions()]
+    finally:
+        hung.close()
+
+
+def test_a_remote_client_of_a_controller_restarted_on_its_journal_goes_on_over_its_tcp_stream(tmp_path):
+    """Killed and started again on its journal dir, the controller listens on the TCP stream port it
+    had. A remote client's next call is not lost on the dead connection (a write to a TCP peer that
+    is gone succeeds: the client checks first, and sends over ZMQ); its calls then reach the new
+    controller over the stream socket again."""
+    port = free_port()
+    state = str(tmp_path / "state")
+    first = TQServer(port=port, storage_units=1, capacity=16 * MiB, journal_dir=state)
+    second, units = None, []
+    try:
+        with TQClient(first.address, timeout=10.0, transport="tcp") as client:
+            client.register_partition("lt-tcp-restart")
+            meta = client.put("lt-tcp-restart", unique_keys(3), {"x": torch.arange(3.0)})
+            address = client._ctrl.stream_address
+            assert address.startswith("tcp://") and client._ctrl._local.stream is not None
+            units = [u["pid"] for u in client.stats()["units"]]
+            os.kill(first.proc.pid, signal.SIGKILL)
+            first.proc.wait(10)
+            second = TQServer(port=port, storage_units=1, capacity=16 * MiB, journal_dir=state)
+            assert _hello(second.address)["stream_address"] == address
+            assert client.get(meta, ["x"])["x"].tolist() == [0.0, 1.0, 2.0]  # the first call after: not lost
+
+            def streamed() -> bool:
+                client.get_meta("lt-tcp-restart")
+                return client.stats().get("tcp_stream_connections", 0) >= 1
+
+            assert wait_until(streamed, timeout=10)
+    finally:
+        shut_down((second, first), units)

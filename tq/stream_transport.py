@@ -605,10 +605,11 @@ class ClientStream:
         deadline = time.monotonic() + timeout
         spin_until = time.perf_counter() + SPIN_S
         self.sock.setblocking(False)  # a socket with a timeout would wait in poll() before every read
+        into = self.reader.body_left(RECV_CHUNK)  # a large reply's rest: straight into its buffer
+        target = self._buf if into is None else into
         while True:
-            into = self.reader.body_left(RECV_CHUNK)  # a large reply's rest: straight into its buffer
             try:
-                n = self.sock.recv_into(self._buf if into is None else into)
+                n = self.sock.recv_into(target)
             except BlockingIOError:
                 if time.perf_counter() < spin_until:
                     continue
@@ -624,6 +625,8 @@ class ClientStream:
             if got:
                 self._ready += got[1:]
                 return got[0]
+            into = self.reader.body_left(RECV_CHUNK)
+            target = self._buf if into is None else into
 
     def close(self) -> None:
         self.sock.close()

@@ -542,6 +542,7 @@ def test_remote_clients_talk_over_the_tcp_stream_sockets(server):
     assert info["units"][0]["stream_address"].startswith("tcp://127.0.0.1:")
     base = _tcp_streams(server)
     with TQClient(server.address, transport="tcp") as remote:
+        assert remote.stats()["stream_address"] == info["stream_address"]  # what an operator opens a firewall for
         remote.register_partition("lt-tcp", reuse=True)
         x = torch.arange(3 * MiB, dtype=torch.float32).reshape(3, MiB)
         meta = remote.put("lt-tcp", unique_keys(3), {"x": x, "t": ["a", "b", "c"]})
@@ -655,3 +656,13 @@ def test_a_remote_client_of_a_controller_restarted_on_its_journal_goes_on_over_i
             assert wait_until(streamed, timeout=10)
     finally:
         shut_down((second, first), units)
+
+
+@pytest.mark.parametrize("bad", ["tcp://127.0.0.1:0/short", "tcp://nohost", "@", "http://x:1/" + "0" * 32])
+def test_a_stream_address_no_server_advertises_leaves_the_calls_on_zmq(server, bad):
+    """An advertised stream address that does not parse (a peer's hello cannot be trusted to be
+    well-formed) is not connected to: the calls go over ZMQ, and work."""
+    with TQClient(server.address, transport="tcp") as client:
+        client._ctrl.use_stream(bad)
+        client.register_partition("lt-bad-address", reuse=True)
+        assert getattr(client._ctrl._local, "stream", None) is None and client._ctrl._local.stream_refused[0] == bad

@@ -946,6 +946,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
                 for u, led in self.ledgers.items()
             },
             rows_waiting_for_leases=self.lease_book.waiting_rows(),
+            stream_address=self.tcp.address if self.tcp is not None else None,
         )
 
 

@@ -472,6 +472,7 @@ class StatsReply(ServerStats):
     leases: int
     unit_ledgers: dict[str, LedgerSummary]  # what the controller remembers of each unit's unsettled blocks
     rows_waiting_for_leases: int
+    stream_address: Union[str, None] = None  # its TCP stream socket (tq.stream_transport), if any
 
 
 class Shutdown(Args):

@@ -598,7 +598,7 @@ class RpcChannel:
             return stream
         try:
             stream = stream_transport.ClientStream(address, min(self.timeout, stream_transport.TCP_CONNECT_S))
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: an address no server of ours advertises
             log.debug("%s: no stream connection at %s (%s); using %s", self.name, address, exc, self.address)
             retry_s = stream_transport.UNREACHABLE_RETRY_S if isinstance(exc, TimeoutError) else stream_transport.RETRY_S
             self._local.stream_refused = (address, time.monotonic() + retry_s)

@@ -60,3 +60,32 @@ def test_prefault_skips_pieces_it_mapped_before_until_told_they_were_given_back(
     finally:
         writer.close()
         owner.close(unlink=True)
+
+
+def test_a_shared_memory_file_past_the_file_size_limit_fails_as_capacity_and_leaves_nothing(tmp_path):
+    """A process under a file size limit (``ulimit -f``; RLIMIT_FSIZE, which the tests' full-disk
+    fault sets on a whole process) cannot make a location table's file past it: that is the
+    CapacityError naming the limit - what the controller turns into a clean refusal before any state
+    changes - not a bare OSError its serving loop reports as an internal error. Found by the
+    model-based crash test (a commit needing a new table column while the journal could not grow)."""
+    import resource
+    import signal
+
+    from tq.arena import map_new_shm_file
+    from tq.errors import CapacityError
+
+    path = str(tmp_path / "table")
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, old[1]))
+    try:
+        with pytest.raises(CapacityError, match="file size limit"):
+            map_new_shm_file(path, 1 << 20)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert os.listdir(tmp_path) == []
+    fd, mm = map_new_shm_file(path, 1 << 20)  # the limit lifted: made whole
+    assert os.fstat(fd).st_size == 1 << 20
+    mm.close()
+    os.close(fd)

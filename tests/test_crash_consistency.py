@@ -32,6 +32,7 @@ from conftest import (
     pid_alive,
     pid_namespace_start,
     process_state,
+    room_to_grow,
     python_command,
     python_pid,
     shut_down,
@@ -578,6 +579,32 @@ def test_frees_leave_the_controller_only_after_the_op_that_freed_them_is_journal
         assert heard() == ["free_rows"] and journaled()[-1] == "discard"
     finally:
         ctrl.close()
+
+
+def test_a_location_table_that_cannot_grow_refuses_the_write_and_the_controller_serves_on():
+    """A put of fields new to the partition needs columns of its location table (shared memory).
+    Past the controller's file size limit (``ulimit -f``; the full-disk fault of these tests sets it on
+    the whole process) that column cannot be made: the put is refused as CapacityError naming the
+    limit, before anything changed - its key absent, the controller serving on - and lands once the
+    limit is lifted. Before, the bare OSError reached the serving loop's catch-all (an internal
+    error), found by the model-based crash test."""
+    import resource
+
+    from tq.errors import CapacityError
+
+    with TQServer(storage_units=1, capacity=16 << 20) as srv, TQClient(srv.address, timeout=10.0) as c:
+        c.register_partition("p")
+        c.put("p", ["a"], {"x": torch.ones(1, 4)})
+        wide = {f"y{i}": torch.full((1, 4), float(i)) for i in range(32)}
+        resource.prlimit(srv.proc.pid, resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+        try:
+            with pytest.raises(CapacityError, match="file size limit"):
+                c.put("p", ["b"], wide)  # more new fields than the table has columns for
+            assert list(c.get_meta("p").keys) == ["a"] and srv.proc.poll() is None
+        finally:
+            room_to_grow(srv.proc.pid)
+        meta = c.put("p", ["b"], wide)
+        assert c.get(meta, ["y31"])["y31"].tolist() == [[31.0] * 4]
 
 
 def test_a_controller_that_cannot_journal_a_change_stops_before_anything_else_sees_it(tmp_path):

@@ -15,6 +15,7 @@ import mmap
 import sys
 import os
 import re
+import resource
 import time
 
 import numpy as np
@@ -270,12 +271,18 @@ class Arena:
 
 def allocate_file_pages(fd: int, path: str, start: int, nbytes: int) -> None:
     """Allocate the pages of ``[start, start + nbytes)`` of the shared-memory file ``path`` (open as
-    ``fd``) before anyone maps them: on a full tmpfs that fails here, as :class:`CapacityError` naming
-    the directory, where a first touch through a mapping would kill the process with SIGBUS."""
+    ``fd``; the file grows to cover them) before anyone maps them: on a full tmpfs that fails here, as
+    :class:`CapacityError` naming the directory, where a first touch through a mapping would kill the
+    process with SIGBUS - and past the process's file size limit as one naming that limit."""
     try:
         os.posix_fallocate(fd, start, nbytes)
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+        if exc.errno == errno.EFBIG:
+            raise CapacityError(
+                f"{os.path.basename(path)} cannot grow to {start + nbytes} bytes: past this process's file size "
+                f"limit (RLIMIT_FSIZE, `ulimit -f`: {resource.getrlimit(resource.RLIMIT_FSIZE)[0]} bytes); raise it"
+            ) from None
+        if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
             raise
         directory = os.path.dirname(path)
         raise CapacityError(
@@ -290,7 +297,7 @@ def map_new_shm_file(path: str, nbytes: int) -> tuple[int, mmap.mmap]:
     (:func:`allocate_file_pages`), map it read-write and return (a descriptor holding a shared lock on
     it, the mapping): the file is in use for as long as the descriptor stays open, in any pid
     namespace (:func:`tq.liveness.create_held`). Nothing is left behind when that fails."""
-    fd = create_held(path, fill=lambda fd: (os.ftruncate(fd, nbytes), allocate_file_pages(fd, path, 0, nbytes)))
+    fd = create_held(path, fill=lambda fd: allocate_file_pages(fd, path, 0, nbytes))  # fallocate sets the size
     try:
         return fd, mmap.mmap(fd, nbytes)
     except BaseException:

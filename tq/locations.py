@@ -339,9 +339,10 @@ class LocationTable:
         if view is None:
             col = self.columns.get(name)
             if col is None:
-                col = self.columns[name] = len(self.columns)
-                if col >= int(self.header[H_COLUMNS]):
+                col = len(self.columns)
+                if col >= int(self.header[H_COLUMNS]):  # may fail (a full tmpfs): the field is not added then
                     self._allocate(self.capacity, 2 * col, self.incarnation)
+                self.columns[name] = col
             view = self.views[name] = self._locs[col].T  # all -1: fresh, or reset with the partition
         return view
 

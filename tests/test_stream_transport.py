@@ -21,7 +21,14 @@ from hypothesis import strategies as st
 
 from conftest import free_port, raw_exchange, shut_down, unique_keys, wait_until
 from tq import TQClient, TQServer, protocol
-from tq.errors import AuthenticationError, MalformedMessageError, MessageTooLargeError, ReplayError, TQConnectionError
+from tq.errors import (
+    AuthenticationError,
+    MalformedMessageError,
+    MessageTooLargeError,
+    ReplayError,
+    StorageUnitError,
+    TQConnectionError,
+)
 from tq.stream_transport import RECV_CHUNK, ClientStream, parse_tcp_address, tcp_address
 
 MiB = 1 << 20
@@ -666,3 +673,43 @@ def test_a_stream_address_no_server_advertises_leaves_the_calls_on_zmq(server, b
         client._ctrl.use_stream(bad)
         client.register_partition("lt-bad-address", reuse=True)
         assert getattr(client._ctrl._local, "stream", None) is None and client._ctrl._local.stream_refused[0] == bad
+
+
+def test_a_remote_read_from_a_unit_that_dies_mid_call_waits_for_the_controllers_verdict():
+    """A remote get waits on a storage unit over its TCP stream; the unit is killed: the connection is
+    reset at once. The get asks the controller, as a request waiting over ZMQ does, instead of
+    failing with a bare lost connection: it reads the rows from the restarted unit, or fails with
+    StorageUnitError naming the unit if it asked while the unit was down (on one host the controller
+    knows at once; across hosts its heartbeats tell it seconds after the reset - the multinode
+    test's worker node leaving got TQConnectionError 0.04 s after the kill)."""
+    with TQServer(storage_units=1, capacity=16 * MiB) as srv, TQClient(srv.address, timeout=30.0, transport="tcp") as client:
+        client.register_partition("lt-dies")
+        x = torch.arange(4096.0).reshape(4, 1024)
+        meta = client.put("lt-dies", unique_keys(4), {"x": x})
+        pid = client.stats()["unit_stats"][0]["pid"]
+        got: dict = {}
+        warm, go = threading.Event(), threading.Event()
+
+        def read() -> None:  # streams are per thread: this one's is open before the unit stops
+            assert torch.equal(client.get(meta, ["x"])["x"], x)
+            assert client._unit_chans[0]._local.stream is not None
+            warm.set()
+            go.wait(10)
+            try:
+                got["x"] = client.get(meta, ["x"])["x"]
+            except Exception as exc:  # noqa: BLE001 - inspected below
+                got["error"] = exc
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert warm.wait(10)
+        os.kill(pid, signal.SIGSTOP)  # the fetch below waits on it
+        go.set()
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGKILL)  # the connection resets now
+        reader.join(30)
+        assert not reader.is_alive()
+        if "error" in got:
+            assert isinstance(got["error"], StorageUnitError) and "storage unit 0" in str(got["error"]), repr(got["error"])
+        else:
+            assert torch.equal(got["x"], x)

@@ -827,8 +827,10 @@ class RpcChannel:
         self, stream: stream_transport.ClientStream, op: str, left: float, check: Callable[[], None] | None
     ) -> list[memoryview] | None:
         """The next message on this thread's stream within ``left`` seconds (None: none came), calling
-        ``check`` every CHECK_EVERY_S; TQConnectionError at once if the server closed the connection
-        (it stopped or restarted: no reply will come)."""
+        ``check`` every CHECK_EVERY_S. If the server closed the connection no reply will come:
+        TQConnectionError at once - or, with a ``check``, once the time is up, unless the check says
+        first what happened (a storage unit's death or restart, which its controller learns a few
+        seconds later: the reset comes at once), as it does for a request ZMQ waits on."""
         deadline = time.monotonic() + left
         while True:
             left = deadline - time.monotonic()
@@ -838,7 +840,11 @@ class RpcChannel:
                 frames = stream.recv(min(left, CHECK_EVERY_S) if check is not None else left)
             except TQConnectionError as exc:
                 self._drop_stream(stream)
-                raise TQConnectionError(f"{self.name} at {self.address}: stream connection lost during '{op}': {exc}") from None
+                lost = TQConnectionError(f"{self.name} at {self.address}: stream connection lost during '{op}': {exc}")
+                while check is not None and (left := deadline - time.monotonic()) > 0:
+                    time.sleep(min(left, CHECK_EVERY_S))
+                    check()
+                raise lost from None
             if frames is not None:
                 return frames
             if check is not None:

@@ -713,3 +713,32 @@ def test_a_remote_read_from_a_unit_that_dies_mid_call_waits_for_the_controllers_
             assert isinstance(got["error"], StorageUnitError) and "storage unit 0" in str(got["error"]), repr(got["error"])
         else:
             assert torch.equal(got["x"], x)
+
+
+@pytest.mark.parametrize("bind", ["0.0.0.0", "*"])
+def test_a_server_bound_to_every_interface_is_streamed_to_on_the_host_its_clients_reach_it_at(bind):
+    """A server bound to every interface advertises its TCP stream at that wildcard, which names no
+    host a remote client can reach: the client seeks it on the host it reaches the server's ZMQ
+    socket at (not on its own host), and its calls go over the stream."""
+    from tq import messages
+    from tq.rpc import RpcChannel, RpcServer
+
+    server = RpcServer("wildcard", f"tcp://{bind}:0", secret=None, max_message_bytes=1 << 20)
+    server.listen_streams()
+    assert parse_tcp_address(server.tcp.address)[0] == bind
+    server.serve_ops(
+        {"ping": messages.Ping}, {"ping": lambda a, b, c: messages.PingReply(unit_id=0, low_water=0, expired=[], free_bytes=0)}
+    )
+    loop = threading.Thread(target=server.serve_forever, daemon=True)
+    loop.start()
+    port = server.address.rsplit(":", 1)[1]
+    chan = RpcChannel(f"tcp://127.0.0.1:{port}", secret=None, timeout=5.0, name="wildcard", replies=messages.UNIT_REPLY_DECODERS)
+    try:
+        chan.use_stream(server.tcp.address)
+        assert parse_tcp_address(chan.stream_address)[0] == "127.0.0.1"
+        chan.call("ping", messages.Ping())
+        assert chan._local.stream is not None and len(server.tcp.peers) == 1
+    finally:
+        chan.close()
+        server.stop()
+        loop.join(5)

@@ -581,7 +581,10 @@ class RpcChannel:
     def use_stream(self, address: str | None) -> None:
         """Send this channel's requests over the server's stream socket at ``address`` (its Unix socket
         or its TCP one, from the server's hello; None: ZMQ only). A thread that cannot connect to it
-        keeps using ZMQ."""
+        keeps using ZMQ. A server bound to every interface (``0.0.0.0``, ``*``) advertises that
+        wildcard: the stream is sought on the host this channel reaches the server's ZMQ socket at."""
+        if address and address.startswith("tcp://"):
+            address = stream_transport.on_host_of(address, self.address)
         self.stream_address = address if address and (address.startswith("tcp://") or stream_transport.supported()) else None
 
     def _stream(self) -> stream_transport.ClientStream | None:

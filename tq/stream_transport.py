@@ -140,6 +140,21 @@ def parse_tcp_address(address: str) -> tuple[str, int, str]:
         raise ValueError(f"not a TCP stream address (tcp://host:port/token): {address!r}") from None
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "*")
+
+
+def on_host_of(address: str, server: str) -> str:
+    """``address`` (a TCP stream's), its wildcard host (a server bound to every interface) replaced
+    by the host of ``server`` (the ``tcp://host:port`` its client reaches it at); else unchanged."""
+    try:
+        host, port, token = parse_tcp_address(address)
+    except ValueError:
+        return address  # refused where it is connected to
+    if host not in WILDCARD_HOSTS or not server.startswith("tcp://"):
+        return address
+    return tcp_address(server[len("tcp://") :].rsplit(":", 1)[0].strip("[]"), port, token)
+
+
 def connect(address: str, timeout: float) -> socket.socket:
     """A connected stream socket to ``address`` (``@name``, or ``tcp://host:port/token``: connected,
     then the token sent and the server's answer read, all within ``timeout``); OSError if no server

@@ -584,7 +584,7 @@ def test_a_tcp_stream_socket_answers_only_its_own_token(server):
 
 def test_without_a_secret_a_tcp_connection_must_still_send_the_token_in_time(monkeypatch):
     """No secret to prove, but a connection that never sends the token (a port scanner, a stray
-    client) is closed after the handshake time, and counted; one that did stays."""
+    client) is closed after the handshake time, and counted; one that did stays (kept alive)."""
     import tq.stream_transport as lt
     from tq import messages
     from tq.rpc import RpcServer
@@ -604,6 +604,10 @@ def test_without_a_secret_a_tcp_connection_must_still_send_the_token_in_time(mon
         assert wait_until(lambda: server.tcp.rejected == 1, timeout=5.0)
         good.send(protocol.request("ping", 1, {}, [], None), 5.0)
         protocol.raise_for_error(protocol.decode_reply(good.recv(5.0), None))  # still connected, served
+        # kept alive: a client host that dies without a FIN is found within about two minutes
+        (peer,) = server.tcp.peers
+        assert peer.sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert peer.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == lt.TCP_KEEPALIVE[0]
     finally:
         mute.close()
         good.close()

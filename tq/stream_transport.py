@@ -52,6 +52,10 @@ RETRY_S = 1.0  # a client that found nothing at a server's socket uses ZMQ this 
 # packets, a server too busy to answer): every try would cost the connect timeout, so few are made
 UNREACHABLE_RETRY_S = 30.0
 TCP_CONNECT_S = 2.0  # a TCP stream not connected and answered within this is not used (ZMQ is)
+# A client host that dies (power, kernel panic, a partition) sends no FIN: without keepalive its server
+# would hold each of its connections - a descriptor and a peer - forever. Probed after this long idle,
+# every TCP_KEEPALIVE[1] s, closed after TCP_KEEPALIVE[2] unanswered probes: about two minutes.
+TCP_KEEPALIVE = (60, 10, 6)
 # While this many replies (or bytes of them) wait unwritten for a client's connection, the server reads
 # no more of its requests (until they are all written): a process sending requests whose replies it
 # does not read is held back by its own socket, instead of growing the server's memory. A client that
@@ -488,6 +492,7 @@ class StreamListener:
                 return
             if conn.family != socket.AF_UNIX:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # replies are small and waited on
+                _keep_alive(conn)
             peer = StreamPeer(
                 conn,
                 self.loop,
@@ -520,6 +525,16 @@ class StreamListener:
         if not self._paused_until:
             self.loop.unwatch_fd(self.sock.fileno())
         self.sock.close()
+
+
+def _keep_alive(sock: socket.socket) -> None:
+    """Probe an idle TCP connection so a peer whose host died is found (see TCP_KEEPALIVE)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle, interval, count = TCP_KEEPALIVE
+    if hasattr(socket, "TCP_KEEPIDLE"):  # Linux; elsewhere the system's defaults (hours)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)
 
 
 def listen_unix(

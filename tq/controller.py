@@ -159,7 +159,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         else:  # restarted on its journal, it is found where its clients' streams were
             self.listen_streams(stream_transport.stable_token(journal_dir), stream_transport.remembered_port(journal_dir))
             if self.tcp is not None:
-                stream_transport.remember_port(journal_dir, stream_transport.parse_tcp_address(self.tcp.address)[1])
+                stream_transport.remember_port(journal_dir, self.tcp.sock.getsockname()[1])
         if journal_dir is not None:  # crash recovery: replay what was journaled, then keep journaling
             path = os.path.join(journal_dir, "controller.journal")
             self._replay(path)

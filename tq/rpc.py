@@ -1,4 +1,4 @@
-"""Request/reply over ZMQ (and, between processes of one host, Unix sockets: :mod:`tq.stream_transport`):
+"""Request/reply over ZMQ (and over stream sockets - Unix on one host, TCP across - :mod:`tq.stream_transport`):
 a single-threaded server loop and a thread-safe client channel.
 
 Servers (controller, storage units) own one ROUTER socket (and a same-host Unix socket, served by the
@@ -264,6 +264,7 @@ class RpcServer:
         # see listen_streams: this host's processes come over the Unix socket, others' over TCP
         self.local: stream_transport.StreamListener | None = None
         self.tcp: stream_transport.StreamListener | None = None
+        self.listeners: tuple[stream_transport.StreamListener, ...] = ()  # those of the two there are
 
     def listen_streams(self, token: str | None = None, tcp_port: int = 0) -> None:
         """Also serve clients over stream sockets (:mod:`tq.stream_transport`: a round trip without ZMQ's
@@ -288,9 +289,7 @@ class RpcServer:
                 self.tcp = stream_transport.listen_tcp(self.name, self, self._serve_frames, host, token=token, port=tcp_port, **kw)
             except OSError as exc:  # e.g. a ZMQ interface name: its clients keep to ZMQ
                 log.info("%s: no TCP stream socket on %s (%s); remote clients use ZMQ", self.name, host, exc)
-
-    def stream_listeners(self) -> list[stream_transport.StreamListener]:
-        return [x for x in (self.local, self.tcp) if x is not None]
+        self.listeners = tuple(x for x in (self.local, self.tcp) if x is not None)
 
     def watch_fd(self, fd: int, writable: bool, handler: Callable[[bool, bool], None], readable: bool = True) -> None:
         """Poll a file descriptor in this loop (:class:`tq.stream_transport.PollLoop`)."""
@@ -380,7 +379,7 @@ class RpcServer:
         (the caller then waited out its timeout)."""
         time.sleep(LAST_REPLY_GRACE_S)
         self.sock.context.destroy(linger=0)
-        for listener in self.stream_listeners():
+        for listener in self.listeners:
             listener.close()
 
     # -- loop
@@ -408,7 +407,7 @@ class RpcServer:
                     if on_message is not None:  # None: closed by a message earlier in this batch (a unit rejoined)
                         on_message(sock.recv_multipart())
             now = time.monotonic()
-            for listener in self.stream_listeners():
+            for listener in self.listeners:
                 listener.on_tick(now)
             self.on_tick(now)
         self.close()
@@ -420,7 +419,7 @@ class RpcServer:
         self.sock.close(linger=1000)  # let the last replies (e.g. to "shutdown") go out
         for s in self._extra_sockets:
             s.close(0)
-        for listener in self.stream_listeners():
+        for listener in self.listeners:
             listener.close()
 
     def _on_refused_handshake(self) -> None:
@@ -468,7 +467,7 @@ class RpcServer:
             if self._guard is not None:
                 self._guard.check_stamp(msg.sid, msg.seq, msg.ts)  # authentic, but is it fresh?
                 if type(identity) is not bytes:  # a stream connection proved it holds the secret
-                    for listener in self.stream_listeners():
+                    for listener in self.listeners:
                         listener.proven(identity)
             op = msg.op
             if not isinstance(op, str) or not is_map(msg.args):
@@ -508,7 +507,7 @@ class RpcServer:
         journal = getattr(self, "journal", None)
         return {
             "uptime_s": time.time() - self.started_at,
-            "rejected_messages": self.rejected + sum(x.rejected for x in self.stream_listeners()),
+            "rejected_messages": self.rejected + sum(x.rejected for x in self.listeners),
             "auth_failures": self.auth_failures,
             "ops": {op: st.summary(self.metrics) for op, st in sorted(self.op_stats.items())},
             "metrics": self.metrics,

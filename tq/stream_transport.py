@@ -207,6 +207,17 @@ def _write(sock: socket.socket, views: list[memoryview]) -> None:
                 sent = 0
 
 
+def _receive(sock: socket.socket, reader: protocol.StreamReader, chunk: bytearray) -> list[list[memoryview]]:
+    """One receive on a non-blocking stream: a large message's rest straight into its buffer, else a
+    chunk fed to ``reader``; the messages it completed. BlockingIOError if nothing had come,
+    ConnectionResetError at the end of the stream (a message the peer cut short is dropped)."""
+    into = reader.body_left(RECV_CHUNK)
+    n = sock.recv_into(chunk if into is None else into)
+    if n == 0:
+        raise ConnectionResetError("closed by the peer")
+    return reader.received(n) if into is not None else reader.feed(memoryview(chunk)[:n])
+
+
 class PollLoop(Protocol):
     """What a stream needs from the server loop that drives it (:class:`tq.rpc.RpcServer`)."""
 
@@ -355,31 +366,19 @@ class StreamPeer:
         much as has come, up to DRAIN_BYTES (a loop woken per socket-buffer's worth moved 128 MiB
         slower than ZMQ's I/O thread), so other peers are not kept waiting long. BlockingIOError if
         nothing had come; ConnectionResetError at the end of the stream."""
-        into = self.reader.body_left(RECV_CHUNK)
-        if into is None:
+        if self.preamble is not None:
             n = self.sock.recv_into(self.loop.read_buffer)
             if n == 0:
-                raise ConnectionResetError("closed by the peer")  # a message it cut short is dropped
-            data = memoryview(self.loop.read_buffer)[:n]
-            if self.preamble is not None:
-                data = self._check_preamble(data)
-            return self.reader.feed(data)
-        drained = 0
-        while into is not None and drained < DRAIN_BYTES:
-            try:
-                n = self.sock.recv_into(into)
-            except BlockingIOError:
-                if drained:
-                    return []
-                raise
-            if n == 0:
                 raise ConnectionResetError("closed by the peer")
-            drained += n
-            done = self.reader.received(n)
-            if done:
-                return done
-            into = self.reader.body_left(RECV_CHUNK)
-        return []
+            return self.reader.feed(self._check_preamble(memoryview(self.loop.read_buffer)[:n]))
+        start = self.reader.pending
+        done = _receive(self.sock, self.reader, self.loop.read_buffer)
+        while not done and self.reader.body_left(RECV_CHUNK) is not None and self.reader.pending - start < DRAIN_BYTES:
+            try:
+                done = _receive(self.sock, self.reader, self.loop.read_buffer)
+            except BlockingIOError:
+                break
+        return done
 
     def _check_preamble(self, data: memoryview) -> memoryview:
         """Take the preamble's bytes off the front of ``data`` (kept until it is whole); once whole and
@@ -609,8 +608,11 @@ class ClientStream:
         self.reader = protocol.StreamReader()
         self._buf = bytearray(RECV_CHUNK)
         self._ready: list[list[memoryview]] = []  # messages read past the one asked for
-        self._poll = select.poll()  # not select(): a process may hold descriptors past FD_SETSIZE
-        self._poll.register(self.sock, select.POLLIN)
+        # non-blocking from here on: a socket with a timeout switches mode and polls before every call
+        self.sock.setblocking(False)
+        self._readable, self._writable = select.poll(), select.poll()  # not select(): fds past FD_SETSIZE
+        self._readable.register(self.sock, select.POLLIN)
+        self._writable.register(self.sock, select.POLLOUT)
         self.sender: protocol.Sender | None = None  # with a secret: this stream's request stamps
 
     def send(self, frames: Sequence[Any], timeout: float) -> None:
@@ -618,14 +620,20 @@ class ClientStream:
         leaves the stream unusable: close it. A server that closed the connection since the last
         reply (it stopped, or died) is found before anything is written: a write to a TCP peer that
         is gone succeeds, and the request would be lost instead of sent over ZMQ."""
-        self.sock.setblocking(False)  # with a timeout set, even MSG_DONTWAIT would wait in poll()
         try:
             if self.sock.recv(1, socket.MSG_PEEK) == b"":
                 raise ConnectionResetError("the server closed the connection")
         except BlockingIOError:  # nothing to read: the connection is open
             pass
-        self.sock.settimeout(max(timeout, 1e-3))
-        _write(self.sock, _wire(frames))
+        views, deadline = _wire(frames), time.monotonic() + timeout
+        while True:
+            try:
+                _write(self.sock, views)
+                return
+            except BlockingIOError:  # the socket's buffer is full: wait until the server reads
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._writable.poll(left * 1e3):
+                    raise TimeoutError(f"the server took no more of a request for {timeout:.1f}s") from None
 
     def recv(self, timeout: float) -> list[memoryview] | None:
         """The next message, or None if none came within ``timeout``; TQConnectionError once the
@@ -634,29 +642,21 @@ class ClientStream:
             return self._ready.pop(0)
         deadline = time.monotonic() + timeout
         spin_until = time.perf_counter() + SPIN_S
-        self.sock.setblocking(False)  # a socket with a timeout would wait in poll() before every read
-        into = self.reader.body_left(RECV_CHUNK)  # a large reply's rest: straight into its buffer
-        target = self._buf if into is None else into
         while True:
             try:
-                n = self.sock.recv_into(target)
+                got = _receive(self.sock, self.reader, self._buf)
             except BlockingIOError:
                 if time.perf_counter() < spin_until:
                     continue
                 left = deadline - time.monotonic()
-                if left <= 0 or not self._poll.poll(left * 1e3):
+                if left <= 0 or not self._readable.poll(left * 1e3):
                     return None
                 continue
             except OSError as exc:
                 raise TQConnectionError(f"connection lost ({exc})") from None
-            if n == 0:
-                raise TQConnectionError("the server closed the connection")
-            got = self.reader.received(n) if into is not None else self.reader.feed(memoryview(self._buf)[:n])
             if got:
                 self._ready += got[1:]
                 return got[0]
-            into = self.reader.body_left(RECV_CHUNK)
-            target = self._buf if into is None else into
 
     def close(self) -> None:
         self.sock.close()

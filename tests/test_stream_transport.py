@@ -578,7 +578,7 @@ def test_a_tcp_stream_socket_answers_only_its_own_token(server):
         client._ctrl.use_stream(wrong)
         client.register_partition("lt-wrong-token", reuse=True)  # over ZMQ
         assert "lt-wrong-token" in [p["partition"] for p in client.list_partitions()]
-        assert client._ctrl._local.stream is None and client._ctrl._local.stream_refused[0] == wrong
+        assert client._ctrl._local.stream is None and client._ctrl.stream_refused[0] == wrong
         assert client.stats()["rejected_messages"] == before + 3
 
 
@@ -618,22 +618,41 @@ def test_without_a_secret_a_tcp_connection_must_still_send_the_token_in_time(mon
 def test_a_tcp_stream_socket_that_does_not_answer_is_left_alone_for_long(server, monkeypatch):
     """A stream address where a connect or the token's answer times out (a firewall dropping
     packets, a hung process) is given up within the connect time and not tried again for
-    UNREACHABLE_RETRY_S - each try would cost that time - while the calls go on over ZMQ."""
+    UNREACHABLE_RETRY_S - by any thread of the client: each try would cost that time - while the calls
+    go on over ZMQ; each timeout in a row doubles the wait, up to UNREACHABLE_MAX_S."""
     import tq.stream_transport as lt
 
     monkeypatch.setattr(lt, "TCP_CONNECT_S", 0.3)
     hung = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # listens, never accepts nor answers
     hung.bind(("127.0.0.1", 0))
-    hung.listen(8)
+    hung.listen(64)
     try:
         with TQClient(server.address, transport="tcp") as client:
-            client._ctrl.use_stream(tcp_address("127.0.0.1", hung.getsockname()[1], "1" * 32))
+            chan = client._ctrl
+            chan.use_stream(tcp_address("127.0.0.1", hung.getsockname()[1], "1" * 32))
             t0 = time.monotonic()
             client.register_partition("lt-hung", reuse=True)
             assert time.monotonic() - t0 < 3.0
-            refused = client._ctrl._local.stream_refused
-            assert refused[1] - time.monotonic() > lt.UNREACHABLE_RETRY_S - 5
-            assert "lt-hung" in [p["partition"] for p in client.list_partitions()]
+            assert chan.stream_refused[1] - time.monotonic() > lt.UNREACHABLE_RETRY_S - 5
+            took: list[float] = []
+
+            def call() -> None:
+                t = time.monotonic()
+                assert "lt-hung" in [p["partition"] for p in client.list_partitions()]
+                took.append(time.monotonic() - t)
+
+            threads = [threading.Thread(target=call) for _ in range(4)]  # other threads: no connect tried
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(10)
+            assert len(took) == 4 and max(took) < 0.25, took
+            waits = []
+            for _ in range(6):  # the wait ran out: each try times out again
+                chan.stream_refused = (chan.stream_refused[0], 0.0, chan.stream_refused[2])
+                client.list_partitions()
+                waits.append(chan.stream_refused[2])
+            assert waits == [60.0, 120.0, 240.0, 480.0, 600.0, 600.0]
     finally:
         hung.close()
 
@@ -676,7 +695,7 @@ def test_a_stream_address_no_server_advertises_leaves_the_calls_on_zmq(server, b
     with TQClient(server.address, transport="tcp") as client:
         client._ctrl.use_stream(bad)
         client.register_partition("lt-bad-address", reuse=True)
-        assert getattr(client._ctrl._local, "stream", None) is None and client._ctrl._local.stream_refused[0] == bad
+        assert getattr(client._ctrl._local, "stream", None) is None and client._ctrl.stream_refused[0] == bad
 
 
 def test_a_remote_read_from_a_unit_that_dies_mid_call_waits_for_the_controllers_verdict():
@@ -688,7 +707,7 @@ def test_a_remote_read_from_a_unit_that_dies_mid_call_waits_for_the_controllers_
     test's worker node leaving got TQConnectionError 0.04 s after the kill)."""
     with TQServer(storage_units=1, capacity=16 * MiB) as srv, TQClient(srv.address, timeout=30.0, transport="tcp") as client:
         client.register_partition("lt-dies")
-        x = torch.arange(4096.0).reshape(4, 1024)
+        x = torch.arange(4 * 32768.0).reshape(4, 32768)  # over tq.controller.INLINE_ROWS_BYTES: fetched from the unit
         meta = client.put("lt-dies", unique_keys(4), {"x": x})
         pid = client.stats()["unit_stats"][0]["pid"]
         got: dict = {}

@@ -322,6 +322,16 @@ def check_shm_room(directory: str, nbytes: int) -> None:
         )
 
 
+def map_read_only(path: str, nbytes: int) -> np.ndarray:
+    """The first ``nbytes`` of the arena file at ``path``, mapped read-only: a write through it faults
+    instead of changing stored bytes. The mapping lives as long as the array (and views of it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return np.frombuffer(mmap.mmap(fd, nbytes, prot=mmap.PROT_READ), dtype=np.uint8)
+    finally:
+        os.close(fd)
+
+
 def host_identity() -> str:
     """An id equal for processes on the same host (and boot), used to pick the shared-memory path."""
     try:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import mmap
 import os
 import queue
 import threading
@@ -32,7 +31,7 @@ import torch
 
 from . import liveness, protocol
 from .admin import connect_units, service_stats, unit_stats
-from .arena import ALIGN, Arena, align_up, host_identity
+from .arena import ALIGN, Arena, align_up, host_identity, map_read_only
 from .bufferpool import HostBufferPool
 from .columns import EncodedColumn, FieldLayout, encode_column, field_layout, tensor_at, to_tensor, unpack_objects
 from .errors import (
@@ -1277,7 +1276,9 @@ class TQClient:
         every unit asked before any reply is awaited. Also returns, when rows are read out of an
         arena, the check to run after copying them: no bytes of the partition were freed meanwhile
         (a unit serves a fetch between frees, so frames need no check)."""
-        args = messages.Locate(partition=meta.partition_id, keys=list(meta.keys), fields=fields, timeout=wait_timeout)
+        # a reader of another host (or one acting as such) has few rows of the controller's host sent back
+        inline = self.transport == "tcp" or self._ctrl_host != self._host
+        args = messages.Locate(partition=meta.partition_id, keys=list(meta.keys), fields=fields, timeout=wait_timeout, inline=inline)
         located, lmsg = self._ctrl.call(Op.LOCATE, self._with_reads(args), timeout=self.timeout + (wait_timeout or 0.0))
         if located.units_version != self._units_version:
             self._refresh_units()
@@ -1286,6 +1287,13 @@ class TQClient:
         if loc.shape != (len(fields), n, LOC_COLUMNS):
             raise MalformedMessageError(f"locate reply has shape {loc.shape}, expected {(len(fields), n, LOC_COLUMNS)}")
         schemas = [FieldSchema.from_wire(located.schemas[f]) for f in fields]
+        if located.rows is not None:  # the rows came with the reply, copied while the controller answered
+            sizes = np.ascontiguousarray(loc[:, :, NBYTES])
+            rows = protocol.unpack_array(located.rows, lmsg.buffers, name="rows", dtype="|u1")
+            if sizes.size and sizes.min() < 0 or rows.size != sizes.sum():
+                raise MalformedMessageError(f"locate reply carries {rows.size} bytes of rows, its locations {sizes.sum()}")
+            flat = sizes.ravel()
+            return _in_arena(rows, schemas, fields, (np.cumsum(flat) - flat).reshape(sizes.shape), sizes), None
         self._remember_table(meta.partition_id, located.table, dict(zip(fields, schemas)))
         entry, frees = self._tables.get(meta.partition_id), located.frees
         check = (lambda: entry[0].unchanged(frees)) if entry is not None and frees is not None else None
@@ -1381,12 +1389,7 @@ class TQClient:
         view = self._ro_views.get(unit)
         if view is None:
             u = self._units[unit]
-            fd = os.open(u.arena_path, os.O_RDONLY)
-            try:
-                view = np.frombuffer(mmap.mmap(fd, u.arena_size, prot=mmap.PROT_READ), dtype=np.uint8)
-            finally:
-                os.close(fd)
-            self._ro_views[unit] = view
+            view = self._ro_views[unit] = map_read_only(u.arena_path, u.arena_size)
         return view
 
     def _get_borrowed(

@@ -576,6 +576,9 @@ class RpcChannel:
         self._closed = False
         self._streams: list[stream_transport.ClientStream] = []
         self.stream_address: str | None = None  # see use_stream
+        # (address, until when, seconds waited) after a stream could not be had there: every thread keeps
+        # to ZMQ until then - a firewall drops every thread's connect alike, and each try costs its timeout
+        self.stream_refused: tuple[str, float, float] | None = None
 
     def use_stream(self, address: str | None) -> None:
         """Send this channel's requests over the server's stream socket at ``address`` (its Unix socket
@@ -595,16 +598,16 @@ class RpcChannel:
         if stream is not None and stream.address != address:  # the server moved (or is not to be used)
             self._drop_stream(stream)
             stream = None
-        refused = getattr(self._local, "stream_refused", None)  # (address, until when)
+        refused = self.stream_refused
         if stream is not None or address is None or (refused is not None and refused[0] == address and time.monotonic() < refused[1]):
             return stream
         try:
             stream = stream_transport.ClientStream(address, min(self.timeout, stream_transport.TCP_CONNECT_S))
         except (OSError, ValueError) as exc:  # ValueError: an address no server of ours advertises
             log.debug("%s: no stream connection at %s (%s); using %s", self.name, address, exc, self.address)
-            retry_s = stream_transport.UNREACHABLE_RETRY_S if isinstance(exc, TimeoutError) else stream_transport.RETRY_S
-            self._local.stream_refused = (address, time.monotonic() + retry_s)
+            self._refuse_stream(address, timed_out=isinstance(exc, TimeoutError))
             return None
+        self.stream_refused = None
         stream.sender = protocol.Sender() if self.secret else None
         with self._lock:
             if self._closed:
@@ -613,6 +616,18 @@ class RpcChannel:
             self._streams.append(stream)
         self._local.stream = stream
         return stream
+
+    def _refuse_stream(self, address: str, *, timed_out: bool) -> None:
+        """Keep every thread off the stream at ``address`` for a while: RETRY_S after a refusal (nothing
+        listens there, it closed), UNREACHABLE_RETRY_S after a connect that timed out, doubling with each
+        timeout in a row up to UNREACHABLE_MAX_S (a firewall that drops the port costs each try the
+        connect timeout: at most one try in that long, however many threads call)."""
+        wait = stream_transport.RETRY_S
+        if timed_out:
+            last = self.stream_refused
+            waited = last[2] if last is not None and last[0] == address else 0.0
+            wait = min(max(2 * waited, stream_transport.UNREACHABLE_RETRY_S), stream_transport.UNREACHABLE_MAX_S)
+        self.stream_refused = (address, time.monotonic() + wait, wait)
 
     def _drop_stream(self, stream: stream_transport.ClientStream) -> None:
         """Forget a broken stream: this thread's next request connects again (or uses ZMQ)."""
@@ -688,7 +703,7 @@ class RpcChannel:
             except OSError as exc:  # the server closed it (stopped or restarted), or took nothing for the
                 self._drop_stream(stream)  # whole timeout: it served none of this request (a message cut
                 # short is dropped unread), so it goes over ZMQ, which waits for a server
-                self._local.stream_refused = (stream.address, time.monotonic() + stream_transport.RETRY_S)
+                self._refuse_stream(stream.address, timed_out=False)
                 log.debug("%s: stream connection lost (%s); using %s", self.name, exc, self.address)
         sock = self._socket()
         frames = protocol.request(op, rid, args, buffers, self.secret, self._local.sender)

@@ -49,8 +49,10 @@ ACCEPT_PAUSE_S = 1.0  # after accept fails for want of file descriptors, the lis
 SPIN_S = 250e-6
 RETRY_S = 1.0  # a client that found nothing at a server's socket uses ZMQ this long before it tries again
 # ... and this long when a TCP connect or the server's answer to it timed out (a firewall dropping
-# packets, a server too busy to answer): every try would cost the connect timeout, so few are made
+# packets, a server too busy to answer): every try would cost the connect timeout, so few are made -
+# twice as long after each timeout in a row, up to UNREACHABLE_MAX_S (a port a firewall drops for good)
 UNREACHABLE_RETRY_S = 30.0
+UNREACHABLE_MAX_S = 600.0
 TCP_CONNECT_S = 2.0  # a TCP stream not connected and answered within this is not used (ZMQ is)
 # A client host that dies (power, kernel panic, a partition) sends no FIN: without keepalive its server
 # would hold each of its connections - a descriptor and a peer - forever. Probed after this long idle,

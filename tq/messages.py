@@ -328,10 +328,6 @@ class Locate(ReadsArgs, kw_only=True):
     # directory instead (a pid does not name a reader in another pid namespace)
     holder: Union[Annotated[int, msgspec.Meta(gt=0)], None] = None
     holder_file: Union[LivenessFile, None] = None
-    # a reader of another host: send the rows back in the reply when they are few (see
-    # tq.controller.INLINE_ROWS_BYTES) and all lie in arenas of the controller's host - one round
-    # trip instead of a locate and a fetch from their unit
-    inline: bool = False
 
 
 class TableRef(msgspec.Struct):
@@ -346,9 +342,7 @@ class TableRef(msgspec.Struct):
 class LocateReply(Reply):
     """``loc``: the int64 ``[fields, keys, LOC_COLUMNS]`` location records; ``schemas``: each field's
     wire schema; ``table``: the partition's shared table (None, left out, when not shared);
-    ``frees``: its free count now; ``lease``: the borrowed get's lease id; ``rows``: when asked
-    ``inline`` and given, the rows' bytes back to back in ``[field, key]`` order (each ``loc``'s byte
-    count long), copied out of the arenas while the controller answered."""
+    ``frees``: its free count now; ``lease``: the borrowed get's lease id."""
 
     schemas: dict[str, Any]  # checked by FieldSchema.from_wire
     loc: ArrayRef
@@ -356,7 +350,6 @@ class LocateReply(Reply):
     table: Union[TableRef, None] = None
     frees: Union[int, None] = None
     lease: Union[int, None] = None
-    rows: Union[ArrayRef, None] = None
 
 
 class Wait(PartitionArgs):
@@ -474,7 +467,6 @@ class StatsReply(ServerStats):
     units_version: int
     bytes_committed_total: int
     bytes_read_total: dict[str, int]  # per storage unit id
-    bytes_read_inline_total: int  # of those, sent by the controller in its locate replies (Locate.inline)
     put_bytes_per_s_60s: float
     parked_waits: int
     leases: int

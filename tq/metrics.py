@@ -48,7 +48,6 @@ METRICS: dict[str, tuple[str, str]] = {
     "tq_partition_bytes": ("gauge", "Bytes held, by partition"),
     "tq_committed_bytes_total": ("counter", "Bytes made visible by puts and field writes (bytes in)"),
     "tq_read_bytes_total": ("counter", "Bytes read by clients, by storage unit (bytes out)"),
-    "tq_read_inline_bytes_total": ("counter", "Of the bytes read, those the controller sent in its locate replies"),
     "tq_parked_waits": ("gauge", "Waits and waiting gets parked at the controller"),
     "tq_units": ("gauge", "Storage units registered"),
     "tq_unit_up": ("gauge", "1 if the storage unit answers, 0 if it is down"),
@@ -110,7 +109,6 @@ def families(stats: messages.StatsReply, unit_stats: Mapping[int, messages.UnitS
             ("tq_partition_bytes", ("partition",)),
             ("tq_committed_bytes_total", ()),
             ("tq_read_bytes_total", ("unit",)),
-            ("tq_read_inline_bytes_total", ()),
             ("tq_parked_waits", ()),
             ("tq_units", ()),
             *((name, ("unit",)) for name in METRICS if name.startswith("tq_unit_")),
@@ -144,7 +142,6 @@ def families(stats: messages.StatsReply, unit_stats: Mapping[int, messages.UnitS
     out["tq_committed_bytes_total"].add_metric([], stats.bytes_committed_total)
     for unit, nbytes in stats.bytes_read_total.items():
         out["tq_read_bytes_total"].add_metric([unit], nbytes)
-    out["tq_read_inline_bytes_total"].add_metric([], stats.bytes_read_inline_total)
     out["tq_parked_waits"].add_metric([], stats.parked_waits)
     out["tq_units"].add_metric([], len(stats.units))
     for u in stats.units:

@@ -250,7 +250,6 @@ class UnitSupervision:
         uid = unit["unit_id"]
         log.error("storage unit %d %s", uid, how)
         self.unit_seen[uid] = float("-inf")
-        self.arena_views.pop(uid, None)  # its arena may be removed: keep no pages of it mapped
         self._publish_status()
         if arena_in_use(unit["arena_path"]):
             # another unit process owns the arena (e.g. restarted by our previous incarnation just

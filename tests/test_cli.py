@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -411,3 +412,35 @@ def test_clean_lists_then_removes_what_a_service_killed_whole_left_and_nothing_o
             live.shutdown()
         dead.shutdown()
         shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+def test_start_with_a_stream_port_listens_there_and_fails_naming_it_when_taken(cli_env):
+    """``--stream-port``: the controller's TCP stream socket (what clients of other hosts use besides
+    --port, e.g. to open in a firewall) listens on exactly that port; a port already taken fails the
+    start at once, naming the option and the port, instead of moving to another port."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    try:
+        port = taken.getsockname()[1]
+        refused = run_cli("start", "--storage-units", "0", "--stream-port", str(port), env=cli_env)
+        assert refused.returncode != 0
+        assert f"--stream-port {port}" in refused.stderr and "in use" in refused.stderr, refused.stderr
+    finally:
+        taken.close()
+    with socket.socket() as probe:  # a free port, released for the controller
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    started = run_cli("start", "--storage-units", "1", "--capacity", "64M", "--stream-port", str(port), env=cli_env)
+    assert started.returncode == 0, started.stderr
+    try:
+        with open(os.path.join(cli_env["TQ_RUN_DIR"], "controller.json")) as f:
+            address = json.load(f)["address"]
+        with TQClient(address, transport="tcp") as remote:
+            assert remote.stats()["stream_address"].startswith(f"tcp://127.0.0.1:{port}/")
+            remote.register_partition("sp")
+            meta = remote.put("sp", ["a"], {"x": torch.ones(1, 2)})
+            assert remote.get(meta, ["x"])["x"].tolist() == [[1.0, 1.0]]
+            assert remote.stats()["tcp_stream_connections"] >= 1  # the calls went over that port
+    finally:
+        assert run_cli("stop", env=cli_env).returncode == 0

@@ -3,7 +3,7 @@
 ::
 
     tq-controller start [--host 127.0.0.1] [--port 0] [--storage-units 1] [--capacity 4G] [--journal-dir DIR] [--fsync never|interval|always]
-                        [--metrics-port N] [--foreground]
+                        [--stream-port N] [--metrics-port N] [--foreground]
     tq-controller status [--json | --watch [--interval 2]]
     tq-controller stop
 
@@ -17,7 +17,8 @@ failed", 2 for a refused request (bad arguments, already running, a non-loopback
 secret). Output cut short by its reader (``tq-controller status --json | head``) ends quietly with
 exit code 141 (128 + SIGPIPE), as Unix tools do. ``status --watch`` redraws the tables every
 ``--interval`` seconds (on a terminal in place, otherwise one after the other) until Ctrl-C (exit 0).
-``--metrics-port`` serves Prometheus metrics (see :mod:`tq.metrics` and docs/observability.md).
+``--metrics-port`` serves Prometheus metrics (see :mod:`tq.metrics` and docs/observability.md);
+``--stream-port`` fixes the TCP port clients of other hosts stream their requests to (for a firewall).
 """
 
 from __future__ import annotations
@@ -284,6 +285,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         fsync=args.fsync,
         journal_dir=args.journal_dir,
         metrics_port=args.metrics_port,
+        stream_port=args.stream_port,
     )
 
     if args.foreground:
@@ -573,6 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("start", help="start a controller and its storage units in the background")
     s.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs a secret)")
     s.add_argument("--port", type=argtypes.port, default=0, help="controller port, 0..65535 (0: pick a free one)")
+    s.add_argument("--stream-port", type=argtypes.port, default=0, metavar="PORT", help=launch.STREAM_PORT_HELP)
     s.add_argument("--storage-units", type=argtypes.count, default=1, help="local storage units (0: units join later, e.g. via Ray)")
     s.add_argument("--capacity", type=argtypes.size, default=4 << 30, help="total bytes over all units, e.g. 4G or 512M")
     s.add_argument("--shm-dir", default="/dev/shm", help="directory (tmpfs) holding the storage arenas")

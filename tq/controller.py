@@ -85,6 +85,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         journal_dir: str | None = None,
         shm_dir: str | None = "/dev/shm",
         fsync: str = "never",
+        stream_port: int = 0,
     ) -> None:
         super().__init__("controller", bind, secret=secret, max_message_bytes=max_message_bytes)
         # Location tables go to shared memory when there is a tmpfs to hold them (see tq.locations).
@@ -153,13 +154,18 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             },
         )
         # this host's clients skip ZMQ's I/O threads (tq.stream_transport); a controller restarted on its
-        # journal listens where its clients found it before
-        if journal_dir is None:
-            self.listen_streams()
-        else:  # restarted on its journal, it is found where its clients' streams were
-            self.listen_streams(stream_transport.stable_token(journal_dir), stream_transport.remembered_port(journal_dir))
-            if self.tcp is not None:
-                stream_transport.remember_port(journal_dir, self.tcp.sock.getsockname()[1])
+        # journal listens where its clients found it before; ``stream_port``: the operator's TCP port for it
+        try:
+            if journal_dir is None:
+                self.listen_streams(tcp_port=stream_port, exact_port=bool(stream_port))
+            else:  # restarted on its journal, it is found where its clients' streams were
+                port = stream_port or stream_transport.remembered_port(journal_dir)
+                self.listen_streams(stream_transport.stable_token(journal_dir), port, exact_port=bool(stream_port))
+        except OSError as exc:
+            self.close()
+            raise InvalidRequestError(f"--stream-port {stream_port}: {exc.strerror}") from None
+        if journal_dir is not None and self.tcp is not None:
+            stream_transport.remember_port(journal_dir, self.tcp.sock.getsockname()[1])
         if journal_dir is not None:  # crash recovery: replay what was journaled, then keep journaling
             path = os.path.join(journal_dir, "controller.journal")
             self._replay(path)
@@ -1005,6 +1011,7 @@ def serve(
     fsync: str = "never",
     commit_lease_s: float | None = None,
     metrics_port: int | None = None,
+    stream_port: int = 0,
 ) -> None:
     """Run a controller and ``storage_units`` local storage-unit processes until shut down.
 
@@ -1024,7 +1031,9 @@ def serve(
     from .server import check_bind_allowed
 
     check_bind_allowed(bind, secret)
-    ctrl = Controller(bind, secret=secret, expected_units=storage_units, journal_dir=journal_dir, shm_dir=shm_dir, fsync=fsync)
+    ctrl = Controller(
+        bind, secret=secret, expected_units=storage_units, journal_dir=journal_dir, shm_dir=shm_dir, fsync=fsync, stream_port=stream_port
+    )
     env = launch.service_env(secret.decode() if secret else None)
     metrics = None
     if metrics_port is not None:  # the endpoint is a process of its own: a scrape never holds our GIL
@@ -1109,6 +1118,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Run the TQ controller and its local storage units in the foreground.")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=argtypes.port, default=0, help="0..65535 (0: pick a free one)")
+    p.add_argument("--stream-port", type=argtypes.port, default=0, metavar="PORT", help=launch.STREAM_PORT_HELP)
     p.add_argument("--storage-units", type=argtypes.count, default=1)
     p.add_argument("--capacity", type=argtypes.size, default=4 << 30, help="total bytes over all units, e.g. 4G")
     p.add_argument("--shm-dir", default="/dev/shm")
@@ -1158,6 +1168,7 @@ def main(argv: list[str] | None = None) -> None:
         fsync=a.fsync,
         commit_lease_s=a.commit_lease,
         metrics_port=a.metrics_port,
+        stream_port=a.stream_port,
     )
 
 

@@ -37,6 +37,13 @@ def service_env(secret: str | None) -> dict[str, str]:
     return env
 
 
+STREAM_PORT_HELP = (
+    "TCP port of the controller's stream socket, where clients of other hosts send their requests besides "
+    "--port (0: a free one, kept across restarts with --journal-dir); a port given is used or the start "
+    "fails - open both in a firewall"
+)
+
+
 def controller_command(
     *,
     host: str,
@@ -49,6 +56,7 @@ def controller_command(
     journal_dir: str | None = None,
     commit_lease_s: float | None = None,
     metrics_port: int | None = None,
+    stream_port: int = 0,
 ) -> list[str]:
     """The command line of a controller process (``python -m tq.controller``) and its local units."""
     cmd = [
@@ -76,6 +84,8 @@ def controller_command(
         cmd += ["--commit-lease", str(commit_lease_s)]
     if metrics_port is not None:
         cmd += ["--metrics-port", str(metrics_port)]
+    if stream_port:
+        cmd += ["--stream-port", str(stream_port)]
     return cmd
 
 

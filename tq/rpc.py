@@ -266,12 +266,13 @@ class RpcServer:
         self.tcp: stream_transport.StreamListener | None = None
         self.listeners: tuple[stream_transport.StreamListener, ...] = ()  # those of the two there are
 
-    def listen_streams(self, token: str | None = None, tcp_port: int = 0) -> None:
+    def listen_streams(self, token: str | None = None, tcp_port: int = 0, exact_port: bool = False) -> None:
         """Also serve clients over stream sockets (:mod:`tq.stream_transport`: a round trip without ZMQ's
         I/O threads): this host's on an abstract Unix socket (where the platform has them), others on a
         TCP port of the interface the ZMQ socket is bound to (where it is a TCP one). ``token``: the
         addresses' random part, and ``tcp_port``, kept by a server that is restarted on its state (see
-        :func:`tq.stream_transport.stable_token`); taken by another process, fresh ones are drawn."""
+        :func:`tq.stream_transport.stable_token`); taken by another process, fresh ones are drawn -
+        unless ``exact_port`` (an operator's choice): then OSError naming it."""
         if self.local is not None or self.tcp is not None:
             return
         limit = self.max_message_bytes + protocol.MAX_FRAME_BYTES  # a limit on buffers; the header comes on top
@@ -286,8 +287,12 @@ class RpcServer:
         if self.address.startswith("tcp://"):
             host = self.address[len("tcp://") :].rsplit(":", 1)[0]
             try:
-                self.tcp = stream_transport.listen_tcp(self.name, self, self._serve_frames, host, token=token, port=tcp_port, **kw)
+                self.tcp = stream_transport.listen_tcp(
+                    self.name, self, self._serve_frames, host, token=token, port=tcp_port, exact=exact_port, **kw
+                )
             except OSError as exc:  # e.g. a ZMQ interface name: its clients keep to ZMQ
+                if exact_port:
+                    raise
                 log.info("%s: no TCP stream socket on %s (%s); remote clients use ZMQ", self.name, host, exc)
         self.listeners = tuple(x for x in (self.local, self.tcp) if x is not None)
 

@@ -54,6 +54,7 @@ class TQServer:
         journal_dir: str | None = None,
         fsync: str = "never",
         commit_lease_s: float | None = None,
+        stream_port: int = 0,
     ) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"port must be in 0..65535 (0 picks a free one), got {port}")
@@ -71,6 +72,7 @@ class TQServer:
                 fsync=fsync,
                 journal_dir=journal_dir,
                 commit_lease_s=commit_lease_s,
+                stream_port=stream_port,
             ),
             env=launch.service_env(secret),
             stdout=subprocess.DEVNULL,

@@ -568,10 +568,12 @@ def listen_tcp(
     max_message_bytes: int | None,
     secret: bool,
     port: int = 0,
+    exact: bool = False,
 ) -> StreamListener:
     """A listener on TCP ``port`` of ``host`` (as a ZMQ bind names it: ``*`` is every interface, an
-    IPv6 address comes in brackets), on a free one if that is 0 or taken; its clients open with
-    ``token``. OSError if it cannot be bound."""
+    IPv6 address comes in brackets), on a free one if that is 0 or taken - unless ``exact`` (a port an
+    operator chose, e.g. to open in a firewall, is never replaced); its clients open with ``token``.
+    OSError if it cannot be bound."""
     bind_host = None if host == "*" else host.strip("[]")
     family, kind, proto, _, where = socket.getaddrinfo(bind_host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(family, kind, proto)
@@ -579,9 +581,9 @@ def listen_tcp(
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted server's connections linger in TIME_WAIT
         try:
             sock.bind(where)
-        except OSError:
-            if not port:
-                raise
+        except OSError as exc:
+            if not port or exact:
+                raise OSError(exc.errno, f"cannot listen on TCP port {port} of {host}: {exc.strerror}") from None
             sock.bind((where[0], 0, *where[2:]))
         port = sock.getsockname()[1]
     except BaseException:

@@ -180,6 +180,7 @@ def test_start_fails_fast_when_units_cannot_start(cli_env):
         (["start", "--port", "99999"], "port must be in 0..65535"),
         (["start", "--port", "-1"], "port must be in 0..65535"),
         (["start", "--port", "http"], "invalid port 'http'"),
+        (["start", "--stream-port", "70000"], "port must be in 0..65535"),
         (["start", "--storage-units", "-1"], "must be >= 0"),
         (["start", "--capacity", "0"], "size must be positive"),
         (["status", "--timeout", "0"], "finite number of seconds > 0"),

@@ -700,6 +700,8 @@ def test_out_of_range_port_is_refused_before_starting_anything():
     """A port past 65535 used to be taken modulo 65536 by the bind."""
     with pytest.raises(ValueError, match=r"port must be in 0\.\.65535"):
         TQServer(port=99999)
+    with pytest.raises(ValueError, match=r"stream_port must be in 0\.\.65535"):
+        TQServer(stream_port=-1)
 
 
 # ----------------------------------------------------------------------------- capacity

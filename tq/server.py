@@ -56,8 +56,9 @@ class TQServer:
         commit_lease_s: float | None = None,
         stream_port: int = 0,
     ) -> None:
-        if not 0 <= port <= 65535:
-            raise ValueError(f"port must be in 0..65535 (0 picks a free one), got {port}")
+        for name, value in (("port", port), ("stream_port", stream_port)):
+            if not 0 <= value <= 65535:
+                raise ValueError(f"{name} must be in 0..65535 (0 picks a free one), got {value}")
         check_bind_allowed(f"tcp://{host}:{port}", secret.encode() if secret else None)
         self.secret = secret
         ready_file = launch.new_ready_file("tq-ready-")

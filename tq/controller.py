@@ -164,9 +164,9 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         except OSError as exc:
             self.close()
             raise InvalidRequestError(f"--stream-port {stream_port}: {exc.strerror}") from None
-        if journal_dir is not None and self.tcp is not None:
-            stream_transport.remember_port(journal_dir, self.tcp.sock.getsockname()[1])
         if journal_dir is not None:  # crash recovery: replay what was journaled, then keep journaling
+            if self.tcp is not None:
+                stream_transport.remember_port(journal_dir, self.tcp.sock.getsockname()[1])
             path = os.path.join(journal_dir, "controller.journal")
             self._replay(path)
             self.journal = Journal(path, fsync=fsync)

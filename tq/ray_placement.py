@@ -25,6 +25,7 @@ from typing import Any, Sequence
 from . import launch
 from .errors import AuthenticationError, TQConnectionError
 from .server import _is_loopback
+from .stream_transport import endpoint_host
 
 DEFAULT_START_TIMEOUT_S = 60.0
 
@@ -173,7 +174,7 @@ def start_storage_units_on_ray_nodes(
             "pass secret= (or set TQ_SECRET) and start the controller with the same secret"
         )
 
-    ctrl_host = controller_address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    ctrl_host = endpoint_host(controller_address)
     here = ray.util.get_node_ip_address()
     remote = sorted({ip for _, ip in targets if ip and ip != here})
     if _is_loopback(ctrl_host) and remote:

@@ -285,7 +285,7 @@ class RpcServer:
                 token = secrets.token_hex(16)
                 self.local = stream_transport.listen_unix(self.name, self, self._serve_frames, token=token, **kw)
         if self.address.startswith("tcp://"):
-            host = self.address[len("tcp://") :].rsplit(":", 1)[0]
+            host = stream_transport.endpoint_host(self.address)
             try:
                 self.tcp = stream_transport.listen_tcp(
                     self.name, self, self._serve_frames, host, token=token, port=tcp_port, exact=exact_port, **kw

@@ -11,6 +11,7 @@ from . import launch
 from .errors import AuthenticationError, TQConnectionError
 from .messages import CONTROLLER_REPLY_DECODERS, ControllerOp, Hello, HelloReply
 from .rpc import RpcChannel
+from .stream_transport import endpoint_host
 
 
 def _is_loopback(host: str) -> bool:
@@ -27,7 +28,7 @@ def _is_loopback(host: str) -> bool:
 
 def check_bind_allowed(bind: str, secret: bytes | None) -> None:
     """Refuse a non-loopback bind without an auth secret (anyone on the network could read the store)."""
-    host = bind.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    host = endpoint_host(bind)
     if not secret and not _is_loopback(host):
         raise AuthenticationError(
             f"refusing to bind {bind} without an auth secret: a non-loopback address needs --secret (or the TQ_SECRET environment variable)"

@@ -149,6 +149,12 @@ def parse_tcp_address(address: str) -> tuple[str, int, str]:
 WILDCARD_HOSTS = ("0.0.0.0", "::", "*")
 
 
+def endpoint_host(address: str) -> str:
+    """The host of a ``scheme://host:port`` endpoint (a ZMQ bind or connect address), an IPv6 one
+    without its brackets."""
+    return address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+
+
 def on_host_of(address: str, server: str) -> str:
     """``address`` (a TCP stream's), its wildcard host (a server bound to every interface) replaced
     by the host of ``server`` (the ``tcp://host:port`` its client reaches it at); else unchanged."""
@@ -158,7 +164,7 @@ def on_host_of(address: str, server: str) -> str:
         return address  # refused where it is connected to
     if host not in WILDCARD_HOSTS or not server.startswith("tcp://"):
         return address
-    return tcp_address(server[len("tcp://") :].rsplit(":", 1)[0].strip("[]"), port, token)
+    return tcp_address(endpoint_host(server), port, token)
 
 
 def connect(address: str, timeout: float) -> socket.socket:

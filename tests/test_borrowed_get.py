@@ -303,7 +303,7 @@ def test_lease_ends_when_the_views_are_collected_and_the_rows_are_freed(tq_serve
 
 
 _COLLECTED_MID_REQUEST = """
-import gc, sys
+import gc, sys, time
 import torch
 from tq import TQClient
 c = TQClient(sys.argv[1], timeout=10.0, lease_s=3.0)
@@ -319,7 +319,11 @@ for i in range(2):  # a pin (same host), then - pins given up and refused - a le
     with c._leases._lock:  # the collector running while this thread is inside the keeper (a renewal, a new hold)
         gc.collect()
     gc.enable()
-    if i == 0:
+    if i == 0:  # the keeper's thread gives the pin up - soon, not before this line (it needs the GIL)
+        deadline = time.monotonic() + 10.0
+        while c._leases._slots and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not c._leases._slots, ("pin not given up", c._leases._slots)
         c._leases.retire(c._leases.pins)
         c._pins_refused = True  # as with a controller that reads no pins
 print("collected", flush=True)
@@ -348,11 +352,12 @@ def test_explicit_release_and_the_copy_fallbacks(tq_server, client, partition):
     keys = unique_keys(16)
     batch = _batch(16, seed=3)
     meta = client.put(partition, keys, batch)
+    assert _stats_until(client, lambda s: s["leases"] == 0)["leases"] == 0  # an earlier test's may still be running out
     with TQClient(tq_server.address, timeout=10.0) as reader:
         with reader.get(meta, copy=False) as got:  # padded jagged rows need padding: copied
             assert got.viewed == {"reward"}
             assert torch.equal(got["reward"], batch["reward"])
-        assert client.stats()["leases"] == 0
+        assert client.stats()["leases"] == 0  # the explicit release ends the lease at once
         rev = meta.select(list(range(15, -1, -1)))  # rows not back to back in the order asked: copied
         got = reader.get(rev, ["reward"], copy=False)
         assert got.viewed == frozenset() and torch.equal(got["reward"], batch["reward"].flip(0))

@@ -404,6 +404,7 @@ def test_a_fetch_of_many_big_parts_over_a_units_socket_gets_every_reply(monkeypa
 
     monkeypatch.setattr(tq.client, "SHM_READ_TRIES", 0)  # straight to the frames path
     monkeypatch.setattr(TQClient, "_locate_here", lambda self, *args: None)
+    monkeypatch.setattr(protocol, "TCP_FETCH_STREAMS", 1)  # every part on one connection
     rows = torch.arange(24 * (MiB * 2), dtype=torch.float64).reshape(24, -1)  # 24 rows of 16 MiB
     assert rows.numel() * 8 > MAX_QUEUED_BYTES
     with TQServer(storage_units=1, capacity=512 * MiB) as srv, TQClient(srv.address, timeout=60.0) as c:
@@ -413,6 +414,76 @@ def test_a_fetch_of_many_big_parts_over_a_units_socket_gets_every_reply(monkeypa
         assert torch.equal(c.get(meta)["x"], rows)
         st = c.stats()["unit_stats"][0]
         assert st["ops"]["fetch"]["count"] - before >= 24 and st["local_connections"] >= 2  # the controller's and ours
+
+
+def test_big_replies_to_several_streams_are_written_side_by_side(monkeypatch):
+    """Replies of a MiB or more waiting for several connections at once are written each on its own
+    thread, the loop's thread waiting for all (a TCP write's kernel copy was most of a unit's time
+    serving big fetches, all of it on one thread) - and every reply arrives whole, in order."""
+    import tq.stream_transport as lt
+    from tq import messages
+    from tq.rpc import RpcServer
+
+    monkeypatch.setattr(lt, "PARALLEL_FLUSH_THREADS", 4)
+    writers: set[int] = set()
+    real_write = lt._write
+
+    def probe(sock: socket.socket, views: list) -> None:  # the real write, noting the thread it ran on
+        if sum(v.nbytes for v in views) >= lt.PARALLEL_FLUSH_BYTES:
+            writers.add(threading.get_ident())
+        real_write(sock, views)
+
+    monkeypatch.setattr(lt, "_write", probe)
+    payloads = [np.random.default_rng(i).integers(0, 255, 6 * MiB, dtype=np.uint8) for i in range(4)]
+    server = RpcServer("wide", "tcp://127.0.0.1:0", secret=None, max_message_bytes=1 << 20)
+    server.listen_streams()
+    server.serve_ops({"ping": messages.Ping}, {"ping": lambda args, buffers, call: ({}, [payloads[call.rid % 4]])})
+    loop = threading.Thread(target=server.serve_forever, daemon=True)
+    loop.start()
+    streams = [ClientStream(server.local.address, 5.0) for _ in range(4)]
+    try:
+        for rnd in range(3):
+            for i, c in enumerate(streams):  # every stream asks twice before any reads: the replies wait
+                c.send(protocol.request("ping", 4 * rnd + i, {}, [], None), 5.0)
+                c.send(protocol.request("ping", 4 * rnd + i + 4, {}, [], None), 5.0)
+            got: dict[int, list] = {}
+
+            def read(i: int, c: ClientStream) -> None:
+                got[i] = [protocol.decode_reply(c.recv(10.0), None) for _ in range(2)]
+
+            readers = [threading.Thread(target=read, args=(i, c)) for i, c in enumerate(streams)]
+            for t in readers:
+                t.start()
+            for t in readers:
+                t.join(30)
+            for i in range(4):
+                assert [m.rid for m in got[i]] == [4 * rnd + i, 4 * rnd + i + 4]
+                for m in got[i]:
+                    assert np.array_equal(np.frombuffer(m.buffers[0], np.uint8), payloads[m.rid % 4])
+        assert loop.ident in writers and len(writers) >= 2, writers
+    finally:
+        for c in streams:
+            c.close()
+        server.stop()
+        loop.join(5)
+
+
+def test_a_big_tcp_get_reads_its_parts_over_several_streams_at_once(server):
+    """A remote get of more than one request's bytes from a unit (16 MiB) is read in lanes of 8 MiB or
+    more, each over its own connection on its own thread (one thread's copy out of its socket was most
+    of such a get), and the rows come back whole and in key order."""
+    base = _tcp_streams(server)
+    rows = torch.arange(40 * (MiB // 8), dtype=torch.float64).reshape(40, -1)  # 40 rows of 1 MiB: 5 lanes
+    with TQClient(server.address) as writer, TQClient(server.address, transport="tcp", timeout=30.0) as remote:
+        writer.register_partition("lt-lanes", reuse=True)
+        keys = unique_keys(40)
+        meta = writer.put("lt-lanes", keys, {"x": rows})
+        assert torch.equal(remote.get(meta)["x"], rows)
+        order = list(range(39, -1, -1))
+        assert torch.equal(remote.get(meta.select(order))["x"], rows[order])
+        assert _tcp_streams(server)[1] - base[1] == 5  # a lane of 8 MiB each, its own connection
+        writer.discard(meta)
+    assert wait_until(lambda: _tcp_streams(server) == base, timeout=5.0)
 
 
 def test_puts_go_on_while_a_unit_dies_and_rejoins_over_its_new_socket():

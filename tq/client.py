@@ -14,6 +14,7 @@ trust what it read.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import itertools
 import os
@@ -244,16 +245,43 @@ class _Fetched:
 _Planned = tuple[_Fetched, FieldLayout, int, int, "tuple[int, ...] | None"]
 
 
-def _fetch_parts(nbytes: np.ndarray) -> list[slice]:
+def _fetch_threads() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that read a big TCP fetch's other lanes, each over its own stream to the unit (a
+    stream is one thread's): one thread's kernel copy out of its socket was most of such a get. One
+    pool per process: a child forked after a get inherits a pool whose threads it does not have."""
+    return _fetch_threads_of(os.getpid())
+
+
+@functools.cache
+def _fetch_threads_of(pid: int) -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(protocol.TCP_FETCH_STREAMS - 1, thread_name_prefix="tq-fetch")
+
+
+def _fetch_parts(nbytes: np.ndarray, limit: int = protocol.TCP_FETCH_BYTES) -> list[slice]:
     """The rows of a TCP fetch from one unit (``nbytes`` each, in order) cut into requests of about
-    ``protocol.TCP_FETCH_BYTES``, all sent before any reply is awaited: the unit gathers the next
-    request's rows while the last one's frames stream, instead of gathering all before the first
-    byte leaves. A row is never split."""
+    ``limit`` bytes, all sent before any reply is awaited: the unit gathers the next request's rows
+    while the last one's frames stream, instead of gathering all before the first byte leaves. A row
+    is never split."""
     n = nbytes.size
     if n == 0:
         return [slice(0, 0)]
-    bounds = [*protocol.whole_row_runs(np.cumsum(nbytes) - nbytes, protocol.TCP_FETCH_BYTES).tolist(), n]
+    bounds = [*protocol.whole_row_runs(np.cumsum(nbytes) - nbytes, limit).tolist(), n]
     return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def _fetch_lanes_of(nbytes: np.ndarray) -> list[list[slice]]:
+    """The rows of a TCP fetch from one unit cut into lanes - runs of whole rows, each read over its own
+    stream on its own thread - and each lane's rows into its requests (:func:`_fetch_parts`). A fetch
+    of more than one request's bytes gets up to ``TCP_FETCH_STREAMS`` lanes of at least
+    ``TCP_LANE_BYTES``; a smaller one, one lane."""
+    total = int(nbytes.sum())
+    lanes = 1 if total <= protocol.TCP_FETCH_BYTES else min(protocol.TCP_FETCH_STREAMS, total // protocol.TCP_LANE_BYTES)
+    if lanes <= 1:
+        return [_fetch_parts(nbytes)]
+    return [
+        [slice(lane.start + p.start, lane.start + p.stop) for p in _fetch_parts(nbytes[lane])]
+        for lane in _fetch_parts(nbytes, -(-total // lanes))
+    ]
 
 
 def _place(
@@ -1303,14 +1331,14 @@ class TQClient:
                 view = self._arena_view(unit, rec[:, OFFSET], rec[:, NBYTES], lambda i: (fields[where[i, 0]], meta.keys[where[i, 1]]))  # noqa: B023
                 _place(out, fields, where, [view], np.zeros(where.shape[0], np.int64), rec[:, OFFSET], rec[:, NBYTES])
                 continue
-            chan = self._unit_chans[unit]
-            for part in _fetch_parts(rec[:, NBYTES]):  # pipelined: the unit gathers one while the last streams
-                bufs: list[Any] = []
-                entries = protocol.pack_array(np.stack([where[part, 0], rec[part, BLOCK], rec[part, ROW]], axis=1), bufs)
-                rid = chan.send(UnitOp.FETCH, messages.Fetch(fields=fields, entries=entries), bufs, check=self._unit_check(unit))
-                pending.append((unit, where[part], chan, rid))
-        for unit, where, chan, rid in pending:  # frames of whole rows, back to back
-            reply, msg = chan.recv(rid, "fetch", check=self._unit_check(unit))
+            entries = np.stack([where[:, 0], rec[:, BLOCK], rec[:, ROW]], axis=1)
+            first, *others = [[(where[p], entries[p]) for p in lane] for lane in _fetch_lanes_of(rec[:, NBYTES])]
+            pending += [(unit, _fetch_threads().submit(self._fetch_lane, unit, fields, lane)) for lane in others]
+            pending.append((unit, self._fetch_lane(unit, fields, first, wait=False)))
+        # every lane's replies before any is placed: a lane still running when another failed writes
+        # into nothing of this get's (it receives into its own messages, and ends by its timeout)
+        received = [(unit, *got) for unit, lane in pending for got in (lane() if callable(lane) else lane.result())]
+        for unit, where, reply, msg in received:  # frames of whole rows, back to back
             m = where.shape[0]
             sizes = protocol.unpack_array(reply.sizes, msg.buffers, name="sizes", dtype="<i8")
             frame_rows = protocol.unpack_array(reply.frame_rows, msg.buffers, name="frame_rows", dtype="<i8")
@@ -1322,6 +1350,22 @@ class TQClient:
             sources = [protocol.unpack_array(r, msg.buffers, dtype="|u1") for r in reply.frames]
             _place(out, fields, where, sources, src, starts, sizes)
         return out, check if read_here else None
+
+    def _fetch_lane(self, unit: int, fields: list[str], parts: list[tuple[np.ndarray, np.ndarray]], *, wait: bool = True) -> Any:
+        """Ask ``unit`` for ``parts`` ((where, [field index, block, row] entries) each) over this thread's
+        stream, every request before any reply is awaited (pipelined: the unit gathers one while the last
+        streams); their ``(where, reply, message)``, or - unless ``wait`` - the call that receives them."""
+        chan, check = self._unit_chans[unit], self._unit_check(unit)
+        sent = []
+        for where, entries in parts:
+            bufs: list[Any] = []
+            ref = protocol.pack_array(entries, bufs)
+            sent.append((where, chan.send(UnitOp.FETCH, messages.Fetch(fields=fields, entries=ref), bufs, check=check)))
+
+        def receive() -> list[tuple[np.ndarray, Any, protocol.ReplyMessage]]:
+            return [(where, *chan.recv(rid, "fetch", check=check)) for where, rid in sent]
+
+        return receive() if wait else receive
 
     def _arena_view(self, unit: int, offsets: np.ndarray, nbytes: np.ndarray, row: Callable[[int], tuple[str, str]]) -> np.ndarray:
         """The mapped arena of ``unit``, once every located row ``[offsets[i], offsets[i] + nbytes[i])``

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import concurrent.futures
 import contextlib
 import math
 import os
@@ -265,6 +266,8 @@ class RpcServer:
         self.local: stream_transport.StreamListener | None = None
         self.tcp: stream_transport.StreamListener | None = None
         self.listeners: tuple[stream_transport.StreamListener, ...] = ()  # those of the two there are
+        self._beside: list[stream_transport.StreamPeer] = []  # see flush_beside
+        self._flush_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def listen_streams(self, token: str | None = None, tcp_port: int = 0, exact_port: bool = False) -> None:
         """Also serve clients over stream sockets (:mod:`tq.stream_transport`: a round trip without ZMQ's
@@ -304,6 +307,29 @@ class RpcServer:
     def unwatch_fd(self, fd: int) -> None:
         if self._fd_handlers.pop(fd, None) is not None:
             self._poller.unregister(fd)
+
+    def flush_beside(self, peer: stream_transport.StreamPeer) -> bool:
+        """Write ``peer`` at the end of this turn (:class:`tq.stream_transport.PollLoop`)."""
+        if self._flush_pool is None:
+            if stream_transport.PARALLEL_FLUSH_THREADS < 2:
+                return False
+            self._flush_pool = concurrent.futures.ThreadPoolExecutor(
+                stream_transport.PARALLEL_FLUSH_THREADS - 1, thread_name_prefix=f"{self.name}-flush"
+            )
+        self._beside.append(peer)
+        return True
+
+    def _flush_beside(self) -> None:
+        """Write the connections ``flush_beside`` was given, each on a thread (this one writes the
+        first), and wait for all: the loop's state is touched on this thread only, before and after."""
+        peers, self._beside = [p for p in self._beside if not p.closed], []
+        if not peers:
+            return
+        assert self._flush_pool is not None
+        futures = [self._flush_pool.submit(p.write_out) for p in peers[1:]]
+        outcomes = [peers[0].write_out(), *(f.result() for f in futures)]
+        for peer, exc in zip(peers, outcomes):
+            peer.written(exc)
 
     # -- hooks for subclasses
     def next_deadline(self) -> float | None:
@@ -394,6 +420,8 @@ class RpcServer:
     def serve_forever(self) -> None:
         self._running = True
         while self._running:
+            if self._beside:  # what this loop's last turn left to write, written side by side
+                self._flush_beside()
             deadline = self.next_deadline()
             # whole milliseconds, rounded up: zmq's poll truncates, so a deadline under 1 ms away would
             # spin the loop (and a CPU) until it passed
@@ -426,6 +454,8 @@ class RpcServer:
             s.close(0)
         for listener in self.listeners:
             listener.close()
+        if self._flush_pool is not None:
+            self._flush_pool.shutdown(wait=True)
 
     def _on_refused_handshake(self) -> None:
         event = recv_monitor_message(self._monitor)["event"]

@@ -46,6 +46,10 @@ MAX_EXPIRED_REPORT = 4096  # tentative blocks reported per heartbeat reply
 # An allocation answered this long after its (same-host) writer's deadline is refused.
 ALLOC_CLOCK_SLACK_S = 0.5
 FETCH_ADOPT_WAIT_S = 2.0  # a fetch of a committed block waits this long for the controller's adopt
+# A big fetch's rows are gathered on up to this many threads (the copier's own, started and joined per
+# call; only copies of rowcopy.SHARE_BYTES or more per thread are split): its replies are written beside
+# each other already (stream_transport.PARALLEL_FLUSH_BYTES), and the gather was left on one thread.
+GATHER_THREADS = 4
 # Fetches of up to this many rows are located and gathered row by row: for a handful of rows a dozen
 # vectorised numpy calls cost more than the loop (a 1-row fetch took ~0.4 ms of handler on the 2-vCPU VM).
 FEW_ROWS = 16
@@ -570,7 +574,7 @@ class StorageUnit(RpcServer):
         data = self.pool.empty(total)
         n = sizes.size
         rel = np.cumsum(sizes) - sizes
-        copy_rows(data, rel, [self.arena.view], np.zeros(n, dtype=np.int64), starts, sizes)
+        copy_rows(data, rel, [self.arena.view], np.zeros(n, dtype=np.int64), starts, sizes, threads=GATHER_THREADS)
         firsts = protocol.whole_row_runs(rel, protocol.TCP_FRAME_BYTES)
         bounds = np.append(rel[firsts], total).tolist()
         refs = [protocol.pack_array(data[a:b], frames) for a, b in zip(bounds[:-1], bounds[1:])]

@@ -809,6 +809,70 @@ def test_a_remote_read_from_a_unit_that_dies_mid_call_waits_for_the_controllers_
             assert torch.equal(got["x"], x)
 
 
+def _get_in_child(address: str, meta_d: dict, total: float) -> None:
+    from tq.meta import KVBatchMeta
+
+    with TQClient(address, transport="tcp", timeout=20.0) as c:
+        x = c.get(KVBatchMeta.from_dict(meta_d))["x"]
+    os._exit(0 if float(x.numpy().sum()) == total else 3)  # numpy: torch's own threads are not safe after a fork
+
+
+def test_a_child_forked_after_a_big_remote_get_reads_in_lanes_of_its_own(server):
+    """The threads a big TCP get's lanes run on are a pool of the process: a child forked after one
+    inherits the pool without its threads - its first big get would wait forever for them. It makes
+    its own pool and reads."""
+    import multiprocessing
+
+    rows = torch.arange(20 * (MiB // 8), dtype=torch.float64).reshape(20, -1)  # 20 MiB: 2 lanes
+    with TQClient(server.address) as writer, TQClient(server.address, transport="tcp", timeout=20.0) as remote:
+        writer.register_partition("lt-fork", reuse=True)
+        meta = writer.put("lt-fork", unique_keys(20), {"x": rows})
+        assert torch.equal(remote.get(meta)["x"], rows)  # this process's lane pool is up
+        child = multiprocessing.get_context("fork").Process(target=_get_in_child, args=(server.address, meta.to_dict(), float(rows.sum())))
+        child.start()
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+        assert child.exitcode == 0
+        writer.discard(meta)
+
+
+def test_a_big_remote_read_in_lanes_from_a_unit_that_dies_mid_call_ends_and_the_next_one_reads():
+    """A 40 MiB TCP get read in 5 lanes (5 threads, 5 connections) from a unit stopped and then killed
+    while they wait: the get ends - with the rows from the restarted unit, or StorageUnitError naming
+    it - instead of a lane waiting on forever; and the next get reads every row whole from the unit
+    restarted on its arena, over fresh connections."""
+    rows = torch.arange(40 * (MiB // 8), dtype=torch.float64).reshape(40, -1)
+    with TQServer(storage_units=1, capacity=128 * MiB) as srv, TQClient(srv.address, timeout=30.0, transport="tcp") as client:
+        client.register_partition("lt-lanes-dies")
+        meta = client.put("lt-lanes-dies", unique_keys(40), {"x": rows})
+        assert torch.equal(client.get(meta)["x"], rows)  # the lanes' connections are open
+        st = client.stats()["unit_stats"][0]
+        pid = st["pid"]
+        assert st["tcp_stream_connections"] == 5
+        got: dict = {}
+
+        def read() -> None:
+            try:
+                got["x"] = client.get(meta)["x"]
+            except Exception as exc:  # noqa: BLE001 - inspected below
+                got["error"] = exc
+
+        os.kill(pid, signal.SIGSTOP)
+        reader = threading.Thread(target=read)
+        reader.start()
+        time.sleep(0.5)  # every lane's requests sent, its reply awaited
+        os.kill(pid, signal.SIGKILL)
+        reader.join(30)
+        assert not reader.is_alive()
+        if "error" in got:
+            assert isinstance(got["error"], StorageUnitError) and "storage unit 0" in str(got["error"]), repr(got["error"])
+        else:
+            assert torch.equal(got["x"], rows)
+        assert wait_until(lambda: client.stats()["unit_stats"][0]["pid"] != pid, timeout=30)
+        assert torch.equal(client.get(meta)["x"], rows)
+
+
 @pytest.mark.parametrize("bind", ["0.0.0.0", "*"])
 def test_a_server_bound_to_every_interface_is_streamed_to_on_the_host_its_clients_reach_it_at(bind):
     """A server bound to every interface advertises its TCP stream at that wildcard, which names no

@@ -54,6 +54,7 @@ from .pins import SUPPORTED as PINS_SUPPORTED, PinFile
 from .protocol import LOC_BLOCK as BLOCK, LOC_COLUMNS, LOC_NBYTES as NBYTES, LOC_OFFSET as OFFSET  # location
 from .protocol import LOC_ROW as ROW, LOC_UNIT as UNIT  # record columns
 from .rowcopy import FieldCopy, copy_fields, write_chunks
+from .stream_transport import usable_cores
 from .rpc import RpcChannel, time_budget, time_left
 from .schema import DTYPES, JAGGED, OBJECT, FieldSchema
 
@@ -186,13 +187,7 @@ def put_copy_threads() -> int:
     Ray gives one intra-op thread, and a big put is one copy bound by memory bandwidth, not compute:
     Ray's own object store copies a big object on several threads whatever the worker's thread count
     (one thread left TQ's 512 MiB put at 0.27-0.40x Ray's on a 16-core H200 host)."""
-    return max(copy_threads(), min(PUT_MIN_THREADS, _cores()))
-
-
-@functools.cache
-def _cores() -> int:
-    """The cores this process may run on (looked up once: put_copy_threads runs on every put)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(copy_threads(), min(PUT_MIN_THREADS, usable_cores()))
 
 
 class _UnitRestarted(Exception):

@@ -23,6 +23,7 @@ client's side (:class:`ClientStream`) is a blocking connection per thread.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 import os
@@ -47,7 +48,16 @@ MAX_IOV = 512  # buffers per sendmsg (IOV_MAX is 1024 on Linux)
 # copy is most of a big fetch's cost, and one loop thread copying for every reader of a unit was the
 # bound on its reads (py-spy of a unit serving 64 MiB TCP gets: 70% in sendmsg).
 PARALLEL_FLUSH_BYTES = 1 << 20
-PARALLEL_FLUSH_THREADS = min(8, os.cpu_count() or 1)  # the loop's own included
+
+
+@functools.cache
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container's or a Ray worker's share, not
+    the host's count), looked up once."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+PARALLEL_FLUSH_THREADS = min(8, usable_cores())  # the loop's own included
 ACCEPT_PAUSE_S = 1.0  # after accept fails for want of file descriptors, the listener rests this long
 # A client polls for its reply this long before it sleeps: a same-host reply mostly comes within it, and
 # a server waking a sleeping thread on another CPU is what a round trip mostly costs on a VM (2 vCPUs:

@@ -19,6 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import tq.client
 from conftest import free_port, raw_exchange, shut_down, unique_keys, wait_until
 from tq import TQClient, TQServer, protocol
 from tq.errors import (
@@ -468,10 +469,11 @@ def test_big_replies_to_several_streams_are_written_side_by_side(monkeypatch):
         loop.join(5)
 
 
-def test_a_big_tcp_get_reads_its_parts_over_several_streams_at_once(server):
+def test_a_big_tcp_get_reads_its_parts_over_several_streams_at_once(server, monkeypatch):
     """A remote get of more than one request's bytes from a unit (16 MiB) is read in lanes of 8 MiB or
     more, each over its own connection on its own thread (one thread's copy out of its socket was most
     of such a get), and the rows come back whole and in key order."""
+    monkeypatch.setattr(tq.client, "usable_cores", lambda: 16)  # lanes take half the client's cores: 8 here
     base = _tcp_streams(server)
     rows = torch.arange(40 * (MiB // 8), dtype=torch.float64).reshape(40, -1)  # 40 rows of 1 MiB: 5 lanes
     with TQClient(server.address) as writer, TQClient(server.address, transport="tcp", timeout=30.0) as remote:
@@ -817,12 +819,13 @@ def _get_in_child(address: str, meta_d: dict, total: float) -> None:
     os._exit(0 if float(x.numpy().sum()) == total else 3)  # numpy: torch's own threads are not safe after a fork
 
 
-def test_a_child_forked_after_a_big_remote_get_reads_in_lanes_of_its_own(server):
+def test_a_child_forked_after_a_big_remote_get_reads_in_lanes_of_its_own(server, monkeypatch):
     """The threads a big TCP get's lanes run on are a pool of the process: a child forked after one
     inherits the pool without its threads - its first big get would wait forever for them. It makes
     its own pool and reads."""
     import multiprocessing
 
+    monkeypatch.setattr(tq.client, "usable_cores", lambda: 16)  # lanes on any machine (the child inherits it)
     rows = torch.arange(20 * (MiB // 8), dtype=torch.float64).reshape(20, -1)  # 20 MiB: 2 lanes
     with TQClient(server.address) as writer, TQClient(server.address, transport="tcp", timeout=20.0) as remote:
         writer.register_partition("lt-fork", reuse=True)
@@ -837,11 +840,12 @@ def test_a_child_forked_after_a_big_remote_get_reads_in_lanes_of_its_own(server)
         writer.discard(meta)
 
 
-def test_a_big_remote_read_in_lanes_from_a_unit_that_dies_mid_call_ends_and_the_next_one_reads():
+def test_a_big_remote_read_in_lanes_from_a_unit_that_dies_mid_call_ends_and_the_next_one_reads(monkeypatch):
     """A 40 MiB TCP get read in 5 lanes (5 threads, 5 connections) from a unit stopped and then killed
     while they wait: the get ends - with the rows from the restarted unit, or StorageUnitError naming
     it - instead of a lane waiting on forever; and the next get reads every row whole from the unit
     restarted on its arena, over fresh connections."""
+    monkeypatch.setattr(tq.client, "usable_cores", lambda: 16)  # lanes on any machine
     rows = torch.arange(40 * (MiB // 8), dtype=torch.float64).reshape(40, -1)
     with TQServer(storage_units=1, capacity=128 * MiB) as srv, TQClient(srv.address, timeout=30.0, transport="tcp") as client:
         client.register_partition("lt-lanes-dies")

@@ -139,14 +139,15 @@ def test_a_big_tcp_fetch_is_cut_into_lanes_of_whole_rows_each_cut_into_requests(
     from tq.client import _fetch_lanes_of
 
     MiB = 1 << 20
-    one = _fetch_lanes_of(np.full(16, MiB, np.int64))  # 16 MiB: one request's worth, one lane
+    one = _fetch_lanes_of(np.full(16, MiB, np.int64), 8)  # 16 MiB: one request's worth, one lane
     assert one == [[slice(0, 16)]]
-    lanes = _fetch_lanes_of(np.full(64, MiB, np.int64))  # 64 MiB: 8 lanes of 8 MiB
+    lanes = _fetch_lanes_of(np.full(64, MiB, np.int64), 8)  # 64 MiB: 8 lanes of 8 MiB
+    assert len(_fetch_lanes_of(np.full(64, MiB, np.int64), 2)) == 2  # no more than asked (the client's cores)
     assert [[(p.start, p.stop) for p in lane] for lane in lanes] == [[(8 * i, 8 * i + 8)] for i in range(8)]
     rng = np.random.default_rng(1)
     for nbytes in (rng.integers(1, 3 * MiB, 300), np.array([40 * MiB, 5, 2 * MiB, 30 * MiB, 7], np.int64)):
-        lanes = _fetch_lanes_of(nbytes)
-        assert 1 < len(lanes) <= protocol.TCP_FETCH_STREAMS
+        lanes = _fetch_lanes_of(nbytes, 8)
+        assert 1 < len(lanes) <= 8
         parts = [p for lane in lanes for p in lane]
         assert parts[0].start == 0 and parts[-1].stop == nbytes.size  # every row, in order, once
         assert all(a.stop == b.start and a.stop > a.start for a, b in zip(parts, parts[1:]))

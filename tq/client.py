@@ -264,13 +264,13 @@ def _fetch_parts(nbytes: np.ndarray, limit: int = protocol.TCP_FETCH_BYTES) -> l
     return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def _fetch_lanes_of(nbytes: np.ndarray) -> list[list[slice]]:
+def _fetch_lanes_of(nbytes: np.ndarray, most: int) -> list[list[slice]]:
     """The rows of a TCP fetch from one unit cut into lanes - runs of whole rows, each read over its own
     stream on its own thread - and each lane's rows into its requests (:func:`_fetch_parts`). A fetch
-    of more than one request's bytes gets up to ``TCP_FETCH_STREAMS`` lanes of at least
-    ``TCP_LANE_BYTES``; a smaller one, one lane."""
+    of more than one request's bytes gets up to ``most`` lanes of at least ``TCP_LANE_BYTES``; a
+    smaller one, one lane."""
     total = int(nbytes.sum())
-    lanes = 1 if total <= protocol.TCP_FETCH_BYTES else min(protocol.TCP_FETCH_STREAMS, total // protocol.TCP_LANE_BYTES)
+    lanes = 1 if total <= protocol.TCP_FETCH_BYTES else min(most, total // protocol.TCP_LANE_BYTES)
     if lanes <= 1:
         return [_fetch_parts(nbytes)]
     return [
@@ -1327,7 +1327,9 @@ class TQClient:
                 _place(out, fields, where, [view], np.zeros(where.shape[0], np.int64), rec[:, OFFSET], rec[:, NBYTES])
                 continue
             entries = np.stack([where[:, 0], rec[:, BLOCK], rec[:, ROW]], axis=1)
-            first, *others = [[(where[p], entries[p]) for p in lane] for lane in _fetch_lanes_of(rec[:, NBYTES])]
+            # a lane is a core's copy - and on one host another core's at the unit: half the cores
+            lanes = _fetch_lanes_of(rec[:, NBYTES], min(protocol.TCP_FETCH_STREAMS, usable_cores() // 2))
+            first, *others = [[(where[p], entries[p]) for p in lane] for lane in lanes]
             pending += [(unit, _fetch_threads().submit(self._fetch_lane, unit, fields, lane)) for lane in others]
             pending.append((unit, self._fetch_lane(unit, fields, first, wait=False)))
         # every lane's replies before any is placed: a lane still running when another failed writes

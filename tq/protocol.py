@@ -81,11 +81,12 @@ DEFAULT_MAX_MESSAGE_BYTES = 8 << 30
 TCP_FRAME_BYTES = 1 << 20
 # A TCP get asks a unit for at most about this many bytes of rows per request (several requests in flight).
 TCP_FETCH_BYTES = 16 << 20
-# A get of more than that from one unit is cut into up to this many lanes of at least TCP_LANE_BYTES,
-# each a stream to the unit read on its own thread and written by the unit on its own thread
-# (tq.stream_transport.PARALLEL_FLUSH_BYTES): one stream moves what one thread copies. Measured on 16
-# cores of an H200 host (loopback, one reader, A/B in one call): 64 MiB 1.31-1.44 -> 2.99-3.30 GB/s
-# with 8 lanes of 8 MiB, 2.02 / 1.82 with 4 of 16 MiB; a 16 MiB get was slower in 2 lanes than in 1.
+# A get of more than that from one unit is cut into up to this many lanes (and no more than the
+# client's cores) of at least TCP_LANE_BYTES, each a stream to the unit read on its own thread and
+# written by the unit on its own thread (tq.stream_transport.PARALLEL_FLUSH_BYTES): one stream moves
+# what one thread copies. Measured on 16 cores of an H200 host (loopback, one reader, A/B in one call):
+# 64 MiB 1.31-1.44 -> 2.99-3.30 GB/s with 8 lanes of 8 MiB, 2.02 / 1.82 with 4 of 16 MiB; a 16 MiB get
+# was slower in 2 lanes than in 1. On 2 vCPUs 8 lanes read 256 MiB at 1.23-1.45 GB/s, 2 at 1.85-2.46.
 TCP_FETCH_STREAMS = 8
 TCP_LANE_BYTES = 8 << 20
 

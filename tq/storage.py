@@ -32,6 +32,7 @@ from .journal import Journal, JournalWriteError
 from .errors import CapacityError, InvalidRequestError, StorageUnitError, TQTimeoutError
 from .bufferpool import HostBufferPool
 from .rowcopy import copy_rows, write_chunks
+from .stream_transport import usable_cores
 from .rpc import DEFERRED, Call, RpcChannel, RpcServer, ServerMustStop
 from .schema import JAGGED, TENSOR, FieldSchema
 
@@ -49,7 +50,7 @@ FETCH_ADOPT_WAIT_S = 2.0  # a fetch of a committed block waits this long for the
 # A big fetch's rows are gathered on up to this many threads (the copier's own, started and joined per
 # call; only copies of rowcopy.SHARE_BYTES or more per thread are split): its replies are written beside
 # each other already (stream_transport.PARALLEL_FLUSH_BYTES), and the gather was left on one thread.
-GATHER_THREADS = 4
+GATHER_THREADS = max(1, min(4, usable_cores() // 2))
 # Fetches of up to this many rows are located and gathered row by row: for a handful of rows a dozen
 # vectorised numpy calls cost more than the loop (a 1-row fetch took ~0.4 ms of handler on the 2-vCPU VM).
 FEW_ROWS = 16

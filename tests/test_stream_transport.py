@@ -811,6 +811,32 @@ def test_a_remote_read_from_a_unit_that_dies_mid_call_waits_for_the_controllers_
             assert torch.equal(got["x"], x)
 
 
+def test_a_big_tcp_gets_lanes_keep_to_the_gets_time_budget(server, monkeypatch):
+    """Every request of a get shares its timeout (``time_budget``, per thread): a lane on a pool thread
+    sends its requests within the calling thread's budget, not a fresh timeout per request."""
+    from tq.messages import UnitOp
+    from tq.rpc import RpcChannel, time_left
+
+    monkeypatch.setattr(tq.client, "usable_cores", lambda: 16)
+    seen: list[tuple[bool, float | None]] = []
+    real_send = RpcChannel.send
+
+    def probe(self: RpcChannel, op: str, *args, **kw):  # the real send, noting the budget it ran under
+        if op == UnitOp.FETCH:
+            seen.append((threading.current_thread() is threading.main_thread(), time_left()))
+        return real_send(self, op, *args, **kw)
+
+    monkeypatch.setattr(RpcChannel, "send", probe)
+    rows = torch.arange(40 * (MiB // 8), dtype=torch.float64).reshape(40, -1)  # 5 lanes
+    with TQClient(server.address) as writer, TQClient(server.address, transport="tcp", timeout=20.0) as remote:
+        writer.register_partition("lt-budget", reuse=True)
+        meta = writer.put("lt-budget", unique_keys(40), {"x": rows})
+        assert torch.equal(remote.get(meta)["x"], rows)
+        writer.discard(meta)
+    assert sorted(main for main, _ in seen) == [False] * 4 + [True]
+    assert all(left is not None and 0 < left <= 20.0 for _, left in seen), seen
+
+
 def _get_in_child(address: str, meta_d: dict, total: float) -> None:
     from tq.meta import KVBatchMeta
 

@@ -1330,7 +1330,8 @@ class TQClient:
             # a lane is a core's copy - and on one host another core's at the unit: half the cores
             lanes = _fetch_lanes_of(rec[:, NBYTES], min(protocol.TCP_FETCH_STREAMS, usable_cores() // 2))
             first, *others = [[(where[p], entries[p]) for p in lane] for lane in lanes]
-            pending += [(unit, _fetch_threads().submit(self._fetch_lane, unit, fields, lane)) for lane in others]
+            budget = time_left()  # the get's, which a pool thread does not hold
+            pending += [(unit, _fetch_threads().submit(self._fetch_lane, unit, fields, lane, budget=budget)) for lane in others]
             pending.append((unit, self._fetch_lane(unit, fields, first, wait=False)))
         # every lane's replies before any is placed: a lane still running when another failed writes
         # into nothing of this get's (it receives into its own messages, and ends by its timeout)
@@ -1348,10 +1349,16 @@ class TQClient:
             _place(out, fields, where, sources, src, starts, sizes)
         return out, check if read_here else None
 
-    def _fetch_lane(self, unit: int, fields: list[str], parts: list[tuple[np.ndarray, np.ndarray]], *, wait: bool = True) -> Any:
+    def _fetch_lane(
+        self, unit: int, fields: list[str], parts: list[tuple[np.ndarray, np.ndarray]], *, wait: bool = True, budget: float | None = None
+    ) -> Any:
         """Ask ``unit`` for ``parts`` ((where, [field index, block, row] entries) each) over this thread's
         stream, every request before any reply is awaited (pipelined: the unit gathers one while the last
-        streams); their ``(where, reply, message)``, or - unless ``wait`` - the call that receives them."""
+        streams); their ``(where, reply, message)``, or - unless ``wait`` - the call that receives them.
+        ``budget``: seconds left of the get's time budget, for a lane on another thread."""
+        if budget is not None:
+            with time_budget(budget):
+                return self._fetch_lane(unit, fields, parts, wait=wait)
         chan, check = self._unit_chans[unit], self._unit_check(unit)
         sent = []
         for where, entries in parts:

@@ -81,7 +81,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 8 << 30
 TCP_FRAME_BYTES = 1 << 20
 # A TCP get asks a unit for at most about this many bytes of rows per request (several requests in flight).
 TCP_FETCH_BYTES = 16 << 20
-# A get of more than that from one unit is cut into up to this many lanes (and no more than the
+# A get of more than that from one unit is cut into up to this many lanes (and no more than half the
 # client's cores) of at least TCP_LANE_BYTES, each a stream to the unit read on its own thread and
 # written by the unit on its own thread (tq.stream_transport.PARALLEL_FLUSH_BYTES): one stream moves
 # what one thread copies. Measured on 16 cores of an H200 host (loopback, one reader, A/B in one call):

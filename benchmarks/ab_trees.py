@@ -102,14 +102,39 @@ def worker() -> None:
     say({"stopped": True})
 
 
+def tree_env(root: str) -> dict[str, str]:
+    """The environment of a process running the tree at ``root``: the tree first on ``PYTHONPATH``, the
+    rest of the caller's path after it (where the dependencies live off site-packages)."""
+    root = os.path.abspath(root)
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != root]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([root, *rest]))
+
+
+def add_tree_args(p: argparse.ArgumentParser) -> None:
+    """``--a`` / ``--b`` (the two source trees) and their labels."""
+    p.add_argument("--a", required=True, metavar="DIR", help="tree A (the baseline): a checkout with tq/_fastcopy*.so built")
+    p.add_argument("--b", required=True, metavar="DIR", help="tree B (the change)")
+    p.add_argument("--label-a", default="old", help="tree A's name in the table (default: old)")
+    p.add_argument("--label-b", default="new", help="tree B's name in the table (default: new)")
+
+
+def check_trees(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict[str, str]:
+    """The two trees by label, once both are source trees of this project and the labels differ
+    (else the parser's error, at once)."""
+    if a.label_a == a.label_b:
+        p.error("--label-a and --label-b must differ")
+    for d in (a.a, a.b):
+        if not os.path.isfile(os.path.join(d, "tq", "__init__.py")):
+            p.error(f"{d} is not a source tree of this project (no tq/__init__.py)")
+    return {a.label_a: a.a, a.label_b: a.b}
+
+
 class Tree:
     """A worker process running the code of one source tree (see :func:`worker`)."""
 
     def __init__(self, label: str, root: str) -> None:
         self.label, self.root = label, os.path.abspath(root)
-        # The tree first; the rest of the caller's path stays (where the dependencies live off site-packages).
-        rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != self.root]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([self.root, *rest]))
+        env = tree_env(self.root)
         self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--worker"],
             cwd=self.root,
@@ -183,10 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     from benchmarks.outputs import add_output_args
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--a", required=True, metavar="DIR", help="tree A (the baseline): a checkout with tq/_fastcopy*.so built")
-    p.add_argument("--b", required=True, metavar="DIR", help="tree B (the change)")
-    p.add_argument("--label-a", default="old", help="tree A's name in the table (default: old)")
-    p.add_argument("--label-b", default="new", help="tree B's name in the table (default: new)")
+    add_tree_args(p)
     p.add_argument("--control-iters", type=int, default=2000, help="timed calls per op, tree and round")
     p.add_argument("--chunk", type=int, default=100, help="timed calls of one tree before the other's turn")
     p.add_argument("--rounds", type=int, default=4, help="rounds; the tree whose calls come first alternates")
@@ -203,12 +225,9 @@ def main() -> None:
 
     p = build_parser()
     a = p.parse_args()
-    if a.control_iters < 100 or a.chunk < 1 or a.rounds < 1 or a.label_a == a.label_b:
-        p.error("--control-iters must be >= 100 (a p99 needs them), --chunk and --rounds >= 1, the labels differ")
-    for d in (a.a, a.b):
-        if not os.path.isfile(os.path.join(d, "tq", "__init__.py")):
-            p.error(f"{d} is not a source tree of this project (no tq/__init__.py)")
-    trees = {a.label_a: a.a, a.label_b: a.b}
+    if a.control_iters < 100 or a.chunk < 1 or a.rounds < 1:
+        p.error("--control-iters must be >= 100 (a p99 needs them), --chunk and --rounds >= 1")
+    trees = check_trees(p, a)
     versions = {label: code_version(d) for label, d in trees.items()}
     out = open_run(a.name, a.run_dir)
     tables: dict[str, list[dict[str, dict[str, float]]]] = {label: [] for label in trees}

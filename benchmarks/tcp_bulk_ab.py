@@ -1,0 +1,174 @@
+"""Bulk TCP get throughput of two source trees in one run: a client reading big batches from a one-unit
+service over its TCP stream socket (what a reader on another node does), the code of tree A against
+the code of tree B.
+
+Each tree runs in a process of its own (its ``tq`` first on ``PYTHONPATH``) with its own one-unit
+service, so client and servers are all A's or all B's. Rounds alternate which tree goes first; each
+round, each tree puts one batch per size (jagged int32 rows, 64 samples) from a same-host writer and
+reads it back ``--iters`` times after one untimed get, with ``--readers`` clients at once (aggregate
+GB/s). A size's figure is the median over rounds of each round's median.
+
+    git worktree add /tmp/base main && cp tq/_fastcopy*.so /tmp/base/tq/   # tree A: the code before
+    python -m benchmarks.tcp_bulk_ab --a /tmp/base --b . --name tcp_lanes_ab --publish
+
+Reported, not a target: B's GB/s over A's per size (a change that reads faster on a host with cores to
+spare may read the same on a 2-vCPU one, where client, unit and their threads share two cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+MiB = 1 << 20
+_MARK = "@tcpbulk "  # the worker's result line (its service's processes print on the same stdout)
+
+
+def worker(sizes: list[int], iters: int, readers: int) -> dict[str, Any]:
+    """One tree's run: per size, each timed get's aggregate GB/s (all ``readers`` at once)."""
+    import torch
+
+    import tq
+    from tq import JaggedTensor, TQClient, TQServer
+
+    out: dict[str, Any] = {"tq": os.path.dirname(tq.__file__), "gbps": {}}
+    with TQServer(storage_units=1, capacity=max(sizes) * 2 + 64 * MiB) as srv, TQClient(srv.address) as writer:
+        clients = [TQClient(srv.address, transport="tcp", timeout=120.0) for _ in range(readers)]
+        try:
+            writer.register_partition("bulk")
+            with concurrent.futures.ThreadPoolExecutor(readers) as pool:
+                for size in sizes:
+                    n, row = 64, size // 64 // 4
+                    values = torch.randint(0, 1000, (n * row,), dtype=torch.int32)
+                    meta = writer.put(
+                        "bulk", [f"s{size}-{i}" for i in range(n)], {"tokens": JaggedTensor(values, torch.arange(0, n * row + 1, row))}
+                    )
+
+                    def get(c: TQClient) -> Any:
+                        return c.get(meta, ["tokens"], layout="jagged")
+
+                    for got in pool.map(get, clients):  # untimed: each reader's connections and buffers
+                        assert torch.equal(got["tokens"].values, values), "a TCP get returned other bytes"
+                    del got
+                    rates = []
+                    for _ in range(iters):
+                        t0 = time.perf_counter()
+                        list(pool.map(get, clients)) if readers > 1 else get(clients[0])
+                        rates.append(readers * size / (time.perf_counter() - t0) / 1e9)
+                    out["gbps"][str(size)] = rates
+                    writer.discard(meta)
+        finally:
+            for c in clients:
+                c.close()
+    return out
+
+
+def run_tree(root: str, sizes: list[int], iters: int, readers: int) -> dict[str, Any]:
+    """:func:`worker` in a process importing the tree at ``root`` first."""
+    from benchmarks.ab_trees import tree_env  # not at import: a worker runs with the other tree's benchmarks first
+
+    root = os.path.abspath(root)
+    env = tree_env(root)
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", ",".join(map(str, sizes)), str(iters), str(readers)]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1800)
+    for line in proc.stdout.splitlines():
+        if line.startswith(_MARK):
+            res = json.loads(line[len(_MARK) :])
+            if res["tq"] != os.path.join(root, "tq"):
+                raise SystemExit(f"tcp_bulk_ab: tree {root} imported tq from {res['tq']}")
+            return res
+    raise SystemExit(f"tcp_bulk_ab: the worker of {root} exited with code {proc.returncode}: {proc.stderr[-2000:]}")
+
+
+def summarize(rounds: dict[str, list[dict[str, list[float]]]], a: str, b: str) -> dict[str, dict[str, float]]:
+    """Per size: each tree's median over rounds of its round medians, and B / A."""
+    rows = {}
+    for size in rounds[a][0]:
+        med = {label: statistics.median(statistics.median(r[size]) for r in rounds[label]) for label in (a, b)}
+        rows[size] = {a: med[a], b: med[b], "ratio": med[b] / med[a]}
+    return rows
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from benchmarks.ab_trees import add_tree_args
+    from benchmarks.outputs import add_output_args
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tcp_bulk_ab", description=__doc__.split("\n\n")[0])
+    add_tree_args(p)
+    p.add_argument("--sizes", default="16,64,256", help="batch sizes in MiB, comma-separated (default: 16,64,256)")
+    p.add_argument("--iters", type=int, default=5, help="timed gets per size, tree and round (default 5)")
+    p.add_argument("--readers", type=int, default=1, help="TCP clients reading at once (default 1)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds; the tree that goes first alternates (default 3)")
+    p.add_argument("--name", default="tcp_bulk_ab", help="the run's name, and of its published files (default: tcp_bulk_ab)")
+    add_output_args(p, "tcp_bulk_ab")
+    return p
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--worker"]:
+        sizes, iters, readers = [int(x) for x in sys.argv[2].split(",")], int(sys.argv[3]), int(sys.argv[4])
+        print(_MARK + json.dumps(worker(sizes, iters, readers)), flush=True)
+        return
+    from benchmarks.ab_trees import check_trees
+    from benchmarks.outputs import code_version, cpu_model, open_run
+
+    p = build_parser()
+    a = p.parse_args()
+    try:
+        sizes = [int(x) * MiB for x in a.sizes.split(",")]
+    except ValueError:
+        p.error(f"--sizes must be MiB counts separated by commas, got {a.sizes!r}")
+    if not sizes or min(sizes) < MiB or a.iters < 1 or a.readers < 1 or a.rounds < 1:
+        p.error("--sizes >= 1 MiB each, --iters, --readers and --rounds >= 1")
+    trees = check_trees(p, a)
+    versions = {label: code_version(d) for label, d in trees.items()}
+    out = open_run(a.name, a.run_dir)
+    rounds: dict[str, list[dict[str, list[float]]]] = {label: [] for label in trees}
+    for r in range(a.rounds):
+        order = list(trees) if r % 2 == 0 else list(trees)[::-1]
+        for label in order:
+            rounds[label].append(run_tree(trees[label], sizes, a.iters, a.readers)["gbps"])
+        print(
+            f"round {r + 1}/{a.rounds}: "
+            + "; ".join(
+                f"{label} " + ", ".join(f"{int(s) // MiB} MiB {statistics.median(v):.2f}" for s, v in rounds[label][-1].items())
+                for label in trees
+            ),
+            flush=True,
+        )
+    la, lb = a.label_a, a.label_b
+    rows = summarize(rounds, la, lb)
+    machine = f"{platform.node()} - {len(os.sched_getaffinity(0))} usable CPUs ({cpu_model()}), Python {platform.python_version()}"
+    res = {
+        "machine": machine,
+        "code": code_version(),
+        "trees": {label: {"dir": os.path.abspath(d), **versions[label]} for label, d in trees.items()},
+        "iters": a.iters,
+        "readers": a.readers,
+        "rounds": a.rounds,
+        "sizes": rows,
+        "per_round": rounds,
+    }
+    lines = [
+        f"# Bulk TCP get, two source trees: {la} ({versions[la]['commit']}) vs {lb} ({versions[lb]['commit']})\n",
+        f"Machine: {machine}. Each tree's client and one-unit service in processes of their own, over the "
+        f"unit's TCP stream socket on loopback; {a.readers} reader(s) at once, {a.iters} timed gets per size "
+        f"after one untimed; GB/s (aggregate), the median over {a.rounds} rounds of each round's median.\n",
+        f"| batch | {la} GB/s | {lb} GB/s | {lb} / {la} |",
+        "|---|---|---|---|",
+        *(f"| {int(s) // MiB} MiB | {v[la]:.2f} | {v[lb]:.2f} | {v['ratio']:.2f}x |" for s, v in rows.items()),
+    ]
+    out.write_report(res, lines)
+    out.finish(a.publish, a.machine)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""benchmarks/tcp_bulk_ab.py: a real run of two trees (here the same one under two labels) writes its
+table, and bad options fail at once naming what is wrong."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from benchmarks.outputs import REPO
+from benchmarks.tcp_bulk_ab import MiB, summarize
+
+
+def test_the_table_is_the_median_over_rounds_of_each_rounds_median():
+    rounds = {
+        "a": [{"1": [1.0, 2.0, 9.0]}, {"1": [3.0, 3.0, 3.0]}, {"1": [0.5, 1.0, 1.5]}],
+        "b": [{"1": [4.0]}, {"1": [2.0]}, {"1": [6.0]}],
+    }
+    assert summarize(rounds, "a", "b") == {"1": {"a": 2.0, "b": 4.0, "ratio": 2.0}}
+
+
+def test_a_run_of_two_labels_writes_both_trees_figures(tmp_path):
+    cmd = [sys.executable, "-m", "benchmarks.tcp_bulk_ab", "--a", REPO, "--b", REPO, "--label-a", "x", "--label-b", "y"]
+    out = subprocess.run(
+        [*cmd, "--sizes", "1,3", "--iters", "2", "--rounds", "1", "--run-dir", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads((tmp_path / "tcp_bulk_ab.json").read_text())
+    assert set(res["sizes"]) == {str(MiB), str(3 * MiB)}
+    for row in res["sizes"].values():
+        assert row["x"] > 0 and row["y"] > 0 and abs(row["ratio"] - row["y"] / row["x"]) < 1e-9
+    assert "| 3 MiB |" in (tmp_path / "tcp_bulk_ab.md").read_text()
+
+
+def test_bad_sizes_and_trees_fail_before_anything_runs(tmp_path):
+    base = [sys.executable, "-m", "benchmarks.tcp_bulk_ab", "--run-dir", str(tmp_path)]
+    bad = subprocess.run(
+        [*base, "--a", REPO, "--b", REPO, "--label-a", "x", "--sizes", "16,lots"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert bad.returncode == 2 and "--sizes must be MiB counts" in bad.stderr
+    bad = subprocess.run([*base, "--a", str(tmp_path), "--b", REPO, "--label-a", "x"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "is not a source tree of this project" in bad.stderr

@@ -322,7 +322,9 @@ class RpcServer:
     def _flush_beside(self) -> None:
         """Write the connections ``flush_beside`` was given, each on a thread (this one writes the
         first), and wait for all: the loop's state is touched on this thread only, before and after."""
-        peers, self._beside = [p for p in self._beside if not p.closed], []
+        # each once: a connection written inline since it was put here (its next request came first)
+        # may have been put here again - two threads writing one socket would interleave its bytes
+        peers, self._beside = [p for p in dict.fromkeys(self._beside) if not p.closed], []
         if not peers:
             return
         assert self._flush_pool is not None

@@ -415,6 +415,8 @@ class StreamPeer:
             self._ended(exc)
             return
         for frames in messages:
+            if self.beside:  # what waits goes out before the next request is served: a fetch's
+                self._flush()  # parts, pipelined on one stream, stream while the next is gathered
             if self.closed or self.ending:
                 return
             self.on_message(self, frames)

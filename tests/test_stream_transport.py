@@ -439,6 +439,14 @@ def test_big_replies_to_several_streams_are_written_side_by_side(monkeypatch):
     server = RpcServer("wide", "tcp://127.0.0.1:0", secret=None, max_message_bytes=1 << 20)
     server.listen_streams()
     server.serve_ops({"ping": messages.Ping}, {"ping": lambda args, buffers, call: ({}, [payloads[call.rid % 4]])})
+    listed: list[list[int]] = []  # the connections of each turn's writes side by side
+    real_flush_beside = server._flush_beside
+
+    def noted_flush_beside() -> None:
+        listed.append([id(p) for p in server._beside])
+        real_flush_beside()
+
+    server._flush_beside = noted_flush_beside  # type: ignore[method-assign]
     loop = threading.Thread(target=server.serve_forever, daemon=True)
     loop.start()
     streams = [ClientStream(server.local.address, 5.0) for _ in range(4)]
@@ -462,6 +470,8 @@ def test_big_replies_to_several_streams_are_written_side_by_side(monkeypatch):
                 for m in got[i]:
                     assert np.array_equal(np.frombuffer(m.buffers[0], np.uint8), payloads[m.rid % 4])
         assert loop.ident in writers and len(writers) >= 2, writers
+        # a connection is listed once a turn, also one written before its next request was served
+        assert any(len(turn) > 1 for turn in listed) and all(len(set(turn)) == len(turn) for turn in listed)
     finally:
         for c in streams:
             c.close()
@@ -771,6 +781,17 @@ def test_a_stream_address_no_server_advertises_leaves_the_calls_on_zmq(server, b
         assert getattr(client._ctrl._local, "stream", None) is None and client._ctrl.stream_refused[0] == bad
 
 
+def _ended_with_rows_or_unit_error(reader: threading.Thread, got: dict, rows: torch.Tensor) -> None:
+    """A get whose storage unit was killed under it ended: with every row (read from the unit restarted
+    on its arena) or with StorageUnitError naming the unit - not a lost connection, not a hang."""
+    reader.join(30)
+    assert not reader.is_alive()
+    if "error" in got:
+        assert isinstance(got["error"], StorageUnitError) and "storage unit 0" in str(got["error"]), repr(got["error"])
+    else:
+        assert torch.equal(got["x"], rows)
+
+
 def test_a_remote_read_from_a_unit_that_dies_mid_call_waits_for_the_controllers_verdict():
     """A remote get waits on a storage unit over its TCP stream; the unit is killed: the connection is
     reset at once. The get asks the controller, as a request waiting over ZMQ does, instead of
@@ -803,12 +824,7 @@ def test_a_remote_read_from_a_unit_that_dies_mid_call_waits_for_the_controllers_
         go.set()
         time.sleep(0.5)
         os.kill(pid, signal.SIGKILL)  # the connection resets now
-        reader.join(30)
-        assert not reader.is_alive()
-        if "error" in got:
-            assert isinstance(got["error"], StorageUnitError) and "storage unit 0" in str(got["error"]), repr(got["error"])
-        else:
-            assert torch.equal(got["x"], x)
+        _ended_with_rows_or_unit_error(reader, got, x)
 
 
 def test_a_big_tcp_gets_lanes_keep_to_the_gets_time_budget(server, monkeypatch):
@@ -893,12 +909,7 @@ def test_a_big_remote_read_in_lanes_from_a_unit_that_dies_mid_call_ends_and_the_
         reader.start()
         time.sleep(0.5)  # every lane's requests sent, its reply awaited
         os.kill(pid, signal.SIGKILL)
-        reader.join(30)
-        assert not reader.is_alive()
-        if "error" in got:
-            assert isinstance(got["error"], StorageUnitError) and "storage unit 0" in str(got["error"]), repr(got["error"])
-        else:
-            assert torch.equal(got["x"], rows)
+        _ended_with_rows_or_unit_error(reader, got, rows)
         assert wait_until(lambda: client.stats()["unit_stats"][0]["pid"] != pid, timeout=30)
         assert torch.equal(client.get(meta)["x"], rows)
 

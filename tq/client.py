@@ -15,6 +15,7 @@ trust what it read.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import itertools
 import os
@@ -1330,12 +1331,12 @@ class TQClient:
             # a lane is a core's copy - and on one host another core's at the unit: half the cores
             lanes = _fetch_lanes_of(rec[:, NBYTES], min(protocol.TCP_FETCH_STREAMS, usable_cores() // 2))
             first, *others = [[(where[p], entries[p]) for p in lane] for lane in lanes]
-            budget = time_left()  # the get's, which a pool thread does not hold
-            pending += [(unit, _fetch_threads().submit(self._fetch_lane, unit, fields, lane, budget=budget)) for lane in others]
-            pending.append((unit, self._fetch_lane(unit, fields, first, wait=False)))
+            budget = time_left()  # the get's: a pool thread holds none of its own
+            pending += [(unit, _fetch_threads().submit(self._read_lane, unit, fields, lane, budget).result) for lane in others]
+            pending.append((unit, self._send_lane(unit, fields, first)))
         # every lane's replies before any is placed: a lane still running when another failed writes
         # into nothing of this get's (it receives into its own messages, and ends by its timeout)
-        received = [(unit, *got) for unit, lane in pending for got in (lane() if callable(lane) else lane.result())]
+        received = [(unit, *got) for unit, receive in pending for got in receive()]
         for unit, where, reply, msg in received:  # frames of whole rows, back to back
             m = where.shape[0]
             sizes = protocol.unpack_array(reply.sizes, msg.buffers, name="sizes", dtype="<i8")
@@ -1349,27 +1350,27 @@ class TQClient:
             _place(out, fields, where, sources, src, starts, sizes)
         return out, check if read_here else None
 
-    def _fetch_lane(
-        self, unit: int, fields: list[str], parts: list[tuple[np.ndarray, np.ndarray]], *, wait: bool = True, budget: float | None = None
-    ) -> Any:
+    def _send_lane(
+        self, unit: int, fields: list[str], parts: list[tuple[np.ndarray, np.ndarray]]
+    ) -> Callable[[], list[tuple[np.ndarray, Any, protocol.ReplyMessage]]]:
         """Ask ``unit`` for ``parts`` ((where, [field index, block, row] entries) each) over this thread's
         stream, every request before any reply is awaited (pipelined: the unit gathers one while the last
-        streams); their ``(where, reply, message)``, or - unless ``wait`` - the call that receives them.
-        ``budget``: seconds left of the get's time budget, for a lane on another thread."""
-        if budget is not None:
-            with time_budget(budget):
-                return self._fetch_lane(unit, fields, parts, wait=wait)
+        streams); returns the call that receives their ``(where, reply, message)`` on this thread."""
         chan, check = self._unit_chans[unit], self._unit_check(unit)
         sent = []
         for where, entries in parts:
             bufs: list[Any] = []
             ref = protocol.pack_array(entries, bufs)
             sent.append((where, chan.send(UnitOp.FETCH, messages.Fetch(fields=fields, entries=ref), bufs, check=check)))
+        return lambda: [(where, *chan.recv(rid, "fetch", check=check)) for where, rid in sent]
 
-        def receive() -> list[tuple[np.ndarray, Any, protocol.ReplyMessage]]:
-            return [(where, *chan.recv(rid, "fetch", check=check)) for where, rid in sent]
-
-        return receive() if wait else receive
+    def _read_lane(
+        self, unit: int, fields: list[str], parts: list[tuple[np.ndarray, np.ndarray]], budget: float | None
+    ) -> list[tuple[np.ndarray, Any, protocol.ReplyMessage]]:
+        """A lane on a pool thread: :meth:`_send_lane` and its replies, within ``budget`` (seconds left
+        of the get's time budget, which is per thread)."""
+        with time_budget(budget) if budget is not None else contextlib.nullcontext():
+            return self._send_lane(unit, fields, parts)()
 
     def _arena_view(self, unit: int, offsets: np.ndarray, nbytes: np.ndarray, row: Callable[[int], tuple[str, str]]) -> np.ndarray:
         """The mapped arena of ``unit``, once every located row ``[offsets[i], offsets[i] + nbytes[i])``

@@ -322,9 +322,10 @@ class RpcServer:
     def _flush_beside(self) -> None:
         """Write the connections ``flush_beside`` was given, each on a thread (this one writes the
         first), and wait for all: the loop's state is touched on this thread only, before and after."""
-        # each once: a connection written inline since it was put here (its next request came first)
-        # may have been put here again - two threads writing one socket would interleave its bytes
-        peers, self._beside = [p for p in dict.fromkeys(self._beside) if not p.closed], []
+        listed, self._beside = self._beside, []
+        for p in listed:  # each is listed once (StreamPeer.beside): two threads writing one socket would interleave it
+            p.beside = False
+        peers = [p for p in listed if not p.closed]
         if not peers:
             return
         assert self._flush_pool is not None

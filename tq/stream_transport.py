@@ -339,7 +339,8 @@ class StreamPeer:
 
     def _flush_soon(self) -> None:
         """Write what waits: now, or - much of it - at the end of the loop's turn, beside the other
-        connections with much to write (see PARALLEL_FLUSH_BYTES)."""
+        connections with much to write (see PARALLEL_FLUSH_BYTES). ``beside`` holds from being put on
+        the loop's list until the loop takes it off to write it: the peer is on that list once."""
         if self.beside:
             return
         if self.queued >= PARALLEL_FLUSH_BYTES and self.loop.flush_beside(self):
@@ -377,7 +378,6 @@ class StreamPeer:
     def written(self, exc: OSError | None) -> None:
         """After a write (on the loop's thread): end the connection if it was ending or broke, and poll
         for writable while something waits."""
-        self.beside = False
         if self.closed:
             return
         if exc is None:

@@ -16,6 +16,12 @@ command lines). After each fault a canary client (TCP, short timeout) puts and g
 storage unit; recovery time is from the end of the fault (kill of a unit, restart command of the
 controller, SIGCONT) until that succeeds.
 
+Some puts (``BIG_P``; at most one such batch live per client) are big batches: ``BIG_KEYS`` keys of
+``BIG_TOKENS`` tokens each, more than one fetch request's bytes (16 MiB) - so a TCP client's get of all
+of one is cut into several pipelined requests, and, on a host with the cores (a client's half: at least
+4), read in lanes over several connections that the unit writes on several threads. The report counts
+such gets (``big_tcp_gets``) and the lanes this host's clients cut them into.
+
 Client semantics: an op that raises is failed and unacknowledged, never a loss, but whatever it may
 have done must stay consistent: the keys of a put that raised must later be absent or read exactly its
 bytes, a write-back that raised leaves each row's old bytes (or none) or its new ones (the same for all
@@ -35,7 +41,7 @@ margin; what they held at the discard and how long they took is reported.
 
 Results go to a fresh run dir (``logs/tq_chaos/<timestamp>/``: report.json, report.md, each controller
 incarnation's log, the controller's state dir); ``--publish`` also writes
-``benchmarks/results/tq_chaos_cpu2.{json,md}``. Exits non-zero when any target fails.
+``benchmarks/results/tq_chaos_<machine>.{json,md}`` (``cpu2`` on the 2-vCPU VM). Exits non-zero when any target fails.
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from benchmarks.outputs import code_version
+from benchmarks.outputs import code_version, machine_tag
 from benchmarks.tq_soak import WRITE_BACK, RowMaker, _pct, compare_rows, digest, rows_of, start_processes
 from tq.client import DEFAULT_LEASE_S
 from tq.storage import DEFAULT_ALLOC_LEASE_S, DEFAULT_COMMIT_LEASE_S
@@ -77,6 +83,10 @@ MAX_LIVE_KEYS = 128  # per client
 MAX_BATCH = 8
 BORROW_P = 1 / 3  # gets that borrow (copy=False): views held over the next 1-7 ops, then checked again
 MAX_BORROWED = 4  # per client
+BIG_P = 0.05  # of puts: a big batch (see the module docstring)
+BIG_KEYS = 4
+BIG_TOKENS = (550_000, 650_000)  # per key: its int64 "ids" alone are over 16 MiB for the batch
+TOKEN_BYTES = {"ids": 8, "lp": 4, "bf": 2, "mask": 1, "plp": 4}  # the jagged fields' (tq_soak's JAGGED, WRITE_BACK)
 # tq.controller restarts a crashed unit at most 3 times within 60 s, then gives up on it and removes its
 # arena (crash-loop protection): the driver never kills one unit more often than that (with a margin).
 UNIT_KILLS_PER_WINDOW, UNIT_KILL_WINDOW_S = 3, 63.0
@@ -110,6 +120,7 @@ class Held:
     # a write-back that raised: field -> (digests before or None, digests it wrote, old rows acknowledged)
     unsure: dict[str, tuple[list[str] | None, list[str], bool]] = field(default_factory=dict)
     broken: set[str] = field(default_factory=set)  # fields found in a state no write explains: not read again
+    big: bool = False  # a big batch (BIG_KEYS keys of BIG_TOKENS tokens)
 
     def select(self, idx: list[int]) -> "Held":
         return Held(
@@ -120,6 +131,7 @@ class Held:
             None if self.meta is None else self.meta.select(idx),
             {f: (None if o is None else [o[i] for i in idx], [n[i] for i in idx], a) for f, (o, n, a) in self.unsure.items()},
             set(self.broken),
+            self.big,
         )
 
 
@@ -168,6 +180,7 @@ class ChaosClient(RowMaker):
         self.borrowed: list[tuple[Any, dict[str, list[str]], list[int], str, int]] = []
         self.views_checked = 0  # rows of borrowed views checked again after being held
         self.ops_done = 0
+        self.big_gets: collections.Counter = collections.Counter()  # gets of over one fetch request's bytes, by lanes
 
     # -- bookkeeping
     def note(self, text: str) -> None:
@@ -244,13 +257,14 @@ class ChaosClient(RowMaker):
 
     # -- ops
     def op_put(self) -> None:
-        n = int(self.rng.integers(1, MAX_BATCH + 1))
-        lengths = self._lengths(n)
+        big = self.rng.random() < BIG_P and not any(h.big for h in self.live + self.maybe)
+        n = BIG_KEYS if big else int(self.rng.integers(1, MAX_BATCH + 1))
+        lengths = self.rng.integers(*BIG_TOKENS, n).tolist() if big else self._lengths(n)
         names = ["ids", *(f for f in PUT_FIELDS if self.rng.random() < 0.5)]
         cols = {name: self._column(name, n, lengths) for name in names}
         keys = [f"c{self.idx}-{self.counter}-{j}" for j in range(n)]
         self.counter += 1
-        h = Held(keys, lengths, {name: [digest(r) for r in rows_of(col)] for name, col in cols.items()}, set())
+        h = Held(keys, lengths, {name: [digest(r) for r in rows_of(col)] for name, col in cols.items()}, set(), big=big)
         try:
             h.meta = self._call("put", lambda: self.client.put(self.pid, keys, cols))
         except Exception:
@@ -268,6 +282,8 @@ class ChaosClient(RowMaker):
             return
         n = len(h.keys)
         idx = self.rng.permutation(n)[: int(self.rng.integers(1, n + 1))].tolist()
+        if h.big and self.rng.random() < 0.5:
+            idx = list(range(n))  # all of it: past one fetch request's bytes
         fields = [f for f in names if self.rng.random() < 0.5] or [names[0]]
         layout = str(self.rng.choice(["padded", "jagged", "list"]))
         pad_to = None if self.rng.random() < 0.5 else max(h.lengths[i] for i in idx) + int(self.rng.integers(0, 5))
@@ -285,11 +301,25 @@ class ChaosClient(RowMaker):
             self.note(f"WRONG BYTES (get): reading {fields} of {len(idx)} key(s) raised {type(exc).__name__}: {exc}")
             raise
         self._check(h, idx, got, layout, "get")
+        self._count_big(h, idx, fields)
         if borrow and got.viewed:  # hold the views over a few more ops (discards, faults): they must not change
             want = {f: [h.sums[f][i] for i in idx] for f in got.viewed}
             self.borrowed.append((got, want, [h.lengths[i] for i in idx], layout, self.ops_done + int(self.rng.integers(1, 8))))
         elif borrow:
             got.release()
+
+    def _count_big(self, h: Held, idx: list[int], fields: list[str]) -> None:
+        """Count a TCP get of a big batch over more than one fetch request's bytes, by the lanes this
+        client cuts it into (from its token rows; the batch's few other bytes do not change the cut)."""
+        from tq.client import _fetch_lanes_of
+        from tq.protocol import TCP_FETCH_BYTES, TCP_FETCH_STREAMS
+        from tq.stream_transport import usable_cores
+
+        if not h.big or self.client.transport != "tcp":
+            return
+        rows = [h.lengths[i] * TOKEN_BYTES[f] for f in fields if f in TOKEN_BYTES for i in idx]
+        if sum(rows) > TCP_FETCH_BYTES:
+            self.big_gets[len(_fetch_lanes_of(np.asarray(rows, np.int64), min(TCP_FETCH_STREAMS, usable_cores() // 2)))] += 1
 
     def _recheck_borrowed(self, everything: bool = False) -> None:
         """Views held long enough (or all of them) are checked against what they showed, then let go."""
@@ -653,6 +683,7 @@ class ChaosClient(RowMaker):
             "lost": len(self.lost),
             "verified": self.verified,
             "views_checked": self.views_checked,
+            "big_gets": dict(self.big_gets),
             "outcomes": dict(self.outcomes),
             "phantoms": len(self.phantoms),
             "resurrected": len(self.resurrected),
@@ -1337,6 +1368,7 @@ def _report(v: dict[str, Any]) -> dict[str, Any]:
     finals = []
     slow: list[dict[str, Any]] = []
     samples: dict[str, dict[str, str]] = {}
+    big_gets: collections.Counter = collections.Counter()
     for r in reports:
         if "crashed" in r:
             totals["crashed"] += 1
@@ -1357,6 +1389,7 @@ def _report(v: dict[str, Any]) -> dict[str, Any]:
         for k in ("wrong", "lost", "verified", "phantoms", "resurrected", "unknown", "non_tq_errors", "internal_errors"):
             totals[k] += int(r[k])
         totals["views_checked"] += int(r.get("views_checked", 0))
+        big_gets.update({int(k): n for k, n in r.get("big_gets", {}).items()})
         finals.append({"client": r["client"], "transport": r.get("transport"), **r["final"]})
         slow += [{"client": r["client"], **c} for c in r.get("slow", [])]
         notes += r["notes"]
@@ -1489,6 +1522,8 @@ def _report(v: dict[str, Any]) -> dict[str, Any]:
         "wrong_bytes_reads": totals["wrong"],
         "verified_rows": totals["verified"],
         "borrowed_view_rows_rechecked": totals["views_checked"],
+        "big_tcp_gets": sum(big_gets.values()),
+        "big_tcp_gets_by_lanes": {str(k): n for k, n in sorted(big_gets.items())},
         "failed_op_outcomes": dict(outcomes),
         "phantom_keys": totals["phantoms"],
         "resurrected_keys": totals["resurrected"],
@@ -1560,6 +1595,8 @@ def summary(r: dict[str, Any]) -> str:
             "?" if r["rss"]["growth"] is None else f"{r['rss']['growth']:+.1%}",
             *(f"{x / MiB:.0f}" if x else "?" for x in ((r["rss"]["start"] or {}).get("anon"), (r["rss"]["end"] or {}).get("anon"))),
         ),
+        f"TCP gets of big batches (over one fetch request's 16 MiB): {r.get('big_tcp_gets', 0)}, by the lanes their "
+        "clients cut them into: " + (", ".join(f"{k} lane(s) {n}" for k, n in r.get("big_tcp_gets_by_lanes", {}).items()) or "-"),
         *drain_lines(r.get("drain_after_discard") or {}),
         "controller's ledger of unsettled blocks at the end: "
         + (
@@ -1638,7 +1675,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--think-ms", type=float, default=5.0, help="mean pause between a client's ops")
     p.add_argument("--run-dir", help="default: logs/tq_chaos/<timestamp>/")
     p.add_argument("--json", help="also write the full report here")
-    p.add_argument("--publish", action="store_true", help="write benchmarks/results/tq_chaos_cpu2.{json,md}")
+    p.add_argument("--publish", action="store_true", help="write benchmarks/results/tq_chaos_<machine>.{json,md}")
+    p.add_argument("--machine", default=machine_tag(), help="machine tag of the published files (default: cpu<usable cores>)")
     a = p.parse_args(argv)
     kinds = tuple(k for k in a.kinds.split(",") if k)
     if set(kinds) - set(KINDS):
@@ -1657,7 +1695,7 @@ def main(argv: list[str] | None = None) -> int:
     text = summary(r)
     paths = [os.path.join(r["config"]["run_dir"], "report")]
     if a.publish:
-        paths.append(os.path.join(REPO, "benchmarks", "results", "tq_chaos_cpu2"))
+        paths.append(os.path.join(REPO, "benchmarks", "results", f"tq_chaos_{a.machine}"))
         write_report(r, paths[1])
     if a.json:
         with open(a.json, "w") as f:

@@ -141,6 +141,8 @@ def test_a_big_tcp_fetch_is_cut_into_lanes_of_whole_rows_each_cut_into_requests(
     MiB = 1 << 20
     one = _fetch_lanes_of(np.full(16, MiB, np.int64), 8)  # 16 MiB: one request's worth, one lane
     assert one == [[slice(0, 16)]]
+    assert _fetch_lanes_of(np.array([8], np.int64), 8) == [[slice(0, 1)]]  # a 1-key get
+    assert _fetch_lanes_of(np.empty(0, np.int64), 8) == [[slice(0, 0)]]
     lanes = _fetch_lanes_of(np.full(64, MiB, np.int64), 8)  # 64 MiB: 8 lanes of 8 MiB
     assert len(_fetch_lanes_of(np.full(64, MiB, np.int64), 2)) == 2  # no more than asked (the client's cores)
     assert [[(p.start, p.stop) for p in lane] for lane in lanes] == [[(8 * i, 8 * i + 8)] for i in range(8)]

@@ -271,7 +271,9 @@ def _fetch_lanes_of(nbytes: np.ndarray, most: int) -> list[list[slice]]:
     of more than one request's bytes gets up to ``most`` lanes of at least ``TCP_LANE_BYTES``; a
     smaller one, one lane."""
     total = int(nbytes.sum())
-    lanes = 1 if total <= protocol.TCP_FETCH_BYTES else min(most, total // protocol.TCP_LANE_BYTES)
+    if total <= protocol.TCP_FETCH_BYTES:  # one request (cutting it cost a 1-key get 12 us of numpy)
+        return [[slice(0, nbytes.size)]]
+    lanes = min(most, total // protocol.TCP_LANE_BYTES)
     if lanes <= 1:
         return [_fetch_parts(nbytes)]
     return [

@@ -1,12 +1,15 @@
-"""Bulk TCP get throughput of two source trees in one run: a client reading big batches from a one-unit
-service over its TCP stream socket (what a reader on another node does), the code of tree A against
-the code of tree B.
+"""Bulk TCP get (or put) throughput of two source trees in one run: a client reading big batches from a
+one-unit service over its TCP stream socket (what a reader on another node does) - or, with ``--op
+put``, writing them (what a rollout worker on another node does) - the code of tree A against the code
+of tree B.
 
 Each tree runs in a process of its own (its ``tq`` first on ``PYTHONPATH``) with its own one-unit
 service, so client and servers are all A's or all B's. Rounds alternate which tree goes first; each
 round, each tree puts one batch per size (jagged int32 rows, 64 samples) from a same-host writer and
 reads it back ``--iters`` times after one untimed get, with ``--readers`` clients at once (aggregate
-GB/s). A size's figure is the median over rounds of each round's median.
+GB/s); with ``--op put`` each TCP client puts such a batch ``--iters`` times under fresh keys after one
+untimed put (read back from the same host and checked; every put is discarded after its timing). A
+size's figure is the median over rounds of each round's median.
 
     git worktree add /tmp/base main && cp tq/_fastcopy*.so /tmp/base/tq/   # tree A: the code before
     python -m benchmarks.tcp_bulk_ab --a /tmp/base --b . --name tcp_lanes_ab --publish
@@ -32,8 +35,8 @@ MiB = 1 << 20
 _MARK = "@tcpbulk "  # the worker's result line (its service's processes print on the same stdout)
 
 
-def worker(sizes: list[int], iters: int, readers: int) -> dict[str, Any]:
-    """One tree's run: per size, each timed get's aggregate GB/s (all ``readers`` at once)."""
+def worker(sizes: list[int], iters: int, readers: int, op: str = "get") -> dict[str, Any]:
+    """One tree's run: per size, each timed get's (or put's) aggregate GB/s (all ``readers`` at once)."""
     import torch
 
     import tq
@@ -48,9 +51,11 @@ def worker(sizes: list[int], iters: int, readers: int) -> dict[str, Any]:
                 for size in sizes:
                     n, row = 64, size // 64 // 4
                     values = torch.randint(0, 1000, (n * row,), dtype=torch.int32)
-                    meta = writer.put(
-                        "bulk", [f"s{size}-{i}" for i in range(n)], {"tokens": JaggedTensor(values, torch.arange(0, n * row + 1, row))}
-                    )
+                    batch = {"tokens": JaggedTensor(values, torch.arange(0, n * row + 1, row))}
+                    if op == "put":
+                        out["gbps"][str(size)] = _puts(writer, clients, pool, batch, size, iters)
+                        continue
+                    meta = writer.put("bulk", [f"s{size}-{i}" for i in range(n)], batch)
 
                     def get(c: TQClient) -> Any:
                         return c.get(meta, ["tokens"], layout="jagged")
@@ -71,13 +76,43 @@ def worker(sizes: list[int], iters: int, readers: int) -> dict[str, Any]:
     return out
 
 
-def run_tree(root: str, sizes: list[int], iters: int, readers: int) -> dict[str, Any]:
+def _puts(
+    writer: Any, clients: list[Any], pool: concurrent.futures.ThreadPoolExecutor, batch: dict[str, Any], size: int, iters: int
+) -> list[float]:
+    """Each TCP client puts ``batch`` under fresh keys, all at once: one untimed round (read back from
+    the same host and checked), then ``iters`` timed; the aggregate GB/s of each timed round. Every
+    round's keys are discarded after its timing."""
+    import torch
+
+    n = len(batch["tokens"])
+    rounds = iter(range(iters + 1))
+
+    def put(c: Any, r: int, i: int) -> Any:
+        return c.put("bulk", [f"p{size}-{r}-{i}-{k}" for k in range(n)], batch)
+
+    rates = []
+    for r in rounds:
+        t0 = time.perf_counter()
+        metas = list(pool.map(put, clients, [r] * len(clients), range(len(clients))))
+        took = time.perf_counter() - t0
+        if r == 0:
+            for meta in metas:
+                got = writer.get(meta, ["tokens"], layout="jagged")["tokens"].values
+                assert torch.equal(got, batch["tokens"].values), "a TCP put stored other bytes"
+        else:
+            rates.append(len(clients) * size / took / 1e9)
+        for meta in metas:
+            writer.discard(meta)
+    return rates
+
+
+def run_tree(root: str, sizes: list[int], iters: int, readers: int, op: str = "get") -> dict[str, Any]:
     """:func:`worker` in a process importing the tree at ``root`` first."""
     from benchmarks.ab_trees import tree_env  # not at import: a worker runs with the other tree's benchmarks first
 
     root = os.path.abspath(root)
     env = tree_env(root)
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", ",".join(map(str, sizes)), str(iters), str(readers)]
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", ",".join(map(str, sizes)), str(iters), str(readers), op]
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1800)
     for line in proc.stdout.splitlines():
         if line.startswith(_MARK):
@@ -104,8 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.tcp_bulk_ab", description=__doc__.split("\n\n")[0])
     add_tree_args(p)
     p.add_argument("--sizes", default="16,64,256", help="batch sizes in MiB, comma-separated (default: 16,64,256)")
-    p.add_argument("--iters", type=int, default=5, help="timed gets per size, tree and round (default 5)")
-    p.add_argument("--readers", type=int, default=1, help="TCP clients reading at once (default 1)")
+    p.add_argument("--op", choices=("get", "put"), default="get", help="what the TCP clients time (default: get)")
+    p.add_argument("--iters", type=int, default=5, help="timed gets (puts) per size, tree and round (default 5)")
+    p.add_argument("--readers", type=int, default=1, help="TCP clients reading (putting) at once (default 1)")
     p.add_argument("--rounds", type=int, default=3, help="rounds; the tree that goes first alternates (default 3)")
     p.add_argument("--name", default="tcp_bulk_ab", help="the run's name, and of its published files (default: tcp_bulk_ab)")
     add_output_args(p, "tcp_bulk_ab")
@@ -115,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main() -> None:
     if sys.argv[1:2] == ["--worker"]:
         sizes, iters, readers = [int(x) for x in sys.argv[2].split(",")], int(sys.argv[3]), int(sys.argv[4])
-        print(_MARK + json.dumps(worker(sizes, iters, readers)), flush=True)
+        print(_MARK + json.dumps(worker(sizes, iters, readers, sys.argv[5])), flush=True)
         return
     from benchmarks.ab_trees import check_trees
     from benchmarks.outputs import code_version, cpu_model, open_run
@@ -135,7 +171,7 @@ def main() -> None:
     for r in range(a.rounds):
         order = list(trees) if r % 2 == 0 else list(trees)[::-1]
         for label in order:
-            rounds[label].append(run_tree(trees[label], sizes, a.iters, a.readers)["gbps"])
+            rounds[label].append(run_tree(trees[label], sizes, a.iters, a.readers, a.op)["gbps"])
         print(
             f"round {r + 1}/{a.rounds}: "
             + "; ".join(
@@ -152,15 +188,16 @@ def main() -> None:
         "code": code_version(),
         "trees": {label: {"dir": os.path.abspath(d), **versions[label]} for label, d in trees.items()},
         "iters": a.iters,
+        "op": a.op,
         "readers": a.readers,
         "rounds": a.rounds,
         "sizes": rows,
         "per_round": rounds,
     }
     lines = [
-        f"# Bulk TCP get, two source trees: {la} ({versions[la]['commit']}) vs {lb} ({versions[lb]['commit']})\n",
+        f"# Bulk TCP {a.op}, two source trees: {la} ({versions[la]['commit']}) vs {lb} ({versions[lb]['commit']})\n",
         f"Machine: {machine}. Each tree's client and one-unit service in processes of their own, over the "
-        f"unit's TCP stream socket on loopback; {a.readers} reader(s) at once, {a.iters} timed gets per size "
+        f"unit's TCP stream socket on loopback; {a.readers} client(s) at once, {a.iters} timed {a.op}s per size "
         f"after one untimed; GB/s (aggregate), the median over {a.rounds} rounds of each round's median.\n",
         f"| batch | {la} GB/s | {lb} GB/s | {lb} / {la} |",
         "|---|---|---|---|",

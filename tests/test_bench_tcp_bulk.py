@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from benchmarks.outputs import REPO
 from benchmarks.tcp_bulk_ab import MiB, summarize
 
@@ -19,10 +21,26 @@ def test_the_table_is_the_median_over_rounds_of_each_rounds_median():
     assert summarize(rounds, "a", "b") == {"1": {"a": 2.0, "b": 4.0, "ratio": 2.0}}
 
 
-def test_a_run_of_two_labels_writes_both_trees_figures(tmp_path):
+@pytest.mark.parametrize("op", ["get", "put"])
+def test_a_run_of_two_labels_writes_both_trees_figures(tmp_path, op):
+    """Puts with two TCP clients at once: each writes its own keys, read back and checked."""
     cmd = [sys.executable, "-m", "benchmarks.tcp_bulk_ab", "--a", REPO, "--b", REPO, "--label-a", "x", "--label-b", "y"]
     out = subprocess.run(
-        [*cmd, "--sizes", "1,3", "--iters", "2", "--rounds", "1", "--run-dir", str(tmp_path)],
+        [
+            *cmd,
+            "--op",
+            op,
+            "--readers",
+            "2" if op == "put" else "1",
+            "--sizes",
+            "1,3",
+            "--iters",
+            "2",
+            "--rounds",
+            "1",
+            "--run-dir",
+            str(tmp_path),
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -33,6 +51,7 @@ def test_a_run_of_two_labels_writes_both_trees_figures(tmp_path):
     assert set(res["sizes"]) == {str(MiB), str(3 * MiB)}
     for row in res["sizes"].values():
         assert row["x"] > 0 and row["y"] > 0 and abs(row["ratio"] - row["y"] / row["x"]) < 1e-9
+    assert res["op"] == op and f"Bulk TCP {op}" in (tmp_path / "tcp_bulk_ab.md").read_text()
     assert "| 3 MiB |" in (tmp_path / "tcp_bulk_ab.md").read_text()
 
 

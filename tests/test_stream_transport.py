@@ -941,3 +941,46 @@ def test_a_server_bound_to_every_interface_is_streamed_to_on_the_host_its_client
         chan.close()
         server.stop()
         loop.join(5)
+
+
+def test_a_big_store_sent_as_frames_is_copied_into_the_arena_on_several_threads(tmp_path, monkeypatch):
+    """A remote client's put reaches its unit as frames, which the unit copies into its arena: on a
+    host with the cores (faked here: the constant is half of them) that copy runs on several of the
+    copier's threads, and every byte lands where the reply says (one thread before the change)."""
+    import msgspec
+
+    import tq.storage
+    from tq import messages
+    from tq.rowcopy import SHARE_BYTES
+    from tq.rpc import Call
+    from tq.schema import JAGGED, FieldSchema
+    from tq.storage import StorageUnit
+
+    if SHARE_BYTES > 1 << 40:
+        pytest.skip("no C copier built: every copy is numpy's, on one thread")
+    monkeypatch.setattr(tq.storage, "COPY_THREADS", 4)
+    ran: list[int] = []
+    real = tq.storage.write_chunks
+    monkeypatch.setattr(tq.storage, "write_chunks", lambda *a: ran.append(real(*a)) or ran[-1])
+    data = np.random.default_rng(7).integers(0, 256, max(24 << 20, 8 * SHARE_BYTES), dtype=np.uint8)
+    half = data.size // 2
+    buffers: list = []
+    args = messages.Store(
+        n_rows=2,
+        fields={
+            "x": messages.StoreField(
+                schema=FieldSchema(JAGGED, "uint8", ()).to_wire(),
+                row_offsets=protocol.pack_array(np.array([0, half, data.size], np.int64), buffers),
+                data=[protocol.pack_array(data[: half + 5], buffers), protocol.pack_array(data[half + 5 :], buffers)],
+            )
+        },
+    )
+    unit = StorageUnit(0, "tcp://127.0.0.1:0", capacity=data.size + (8 << 20), shm_dir=str(tmp_path))
+    try:
+        views = [memoryview(np.ascontiguousarray(b)).cast("B") if not isinstance(b, bytes) else memoryview(b) for b in buffers]
+        reply = unit.handle("store", msgspec.to_builtins(args), views, Call(b"", None, "store", 0.0))
+        assert ran and max(ran) > 1  # the copy into the arena ran on more than one thread
+        start = reply.starts["x"]
+        assert np.array_equal(unit.arena.view[start : start + data.size], data)
+    finally:
+        unit.close()

@@ -47,10 +47,11 @@ MAX_EXPIRED_REPORT = 4096  # tentative blocks reported per heartbeat reply
 # An allocation answered this long after its (same-host) writer's deadline is refused.
 ALLOC_CLOCK_SLACK_S = 0.5
 FETCH_ADOPT_WAIT_S = 2.0  # a fetch of a committed block waits this long for the controller's adopt
-# A big fetch's rows are gathered on up to this many threads (the copier's own, started and joined per
-# call; only copies of rowcopy.SHARE_BYTES or more per thread are split): its replies are written beside
-# each other already (stream_transport.PARALLEL_FLUSH_BYTES), and the gather was left on one thread.
-GATHER_THREADS = max(1, min(4, usable_cores() // 2))
+# A big fetch's rows are gathered, and a big store's bytes sent as frames written into the arena, on up
+# to this many threads (the copier's own, started and joined per call; only copies of
+# rowcopy.SHARE_BYTES or more per thread are split): its replies are written beside each other already
+# (stream_transport.PARALLEL_FLUSH_BYTES), and the copy was left on one thread.
+COPY_THREADS = max(1, min(4, usable_cores() // 2))
 # Fetches of up to this many rows are located and gathered row by row: for a handful of rows a dozen
 # vectorised numpy calls cost more than the loop (a 1-row fetch took ~0.4 ms of handler on the 2-vCPU VM).
 FEW_ROWS = 16
@@ -462,7 +463,7 @@ class StorageUnit(RpcServer):
             self._check_fits_at_all(size)
             start = self._allocate(size)
             for _, _, offset, _, chunks in layouts:
-                write_chunks(self.arena.view[start + offset : start + offset + sum(c.size for c in chunks)], chunks)
+                write_chunks(self.arena.view[start + offset : start + offset + sum(c.size for c in chunks)], chunks, COPY_THREADS)
         block = Block(
             start,
             size,
@@ -575,7 +576,7 @@ class StorageUnit(RpcServer):
         data = self.pool.empty(total)
         n = sizes.size
         rel = np.cumsum(sizes) - sizes
-        copy_rows(data, rel, [self.arena.view], np.zeros(n, dtype=np.int64), starts, sizes, threads=GATHER_THREADS)
+        copy_rows(data, rel, [self.arena.view], np.zeros(n, dtype=np.int64), starts, sizes, threads=COPY_THREADS)
         firsts = protocol.whole_row_runs(rel, protocol.TCP_FRAME_BYTES)
         bounds = np.append(rel[firsts], total).tolist()
         refs = [protocol.pack_array(data[a:b], frames) for a, b in zip(bounds[:-1], bounds[1:])]

@@ -43,7 +43,7 @@ def worker(sizes: list[int], iters: int, readers: int, op: str = "get") -> dict[
     from tq import JaggedTensor, TQClient, TQServer
 
     out: dict[str, Any] = {"tq": os.path.dirname(tq.__file__), "gbps": {}}
-    with TQServer(storage_units=1, capacity=max(sizes) * 2 + 64 * MiB) as srv, TQClient(srv.address) as writer:
+    with TQServer(storage_units=1, capacity=max(sizes) * max(2, readers + 1) + 64 * MiB) as srv, TQClient(srv.address) as writer:
         clients = [TQClient(srv.address, transport="tcp", timeout=120.0) for _ in range(readers)]
         try:
             writer.register_partition("bulk")

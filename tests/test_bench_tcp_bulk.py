@@ -23,36 +23,20 @@ def test_the_table_is_the_median_over_rounds_of_each_rounds_median():
 
 @pytest.mark.parametrize("op", ["get", "put"])
 def test_a_run_of_two_labels_writes_both_trees_figures(tmp_path, op):
-    """Puts with two TCP clients at once: each writes its own keys, read back and checked."""
+    """Puts with four TCP clients at once: each writes its own keys, read back and checked - into a
+    service with room for all of them (4 x 40 MiB: it once had room for two batches whatever the
+    clients, and the run failed)."""
     cmd = [sys.executable, "-m", "benchmarks.tcp_bulk_ab", "--a", REPO, "--b", REPO, "--label-a", "x", "--label-b", "y"]
-    out = subprocess.run(
-        [
-            *cmd,
-            "--op",
-            op,
-            "--readers",
-            "2" if op == "put" else "1",
-            "--sizes",
-            "1,3",
-            "--iters",
-            "2",
-            "--rounds",
-            "1",
-            "--run-dir",
-            str(tmp_path),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    big, clients = (40, "4") if op == "put" else (3, "1")
+    args = ["--op", op, "--readers", clients, "--sizes", f"1,{big}", "--iters", "2", "--rounds", "1", "--run-dir", str(tmp_path)]
+    out = subprocess.run([*cmd, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads((tmp_path / "tcp_bulk_ab.json").read_text())
-    assert set(res["sizes"]) == {str(MiB), str(3 * MiB)}
+    assert set(res["sizes"]) == {str(MiB), str(big * MiB)}
     for row in res["sizes"].values():
         assert row["x"] > 0 and row["y"] > 0 and abs(row["ratio"] - row["y"] / row["x"]) < 1e-9
-    assert res["op"] == op and f"Bulk TCP {op}" in (tmp_path / "tcp_bulk_ab.md").read_text()
-    assert "| 3 MiB |" in (tmp_path / "tcp_bulk_ab.md").read_text()
+    table = (tmp_path / "tcp_bulk_ab.md").read_text()
+    assert res["op"] == op and f"Bulk TCP {op}" in table and f"| {big} MiB |" in table
 
 
 def test_bad_sizes_and_trees_fail_before_anything_runs(tmp_path):

@@ -85,13 +85,12 @@ def _puts(
     import torch
 
     n = len(batch["tokens"])
-    rounds = iter(range(iters + 1))
 
     def put(c: Any, r: int, i: int) -> Any:
         return c.put("bulk", [f"p{size}-{r}-{i}-{k}" for k in range(n)], batch)
 
     rates = []
-    for r in rounds:
+    for r in range(iters + 1):
         t0 = time.perf_counter()
         metas = list(pool.map(put, clients, [r] * len(clients), range(len(clients))))
         took = time.perf_counter() - t0

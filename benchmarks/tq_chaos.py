@@ -310,7 +310,8 @@ class ChaosClient(RowMaker):
 
     def _count_big(self, h: Held, idx: list[int], fields: list[str]) -> None:
         """Count a TCP get of a big batch over more than one fetch request's bytes, by the lanes this
-        client cuts it into (from its token rows; the batch's few other bytes do not change the cut)."""
+        client cuts it into: its token rows as one unit's (a put lands on one unit unless none has room
+        for it; the batch's few other bytes do not change the cut)."""
         from tq.client import _fetch_lanes_of
         from tq.protocol import TCP_FETCH_BYTES, TCP_FETCH_STREAMS
         from tq.stream_transport import usable_cores

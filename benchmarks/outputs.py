@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import time
@@ -64,7 +65,20 @@ def code_version(repo: str = REPO) -> dict[str, object]:
             return ""
 
     dirty = git("status", "--porcelain", "--", "tq")
-    return {"commit": git("rev-parse", "--short", "HEAD"), "tq_uncommitted": [ln[3:] for ln in dirty.splitlines()]}  # "XY path"
+    commit = git("rev-parse", "--short", "HEAD") or archived_commit(repo)
+    return {"commit": commit, "tq_uncommitted": [ln[3:] for ln in dirty.splitlines()]}  # "XY path"
+
+
+def archived_commit(repo: str) -> str:
+    """The commit a tree exported with ``git archive`` was made from ("" if unknown): it writes it into
+    benchmarks/TREE_COMMIT (``export-subst`` in .gitattributes), so a copy without .git - a baseline
+    tree carried to another machine - still names its code."""
+    try:
+        with open(os.path.join(repo, "benchmarks", "TREE_COMMIT")) as f:
+            text = f.read().strip()
+    except OSError:
+        return ""
+    return text if re.fullmatch(r"[0-9a-f]{7,40}", text) else ""
 
 
 def add_output_args(p: argparse.ArgumentParser, name: str) -> None:

@@ -8,6 +8,7 @@ import importlib
 import os
 import re
 import shutil
+import subprocess
 
 import pytest
 
@@ -93,3 +94,16 @@ def test_code_version_names_the_commit_and_whole_paths_of_uncommitted_tq_files()
     v = code_version()
     assert re.fullmatch(r"[0-9a-f]{7,}", v["commit"])
     assert all(p.startswith("tq/") for p in v["tq_uncommitted"]), v  # "XY path": no character of the path lost
+
+
+def test_a_tree_exported_with_git_archive_still_names_its_commit(tmp_path):
+    """A baseline tree carried to another machine as ``git archive`` output has no .git: its
+    benchmarks/TREE_COMMIT, filled in by the export, names the commit (an empty name before)."""
+    from benchmarks.outputs import REPO, archived_commit, code_version
+
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    archive = subprocess.run(["git", "archive", "HEAD"], cwd=REPO, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tmp_path)], input=archive, check=True)
+    assert not (tmp_path / ".git").exists()
+    assert code_version(str(tmp_path)) == {"commit": head, "tq_uncommitted": []}
+    assert archived_commit(REPO) == ""  # a checkout's own file holds the placeholder, never a stale name

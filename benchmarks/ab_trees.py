@@ -112,7 +112,12 @@ def tree_env(root: str) -> dict[str, str]:
 
 def add_tree_args(p: argparse.ArgumentParser) -> None:
     """``--a`` / ``--b`` (the two source trees) and their labels."""
-    p.add_argument("--a", required=True, metavar="DIR", help="tree A (the baseline): a checkout with tq/_fastcopy*.so built")
+    p.add_argument(
+        "--a",
+        required=True,
+        metavar="DIR",
+        help="tree A (the baseline): a checkout, or a `git archive` export (it names its commit), with tq/_fastcopy*.so built",
+    )
     p.add_argument("--b", required=True, metavar="DIR", help="tree B (the change)")
     p.add_argument("--label-a", default="old", help="tree A's name in the table (default: old)")
     p.add_argument("--label-b", default="new", help="tree B's name in the table (default: new)")

@@ -38,3 +38,19 @@ def test_trim_gives_back_a_units_idle_fetch_buffers():
             f"unit private memory {before / MiB:.0f} MiB before trim, {_anon(pid) / MiB:.0f} MiB after"
         )
         assert torch.equal(c.get(meta, ["x"])["x"], value)  # and it still serves
+
+
+def test_trim_gives_back_a_units_idle_receive_buffers():
+    """A TCP put of 32 MiB reaches its unit as one message, received into a pooled buffer that the
+    unit keeps for the next (up to stream_transport.RECEIVE_POOL_BYTES): ``trim`` gives it back."""
+    with TQServer(storage_units=1, capacity=128 * MiB) as server, TQClient(server.address, transport="tcp") as c:
+        c.register_partition("p")
+        value = torch.arange(8 * MiB, dtype=torch.int32).reshape(1, -1)  # 32 MiB in one row
+        meta = c.put("p", ["big"], {"x": value})
+        pid = c.stats()["units"][0]["pid"]
+        before = _anon(pid)
+        assert c.trim() >= 32 * MiB  # counted among the released bytes
+        assert wait_until(lambda: before - _anon(pid) > 24 * MiB, timeout=5), (
+            f"unit private memory {before / MiB:.0f} MiB before trim, {_anon(pid) / MiB:.0f} MiB after"
+        )
+        assert torch.equal(c.get(meta, ["x"])["x"], value)  # and it still serves

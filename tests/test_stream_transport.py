@@ -79,6 +79,46 @@ def test_stream_reader_receives_a_large_message_straight_into_its_buffer():
         reader.received(200)
 
 
+def test_stream_reader_receives_a_body_into_the_buffer_its_allocator_gives():
+    """A transport hands the reader its pool's allocator: each message's body is one buffer of it,
+    asked for at the message's whole size, and the frames are views of that buffer."""
+    made: list[np.ndarray] = []
+
+    def alloc(n: int) -> np.ndarray:
+        made.append(np.empty(n, np.uint8))
+        return made[-1]
+
+    msgs = [[b"h", bytes(range(256)) * 64], [b"next", b"x" * 10]]
+    got = protocol.StreamReader(alloc=alloc).feed(b"".join(_message(m) for m in msgs))
+    assert [[bytes(f) for f in m] for m in got] == msgs
+    assert [a.size for a in made] == [sum(len(f) for f in m) for m in msgs]
+    assert all(np.shares_memory(np.frombuffer(f, np.uint8), a) for m, a in zip(got, made) for f in m if len(f))
+
+
+def test_big_replies_are_received_into_pooled_buffers_that_the_next_one_reuses(server):
+    """A remote client's big reply lands in a buffer of the process's receive pool, which it goes
+    back to once the get copied out of it - so the next big reply reuses its pages (a fresh buffer
+    per message, faulted in page by page, before)."""
+    import gc
+
+    import tq.stream_transport as transport
+
+    transport.trim_receive_buffers()
+    with TQClient(server.address, transport="tcp") as c:
+        c.register_partition("recv-pool")
+        value = torch.arange(2 * (1 << 20), dtype=torch.int32).reshape(1, -1)  # 8 MiB in one row
+        meta = c.put("recv-pool", ["big"], {"x": value})
+        assert torch.equal(c.get(meta, ["x"])["x"], value)
+        gc.collect()
+        held = transport._bodies.cached_bytes
+        assert held >= 8 << 20  # the reply's buffer, idle in the pool
+        for _ in range(3):
+            assert torch.equal(c.get(meta, ["x"])["x"], value)
+        gc.collect()
+        assert transport._bodies.cached_bytes == held  # reused, not one more per get
+    assert transport.trim_receive_buffers() == held and transport._bodies.cached_bytes == 0
+
+
 def test_stream_reader_refuses_what_no_peer_sends_before_buffering_it():
     with pytest.raises(MalformedMessageError, match="declares 0 frames"):
         protocol.StreamReader().feed(struct.pack("<I", 0))

@@ -41,7 +41,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from hashlib import sha256
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import msgpack
 import msgspec
@@ -511,6 +511,10 @@ def stream_prefix(frames: Sequence[Any]) -> bytes:
     return _COUNT.pack(len(sizes)) + struct.pack(f"<{len(sizes)}Q", *sizes)
 
 
+def _fresh_bytes(nbytes: int) -> np.ndarray:
+    return np.empty(nbytes, np.uint8)
+
+
 class StreamReader:
     """Cuts a byte stream into messages (lists of frames) as bytes arrive: pure, no I/O.
 
@@ -519,10 +523,12 @@ class StreamReader:
     (:meth:`body_left`, then :meth:`received`) - a 100 MiB reply costs one copy out of the kernel,
     not a growing buffer copied again as it grows. ``max_message_bytes`` bounds a message's frames
     together, checked from its prefix before anything is allocated (a server reading an
-    unauthenticated peer sets it; None: no bound)."""
+    unauthenticated peer sets it; None: no bound). ``alloc(nbytes)`` makes a body's buffer (a uint8
+    array; default: a fresh one - a transport passes its pool's)."""
 
-    def __init__(self, max_message_bytes: int | None = None) -> None:
+    def __init__(self, max_message_bytes: int | None = None, alloc: Callable[[int], np.ndarray] | None = None) -> None:
         self.max_message_bytes = max_message_bytes
+        self._alloc = alloc if alloc is not None else _fresh_bytes
         self._head = bytearray()  # bytes before the current message's frames (its prefix, the next messages')
         self._sizes: list[int] = []  # the current message's frame sizes, once its prefix arrived
         self._body: memoryview | None = None  # ... and the buffer its frames arrive in
@@ -591,7 +597,7 @@ class StreamReader:
             raise MessageTooLargeError(f"stream message of {total} bytes exceeds the limit of {self.max_message_bytes}")
         take = min(total, len(head) - prefix)
         # writable, as a received ZMQ frame is; not zeroed (a bytearray's memset cost a 16 MiB part 8 ms)
-        self._sizes, self._body = sizes, memoryview(np.empty(total, np.uint8))
+        self._sizes, self._body = sizes, memoryview(self._alloc(total))
         self._body[:take] = head[prefix : prefix + take]
         self._got = take
         del head[: prefix + take]

@@ -32,7 +32,7 @@ from .journal import Journal, JournalWriteError
 from .errors import CapacityError, InvalidRequestError, StorageUnitError, TQTimeoutError
 from .bufferpool import HostBufferPool
 from .rowcopy import copy_rows, write_chunks
-from .stream_transport import usable_cores
+from .stream_transport import trim_receive_buffers, usable_cores
 from .rpc import DEFERRED, Call, RpcChannel, RpcServer, ServerMustStop
 from .schema import JAGGED, TENSOR, FieldSchema
 
@@ -884,8 +884,9 @@ class StorageUnit(RpcServer):
 
     def op_trim(self, args: messages.Trim, buffers: list, call: Call) -> messages.TrimReply:
         """Release the pages of every free arena range to the OS, and the memory this process only
-        caches: idle buffers of past fetches (up to 256 MiB) and free heap pages."""
-        released = self.pool.cached_bytes
+        caches: idle buffers of past fetches (up to 256 MiB) and of received messages (up to
+        ``stream_transport.RECEIVE_POOL_BYTES``), and free heap pages."""
+        released = self.pool.cached_bytes + trim_receive_buffers()
         self.pool.clear()
         release_heap()
         self.trim_epoch += 1

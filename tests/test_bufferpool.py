@@ -8,6 +8,8 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -148,3 +150,37 @@ def test_a_buffer_collected_while_its_thread_is_inside_the_pool_does_not_deadloc
     only queues the buffer; the next use of the pool takes it back."""
     out = subprocess.run([sys.executable, "-c", _COLLECTED_INSIDE_THE_POOL], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and out.stdout.strip() == "collected", out.stderr[-2000:]
+
+
+def test_a_child_forked_while_another_thread_is_inside_a_pool_can_use_it():
+    """The receive pool is shared by a process's threads (a big TCP get's lanes): a child forked while
+    one of them held the pool's lock used to wait for it forever at its first big allocation."""
+    pool = HostBufferPool()
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with pool._lock:  # as a thread inside empty() at the moment of the fork
+            inside.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    inside.wait(5)
+    pid = os.fork()
+    if pid == 0:  # the child: one allocation through the pool, then out
+        try:
+            ok = pool.empty(POOL_GRANULE).size == POOL_GRANULE
+        finally:
+            os._exit(0 if ok else 1)
+    leave.set()
+    t.join()
+    for _ in range(100):  # at most 10 s
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child waited on its pool's lock")
+    assert os.waitstatus_to_exitcode(status) == 0

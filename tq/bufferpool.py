@@ -21,6 +21,17 @@ import numpy as np
 from .arena import populate_writable
 
 POOL_GRANULE = 2 << 20  # huge-page size: buffers are rounded up to it and reused by size class
+_pools: "weakref.WeakSet[HostBufferPool]" = weakref.WeakSet()
+
+
+def _unlock_pools_in_child() -> None:
+    """A child forked while another thread of its parent was inside a pool (a TCP get's lane receiving
+    a reply) would wait for that lock forever: the child's pools get fresh locks."""
+    for pool in list(_pools):
+        pool._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_unlock_pools_in_child)
 
 
 def huge_page_mapping(nbytes: int, *, populate: bool = False) -> mmap.mmap:
@@ -50,6 +61,7 @@ class HostBufferPool:
         # Buffers whose last array was collected, not yet back in ``_free``. The finalizer only queues
         # them: it runs wherever the collector runs, also on a thread inside ``empty`` with the lock held.
         self._released: queue.SimpleQueue[tuple[mmap.mmap, int]] = queue.SimpleQueue()
+        _pools.add(self)
 
     @property
     def cached_bytes(self) -> int:

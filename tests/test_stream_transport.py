@@ -205,6 +205,30 @@ def test_hostile_bytes_on_a_stream_socket_close_that_connection_only(server, kin
         assert client.stats()["rejected_messages"] == before + 3
 
 
+@pytest.mark.parametrize("kind", ["local_address", "stream_address"])
+def test_a_declared_but_unsent_message_costs_the_server_no_memory(server, kind):
+    """A peer may declare a message as big as the server takes and send none of it: the server's
+    buffer for it (a pooled receive buffer) is only reserved, its pages not allocated until bytes
+    come - its memory stays put, and it serves everyone as before."""
+    import psutil
+
+    address = _hello(server.address)[kind]
+    proc = psutil.Process(server.proc.pid)
+    before = proc.memory_info().rss
+    socks = []
+    for _ in range(2):
+        s = _raw_connect(address)
+        s.sendall(struct.pack("<I4Q", 4, *[60 * MiB] * 4))  # 240 MiB to come (the controller takes 256 MiB)
+        s.sendall(b"\x00" * 100)  # a little of it
+        socks.append(s)
+    with TQClient(server.address) as client:
+        client.register_partition("declared", reuse=True)  # served meanwhile
+        grown = proc.memory_info().rss - before
+        assert grown < 64 * MiB, f"the controller grew {grown / MiB:.0f} MiB for messages never sent"
+    for s in socks:
+        s.close()
+
+
 def test_a_peer_that_never_reads_its_replies_does_not_stall_the_controller(server):
     """Requests whose replies pile up unread (more than the socket buffer holds) are queued by the
     controller, which goes on serving other clients; the replies all arrive once the peer reads."""

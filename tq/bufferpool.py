@@ -50,10 +50,14 @@ def huge_page_mapping(nbytes: int, *, populate: bool = False) -> mmap.mmap:
 class HostBufferPool:
     """Hands out uint8 numpy arrays backed by reusable anonymous mappings (see module docstring)."""
 
-    def __init__(self, max_cached_bytes: int | None = None, min_pooled_bytes: int = 1 << 20) -> None:
+    def __init__(self, max_cached_bytes: int | None = None, min_pooled_bytes: int = 1 << 20, *, populate: bool = True) -> None:
+        """``populate``: a new buffer's pages are allocated at once (a get's result, every byte of which
+        is written at once); without it, as they are first written (a received message, whose sender
+        declares its size before it sends a byte of it - and may never send them)."""
         env = os.environ.get("TQ_BUFFER_POOL_BYTES")
         self.max_cached_bytes = max_cached_bytes if max_cached_bytes is not None else int(env) if env else 2 << 30
         self.min_pooled_bytes = min_pooled_bytes
+        self.populate = populate
         self._free: list[tuple[int, int, mmap.mmap]] = []  # (size, seq, mapping), sorted by size
         self._cached = 0
         self._seq = itertools.count()
@@ -84,7 +88,7 @@ class HostBufferPool:
                 self._cached -= size
         if mm is None:  # every byte of a get's buffer is written: populating it costs nothing extra and
             # saves a fault per page (a cold 512 MiB get on a 32-core host: 345 ms, 120 ms warm)
-            mm = huge_page_mapping(size, populate=True)
+            mm = huge_page_mapping(size, populate=self.populate)
         arr = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
         weakref.finalize(arr, self._release, mm, size)
         return arr

@@ -64,7 +64,8 @@ def usable_cores() -> int:
 # (a 512 MiB TCP put read 0.4-3.2 GB/s by that). Its idle buffers are capped per process; a unit's
 # ``trim`` gives them back.
 RECEIVE_POOL_BYTES = 1 << 30
-_bodies = HostBufferPool(max_cached_bytes=RECEIVE_POOL_BYTES)
+# not populated: a peer declares a message's size before its bytes (a hostile one may never send them)
+_bodies = HostBufferPool(max_cached_bytes=RECEIVE_POOL_BYTES, populate=False)
 
 
 def trim_receive_buffers() -> int:

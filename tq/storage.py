@@ -47,10 +47,10 @@ MAX_EXPIRED_REPORT = 4096  # tentative blocks reported per heartbeat reply
 # An allocation answered this long after its (same-host) writer's deadline is refused.
 ALLOC_CLOCK_SLACK_S = 0.5
 FETCH_ADOPT_WAIT_S = 2.0  # a fetch of a committed block waits this long for the controller's adopt
-# A big fetch's rows are gathered, and a big store's bytes sent as frames written into the arena, on up
-# to this many threads (the copier's own, started and joined per call; only copies of
-# rowcopy.SHARE_BYTES or more per thread are split): its replies are written beside each other already
-# (stream_transport.PARALLEL_FLUSH_BYTES), and the copy was left on one thread.
+# A unit's big copies - a fetch's rows gathered for its reply, a TCP store's frames written into the
+# arena - run on up to this many threads (the copier's own, started and joined per call; only copies
+# of rowcopy.SHARE_BYTES or more per thread are split): 4, or half the unit's cores (one on 2 vCPUs,
+# where client, unit and their threads share the cores).
 COPY_THREADS = max(1, min(4, usable_cores() // 2))
 # Fetches of up to this many rows are located and gathered row by row: for a handful of rows a dozen
 # vectorised numpy calls cost more than the loop (a 1-row fetch took ~0.4 ms of handler on the 2-vCPU VM).

@@ -110,8 +110,11 @@ def tree_env(root: str) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=os.pathsep.join([root, *rest]))
 
 
-def add_tree_args(p: argparse.ArgumentParser) -> None:
-    """``--a`` / ``--b`` (the two source trees) and their labels."""
+def add_ab_args(p: argparse.ArgumentParser, name: str, rounds: int) -> None:
+    """What every two-tree A/B takes: ``--a`` / ``--b`` (the two source trees) and their labels,
+    ``--rounds`` (default ``rounds``), ``--name`` (default ``name``) and the output options."""
+    from benchmarks.outputs import add_output_args
+
     p.add_argument(
         "--a",
         required=True,
@@ -121,6 +124,9 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--b", required=True, metavar="DIR", help="tree B (the change)")
     p.add_argument("--label-a", default="old", help="tree A's name in the table (default: old)")
     p.add_argument("--label-b", default="new", help="tree B's name in the table (default: new)")
+    p.add_argument("--rounds", type=int, default=rounds, help=f"rounds; the tree that goes first alternates (default {rounds})")
+    p.add_argument("--name", default=name, help=f"the run's name, and of its published files (default: {name})")
+    add_output_args(p, "<name>")
 
 
 def check_trees(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict[str, str]:
@@ -132,6 +138,18 @@ def check_trees(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict[str, 
         if not os.path.isfile(os.path.join(d, "tq", "__init__.py")):
             p.error(f"{d} is not a source tree of this project (no tq/__init__.py)")
     return {a.label_a: a.a, a.label_b: a.b}
+
+
+def run_head(trees: dict[str, str]) -> dict[str, Any]:
+    """The head of a two-tree run's result: the machine, the code running the run, and each tree's
+    directory and commit (a `git archive` export names its own)."""
+    from benchmarks.outputs import code_version, cpu_model
+
+    return {
+        "machine": f"{platform.node()} - {len(os.sched_getaffinity(0))} usable CPUs ({cpu_model()}), Python {platform.python_version()}",
+        "code": code_version(),
+        "trees": {label: {"dir": os.path.abspath(d), **code_version(d)} for label, d in trees.items()},
+    }
 
 
 class Tree:
@@ -210,15 +228,10 @@ def paired_round(trees: dict[str, str], iters: int, chunk: int, first: str) -> d
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from benchmarks.outputs import add_output_args
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_tree_args(p)
+    add_ab_args(p, "ab_trees", rounds=4)
     p.add_argument("--control-iters", type=int, default=2000, help="timed calls per op, tree and round")
     p.add_argument("--chunk", type=int, default=100, help="timed calls of one tree before the other's turn")
-    p.add_argument("--rounds", type=int, default=4, help="rounds; the tree whose calls come first alternates")
-    p.add_argument("--name", default="ab_trees", help="the run's name, and of its published files (default: ab_trees)")
-    add_output_args(p, "<name>")
     return p
 
 
@@ -226,14 +239,13 @@ def main() -> None:
     if sys.argv[1:] == ["--worker"]:
         worker()
         return
-    from benchmarks.outputs import code_version, cpu_model, open_run
+    from benchmarks.outputs import open_run
 
     p = build_parser()
     a = p.parse_args()
     if a.control_iters < 100 or a.chunk < 1 or a.rounds < 1:
         p.error("--control-iters must be >= 100 (a p99 needs them), --chunk and --rounds >= 1")
     trees = check_trees(p, a)
-    versions = {label: code_version(d) for label, d in trees.items()}
     out = open_run(a.name, a.run_dir)
     tables: dict[str, list[dict[str, dict[str, float]]]] = {label: [] for label in trees}
     for r in range(a.rounds):
@@ -245,11 +257,8 @@ def main() -> None:
         print(f"round {r + 1}/{a.rounds}: worst p99 " + ", ".join(f"{k} {v:.3f} ms" for k, v in worst.items()), flush=True)
     rows, total = paired_rows(tables, a.label_a, a.label_b)
     worst_op = max(v["p99_ratio"] for v in rows.values())
-    machine = f"{platform.node()} - {len(os.sched_getaffinity(0))} usable CPUs ({cpu_model()}), Python {platform.python_version()}"
     res = {
-        "machine": machine,
-        "code": code_version(),
-        "trees": {label: {"dir": os.path.abspath(d), **versions[label]} for label, d in trees.items()},
+        **run_head(trees),
         "control_iters": a.control_iters,
         "chunk": a.chunk,
         "rounds": a.rounds,
@@ -261,8 +270,8 @@ def main() -> None:
     }
     la, lb = a.label_a, a.label_b
     lines = [
-        f"# Control-op latency, two source trees: {la} ({versions[la]['commit']}) vs {lb} ({versions[lb]['commit']})\n",
-        f"Machine: {machine}. tq_throughput's control table; {a.rounds} rounds x {a.control_iters} calls per op and "
+        f"# Control-op latency, two source trees: {la} ({res['trees'][la]['commit']}) vs {lb} ({res['trees'][lb]['commit']})\n",
+        f"Machine: {res['machine']}. tq_throughput's control table; {a.rounds} rounds x {a.control_iters} calls per op and "
         f"tree, each tree's client and one-unit service in processes of their own, both up at once, calls "
         f"alternating between the trees in chunks of {a.chunk} (A-B-B-A); medians over rounds.\n",
         *paired_table(rows, total, la, lb),

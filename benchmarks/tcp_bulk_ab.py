@@ -24,7 +24,6 @@ import argparse
 import concurrent.futures
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -132,18 +131,14 @@ def summarize(rounds: dict[str, list[dict[str, list[float]]]], a: str, b: str) -
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from benchmarks.ab_trees import add_tree_args
-    from benchmarks.outputs import add_output_args
+    from benchmarks.ab_trees import add_ab_args
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.tcp_bulk_ab", description=__doc__.split("\n\n")[0])
-    add_tree_args(p)
+    add_ab_args(p, "tcp_bulk_ab", rounds=3)
     p.add_argument("--sizes", default="16,64,256", help="batch sizes in MiB, comma-separated (default: 16,64,256)")
     p.add_argument("--op", choices=("get", "put"), default="get", help="what the TCP clients time (default: get)")
     p.add_argument("--iters", type=int, default=5, help="timed gets (puts) per size, tree and round (default 5)")
     p.add_argument("--readers", type=int, default=1, help="TCP clients reading (putting) at once (default 1)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds; the tree that goes first alternates (default 3)")
-    p.add_argument("--name", default="tcp_bulk_ab", help="the run's name, and of its published files (default: tcp_bulk_ab)")
-    add_output_args(p, "tcp_bulk_ab")
     return p
 
 
@@ -152,8 +147,8 @@ def main() -> None:
         sizes, iters, readers = [int(x) for x in sys.argv[2].split(",")], int(sys.argv[3]), int(sys.argv[4])
         print(_MARK + json.dumps(worker(sizes, iters, readers, sys.argv[5])), flush=True)
         return
-    from benchmarks.ab_trees import check_trees
-    from benchmarks.outputs import code_version, cpu_model, open_run
+    from benchmarks.ab_trees import check_trees, run_head
+    from benchmarks.outputs import open_run
 
     p = build_parser()
     a = p.parse_args()
@@ -164,7 +159,6 @@ def main() -> None:
     if not sizes or min(sizes) < MiB or a.iters < 1 or a.readers < 1 or a.rounds < 1:
         p.error("--sizes >= 1 MiB each, --iters, --readers and --rounds >= 1")
     trees = check_trees(p, a)
-    versions = {label: code_version(d) for label, d in trees.items()}
     out = open_run(a.name, a.run_dir)
     rounds: dict[str, list[dict[str, list[float]]]] = {label: [] for label in trees}
     for r in range(a.rounds):
@@ -181,11 +175,8 @@ def main() -> None:
         )
     la, lb = a.label_a, a.label_b
     rows = summarize(rounds, la, lb)
-    machine = f"{platform.node()} - {len(os.sched_getaffinity(0))} usable CPUs ({cpu_model()}), Python {platform.python_version()}"
     res = {
-        "machine": machine,
-        "code": code_version(),
-        "trees": {label: {"dir": os.path.abspath(d), **versions[label]} for label, d in trees.items()},
+        **run_head(trees),
         "iters": a.iters,
         "op": a.op,
         "readers": a.readers,
@@ -194,8 +185,8 @@ def main() -> None:
         "per_round": rounds,
     }
     lines = [
-        f"# Bulk TCP {a.op}, two source trees: {la} ({versions[la]['commit']}) vs {lb} ({versions[lb]['commit']})\n",
-        f"Machine: {machine}. Each tree's client and one-unit service in processes of their own, over the "
+        f"# Bulk TCP {a.op}, two source trees: {la} ({res['trees'][la]['commit']}) vs {lb} ({res['trees'][lb]['commit']})\n",
+        f"Machine: {res['machine']}. Each tree's client and one-unit service in processes of their own, over the "
         f"unit's TCP stream socket on loopback; {a.readers} client(s) at once, {a.iters} timed {a.op}s per size "
         f"after one untimed; GB/s (aggregate), the median over {a.rounds} rounds of each round's median.\n",
         f"| batch | {la} GB/s | {lb} GB/s | {lb} / {la} |",

@@ -69,8 +69,10 @@ from typing import Any, Callable
 import numpy as np
 
 from benchmarks.outputs import code_version, machine_tag
-from benchmarks.tq_soak import WRITE_BACK, RowMaker, _pct, compare_rows, digest, rows_of, start_processes
-from tq.client import DEFAULT_LEASE_S
+from benchmarks.tq_soak import JAGGED, WRITE_BACK, RowMaker, _pct, compare_rows, digest, rows_of, start_processes
+from tq.client import DEFAULT_LEASE_S, _fetch_lanes_of
+from tq.protocol import TCP_FETCH_BYTES
+from tq.schema import DTYPES
 from tq.storage import DEFAULT_ALLOC_LEASE_S, DEFAULT_COMMIT_LEASE_S
 
 MiB = 1 << 20
@@ -86,7 +88,7 @@ MAX_BORROWED = 4  # per client
 BIG_P = 0.05  # of puts: a big batch (see the module docstring)
 BIG_KEYS = 4
 BIG_TOKENS = (550_000, 650_000)  # per key: its int64 "ids" alone are over 16 MiB for the batch
-TOKEN_BYTES = {"ids": 8, "lp": 4, "bf": 2, "mask": 1, "plp": 4}  # the jagged fields' (tq_soak's JAGGED, WRITE_BACK)
+TOKEN_BYTES = {f: DTYPES[d][0] for f, d in {**JAGGED, "plp": "float32"}.items()}  # the jagged fields' (plp: a write-back)
 # tq.controller restarts a crashed unit at most 3 times within 60 s, then gives up on it and removes its
 # arena (crash-loop protection): the driver never kills one unit more often than that (with a margin).
 UNIT_KILLS_PER_WINDOW, UNIT_KILL_WINDOW_S = 3, 63.0
@@ -312,15 +314,11 @@ class ChaosClient(RowMaker):
         """Count a TCP get of a big batch over more than one fetch request's bytes, by the lanes this
         client cuts it into: its token rows as one unit's (a put lands on one unit unless none has room
         for it; the batch's few other bytes do not change the cut)."""
-        from tq.client import _fetch_lanes_of
-        from tq.protocol import TCP_FETCH_BYTES, TCP_FETCH_STREAMS
-        from tq.stream_transport import usable_cores
-
         if not h.big or self.client.transport != "tcp":
             return
         rows = [h.lengths[i] * TOKEN_BYTES[f] for f in fields if f in TOKEN_BYTES for i in idx]
         if sum(rows) > TCP_FETCH_BYTES:
-            self.big_gets[len(_fetch_lanes_of(np.asarray(rows, np.int64), min(TCP_FETCH_STREAMS, usable_cores() // 2)))] += 1
+            self.big_gets[len(_fetch_lanes_of(np.asarray(rows, np.int64)))] += 1
 
     def _recheck_borrowed(self, everything: bool = False) -> None:
         """Views held long enough (or all of them) are checked against what they showed, then let go."""

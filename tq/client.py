@@ -15,7 +15,6 @@ trust what it read.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import functools
 import itertools
 import os
@@ -265,11 +264,14 @@ def _fetch_parts(nbytes: np.ndarray, limit: int = protocol.TCP_FETCH_BYTES) -> l
     return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def _fetch_lanes_of(nbytes: np.ndarray, most: int) -> list[list[slice]]:
+def _fetch_lanes_of(nbytes: np.ndarray, most: int | None = None) -> list[list[slice]]:
     """The rows of a TCP fetch from one unit cut into lanes - runs of whole rows, each read over its own
     stream on its own thread - and each lane's rows into its requests (:func:`_fetch_parts`). A fetch
     of more than one request's bytes gets up to ``most`` lanes of at least ``TCP_LANE_BYTES``; a
-    smaller one, one lane."""
+    smaller one, one lane. ``most`` defaults to this process's: a lane is a core's copy - and on one
+    host another core's at the unit - so half its cores, at most ``TCP_FETCH_STREAMS``."""
+    if most is None:
+        most = min(protocol.TCP_FETCH_STREAMS, usable_cores() // 2)
     total = int(nbytes.sum())
     if total <= protocol.TCP_FETCH_BYTES:  # one request (cutting it cost a 1-key get 12 us of numpy)
         return [[slice(0, nbytes.size)]]
@@ -1330,10 +1332,9 @@ class TQClient:
                 _place(out, fields, where, [view], np.zeros(where.shape[0], np.int64), rec[:, OFFSET], rec[:, NBYTES])
                 continue
             entries = np.stack([where[:, 0], rec[:, BLOCK], rec[:, ROW]], axis=1)
-            # a lane is a core's copy - and on one host another core's at the unit: half the cores
-            lanes = _fetch_lanes_of(rec[:, NBYTES], min(protocol.TCP_FETCH_STREAMS, usable_cores() // 2))
-            first, *others = [[(where[p], entries[p]) for p in lane] for lane in lanes]
-            budget = time_left()  # the get's: a pool thread holds none of its own
+            first, *others = [[(where[p], entries[p]) for p in lane] for lane in _fetch_lanes_of(rec[:, NBYTES])]
+            budget = time_left()  # the get's (every get runs in one): a pool thread holds none of its own
+            assert budget is not None
             pending += [(unit, _fetch_threads().submit(self._read_lane, unit, fields, lane, budget).result) for lane in others]
             pending.append((unit, self._send_lane(unit, fields, first)))
         # every lane's replies before any is placed: a lane still running when another failed writes
@@ -1367,11 +1368,11 @@ class TQClient:
         return lambda: [(where, *chan.recv(rid, "fetch", check=check)) for where, rid in sent]
 
     def _read_lane(
-        self, unit: int, fields: list[str], parts: list[tuple[np.ndarray, np.ndarray]], budget: float | None
+        self, unit: int, fields: list[str], parts: list[tuple[np.ndarray, np.ndarray]], budget: float
     ) -> list[tuple[np.ndarray, Any, protocol.ReplyMessage]]:
         """A lane on a pool thread: :meth:`_send_lane` and its replies, within ``budget`` (seconds left
         of the get's time budget, which is per thread)."""
-        with time_budget(budget) if budget is not None else contextlib.nullcontext():
+        with time_budget(budget):
             return self._send_lane(unit, fields, parts)()
 
     def _arena_view(self, unit: int, offsets: np.ndarray, nbytes: np.ndarray, row: Callable[[int], tuple[str, str]]) -> np.ndarray:

@@ -543,6 +543,115 @@ def test_big_replies_to_several_streams_are_written_side_by_side(monkeypatch):
         loop.join(5)
 
 
+def test_big_messages_from_several_streams_are_read_side_by_side(monkeypatch):
+    """Requests with a MiB or more still to come on several connections at once have their rest
+    received each on its own thread, the loop's thread waiting for all (a TCP read's kernel copy was
+    a unit's one thread's work for every writer) - every request arrives whole; a connection cut in
+    the middle of its message ends alone, and the server keeps serving."""
+    import hashlib
+
+    import tq.stream_transport as lt
+    from tq import messages
+    from tq.rpc import RpcServer
+
+    monkeypatch.setattr(lt, "PARALLEL_FLUSH_THREADS", 4)
+    readers: set[int] = set()
+    real_read_body = lt.StreamPeer.read_body
+
+    def probe(self: lt.StreamPeer):  # the real read, noting the thread it ran on
+        readers.add(threading.get_ident())
+        return real_read_body(self)
+
+    monkeypatch.setattr(lt.StreamPeer, "read_body", probe)
+    payloads = [np.random.default_rng(i).integers(0, 255, 24 * MiB, dtype=np.uint8) for i in range(4)]
+    server = RpcServer("wide-in", "tcp://127.0.0.1:0", secret=None, max_message_bytes=64 * MiB)
+    server.listen_streams()
+
+    def digest(args, buffers, call):  # what arrived, as the server read it
+        return {}, [np.frombuffer(hashlib.sha256(buffers[0] if buffers else b"").digest(), np.uint8)]
+
+    server.serve_ops({"ping": messages.Ping}, {"ping": digest})
+    loop = threading.Thread(target=server.serve_forever, daemon=True)
+    loop.start()
+    streams = [ClientStream(server.local.address, 10.0) for _ in range(4)]
+    try:
+        cut = ClientStream(server.local.address, 10.0)  # half a big message, then gone
+        wire = protocol.request("ping", 99, {}, [payloads[0]], None)
+        cut.sock.settimeout(10.0)
+        cut.sock.sendall(b"".join(bytes(v) for v in lt._wire(wire))[: 12 * MiB])
+        got: dict[int, list] = {}
+
+        def ask(i: int, c: ClientStream) -> None:  # a send blocks until the server has read it all
+            c.send(protocol.request("ping", i, {}, [payloads[i]], None), 30.0)
+            got[i] = [protocol.decode_reply(c.recv(30.0), None)]
+
+        askers = [threading.Thread(target=ask, args=(i, c)) for i, c in enumerate(streams)]
+        for t in askers:
+            t.start()
+        time.sleep(0.2)
+        cut.close()
+        for t in askers:
+            t.join(60)
+        for i in range(4):
+            (m,) = got[i]
+            assert m.rid == i and bytes(m.buffers[0]) == hashlib.sha256(payloads[i]).digest()
+        assert loop.ident in readers and len(readers) >= 2, readers
+        streams[0].send(protocol.request("ping", 7, {}, [], None), 5.0)  # still serving
+        assert protocol.decode_reply(streams[0].recv(5.0), None).rid == 7
+    finally:
+        for c in streams:
+            c.close()
+        server.stop()
+        loop.join(5)
+
+
+def test_a_big_tcp_put_is_sent_in_lanes_over_several_streams_at_once(server, monkeypatch):
+    """A remote put of more than one request's bytes (16 MiB) to a unit is sent in lanes of 8 MiB or
+    more - each a block of its own, over its own connection on its own thread - and made visible by
+    one commit: every row reads back whole and in key order."""
+    monkeypatch.setattr(tq.client, "usable_cores", lambda: 16)  # lanes take half the client's cores: 8 here
+    base = _tcp_streams(server)
+    rows = torch.arange(40 * (MiB // 8), dtype=torch.float64).reshape(40, -1)  # 40 rows of 1 MiB: 5 lanes
+    with TQClient(server.address) as reader, TQClient(server.address, transport="tcp", timeout=30.0) as remote:
+        remote.register_partition("lt-put-lanes", reuse=True)
+        stores = reader.stats()["unit_stats"][0]["ops"].get("store", {}).get("count", 0)
+        keys = unique_keys(40)
+        meta = remote.put("lt-put-lanes", keys, {"x": rows})
+        assert reader.stats()["unit_stats"][0]["ops"]["store"]["count"] - stores == 5  # a block per lane
+        assert _tcp_streams(server)[1] - base[1] == 5  # each over its own connection
+        assert torch.equal(reader.get(meta)["x"], rows)
+        assert torch.equal(reader.get(reader.get_meta("lt-put-lanes", keys[::-1]), ["x"])["x"], rows.flip(0))
+        reader.discard(meta)
+
+
+@pytest.mark.parametrize("failing", [0, 3], ids=["first-lane", "a-later-lane"])
+def test_a_big_tcp_put_whose_lane_fails_gives_the_others_back_and_makes_nothing_visible(server, monkeypatch, failing):
+    """One lane of a big TCP put failing (here the first, sent on the calling thread, or one on a pool
+    thread) fails the put with that lane's error once every lane ended: the lanes stored are given
+    back - their unit frees them - and none of the put's keys exists."""
+    from tq.errors import TQConnectionError
+
+    monkeypatch.setattr(tq.client, "usable_cores", lambda: 16)
+    rows = torch.arange(40 * (MiB // 8), dtype=torch.float64).reshape(40, -1)  # 5 lanes of 8 rows
+    real_store = TQClient._store
+
+    def store(self, unit, encoded, start, stop):  # lane ``failing`` is lost on its way
+        if start == 8 * failing:
+            raise TQConnectionError("the lane's connection was lost")
+        return real_store(self, unit, encoded, start, stop)
+
+    monkeypatch.setattr(TQClient, "_store", store)
+    with TQClient(server.address) as reader, TQClient(server.address, transport="tcp", timeout=30.0) as remote:
+        reader.register_partition("lt-put-fails", reuse=True)
+        used = reader.stats()["unit_stats"][0]["bytes_used"]
+        stores = reader.stats()["unit_stats"][0]["ops"].get("store", {}).get("count", 0)
+        with pytest.raises(TQConnectionError, match="lane's connection"):
+            remote.put("lt-put-fails", unique_keys(40), {"x": rows})
+        assert reader.stats()["unit_stats"][0]["ops"]["store"]["count"] - stores == 4  # the others were stored
+        assert reader.list_partitions() and next(p for p in reader.list_partitions() if p["partition"] == "lt-put-fails")["keys"] == 0
+        assert wait_until(lambda: reader.stats()["unit_stats"][0]["bytes_used"] == used, timeout=10)  # and freed
+
+
 def test_a_big_tcp_get_reads_its_parts_over_several_streams_at_once(server, monkeypatch):
     """A remote get of more than one request's bytes from a unit (16 MiB) is read in lanes of 8 MiB or
     more, each over its own connection on its own thread (one thread's copy out of its socket was most

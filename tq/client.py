@@ -240,16 +240,16 @@ class _Fetched:
 _Planned = tuple[_Fetched, FieldLayout, int, int, "tuple[int, ...] | None"]
 
 
-def _fetch_threads() -> concurrent.futures.ThreadPoolExecutor:
-    """The threads that read a big TCP fetch's other lanes, each over its own stream to the unit (a
-    stream is one thread's): one thread's kernel copy out of its socket was most of such a get. One
-    pool per process: a child forked after a get inherits a pool whose threads it does not have."""
-    return _fetch_threads_of(os.getpid())
+def _lane_threads() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that carry a big TCP get's or put's other lanes, each over its own stream to the unit
+    (a stream is one thread's): one thread's kernel copy into or out of its socket was most of such a
+    transfer. One pool per process: a child forked after a get inherits a pool whose threads it does not have."""
+    return _lane_threads_of(os.getpid())
 
 
 @functools.cache
-def _fetch_threads_of(pid: int) -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(protocol.TCP_FETCH_STREAMS - 1, thread_name_prefix="tq-fetch")
+def _lane_threads_of(pid: int) -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(protocol.TCP_FETCH_STREAMS - 1, thread_name_prefix="tq-lane")
 
 
 def _fetch_parts(nbytes: np.ndarray, limit: int = protocol.TCP_FETCH_BYTES) -> list[slice]:
@@ -264,24 +264,27 @@ def _fetch_parts(nbytes: np.ndarray, limit: int = protocol.TCP_FETCH_BYTES) -> l
     return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def _fetch_lanes_of(nbytes: np.ndarray, most: int | None = None) -> list[list[slice]]:
-    """The rows of a TCP fetch from one unit cut into lanes - runs of whole rows, each read over its own
-    stream on its own thread - and each lane's rows into its requests (:func:`_fetch_parts`). A fetch
-    of more than one request's bytes gets up to ``most`` lanes of at least ``TCP_LANE_BYTES``; a
-    smaller one, one lane. ``most`` defaults to this process's: a lane is a core's copy - and on one
-    host another core's at the unit - so half its cores, at most ``TCP_FETCH_STREAMS``."""
+def _lanes_of(nbytes: np.ndarray, most: int | None = None) -> list[slice]:
+    """Rows of a TCP transfer with one unit (``nbytes`` each, in order) cut into lanes - runs of whole
+    rows, each moved over its own stream on its own thread. A transfer of more than one request's bytes
+    (``TCP_FETCH_BYTES``) gets up to ``most`` lanes of at least ``TCP_LANE_BYTES``; a smaller one, one
+    lane. ``most`` defaults to this process's: a lane is a core's copy - and on one host another core's
+    at the unit - so half its cores, at most ``TCP_FETCH_STREAMS``."""
     if most is None:
         most = min(protocol.TCP_FETCH_STREAMS, usable_cores() // 2)
     total = int(nbytes.sum())
-    if total <= protocol.TCP_FETCH_BYTES:  # one request (cutting it cost a 1-key get 12 us of numpy)
-        return [[slice(0, nbytes.size)]]
-    lanes = min(most, total // protocol.TCP_LANE_BYTES)
+    lanes = min(most, total // protocol.TCP_LANE_BYTES) if total > protocol.TCP_FETCH_BYTES else 1
     if lanes <= 1:
-        return [_fetch_parts(nbytes)]
-    return [
-        [slice(lane.start + p.start, lane.start + p.stop) for p in _fetch_parts(nbytes[lane])]
-        for lane in _fetch_parts(nbytes, -(-total // lanes))
-    ]
+        return [slice(0, nbytes.size)]
+    return _fetch_parts(nbytes, -(-total // lanes))
+
+
+def _fetch_lanes_of(nbytes: np.ndarray, most: int | None = None) -> list[list[slice]]:
+    """The rows of a TCP fetch from one unit cut into lanes (:func:`_lanes_of`), and each lane's rows
+    into its requests (:func:`_fetch_parts`)."""
+    if int(nbytes.sum()) <= protocol.TCP_FETCH_BYTES:  # one request (cutting it cost a 1-key get 12 us of numpy)
+        return [[slice(0, nbytes.size)]]
+    return [[slice(lane.start + p.start, lane.start + p.stop) for p in _fetch_parts(nbytes[lane])] for lane in _lanes_of(nbytes, most)]
 
 
 def _place(
@@ -936,7 +939,7 @@ class TQClient:
         need = self._stored_bytes(encoded, 0, n)
         try:
             unit = self._pick_unit(need)
-            return [self._put_here(unit, encoded, n, need) if self._is_local(unit) else self._store(unit, encoded, 0, n)]
+            return [self._put_here(unit, encoded, n, need)] if self._is_local(unit) else self._store_lanes(unit, encoded, n)
         except CapacityError as exc:
             if not getattr(exc, "retryable", True) and len(self._units) < 2:
                 raise
@@ -951,6 +954,40 @@ class TQClient:
             self._abort_parts(parts)
             raise
         return parts
+
+    def _store_lanes(self, unit: int, encoded: dict[str, EncodedColumn], n: int) -> list[_StoredPart]:
+        """All rows on ``unit``, a unit of another host: one block, or - a put of more than one
+        request's bytes - a block per lane (:func:`_lanes_of`), each sent over its own stream on its own
+        thread, as a big get's lanes are read. Every lane is awaited; if one failed, those stored are
+        given back and its error raised."""
+        lanes = _lanes_of(sum(np.diff(c.row_offsets) for c in encoded.values()))
+        if len(lanes) == 1:
+            return [self._store(unit, encoded, 0, n)]
+        budget = time_left()  # the put's (every put runs in one): a pool thread holds none of its own
+        assert budget is not None
+        others = [_lane_threads().submit(self._store_lane, unit, encoded, lane, budget) for lane in lanes[1:]]
+        outcomes: list[_StoredPart | BaseException] = []
+        try:
+            outcomes.append(self._store(unit, encoded, lanes[0].start, lanes[0].stop))
+        except BaseException as exc:  # noqa: B036 - the other lanes are awaited (and given back) first
+            outcomes.append(exc)
+        for lane in others:
+            try:
+                outcomes.append(lane.result())
+            except BaseException as exc:  # noqa: B036
+                outcomes.append(exc)
+        parts = [p for p in outcomes if isinstance(p, _StoredPart)]
+        failed = next((e for e in outcomes if not isinstance(e, _StoredPart)), None)
+        if failed is not None:
+            self._abort_parts(parts)
+            raise failed
+        return parts
+
+    def _store_lane(self, unit: int, encoded: dict[str, EncodedColumn], lane: slice, budget: float) -> _StoredPart:
+        """A put's lane on a pool thread: :meth:`_store` of its rows within ``budget`` (seconds left of
+        the put's time budget, which is per thread)."""
+        with time_budget(budget):
+            return self._store(unit, encoded, lane.start, lane.stop)
 
     def _put_here(self, unit: int, encoded: dict[str, EncodedColumn], n: int, need: int) -> _StoredPart:
         """Write all rows into a block carved out of this client's slab on ``unit`` (a unit of this
@@ -1335,7 +1372,7 @@ class TQClient:
             first, *others = [[(where[p], entries[p]) for p in lane] for lane in _fetch_lanes_of(rec[:, NBYTES])]
             budget = time_left()  # the get's (every get runs in one): a pool thread holds none of its own
             assert budget is not None
-            pending += [(unit, _fetch_threads().submit(self._read_lane, unit, fields, lane, budget).result) for lane in others]
+            pending += [(unit, _lane_threads().submit(self._read_lane, unit, fields, lane, budget).result) for lane in others]
             pending.append((unit, self._send_lane(unit, fields, first)))
         # every lane's replies before any is placed: a lane still running when another failed writes
         # into nothing of this get's (it receives into its own messages, and ends by its timeout)

@@ -267,7 +267,8 @@ class RpcServer:
         self.tcp: stream_transport.StreamListener | None = None
         self.listeners: tuple[stream_transport.StreamListener, ...] = ()  # those of the two there are
         self._beside: list[stream_transport.StreamPeer] = []  # see flush_beside
-        self._flush_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._reading: list[stream_transport.StreamPeer] = []  # see read_beside
+        self._beside_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def listen_streams(self, token: str | None = None, tcp_port: int = 0, exact_port: bool = False) -> None:
         """Also serve clients over stream sockets (:mod:`tq.stream_transport`: a round trip without ZMQ's
@@ -310,29 +311,53 @@ class RpcServer:
 
     def flush_beside(self, peer: stream_transport.StreamPeer) -> bool:
         """Write ``peer`` at the end of this turn (:class:`tq.stream_transport.PollLoop`)."""
-        if self._flush_pool is None:
-            if stream_transport.PARALLEL_FLUSH_THREADS < 2:
-                return False
-            self._flush_pool = concurrent.futures.ThreadPoolExecutor(
-                stream_transport.PARALLEL_FLUSH_THREADS - 1, thread_name_prefix=f"{self.name}-flush"
-            )
+        if not self._beside_threads():
+            return False
         self._beside.append(peer)
         return True
 
+    def read_beside(self, peer: stream_transport.StreamPeer) -> bool:
+        """Read ``peer``'s big message at the end of this turn (:class:`tq.stream_transport.PollLoop`)."""
+        if not self._beside_threads():
+            return False
+        self._reading.append(peer)
+        return True
+
+    def _beside_threads(self) -> bool:
+        """Whether this loop has threads to write and read beside it (made on first use)."""
+        if self._beside_pool is None:
+            if stream_transport.PARALLEL_FLUSH_THREADS < 2:
+                return False
+            self._beside_pool = concurrent.futures.ThreadPoolExecutor(
+                stream_transport.PARALLEL_FLUSH_THREADS - 1, thread_name_prefix=f"{self.name}-beside"
+            )
+        return True
+
+    def _side_by_side(self, peers: list[stream_transport.StreamPeer], work: Callable[[stream_transport.StreamPeer], Any]) -> list[Any]:
+        """``work(peer)`` for every peer, each on a thread (this one does the first), waiting for all:
+        the loop's state is touched on this thread only, before and after."""
+        assert self._beside_pool is not None
+        futures = [self._beside_pool.submit(work, p) for p in peers[1:]]
+        return [work(peers[0]), *(f.result() for f in futures)]
+
     def _flush_beside(self) -> None:
-        """Write the connections ``flush_beside`` was given, each on a thread (this one writes the
-        first), and wait for all: the loop's state is touched on this thread only, before and after."""
+        """Write the connections ``flush_beside`` was given side by side."""
         listed, self._beside = self._beside, []
         for p in listed:  # each is listed once (StreamPeer.beside): two threads writing one socket would interleave it
             p.beside = False
         peers = [p for p in listed if not p.closed]
-        if not peers:
-            return
-        assert self._flush_pool is not None
-        futures = [self._flush_pool.submit(p.write_out) for p in peers[1:]]
-        outcomes = [peers[0].write_out(), *(f.result() for f in futures)]
-        for peer, exc in zip(peers, outcomes):
-            peer.written(exc)
+        if peers:
+            for peer, exc in zip(peers, self._side_by_side(peers, stream_transport.StreamPeer.write_out)):
+                peer.written(exc)
+
+    def _read_beside(self) -> None:
+        """Read the big messages of the connections ``read_beside`` was given side by side (each is
+        listed once: a connection lists itself from its one read of a turn), then serve what completed."""
+        listed, self._reading = self._reading, []
+        peers = [p for p in listed if not p.closed]
+        if peers:
+            for peer, (done, exc) in zip(peers, self._side_by_side(peers, stream_transport.StreamPeer.read_body)):
+                peer.body_read(done, exc)
 
     # -- hooks for subclasses
     def next_deadline(self) -> float | None:
@@ -425,6 +450,8 @@ class RpcServer:
         while self._running:
             if self._beside:  # what this loop's last turn left to write, written side by side
                 self._flush_beside()
+            if self._reading:  # and the big messages it began to receive, read side by side
+                self._read_beside()
             deadline = self.next_deadline()
             # whole milliseconds, rounded up: zmq's poll truncates, so a deadline under 1 ms away would
             # spin the loop (and a CPU) until it passed
@@ -457,8 +484,8 @@ class RpcServer:
             s.close(0)
         for listener in self.listeners:
             listener.close()
-        if self._flush_pool is not None:
-            self._flush_pool.shutdown(wait=True)
+        if self._beside_pool is not None:
+            self._beside_pool.shutdown(wait=True)
 
     def _on_refused_handshake(self) -> None:
         event = recv_monitor_message(self._monitor)["event"]

@@ -49,6 +49,9 @@ MAX_IOV = 512  # buffers per sendmsg (IOV_MAX is 1024 on Linux)
 # copy is most of a big fetch's cost, and one loop thread copying for every reader of a unit was the
 # bound on its reads (py-spy of a unit serving 64 MiB TCP gets: 70% in sendmsg).
 PARALLEL_FLUSH_BYTES = 1 << 20
+# ... and a message with this much still to come (a big TCP put's part) is read the same way: its rest
+# received on a thread of the loop beside the other connections' (see PollLoop.read_beside)
+PARALLEL_READ_BYTES = 1 << 20
 
 
 @functools.cache
@@ -280,6 +283,12 @@ class PollLoop(Protocol):
         much to write, each on its own thread, the loop waiting for all (:meth:`StreamPeer.write_out`,
         then :meth:`StreamPeer.written` on the loop's thread); False: write it now instead."""
 
+    def read_beside(self, peer: "StreamPeer") -> bool:
+        """Read the rest of ``peer``'s big message at the end of this turn of the loop, alongside the
+        other connections receiving one, each on its own thread, the loop waiting for all
+        (:meth:`StreamPeer.read_body`, then :meth:`StreamPeer.body_read` on the loop's thread); False:
+        read it now instead."""
+
 
 class StreamPeer:
     """One non-blocking connection driven by a server's poll loop: a client the server accepted (a
@@ -434,6 +443,9 @@ class StreamPeer:
         except (OSError, TQError) as exc:
             self._ended(exc)
             return
+        self._serve(messages)
+
+    def _serve(self, messages: list[list[memoryview]]) -> None:
         for frames in messages:
             if self.beside:  # what waits goes out before the next request is served: a fetch's
                 self._flush()  # parts, pipelined on one stream, stream while the next is gathered
@@ -452,13 +464,54 @@ class StreamPeer:
                 raise ConnectionResetError("closed by the peer")
             return self.reader.feed(self._check_preamble(memoryview(self.loop.read_buffer)[:n]))
         start = self.reader.pending
+        if self._read_later():
+            return []
         done = _receive(self.sock, self.reader, self.loop.read_buffer)
+        if not done and self._read_later():
+            return done
         while not done and self.reader.body_left(RECV_CHUNK) is not None and self.reader.pending - start < DRAIN_BYTES:
             try:
                 done = _receive(self.sock, self.reader, self.loop.read_buffer)
             except BlockingIOError:
                 break
         return done
+
+    def _read_later(self) -> bool:
+        """Whether the rest of a big message is left to the end of the loop's turn (``read_beside``),
+        to be received beside other connections' big messages, each on its own thread."""
+        return self.reader.body_left(PARALLEL_READ_BYTES) is not None and self.loop.read_beside(self)
+
+    def read_body(self) -> tuple[list[list[memoryview]], Exception | None]:
+        """Receive the current message's rest into its buffer - on any thread, while the loop's thread
+        waits for it (``read_beside``) - as much as has come, up to DRAIN_BYTES, never past the
+        message: the messages completed (none, or this one) and what stopped the read (None: the
+        message is whole, or the socket had nothing more for now). The loop's thread then hands the
+        outcome to :meth:`body_read`."""
+        start, done = self.reader.pending, []
+        try:
+            while not done and self.reader.pending - start < DRAIN_BYTES:
+                into = self.reader.body_left(1)
+                if into is None:
+                    break
+                n = self.sock.recv_into(into)
+                if n == 0:
+                    raise ConnectionResetError("closed by the peer")
+                done = self.reader.received(n)
+        except BlockingIOError:
+            pass
+        except (OSError, TQError) as exc:
+            return done, exc.with_traceback(None)
+        return done, None
+
+    def body_read(self, done: list[list[memoryview]], exc: Exception | None) -> None:
+        """After :meth:`read_body` (on the loop's thread): serve what it completed, or end the
+        connection it found broken."""
+        if self.closed:
+            return
+        if exc is not None:
+            self._ended(exc)
+            return
+        self._serve(done)
 
     def _check_preamble(self, data: memoryview) -> memoryview:
         """Take the preamble's bytes off the front of ``data`` (kept until it is whole); once whole and

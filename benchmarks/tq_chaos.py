@@ -20,7 +20,8 @@ Some puts (``BIG_P``; at most one such batch live per client) are big batches: `
 ``BIG_TOKENS`` tokens each, more than one fetch request's bytes (16 MiB) - so a TCP client's get of all
 of one is cut into several pipelined requests, and, on a host with the cores (a client's half: at least
 4), read in lanes over several connections that the unit writes on several threads. The report counts
-such gets (``big_tcp_gets``) and the lanes this host's clients cut them into.
+such gets (``big_tcp_gets``) and the lanes this host's clients cut them into; and a TCP client's put of
+one that is as big goes in lanes too, a block per lane made visible by one commit (``big_tcp_puts``).
 
 Client semantics: an op that raises is failed and unacknowledged, never a loss, but whatever it may
 have done must stay consistent: the keys of a put that raised must later be absent or read exactly its
@@ -70,7 +71,7 @@ import numpy as np
 
 from benchmarks.outputs import code_version, machine_tag
 from benchmarks.tq_soak import JAGGED, WRITE_BACK, RowMaker, _pct, compare_rows, digest, rows_of, start_processes
-from tq.client import DEFAULT_LEASE_S, _fetch_lanes_of
+from tq.client import DEFAULT_LEASE_S, _fetch_lanes_of, _lanes_of
 from tq.protocol import TCP_FETCH_BYTES
 from tq.schema import DTYPES
 from tq.storage import DEFAULT_ALLOC_LEASE_S, DEFAULT_COMMIT_LEASE_S
@@ -183,6 +184,7 @@ class ChaosClient(RowMaker):
         self.views_checked = 0  # rows of borrowed views checked again after being held
         self.ops_done = 0
         self.big_gets: collections.Counter = collections.Counter()  # gets of over one fetch request's bytes, by lanes
+        self.big_puts: collections.Counter = collections.Counter()  # acknowledged puts as big, by lanes
 
     # -- bookkeeping
     def note(self, text: str) -> None:
@@ -274,6 +276,8 @@ class ChaosClient(RowMaker):
             raise
         h.acked = set(h.sums)
         self.live.append(h)
+        if big and self.client.transport == "tcp":
+            self._count_big(self.big_puts, [[h.lengths[i] * TOKEN_BYTES[f] for f in names if f in TOKEN_BYTES] for i in range(n)], _lanes_of)
 
     def op_get(self) -> None:
         from tq.errors import FieldNotProducedError, KeyNotFoundError, TQError
@@ -303,22 +307,23 @@ class ChaosClient(RowMaker):
             self.note(f"WRONG BYTES (get): reading {fields} of {len(idx)} key(s) raised {type(exc).__name__}: {exc}")
             raise
         self._check(h, idx, got, layout, "get")
-        self._count_big(h, idx, fields)
+        if h.big and self.client.transport == "tcp":
+            self._count_big(self.big_gets, [[h.lengths[i] * TOKEN_BYTES[f]] for f in fields if f in TOKEN_BYTES for i in idx], _fetch_lanes_of)
         if borrow and got.viewed:  # hold the views over a few more ops (discards, faults): they must not change
             want = {f: [h.sums[f][i] for i in idx] for f in got.viewed}
             self.borrowed.append((got, want, [h.lengths[i] for i in idx], layout, self.ops_done + int(self.rng.integers(1, 8))))
         elif borrow:
             got.release()
 
-    def _count_big(self, h: Held, idx: list[int], fields: list[str]) -> None:
-        """Count a TCP get of a big batch over more than one fetch request's bytes, by the lanes this
-        client cuts it into: its token rows as one unit's (a put lands on one unit unless none has room
-        for it; the batch's few other bytes do not change the cut)."""
-        if not h.big or self.client.transport != "tcp":
-            return
-        rows = [h.lengths[i] * TOKEN_BYTES[f] for f in fields if f in TOKEN_BYTES for i in idx]
-        if sum(rows) > TCP_FETCH_BYTES:
-            self.big_gets[len(_fetch_lanes_of(np.asarray(rows, np.int64)))] += 1
+    @staticmethod
+    def _count_big(counter: collections.Counter, rows: list[list[int]], lanes_of: Callable[[np.ndarray], list]) -> None:
+        """Count a TCP transfer of a big batch over more than one fetch request's bytes, by the lanes this
+        client cuts it into (``lanes_of``): ``rows``, each row's token bytes per field, as one unit's
+        (a put lands on one unit unless none has room for it; the batch's few other bytes do not change
+        the cut)."""
+        nbytes = np.asarray([sum(r) for r in rows], np.int64)
+        if int(nbytes.sum()) > TCP_FETCH_BYTES:
+            counter[len(lanes_of(nbytes))] += 1
 
     def _recheck_borrowed(self, everything: bool = False) -> None:
         """Views held long enough (or all of them) are checked against what they showed, then let go."""
@@ -683,6 +688,7 @@ class ChaosClient(RowMaker):
             "verified": self.verified,
             "views_checked": self.views_checked,
             "big_gets": dict(self.big_gets),
+            "big_puts": dict(self.big_puts),
             "outcomes": dict(self.outcomes),
             "phantoms": len(self.phantoms),
             "resurrected": len(self.resurrected),
@@ -1368,6 +1374,7 @@ def _report(v: dict[str, Any]) -> dict[str, Any]:
     slow: list[dict[str, Any]] = []
     samples: dict[str, dict[str, str]] = {}
     big_gets: collections.Counter = collections.Counter()
+    big_puts: collections.Counter = collections.Counter()
     for r in reports:
         if "crashed" in r:
             totals["crashed"] += 1
@@ -1389,6 +1396,7 @@ def _report(v: dict[str, Any]) -> dict[str, Any]:
             totals[k] += int(r[k])
         totals["views_checked"] += int(r.get("views_checked", 0))
         big_gets.update({int(k): n for k, n in r.get("big_gets", {}).items()})
+        big_puts.update({int(k): n for k, n in r.get("big_puts", {}).items()})
         finals.append({"client": r["client"], "transport": r.get("transport"), **r["final"]})
         slow += [{"client": r["client"], **c} for c in r.get("slow", [])]
         notes += r["notes"]
@@ -1523,6 +1531,8 @@ def _report(v: dict[str, Any]) -> dict[str, Any]:
         "borrowed_view_rows_rechecked": totals["views_checked"],
         "big_tcp_gets": sum(big_gets.values()),
         "big_tcp_gets_by_lanes": {str(k): n for k, n in sorted(big_gets.items())},
+        "big_tcp_puts": sum(big_puts.values()),
+        "big_tcp_puts_by_lanes": {str(k): n for k, n in sorted(big_puts.items())},
         "failed_op_outcomes": dict(outcomes),
         "phantom_keys": totals["phantoms"],
         "resurrected_keys": totals["resurrected"],
@@ -1596,6 +1606,8 @@ def summary(r: dict[str, Any]) -> str:
         ),
         f"TCP gets of big batches (over one fetch request's 16 MiB): {r.get('big_tcp_gets', 0)}, by the lanes their "
         "clients cut them into: " + (", ".join(f"{k} lane(s) {n}" for k, n in r.get("big_tcp_gets_by_lanes", {}).items()) or "-"),
+        f"TCP puts of big batches acknowledged: {r.get('big_tcp_puts', 0)}, by their lanes: "
+        + (", ".join(f"{k} lane(s) {n}" for k, n in r.get("big_tcp_puts_by_lanes", {}).items()) or "-"),
         *drain_lines(r.get("drain_after_discard") or {}),
         "controller's ledger of unsettled blocks at the end: "
         + (

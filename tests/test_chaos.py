@@ -53,6 +53,7 @@ def test_short_chaos_loses_nothing_and_leaves_nothing(tmp_path, monkeypatch, sec
     assert report["total_calls"] > 500 and report["verified_rows"] > 1000, notes  # it did real work
     assert report["borrowed_view_rows_rechecked"] > 100, notes  # borrowed views held over later ops and faults
     assert report["big_tcp_gets"] >= 1, notes  # a TCP get past one fetch request's bytes (several parts), under faults
+    assert report["big_tcp_puts"] >= 1, notes  # and a TCP put as big (in lanes, on a host with the cores)
     assert report["clients_crashed"] == 0 and report["clients_missing"] == 0 and report["internal_errors"] == 0, notes
 
     # the hard invariants

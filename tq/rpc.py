@@ -55,6 +55,8 @@ Handler = Callable[[Any, list, "Call"], Any]  # (the op's typed args, buffer fra
 # not detect it first.
 _HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 _monitor_ids = itertools.count()
+# poll events as plain ints: pyzmq's flags are enums, and an enum operation costs a microsecond a turn
+_READABLE, _WRITABLE = int(zmq.POLLIN | zmq.POLLERR), int(zmq.POLLOUT)
 
 
 def _handshake_monitor(sock: zmq.Socket) -> zmq.Socket:
@@ -450,8 +452,6 @@ class RpcServer:
         while self._running:
             if self._beside:  # what this loop's last turn left to write, written side by side
                 self._flush_beside()
-            if self._reading:  # and the big messages it began to receive, read side by side
-                self._read_beside()
             deadline = self.next_deadline()
             # whole milliseconds, rounded up: zmq's poll truncates, so a deadline under 1 ms away would
             # spin the loop (and a CPU) until it passed
@@ -462,13 +462,15 @@ class RpcServer:
                 elif type(sock) is int:  # a file descriptor (watch_fd); None: unwatched earlier in this batch
                     handler = self._fd_handlers.get(sock)
                     if handler is not None:
-                        handler(bool(event & (zmq.POLLIN | zmq.POLLERR)), bool(event & zmq.POLLOUT))
+                        handler(bool(event & _READABLE), bool(event & _WRITABLE))
                 elif sock is self._monitor:
                     self._on_refused_handshake()
                 else:
                     on_message = self._extra_sockets.get(sock)
                     if on_message is not None:  # None: closed by a message earlier in this batch (a unit rejoined)
                         on_message(sock.recv_multipart())
+            if self._reading:  # the big messages this turn found coming in, read side by side now
+                self._read_beside()
             now = time.monotonic()
             for listener in self.listeners:
                 listener.on_tick(now)

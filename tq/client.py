@@ -939,7 +939,7 @@ class TQClient:
         need = self._stored_bytes(encoded, 0, n)
         try:
             unit = self._pick_unit(need)
-            return [self._put_here(unit, encoded, n, need)] if self._is_local(unit) else self._store_lanes(unit, encoded, n)
+            return [self._put_here(unit, encoded, n, need)] if self._is_local(unit) else self._store_lanes(unit, encoded, n, need)
         except CapacityError as exc:
             if not getattr(exc, "retryable", True) and len(self._units) < 2:
                 raise
@@ -955,12 +955,13 @@ class TQClient:
             raise
         return parts
 
-    def _store_lanes(self, unit: int, encoded: dict[str, EncodedColumn], n: int) -> list[_StoredPart]:
-        """All rows on ``unit``, a unit of another host: one block, or - a put of more than one
-        request's bytes - a block per lane (:func:`_lanes_of`), each sent over its own stream on its own
-        thread, as a big get's lanes are read. Every lane is awaited; if one failed, those stored are
-        given back and its error raised."""
-        lanes = _lanes_of(sum(np.diff(c.row_offsets) for c in encoded.values()))
+    def _store_lanes(self, unit: int, encoded: dict[str, EncodedColumn], n: int, need: int) -> list[_StoredPart]:
+        """All rows (``need`` bytes stored) on ``unit``, a unit of another host: one block, or - a put of
+        more than one request's bytes - a block per lane (:func:`_lanes_of`), each sent over its own
+        stream on its own thread, as a big get's lanes are read. Every lane is awaited; if one failed,
+        those stored are given back and its error raised."""
+        # a small put is one lane without cutting it (a 1-key put's numpy would be most of the cut's cost)
+        lanes = _lanes_of(sum(np.diff(c.row_offsets) for c in encoded.values())) if need > protocol.TCP_FETCH_BYTES else [slice(0, n)]
         if len(lanes) == 1:
             return [self._store(unit, encoded, 0, n)]
         budget = time_left()  # the put's (every put runs in one): a pool thread holds none of its own

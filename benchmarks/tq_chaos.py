@@ -277,7 +277,9 @@ class ChaosClient(RowMaker):
         h.acked = set(h.sums)
         self.live.append(h)
         if big and self.client.transport == "tcp":
-            self._count_big(self.big_puts, [[h.lengths[i] * TOKEN_BYTES[f] for f in names if f in TOKEN_BYTES] for i in range(n)], _lanes_of)
+            self._count_big(
+                self.big_puts, [[h.lengths[i] * TOKEN_BYTES[f] for f in names if f in TOKEN_BYTES] for i in range(n)], _lanes_of
+            )
 
     def op_get(self) -> None:
         from tq.errors import FieldNotProducedError, KeyNotFoundError, TQError
@@ -308,7 +310,9 @@ class ChaosClient(RowMaker):
             raise
         self._check(h, idx, got, layout, "get")
         if h.big and self.client.transport == "tcp":
-            self._count_big(self.big_gets, [[h.lengths[i] * TOKEN_BYTES[f]] for f in fields if f in TOKEN_BYTES for i in idx], _fetch_lanes_of)
+            self._count_big(
+                self.big_gets, [[h.lengths[i] * TOKEN_BYTES[f]] for f in fields if f in TOKEN_BYTES for i in idx], _fetch_lanes_of
+            )
         if borrow and got.viewed:  # hold the views over a few more ops (discards, faults): they must not change
             want = {f: [h.sums[f][i] for i in idx] for f in got.viewed}
             self.borrowed.append((got, want, [h.lengths[i] for i in idx], layout, self.ops_done + int(self.rng.integers(1, 8))))

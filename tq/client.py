@@ -828,14 +828,16 @@ class TQClient:
         """
         keys = list(keys)
         encoded = self._encode(keys, columns)
-        if sequence_lengths is None:
-            sequence_lengths = next((c.lengths.tolist() for c in encoded.values() if c.lengths is not None), None)
-        r = self._store_and_commit(partition_id, keys, encoded, "put", tags, sequence_lengths)
+        if sequence_lengths is None:  # ints already
+            seq = next((c.lengths.tolist() for c in encoded.values() if c.lengths is not None), None)
+        else:
+            seq = [int(s) for s in sequence_lengths]
+        r = self._store_and_commit(partition_id, keys, encoded, "put", tags, seq)
         return KVBatchMeta(
             partition_id,
             tuple(keys),
             tuple(columns),
-            tuple(int(s) for s in sequence_lengths) if sequence_lengths is not None else None,
+            tuple(seq) if seq is not None else None,
             {k: tuple(v) for k, v in (tags or {}).items()},
             slot_table=r.slot_table,
             slots=r.slots,
@@ -869,7 +871,7 @@ class TQClient:
         encoded: dict[str, EncodedColumn],
         mode: str,
         tags: Mapping[str, Sequence[Any]] | None,
-        sequence_lengths: Sequence[int] | None,
+        sequence_lengths: list[int] | None,
         overwrite: bool = False,
     ) -> messages.CommitReply:
         """Store the batch (on one unit, or split over several when none has room for all of it),
@@ -885,7 +887,7 @@ class TQClient:
         encoded: dict[str, EncodedColumn],
         mode: str,
         tags: Mapping[str, Sequence[Any]] | None,
-        sequence_lengths: Sequence[int] | None,
+        sequence_lengths: list[int] | None,
         overwrite: bool,
     ) -> messages.CommitReply:
         parts = self._store_parts(encoded, len(keys))
@@ -908,7 +910,7 @@ class TQClient:
             },
             overwrite=overwrite,
             tags={k: list(v) for k, v in tags.items()} if tags else None,
-            sequence_lengths=[int(s) for s in sequence_lengths] if sequence_lengths is not None else None,
+            sequence_lengths=sequence_lengths,
             slabs=slabs if len(slabs) == len(parts) else None,
         )
         probe_s = min(ABORT_PROBE_S, 0.25 * self.timeout)

@@ -652,6 +652,47 @@ def test_a_big_tcp_put_whose_lane_fails_gives_the_others_back_and_makes_nothing_
         assert wait_until(lambda: reader.stats()["unit_stats"][0]["bytes_used"] == used, timeout=10)  # and freed
 
 
+def test_refreshes_of_one_client_from_several_threads_leave_one_open_channel_per_unit(server, monkeypatch):
+    """A put's lanes each run on a thread, and each may find its unit moved and refresh the client's
+    units at once: the refreshes take turns, so a unit's channel is replaced once and every channel
+    replaced is closed (two at once left one of the new channels open, never closed)."""
+    from tq.messages import UNIT_REPLY_DECODERS
+    from tq.rpc import RpcChannel
+
+    made: list[RpcChannel] = []
+    closed: set[int] = set()
+    real_init, real_close = RpcChannel.__init__, RpcChannel.close
+
+    def init(self: RpcChannel, *args, **kw) -> None:
+        real_init(self, *args, **kw)
+        made.append(self)
+
+    def slow_close(self: RpcChannel) -> None:  # a close that takes a while, as a socket's linger may
+        closed.add(id(self))
+        time.sleep(0.05)
+        real_close(self)
+
+    with TQClient(server.address) as c:
+        monkeypatch.setattr(RpcChannel, "__init__", init)
+        monkeypatch.setattr(RpcChannel, "close", slow_close)
+        c._unit_chans[0] = RpcChannel("tcp://127.0.0.1:9", secret=None, timeout=1.0, name="gone", replies=UNIT_REPLY_DECODERS)
+        start = threading.Barrier(4)
+
+        def refresh() -> None:
+            start.wait()
+            c._refresh_units()
+
+        threads = [threading.Thread(target=refresh) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        current = c._unit_chans[0]
+        assert current.address == c._units[0].address
+        assert [ch for ch in made if ch is not current and id(ch) not in closed] == []  # none left open
+        assert c.stats()["unit_stats"][0]["unit_id"] == 0  # and the channel kept serves
+
+
 def test_a_big_tcp_get_reads_its_parts_over_several_streams_at_once(server, monkeypatch):
     """A remote get of more than one request's bytes from a unit (16 MiB) is read in lanes of 8 MiB or
     more, each over its own connection on its own thread (one thread's copy out of its socket was most

@@ -1128,6 +1128,52 @@ def test_a_big_remote_read_in_lanes_from_a_unit_that_dies_mid_call_ends_and_the_
         assert torch.equal(client.get(meta)["x"], rows)
 
 
+def test_a_big_remote_put_in_lanes_to_a_unit_that_dies_mid_call_ends_and_leaves_all_or_nothing(monkeypatch):
+    """A 40 MiB TCP put sent in 5 lanes (5 threads, 5 connections) to a unit stopped and then killed
+    while they wait: the put ends soon - it landed (sent again to the unit restarted at a new address:
+    its keys read its bytes) or it raised a TQError and none of its keys exists - instead of a lane
+    waiting out its timeout on the unit's old address; and the next put of the same rows lands whole."""
+    from tq.errors import TQError
+
+    monkeypatch.setattr(tq.client, "usable_cores", lambda: 16)  # lanes on any machine
+    rows = torch.arange(40 * (MiB // 8), dtype=torch.float64).reshape(40, -1)
+    with (
+        TQServer(storage_units=1, capacity=256 * MiB) as srv,
+        TQClient(srv.address, timeout=30.0, transport="tcp") as client,
+        TQClient(srv.address, timeout=30.0) as reader,
+    ):
+        client.register_partition("lt-put-dies")
+        warm = client.put("lt-put-dies", unique_keys(40), {"x": rows})  # the lanes' connections are open
+        client.discard(warm)
+        pid = client.stats()["unit_stats"][0]["pid"]
+        keys, got = unique_keys(40), {}
+
+        def write() -> None:
+            try:
+                got["meta"] = client.put("lt-put-dies", keys, {"x": rows})
+            except TQError as exc:
+                got["error"] = exc
+
+        os.kill(pid, signal.SIGSTOP)
+        writer = threading.Thread(target=write)
+        writer.start()
+        time.sleep(0.5)  # every lane's request on its way, its reply awaited
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        writer.join(60)
+        # within a third of its timeout: a lane whose channel another lane's refresh replaced sat out
+        # all of it (20 s of 20) before, waiting on the unit's old address
+        assert not writer.is_alive() and time.monotonic() - killed < 10, got
+        assert wait_until(lambda: reader.stats()["unit_stats"][0]["pid"] != pid, timeout=30)
+        listed = next(p for p in reader.list_partitions() if p["partition"] == "lt-put-dies")["keys"]
+        if "meta" in got:  # it landed: every row reads back
+            assert listed == 40 and torch.equal(reader.get(got["meta"])["x"], rows)
+        else:  # it failed: nothing of it is visible
+            assert listed == 0, got["error"]
+        again = client.put("lt-put-dies", unique_keys(40), {"x": rows})
+        assert torch.equal(reader.get(again)["x"], rows)
+
+
 @pytest.mark.parametrize("bind", ["0.0.0.0", "*"])
 def test_a_server_bound_to_every_interface_is_streamed_to_on_the_host_its_clients_reach_it_at(bind):
     """A server bound to every interface advertises its TCP stream at that wildcard, which names no

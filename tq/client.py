@@ -699,15 +699,18 @@ class TQClient:
     def _is_local(self, unit: int) -> bool:
         return unit in self._local_units
 
-    def _unit_check(self, unit: int) -> Any:
-        """A liveness check for long waits on ``unit``: raises StorageUnitError once the controller
-        reports it down, so a read or write does not sit out the whole timeout."""
+    def _unit_check(self, unit: int, chan: RpcChannel) -> Any:
+        """A liveness check for long waits on ``unit`` over ``chan``: raises StorageUnitError once the
+        controller reports it down, so a read or write does not sit out the whole timeout, and
+        _UnitRestarted once it serves at another address than ``chan``'s - the channel the call waits
+        on, not the client's current one, which another thread's refresh may have replaced already."""
 
         def check() -> None:
             st = self._call(Op.UNIT_STATUS, messages.UnitStatus(unit=unit), timeout=min(self.timeout, 5.0))
             if not st.alive:
-                raise StorageUnitError(f"storage unit {unit} at {st.address} is down (no answer for {st.down_for_s:.1f}s)")
-            if st.address != self._unit_chans[unit].address:
+                why = "its process ended" if st.down_for_s >= messages.UNIT_ENDED_S else f"no answer for {st.down_for_s:.1f}s"
+                raise StorageUnitError(f"storage unit {unit} at {st.address} is down ({why})")
+            if st.address != chan.address:
                 raise _UnitRestarted(unit)
 
         return check
@@ -1142,11 +1145,17 @@ class TQClient:
         """A write request to ``unit`` (waiting for room up to ``capacity_wait_s``), asked again at the
         unit's new address if it restarted while this one was pending."""
         timeout = self.timeout + self.capacity_wait_s
+        chan = self._unit_chans[unit]
         try:
-            return self._unit_chans[unit].call(op, args, buffers, timeout=timeout, check=self._unit_check(unit))[0]
-        except _UnitRestarted:
+            return chan.call(op, args, buffers, timeout=timeout, check=self._unit_check(unit, chan))[0]
+        except (_UnitRestarted, TQConnectionError) as exc:
+            # a connection error is a restart too when another thread's refresh (a put's other lane)
+            # replaced the channel this call waited on - and closed it under the call
+            if not isinstance(exc, _UnitRestarted) and self._unit_chans.get(unit) is chan:
+                raise
             self._refresh_units()
-            return self._unit_chans[unit].call(op, args, buffers, timeout=timeout, check=self._unit_check(unit))[0]
+            chan = self._unit_chans[unit]
+            return chan.call(op, args, buffers, timeout=timeout, check=self._unit_check(unit, chan))[0]
 
     def _abort_parts(self, parts: list[_StoredPart]) -> None:
         if parts:
@@ -1403,7 +1412,8 @@ class TQClient:
         """Ask ``unit`` for ``parts`` ((where, [field index, block, row] entries) each) over this thread's
         stream, every request before any reply is awaited (pipelined: the unit gathers one while the last
         streams); returns the call that receives their ``(where, reply, message)`` on this thread."""
-        chan, check = self._unit_chans[unit], self._unit_check(unit)
+        chan = self._unit_chans[unit]
+        check = self._unit_check(unit, chan)
         sent = []
         for where, entries in parts:
             bufs: list[Any] = []

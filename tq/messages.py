@@ -33,6 +33,7 @@ from .errors import InvalidRequestError, MalformedMessageError, TQError
 from .liveness import NAME_PATTERN
 
 BLOCK_ID_LIMIT = 1 << 40  # storage units number blocks from 1 and never get near this
+UNIT_ENDED_S = 1e9  # a unit's down_for_s once its process ended (its controller saw it exit)
 # a process's liveness file in a server's shared-memory directory (tq.liveness), which the server opens
 LivenessFile = Annotated[str, msgspec.Meta(pattern=f"^{NAME_PATTERN}$")]
 
@@ -444,7 +445,7 @@ class UnitStatus(Args):
 
 class UnitStatusReply(Reply):
     alive: bool
-    down_for_s: float  # 0 while alive
+    down_for_s: float  # 0 while alive; UNIT_ENDED_S once its controller saw its process end
     address: str
 
 

@@ -215,9 +215,10 @@ class UnitSupervision:
         self._send_to_unit(unit, messages.UnitOp.RETAIN, args, bufs)  # sets resync again if it could not go out
 
     def _unit_down_for(self, unit: int, now: float) -> float:
-        """Seconds since the unit last answered, if that is past ``UNIT_TIMEOUT_S``; else 0."""
+        """Seconds since the unit last answered, if that is past ``UNIT_TIMEOUT_S`` (``messages.UNIT_ENDED_S``
+        once its process ended); else 0."""
         age = now - self.unit_seen.get(unit, now)
-        return min(age, 1e9) if age > UNIT_TIMEOUT_S else 0.0
+        return min(age, messages.UNIT_ENDED_S) if age > UNIT_TIMEOUT_S else 0.0
 
     def _reap_children(self) -> None:
         """Storage units this controller started that died (e.g. SIGKILL): see :meth:`_unit_died`."""

@@ -598,3 +598,27 @@ def test_a_free_between_locate_and_copy_is_caught(tq_server, client, partition):
         assert raced
     finally:
         other.close()
+
+
+def test_slots_index_is_a_slice_exactly_when_the_slots_run_consecutively_upwards():
+    """A commit's or a discard's slots index the table as a slice only when they are consecutive and
+    ascending (then a slice reads and writes the same rows); any other order stays an index array."""
+    from tq.locations import slots_index
+    from tq.partition import put_at
+
+    for slots in ([5], [5, 6], [3, 4, 5, 6], list(range(100, 200))):
+        for form in (slots, np.array(slots, np.int64)):
+            assert slots_index(form) == slice(slots[0], slots[-1] + 1)
+    for slots in ([], [6, 5], [0, 2, 1, 3], [0, 5, 2], [4, 4, 5], [7, 9]):
+        for form in (slots, np.array(slots, np.int64)):
+            at = slots_index(form)
+            assert not isinstance(at, slice) and list(at) == slots
+    rng = np.random.default_rng(0)
+    for n in (1, 3, 64, 65, 300):  # put_at writes what a loop would, both ways round FEW_ROWS
+        for slots in (list(range(10, 10 + n)), rng.permutation(400)[:n].tolist()):
+            want, got = list(range(400)), list(range(400))
+            values = [f"v{i}" for i in range(n)]
+            for s, v in zip(slots, values):
+                want[s] = v
+            put_at(got, np.array(slots, np.int64), values)
+            assert got == want

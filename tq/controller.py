@@ -47,9 +47,9 @@ from .errors import (
 from .arena import host_identity
 from .journal import Journal
 from .leases import LeaseBook, leased_blocks, new_lease_id
-from .locations import FEW_ROWS, LocationTable, remove_orphans, take_records
+from .locations import FEW_ROWS, LocationTable, remove_orphans, slots_index, take_records
 from .messages import ControllerOp as Op
-from .partition import Partition, Waiter
+from .partition import Partition, Waiter, put_at
 from .pins import POLL_S as PIN_POLL_S, SUPPORTED as PINS_SUPPORTED, PinBoard
 from .recovery import COMPACT_AFTER, JournalRecovery  # noqa: F401 - COMPACT_AFTER: tq.controller's API
 from .supervision import UnitLedger, UnitSupervision
@@ -293,7 +293,8 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         """The location records that these slots hold, over all fields."""
         if not slots.size or not part.locs:
             return np.empty((0, LOC_COLUMNS), np.int64)
-        rows = np.concatenate([loc[slots] for loc in part.locs.values()])
+        at = slots_index(slots)
+        rows = np.concatenate([loc[at] for loc in part.locs.values()])
         return rows[rows[:, UNIT] >= 0]
 
     def _free_rows(self, part: Partition, rows: np.ndarray) -> None:
@@ -307,8 +308,16 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         rows = self.lease_book.hold(rows)  # rows of borrowed blocks wait for their leases to end
         if self._replaying:
             return
-        for unit in np.unique(rows[:, UNIT]).tolist():
-            self.ledgers[unit].frees.append(rows[rows[:, UNIT] == unit][:, [BLOCK, ROW]])
+        self._queue_frees(rows)
+
+    def _queue_frees(self, rows: np.ndarray) -> None:
+        """Queue these location records' (block, row) pairs for their units' next flush."""
+        units = rows[:, UNIT]
+        if units.size and (units == units[0]).all():  # the common case: all on one unit
+            self.ledgers[int(units[0])].frees.append(rows[:, [BLOCK, ROW]])
+            return
+        for unit in np.unique(units).tolist():
+            self.ledgers[unit].frees.append(rows[units == unit][:, [BLOCK, ROW]])
 
     # -- leases of borrowed gets (tq.leases)
     def _take_lease(
@@ -390,8 +399,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         rows = self.lease_book.release(ids)
         if self._replaying:
             return
-        for unit in np.unique(rows[:, UNIT]).tolist():
-            self.ledgers[unit].frees.append(rows[rows[:, UNIT] == unit][:, [BLOCK, ROW]])
+        self._queue_frees(rows)
 
     def op_borrow(self, args: messages.Borrow, buffers: list, call: Call) -> messages.BorrowReply:
         """Lease the blocks a same-host reader located in the shared table itself - only if it read this
@@ -633,11 +641,13 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
 
         # Validate everything before changing any state: a bad commit must leave the partition as it was.
         if mode == "put":
-            known_slots = [part.index.get(k) for k in keys]
-            for k, s in zip(keys, known_slots):
-                if s is not None and any(loc[s, UNIT] >= 0 for loc in part.locs.values()):
-                    raise DuplicateKeyError(f"key {k!r} already holds data in partition {part.pid!r}")
-            new = [k for k, s in zip(keys, known_slots) if s is None]
+            known_slots = list(map(part.index.get, keys))
+            new = keys  # all of them, unless some were minted before
+            if known_slots.count(None) != len(keys):
+                for k, s in zip(keys, known_slots):
+                    if s is not None and any(loc[s, UNIT] >= 0 for loc in part.locs.values()):
+                        raise DuplicateKeyError(f"key {k!r} already holds data in partition {part.pid!r}")
+                new = [k for k, s in zip(keys, known_slots) if s is None]
         else:
             part.slots_of(keys)  # raises on unknown keys
             new = []
@@ -674,12 +684,9 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         if released is not None:
             self._free_rows(part, released)
         for tname, values in tags.items():
-            column = part.tags.setdefault(tname, [None] * part.capacity)
-            for s, v in zip(slots.tolist(), values):
-                column[s] = v
+            put_at(part.tags.setdefault(tname, [None] * part.capacity), slots, values)
         if seq is not None:
-            for s, v in zip(slots.tolist(), seq):
-                part.seq_lens[s] = v
+            put_at(part.seq_lens, slots, seq)
         total = sum(_total(nb) for nb, _ in rows_of.values())
         self.bytes_committed += total
         self.recent.append((time.monotonic(), total))
@@ -890,11 +897,11 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         rows = self._held_rows(part, slots)
         for k in keys:
             del part.index[k]
-        for s in slots.tolist():
-            part.slot_keys[s] = None
+        put_at(part.slot_keys, slots, [None] * len(keys))
+        at = slots_index(slots)
         with part.table.writing():
             for loc in part.locs.values():
-                loc[slots] = -1
+                loc[at] = -1
         part.free_slots.extend(slots.tolist())
         self._free_rows(part, rows)
         return messages.DiscardReply(discarded=len(keys))
@@ -919,11 +926,9 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
     def op_set_tags(self, args: messages.SetTags, buffers: list, call: Call) -> messages.SetTagsReply:
         part = self._partition(args.partition)
         keys = args.keys
-        slots = part.slots_of(keys).tolist()
+        slots = part.slots_of(keys)
         for name, values in self._tags(args.tags, len(keys)).items():
-            column = part.tags.setdefault(name, [None] * part.capacity)
-            for s, v in zip(slots, values):
-                column[s] = v
+            put_at(part.tags.setdefault(name, [None] * part.capacity), slots, values)
         return messages.SetTagsReply(keys=len(keys))
 
     def op_shutdown(self, args: messages.Shutdown, buffers: list, call: Call) -> messages.Stopping:

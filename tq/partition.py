@@ -7,15 +7,26 @@ from __future__ import annotations
 import operator
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from .errors import KeyNotFoundError
-from .locations import LocationTable
+from .locations import FEW_ROWS, LocationTable, slots_index
 from .protocol import LOC_NBYTES as NBYTES
 from .rpc import Call
 from .schema import FieldSchema
+
+
+def put_at(dst: list[Any], slots: np.ndarray | list[int], values: Sequence[Any]) -> None:
+    """``dst[slots[i]] = values[i]`` for every ``i``: one slice assignment when the slots run
+    consecutively upwards (:func:`~tq.locations.slots_index`), else one at a time."""
+    at = slots_index(slots) if len(slots) > FEW_ROWS else slots  # a few: one at a time costs less than the check
+    if isinstance(at, slice):
+        dst[at] = values
+    else:
+        for s, v in zip(at.tolist() if isinstance(at, np.ndarray) else at, values):
+            dst[s] = v
 
 
 @dataclass
@@ -60,18 +71,16 @@ class Partition:
         self.table.grow(len(self.slot_keys) + len(keys) - reuse)  # first: it may fail (a full tmpfs)
         if reuse:  # a slot must never name two keys within one incarnation (see tq.locations)
             self.table.new_incarnation()
-        for k, s in zip(keys[:reuse], self.free_slots[-reuse:] if reuse else []):
-            self.index[k] = s
-            self.slot_keys[s] = k
-            self.seq_lens[s] = -1
-            for values in self.tags.values():
-                values[s] = None
-        if reuse:
+            slots, reused = self.free_slots[-reuse:], keys[:reuse]
             del self.free_slots[-reuse:]
+            self.index.update(zip(reused, slots))
+            put_at(self.slot_keys, slots, reused)
+            put_at(self.seq_lens, slots, [-1] * reuse)
+            for values in self.tags.values():
+                put_at(values, slots, [None] * reuse)
         keys = keys[reuse:]
         start = len(self.slot_keys)
-        for i, k in enumerate(keys):
-            self.index[k] = start + i
+        self.index.update(zip(keys, range(start, start + len(keys))))
         self.slot_keys.extend(keys)
         self.seq_lens.extend([-1] * len(keys))
         for values in self.tags.values():

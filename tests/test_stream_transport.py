@@ -693,6 +693,32 @@ def test_refreshes_of_one_client_from_several_threads_leave_one_open_channel_per
         assert c.stats()["unit_stats"][0]["unit_id"] == 0  # and the channel kept serves
 
 
+def test_waiting_for_another_threads_refresh_keeps_to_the_calls_time_budget(server):
+    """A thread that must refresh the client's units while another thread of the client is at it
+    waits for that one no longer than its own call's time: it fails with TQConnectionError then."""
+    from tq.errors import TQConnectionError
+    from tq.rpc import time_budget
+
+    with TQClient(server.address) as c:
+        held, done = threading.Event(), threading.Event()
+
+        def slow_refresh() -> None:  # another thread's refresh, taking its time (a controller parking hello)
+            with c._units_lock:
+                held.set()
+                done.wait(3.0)
+
+        other = threading.Thread(target=slow_refresh)
+        other.start()
+        assert held.wait(5.0)
+        t0 = time.monotonic()
+        with time_budget(0.3), pytest.raises(TQConnectionError, match="no time left"):
+            c._refresh_units()
+        assert time.monotonic() - t0 < 2.0  # not the other thread's 3 s
+        done.set()
+        other.join(5)
+        c._refresh_units()  # and once it is done, a refresh goes through
+
+
 def test_a_big_tcp_get_reads_its_parts_over_several_streams_at_once(server, monkeypatch):
     """A remote get of more than one request's bytes from a unit (16 MiB) is read in lanes of 8 MiB or
     more, each over its own connection on its own thread (one thread's copy out of its socket was most

@@ -665,28 +665,38 @@ class TQClient:
     def _refresh_units(self) -> None:
         # One refresh at a time: a put's lanes, each on its own thread, may all find their unit moved,
         # and two refreshes replacing one unit's channel at once would leave one of the new ones unclosed.
-        with self._units_lock:
-            # The controller parks hello until the expected units registered; ask it to answer (with the
-            # units it has) well before this client's own timeout fires.
-            info, _ = self._ctrl.call(Op.HELLO, messages.Hello(timeout=0.8 * self.timeout))
-            self._units = info.units
-            self._units_version = info.units_version
-            self._ctrl_host = info.host
-            self._ctrl_shm_dir = info.shm_dir
-            # A client of the controller's host talks to it over its Unix socket, others (and a 'tcp' client,
-            # one that acts as if it were remote) over its TCP stream socket: ZMQ where neither connects
-            here = self.transport == "auto" and info.host == self._host
-            self._ctrl.use_stream(info.local_address if here and info.local_address else info.stream_address)
-            # Units whose arena this client can map: known once per units version, not per put (a stat each).
-            self._local_units = frozenset(
-                u.unit_id
-                for u in info.units
-                if self.transport == "auto" and u.host == self._host and u.arena_path is not None and os.path.exists(u.arena_path)
-            )
-            connect_units(self._unit_chans, self._units, self._secret, self.timeout)
-            for u in info.units:  # a same-host unit's allocations (a put above a quarter slab), others' writes and reads
-                here = u.unit_id in self._local_units and u.local_address
-                self._unit_chans[u.unit_id].use_stream(u.local_address if here else u.stream_address)
+        # Waiting for another thread's refresh keeps to this thread's time budget.
+        left = time_left()
+        if not self._units_lock.acquire(timeout=-1 if left is None else max(left, 0.0)):
+            raise TQConnectionError("no time left to learn the storage units' addresses (another thread of this client was asking)")
+        try:
+            self._refresh_units_now()
+        finally:
+            self._units_lock.release()
+
+    def _refresh_units_now(self) -> None:
+        """The refresh itself (under ``_units_lock``)."""
+        # The controller parks hello until the expected units registered; ask it to answer (with the
+        # units it has) well before this client's own timeout fires.
+        info, _ = self._ctrl.call(Op.HELLO, messages.Hello(timeout=0.8 * self.timeout))
+        self._units = info.units
+        self._units_version = info.units_version
+        self._ctrl_host = info.host
+        self._ctrl_shm_dir = info.shm_dir
+        # A client of the controller's host talks to it over its Unix socket, others (and a 'tcp' client,
+        # one that acts as if it were remote) over its TCP stream socket: ZMQ where neither connects
+        here = self.transport == "auto" and info.host == self._host
+        self._ctrl.use_stream(info.local_address if here and info.local_address else info.stream_address)
+        # Units whose arena this client can map: known once per units version, not per put (a stat each).
+        self._local_units = frozenset(
+            u.unit_id
+            for u in info.units
+            if self.transport == "auto" and u.host == self._host and u.arena_path is not None and os.path.exists(u.arena_path)
+        )
+        connect_units(self._unit_chans, self._units, self._secret, self.timeout)
+        for u in info.units:  # a same-host unit's allocations (a put above a quarter slab), others' writes and reads
+            here = u.unit_id in self._local_units and u.local_address
+            self._unit_chans[u.unit_id].use_stream(u.local_address if here else u.stream_address)
 
     def _lease_holder(self) -> dict[str, Any]:
         """What tells the controller, when it runs on this host, that this process still runs (it

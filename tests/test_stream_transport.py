@@ -693,6 +693,33 @@ def test_refreshes_of_one_client_from_several_threads_leave_one_open_channel_per
         assert c.stats()["unit_stats"][0]["unit_id"] == 0  # and the channel kept serves
 
 
+def test_a_call_whose_unit_restarts_twice_under_it_fails_with_storage_unit_error(monkeypatch):
+    """A write (or a remote read) sent again at its unit's new address, whose unit then moves again
+    before it is served, fails with StorageUnitError (a TQError naming the unit) - not with the
+    client's private restart signal."""
+    from tq.client import _UnitRestarted
+
+    def always_moved(self, unit, chan):  # the controller reports the unit elsewhere at every check
+        def check() -> None:
+            raise _UnitRestarted(unit)
+
+        return check
+
+    with TQServer(storage_units=1, capacity=16 * MiB) as srv, TQClient(srv.address, timeout=10.0, transport="tcp") as client:
+        client.register_partition("lt-moves")
+        pid = client.stats()["unit_stats"][0]["pid"]
+        monkeypatch.setattr(TQClient, "_unit_check", always_moved)
+        meta = client.put("lt-moves", ["a"], {"x": torch.ones(1, 4)})
+        os.kill(pid, signal.SIGSTOP)  # the store (the fetch) waits, so its checks run
+        try:
+            with pytest.raises(StorageUnitError, match="restarted again"):
+                client.put("lt-moves", ["b"], {"x": torch.ones(1, 4)})
+            with pytest.raises(StorageUnitError, match="restarted again"):
+                client.get(meta)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+
 def test_waiting_for_another_threads_refresh_keeps_to_the_calls_time_budget(server):
     """A thread that must refresh the client's units while another thread of the client is at it
     waits for that one no longer than its own call's time: it fails with TQConnectionError then."""

@@ -1165,7 +1165,10 @@ class TQClient:
                 raise
             self._refresh_units()
             chan = self._unit_chans[unit]
-            return chan.call(op, args, buffers, timeout=timeout, check=self._unit_check(unit, chan))[0]
+            try:
+                return chan.call(op, args, buffers, timeout=timeout, check=self._unit_check(unit, chan))[0]
+            except _UnitRestarted:  # once more within one call: a unit that keeps restarting is down
+                raise StorageUnitError(f"storage unit {unit} restarted again while '{op}' waited on it") from None
 
     def _abort_parts(self, parts: list[_StoredPart]) -> None:
         if parts:
@@ -1724,7 +1727,10 @@ class TQClient:
                     attempt = self._fetch(meta, fields, wait_timeout, shm=tries_left > 0)
                 except _UnitRestarted:  # it recovered its data at a new address: ask again, once
                     self._refresh_units()
-                    attempt = self._fetch(meta, fields, None, shm=tries_left > 0)
+                    try:
+                        attempt = self._fetch(meta, fields, None, shm=tries_left > 0)
+                    except _UnitRestarted as again:  # a unit that keeps restarting is down
+                        raise StorageUnitError(f"storage unit {again.args[0]} restarted again while a get waited on it") from None
             fetched, intact = attempt
             raw, planned, jobs = self._plan_copy(fetched, fields, meta, layout, pad_to, pad_value)
             # The result tensors are made before the copy: a large copy evicts the caches, and

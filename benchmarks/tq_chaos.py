@@ -278,7 +278,7 @@ class ChaosClient(RowMaker):
         self.live.append(h)
         if big and self.client.transport == "tcp":
             self._count_big(
-                self.big_puts, [[h.lengths[i] * TOKEN_BYTES[f] for f in names if f in TOKEN_BYTES] for i in range(n)], _lanes_of
+                self.big_puts, [sum(h.lengths[i] * TOKEN_BYTES[f] for f in names if f in TOKEN_BYTES) for i in range(n)], _lanes_of
             )
 
     def op_get(self) -> None:
@@ -311,7 +311,7 @@ class ChaosClient(RowMaker):
         self._check(h, idx, got, layout, "get")
         if h.big and self.client.transport == "tcp":
             self._count_big(
-                self.big_gets, [[h.lengths[i] * TOKEN_BYTES[f]] for f in fields if f in TOKEN_BYTES for i in idx], _fetch_lanes_of
+                self.big_gets, [h.lengths[i] * TOKEN_BYTES[f] for f in fields if f in TOKEN_BYTES for i in idx], _fetch_lanes_of
             )
         if borrow and got.viewed:  # hold the views over a few more ops (discards, faults): they must not change
             want = {f: [h.sums[f][i] for i in idx] for f in got.viewed}
@@ -320,12 +320,12 @@ class ChaosClient(RowMaker):
             got.release()
 
     @staticmethod
-    def _count_big(counter: collections.Counter, rows: list[list[int]], lanes_of: Callable[[np.ndarray], list]) -> None:
+    def _count_big(counter: collections.Counter, rows: list[int], lanes_of: Callable[[np.ndarray], list]) -> None:
         """Count a TCP transfer of a big batch over more than one fetch request's bytes, by the lanes this
-        client cuts it into (``lanes_of``): ``rows``, each row's token bytes per field, as one unit's
-        (a put lands on one unit unless none has room for it; the batch's few other bytes do not change
-        the cut)."""
-        nbytes = np.asarray([sum(r) for r in rows], np.int64)
+        client cuts it into (``lanes_of``): ``rows``, the token bytes of each row as it is cut (a put's
+        key, a get's (field, key)), as one unit's (a put lands on one unit unless none has room for it;
+        the batch's few other bytes do not change the cut)."""
+        nbytes = np.asarray(rows, np.int64)
         if int(nbytes.sum()) > TCP_FETCH_BYTES:
             counter[len(lanes_of(nbytes))] += 1
 

@@ -604,7 +604,7 @@ def test_slots_index_is_a_slice_exactly_when_the_slots_run_consecutively_upwards
     """A commit's or a discard's slots index the table as a slice only when they are consecutive and
     ascending (then a slice reads and writes the same rows); any other order stays an index array."""
     from tq.locations import slots_index
-    from tq.partition import put_at
+    from tq.partition import put_at, rows_at
 
     for slots in ([5], [5, 6], [3, 4, 5, 6], list(range(100, 200))):
         for form in (slots, np.array(slots, np.int64)):
@@ -620,5 +620,5 @@ def test_slots_index_is_a_slice_exactly_when_the_slots_run_consecutively_upwards
             values = [f"v{i}" for i in range(n)]
             for s, v in zip(slots, values):
                 want[s] = v
-            put_at(got, np.array(slots, np.int64), values)
+            put_at(got, rows_at(np.array(slots, np.int64)), values)
             assert got == want

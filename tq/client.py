@@ -980,21 +980,17 @@ class TQClient:
         stream on its own thread, as a big get's lanes are read. Every lane is awaited; if one failed,
         those stored are given back and its error raised."""
         # a small put is one lane without cutting it (a 1-key put's numpy would be most of the cut's cost)
-        lanes = _lanes_of(sum(np.diff(c.row_offsets) for c in encoded.values())) if need > protocol.TCP_FETCH_BYTES else [slice(0, n)]
+        lanes = _lanes_of(self._row_bytes(encoded)) if need > protocol.TCP_FETCH_BYTES else [slice(0, n)]
         if len(lanes) == 1:
             return [self._store(unit, encoded, 0, n)]
         budget = time_left()  # the put's (every put runs in one): a pool thread holds none of its own
         assert budget is not None
         others = [_lane_threads().submit(self._store_lane, unit, encoded, lane, budget) for lane in lanes[1:]]
         outcomes: list[_StoredPart | BaseException] = []
-        try:
-            outcomes.append(self._store(unit, encoded, lanes[0].start, lanes[0].stop))
-        except BaseException as exc:  # the other lanes are awaited (and given back) first
-            outcomes.append(exc)
-        for lane in others:
+        for lane in [functools.partial(self._store, unit, encoded, lanes[0].start, lanes[0].stop), *(f.result for f in others)]:
             try:
-                outcomes.append(lane.result())
-            except BaseException as exc:
+                outcomes.append(lane())
+            except BaseException as exc:  # every lane is awaited (and the stored ones given back) first
                 outcomes.append(exc)
         parts = [p for p in outcomes if isinstance(p, _StoredPart)]
         failed = next((e for e in outcomes if not isinstance(e, _StoredPart)), None)
@@ -1178,6 +1174,11 @@ class TQClient:
                 pass
 
     @staticmethod
+    def _row_bytes(encoded: dict[str, EncodedColumn]) -> np.ndarray:
+        """Each row's payload bytes over every column (alignment left out)."""
+        return sum(np.diff(c.row_offsets) for c in encoded.values())  # type: ignore[return-value]
+
+    @staticmethod
     def _stored_bytes(encoded: dict[str, EncodedColumn], start: int, stop: int) -> int:
         """Arena bytes rows ``[start, stop)`` take (fields aligned as :meth:`_store` lays them out)."""
         pos = 0
@@ -1199,8 +1200,7 @@ class TQClient:
         """Row ranges ``(unit, start, stop)`` that fit the units' ``room``, the units with most room
         first (same-host ones before others at equal room); None if they cannot hold the rows."""
         units = sorted(room, key=lambda u: (-room[u], not self._is_local(u)))
-        row_bytes = sum(np.diff(c.row_offsets) for c in encoded.values())
-        cum = np.concatenate([[0], np.cumsum(row_bytes)])
+        cum = np.concatenate([[0], np.cumsum(self._row_bytes(encoded))])
         plan, start = [], 0
         for unit in units:
             if start == n:

@@ -49,7 +49,7 @@ from .journal import Journal
 from .leases import LeaseBook, leased_blocks, new_lease_id
 from .locations import FEW_ROWS, LocationTable, remove_orphans, slots_index, take_records
 from .messages import ControllerOp as Op
-from .partition import Partition, Waiter, put_at
+from .partition import Partition, Waiter, put_at, rows_at
 from .pins import POLL_S as PIN_POLL_S, SUPPORTED as PINS_SUPPORTED, PinBoard
 from .recovery import COMPACT_AFTER, JournalRecovery  # noqa: F401 - COMPACT_AFTER: tq.controller's API
 from .supervision import UnitLedger, UnitSupervision
@@ -683,10 +683,11 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
                 part.table.write_rows(name, slots, unit, block, rows, *rows_of[name], one_block=len(parts) == 1)
         if released is not None:
             self._free_rows(part, released)
+        at = rows_at(slots)
         for tname, values in tags.items():
-            put_at(part.tags.setdefault(tname, [None] * part.capacity), slots, values)
+            put_at(part.tags.setdefault(tname, [None] * part.capacity), at, values)
         if seq is not None:
-            put_at(part.seq_lens, slots, seq)
+            put_at(part.seq_lens, at, seq)
         total = sum(_total(nb) for nb, _ in rows_of.values())
         self.bytes_committed += total
         self.recent.append((time.monotonic(), total))
@@ -897,8 +898,8 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         rows = self._held_rows(part, slots)
         for k in keys:
             del part.index[k]
-        put_at(part.slot_keys, slots, [None] * len(keys))
         at = slots_index(slots)
+        put_at(part.slot_keys, at, [None] * len(keys))
         with part.table.writing():
             for loc in part.locs.values():
                 loc[at] = -1
@@ -926,9 +927,9 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
     def op_set_tags(self, args: messages.SetTags, buffers: list, call: Call) -> messages.SetTagsReply:
         part = self._partition(args.partition)
         keys = args.keys
-        slots = part.slots_of(keys)
+        at = rows_at(part.slots_of(keys))
         for name, values in self._tags(args.tags, len(keys)).items():
-            put_at(part.tags.setdefault(name, [None] * part.capacity), slots, values)
+            put_at(part.tags.setdefault(name, [None] * part.capacity), at, values)
         return messages.SetTagsReply(keys=len(keys))
 
     def op_shutdown(self, args: messages.Shutdown, buffers: list, call: Call) -> messages.Stopping:

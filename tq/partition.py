@@ -18,10 +18,16 @@ from .rpc import Call
 from .schema import FieldSchema
 
 
-def put_at(dst: list[Any], slots: np.ndarray | list[int], values: Sequence[Any]) -> None:
-    """``dst[slots[i]] = values[i]`` for every ``i``: one slice assignment when the slots run
-    consecutively upwards (:func:`~tq.locations.slots_index`), else one at a time."""
-    at = slots_index(slots) if len(slots) > FEW_ROWS else slots  # a few: one at a time costs less than the check
+def rows_at(slots: np.ndarray | list[int]) -> slice | np.ndarray | list[int]:
+    """How :func:`put_at` addresses these slots: a slice when there are many and they run
+    consecutively upwards (:func:`~tq.locations.slots_index`), else the slots themselves (for a few,
+    one at a time costs less than the check). Made once for every list set at the same slots."""
+    return slots_index(slots) if len(slots) > FEW_ROWS else slots
+
+
+def put_at(dst: list[Any], at: slice | np.ndarray | list[int], values: Sequence[Any]) -> None:
+    """``dst[s] = v`` for the slots ``at`` addresses (:func:`rows_at`) and their ``values``, in order:
+    one slice assignment, or one at a time."""
     if isinstance(at, slice):
         dst[at] = values
     else:
@@ -74,10 +80,11 @@ class Partition:
             slots, reused = self.free_slots[-reuse:], keys[:reuse]
             del self.free_slots[-reuse:]
             self.index.update(zip(reused, slots))
-            put_at(self.slot_keys, slots, reused)
-            put_at(self.seq_lens, slots, [-1] * reuse)
+            at = rows_at(slots)
+            put_at(self.slot_keys, at, reused)
+            put_at(self.seq_lens, at, [-1] * reuse)
             for values in self.tags.values():
-                put_at(values, slots, [None] * reuse)
+                put_at(values, at, [None] * reuse)
         keys = keys[reuse:]
         start = len(self.slot_keys)
         self.index.update(zip(keys, range(start, start + len(keys))))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -275,6 +276,22 @@ def pid_namespace_start() -> int | None:
             continue
         return start if probe.returncode == 0 and probe.stdout.strip() == str(start + 1) else None
     raise RuntimeError("starting python in a new pid namespace timed out twice (10 s, then 60 s)")
+
+
+def cannot_make_netns() -> str | None:
+    """Why network namespaces (the emulated hosts of the multi-node tests) cannot be made here, or None."""
+    if os.geteuid() != 0:
+        return "needs root for network namespaces"
+    if shutil.which("ip") is None or shutil.which("unshare") is None:
+        return "needs the ip and unshare commands"
+    # a name of this process's own: every xdist worker probes while it collects this module, and two
+    # probes of one name at once made one of them fail ("File exists") and skip the emulated-cluster test
+    name = f"tq-probe-{os.getpid()}"
+    r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"cannot create a network namespace: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return None
 
 
 def wait_until(pred, timeout: float = 5.0, interval: float = 0.02):

@@ -7,30 +7,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 
 import pytest
 
 from benchmarks import multinode
+from conftest import cannot_make_netns
 
 
-def _can_make_netns() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root for network namespaces"
-    if shutil.which("ip") is None or shutil.which("unshare") is None:
-        return "needs the ip and unshare commands"
-    # a name of this process's own: every xdist worker probes while it collects this module, and two
-    # probes of one name at once made one of them fail ("File exists") and skip the emulated-cluster test
-    name = f"tq-probe-{os.getpid()}"
-    r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
-    if r.returncode != 0:
-        return f"cannot create a network namespace: {r.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return None
-
-
-WHY = _can_make_netns()
+WHY = cannot_make_netns()
 
 
 def _left_behind(tag: str) -> list[str]:

@@ -1007,6 +1007,57 @@ def test_a_tcp_stream_socket_that_does_not_answer_is_left_alone_for_long(server,
         hung.close()
 
 
+def test_a_tcp_stream_whose_reply_never_came_is_not_used_again_and_a_unix_one_is():
+    """A request left unanswered over TCP may sit unacknowledged in its connection (a network
+    partition: TCP retransmits it with a doubling back-off, and later requests on that connection
+    wait behind it after the network heals - benchmarks/tq_partition.py): the call that gave up on
+    its reply drops the stream, and the next call connects again. A Unix socket loses nothing: a
+    same-host client keeps its stream."""
+    with TQServer(storage_units=1, capacity=16 * MiB) as srv:
+        with TQClient(srv.address, timeout=0.5, transport="tcp") as remote, TQClient(srv.address, timeout=0.5) as local:
+            for c in (remote, local):
+                c.list_partitions()
+            before = {c: c._ctrl._local.stream for c in (remote, local)}
+            assert before[remote].address.startswith("tcp://") and not before[local].address.startswith("tcp://")
+            os.kill(srv.proc.pid, signal.SIGSTOP)
+            try:
+                for c in (remote, local):
+                    with pytest.raises(TQConnectionError, match="no reply"):
+                        c.list_partitions()
+            finally:
+                os.kill(srv.proc.pid, signal.SIGCONT)
+            for c in (remote, local):
+                c.list_partitions()
+            assert remote._ctrl._local.stream is not before[remote] and remote._ctrl._local.stream is not None
+            assert local._ctrl._local.stream is before[local]
+
+
+def test_a_stream_connect_keeps_to_the_calls_time_left(server):
+    """A stream connect that cannot complete (a partitioned network, a hung listener) takes no more
+    than the call's time left - not the full connect time - and, cut short so, keeps the address off
+    for RETRY_S only, not for the UNREACHABLE_RETRY_S a full timeout earns."""
+    import tq.stream_transport as lt
+    from tq.rpc import time_budget
+
+    hung = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # listens, never accepts nor answers
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(64)
+    try:
+        with TQClient(server.address, timeout=10.0, transport="tcp") as client:
+            chan = client._ctrl
+            chan.use_stream(tcp_address("127.0.0.1", hung.getsockname()[1], "1" * 32))
+            t0 = time.monotonic()
+            with time_budget(0.4):
+                try:
+                    client.list_partitions()
+                except TQConnectionError:  # the budget went on the connect: no time left for ZMQ
+                    pass
+            assert time.monotonic() - t0 < 0.4 + 0.5 < lt.TCP_CONNECT_S
+            assert chan.stream_refused[2] == lt.RETRY_S
+    finally:
+        hung.close()
+
+
 def test_a_remote_client_of_a_controller_restarted_on_its_journal_goes_on_over_its_tcp_stream(tmp_path):
     """Killed and started again on its journal dir, the controller listens on the TCP stream port it
     had. A remote client's next call is not lost on the dead connection (a write to a TCP peer that

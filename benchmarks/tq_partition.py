@@ -1,0 +1,372 @@
+"""A network partition between two emulated hosts, and its healing: what TQ's clients see.
+
+Two network namespaces joined by veth pairs (``benchmarks.multinode.NetnsCluster``; no Ray): the
+controller and storage unit 0 on the head, storage unit 1 on a worker node. While the link is up:
+
+- a writer on the worker node puts one 64 KiB row after another (into its node's unit over shared
+  memory, each commit to the controller over TCP), logging every acknowledged key;
+- a reader on the head gets the last 16 of those rows over TCP and checks every byte;
+- another reader on the head gets rows of the head's own unit (written before the cut) and checks them.
+
+Then the worker node's switch port is blocked (its veth taken off the hub's bridge, still up: both
+sides keep their link up and every packet is dropped without a reset, as when a switch fails) for ``--cut-s`` seconds and brought back. The run ends
+``--after-s`` seconds later; a last check from the head reads every acknowledged key. Every call has
+the client's timeout (``--timeout``). Targets: no acknowledged write lost and no wrong byte read; no
+call longer than the timeout (+0.5 s); the head's own rows readable throughout; and, once the link is
+back, the writer and the reader of the worker's rows succeeding again within ``RECOVERY_BAR_S`` -
+not after TCP's retransmission back-off of a connection that held a request when the link went down
+(that back-off doubles from 0.2 s up to 2 minutes: 25 s after a 30 s partition, measured before the
+fix). Needs root and ``ip``/``unshare``; exits 2 where namespaces cannot be made.
+
+    python -m benchmarks.tq_partition                       # 30 s partition, 15 s after (~1 min)
+    python -m benchmarks.tq_partition --cut-s 120 --publish # also writes benchmarks/results/tq_partition_<machine>.*
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.multinode import NetnsCluster, SetupError, _killpg, _run, _wait_port
+from benchmarks.outputs import add_output_args, code_version, cpu_model, open_run
+
+REPO = Path(__file__).resolve().parent.parent
+TQ_PORT = 5555
+ROW_BYTES = 64 << 10
+READ_KEYS = 16  # rows of each get
+HOME_ROWS = 64  # rows of the head's unit, written before the cut
+PAUSE_S = 0.02  # between a worker's calls
+RECOVERY_BAR_S = 3.0  # the controller hears a unit within UNIT_TIMEOUT_S of it answering again, at most
+CALL_SLACK_S = 0.5
+CHECK_WAIT_S = 150.0  # the last check waits this long for a unit still reported down (TCP's back-off is at most 120 s)
+ROLES = ("writer", "reader", "home")
+
+
+def row_bytes(key: str) -> Any:
+    """The bytes of key ``key``'s row (a function of the key, so any process can check them)."""
+    import numpy as np
+    import torch
+
+    seed = int.from_bytes(key.encode(), "little") % (1 << 63)
+    return torch.from_numpy(np.random.default_rng(seed).integers(0, 255, size=(1, ROW_BYTES), dtype=np.uint8))
+
+
+# ------------------------------------------------------------------------ the processes on the nodes
+def worker(role: str, address: str, out: str, stop: str, timeout: float) -> None:
+    """One role's loop until ``stop`` exists, a JSON line per call to ``out``: ``writer`` puts rows
+    ``w<i>`` into partition "net"; ``reader`` gets the last READ_KEYS of them; ``home`` gets the rows
+    of partition "home" (written by :func:`write_home`)."""
+    import torch
+
+    from tq import TQClient
+
+    with open(out, "w") as f, TQClient(address, timeout=timeout) as c:
+        i = 0
+        while not os.path.exists(stop):
+            time.sleep(PAUSE_S)
+            rec: dict[str, Any] = {"t": time.time()}
+            try:
+                if role == "writer":
+                    rec["key"] = key = f"w{i}"
+                    i += 1  # a failed put's outcome is unknown: the next put takes a fresh key
+                    c.put("net", [key], {"x": row_bytes(key)})
+                else:
+                    part = "net" if role == "reader" else "home"
+                    keys = list(c.get_meta(part).keys)[-READ_KEYS:]
+                    if not keys:  # the writer's first row is not in yet
+                        continue
+                    meta = c.get_meta(part, keys)
+                    x = c.get(meta, ["x"])["x"]
+                    rec["bad"] = [k for j, k in enumerate(meta.keys) if not torch.equal(x[j : j + 1], row_bytes(k))]
+                rec["ok"] = True
+            except Exception as exc:  # noqa: BLE001 - what a call raised is the result
+                rec.update(ok=False, error=type(exc).__name__, message=str(exc)[:300])
+            rec["s"] = time.time() - rec["t"]
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+
+
+def write_home(address: str, timeout: float) -> None:
+    """Rows of partition "home" on the head's own unit (the writer runs on the head)."""
+    import torch
+
+    from tq import TQClient
+
+    with TQClient(address, timeout=timeout) as c:
+        c.register_partition("home")
+        c.register_partition("net")
+        keys = [f"h{i}" for i in range(HOME_ROWS)]
+        c.put("home", keys, {"x": torch.cat([row_bytes(k) for k in keys])})
+
+
+def check_acknowledged(address: str, writer_log: str, out: str, timeout: float) -> None:
+    """After the run, from the head: read every key the writer saw acknowledged and check its bytes."""
+    import torch
+
+    from tq import TQClient
+
+    from tq.errors import StorageUnitError
+
+    acked = [r["key"] for r in map(json.loads, Path(writer_log).read_text().splitlines()) if r["ok"]]
+    waited, t0 = None, time.monotonic()
+    with TQClient(address, timeout=timeout) as c:
+        meta = c.get_meta("net", acked)  # raises naming any acknowledged key that is missing
+        while True:
+            try:
+                x = c.get(meta, ["x"])["x"]
+                break
+            except StorageUnitError:  # still reported down: waited for (how long is reported)
+                if time.monotonic() - t0 > CHECK_WAIT_S:
+                    raise
+                waited = time.sleep(0.2) or time.monotonic() - t0
+        wrong = [k for j, k in enumerate(meta.keys) if not torch.equal(x[j : j + 1], row_bytes(k))]
+    Path(out).write_text(json.dumps({"acknowledged": len(acked), "read": len(meta.keys), "wrong": wrong, "waited_for_unit_s": waited}))
+
+
+# ------------------------------------------------------------------------ the run
+def run(cut_s: float, after_s: float, timeout: float, run_dir: Path, log: Any = print) -> dict[str, Any]:
+    """Set the two hosts up, run the three roles through a partition of ``cut_s`` seconds and
+    ``after_s`` after it, check every acknowledged key, tear everything down; returns the report."""
+    from tq import launch
+
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    cluster = NetnsCluster(2, None)
+    env = {"TQ_SECRET": secrets.token_hex(16), "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    shm_dir = f"/dev/shm/{cluster.tag}"
+    os.makedirs(shm_dir, exist_ok=True)
+    head, node = cluster.ips
+    address = f"tcp://{head}:{TQ_PORT}"
+    stop = run_dir / "stop"
+    report: dict[str, Any] = {"cut_s": cut_s, "after_s": after_s, "timeout_s": timeout, "ips": cluster.ips}
+    t0 = time.monotonic()
+    try:
+        cluster.up()
+        cluster.spawn(
+            0,
+            [sys.executable, "-m", "tq.controller", "--host", head, "--port", str(TQ_PORT), "--storage-units", "0"],
+            run_dir / "controller.log",
+            env,
+        )
+        _wait_port(cluster, 0, head, TQ_PORT, 60, "tq controller")
+        for uid, (n, ip) in enumerate(((0, head), (1, node))):
+            ready = run_dir / f"unit{uid}.ready"
+            cmd = launch.storage_unit_command(
+                unit_id=uid, bind=f"tcp://{ip}:0", controller=address, capacity=256 << 20, shm_dir=shm_dir, ready_file=str(ready)
+            )
+            cluster.spawn(n, cmd, run_dir / f"unit{uid}.log", env)
+            deadline = time.monotonic() + 60
+            while not ready.exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"storage unit {uid} did not register within 60 s (log: {run_dir / f'unit{uid}.log'})")
+                time.sleep(0.1)
+        me = [sys.executable, "-m", "benchmarks.tq_partition"]
+        if cluster.run(0, [*me, "_home", "--address", address, "--timeout", str(timeout)], run_dir / "home-write.log", 60, env) != 0:
+            raise RuntimeError(f"writing the head's rows failed (log: {run_dir / 'home-write.log'})")
+        procs = {}
+        for role, n in (("writer", 1), ("reader", 0), ("home", 0)):
+            cmd = [
+                *me,
+                "_worker",
+                role,
+                "--address",
+                address,
+                "--out",
+                str(run_dir / f"{role}.jsonl"),
+                "--stop",
+                str(stop),
+                "--timeout",
+                str(timeout),
+            ]
+            procs[role] = cluster.spawn(n, cmd, run_dir / f"{role}.log", env)
+        time.sleep(5.0)  # every role under way (the reader waits for the writer's first rows)
+        link = f"{cluster.tag}1b"  # the worker node's veth end in the hub
+        report["cut_at"] = time.time()
+        _run("ip", "-n", cluster.hub, "link", "set", link, "nomaster")  # off the bridge, still up
+        log(f"link of {node} cut for {cut_s:.0f} s")
+        time.sleep(cut_s)
+        _run("ip", "-n", cluster.hub, "link", "set", link, "master", "br0")
+        report["healed_at"] = time.time()
+        log(f"link back; running {after_s:.0f} s more")
+        time.sleep(after_s)
+        stop.write_text("1")
+        for role, p in procs.items():
+            try:
+                p.wait(timeout + 10)
+            except subprocess.TimeoutExpired:
+                _killpg(p, 9)
+                report.setdefault("hung", []).append(role)
+        check = run_dir / "check.json"
+        cmd = [*me, "_check", "--address", address, "--writer-log", str(run_dir / "writer.jsonl"), "--out", str(check), "--timeout", "30"]
+        if cluster.run(0, cmd, run_dir / "check.log", CHECK_WAIT_S + 60, env) != 0:
+            raise RuntimeError(f"the last check failed (log: {run_dir / 'check.log'})")
+        report["check"] = json.loads(check.read_text())
+        report["roles"] = {role: summarize(run_dir / f"{role}.jsonl", report["cut_at"], report["healed_at"]) for role in ROLES}
+    finally:
+        cluster.down()
+        shutil.rmtree(shm_dir, ignore_errors=True)
+        report["total_s"] = round(time.monotonic() - t0, 1)
+    left = [
+        ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split() if ns.startswith(cluster.tag)
+    ]
+    report["left_behind"] = left + ([shm_dir] if os.path.exists(shm_dir) else [])
+    return report
+
+
+def summarize(path: Path, cut_at: float, healed_at: float) -> dict[str, Any]:
+    """One role's calls: counts, errors by type, the longest call, wrong reads, and when its first call
+    that started after the link came back succeeded (seconds after the heal)."""
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    errors: dict[str, int] = {}
+    for r in recs:
+        if not r["ok"]:
+            errors[r["error"]] = errors.get(r["error"], 0) + 1
+    during = [r for r in recs if cut_at <= r["t"] < healed_at]
+    ok_after = next((r["t"] + r["s"] - healed_at for r in recs if r["ok"] and r["t"] + r["s"] >= healed_at), None)
+    return {
+        "calls": len(recs),
+        "failed": sum(not r["ok"] for r in recs),
+        "errors": errors,
+        "error_samples": {r["error"]: r["message"] for r in recs if not r["ok"]},
+        "calls_during_cut": len(during),
+        "failed_during_cut": sum(not r["ok"] for r in during),
+        "longest_s": round(max((r["s"] for r in recs), default=0.0), 3),
+        "wrong_reads": sorted({k for r in recs for k in r.get("bad", [])}),
+        "recovered_after_s": None if ok_after is None else round(ok_after, 3),
+    }
+
+
+def targets(r: dict[str, Any]) -> list[tuple[str, Any, str, bool]]:
+    """(target, measured, wanted, met) rows of a report."""
+    roles, chk, t = r["roles"], r["check"], r["timeout_s"]
+    longest = max(v["longest_s"] for v in roles.values())
+    wrong = len(chk["wrong"]) + sum(len(v["wrong_reads"]) for v in roles.values())
+    rows = [
+        ("acknowledged writes lost", chk["acknowledged"] - chk["read"], "0", chk["acknowledged"] == chk["read"]),
+        ("wrong-bytes reads", wrong, "0", wrong == 0),
+        ("longest call (s)", longest, f"<= timeout {t:g} s + {CALL_SLACK_S:g}", longest <= t + CALL_SLACK_S),
+        ("head's own rows: failed gets", roles["home"]["failed"], "0", roles["home"]["failed"] == 0),
+        (
+            "the partition was felt (writer and reader failed calls during it)",
+            f"{roles['writer']['failed_during_cut']} / {roles['reader']['failed_during_cut']}",
+            ">= 1 each",
+            roles["writer"]["failed_during_cut"] > 0 and roles["reader"]["failed_during_cut"] > 0,
+        ),
+    ]
+    for role in ("writer", "reader"):
+        rec = roles[role]["recovered_after_s"]
+        rows.append(
+            (
+                f"{role}: first success after the link came back (s)",
+                rec,
+                f"<= {RECOVERY_BAR_S:g}",
+                rec is not None and rec <= RECOVERY_BAR_S,
+            )
+        )
+    rows.append(
+        (
+            "processes, namespaces and shm left",
+            len(r["left_behind"]) + len(r.get("hung", [])),
+            "0",
+            not r["left_behind"] and not r.get("hung"),
+        )
+    )
+    return rows
+
+
+def render_md(r: dict[str, Any]) -> list[str]:
+    lines = [
+        "# TQ network partition",
+        "",
+        f"`python -m benchmarks.tq_partition --cut-s {r['cut_s']:g} --after-s {r['after_s']:g} --timeout {r['timeout_s']:g}` "
+        f"({time.strftime('%Y-%m-%d %H:%M', time.localtime(r['cut_at']))}, {r['total_s']:.0f} s)",
+        "",
+        f"Machine: {r['machine']}; code: commit {r['code']['commit']}"
+        + (f" (with changes to {', '.join(r['code']['dirty'])})" if r["code"].get("dirty") else ""),
+        "",
+        "Two emulated hosts (network namespaces): controller and unit 0 on the head, unit 1 on the worker node. The worker "
+        "node's switch port is blocked (its veth taken off the bridge: every packet dropped, no reset, both links up) and opened again. writer: 1-row puts on the "
+        "worker node (its own unit; commits over TCP); reader: gets of the writer's last rows from the head over TCP; "
+        "home: gets of the head's own rows. Every client timeout "
+        f"{r['timeout_s']:g} s.",
+        "",
+        "| role | calls | failed | during the cut: calls / failed | errors by type | longest call s | first success after the heal s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for role in ROLES:
+        v = r["roles"][role]
+        errs = ", ".join(f"{k} {n}" for k, n in sorted(v["errors"].items())) or "-"
+        rec = "-" if v["recovered_after_s"] is None else f"{v['recovered_after_s']:.2f}"
+        lines.append(
+            f"| {role} | {v['calls']} | {v['failed']} | {v['calls_during_cut']} / {v['failed_during_cut']} | {errs} | {v['longest_s']:.2f} | {rec} |"
+        )
+    lines += ["", "Errors seen (one of each type):", ""]
+    for role in ROLES:
+        for kind, msg in r["roles"][role]["error_samples"].items():
+            lines.append(f"- {role}, {kind}: {msg}")
+    chk = r["check"]
+    lines += [
+        "",
+        f"Last check from the head: {chk['read']} of {chk['acknowledged']} acknowledged keys read, {len(chk['wrong'])} with wrong bytes.",
+        "",
+    ]
+    lines += ["| target | measured | want | result |", "|---|---|---|---|"]
+    lines += [f"| {name} | {got} | {want} | {'PASS' if met else 'FAIL'} |" for name, got, want, met in targets(r)]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd")
+    w = sub.add_parser("_worker", help=argparse.SUPPRESS)
+    w.add_argument("role", choices=ROLES)
+    w.add_argument("--address", required=True)
+    w.add_argument("--out", required=True)
+    w.add_argument("--stop", required=True)
+    w.add_argument("--timeout", type=float, required=True)
+    h = sub.add_parser("_home", help=argparse.SUPPRESS)
+    h.add_argument("--address", required=True)
+    h.add_argument("--timeout", type=float, required=True)
+    c = sub.add_parser("_check", help=argparse.SUPPRESS)
+    for flag in ("--address", "--writer-log", "--out"):
+        c.add_argument(flag, required=True)
+    c.add_argument("--timeout", type=float, required=True)
+    p.add_argument("--cut-s", type=float, default=30.0, help="seconds the worker node's link stays down (default 30)")
+    p.add_argument("--after-s", type=float, default=15.0, help="seconds the run goes on after the link is back (default 15)")
+    p.add_argument("--timeout", type=float, default=5.0, help="every client's timeout (s, default 5)")
+    add_output_args(p, "tq_partition")
+    a = p.parse_args(argv)
+    if a.cmd == "_worker":
+        worker(a.role, a.address, a.out, a.stop, a.timeout)
+        return 0
+    if a.cmd == "_home":
+        write_home(a.address, a.timeout)
+        return 0
+    if a.cmd == "_check":
+        check_acknowledged(a.address, a.writer_log, a.out, a.timeout)
+        return 0
+    out = open_run("tq_partition", a.run_dir)
+    try:
+        r = run(a.cut_s, a.after_s, a.timeout, Path(out.run_dir) / "work")
+    except SetupError as exc:
+        print(f"tq_partition: {exc}", file=sys.stderr)
+        return 2
+    r["machine"] = f"{os.cpu_count()} CPUs ({cpu_model()})"
+    r["code"] = code_version()
+    r["targets"] = [{"target": n, "measured": m, "want": w_, "met": ok} for n, m, w_, ok in targets(r)]
+    r["ok"] = all(t["met"] for t in r["targets"])
+    out.write_report(r, render_md(r))
+    out.finish(a.publish, a.machine)
+    return 0 if r["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -46,6 +46,7 @@ HOME_ROWS = 64  # rows of the head's unit, written before the cut
 PAUSE_S = 0.02  # between a worker's calls
 RECOVERY_BAR_S = 3.0  # the controller hears a unit within UNIT_TIMEOUT_S of it answering again, at most
 CALL_SLACK_S = 0.5
+FREED_WAIT_S = 15.0  # ... and this long for the worker's unit to free what was discarded (frees go at once)
 CHECK_WAIT_S = 150.0  # the last check waits this long for a unit still reported down (TCP's back-off is at most 120 s)
 ROLES = ("writer", "reader", "home")
 
@@ -107,18 +108,32 @@ def write_home(address: str, timeout: float) -> None:
         c.put("home", keys, {"x": torch.cat([row_bytes(k) for k in keys])})
 
 
-def check_acknowledged(address: str, writer_log: str, out: str, timeout: float) -> None:
-    """After the run, from the head: read every key the writer saw acknowledged and check its bytes."""
+def discard_half(address: str, out: str, timeout: float) -> None:
+    """From the head, during the partition: discard the older half of the writer's rows (all on the cut-off
+    unit, whose frees the controller then sends into a connection that is about to be dropped)."""
+    from tq import TQClient
+
+    with TQClient(address, timeout=timeout) as c:
+        meta = c.get_meta("net")
+        gone = meta.select([i < len(meta.keys) // 2 for i in range(len(meta.keys))])
+        c.discard(gone)
+    Path(out).write_text(json.dumps(list(gone.keys)))
+
+
+def check_acknowledged(address: str, writer_log: str, discarded: str, out: str, timeout: float) -> None:
+    """After the run, from the head: read every key the writer saw acknowledged (and the head did not
+    discard) and check its bytes; then wait until the worker's unit holds exactly the bytes of the
+    partition's live keys - the rows discarded during the partition freed there."""
     import torch
 
     from tq import TQClient
-
     from tq.errors import StorageUnitError
 
+    gone = set(json.loads(Path(discarded).read_text()))
     acked = [r["key"] for r in map(json.loads, Path(writer_log).read_text().splitlines()) if r["ok"]]
     waited, t0 = None, time.monotonic()
     with TQClient(address, timeout=timeout) as c:
-        meta = c.get_meta("net", acked)  # raises naming any acknowledged key that is missing
+        meta = c.get_meta("net", [k for k in acked if k not in gone])  # raises naming an acknowledged key that is missing
         while True:
             try:
                 x = c.get(meta, ["x"])["x"]
@@ -128,7 +143,14 @@ def check_acknowledged(address: str, writer_log: str, out: str, timeout: float) 
                     raise
                 waited = time.sleep(0.2) or time.monotonic() - t0
         wrong = [k for j, k in enumerate(meta.keys) if not torch.equal(x[j : j + 1], row_bytes(k))]
-    Path(out).write_text(json.dumps({"acknowledged": len(acked), "read": len(meta.keys), "wrong": wrong, "waited_for_unit_s": waited}))
+        live = len(c.get_meta("net").keys) * ROW_BYTES  # with puts whose outcome was unknown and that landed
+        t1 = time.monotonic()
+        while (held := c.stats()["unit_stats"][1]["bytes_live"]) != live and time.monotonic() - t1 < FREED_WAIT_S:
+            time.sleep(0.2)
+        freed_s = time.monotonic() - t1
+    report = {"acknowledged": len(acked) - len(gone & set(acked)), "read": len(meta.keys), "wrong": wrong, "waited_for_unit_s": waited}
+    report.update(discarded=len(gone), live_bytes=live, unit_bytes_live=held, freed_after_s=round(freed_s, 2))
+    Path(out).write_text(json.dumps(report))
 
 
 # ------------------------------------------------------------------------ the run
@@ -192,7 +214,11 @@ def run(cut_s: float, after_s: float, timeout: float, run_dir: Path, log: Any = 
         report["cut_at"] = time.time()
         _run("ip", "-n", cluster.hub, "link", "set", link, "nomaster")  # off the bridge, still up
         log(f"link of {node} cut for {cut_s:.0f} s")
-        time.sleep(cut_s)
+        time.sleep(1.0)  # before the controller drops its connection to the unit (UNIT_TIMEOUT_S)
+        cmd = [*me, "_discard", "--address", address, "--out", str(run_dir / "discarded.json"), "--timeout", str(timeout)]
+        if cluster.run(0, cmd, run_dir / "discard.log", 30, env) != 0:
+            raise RuntimeError(f"the discard during the partition failed (log: {run_dir / 'discard.log'})")
+        time.sleep(max(0.0, report["cut_at"] + cut_s - time.time()))
         _run("ip", "-n", cluster.hub, "link", "set", link, "master", "br0")
         report["healed_at"] = time.time()
         log(f"link back; running {after_s:.0f} s more")
@@ -205,8 +231,18 @@ def run(cut_s: float, after_s: float, timeout: float, run_dir: Path, log: Any = 
                 _killpg(p, 9)
                 report.setdefault("hung", []).append(role)
         check = run_dir / "check.json"
-        cmd = [*me, "_check", "--address", address, "--writer-log", str(run_dir / "writer.jsonl"), "--out", str(check), "--timeout", "30"]
-        if cluster.run(0, cmd, run_dir / "check.log", CHECK_WAIT_S + 60, env) != 0:
+        cmd = [
+            *me,
+            "_check",
+            "--address",
+            address,
+            "--writer-log",
+            str(run_dir / "writer.jsonl"),
+            "--discarded",
+            str(run_dir / "discarded.json"),
+        ]
+        cmd += ["--out", str(check), "--timeout", "30"]
+        if cluster.run(0, cmd, run_dir / "check.log", CHECK_WAIT_S + FREED_WAIT_S + 60, env) != 0:
             raise RuntimeError(f"the last check failed (log: {run_dir / 'check.log'})")
         report["check"] = json.loads(check.read_text())
         report["roles"] = {role: summarize(run_dir / f"{role}.jsonl", report["cut_at"], report["healed_at"]) for role in ROLES}
@@ -252,6 +288,12 @@ def targets(r: dict[str, Any]) -> list[tuple[str, Any, str, bool]]:
     rows = [
         ("acknowledged writes lost", chk["acknowledged"] - chk["read"], "0", chk["acknowledged"] == chk["read"]),
         ("wrong-bytes reads", wrong, "0", wrong == 0),
+        (
+            "rows discarded during the partition freed on the cut-off unit after it (its live bytes / the live keys')",
+            f"{chk['unit_bytes_live']} / {chk['live_bytes']}",
+            f"equal within {FREED_WAIT_S:g} s",
+            chk["unit_bytes_live"] == chk["live_bytes"] and chk["discarded"] > 0,
+        ),
         ("longest call (s)", longest, f"<= timeout {t:g} s + {CALL_SLACK_S:g}", longest <= t + CALL_SLACK_S),
         ("head's own rows: failed gets", roles["home"]["failed"], "0", roles["home"]["failed"] == 0),
         (
@@ -336,9 +378,13 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--address", required=True)
     h.add_argument("--timeout", type=float, required=True)
     c = sub.add_parser("_check", help=argparse.SUPPRESS)
-    for flag in ("--address", "--writer-log", "--out"):
+    for flag in ("--address", "--writer-log", "--discarded", "--out"):
         c.add_argument(flag, required=True)
     c.add_argument("--timeout", type=float, required=True)
+    d = sub.add_parser("_discard", help=argparse.SUPPRESS)
+    for flag in ("--address", "--out"):
+        d.add_argument(flag, required=True)
+    d.add_argument("--timeout", type=float, required=True)
     p.add_argument("--cut-s", type=float, default=30.0, help="seconds the worker node's link stays down (default 30)")
     p.add_argument("--after-s", type=float, default=15.0, help="seconds the run goes on after the link is back (default 15)")
     p.add_argument("--timeout", type=float, default=5.0, help="every client's timeout (s, default 5)")
@@ -351,7 +397,10 @@ def main(argv: list[str] | None = None) -> int:
         write_home(a.address, a.timeout)
         return 0
     if a.cmd == "_check":
-        check_acknowledged(a.address, a.writer_log, a.out, a.timeout)
+        check_acknowledged(a.address, a.writer_log, a.discarded, a.out, a.timeout)
+        return 0
+    if a.cmd == "_discard":
+        discard_half(a.address, a.out, a.timeout)
         return 0
     out = open_run("tq_partition", a.run_dir)
     try:

@@ -99,6 +99,27 @@ def _bounded(timeout: float, op: str, peer: str) -> float:
     return left
 
 
+# ----------------------------------------------------------------------------- connections over a network
+# A TCP connection that holds an unacknowledged request when the network fails (a partition, a switch
+# dropping packets: no reset) is retransmitted into with a doubling back-off once the network is back
+# (0.2 s up to 2 minutes: a controller heard its unit again 25 s after a 30 s partition healed), and
+# a connect tried meanwhile waits out its SYN's back-off the same way. So a ZMQ connection that hears
+# nothing for ZMQ_SILENT_S, though pinged every ZMQ_HEARTBEAT_S (ZMTP heartbeats, which the peer's I/O
+# thread answers however busy its loop), is dropped and made again, each connect given ZMQ_CONNECT_TRY_S
+# before ZMQ tries again (every 0.1 s) - all found within about a second of the network's return.
+ZMQ_HEARTBEAT_S = 1.0
+ZMQ_SILENT_S = 3.0
+ZMQ_CONNECT_TRY_S = 1.0
+
+
+def reconnect_when_silent(sock: zmq.Socket) -> None:
+    """Set a connecting ZMQ socket up to find a dead network path and connect again (see above); call
+    it before ``connect``."""
+    sock.setsockopt(zmq.HEARTBEAT_IVL, int(ZMQ_HEARTBEAT_S * 1e3))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(ZMQ_SILENT_S * 1e3))
+    sock.setsockopt(zmq.CONNECT_TIMEOUT, int(ZMQ_CONNECT_TRY_S * 1e3))
+
+
 # ----------------------------------------------------------------------------- connection security
 def set_client_credentials(sock: zmq.Socket, secret: bytes | None) -> None:
     """Give a client socket (DEALER) what a server with ``secret`` asks at connect time; call it
@@ -716,6 +737,7 @@ class RpcChannel:
             sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a peer that is not connected
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
+            reconnect_when_silent(sock)
             set_client_credentials(sock, self.secret)
             # Watch the first handshake: a server that refuses this client's credentials is then
             # reported at once (AuthenticationError), not after the timeout as if it were down; and the
@@ -761,12 +783,13 @@ class RpcChannel:
     def _send(self, op: str, args: Any, buffers: Sequence[Any], timeout: float | None, check: Callable[[], None] | None) -> int:
         rid = next(self._rids)
         timeout = _bounded(self.timeout if timeout is None else timeout, op, f"{self.name} at {self.address}")
+        deadline = time.monotonic() + timeout
         stream = self._stream(timeout)
         self._local.sent_on = None  # where _recv waits for the reply: that stream, or ZMQ
         if stream is not None:
             frames = protocol.request(op, rid, args, buffers, self.secret, stream.sender)
             try:
-                stream.send(frames, timeout)
+                stream.send(frames, max(0.0, deadline - time.monotonic()))
                 self._local.sent_on = stream
                 return rid
             except OSError as exc:  # the server closed it (stopped or restarted), or took nothing for the
@@ -781,8 +804,9 @@ class RpcChannel:
             sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
             if self._local.monitor is not None:  # connected before its first wait: the handshake is done
                 self._drop_monitor(sock)
-        except zmq.Again:  # IMMEDIATE: no connection yet - wait for one, up to the timeout
-            if not self._await_connection(sock, timeout, check):
+        except zmq.Again:  # IMMEDIATE: no connection yet - wait for one, up to the timeout (what a
+            # stream connect that failed left of it)
+            if not self._await_connection(sock, max(0.0, deadline - time.monotonic()), check):
                 raise TQConnectionError(
                     f"cannot reach {self.name} at {self.address} within {timeout:.1f}s (op '{op}'): server down or unreachable"
                 ) from None

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from . import stream_transport, messages, protocol
+from . import messages, protocol, rpc, stream_transport
 from .arena import arena_in_use
 from .errors import InvalidRequestError
 from .locations import ALIVE_S, LocationTable
@@ -30,12 +30,6 @@ log = logging.getLogger("tq.controller")
 
 HEARTBEAT_S = 1.0  # the controller pings every storage unit this often
 UNIT_TIMEOUT_S = 3.0  # a unit silent for longer is reported down and reads of its keys fail fast
-# A remote unit's connection silent for UNIT_TIMEOUT_S is dropped and made again (ZMTP heartbeats), each
-# try given this long: across a network partition TCP keeps retransmitting into the old connection with
-# a doubling back-off, so after the network healed the controller heard its unit again only at the
-# next retransmission (measured: 5.9 s after an 8 s partition, 25 s after a 30 s one, up to TCP's
-# 2-minute maximum back-off after longer ones) - all that time reads of the unit's keys failed.
-UNIT_CONNECT_S = 1.0
 ADOPTED_CHECK_S = 0.2  # how often the pids of units taken back from the journal are checked
 UNIT_SEND_HWM = 1000  # messages queued per storage unit before sends to it are dropped (then a retain)
 UNIT_STREAM_MAX_QUEUED = 64 << 20  # the same bound, in bytes, for a unit reached over its Unix socket
@@ -101,9 +95,9 @@ class UnitSupervision:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, UNIT_SEND_HWM)  # bounded: past it, sends fail (never block) - see _send_to_unit
-        sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_S * 1e3))  # see UNIT_CONNECT_S
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(UNIT_TIMEOUT_S * 1e3))
-        sock.setsockopt(zmq.CONNECT_TIMEOUT, int(UNIT_CONNECT_S * 1e3))
+        # across a network partition: the unit is heard within about a second of the network's return,
+        # not at TCP's next retransmission (5.9 s after an 8 s partition, 25 s after a 30 s one)
+        rpc.reconnect_when_silent(sock)
         self.secure_client_socket(sock)  # a unit with a secret refuses connections without its credentials
         try:
             sock.connect(address)  # first: a bad address must not cost the unit its current socket

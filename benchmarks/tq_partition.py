@@ -29,6 +29,7 @@ namespaces cannot be made.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -37,7 +38,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from benchmarks.multinode import NetnsCluster, SetupError, _killpg, _run, _wait_port
 from benchmarks.outputs import add_output_args, code_version, cpu_model, open_run
@@ -158,42 +159,54 @@ def check_acknowledged(address: str, writer_log: str, discarded: str, out: str, 
 
 
 # ------------------------------------------------------------------------ the run
-def run(cut_s: float, after_s: float, timeout: float, run_dir: Path, log: Any = print) -> dict[str, Any]:
-    """Set the two hosts up, run the three roles through a partition of ``cut_s`` seconds and
-    ``after_s`` after it, check every acknowledged key, tear everything down; returns the report."""
+@contextlib.contextmanager
+def service_on_two_hosts(
+    run_dir: Path, units_on: tuple[int, ...] = (0, 1), link_rate: str | None = None
+) -> Iterator[tuple[NetnsCluster, str, dict[str, str]]]:
+    """Two emulated hosts with a TQ service on them: the controller on the head (node 0) and storage
+    unit ``i`` on node ``units_on[i]``. Yields ``(cluster, controller address, environment of the
+    service's processes)``; everything is stopped and removed on the way out, whatever happened."""
     from tq import launch
 
-    shutil.rmtree(run_dir, ignore_errors=True)
-    run_dir.mkdir(parents=True)
-    cluster = NetnsCluster(2, None)
+    cluster = NetnsCluster(2, link_rate)
     env = {"TQ_SECRET": secrets.token_hex(16), "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     shm_dir = f"/dev/shm/{cluster.tag}"
     os.makedirs(shm_dir, exist_ok=True)
-    head, node = cluster.ips
+    head = cluster.ips[0]
     address = f"tcp://{head}:{TQ_PORT}"
-    stop = run_dir / "stop"
-    report: dict[str, Any] = {"cut_s": cut_s, "after_s": after_s, "timeout_s": timeout, "ips": cluster.ips}
-    t0 = time.monotonic()
     try:
         cluster.up()
-        cluster.spawn(
-            0,
-            [sys.executable, "-m", "tq.controller", "--host", head, "--port", str(TQ_PORT), "--storage-units", "0"],
-            run_dir / "controller.log",
-            env,
-        )
+        cmd = [sys.executable, "-m", "tq.controller", "--host", head, "--port", str(TQ_PORT), "--storage-units", "0"]
+        cluster.spawn(0, cmd, run_dir / "controller.log", env)
         _wait_port(cluster, 0, head, TQ_PORT, 60, "tq controller")
-        for uid, (n, ip) in enumerate(((0, head), (1, node))):
+        for uid, node in enumerate(units_on):
             ready = run_dir / f"unit{uid}.ready"
             cmd = launch.storage_unit_command(
-                unit_id=uid, bind=f"tcp://{ip}:0", controller=address, capacity=256 << 20, shm_dir=shm_dir, ready_file=str(ready)
+                unit_id=uid,
+                bind=f"tcp://{cluster.ips[node]}:0",
+                controller=address,
+                capacity=256 << 20,
+                shm_dir=shm_dir,
+                ready_file=str(ready),
             )
-            cluster.spawn(n, cmd, run_dir / f"unit{uid}.log", env)
-            deadline = time.monotonic() + 60
-            while not ready.exists():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"storage unit {uid} did not register within 60 s (log: {run_dir / f'unit{uid}.log'})")
-                time.sleep(0.1)
+            unit = cluster.spawn(node, cmd, run_dir / f"unit{uid}.log", env)
+            launch.await_ready_file(str(ready), alive=lambda: unit.poll() is None, timeout=60, what=f"storage unit {uid}")  # noqa: B023
+        yield cluster, address, env
+    finally:
+        cluster.down()
+        shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+def run(cut_s: float, after_s: float, timeout: float, run_dir: Path, log: Any = print) -> dict[str, Any]:
+    """Set the two hosts up, run the three roles through a partition of ``cut_s`` seconds and
+    ``after_s`` after it, check every acknowledged key, tear everything down; returns the report."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    stop = run_dir / "stop"
+    report: dict[str, Any] = {"cut_s": cut_s, "after_s": after_s, "timeout_s": timeout}
+    t0 = time.monotonic()
+    with service_on_two_hosts(run_dir) as (cluster, address, env):
+        report["ips"], node = cluster.ips, cluster.ips[1]
         me = [sys.executable, "-m", "benchmarks.tq_partition"]
         if cluster.run(0, [*me, "_home", "--address", address, "--timeout", str(timeout)], run_dir / "home-write.log", 60, env) != 0:
             raise RuntimeError(f"writing the head's rows failed (log: {run_dir / 'home-write.log'})")
@@ -250,14 +263,10 @@ def run(cut_s: float, after_s: float, timeout: float, run_dir: Path, log: Any = 
             raise RuntimeError(f"the last check failed (log: {run_dir / 'check.log'})")
         report["check"] = json.loads(check.read_text())
         report["roles"] = {role: summarize(run_dir / f"{role}.jsonl", report["cut_at"], report["healed_at"]) for role in ROLES}
-    finally:
-        cluster.down()
-        shutil.rmtree(shm_dir, ignore_errors=True)
-        report["total_s"] = round(time.monotonic() - t0, 1)
-    left = [
-        ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split() if ns.startswith(cluster.tag)
-    ]
-    report["left_behind"] = left + ([shm_dir] if os.path.exists(shm_dir) else [])
+    report["total_s"] = round(time.monotonic() - t0, 1)
+    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    shm_dir = f"/dev/shm/{cluster.tag}"
+    report["left_behind"] = [n for n in ns if n.startswith(cluster.tag)] + ([shm_dir] if os.path.exists(shm_dir) else [])
     return report
 
 

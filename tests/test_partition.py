@@ -47,36 +47,13 @@ def test_a_message_longer_on_the_wire_than_the_heartbeat_timeout_still_arrives_o
     """ZMTP heartbeats drop a connection that hears nothing for rpc.ZMQ_SILENT_S (3 s); a 16 MiB put
     and get over ZMQ on a 20 Mbit/s link take ~7 s each on the wire, and must not be taken for
     silence (a reported libzmq behaviour with big messages: zeromq/libzmq#2709)."""
-    import os
-    import secrets
-    import shutil
     import sys
 
-    from benchmarks.multinode import NetnsCluster, _wait_port
-    from tq import launch, rpc
+    from tq import rpc
 
-    cluster = NetnsCluster(2, "20mbit")
-    env = {"TQ_SECRET": secrets.token_hex(16), "PYTHONPATH": str(tq_partition.REPO)}
-    shm_dir = f"/dev/shm/{cluster.tag}"
-    os.makedirs(shm_dir, exist_ok=True)
-    head = cluster.ips[0]
-    try:
-        cluster.up()
-        cluster.spawn(
-            0, [sys.executable, "-m", "tq.controller", "--host", head, "--port", "5555", "--storage-units", "0"], tmp_path / "c.log", env
-        )
-        _wait_port(cluster, 0, head, 5555, 60, "tq controller")
-        address, ready = f"tcp://{head}:5555", tmp_path / "unit.ready"
-        cmd = launch.storage_unit_command(
-            unit_id=0, bind=f"tcp://{head}:0", controller=address, capacity=64 << 20, shm_dir=shm_dir, ready_file=str(ready)
-        )
-        cluster.spawn(0, cmd, tmp_path / "u.log", env)
-        launch.await_ready_file(str(ready), alive=lambda: True, timeout=60, what="storage unit")
+    with tq_partition.service_on_two_hosts(tmp_path, units_on=(0,), link_rate="20mbit") as (cluster, address, env):
         rc = cluster.run(1, [sys.executable, "-c", _SLOW_CLIENT, address], tmp_path / "client.log", 150, env)
         out = (tmp_path / "client.log").read_text()
-        assert rc == 0, out
-        put_s, get_s = (float(w) for w in out.replace(",", "").split()[1::3])
-        assert min(put_s, get_s) > rpc.ZMQ_SILENT_S, out  # the link was as slow as meant
-    finally:
-        cluster.down()
-        shutil.rmtree(shm_dir, ignore_errors=True)
+    assert rc == 0, out
+    put_s, get_s = (float(w) for w in out.replace(",", "").split()[1::3])
+    assert min(put_s, get_s) > rpc.ZMQ_SILENT_S, out  # the link was as slow as meant

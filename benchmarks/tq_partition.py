@@ -49,7 +49,9 @@ ROW_BYTES = 64 << 10
 READ_KEYS = 16  # rows of each get
 HOME_ROWS = 64  # rows of the head's unit, written before the cut
 PAUSE_S = 0.02  # between a worker's calls
-RECOVERY_BAR_S = 3.0  # a dropped connection is made again within a 1 s connect try (rpc.reconnect_when_silent)
+# a dropped connection is made again within two 1 s connect tries (rpc.reconnect_when_silent: a try
+# whose SYN went before the heal times out), then the controller's next ping is answered
+RECOVERY_BAR_S = 3.0
 CALL_SLACK_S = 0.5
 FREED_WAIT_S = 15.0  # ... and this long for the worker's unit to free what was discarded (frees go at once)
 CHECK_WAIT_S = 150.0  # the last check waits this long for a unit still reported down (TCP's back-off is at most 120 s)
@@ -293,7 +295,7 @@ def summarize(path: Path, cut_at: float, healed_at: float) -> dict[str, Any]:
     }
 
 
-def targets(r: dict[str, Any]) -> list[tuple[str, Any, str, bool]]:
+def targets(r: dict[str, Any], recovery_bar_s: float = RECOVERY_BAR_S) -> list[tuple[str, Any, str, bool]]:
     """(target, measured, wanted, met) rows of a report."""
     roles, chk, t = r["roles"], r["check"], r["timeout_s"]
     longest = max(v["longest_s"] for v in roles.values())
@@ -322,8 +324,8 @@ def targets(r: dict[str, Any]) -> list[tuple[str, Any, str, bool]]:
             (
                 f"{role}: first success after the link came back (s)",
                 rec,
-                f"<= {RECOVERY_BAR_S:g}",
-                rec is not None and rec <= RECOVERY_BAR_S,
+                f"<= {recovery_bar_s:g}",
+                rec is not None and rec <= recovery_bar_s,
             )
         )
     rows.append(

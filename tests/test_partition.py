@@ -17,9 +17,11 @@ WHY = cannot_make_netns()
 @pytest.mark.timeout(240)
 @pytest.mark.long
 def test_a_partitioned_node_is_served_again_within_seconds_of_the_link_coming_back(tmp_path):
-    # 15 s down: the old connections' next retransmission would come ~10 s after the heal
+    # 15 s down: the old connections' next retransmission would come ~10 s after the heal. Back
+    # within 5 s, not the benchmark's 3 (0.4-1.7 s measured, ~2.2 s at worst by design): CI shares
+    # its two cores with another test worker
     r = tq_partition.run(cut_s=15.0, after_s=6.0, timeout=5.0, run_dir=tmp_path)
-    failed = [(name, got, want) for name, got, want, met in tq_partition.targets(r) if not met]
+    failed = [(name, got, want) for name, got, want, met in tq_partition.targets(r, recovery_bar_s=5.0) if not met]
     assert not failed, (failed, r["roles"])
 
 

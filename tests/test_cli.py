@@ -223,6 +223,32 @@ def test_deprecated_spellings_still_work(cli_env, tmp_path):
     assert os.path.join(env["TQ_STATE_DIR"], "controller.json") in r.stderr
 
 
+def test_status_tells_how_long_a_unit_reported_down_has_not_answered():
+    """A unit the controller has not heard for a while (stalled here; cut off by a network partition
+    alike) is shown DOWN with how long it has been silent - in the stats and the status table."""
+    import io
+    import signal as sig
+
+    from tq import TQServer
+    from tq.cli import print_status
+    from tq.supervision import UNIT_TIMEOUT_S
+
+    with TQServer(storage_units=2, capacity=16 << 20) as server, TQClient(server.address, timeout=5.0) as client:
+        pid = client.stats()["unit_stats"][1]["pid"]
+        os.kill(pid, sig.SIGSTOP)
+        try:
+            time.sleep(UNIT_TIMEOUT_S + 1.0)
+            stats = client.stats()
+        finally:
+            os.kill(pid, sig.SIGCONT)
+        up, down = sorted(stats["units"], key=lambda u: u["unit_id"])
+        assert up["alive"] and "down_for_s" not in up
+        assert not down["alive"] and UNIT_TIMEOUT_S < down["down_for_s"] < UNIT_TIMEOUT_S + 10
+        out = io.StringIO()
+        print_status(stats, file=out)
+        assert f"DOWN ({down['down_for_s']:.0f} s silent)" in out.getvalue()
+
+
 @pytest.mark.parametrize("json_out", [True, False], ids=["json", "table"])
 def test_status_into_a_closed_pipe_exits_quietly(cli_env, json_out):
     """``tq-controller status --json | head``: a reader that leaves early is no error worth a traceback."""

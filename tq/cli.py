@@ -33,7 +33,7 @@ import sys
 import time
 from typing import Any, Sequence
 
-from . import argtypes, launch
+from . import argtypes, launch, messages
 from .errors import AuthenticationError, TQError
 from .messages import CONTROLLER_REPLY_DECODERS, ControllerOp, Stats
 
@@ -186,8 +186,9 @@ def render_status(stats: dict[str, Any], *, address: str | None = None, rates: d
         ("read total", "right"),
         ("pid", "right"),
     ):
-        units.add_column(col, justify=justify)  # type: ignore[arg-type]
+        units.add_column(col, justify=justify, no_wrap=col == "health")  # type: ignore[arg-type]
     alive = {u.get("unit_id"): u.get("alive", True) for u in stats.get("units", [])}
+    down_for = {u.get("unit_id"): u.get("down_for_s") for u in stats.get("units", [])}
     # unit_stats come from the units themselves; fall back to the controller's registry if absent.
     unit_rows = sorted(stats.get("unit_stats") or stats.get("units", []), key=lambda u: u.get("unit_id", 0))
     for u in unit_rows:
@@ -195,7 +196,7 @@ def render_status(stats: dict[str, Any], *, address: str | None = None, rates: d
         share = f" ({100 * used / size:.0f}%)" if used is not None and size else ""
         units.add_row(
             str(u.get("unit_id")),
-            "[green]up[/]" if alive.get(u.get("unit_id"), True) else "[bold red]DOWN[/]",
+            "[green]up[/]" if alive.get(u.get("unit_id"), True) else f"[bold red]DOWN[/]{_down_for(down_for.get(u.get('unit_id')))}",
             str(u.get("address")),
             str(u.get("host", "")).split("/", 1)[0],
             f"{format_bytes(used)} / {format_bytes(size)}{share}" if used is not None else f"? / {format_bytes(size)}",
@@ -242,6 +243,14 @@ def _console(file: Any = None) -> Any:
     out = file if file is not None else sys.stdout
     width = None if out.isatty() else max(120, shutil.get_terminal_size((120, 40)).columns)
     return PipeConsole(file=out, width=width, highlight=False)
+
+
+def _down_for(seconds: float | None) -> str:
+    """How long the controller has not heard a unit it reports down (a partition, a stalled process),
+    or that its process ended; '' when it has no word (the unit did not answer the status itself)."""
+    if not seconds:
+        return ""
+    return " (exited)" if seconds >= messages.UNIT_ENDED_S else f" ({seconds:.0f} s silent)"
 
 
 def print_status(stats: dict[str, Any], *, address: str | None = None, file: Any = None) -> None:

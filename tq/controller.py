@@ -941,7 +941,8 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
     def stats(self) -> messages.StatsReply:
         now = time.monotonic()
         for u in self.units:
-            u["alive"] = not self._unit_down_for(u["unit_id"], now)
+            down = self._unit_down_for(u["unit_id"], now)
+            u["alive"], u["down_for_s"] = not down, down or None
         window = [(t, b) for t, b in self.recent if now - t <= 60.0]
         return messages.StatsReply(
             **self.server_stats(),

@@ -53,6 +53,7 @@ PAUSE_S = 0.02  # between a worker's calls
 # whose SYN went before the heal times out), then the controller's next ping is answered
 RECOVERY_BAR_S = 3.0
 CALL_SLACK_S = 0.5
+ROLES_START_S = 90.0  # for every role's first successful call, before the cut
 FREED_WAIT_S = 15.0  # ... and this long for the worker's unit to free what was discarded (frees go at once)
 CHECK_WAIT_S = 150.0  # the last check waits this long for a unit still reported down (TCP's back-off is at most 120 s)
 ROLES = ("writer", "reader", "home")
@@ -228,7 +229,14 @@ def run(cut_s: float, after_s: float, timeout: float, run_dir: Path, log: Any = 
                 str(timeout),
             ]
             procs[role] = cluster.spawn(n, cmd, run_dir / f"{role}.log", env)
-        time.sleep(5.0)  # every role under way (the reader waits for the writer's first rows)
+        # every role under way - a call of each done (the reader's once the writer's first rows are in)
+        # - before the cut: a process still starting (importing torch on a busy machine) would meet it
+        deadline = time.monotonic() + ROLES_START_S
+        while not all(_has_succeeded(run_dir / f"{role}.jsonl") for role in ROLES):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs.values()):
+                raise RuntimeError(f"the roles did not all get under way within {ROLES_START_S:g} s (logs: {run_dir}/*.log)")
+            time.sleep(0.2)
+        time.sleep(2.0)  # a few calls more
         link = f"{cluster.tag}1b"  # the worker node's veth end in the hub
         report["cut_at"] = time.time()
         _run("ip", "-n", cluster.hub, "link", "set", link, "nomaster")  # off the bridge, still up
@@ -270,6 +278,11 @@ def run(cut_s: float, after_s: float, timeout: float, run_dir: Path, log: Any = 
     shm_dir = f"/dev/shm/{cluster.tag}"
     report["left_behind"] = [n for n in ns if n.startswith(cluster.tag)] + ([shm_dir] if os.path.exists(shm_dir) else [])
     return report
+
+
+def _has_succeeded(path: Path) -> bool:
+    """Whether a role's log holds a successful call (its lines whole: the role may be writing one)."""
+    return path.exists() and any(json.loads(line)["ok"] for line in path.read_text().split("\n")[:-1])
 
 
 def summarize(path: Path, cut_at: float, healed_at: float) -> dict[str, Any]:

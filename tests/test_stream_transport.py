@@ -1032,6 +1032,28 @@ def test_a_tcp_stream_whose_reply_never_came_is_not_used_again_and_a_unix_one_is
             assert local._ctrl._local.stream is before[local]
 
 
+def test_a_unit_that_does_not_answer_while_its_controller_hears_it_is_named_when_the_call_times_out():
+    """A reader cut off from a unit that its controller still hears (an asymmetric partition; here the
+    unit is stopped for less than the controller's UNIT_TIMEOUT_S) waits out its timeout and is told
+    that the unit did not answer - not "no time left to ask controller", which the last liveness check,
+    asked with none of the call's time left, used to raise instead."""
+    with TQServer(storage_units=1, capacity=16 * MiB) as srv, TQClient(srv.address, timeout=1.0, transport="tcp") as client:
+        client.register_partition("lt-mute")
+        meta = client.put("lt-mute", unique_keys(2), {"x": torch.ones(2, 4)})
+        pid = client.stats()["unit_stats"][0]["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(TQConnectionError) as err:
+                client.get(meta, ["x"])
+            took = time.monotonic() - t0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert "storage unit 0" in str(err.value) and "no reply" in str(err.value) and "controller" not in str(err.value), err.value
+        assert took < 1.0 + 0.5
+        assert torch.equal(client.get(meta, ["x"])["x"], torch.ones(2, 4))  # and it reads once the unit answers
+
+
 def test_a_stream_connect_keeps_to_the_calls_time_left(server):
     """A stream connect that cannot complete (a partitioned network, a hung listener) takes no more
     than the call's time left - not the full connect time - and, cut short so, keeps the address off

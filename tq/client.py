@@ -76,6 +76,7 @@ PREFAULT_MIN_BYTES = 1 << 20  # a put this big maps its pages in one call first 
 FREE_GRACE_S = 0.05  # a write that finds no room waits this long for frees already decided (see _room_wait_s)
 GIVE_BACK_S = 0.25  # how long giving a slab's unused ids back may wait (close() must not hang on a dead controller)
 ABORT_PROBE_S = 0.5  # after a commit got no reply: how long to ask whether it landed
+UNIT_CHECK_MIN_S = 0.05  # a wait on a unit asks the controller about it only with this much of its time left
 DEFAULT_LEASE_S = 30.0  # a borrowed get's lease term; a live holder renews it every third of it
 
 
@@ -716,6 +717,12 @@ class TQClient:
         on, not the client's current one, which another thread's refresh may have replaced already."""
 
         def check() -> None:
+            left = time_left()
+            if left is not None and left < UNIT_CHECK_MIN_S:
+                # no time to ask: the wait ends on its own timeout, naming the unit that did not answer
+                # (asked anyway, the call failed as if the controller had not: "no time left to ask
+                # controller" - what a reader cut off from a unit the controller still hears was told)
+                return
             st = self._call(Op.UNIT_STATUS, messages.UnitStatus(unit=unit), timeout=min(self.timeout, 5.0))
             if not st.alive:
                 why = "its process ended" if st.down_for_s >= messages.UNIT_ENDED_S else f"no answer for {st.down_for_s:.1f}s"

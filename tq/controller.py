@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import hashlib
 import itertools
 import logging
 import os
 import signal
 import struct
+import subprocess
 import time
 from typing import Any
 
@@ -44,7 +46,7 @@ from .errors import (
     TQError,
     TQTimeoutError,
 )
-from .arena import host_identity
+from .arena import arena_in_use, host_identity
 from .journal import Journal
 from .leases import LeaseBook, leased_blocks, new_lease_id
 from .locations import FEW_ROWS, LocationTable, remove_orphans, slots_index, take_records
@@ -287,6 +289,22 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         if self.shm_dir is not None:  # readers' liveness files (tq.liveness) of processes that exited
             liveness.remove_gone(self.shm_dir)
         super().close()
+
+    def remove_arenas_of(self, stopped: list[subprocess.Popen]) -> None:
+        """After a shutdown: remove the arena and journal of every unit whose process (one of
+        ``stopped``, all ended) left them - a unit restarted just before the shutdown that got its
+        SIGTERM while still starting (importing, or replaying its journal) dies without cleaning up,
+        and nothing would start on that arena again."""
+        pids = {p.pid for p in stopped}
+        for unit in self.units:
+            restarted = self._restarting.get(unit["unit_id"])
+            if unit.get("pid") not in pids and (restarted is None or restarted.pid not in pids):
+                continue
+            path = unit.get("arena_path")
+            if path and unit.get("host") == self.host and not arena_in_use(path):
+                for leftover in (path, f"{path}.journal"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(leftover)
 
     @staticmethod
     def _held_rows(part: Partition, slots: np.ndarray) -> np.ndarray:
@@ -1119,6 +1137,7 @@ def serve(
                 p.terminate()
         for p in ctrl.children:
             launch.stop_process(p, 10.0)
+        ctrl.remove_arenas_of(ctrl.children)
 
 
 def main(argv: list[str] | None = None) -> None:

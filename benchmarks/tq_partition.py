@@ -89,10 +89,9 @@ def worker(role: str, address: str, out: str, stop: str, timeout: float) -> None
                     c.put("net", [key], {"x": row_bytes(key)})
                 else:
                     part = "net" if role == "reader" else "home"
-                    keys = list(c.get_meta(part).keys)[-READ_KEYS:]
-                    if not keys:  # the writer's first row is not in yet
+                    meta = c.get_meta(part).slice(-READ_KEYS)
+                    if not meta.keys:  # the writer's first row is not in yet
                         continue
-                    meta = c.get_meta(part, keys)
                     x = c.get(meta, ["x"])["x"]
                     rec["bad"] = [k for j, k in enumerate(meta.keys) if not torch.equal(x[j : j + 1], row_bytes(k))]
                 rec["ok"] = True
@@ -123,7 +122,7 @@ def discard_half(address: str, out: str, timeout: float) -> None:
 
     with TQClient(address, timeout=timeout) as c:
         meta = c.get_meta("net")
-        gone = meta.select([i < len(meta.keys) // 2 for i in range(len(meta.keys))])
+        gone = meta.slice(0, len(meta.keys) // 2)
         c.discard(gone)
     Path(out).write_text(json.dumps(list(gone.keys)))
 

@@ -246,7 +246,7 @@ def test_status_tells_how_long_a_unit_reported_down_has_not_answered():
         assert not down["alive"] and UNIT_TIMEOUT_S < down["down_for_s"] < UNIT_TIMEOUT_S + 10
         out = io.StringIO()
         print_status(stats, file=out)
-        assert f"DOWN ({down['down_for_s']:.0f} s silent)" in out.getvalue()
+        assert f"DOWN (no answer for {down['down_for_s']:.1f}s)" in out.getvalue()
 
 
 @pytest.mark.parametrize("json_out", [True, False], ids=["json", "table"])

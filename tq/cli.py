@@ -246,11 +246,9 @@ def _console(file: Any = None) -> Any:
 
 
 def _down_for(seconds: float | None) -> str:
-    """How long the controller has not heard a unit it reports down (a partition, a stalled process),
-    or that its process ended; '' when it has no word (the unit did not answer the status itself)."""
-    if not seconds:
-        return ""
-    return " (exited)" if seconds >= messages.UNIT_ENDED_S else f" ({seconds:.0f} s silent)"
+    """Why the controller reports a unit down (silent since when - a partition, a stalled process - or
+    its process ended); '' when it has no word (the unit did not answer the status itself)."""
+    return f" ({messages.unit_down_reason(seconds)})" if seconds else ""
 
 
 def print_status(stats: dict[str, Any], *, address: str | None = None, file: Any = None) -> None:

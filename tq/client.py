@@ -725,8 +725,7 @@ class TQClient:
                 return
             st = self._call(Op.UNIT_STATUS, messages.UnitStatus(unit=unit), timeout=min(self.timeout, 5.0))
             if not st.alive:
-                why = "its process ended" if st.down_for_s >= messages.UNIT_ENDED_S else f"no answer for {st.down_for_s:.1f}s"
-                raise StorageUnitError(f"storage unit {unit} at {st.address} is down ({why})")
+                raise StorageUnitError(f"storage unit {unit} at {st.address} is down ({messages.unit_down_reason(st.down_for_s)})")
             if st.address != chan.address:
                 raise _UnitRestarted(unit)
 

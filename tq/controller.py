@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import hashlib
 import itertools
 import logging
 import os
 import signal
 import struct
-import subprocess
 import time
 from typing import Any
 
@@ -46,7 +44,7 @@ from .errors import (
     TQError,
     TQTimeoutError,
 )
-from .arena import arena_in_use, host_identity
+from .arena import host_identity
 from .journal import Journal
 from .leases import LeaseBook, leased_blocks, new_lease_id
 from .locations import FEW_ROWS, LocationTable, remove_orphans, slots_index, take_records
@@ -289,22 +287,6 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         if self.shm_dir is not None:  # readers' liveness files (tq.liveness) of processes that exited
             liveness.remove_gone(self.shm_dir)
         super().close()
-
-    def remove_arenas_of(self, stopped: list[subprocess.Popen]) -> None:
-        """After a shutdown: remove the arena and journal of every unit whose process (one of
-        ``stopped``, all ended) left them - a unit restarted just before the shutdown that got its
-        SIGTERM while still starting (importing, or replaying its journal) dies without cleaning up,
-        and nothing would start on that arena again."""
-        pids = {p.pid for p in stopped}
-        for unit in self.units:
-            restarted = self._restarting.get(unit["unit_id"])
-            if unit.get("pid") not in pids and (restarted is None or restarted.pid not in pids):
-                continue
-            path = unit.get("arena_path")
-            if path and unit.get("host") == self.host and not arena_in_use(path):
-                for leftover in (path, f"{path}.journal"):
-                    with contextlib.suppress(OSError):
-                        os.unlink(leftover)
 
     @staticmethod
     def _held_rows(part: Partition, slots: np.ndarray) -> np.ndarray:
@@ -958,14 +940,17 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
 
     def stats(self) -> messages.StatsReply:
         now = time.monotonic()
+        # on copies: the registry itself goes out in hello replies and journal snapshots, where a
+        # health of the last stats call would be stale
+        units = []
         for u in self.units:
             down = self._unit_down_for(u["unit_id"], now)
-            u["alive"], u["down_for_s"] = not down, down or None
+            units.append({**u, "alive": not down, "down_for_s": down or None})
         window = [(t, b) for t, b in self.recent if now - t <= 60.0]
         return messages.StatsReply(
             **self.server_stats(),
             partitions=[self._partition_summary(p) for p in self.partitions.values()],
-            units=self.units,  # type: ignore[arg-type] - the unit maps, encoded as UnitInfo
+            units=units,  # type: ignore[arg-type] - the unit maps, encoded as UnitInfo
             units_version=self.units_version,
             bytes_committed_total=self.bytes_committed,
             bytes_read_total={str(u): b for u, b in self.bytes_read.items()},

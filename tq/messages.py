@@ -34,6 +34,13 @@ from .liveness import NAME_PATTERN
 
 BLOCK_ID_LIMIT = 1 << 40  # storage units number blocks from 1 and never get near this
 UNIT_ENDED_S = 1e9  # a unit's down_for_s once its process ended (its controller saw it exit)
+
+
+def unit_down_reason(down_for_s: float) -> str:
+    """Why a unit reported down with ``down_for_s`` is down, in words."""
+    return "its process ended" if down_for_s >= UNIT_ENDED_S else f"no answer for {down_for_s:.1f}s"
+
+
 # a process's liveness file in a server's shared-memory directory (tq.liveness), which the server opens
 LivenessFile = Annotated[str, msgspec.Meta(pattern=f"^{NAME_PATTERN}$")]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +68,15 @@ class UnitLedger:
 def block_rows(rows: np.ndarray, bufs: list[Any]) -> dict[str, Any]:
     """The ``blocks`` and ``rows`` args of a unit's free_rows / retain for ``[n, 2]`` (block, row) pairs."""
     return {"blocks": protocol.pack_array(rows[:, 0], bufs), "rows": protocol.pack_array(rows[:, 1], bufs)}
+
+
+def _remove_arena_files(unit: dict) -> None:
+    """Remove a unit's arena and its journal, what of them exists."""
+    for path in (unit["arena_path"], f"{unit['arena_path']}.journal"):
+        try:
+            os.unlink(path)
+        except (OSError, TypeError):
+            pass
 
 
 class UnitSupervision:
@@ -273,11 +283,19 @@ class UnitSupervision:
             self._restarting[uid] = proc
             return
         unit["managed"] = False  # given up: not restarted again
-        for path in (unit["arena_path"], f"{unit['arena_path']}.journal"):
-            try:
-                os.unlink(path)
-            except (OSError, TypeError):
-                pass
+        _remove_arena_files(unit)
+
+    def remove_arenas_of(self, stopped: list[subprocess.Popen]) -> None:
+        """After a shutdown: remove the arena and journal of every unit of this host whose process
+        (one of ``stopped``, all ended) left them and that no process holds - a unit restarted just
+        before the shutdown that got its SIGTERM while still starting (importing, or replaying its
+        journal) dies without cleaning up, and nothing would start on that arena again."""
+        pids = {p.pid for p in stopped}
+        for unit in self.units:
+            restarted = self._restarting.get(unit["unit_id"])
+            if unit.get("pid") in pids or (restarted is not None and restarted.pid in pids):
+                if unit.get("host") == self.host and unit.get("arena_path") and not arena_in_use(unit["arena_path"]):
+                    _remove_arena_files(unit)
 
     def _heartbeat(self, now: float) -> None:
         if now >= self._next_adopted_check:  # a dead unit is restarted within this, not a heartbeat

@@ -905,45 +905,124 @@ def _unit_of(c: TQClient, meta: KVBatchMeta, field: str) -> int:
     return int(protocol.unpack_array(located.loc, msg.buffers)[0, 0, 0])
 
 
-def test_hung_storage_unit_fails_reads_fast_naming_unit_and_key():
-    """A unit that stops answering (SIGSTOP): once the heartbeat misses, reads of its keys fail at once
-    with StorageUnitError naming the unit and a key, not after the client timeout; a read already
-    waiting on it is abandoned too; other units' keys stay readable; it serves again after SIGCONT.
-    Until the heartbeat misses, a same-host read needs no answer from the unit (it copies out of the
-    arena at the offsets the controller located)."""
+def test_hung_storage_unit_is_waited_for_within_a_reads_timeout_and_read_once_it_resumes():
+    """A unit that stops answering (SIGSTOP) past the heartbeat: a read of its keys over TCP waits for
+    it within its own timeout - its request abandoned, asked again once the unit answers - and gets
+    its rows bit-exact after it resumes, not StorageUnitError at the first seconds of silence (a
+    stalled host or a network cut heals: that error ended a GRPO job over a 10 s cut that Ray rode
+    out); a read whose timeout ends first fails then, naming the unit as unreachable; a same-host
+    read copies the rows out of the arena without the unit; other units' keys stay readable."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tq.supervision import UNIT_TIMEOUT_S
+
     with TQServer(storage_units=2, capacity=64 << 20) as server:
         c = TQClient(server.address, timeout=30.0)
         tcp = TQClient(server.address, timeout=30.0, transport="tcp")
+        short = TQClient(server.address, timeout=4.0, transport="tcp")
         try:
             c.register_partition("p")
             metas = [c.put("p", [f"h{i}_{j}" for j in range(2)], {"x": torch.full((2, 3), float(i))}) for i in range(2)]
             units = [_unit_of(c, m, "x") for m in metas]
             assert sorted(units) == [0, 1]
             info = next(u for u in c._units if u.unit_id == units[0])
+            for m in metas:  # connected to both units: the get's requests go out, then wait for the reply
+                tcp.get(m)
             os.kill(info.pid, signal.SIGSTOP)
             try:
-                assert torch.equal(c.get(metas[0])["x"], torch.full((2, 3), 0.0))  # no request to the unit
-                t0 = time.monotonic()
-                with pytest.raises(StorageUnitError, match=rf"storage unit {units[0]} .* is down"):
-                    tcp.get(metas[0])  # in flight before the heartbeat misses: abandoned once it does
-                assert time.monotonic() - t0 < 8
-                with pytest.raises(StorageUnitError, match=rf"storage unit {units[0]} .* is down.*key '{metas[0].keys[0]}'"):
-                    c.get(metas[0])  # known down: refused by the controller at once
-                assert torch.equal(c.get(metas[1])["x"], torch.full((2, 3), 1.0))
+                with ThreadPoolExecutor(1) as pool:
+                    waiting = pool.submit(tcp.get, metas[0])  # in flight before the heartbeat misses
+                    time.sleep(UNIT_TIMEOUT_S + 1.0)
+                    assert not waiting.done() and not c.stats()["units"][units[0]]["alive"]
+                    assert torch.equal(c.get(metas[0])["x"], torch.full((2, 3), 0.0))  # no request to the unit
+                    assert torch.equal(tcp.get(metas[1])["x"], torch.full((2, 3), 1.0))
+                    t0 = time.monotonic()
+                    with pytest.raises(StorageUnitError, match=rf"storage unit {units[0]} .* is unreachable .*time ran out"):
+                        short.get(metas[0])  # asked while it is reported down: waited for, to the end of its timeout
+                    assert 3.5 < time.monotonic() - t0 < 4.0 + 1.0
+                    os.kill(info.pid, signal.SIGCONT)
+                    resumed = time.monotonic()
+                    assert torch.equal(waiting.result(timeout=20)["x"], torch.full((2, 3), 0.0))
+                    assert time.monotonic() - resumed < 3.0
             finally:
                 os.kill(info.pid, signal.SIGCONT)
-            assert wait_until(lambda: all(u["alive"] for u in c.stats()["units"]), timeout=10)
-            assert torch.equal(tcp.get(metas[0])["x"], torch.full((2, 3), 0.0))
+            assert torch.equal(short.get(metas[0])["x"], torch.full((2, 3), 0.0))
         finally:
-            c.close()
+            for client in (c, tcp, short):
+                client.close()
+
+
+def test_a_unit_silent_past_unit_lost_s_is_given_up_and_reads_of_its_keys_fail_fast():
+    """With the controller's unit_lost_s at 5 s, a stopped unit is waited for 5 s, no longer: a read
+    in flight fails then with StorageUnitError naming it (not at the end of its 30 s timeout), a new
+    read fails at once naming the unit and a key, and once the unit resumes its keys read again."""
+    with TQServer(storage_units=1, capacity=64 << 20, unit_lost_s=5.0) as server:
+        tcp = TQClient(server.address, timeout=30.0, transport="tcp")
+        try:
+            tcp.register_partition("p")
+            meta = tcp.put("p", ["a", "b"], {"x": torch.arange(6.0).reshape(2, 3)})
+            pid = tcp._units[0].pid
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(StorageUnitError, match=r"storage unit 0 at .* is down \(no answer for [5-9]\.[0-9]s\)"):
+                    tcp.get(meta)
+                assert 5.0 < time.monotonic() - t0 < 8.0
+                t0 = time.monotonic()
+                with pytest.raises(StorageUnitError, match=r"storage unit 0 .* is down .*first 'x' of key 'a'"):
+                    tcp.get(meta)
+                assert time.monotonic() - t0 < 1.0
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert wait_until(lambda: all(u["alive"] for u in tcp.stats()["units"]), timeout=10)
+            assert torch.equal(tcp.get(meta)["x"], torch.arange(6.0).reshape(2, 3))
+        finally:
             tcp.close()
 
 
-def test_a_hung_unit_fails_a_pipelined_tcp_get_fast_and_its_late_replies_confuse_no_later_get():
+def test_a_unit_whose_process_is_gone_fails_reads_fast_though_no_controller_saw_it_end():
+    """A unit its controller did not start (placed by Ray on another node, say) is killed: nothing
+    tells the controller its process ended, only that it went silent - as over a network cut. A read
+    of its keys waiting for it finds its address refusing connections (its host answers, nothing
+    listens) and fails with StorageUnitError within seconds, not at the end of its 30 s timeout."""
+    shm = tempfile.mkdtemp(prefix="tq-gone-", dir="/dev/shm")
+    ready = os.path.join(shm, "unit.ready")
+    unit = None
+    try:
+        with TQServer(storage_units=0, capacity=64 << 20, shm_dir=shm) as server:
+            cmd = launch.storage_unit_command(
+                unit_id=0, bind="tcp://127.0.0.1:0", controller=server.address, capacity=32 << 20, shm_dir=shm, ready_file=ready
+            )
+            unit = subprocess.Popen(cmd, env=launch.service_env(None))
+            launch.await_ready_file(ready, alive=lambda: unit.poll() is None, timeout=60, what="storage unit 0")
+            tcp = TQClient(server.address, timeout=30.0, transport="tcp")
+            try:
+                tcp.register_partition("p")
+                meta = tcp.put("p", ["a"], {"x": torch.ones(1, 4)})
+                assert torch.equal(tcp.get(meta)["x"], torch.ones(1, 4))
+                unit.kill()
+                unit.wait()
+                t0 = time.monotonic()
+                with pytest.raises(StorageUnitError, match=r"storage unit 0 at .* is down .*refuses connections"):
+                    tcp.get(meta)
+                assert time.monotonic() - t0 < 8.0
+            finally:
+                tcp.close()
+    finally:
+        if unit is not None and unit.poll() is None:
+            unit.kill()
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_a_hung_unit_holds_a_pipelined_tcp_get_which_asks_again_once_it_resumes_and_no_late_reply_confuses_it():
     """A TCP get of a unit's rows is several requests in flight at once (protocol.TCP_FETCH_BYTES each).
-    With the unit stopped, the get fails with StorageUnitError naming it once its heartbeat misses,
-    its requests abandoned; once the unit is back, the next get is bit-exact and in order (whatever
-    became of the abandoned requests, no reply to one is taken for its own)."""
+    With the unit stopped past the heartbeat, the get abandons its requests and waits; once the unit
+    resumes it asks again and returns bit-exact, in order; so does the next get in another order
+    (whatever became of the abandoned requests, no reply to one is taken for its own)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tq.supervision import UNIT_TIMEOUT_S
+
     value = torch.arange(288 * 32768, dtype=torch.float32).reshape(288, 32768)  # 36 MiB: three requests
     assert value.numel() * 4 > 2 * protocol.TCP_FETCH_BYTES
     with TQServer(storage_units=1, capacity=128 << 20) as server:
@@ -953,19 +1032,22 @@ def test_a_hung_unit_fails_a_pipelined_tcp_get_fast_and_its_late_replies_confuse
             c.register_partition("p")
             meta = c.put("p", [f"big{i}" for i in range(288)], {"x": value})
             pid = c._units[0].pid
-            os.kill(pid, signal.SIGSTOP)
             try:
-                t0 = time.monotonic()
-                with pytest.raises(StorageUnitError, match=r"storage unit 0 .* is down"):
-                    tcp.get(meta)
-                assert time.monotonic() - t0 < 8
+                with ThreadPoolExecutor(1) as pool:
+                    # connected (streams are per thread): the get's requests go out, then wait for the replies
+                    assert torch.equal(pool.submit(tcp.get, meta).result()["x"], value)
+                    os.kill(pid, signal.SIGSTOP)
+                    waiting = pool.submit(tcp.get, meta)
+                    time.sleep(UNIT_TIMEOUT_S + 1.0)  # reported down, and the get's check has seen it: requests abandoned
+                    assert not waiting.done()
+                    os.kill(pid, signal.SIGCONT)
+                    assert torch.equal(waiting.result(timeout=25)["x"], value)
             finally:
                 os.kill(pid, signal.SIGCONT)
-            assert wait_until(lambda: all(u["alive"] for u in c.stats()["units"]), timeout=10)
             order = list(range(287, -1, -1))
             assert torch.equal(tcp.get(meta.select(order))["x"], value[order])
             parts = -(-value.numel() * 4 // protocol.TCP_FETCH_BYTES)
-            assert c.stats()["unit_stats"][0]["ops"]["fetch"]["count"] >= parts  # that get was pipelined too
+            assert c.stats()["unit_stats"][0]["ops"]["fetch"]["count"] >= 3 * parts  # that get was pipelined too
         finally:
             c.close()
             tcp.close()

@@ -293,6 +293,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         journal_dir=args.journal_dir,
         metrics_port=args.metrics_port,
         stream_port=args.stream_port,
+        unit_lost_s=args.unit_lost_s,
     )
 
     if args.foreground:
@@ -608,6 +609,7 @@ def build_parser() -> argparse.ArgumentParser:
         "which is what matters while the data itself lives in tmpfs), 'interval' (fsync about "
         "once a second) or 'always' (fsync every record)",
     )
+    s.add_argument("--unit-lost-s", type=argtypes.positive_seconds, default=None, metavar="SECONDS", help=launch.UNIT_LOST_HELP)
     common(s)
     s.set_defaults(func=cmd_start)
 

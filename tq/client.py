@@ -55,7 +55,7 @@ from .protocol import LOC_BLOCK as BLOCK, LOC_COLUMNS, LOC_NBYTES as NBYTES, LOC
 from .protocol import LOC_ROW as ROW, LOC_UNIT as UNIT  # record columns
 from .rowcopy import FieldCopy, copy_fields, write_chunks
 from .stream_transport import usable_cores
-from .rpc import RpcChannel, time_budget, time_left
+from .rpc import RpcChannel, refuses_connections, time_budget, time_left
 from .schema import DTYPES, JAGGED, OBJECT, FieldSchema
 
 ReadsArgsT = TypeVar("ReadsArgsT", bound=messages.ReadsArgs)
@@ -77,6 +77,8 @@ FREE_GRACE_S = 0.05  # a write that finds no room waits this long for frees alre
 GIVE_BACK_S = 0.25  # how long giving a slab's unused ids back may wait (close() must not hang on a dead controller)
 ABORT_PROBE_S = 0.5  # after a commit got no reply: how long to ask whether it landed
 UNIT_CHECK_MIN_S = 0.05  # a wait on a unit asks the controller about it only with this much of its time left
+UNIT_AWAIT_S = 0.25  # how often a read waiting for a silent unit asks whether it answers again
+UNIT_PROBE_S = 0.5  # how long a connect to a silent unit's address may take to be refused (see _await_unit)
 DEFAULT_LEASE_S = 30.0  # a borrowed get's lease term; a live holder renews it every third of it
 
 
@@ -193,6 +195,16 @@ def put_copy_threads() -> int:
 
 class _UnitRestarted(Exception):
     """A storage unit came back at a new address while a request to its old one was pending."""
+
+
+class _UnitUnreachable(Exception):
+    """A storage unit its controller has not heard from lately - not given up on - holds rows a read
+    needs (raised before they are asked for, or while a request to it waits): a get waits for it
+    (TQClient._await_unit) and reads again; a write fails with StorageUnitError (its message is this)."""
+
+    def __init__(self, unit: int, why: str) -> None:
+        super().__init__(f"storage unit {unit} {why}")
+        self.unit = unit
 
 
 class _Fetched:
@@ -711,10 +723,12 @@ class TQClient:
         return unit in self._local_units
 
     def _unit_check(self, unit: int, chan: RpcChannel) -> Any:
-        """A liveness check for long waits on ``unit`` over ``chan``: raises StorageUnitError once the
-        controller reports it down, so a read or write does not sit out the whole timeout, and
-        _UnitRestarted once it serves at another address than ``chan``'s - the channel the call waits
-        on, not the client's current one, which another thread's refresh may have replaced already."""
+        """A liveness check for long waits on ``unit`` over ``chan``, so that a read or write does not
+        sit out the whole timeout: raises StorageUnitError once the controller gave the unit up,
+        _UnitUnreachable while it reports it silent (the request may have gone down with a dropped
+        connection: a get asks again once the unit answers), and _UnitRestarted once it serves at
+        another address than ``chan``'s - the channel the call waits on, not the client's current one,
+        which another thread's refresh may have replaced already."""
 
         def check() -> None:
             left = time_left()
@@ -723,13 +737,46 @@ class TQClient:
                 # (asked anyway, the call failed as if the controller had not: "no time left to ask
                 # controller" - what a reader cut off from a unit the controller still hears was told)
                 return
-            st = self._call(Op.UNIT_STATUS, messages.UnitStatus(unit=unit), timeout=min(self.timeout, 5.0))
-            if not st.alive:
+            st = self._unit_status(unit)
+            if st.lost:
                 raise StorageUnitError(f"storage unit {unit} at {st.address} is down ({messages.unit_down_reason(st.down_for_s)})")
+            if not st.alive:
+                raise _UnitUnreachable(unit, f"at {st.address} is unreachable ({messages.unit_down_reason(st.down_for_s)})")
             if st.address != chan.address:
                 raise _UnitRestarted(unit)
 
         return check
+
+    def _unit_status(self, unit: int) -> messages.UnitStatusReply:
+        return self._call(Op.UNIT_STATUS, messages.UnitStatus(unit=unit), timeout=min(self.timeout, 5.0))
+
+    def _await_unit(self, unit: int) -> None:
+        """Wait, within what is left of the call's time, until ``unit`` - silent, not given up on by
+        its controller - answers again (a network partition healed, a stalled host resumed). Raises
+        StorageUnitError once the controller gives it up, once its address refuses connections (its
+        host answers and nothing listens: the process is gone, as when a node's processes die - a
+        network cut gives no answer), or when the call's time runs out first."""
+        while True:
+            left = time_left()
+            if left is not None and left < UNIT_CHECK_MIN_S:
+                raise StorageUnitError(f"storage unit {unit} is unreachable: this call's time ran out waiting for it")
+            st = self._unit_status(unit)
+            where = f"storage unit {unit} at {st.address}"
+            if st.lost:
+                raise StorageUnitError(f"{where} is down ({messages.unit_down_reason(st.down_for_s)})")
+            if st.alive:
+                if self._unit_chans.get(unit) is None or st.address != self._unit_chans[unit].address:
+                    self._refresh_units()  # it came back elsewhere
+                return
+            left = time_left()
+            if refuses_connections(st.address, UNIT_PROBE_S if left is None else min(UNIT_PROBE_S, max(left / 2, 0.01))):
+                raise StorageUnitError(f"{where} is down (no answer for {st.down_for_s:.1f}s, and its address refuses connections)")
+            left = time_left()
+            if left is not None and left < UNIT_AWAIT_S + UNIT_CHECK_MIN_S:
+                raise StorageUnitError(
+                    f"{where} is unreachable ({messages.unit_down_reason(st.down_for_s)}): this call's time ran out waiting for it"
+                )
+            time.sleep(UNIT_AWAIT_S)
 
     def _arena(self, unit: int) -> Arena:
         arena = self._arenas.get(unit)
@@ -1156,6 +1203,12 @@ class TQClient:
     def _unit_call(self, unit: int, op: UnitOp, args: messages.Args, buffers: list[Any]) -> Any:
         """A write request to ``unit`` (waiting for room up to ``capacity_wait_s``), asked again at the
         unit's new address if it restarted while this one was pending."""
+        try:
+            return self._unit_call_once(unit, op, args, buffers)
+        except _UnitUnreachable as exc:  # a write is not sent again: the caller may put elsewhere
+            raise StorageUnitError(str(exc)) from None
+
+    def _unit_call_once(self, unit: int, op: UnitOp, args: messages.Args, buffers: list[Any]) -> Any:
         timeout = self.timeout + self.capacity_wait_s
         chan = self._unit_chans[unit]
         try:
@@ -1389,6 +1442,9 @@ class TQClient:
         entry, frees = self._tables.get(meta.partition_id), located.frees
         check = (lambda: entry[0].unchanged(frees)) if entry is not None and frees is not None else None
         is_local = self._is_local if shm else (lambda unit: False)
+        for unit in located.unreachable or ():
+            if not is_local(unit):  # rows it would send (those of this host are read out of its arena)
+                raise _UnitUnreachable(unit, "is unreachable (its controller has not heard from it lately)")
         units = loc[:, :, UNIT]
         first = int(units.flat[0]) if units.size else 0
         if units.size and (units == first).all() and is_local(first):
@@ -1488,6 +1544,11 @@ class TQClient:
         back as read-only tensors viewing the arena - fixed-shape fields, ``"jagged"`` values (the
         offsets are computed), ``"list"`` rows, and ``"padded"`` rows that need no padding - pinned
         by a lease (see :class:`BorrowedBatch`, which is returned); other fields are copied.
+
+        Rows on a storage unit its controller has not heard from for a few seconds are waited for,
+        within this call's time, and read once it answers again (a network partition heals, a
+        stalled host resumes); a unit given up on - its process ended, or silent for the
+        controller's ``unit_lost_s`` (30 s) - fails the get at once with StorageUnitError.
         """
         if layout not in ("padded", "jagged", "list"):
             raise InvalidRequestError(f"layout must be 'padded', 'jagged' or 'list', got {layout!r}")
@@ -1495,9 +1556,14 @@ class TQClient:
         if not fields:
             raise InvalidRequestError("get needs at least one field (the meta names none)")
         with time_budget(self.timeout + (wait_timeout or 0.0)):  # every request of the get, in all
-            if not copy:
-                return self._get_borrowed(meta, fields, layout, pad_to, pad_value, wait_timeout)
-            return self._get_within(meta, fields, layout, pad_to, pad_value, wait_timeout)
+            while True:
+                try:
+                    if not copy:
+                        return self._get_borrowed(meta, fields, layout, pad_to, pad_value, wait_timeout)
+                    return self._get_within(meta, fields, layout, pad_to, pad_value, wait_timeout)
+                except _UnitUnreachable as silent:  # a network cut heals: read again once the unit answers
+                    unit = silent.unit
+                self._await_unit(unit)  # out of the handler: an error it raises is not chained to ours
 
     def _read_only(self, unit: int) -> np.ndarray:
         """``unit``'s arena mapped read-only: a write through a borrowed view faults instead of

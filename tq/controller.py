@@ -52,7 +52,7 @@ from .messages import ControllerOp as Op
 from .partition import Partition, Waiter, put_at, rows_at
 from .pins import POLL_S as PIN_POLL_S, SUPPORTED as PINS_SUPPORTED, PinBoard
 from .recovery import COMPACT_AFTER, JournalRecovery  # noqa: F401 - COMPACT_AFTER: tq.controller's API
-from .supervision import UnitLedger, UnitSupervision
+from .supervision import UNIT_LOST_S, UnitLedger, UnitSupervision
 from .protocol import LOC_BLOCK as BLOCK, LOC_COLUMNS, LOC_NBYTES as NBYTES  # location
 from .protocol import LOC_ROW as ROW, LOC_UNIT as UNIT  # record columns
 from .rpc import DEFERRED, Call, RpcServer, ServerMustStop
@@ -86,6 +86,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         shm_dir: str | None = "/dev/shm",
         fsync: str = "never",
         stream_port: int = 0,
+        unit_lost_s: float = UNIT_LOST_S,
     ) -> None:
         super().__init__("controller", bind, secret=secret, max_message_bytes=max_message_bytes)
         # Location tables go to shared memory when there is a tmpfs to hold them (see tq.locations).
@@ -105,6 +106,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         self.expected_units = expected_units
         self.waiters: list[Waiter] = []
         self.unit_seen: dict[int, float] = {}  # last time each storage unit answered
+        self.unit_lost_s = unit_lost_s  # silent this long, a unit is given up on (see supervision.UNIT_LOST_S)
         self.units_version = 0  # bumped whenever a unit registers or rejoins (clients refresh on change)
         self.restart_unit: Any = None  # set by serve(): restarts a crashed unit of this controller
         self._restarts: dict[int, list[float]] = {}
@@ -264,7 +266,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         down = self._unit_down_for(unit, time.monotonic())
         if bool(down) != bool(self._published_down >> min(unit, 62) & 1):
             self._publish_status()  # a reader told "down" here must not read that unit through a table
-        return messages.UnitStatusReply(alive=not down, down_for_s=down, address=self.units[unit]["address"])
+        return messages.UnitStatusReply(alive=not down, down_for_s=down, address=self.units[unit]["address"], lost=self._unit_lost(down))
 
     def close(self) -> None:
         self._flush_units()  # what the coalescing window still held
@@ -783,15 +785,20 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
                 f"in partition {part.pid!r} (first: {keys[int(absent[0])]!r})"
             )
         now = time.monotonic()
-        for unit in range(len(self.units)):  # fail fast, naming the unit, if one holding a row is down
+        unreachable = []  # silent units holding rows: the reader waits for them (see supervision.UNIT_LOST_S)
+        for unit in range(len(self.units)):
             age = self._unit_down_for(unit, now)
             hit = np.argwhere(units == unit) if age else ()
-            if len(hit):
-                raise StorageUnitError(
-                    f"storage unit {unit} at {self.units[unit]['address']} is down (no answer for {age:.1f}s): "
-                    f"{len(hit)} of the requested (key, field) pairs live there, first "
-                    f"{fields[int(hit[0, 0])]!r} of key {keys[int(hit[0, 1])]!r}"
-                )
+            if not len(hit):
+                continue
+            if not self._unit_lost(age):
+                unreachable.append(unit)
+                continue
+            raise StorageUnitError(  # given up on: fail fast, naming the unit
+                f"storage unit {unit} at {self.units[unit]['address']} is down ({messages.unit_down_reason(age)}): "
+                f"{len(hit)} of the requested (key, field) pairs live there, first "
+                f"{fields[int(hit[0, 0])]!r} of key {keys[int(hit[0, 1])]!r}"
+            )
         # Same-host clients copy straight out of the arenas, so reads are counted here, not by the units.
         if len(self.units) == 1:
             self.bytes_read[0] = self.bytes_read.get(0, 0) + int(loc[:, :, NBYTES].sum())
@@ -808,6 +815,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             table=part.table.descriptor(),  # type: ignore[arg-type] - its map, encoded as a TableRef
             frees=part.table.frees,
             lease=self._take_lease(leased_blocks(loc), lease_s, lease_id, holder=holder) if lease_s is not None else None,
+            unreachable=unreachable or None,
         )
         return reply, frames
 
@@ -1022,6 +1030,7 @@ def serve(
     commit_lease_s: float | None = None,
     metrics_port: int | None = None,
     stream_port: int = 0,
+    unit_lost_s: float = UNIT_LOST_S,
 ) -> None:
     """Run a controller and ``storage_units`` local storage-unit processes until shut down.
 
@@ -1042,7 +1051,14 @@ def serve(
 
     check_bind_allowed(bind, secret)
     ctrl = Controller(
-        bind, secret=secret, expected_units=storage_units, journal_dir=journal_dir, shm_dir=shm_dir, fsync=fsync, stream_port=stream_port
+        bind,
+        secret=secret,
+        expected_units=storage_units,
+        journal_dir=journal_dir,
+        shm_dir=shm_dir,
+        fsync=fsync,
+        stream_port=stream_port,
+        unit_lost_s=unit_lost_s,
     )
     env = launch.service_env(secret.decode() if secret else None)
     metrics = None
@@ -1160,6 +1176,7 @@ def main(argv: list[str] | None = None) -> None:
         help="serve the service's Prometheus metrics at http://HOST:PORT/metrics (0: a free port; "
         "default: $TQ_METRICS_PORT, else no metrics)",
     )
+    p.add_argument("--unit-lost-s", type=argtypes.positive_seconds, default=UNIT_LOST_S, metavar="SECONDS", help=launch.UNIT_LOST_HELP)
     a = p.parse_args(argv)
     if a.metrics_port is None and os.environ.get("TQ_METRICS_PORT"):  # a service a program starts (a trainer's TQServer)
         try:
@@ -1180,6 +1197,7 @@ def main(argv: list[str] | None = None) -> None:
         commit_lease_s=a.commit_lease,
         metrics_port=a.metrics_port,
         stream_port=a.stream_port,
+        unit_lost_s=a.unit_lost_s,
     )
 
 

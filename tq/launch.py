@@ -37,6 +37,10 @@ def service_env(secret: str | None) -> dict[str, str]:
     return env
 
 
+UNIT_LOST_HELP = (
+    "seconds a silent storage unit is waited for before it is given up on (default 30): until then a read "
+    "of its keys waits for it within its own timeout - a network partition heals - after it the read fails at once"
+)
 STREAM_PORT_HELP = (
     "TCP port of the controller's stream socket, where clients of other hosts send their requests besides "
     "--port (0: a free one, kept across restarts with --journal-dir); a port given is used or the start "
@@ -57,6 +61,7 @@ def controller_command(
     commit_lease_s: float | None = None,
     metrics_port: int | None = None,
     stream_port: int = 0,
+    unit_lost_s: float | None = None,
 ) -> list[str]:
     """The command line of a controller process (``python -m tq.controller``) and its local units."""
     cmd = [
@@ -86,6 +91,8 @@ def controller_command(
         cmd += ["--metrics-port", str(metrics_port)]
     if stream_port:
         cmd += ["--stream-port", str(stream_port)]
+    if unit_lost_s is not None:
+        cmd += ["--unit-lost-s", str(unit_lost_s)]
     return cmd
 
 

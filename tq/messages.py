@@ -359,6 +359,8 @@ class LocateReply(Reply):
     table: Union[TableRef, None] = None
     frees: Union[int, None] = None
     lease: Union[int, None] = None
+    # units holding some of the rows that are silent but not given up on: the reader waits for them
+    unreachable: Union[list[Count], None] = None
 
 
 class Wait(PartitionArgs):
@@ -455,6 +457,7 @@ class UnitStatusReply(Reply):
     alive: bool
     down_for_s: float  # 0 while alive; UNIT_ENDED_S once its controller saw its process end
     address: str
+    lost: bool = False  # given up on (ended, or silent past the controller's unit_lost_s): reads fail fast
 
 
 class Stats(ReadsArgs):

@@ -33,6 +33,7 @@ import hmac
 import itertools
 import logging
 import secrets
+import socket
 import threading
 import time
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -118,6 +119,22 @@ def reconnect_when_silent(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.HEARTBEAT_IVL, int(ZMQ_HEARTBEAT_S * 1e3))
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(ZMQ_SILENT_S * 1e3))
     sock.setsockopt(zmq.CONNECT_TIMEOUT, int(ZMQ_CONNECT_TRY_S * 1e3))
+
+
+def refuses_connections(address: str, timeout: float) -> bool:
+    """Whether a TCP connect to ``address`` (``tcp://host:port``) is refused within ``timeout``: its
+    host answers and nothing listens there - the server's process is gone, where silence (a network
+    cut, a host down) gives no answer at all. False for any other outcome, and for other transports."""
+    if not address.startswith("tcp://"):
+        return False
+    host, port = stream_transport.endpoint_host(address), int(address.rsplit(":", 1)[1])
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return False
 
 
 # ----------------------------------------------------------------------------- connection security

@@ -56,6 +56,7 @@ class TQServer:
         fsync: str = "never",
         commit_lease_s: float | None = None,
         stream_port: int = 0,
+        unit_lost_s: float | None = None,
     ) -> None:
         for name, value in (("port", port), ("stream_port", stream_port)):
             if not 0 <= value <= 65535:
@@ -75,6 +76,7 @@ class TQServer:
                 journal_dir=journal_dir,
                 commit_lease_s=commit_lease_s,
                 stream_port=stream_port,
+                unit_lost_s=unit_lost_s,
             ),
             env=launch.service_env(secret),
             stdout=subprocess.DEVNULL,

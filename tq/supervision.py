@@ -30,7 +30,12 @@ from .protocol import LOC_BLOCK as BLOCK, LOC_ROW as ROW, LOC_UNIT as UNIT
 log = logging.getLogger("tq.controller")
 
 HEARTBEAT_S = 1.0  # the controller pings every storage unit this often
-UNIT_TIMEOUT_S = 3.0  # a unit silent for longer is reported down and reads of its keys fail fast
+UNIT_TIMEOUT_S = 3.0  # a unit silent for longer is reported down: reads of its keys wait for it (UNIT_LOST_S)
+# A unit silent for longer is given up on: reads of its keys fail fast. Until then a reader waits for
+# it within its own timeout - a network partition or a stalled host heals, and failing at the first
+# few seconds of silence ended a GRPO job over a 10 s network cut that Ray itself rides out (Ray
+# declares a node dead after 5 failed health checks, 3 s apart, each allowed 10 s: 20-60 s).
+UNIT_LOST_S = 30.0
 ADOPTED_CHECK_S = 0.2  # how often the pids of units taken back from the journal are checked
 UNIT_SEND_HWM = 1000  # messages queued per storage unit before sends to it are dropped (then a retain)
 UNIT_STREAM_MAX_QUEUED = 64 << 20  # the same bound, in bytes, for a unit reached over its Unix socket
@@ -230,6 +235,11 @@ class UnitSupervision:
         )
         led.resync = False
         self._send_to_unit(unit, messages.UnitOp.RETAIN, args, bufs)  # sets resync again if it could not go out
+
+    def _unit_lost(self, down_for_s: float) -> bool:
+        """Whether a unit down for ``down_for_s`` (see :meth:`_unit_down_for`) is given up on: its
+        process ended, or it has been silent for ``unit_lost_s``."""
+        return down_for_s >= self.unit_lost_s
 
     def _unit_down_for(self, unit: int, now: float) -> float:
         """Seconds since the unit last answered, if that is past ``UNIT_TIMEOUT_S`` (``messages.UNIT_ENDED_S``

@@ -18,6 +18,11 @@ user runs on several machines:
    every byte a rank reads crosses the network on both paths (legacy: rollout -> driver -> ranks
    through Ray's object transfer; TQ: the head's storage unit -> the ranks' gets over TCP).
 
+``--partition-s S`` adds a cluster on which the GRPO job runs while its last worker node (a DP rank,
+a storage unit) is cut off for S seconds - its switch port blocked, every packet dropped, nothing
+reset - once a few steps are done; the job should ride a short cut out (TQ's reads wait for a silent
+unit within their timeout), and the report says when the step in flight ended after the heal.
+
 ``--fault`` adds a cluster on which a worker node leaves mid-read: a reader on the head gets rows held
 by the head's unit and by the last worker node's unit in a loop while every process of that node's
 namespace (raylet, Ray workers, storage unit) is killed; it records the error the get in flight
@@ -31,6 +36,7 @@ and exits 2 where namespaces cannot be made.
     python -m benchmarks.multinode                     # 1 head + 2 worker nodes, 4 GRPO steps, the data-plane step (~2 min on 2 cores)
     python -m benchmarks.multinode --link-rate 10gbit  # tc-limited links
     python -m benchmarks.multinode --link-rate none,10gbit,25gbit --fault   # one cluster per rate, then the fault check
+    python -m benchmarks.multinode --partition-s 10     # also a job through a 10 s cut of a worker node
     python -m benchmarks.multinode --publish           # also writes benchmarks/results/multinode_<machine>.{json,md}
 """
 
@@ -39,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import secrets
 import shlex
 import shutil
@@ -157,6 +164,16 @@ class NetnsCluster:
         except subprocess.TimeoutExpired:
             _killpg(p, signal.SIGKILL)
             raise TimeoutError(f"{' '.join(cmd[:4])} ... did not finish within {timeout:.0f}s (log: {log})") from None
+
+    def cut(self, node: int) -> None:
+        """Block node ``node``'s switch port: its veth end taken off the hub's bridge, both links kept
+        up, every packet dropped without a reset - as when a switch fails (netem and iptables are not
+        on every kernel; this needs only ``ip``)."""
+        self._ip("-n", self.hub, "link", "set", f"{self.tag}{node}b", "nomaster")
+
+    def heal(self, node: int) -> None:
+        """Open node ``node``'s switch port again (see :meth:`cut`)."""
+        self._ip("-n", self.hub, "link", "set", f"{self.tag}{node}b", "master", "br0")
 
     def kill_node(self, node: int) -> int:
         """SIGKILL every process in node ``node``'s namespace (the node leaves); returns how many."""
@@ -448,12 +465,15 @@ def run(
     fault: bool = False,
     dataplane_steps: int = 0,
     dataplane_quick: bool = False,
+    partition_s: float = 0.0,
 ) -> dict[str, Any]:
     """Set the cluster up, run the transfer check, (``steps`` > 0) the GRPO job and (``dataplane_steps``
     > 0) the data-plane step across the nodes (:func:`dataplane_points`), tear down; returns the report.
 
     ``fault``: instead of the job, the last worker node leaves (every process in its namespace is
-    killed) while a reader on the head gets rows from its storage unit (see :func:`node_leaves`)."""
+    killed) while a reader on the head gets rows from its storage unit (see :func:`node_leaves`).
+    ``partition_s``: the last worker node is cut off for that long during the job (see
+    :func:`run_grpo_job`)."""
     # Every file of a run is made afresh: the run waits for its helpers' output files to appear, so one
     # left by an earlier run into the same directory would be read as this run's result.
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -551,8 +571,8 @@ def run(
             )
             return report
         if steps > 0:
-            report["train"] = run_grpo_job(cluster, steps, tq_address, secret, run_dir, env)
-            log(f"GRPO job: {len(report['train']['steps'])} steps in {report['train']['wall_s']} s")
+            report["train"] = run_grpo_job(cluster, steps, tq_address, secret, run_dir, env, partition_s)
+            log(f"GRPO job: exit {report['train']['rc']}, {len(report['train']['steps'])} steps in {report['train']['wall_s']} s")
         if dataplane_steps > 0:
             out = work / "dataplane.json"
             cmd = [sys.executable, "-m", "benchmarks.multinode", "_dataplane", "--ray-address", f"{head}:{RAY_PORT}"]
@@ -570,9 +590,15 @@ def run(
     return report
 
 
-def run_grpo_job(cluster: NetnsCluster, steps: int, tq_address: str, secret: str, run_dir: Path, env: dict[str, str]) -> dict[str, Any]:
+def run_grpo_job(
+    cluster: NetnsCluster, steps: int, tq_address: str, secret: str, run_dir: Path, env: dict[str, str], partition_s: float = 0.0
+) -> dict[str, Any]:
     """``trainer.grpo_sync`` on the head, connected to the cluster, one DP rank per worker node;
-    returns its exit status, wall time and per-step metrics."""
+    returns its exit status, wall time and per-step metrics.
+
+    ``partition_s`` > 0: once PARTITION_AFTER_STEP steps are done, the last worker node (a DP rank and
+    a storage unit) is cut off (:meth:`NetnsCluster.cut`) for that long; the job must ride it out - a
+    failed job is reported (its exit status and error line), not raised."""
     head, nodes = cluster.ips[0], len(cluster.ips)
     t0 = time.monotonic()
     train_cmd = [
@@ -591,13 +617,87 @@ def run_grpo_job(cluster: NetnsCluster, steps: int, tq_address: str, secret: str
         "logger.tensorboard=false",
         "logger.plot=false",
     ]
-    rc = cluster.run(0, train_cmd, run_dir / "train.log", timeout=480, env=env)
-    wall_s = round(time.monotonic() - t0, 1)
     metrics = run_dir / "train" / "multinode" / "metrics.jsonl"
-    if rc != 0 or not metrics.exists():
+    if not partition_s:
+        rc = cluster.run(0, train_cmd, run_dir / "train.log", timeout=480, env=env)
+        cut = None
+    else:
+        rc, cut = _job_through_partition(cluster, train_cmd, run_dir, env, metrics, partition_s)
+    wall_s = round(time.monotonic() - t0, 1)
+    if (rc != 0 and cut is None) or not metrics.exists():
         raise RuntimeError(f"the GRPO job failed (exit {rc}); see {run_dir / 'train.log'}")
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    return {"rc": rc, "wall_s": wall_s, "steps": [r for r in rows if any(k.startswith("timing/") for k in r)]}
+    out = {"rc": rc, "wall_s": wall_s, "steps": _steps_of(metrics)}
+    if cut is not None:
+        log_lines = (run_dir / "train.log").read_text(errors="replace").splitlines()
+        errors = [line for line in log_lines if line.startswith("error:")]
+        # TQ reads held up by the cut log a warning when they start waiting (Ray may fold repeated lines)
+        ansi = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours the prefix of a worker's line
+        cut["tq_read_waits"] = [ansi.sub("", line)[:300] for line in log_lines if "a read of its rows waits up to" in line]
+        out.update(partition=cut, error=errors[-1][:600] if errors and rc != 0 else None)
+    return out
+
+
+PARTITION_AFTER_STEP = 4  # steps done before the partition: the job is warm, every path used
+PARTITION_JOB_S = 900  # a job through a partition ends within this (Ray may wait minutes for an actor's death info)
+
+
+def _steps_of(metrics: Path) -> list[dict[str, Any]]:
+    """The step rows of a job's metrics.jsonl so far (its last line may be half written)."""
+    if not metrics.exists():
+        return []
+    rows = []
+    for line in metrics.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return [r for r in rows if any(k.startswith("timing/") for k in r)]
+
+
+def _job_through_partition(
+    cluster: NetnsCluster, train_cmd: list[str], run_dir: Path, env: dict[str, str], metrics: Path, partition_s: float
+) -> tuple[int, dict[str, Any]]:
+    """Run the job, cut the last worker node off for ``partition_s`` once PARTITION_AFTER_STEP steps
+    are done, heal it; returns the job's exit status and when each step ended around the cut."""
+    node = len(cluster.ips) - 1
+    p = cluster.spawn(0, train_cmd, run_dir / "train.log", env)
+    deadline = time.monotonic() + PARTITION_JOB_S
+    while len(_steps_of(metrics)) < PARTITION_AFTER_STEP:
+        if p.poll() is not None or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    ended: list[float] = []  # when each step after the cut was seen done (0.2 s resolution)
+
+    def watch(until: float) -> None:
+        while time.time() < until and p.poll() is None:
+            while len(_steps_of(metrics)) > PARTITION_AFTER_STEP + len(ended):
+                ended.append(time.time())
+            time.sleep(0.2)
+
+    cut_at = time.time()
+    cluster.cut(node)
+    try:
+        watch(cut_at + partition_s)
+    finally:
+        cluster.heal(node)
+    healed_at = time.time()
+    watch(healed_at + PARTITION_JOB_S)
+    try:
+        rc = p.wait(max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        _killpg(p, signal.SIGKILL)
+        rc = p.wait()
+    done = len(_steps_of(metrics))
+    while len(ended) < done - PARTITION_AFTER_STEP:  # the last ones, if the job ended between two looks
+        ended.append(time.time())
+    after = [round(t - healed_at, 2) for t in ended]
+    return rc, {
+        "node": cluster.ips[node],
+        "cut_s": partition_s,
+        "after_step": PARTITION_AFTER_STEP,
+        "steps_ended_after_heal_s": after,  # of the steps after the cut, when each ended (negative: during it)
+        "ended_after_heal_s": round(time.time() - healed_at, 1),
+    }
 
 
 def _median(xs: list[float]) -> float:
@@ -621,9 +721,16 @@ def _dataplane_ratio(d: dict[str, Any] | None) -> str:
 
 
 def render_section(report: dict[str, Any]) -> list[str]:
-    """One cluster run (one link rate, or the fault check) as markdown lines."""
+    """One cluster run (one link rate, the fault check, or a job through a partition) as markdown lines."""
+    cut = report.get("train", {}).get("partition")
+    if report.get("fault"):
+        title = "A worker node leaves"
+    elif cut:
+        title = f"A worker node cut off for {cut['cut_s']:g} s mid-job"
+    else:
+        title = "Links " + (report["link_rate"] or "not rate-limited")
     lines = [
-        f"## {'A worker node leaves' if report.get('fault') else 'Links ' + (report['link_rate'] or 'not rate-limited')}",
+        f"## {title}",
         "",
         f"{report['nodes']} network namespaces (a head + {report['nodes'] - 1} worker nodes) bridged by veth pairs; "
         f"{report['total_s']} s in all." + (f" Every node's link: `{report['tc'][0]}`." if report.get("tc") else ""),
@@ -642,6 +749,29 @@ def render_section(report: dict[str, Any]) -> list[str]:
             "",
         ]
     t = report.get("train")
+    if cut:
+        steps = [_step_s(r) for r in t["steps"]]
+        after, k = cut["steps_ended_after_heal_s"], cut["after_step"]
+        first = next((s for s in after if s >= 0), None)
+        lines += [
+            f"Once {k} steps were done, worker node {cut['node']} (a DP rank and a storage unit) was cut off for "
+            f"{cut['cut_s']:g} s: its switch port blocked, every packet dropped without a reset, both links up. "
+            f"The job: exit {t['rc']}, {len(t['steps'])} steps.",
+            "",
+        ]
+        if len(steps) > k:
+            lines.append(
+                f"- the step in flight (step {k + 1}) took {steps[k]:.2f} s (the other steps' median {_median(steps[:k] + steps[k + 1 :]):.2f} s)"
+                + (f" and ended {first:.1f} s after the heal" if first is not None else "")
+            )
+        waits = cut.get("tq_read_waits", [])
+        lines.append(
+            f"- TQ reads held up by the cut (each logs that it waits for the silent unit): {len(waits)}"
+            + (f", e.g. `{waits[0]}`" if waits else " - the cut met no read in flight this time (which phase it meets is chance)")
+        )
+        if t.get("error"):
+            lines.append(f"- `{t['error']}` ({cut['ended_after_heal_s']} s after the heal)")
+        lines.append("")
     if t:
         lines += [
             f"GRPO job (`trainer.grpo_sync`, tiny model, DP ranks on different nodes): exit {t['rc']}, "
@@ -697,7 +827,7 @@ def render_md(reports: list[dict[str, Any]], machine: str, code: dict[str, Any])
         f"`python -m benchmarks.multinode` on {machine}; code {code.get('commit', '?')}.",
         "",
     ]
-    rated = [r for r in reports if not r.get("fault") and r.get("placement", {}).get("xfer")]
+    rated = [r for r in reports if not r.get("fault") and not r.get("train", {}).get("partition") and r.get("placement", {}).get("xfer")]
     if len(rated) > 1:
         lines += [
             "| links | cross-node get GB/s | same-node get GB/s | GRPO step s (median) | rank fetch s (median of max) "
@@ -768,6 +898,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also run the fault check on a cluster of its own: a worker node leaves while a reader gets its rows",
     )
+    ap.add_argument(
+        "--partition-s",
+        type=float,
+        default=0.0,
+        help="also run the GRPO job on a cluster of its own with its last worker node cut off for this many "
+        f"seconds once {PARTITION_AFTER_STEP} steps are done (the job must finish every step; default: not run)",
+    )
     add_output_args(ap, "multinode")
     args = ap.parse_args(argv)
     rates = [None if r in ("", "none") else r for r in (args.link_rate or "none").split(",")]
@@ -780,6 +917,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.fault:
             reports.append(run(max(2, args.nodes), 0, None, Path(out.run_dir) / "fault", fault=True))
+        if args.partition_s > 0:
+            steps = max(args.steps, PARTITION_AFTER_STEP + 4)
+            reports.append(run(max(2, args.nodes), steps, None, Path(out.run_dir) / "partition", partition_s=args.partition_s))
     except SetupError as exc:
         print(f"multinode: cannot emulate nodes on this machine: {exc}", file=sys.stderr)
         return 2

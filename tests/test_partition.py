@@ -1,7 +1,8 @@
 """A network partition between two emulated hosts (network namespaces), and its healing: a writer on
-the cut-off node and a reader of its rows on the head fail fast while the link is down, succeed again
-within seconds of it coming back (not after TCP's retransmission back-off), and every acknowledged
-write reads back bit-exact (``benchmarks/tq_partition.py``). Skipped where namespaces cannot be made."""
+the cut-off node and a reader of its rows on the head fail at their timeouts while the link is down, a
+reader whose timeout outlasts the cut waits it out, all succeed again within seconds of it coming back
+(not after TCP's retransmission back-off), and every acknowledged write reads back bit-exact
+(``benchmarks/tq_partition.py``). Skipped where namespaces cannot be made."""
 
 from __future__ import annotations
 

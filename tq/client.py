@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -77,7 +78,10 @@ FREE_GRACE_S = 0.05  # a write that finds no room waits this long for frees alre
 GIVE_BACK_S = 0.25  # how long giving a slab's unused ids back may wait (close() must not hang on a dead controller)
 ABORT_PROBE_S = 0.5  # after a commit got no reply: how long to ask whether it landed
 UNIT_CHECK_MIN_S = 0.05  # a wait on a unit asks the controller about it only with this much of its time left
+log = logging.getLogger("tq.client")
+
 UNIT_AWAIT_S = 0.25  # how often a read waiting for a silent unit asks whether it answers again
+UNIT_AWAIT_STATUS_S = 1.0  # how long each of those asks may take
 UNIT_PROBE_S = 0.5  # how long a connect to a silent unit's address may take to be refused (see _await_unit)
 DEFAULT_LEASE_S = 30.0  # a borrowed get's lease term; a live holder renews it every third of it
 
@@ -737,7 +741,10 @@ class TQClient:
                 # (asked anyway, the call failed as if the controller had not: "no time left to ask
                 # controller" - what a reader cut off from a unit the controller still hears was told)
                 return
-            st = self._unit_status(unit)
+            try:
+                st = self._unit_status(unit)
+            except TQConnectionError:  # nor does its controller answer (this host cut off?): the request may be lost too
+                raise _UnitUnreachable(unit, "does not answer, nor does its controller") from None
             if st.lost:
                 raise StorageUnitError(f"storage unit {unit} at {st.address} is down ({messages.unit_down_reason(st.down_for_s)})")
             if not st.alive:
@@ -747,28 +754,47 @@ class TQClient:
 
         return check
 
-    def _unit_status(self, unit: int) -> messages.UnitStatusReply:
-        return self._call(Op.UNIT_STATUS, messages.UnitStatus(unit=unit), timeout=min(self.timeout, 5.0))
+    def _unit_status(self, unit: int, timeout: float = 5.0) -> messages.UnitStatusReply:
+        return self._call(Op.UNIT_STATUS, messages.UnitStatus(unit=unit), timeout=min(self.timeout, timeout), resend=True)
 
     def _await_unit(self, unit: int) -> None:
         """Wait, within what is left of the call's time, until ``unit`` - silent, not given up on by
         its controller - answers again (a network partition healed, a stalled host resumed). Raises
         StorageUnitError once the controller gives it up, once its address refuses connections (its
         host answers and nothing listens: the process is gone, as when a node's processes die - a
-        network cut gives no answer), or when the call's time runs out first."""
+        network cut gives no answer), or when the call's time runs out first. Logs a warning when it
+        starts waiting and when the unit answers again (a silent wait would look like a hang)."""
+        since, warned = time.monotonic(), False
         while True:
             left = time_left()
             if left is not None and left < UNIT_CHECK_MIN_S:
                 raise StorageUnitError(f"storage unit {unit} is unreachable: this call's time ran out waiting for it")
-            st = self._unit_status(unit)
+            try:
+                # asked briefly: one asked into a cut waits out its whole timeout after the heal
+                st = self._unit_status(unit, UNIT_AWAIT_STATUS_S)
+            except TQConnectionError as exc:  # the controller is cut off too (this host's network?): wait on
+                left = time_left()
+                if left is not None and left < UNIT_AWAIT_S + UNIT_CHECK_MIN_S:
+                    raise StorageUnitError(f"storage unit {unit} is unreachable, and so is its controller: {exc}") from None
+                if not warned:
+                    log.warning("storage unit %d and its controller do not answer: a read of its rows waits for them", unit)
+                    warned = True
+                time.sleep(UNIT_AWAIT_S)
+                continue
             where = f"storage unit {unit} at {st.address}"
             if st.lost:
                 raise StorageUnitError(f"{where} is down ({messages.unit_down_reason(st.down_for_s)})")
             if st.alive:
                 if self._unit_chans.get(unit) is None or st.address != self._unit_chans[unit].address:
                     self._refresh_units()  # it came back elsewhere
+                if warned:
+                    log.warning("%s answers again: a read waited %.1fs for it and asks again", where, time.monotonic() - since)
                 return
             left = time_left()
+            if not warned:
+                wait = "this call's time" if left is None else f"{left:.1f}s (this call's time left)"
+                log.warning("%s has not answered for %.1fs: a read of its rows waits up to %s for it", where, st.down_for_s, wait)
+                warned = True
             if refuses_connections(st.address, UNIT_PROBE_S if left is None else min(UNIT_PROBE_S, max(left / 2, 0.01))):
                 raise StorageUnitError(f"{where} is down (no answer for {st.down_for_s:.1f}s, and its address refuses connections)")
             left = time_left()
@@ -825,8 +851,8 @@ class TQClient:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _call(self, op: Op, args: messages.Args, buffers: Sequence[Any] = (), timeout: float | None = None) -> Any:
-        return self._ctrl.call(op, args, buffers, timeout=timeout)[0]
+    def _call(self, op: Op, args: messages.Args, buffers: Sequence[Any] = (), timeout: float | None = None, resend: bool = False) -> Any:
+        return self._ctrl.call(op, args, buffers, timeout=timeout, resend=resend)[0]
 
     # ------------------------------------------------------------------ partitions and keys
     def register_partition(self, partition_id: str, *, reuse: bool = False) -> None:
@@ -860,7 +886,8 @@ class TQClient:
 
     def get_meta(self, partition_id: str, keys: Sequence[str] | None = None) -> KVBatchMeta:
         """A meta for the given keys (default: every key), with their tags, lengths and common fields."""
-        r = self._call(Op.GET_META, messages.GetMeta(partition=partition_id, keys=list(keys) if keys is not None else None))
+        args = messages.GetMeta(partition=partition_id, keys=list(keys) if keys is not None else None)
+        r = self._call(Op.GET_META, args, resend=True)  # a read: asked again if stuck in a network cut
         return KVBatchMeta(
             partition_id,
             tuple(r.keys),
@@ -1326,6 +1353,7 @@ class TQClient:
             Op.WAIT,
             messages.Wait(partition=meta.partition_id, keys=list(meta.keys), fields=fields, timeout=timeout),
             timeout=timeout + self.timeout,
+            resend=True,  # it only waits: asked again if stuck in a network cut
         )
 
     def _with_reads(self, args: ReadsArgsT) -> ReadsArgsT:
@@ -1430,7 +1458,9 @@ class TQClient:
         arena, the check to run after copying them: no bytes of the partition were freed meanwhile
         (a unit serves a fetch between frees, so frames need no check)."""
         args = messages.Locate(partition=meta.partition_id, keys=list(meta.keys), fields=fields, timeout=wait_timeout)
-        located, lmsg = self._ctrl.call(Op.LOCATE, self._with_reads(args), timeout=self.timeout + (wait_timeout or 0.0))
+        # a read, asked again if stuck in a network cut (no lease: asked twice, it takes nothing twice;
+        # its bytes may be counted twice in the read metrics)
+        located, lmsg = self._ctrl.call(Op.LOCATE, self._with_reads(args), timeout=self.timeout + (wait_timeout or 0.0), resend=True)
         if located.units_version != self._units_version:
             self._refresh_units()
         n = len(meta.keys)

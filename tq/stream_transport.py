@@ -793,5 +793,18 @@ class ClientStream:
                 self._ready += got[1:]
                 return got[0]
 
+    def retransmitting(self) -> bool:
+        """Whether TCP is retransmitting bytes of ours the server has not acknowledged (Linux's
+        TCP_INFO: a timeout's retransmissions, or its back-off, under way): what we sent is not
+        getting through - across a network cut, retransmitted with a doubling back-off after the
+        network is back. False elsewhere (a Unix socket, no TCP_INFO)."""
+        if not self.address.startswith("tcp://") or not hasattr(socket, "TCP_INFO"):
+            return False
+        try:
+            info = self.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)
+        except OSError:
+            return False
+        return info[2] > 0 or info[4] > 0  # tcpi_retransmits, tcpi_backoff (struct tcp_info)
+
     def close(self) -> None:
         self.sock.close()

@@ -752,17 +752,19 @@ def render_section(report: dict[str, Any]) -> list[str]:
     if cut:
         steps = [_step_s(r) for r in t["steps"]]
         after, k = cut["steps_ended_after_heal_s"], cut["after_step"]
-        first = next((s for s in after if s >= 0), None)
+        # the step in flight at the heal: the first to end after it (one may have ended as the cut began)
+        i = next((i for i, s in enumerate(after) if s >= 0), None)
         lines += [
             f"Once {k} steps were done, worker node {cut['node']} (a DP rank and a storage unit) was cut off for "
             f"{cut['cut_s']:g} s: its switch port blocked, every packet dropped without a reset, both links up. "
             f"The job: exit {t['rc']}, {len(t['steps'])} steps.",
             "",
         ]
-        if len(steps) > k:
+        if i is not None and len(steps) > k + i:
+            n = k + i
             lines.append(
-                f"- the step in flight (step {k + 1}) took {steps[k]:.2f} s (the other steps' median {_median(steps[:k] + steps[k + 1 :]):.2f} s)"
-                + (f" and ended {first:.1f} s after the heal" if first is not None else "")
+                f"- the step in flight at the heal (step {n + 1}) took {steps[n]:.2f} s (the other steps' median "
+                f"{_median(steps[:n] + steps[n + 1 :]):.2f} s) and ended {after[i]:.1f} s after the heal"
             )
         waits = cut.get("tq_read_waits", [])
         lines.append(

@@ -225,7 +225,8 @@ def test_deprecated_spellings_still_work(cli_env, tmp_path):
 
 def test_status_tells_how_long_a_unit_reported_down_has_not_answered():
     """A unit the controller has not heard for a while (stalled here; cut off by a network partition
-    alike) is shown DOWN with how long it has been silent - in the stats and the status table."""
+    alike) is shown UNREACHABLE with how long it has been silent - reads of its rows wait for it - and
+    DOWN once given up on (past the controller's unit_lost_s), in the stats and the status table."""
     import io
     import signal as sig
 
@@ -233,20 +234,29 @@ def test_status_tells_how_long_a_unit_reported_down_has_not_answered():
     from tq.cli import print_status
     from tq.supervision import UNIT_TIMEOUT_S
 
-    with TQServer(storage_units=2, capacity=16 << 20) as server, TQClient(server.address, timeout=5.0) as client:
+    lost_s = UNIT_TIMEOUT_S + 2.5
+    with TQServer(storage_units=2, capacity=16 << 20, unit_lost_s=lost_s) as server, TQClient(server.address, timeout=5.0) as client:
         pid = client.stats()["unit_stats"][1]["pid"]
         os.kill(pid, sig.SIGSTOP)
         try:
-            time.sleep(UNIT_TIMEOUT_S + 1.0)
-            stats = client.stats()
+            time.sleep(UNIT_TIMEOUT_S + 0.5)
+            silent = client.stats()
+            deadline = time.monotonic() + 15
+            while not (lost := client.stats())["units"][1].get("lost") and time.monotonic() < deadline:
+                time.sleep(0.2)
         finally:
             os.kill(pid, sig.SIGCONT)
-        up, down = sorted(stats["units"], key=lambda u: u["unit_id"])
+        up, down = sorted(silent["units"], key=lambda u: u["unit_id"])
         assert up["alive"] and "down_for_s" not in up
-        assert not down["alive"] and UNIT_TIMEOUT_S < down["down_for_s"] < UNIT_TIMEOUT_S + 10
+        assert not down["alive"] and not down["lost"] and UNIT_TIMEOUT_S < down["down_for_s"] < lost_s
         out = io.StringIO()
-        print_status(stats, file=out)
-        assert f"DOWN (no answer for {down['down_for_s']:.1f}s)" in out.getvalue()
+        print_status(silent, file=out)
+        assert f"UNREACHABLE (no answer for {down['down_for_s']:.1f}s)" in out.getvalue()
+        gone = sorted(lost["units"], key=lambda u: u["unit_id"])[1]
+        assert gone["lost"] and gone["down_for_s"] >= lost_s, gone
+        out = io.StringIO()
+        print_status(lost, file=out)
+        assert f"DOWN (no answer for {gone['down_for_s']:.1f}s)" in out.getvalue()
 
 
 @pytest.mark.parametrize("json_out", [True, False], ids=["json", "table"])

@@ -1014,6 +1014,37 @@ def test_a_unit_whose_process_is_gone_fails_reads_fast_though_no_controller_saw_
         shutil.rmtree(shm, ignore_errors=True)
 
 
+def test_a_read_a_dropped_zmq_connection_held_is_asked_again_once_the_controller_answers():
+    """The controller stopped (SIGSTOP) longer than rpc.ZMQ_SILENT_S while a get_meta waits over ZMQ:
+    the client drops the silent connection and, with it, the request (the controller, resumed, reads
+    it and answers into the dropped connection). Once connected again the read is asked again and
+    returns within seconds of the controller resuming, not at the end of its 30 s timeout."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tq import rpc
+
+    with TQServer(storage_units=1, capacity=16 << 20) as server:
+        c = TQClient(server.address, timeout=30.0)
+        try:
+            c.register_partition("p")
+            c.put("p", ["a"], {"x": torch.ones(1, 2)})
+            c._ctrl.use_stream(None)  # ZMQ only (this host's clients reach the controller over its Unix socket)
+            with ThreadPoolExecutor(1) as pool:
+                assert pool.submit(c.get_meta, "p").result().keys == ("a",)  # this thread's ZMQ socket connected
+                os.kill(server.proc.pid, signal.SIGSTOP)
+                try:
+                    waiting = pool.submit(c.get_meta, "p")
+                    time.sleep(rpc.ZMQ_SILENT_S + 2.0)
+                    assert not waiting.done()
+                finally:
+                    os.kill(server.proc.pid, signal.SIGCONT)
+                resumed = time.monotonic()
+                assert waiting.result(timeout=35).keys == ("a",)
+                assert time.monotonic() - resumed < 5.0
+        finally:
+            c.close()
+
+
 def test_a_hung_unit_holds_a_pipelined_tcp_get_which_asks_again_once_it_resumes_and_no_late_reply_confuses_it():
     """A TCP get of a unit's rows is several requests in flight at once (protocol.TCP_FETCH_BYTES each).
     With the unit stopped past the heartbeat, the get abandons its requests and waits; once the unit

@@ -189,6 +189,8 @@ def render_status(stats: dict[str, Any], *, address: str | None = None, rates: d
         units.add_column(col, justify=justify, no_wrap=col == "health")  # type: ignore[arg-type]
     alive = {u.get("unit_id"): u.get("alive", True) for u in stats.get("units", [])}
     down_for = {u.get("unit_id"): u.get("down_for_s") for u in stats.get("units", [])}
+    # silent, not given up on (reads of its rows wait for it) / given up on (they fail at once)
+    label = {u.get("unit_id"): "DOWN" if u.get("lost", True) is not False else "UNREACHABLE" for u in stats.get("units", [])}
     # unit_stats come from the units themselves; fall back to the controller's registry if absent.
     unit_rows = sorted(stats.get("unit_stats") or stats.get("units", []), key=lambda u: u.get("unit_id", 0))
     for u in unit_rows:
@@ -196,7 +198,9 @@ def render_status(stats: dict[str, Any], *, address: str | None = None, rates: d
         share = f" ({100 * used / size:.0f}%)" if used is not None and size else ""
         units.add_row(
             str(u.get("unit_id")),
-            "[green]up[/]" if alive.get(u.get("unit_id"), True) else f"[bold red]DOWN[/]{_down_for(down_for.get(u.get('unit_id')))}",
+            "[green]up[/]"
+            if alive.get(u.get("unit_id"), True)
+            else f"[bold red]{label.get(u.get('unit_id'), 'DOWN')}[/]{_down_for(down_for.get(u.get('unit_id')))}",
             str(u.get("address")),
             str(u.get("host", "")).split("/", 1)[0],
             f"{format_bytes(used)} / {format_bytes(size)}{share}" if used is not None else f"? / {format_bytes(size)}",

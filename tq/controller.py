@@ -953,7 +953,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         units = []
         for u in self.units:
             down = self._unit_down_for(u["unit_id"], now)
-            units.append({**u, "alive": not down, "down_for_s": down or None})
+            units.append({**u, "alive": not down, "down_for_s": down or None, "lost": self._unit_lost(down) if down else None})
         window = [(t, b) for t, b in self.recent if now - t <= 60.0]
         return messages.StatsReply(
             **self.server_stats(),

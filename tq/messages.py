@@ -159,6 +159,7 @@ class UnitInfo(msgspec.Struct, omit_defaults=True, kw_only=True):
     free_bytes: Union[int, None] = None
     alive: Union[bool, None] = None
     down_for_s: Union[float, None] = None  # in stats, of a unit reported down: as UnitStatusReply's
+    lost: Union[bool, None] = None  # in stats, of a unit reported down: given up on (as UnitStatusReply's)
     local_address: Union[str, None] = None  # its same-host Unix socket (tq.stream_transport), if any
     stream_address: Union[str, None] = None  # its TCP stream socket (tq.stream_transport), if any
 

@@ -122,7 +122,8 @@ def reconnect_when_silent(sock: zmq.Socket) -> None:
 
 
 class _RequestStuck(Exception):
-    """A request TCP is retransmitting: not getting through (see RpcChannel.call's ``resend``)."""
+    """A request not getting through: TCP is retransmitting it, or the ZMQ connection that held it was
+    dropped for its silence (see RpcChannel.call's ``resend``)."""
 
 
 def refuses_connections(address: str, timeout: float) -> bool:

@@ -160,6 +160,9 @@ class ChaosClient(RowMaker):
         self.resurrected: set[str] = set()  # discarded, later present
         self.unknown: set[str] = set()  # present, never written by this client
         self.suspect = False  # a read said an acknowledged key or field is missing: audit every field
+        # what this client did with each key and what came of it (time since start): a loss names the op
+        self.history: dict[str, list[str]] = collections.defaultdict(list)
+        self.t0 = time.monotonic()
         self.counter = 0
         self.calls: collections.Counter = collections.Counter()
         self.call_ok: collections.Counter = collections.Counter()
@@ -254,7 +257,17 @@ class ChaosClient(RowMaker):
                     self.lost.add((h.keys[i], f))
                 else:
                     self.wrong += 1
-        self.note(f"MISSING: {len(idx)} key(s) of a batch ({', '.join(fields)}), first {h.keys[idx[0]]!r}: {why}")
+        first = h.keys[idx[0]]
+        self.note(
+            f"MISSING: {len(idx)} key(s) of a batch ({', '.join(fields)}), first {first!r}: {why}; "
+            f"its history: {'; '.join(self.history.get(first, [])) or 'none'}"
+        )
+
+    def _did(self, keys: Any, what: str) -> None:
+        """Record ``what`` happened to ``keys`` now (see ``history``)."""
+        line = f"{time.monotonic() - self.t0:.2f}s {what}"
+        for k in keys:
+            self.history[k].append(line)
 
     def _live_keys(self) -> int:
         return sum(len(h.keys) for h in self.live)
@@ -271,9 +284,11 @@ class ChaosClient(RowMaker):
         h = Held(keys, lengths, {name: [digest(r) for r in rows_of(col)] for name, col in cols.items()}, set(), big=big)
         try:
             h.meta = self._call("put", lambda: self.client.put(self.pid, keys, cols))
-        except Exception:
+        except Exception as exc:
+            self._did(keys, f"put raised {type(exc).__name__}")
             self.maybe.append(h)
             raise
+        self._did(keys, f"put of {len(keys)} acknowledged")
         h.acked = set(h.sums)
         self.live.append(h)
         if big and self.client.transport == "tcp":
@@ -381,9 +396,11 @@ class ChaosClient(RowMaker):
             del self.live[at]
         try:
             got = self._call("discard", lambda: self.client.discard(meta))
-        except Exception:
+        except Exception as exc:
+            self._did(meta.keys, f"discard of {len(gone)} (of {n}) raised {type(exc).__name__}")
             self.dropping.append(h.select(gone))
             raise
+        self._did(meta.keys, f"discard of {len(gone)} (of {n}) returned")
         self.discarded.update(h.keys[i] for i in gone)
         if got != len(gone):
             self.outcomes["discard_count_wrong"] += 1
@@ -481,6 +498,7 @@ class ChaosClient(RowMaker):
         not apply leaves its keys live)."""
         pending, none, done = (self.maybe, "absent", "landed") if op == "put" else (self.dropping, "applied", "not_applied")
         present = [i for i, k in enumerate(h.keys) if k in listing]
+        self._did(h.keys, f"{op} settled: {len(present)} of {len(h.keys)} keys listed")
         if not present:
             pending.remove(h)
             self.outcomes[f"{op}_{none}"] += 1

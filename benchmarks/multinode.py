@@ -670,8 +670,8 @@ def _job_through_partition(
 
     def watch(until: float) -> None:
         while time.time() < until and p.poll() is None:
-            while len(_steps_of(metrics)) > PARTITION_AFTER_STEP + len(ended):
-                ended.append(time.time())
+            done, now = len(_steps_of(metrics)), time.time()
+            ended.extend([now] * (done - PARTITION_AFTER_STEP - len(ended)))
             time.sleep(0.2)
 
     cut_at = time.time()

@@ -187,10 +187,7 @@ def render_status(stats: dict[str, Any], *, address: str | None = None, rates: d
         ("pid", "right"),
     ):
         units.add_column(col, justify=justify, no_wrap=col == "health")  # type: ignore[arg-type]
-    alive = {u.get("unit_id"): u.get("alive", True) for u in stats.get("units", [])}
-    down_for = {u.get("unit_id"): u.get("down_for_s") for u in stats.get("units", [])}
-    # silent, not given up on (reads of its rows wait for it) / given up on (they fail at once)
-    label = {u.get("unit_id"): "DOWN" if u.get("lost", True) is not False else "UNREACHABLE" for u in stats.get("units", [])}
+    health = {u.get("unit_id"): _health(u) for u in stats.get("units", [])}
     # unit_stats come from the units themselves; fall back to the controller's registry if absent.
     unit_rows = sorted(stats.get("unit_stats") or stats.get("units", []), key=lambda u: u.get("unit_id", 0))
     for u in unit_rows:
@@ -198,9 +195,7 @@ def render_status(stats: dict[str, Any], *, address: str | None = None, rates: d
         share = f" ({100 * used / size:.0f}%)" if used is not None and size else ""
         units.add_row(
             str(u.get("unit_id")),
-            "[green]up[/]"
-            if alive.get(u.get("unit_id"), True)
-            else f"[bold red]{label.get(u.get('unit_id'), 'DOWN')}[/]{_down_for(down_for.get(u.get('unit_id')))}",
+            health.get(u.get("unit_id"), "[green]up[/]"),
             str(u.get("address")),
             str(u.get("host", "")).split("/", 1)[0],
             f"{format_bytes(used)} / {format_bytes(size)}{share}" if used is not None else f"? / {format_bytes(size)}",
@@ -249,10 +244,15 @@ def _console(file: Any = None) -> Any:
     return PipeConsole(file=out, width=width, highlight=False)
 
 
-def _down_for(seconds: float | None) -> str:
-    """Why the controller reports a unit down (silent since when - a partition, a stalled process - or
-    its process ended); '' when it has no word (the unit did not answer the status itself)."""
-    return f" ({messages.unit_down_reason(seconds)})" if seconds else ""
+def _health(unit: dict[str, Any]) -> str:
+    """A unit's health column: up; UNREACHABLE while its controller has not heard from it for a while
+    (a partition, a stalled process: reads of its rows wait for it); DOWN once given up on (they fail
+    at once) - with why, where the controller says (not when the unit only missed the stats call)."""
+    if unit.get("alive", True):
+        return "[green]up[/]"
+    seconds = unit.get("down_for_s")
+    why = f" ({messages.unit_down_reason(seconds)})" if seconds else ""
+    return f"[bold red]{'UNREACHABLE' if unit.get('lost') is False else 'DOWN'}[/]{why}"
 
 
 def print_status(stats: dict[str, Any], *, address: str | None = None, file: Any = None) -> None:

@@ -211,6 +211,11 @@ class _UnitUnreachable(Exception):
         self.unit = unit
 
 
+def _unit_down(unit: int, st: messages.UnitStatusReply) -> StorageUnitError:
+    """The error for a unit its controller gave up on."""
+    return StorageUnitError(f"storage unit {unit} at {st.address} is down ({messages.unit_down_reason(st.down_for_s)})")
+
+
 class _Fetched:
     """Where each requested row of one field lives after a fetch: a source buffer and a byte range."""
 
@@ -746,7 +751,7 @@ class TQClient:
             except TQConnectionError:  # nor does its controller answer (this host cut off?): the request may be lost too
                 raise _UnitUnreachable(unit, "does not answer, nor does its controller") from None
             if st.lost:
-                raise StorageUnitError(f"storage unit {unit} at {st.address} is down ({messages.unit_down_reason(st.down_for_s)})")
+                raise _unit_down(unit, st)
             if not st.alive:
                 raise _UnitUnreachable(unit, f"at {st.address} is unreachable ({messages.unit_down_reason(st.down_for_s)})")
             if st.address != chan.address:
@@ -764,44 +769,44 @@ class TQClient:
         host answers and nothing listens: the process is gone, as when a node's processes die - a
         network cut gives no answer), or when the call's time runs out first. Logs a warning when it
         starts waiting and when the unit answers again (a silent wait would look like a hang)."""
-        since, warned = time.monotonic(), False
+        since, warned, why = time.monotonic(), False, "is unreachable"
         while True:
             left = time_left()
-            if left is not None and left < UNIT_CHECK_MIN_S:
-                raise StorageUnitError(f"storage unit {unit} is unreachable: this call's time ran out waiting for it")
+            if left is not None and left < UNIT_CHECK_MIN_S:  # no time to ask (the loop's end keeps enough)
+                raise StorageUnitError(f"storage unit {unit} {why}: this call's time ran out waiting for it")
             try:
                 # asked briefly: one asked into a cut waits out its whole timeout after the heal
                 st = self._unit_status(unit, UNIT_AWAIT_STATUS_S)
-            except TQConnectionError as exc:  # the controller is cut off too (this host's network?): wait on
+            except TQConnectionError as exc:  # the controller is cut off too (this host's network?), or no time left
+                why = f"is unreachable, and so is its controller ({exc})"
+            else:
+                if st.lost:
+                    raise _unit_down(unit, st)
+                if st.alive:
+                    if self._unit_chans.get(unit) is None or st.address != self._unit_chans[unit].address:
+                        self._refresh_units()  # it came back elsewhere
+                    if warned:
+                        log.warning(
+                            "storage unit %d answers again: a read waited %.1fs for it and asks again", unit, time.monotonic() - since
+                        )
+                    return
+                why = f"at {st.address} is unreachable ({messages.unit_down_reason(st.down_for_s)})"
                 left = time_left()
-                if left is not None and left < UNIT_AWAIT_S + UNIT_CHECK_MIN_S:
-                    raise StorageUnitError(f"storage unit {unit} is unreachable, and so is its controller: {exc}") from None
-                if not warned:
-                    log.warning("storage unit %d and its controller do not answer: a read of its rows waits for them", unit)
-                    warned = True
-                time.sleep(UNIT_AWAIT_S)
-                continue
-            where = f"storage unit {unit} at {st.address}"
-            if st.lost:
-                raise StorageUnitError(f"{where} is down ({messages.unit_down_reason(st.down_for_s)})")
-            if st.alive:
-                if self._unit_chans.get(unit) is None or st.address != self._unit_chans[unit].address:
-                    self._refresh_units()  # it came back elsewhere
-                if warned:
-                    log.warning("%s answers again: a read waited %.1fs for it and asks again", where, time.monotonic() - since)
-                return
-            left = time_left()
-            if not warned:
-                wait = "this call's time" if left is None else f"{left:.1f}s (this call's time left)"
-                log.warning("%s has not answered for %.1fs: a read of its rows waits up to %s for it", where, st.down_for_s, wait)
-                warned = True
-            if refuses_connections(st.address, UNIT_PROBE_S if left is None else min(UNIT_PROBE_S, max(left / 2, 0.01))):
-                raise StorageUnitError(f"{where} is down (no answer for {st.down_for_s:.1f}s, and its address refuses connections)")
+                if refuses_connections(st.address, UNIT_PROBE_S if left is None else min(UNIT_PROBE_S, max(left / 2, 0.01))):
+                    raise StorageUnitError(
+                        f"storage unit {unit} at {st.address} is down (no answer for {st.down_for_s:.1f}s, and its address refuses connections)"
+                    )
             left = time_left()
             if left is not None and left < UNIT_AWAIT_S + UNIT_CHECK_MIN_S:
-                raise StorageUnitError(
-                    f"{where} is unreachable ({messages.unit_down_reason(st.down_for_s)}): this call's time ran out waiting for it"
+                raise StorageUnitError(f"storage unit {unit} {why}: this call's time ran out waiting for it")
+            if not warned:
+                log.warning(
+                    "storage unit %d %s: a read of its rows waits up to %s for it",
+                    unit,
+                    why,
+                    "this call's time" if left is None else f"{left:.1f}s",
                 )
+                warned = True
             time.sleep(UNIT_AWAIT_S)
 
     def _arena(self, unit: int) -> Arena:

@@ -992,8 +992,6 @@ class RpcChannel:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            if resend and stream.retransmitting():
-                raise _RequestStuck(op)
             try:
                 frames = stream.recv(min(left, CHECK_EVERY_S) if check is not None or resend else left)
             except TQConnectionError as exc:
@@ -1005,6 +1003,8 @@ class RpcChannel:
                 raise lost from None
             if frames is not None:
                 return frames
+            if resend and stream.retransmitting():  # asked only once a reply is late: off the fast path
+                raise _RequestStuck(op)
             if check is not None:
                 check()
 

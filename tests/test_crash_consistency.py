@@ -39,7 +39,7 @@ from conftest import (
     wait_until,
 )
 from tq import TQClient, TQServer, launch, protocol
-from tq.errors import KeyNotFoundError, StorageUnitError, TQConnectionError, TQError
+from tq.errors import InvalidRequestError, KeyNotFoundError, StorageUnitError, TQConnectionError, TQError
 
 
 def _read_or_absent(c: TQClient, pid: str, key: str) -> torch.Tensor | None:
@@ -866,3 +866,99 @@ def test_a_writer_paused_past_its_allocation_lease_never_writes_into_another_key
             server.shutdown()
             launch.stop_process(unit, 10.0)  # SIGTERM first: the unit removes its arena (a SIGKILL left it in /dev/shm)
             assert not os.path.exists(info["arena_path"])
+
+
+def _controller_channel(address: str, timeout: float = 10.0):
+    from tq import messages
+    from tq.rpc import RpcChannel
+
+    return RpcChannel(address, secret=None, timeout=timeout, name="controller", replies=messages.CONTROLLER_REPLY_DECODERS)
+
+
+def _discard(chan, keys: list[str], discard_id: int):
+    from tq import messages
+
+    return chan.call("discard", messages.Discard(partition="p", keys=keys, discard_id=discard_id))[0]
+
+
+def test_a_discard_sent_again_is_answered_again_and_one_its_client_fenced_is_dropped(tmp_path):
+    """A discard's id settles it across a lost reply and a controller restart: the same request again
+    (a resend across a network cut) is answered as the first time, not refused for keys it freed
+    itself; once its client fenced it (abort_discards), a copy that arrives late is dropped and its keys
+    stay; the fence and the applied ids survive a crash of the controller (journaled)."""
+    from tq import messages
+    from tq.errors import InvalidRequestError
+
+    port = free_port()
+    state = str(tmp_path / "state")
+    first = TQServer(port=port, storage_units=1, capacity=16 << 20, journal_dir=state)
+    second = None
+    c = TQClient(first.address, timeout=10.0, transport="tcp")
+    chan = _controller_channel(first.address)
+    unit_pids = [u["pid"] for u in c.stats()["units"]]
+    try:
+        c.register_partition("p")
+        c.put("p", ["a", "b", "c"], {"x": torch.arange(6.0).reshape(3, 2)})
+        got = _discard(chan, ["a"], 11)
+        assert (got.discarded, got.duplicate) == (1, False)
+        again = _discard(chan, ["a"], 11)  # 'a' is gone: without the id this is KeyNotFoundError
+        assert (again.discarded, again.duplicate) == (1, True)
+        fenced = chan.call("abort_discards", messages.AbortDiscards(ids=[11, 12]))[0]
+        assert fenced.applied == [True, False]  # 11 had been applied; 12 never was, and now never will be
+        with pytest.raises(InvalidRequestError, match="given up on by its client"):
+            _discard(chan, ["b"], 12)  # the late copy of the fenced discard
+        assert sorted(c.get_meta("p").keys) == ["b", "c"]
+        os.kill(first.proc.pid, signal.SIGKILL)  # the journal holds both ids: a restart keeps them
+        first.proc.wait(10)
+        second = TQServer(port=port, storage_units=1, capacity=16 << 20, journal_dir=state)
+        with pytest.raises(InvalidRequestError, match="given up on by its client"):
+            _discard(chan, ["b"], 12)
+        assert _discard(chan, ["a"], 11).duplicate
+        assert chan.call("abort_discards", messages.AbortDiscards(ids=[11]))[0].applied == [True]
+        assert torch.equal(c.get(c.get_meta("p", ["b", "c"]), ["x"])["x"], torch.tensor([[2.0, 3.0], [4.0, 5.0]]))
+    finally:
+        chan.close()
+        c.close()
+        shut_down((second, first), unit_pids)
+
+
+def test_a_discard_whose_outcome_is_unknown_is_settled_before_the_clients_next_request():
+    """The controller stopped (SIGSTOP) past a discard's timeout and the probe after it: the discard
+    raises saying its outcome is unknown; the client's next request fences it first - so a copy of
+    the request that reaches the controller after that (as a TCP retransmission after a network cut
+    does: tests/test_partition.py) is dropped and the key stays."""
+    from tq import KVBatchMeta
+
+    with TQServer(storage_units=1, capacity=16 << 20) as server:
+        c = TQClient(server.address, timeout=1.0, transport="tcp")
+        sent: list = []
+        chan = _controller_channel(server.address)
+        try:
+            c.register_partition("p")
+            c.put("p", ["a", "b"], {"x": torch.ones(2, 4)})
+            real_call = c._ctrl.call
+
+            def held_back(op, args, *a, **kw):  # the discard's request is "in the network": sent later, below
+                if op == "discard":
+                    sent.append(args)
+                    raise TQConnectionError("no reply from controller to 'discard' (held back by this test)")
+                return real_call(op, args, *a, **kw)
+
+            c._ctrl.call = held_back
+            os.kill(server.proc.pid, signal.SIGSTOP)  # the probe after the discard gets no answer either
+            try:
+                with pytest.raises(TQConnectionError, match="outcome of this discard is unknown"):
+                    c.discard(KVBatchMeta("p", ("a",)))
+            finally:
+                os.kill(server.proc.pid, signal.SIGCONT)
+            c.timeout = c._ctrl.timeout = 10.0
+            assert sorted(c.get_meta("p").keys) == ["a", "b"]  # the client's next request
+            late = sent[0]
+            assert late.discard_id is not None
+            with pytest.raises(InvalidRequestError, match="given up on by its client"):
+                chan.call("discard", late)  # the request arriving at last
+            assert sorted(c.get_meta("p").keys) == ["a", "b"]
+            assert torch.equal(c.get(c.get_meta("p", ["a"]), ["x"])["x"], torch.ones(1, 4))
+        finally:
+            chan.close()
+            c.close()

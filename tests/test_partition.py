@@ -60,3 +60,70 @@ def test_a_message_longer_on_the_wire_than_the_heartbeat_timeout_still_arrives_o
     assert rc == 0, out
     put_s, get_s = (float(w) for w in out.replace(",", "").split()[1::3])
     assert min(put_s, get_s) > rpc.ZMQ_SILENT_S, out  # the link was as slow as meant
+
+
+_CUT_DISCARDER = r"""
+import json, sys, time, torch
+from pathlib import Path
+from tq import KVBatchMeta, TQClient
+from tq.errors import TQConnectionError
+address, run = sys.argv[1], Path(sys.argv[2])
+
+def wait_for(name):
+    while not (run / name).exists():
+        time.sleep(0.01)
+
+out = {}
+with TQClient(address, timeout=2.0, transport="tcp") as c:
+    c.register_partition("d")
+    c.put("d", ["a", "b"], {"x": torch.ones(2, 8)})
+    (run / "ready").write_text("1")
+    wait_for("cut")
+    try:
+        c.discard(KVBatchMeta("d", ("a",)))
+        out["discard"] = "returned"
+    except TQConnectionError as exc:
+        out["discard"] = f"raised: {exc}"
+    (run / "discarded").write_text("1")
+    wait_for("healed")
+    c.timeout = c._ctrl.timeout = 10.0
+    out["listed"] = sorted(c.get_meta("d").keys)
+    time.sleep(8.0)  # past the cut-off request's next TCP retransmission
+    out["listed_later"] = sorted(c.get_meta("d").keys)
+(run / "out.json").write_text(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(WHY is not None, reason=WHY or "")
+@pytest.mark.timeout(180)
+@pytest.mark.long
+def test_a_discard_that_timed_out_in_a_cut_is_not_applied_after_the_client_saw_its_keys(tmp_path):
+    """A discard sent into a network cut times out; its request stays in the closed TCP connection,
+    retransmitted with back-off, and reaches the controller seconds after the link is back. The
+    client's next request (a listing, right after the heal) settles it: what that lists stays so.
+    Before the fix the listing showed the key and the late request then deleted it - a discard that
+    had raised, applied under a key the client had seen intact after it."""
+    import json
+    import sys
+    import time
+
+    def await_file(name: str) -> None:
+        deadline = time.monotonic() + 90
+        while not (tmp_path / name).exists():
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "client.log").read_text()
+            time.sleep(0.05)
+
+    with tq_partition.service_on_two_hosts(tmp_path, units_on=(0,)) as (cluster, address, env):
+        proc = cluster.spawn(1, [sys.executable, "-c", _CUT_DISCARDER, address, str(tmp_path)], tmp_path / "client.log", env)
+        await_file("ready")
+        cluster.cut(1)
+        (tmp_path / "cut").write_text("1")
+        await_file("discarded")
+        time.sleep(1.5)  # the request's next retransmission comes after the heal
+        cluster.heal(1)
+        (tmp_path / "healed").write_text("1")
+        proc.wait(60)
+    assert proc.returncode == 0, (tmp_path / "client.log").read_text()
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["discard"].startswith("raised") and "unknown" in out["discard"], out
+    assert out["listed"] == out["listed_later"], out

@@ -20,6 +20,7 @@ import itertools
 import logging
 import os
 import queue
+import secrets
 import threading
 import time
 import warnings
@@ -656,6 +657,10 @@ class TQClient:
         # unit -> allocations this client is done writing into, told to the unit with its next alloc
         # (or at close): a unit keeps the range of a live writer whose lease ran out until then
         self._released: dict[int, list[int]] = {}
+        # ids of discards that raised with their outcome unknown: fenced before this client's next
+        # controller request or get (see discard)
+        self._unsettled_discards: set[int] = set()
+        self._discards_lock = threading.Lock()
         self._slab_keeper: threading.Thread | None = None  # gives idle slabs back (see _keep_slabs)
         self._slab_keeper_stop = threading.Event()
         self._secret = secret.encode() if secret else None
@@ -857,7 +862,21 @@ class TQClient:
         self.close()
 
     def _call(self, op: Op, args: messages.Args, buffers: Sequence[Any] = (), timeout: float | None = None, resend: bool = False) -> Any:
+        self._settle_discards(timeout)
         return self._ctrl.call(op, args, buffers, timeout=timeout, resend=resend)[0]
+
+    def _settle_discards(self, timeout: float | None = None) -> None:
+        """Fence the discards that raised with their outcome unknown (see :meth:`discard`) before
+        anything else is asked: a request of theirs still on its way is then dropped, never applied
+        after this client saw the keys. Raises (TQConnectionError) while the controller cannot be told."""
+        if not self._unsettled_discards:  # the common case: one attribute test
+            return
+        with self._discards_lock:
+            ids = sorted(self._unsettled_discards)
+        if ids:
+            self._ctrl.call(Op.ABORT_DISCARDS, messages.AbortDiscards(ids=ids), timeout=timeout, resend=True)
+            with self._discards_lock:
+                self._unsettled_discards.difference_update(ids)
 
     # ------------------------------------------------------------------ partitions and keys
     def register_partition(self, partition_id: str, *, reuse: bool = False) -> None:
@@ -1591,6 +1610,7 @@ class TQClient:
         if not fields:
             raise InvalidRequestError("get needs at least one field (the meta names none)")
         with time_budget(self.timeout + (wait_timeout or 0.0)):  # every request of the get, in all
+            self._settle_discards()  # a same-host get may ask the controller nothing
             while True:
                 try:
                     if not copy:
@@ -1895,8 +1915,35 @@ class TQClient:
 
     # ------------------------------------------------------------------ deletes and stats
     def discard(self, meta: KVBatchMeta) -> int:
-        """Free the meta's keys (all their fields) and unregister them; returns keys discarded."""
-        return self._call(Op.DISCARD, self._with_reads(messages.Discard(partition=meta.partition_id, keys=list(meta.keys)))).discarded
+        """Free the meta's keys (all their fields) and unregister them; returns keys discarded.
+
+        All or nothing. With no reply in time (a stalled controller, a network cut) the discard asks
+        whether it was applied: if it was, it returns; if not, it is fenced and raises
+        TQConnectionError saying so (the keys are intact). If the controller cannot be asked either,
+        TQConnectionError says the outcome is unknown - and this client settles it before its next
+        request: from then on the keys are gone for good or intact for good (a request of it that
+        arrives late is dropped)."""
+        discard_id = secrets.randbits(63) + 1
+        args = self._with_reads(messages.Discard(partition=meta.partition_id, keys=list(meta.keys), discard_id=discard_id))
+        probe_s = min(ABORT_PROBE_S, 0.25 * self.timeout)
+        with time_budget(self.timeout):
+            try:
+                with time_budget(self.timeout - probe_s):  # keep time to ask, should no reply come
+                    return self._call(Op.DISCARD, args, resend=True).discarded  # sent again, answered again
+            except TQConnectionError as exc:
+                failed = exc
+            try:
+                applied = self._ctrl.call(Op.ABORT_DISCARDS, messages.AbortDiscards(ids=[discard_id]), timeout=probe_s)[0].applied
+            except TQConnectionError:
+                with self._discards_lock:
+                    self._unsettled_discards.add(discard_id)
+                raise TQConnectionError(
+                    f"{failed}; the outcome of this discard is unknown: its keys are either all gone or all intact, "
+                    "settled before this client's next request (the controller has applied it by then or never will)"
+                ) from None
+        if applied[0]:
+            return len(args.keys)
+        raise TQConnectionError(f"{failed}; this discard was not applied (and never will be): its keys are intact") from None
 
     def stats(self) -> dict[str, Any]:
         """Controller stats (partitions, op counts and latencies) plus every storage unit's."""

@@ -45,6 +45,7 @@ from .errors import (
     TQTimeoutError,
 )
 from .arena import host_identity
+from .discards import DiscardBook
 from .journal import Journal
 from .leases import LeaseBook, leased_blocks, new_lease_id
 from .locations import FEW_ROWS, LocationTable, remove_orphans, slots_index, take_records
@@ -114,6 +115,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         self.ledgers: dict[int, UnitLedger] = collections.defaultdict(UnitLedger)
         # (unit, block) -> commit digest of recent commits: a retried commit gets the first one's answer
         self.recent_commits: collections.OrderedDict[tuple[int, int], int] = collections.OrderedDict()
+        self.discards = DiscardBook()  # recent discards by id: a resend answered again, a late one fenced
         self._next_adopted_check = 0.0
         self._next_heartbeat = 0.0
         self._next_unit_flush = 0.0
@@ -142,6 +144,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
                 Op.MINT: self.op_mint,
                 Op.COMMIT: self.op_commit,
                 Op.ABORT_BLOCKS: self.op_abort_blocks,
+                Op.ABORT_DISCARDS: self.op_abort_discards,
                 Op.LOCATE: self.op_locate,
                 Op.WAIT: self.op_wait,
                 Op.DISCARD: self.op_discard,
@@ -898,6 +901,9 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             self.bytes_read[int(u)] = self.bytes_read.get(int(u), 0) + b
 
     def op_discard(self, args: messages.Discard, buffers: list, call: Call) -> messages.DiscardReply:
+        done = self.discards.check(args.discard_id)  # (its reads were counted the first time)
+        if done is not None:
+            return messages.DiscardReply(discarded=done, duplicate=True)
         self._count_reads(args)
         part = self._partition(args.partition)
         keys = args.keys
@@ -913,7 +919,13 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
                 loc[at] = -1
         part.free_slots.extend(slots.tolist())
         self._free_rows(part, rows)
+        self.discards.record(args.discard_id, len(keys))
         return messages.DiscardReply(discarded=len(keys))
+
+    def op_abort_discards(self, args: messages.AbortDiscards, buffers: list, call: Call) -> messages.AbortDiscardsReply:
+        """A client gives up on discards it got no reply to: each one not applied yet is fenced (see
+        tq.discards). Answers, per id, whether it had been applied."""
+        return messages.AbortDiscardsReply(applied=self.discards.abort(args.ids))
 
     def op_get_meta(self, args: messages.GetMeta, buffers: list, call: Call) -> messages.GetMetaReply:
         """Keys (all, or the given ones), their tags and sequence lengths, and fields produced for all."""

@@ -64,6 +64,7 @@ class ControllerOp(enum.StrEnum):
     MINT = "mint"
     COMMIT = "commit"
     ABORT_BLOCKS = "abort_blocks"
+    ABORT_DISCARDS = "abort_discards"
     LOCATE = "locate"
     WAIT = "wait"
     DISCARD = "discard"
@@ -374,13 +375,32 @@ class WaitReply(Reply):
     ready: bool
 
 
+# A discard's id, chosen by its client: the controller answers a discard sent again with the first
+# one's reply, and drops one whose client fenced it (AbortDiscards) before it arrived.
+DiscardId = Annotated[int, msgspec.Meta(gt=0, le=(1 << 63) - 1)]
+
+
 class Discard(ReadsArgs, kw_only=True):
     partition: str
     keys: list[str]
+    discard_id: Union[DiscardId, None] = None
 
 
 class DiscardReply(Reply):
+    """``discarded``: keys freed; ``duplicate``: a discard sent again, answered as the first time."""
+
     discarded: int
+    duplicate: bool = False
+
+
+class AbortDiscards(Args):
+    """A client gives up on discards whose replies it never got: each one not applied yet never will be."""
+
+    ids: Annotated[list[DiscardId], msgspec.Meta(min_length=1)]
+
+
+class AbortDiscardsReply(Reply):
+    applied: list[bool]  # per id: whether that discard had been applied (else it is fenced now)
 
 
 class GetMeta(PartitionArgs):
@@ -502,6 +522,7 @@ CONTROLLER_REQUESTS: dict[ControllerOp, type[Args]] = {
     ControllerOp.MINT: Mint,
     ControllerOp.COMMIT: Commit,
     ControllerOp.ABORT_BLOCKS: AbortBlocks,
+    ControllerOp.ABORT_DISCARDS: AbortDiscards,
     ControllerOp.LOCATE: Locate,
     ControllerOp.WAIT: Wait,
     ControllerOp.DISCARD: Discard,
@@ -528,6 +549,7 @@ CONTROLLER_REPLIES: dict[ControllerOp, Any] = {
     ControllerOp.MINT: MintReply,
     ControllerOp.COMMIT: CommitReply,
     ControllerOp.ABORT_BLOCKS: AbortBlocksReply,
+    ControllerOp.ABORT_DISCARDS: AbortDiscardsReply,
     ControllerOp.LOCATE: LocateReply,
     ControllerOp.WAIT: WaitReply,
     ControllerOp.DISCARD: DiscardReply,

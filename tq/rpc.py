@@ -1036,6 +1036,10 @@ class RpcChannel:
                 try:
                     return self.recv(rid, op, timeout=timeout, check=check, resend=resend)
                 except _RequestStuck:
+                    if (time_left() or 0.0) <= 0:
+                        raise TQConnectionError(
+                            f"no reply from {self.name} at {self.address} to '{op}' in time: the network did not carry it"
+                        ) from None
                     rid = self.send(op, args, buffers, timeout=timeout, check=check)
 
     def close(self) -> None:

@@ -875,17 +875,11 @@ def _controller_channel(address: str, timeout: float = 10.0):
     return RpcChannel(address, secret=None, timeout=timeout, name="controller", replies=messages.CONTROLLER_REPLY_DECODERS)
 
 
-def _discard(chan, keys: list[str], discard_id: int):
-    from tq import messages
-
-    return chan.call("discard", messages.Discard(partition="p", keys=keys, discard_id=discard_id))[0]
-
-
-def test_a_discard_sent_again_is_answered_again_and_one_its_client_fenced_is_dropped(tmp_path):
-    """A discard's id settles it across a lost reply and a controller restart: the same request again
-    (a resend across a network cut) is answered as the first time, not refused for keys it freed
-    itself; once its client fenced it (abort_discards), a copy that arrives late is dropped and its keys
-    stay; the fence and the applied ids survive a crash of the controller (journaled)."""
+def test_a_destructive_request_sent_again_is_answered_again_and_one_its_client_fenced_is_dropped(tmp_path):
+    """A request id settles a discard, clear or drop across a lost reply and a controller crash: the
+    same request again (a resend across a network cut) is answered as the first time, not refused for
+    what it removed itself; once its client fenced it (abort_requests), a copy that arrives late is
+    dropped and nothing is removed; the fences and the applied ids survive a crash (journaled)."""
     from tq import messages
     from tq.errors import InvalidRequestError
 
@@ -896,26 +890,44 @@ def test_a_discard_sent_again_is_answered_again_and_one_its_client_fenced_is_dro
     c = TQClient(first.address, timeout=10.0, transport="tcp")
     chan = _controller_channel(first.address)
     unit_pids = [u["pid"] for u in c.stats()["units"]]
+
+    def call(op: str, args) -> object:
+        return chan.call(op, args)[0]
+
+    def discard(keys: list[str], rid: int) -> object:
+        return call("discard", messages.Discard(partition="p", keys=keys, request_id=rid))
+
     try:
-        c.register_partition("p")
+        for pid in ("p", "q", "r"):
+            c.register_partition(pid)
         c.put("p", ["a", "b", "c"], {"x": torch.arange(6.0).reshape(3, 2)})
-        got = _discard(chan, ["a"], 11)
-        assert (got.discarded, got.duplicate) == (1, False)
-        again = _discard(chan, ["a"], 11)  # 'a' is gone: without the id this is KeyNotFoundError
-        assert (again.discarded, again.duplicate) == (1, True)
-        fenced = chan.call("abort_discards", messages.AbortDiscards(ids=[11, 12]))[0]
-        assert fenced.applied == [True, False]  # 11 had been applied; 12 never was, and now never will be
-        with pytest.raises(InvalidRequestError, match="given up on by its client"):
-            _discard(chan, ["b"], 12)  # the late copy of the fenced discard
-        assert sorted(c.get_meta("p").keys) == ["b", "c"]
-        os.kill(first.proc.pid, signal.SIGKILL)  # the journal holds both ids: a restart keeps them
+        c.put("q", ["a"], {"x": torch.ones(1, 2)})
+        c.put("r", ["a"], {"x": torch.ones(1, 2)})
+        assert (discard(["a"], 11).discarded, discard(["a"], 11).duplicate) == (1, True)  # without the id: KeyNotFoundError
+        cleared = [call("clear_partition", messages.ClearPartition(partition="q", request_id=21)) for _ in range(2)]
+        assert [(r.keys_cleared, r.duplicate) for r in cleared] == [(1, False), (1, True)]
+        dropped = [call("drop_partition", messages.DropPartition(partition="q", request_id=31)) for _ in range(2)]
+        assert [(r.keys_cleared, r.duplicate) for r in dropped] == [(0, False), (0, True)]  # not PartitionNotFoundError
+        fenced = call("abort_requests", messages.AbortRequests(ids=[11, 12, 22]))
+        assert fenced.applied == [1, None, None]  # 11 had been applied (freeing 1 key); 12 and 22 never were, and never will be
+        late = [
+            ("discard", messages.Discard(partition="p", keys=["b"], request_id=12)),
+            ("clear_partition", messages.ClearPartition(partition="r", request_id=22)),
+        ]
+        for op, args in late:  # the late copies of the fenced requests
+            with pytest.raises(InvalidRequestError, match="given up on by its client"):
+                call(op, args)
+        assert sorted(c.get_meta("p").keys) == ["b", "c"] and c.get_meta("r").keys == ("a",)
+        os.kill(first.proc.pid, signal.SIGKILL)  # the journal holds every id: a restart keeps them
         first.proc.wait(10)
         second = TQServer(port=port, storage_units=1, capacity=16 << 20, journal_dir=state)
-        with pytest.raises(InvalidRequestError, match="given up on by its client"):
-            _discard(chan, ["b"], 12)
-        assert _discard(chan, ["a"], 11).duplicate
-        assert chan.call("abort_discards", messages.AbortDiscards(ids=[11]))[0].applied == [True]
+        for op, args in late:
+            with pytest.raises(InvalidRequestError, match="given up on by its client"):
+                call(op, args)
+        assert discard(["a"], 11).duplicate and call("drop_partition", messages.DropPartition(partition="q", request_id=31)).duplicate
+        assert call("abort_requests", messages.AbortRequests(ids=[11, 21])).applied == [1, 1]
         assert torch.equal(c.get(c.get_meta("p", ["b", "c"]), ["x"])["x"], torch.tensor([[2.0, 3.0], [4.0, 5.0]]))
+        assert c.get_meta("r").keys == ("a",)
     finally:
         chan.close()
         c.close()
@@ -924,23 +936,24 @@ def test_a_discard_sent_again_is_answered_again_and_one_its_client_fenced_is_dro
 
 def test_a_discard_whose_outcome_is_unknown_is_settled_before_the_clients_next_request():
     """The controller stopped (SIGSTOP) past a discard's timeout and the probe after it: the discard
-    raises saying its outcome is unknown; the client's next request fences it first - so a copy of
-    the request that reaches the controller after that (as a TCP retransmission after a network cut
-    does: tests/test_partition.py) is dropped and the key stays."""
+    raises saying its outcome is unknown, and the client's next request fences it first - so a copy of
+    the request reaching the controller after that (as a TCP retransmission after a network cut does,
+    tests/test_partition.py; here the test holds the request back and sends it itself) is dropped and
+    the key stays."""
     from tq import KVBatchMeta
 
     with TQServer(storage_units=1, capacity=16 << 20) as server:
         c = TQClient(server.address, timeout=1.0, transport="tcp")
-        sent: list = []
+        held: list = []
         chan = _controller_channel(server.address)
         try:
             c.register_partition("p")
             c.put("p", ["a", "b"], {"x": torch.ones(2, 4)})
             real_call = c._ctrl.call
 
-            def held_back(op, args, *a, **kw):  # the discard's request is "in the network": sent later, below
+            def held_back(op, args, *a, **kw):
                 if op == "discard":
-                    sent.append(args)
+                    held.append(args)
                     raise TQConnectionError("no reply from controller to 'discard' (held back by this test)")
                 return real_call(op, args, *a, **kw)
 
@@ -953,10 +966,8 @@ def test_a_discard_whose_outcome_is_unknown_is_settled_before_the_clients_next_r
                 os.kill(server.proc.pid, signal.SIGCONT)
             c.timeout = c._ctrl.timeout = 10.0
             assert sorted(c.get_meta("p").keys) == ["a", "b"]  # the client's next request
-            late = sent[0]
-            assert late.discard_id is not None
             with pytest.raises(InvalidRequestError, match="given up on by its client"):
-                chan.call("discard", late)  # the request arriving at last
+                chan.call("discard", held[0])  # the request arriving at last
             assert sorted(c.get_meta("p").keys) == ["a", "b"]
             assert torch.equal(c.get(c.get_meta("p", ["a"]), ["x"])["x"], torch.ones(1, 4))
         finally:

@@ -20,7 +20,6 @@ import itertools
 import logging
 import os
 import queue
-import secrets
 import threading
 import time
 import warnings
@@ -52,6 +51,7 @@ from . import messages
 from .messages import ControllerOp as Op, UnitOp
 from .meta import KVBatchMeta
 from .leases import new_lease_id
+from .request_book import new_request_id
 from .pins import SUPPORTED as PINS_SUPPORTED, PinFile
 from .protocol import LOC_BLOCK as BLOCK, LOC_COLUMNS, LOC_NBYTES as NBYTES, LOC_OFFSET as OFFSET  # location
 from .protocol import LOC_ROW as ROW, LOC_UNIT as UNIT  # record columns
@@ -77,7 +77,9 @@ PUT_MIN_THREADS = 4  # see put_copy_threads
 PREFAULT_MIN_BYTES = 1 << 20  # a put this big maps its pages in one call first (Arena.prefault); a small one is not worth the syscall
 FREE_GRACE_S = 0.05  # a write that finds no room waits this long for frees already decided (see _room_wait_s)
 GIVE_BACK_S = 0.25  # how long giving a slab's unused ids back may wait (close() must not hang on a dead controller)
-ABORT_PROBE_S = 0.5  # after a commit got no reply: how long to ask whether it landed
+ABORT_PROBE_S = 0.5  # after a commit or a destructive request got no reply: how long to ask whether it landed
+# the reply field of each destructive request (see _fenced_call) that counts the keys it freed
+_COUNTED = {Op.DISCARD: "discarded", Op.CLEAR_PARTITION: "keys_cleared", Op.DROP_PARTITION: "keys_cleared"}
 UNIT_CHECK_MIN_S = 0.05  # a wait on a unit asks the controller about it only with this much of its time left
 log = logging.getLogger("tq.client")
 
@@ -657,10 +659,10 @@ class TQClient:
         # unit -> allocations this client is done writing into, told to the unit with its next alloc
         # (or at close): a unit keeps the range of a live writer whose lease ran out until then
         self._released: dict[int, list[int]] = {}
-        # ids of discards that raised with their outcome unknown: fenced before this client's next
-        # controller request or get (see discard)
-        self._unsettled_discards: set[int] = set()
-        self._discards_lock = threading.Lock()
+        # ids of destructive requests that raised with their outcome unknown: fenced before this
+        # client's next controller request or get (see _fenced_call)
+        self._unsettled: set[int] = set()
+        self._unsettled_lock = threading.Lock()
         self._slab_keeper: threading.Thread | None = None  # gives idle slabs back (see _keep_slabs)
         self._slab_keeper_stop = threading.Event()
         self._secret = secret.encode() if secret else None
@@ -862,21 +864,22 @@ class TQClient:
         self.close()
 
     def _call(self, op: Op, args: messages.Args, buffers: Sequence[Any] = (), timeout: float | None = None, resend: bool = False) -> Any:
-        self._settle_discards(timeout)
+        self._settle(timeout)
         return self._ctrl.call(op, args, buffers, timeout=timeout, resend=resend)[0]
 
-    def _settle_discards(self, timeout: float | None = None) -> None:
-        """Fence the discards that raised with their outcome unknown (see :meth:`discard`) before
-        anything else is asked: a request of theirs still on its way is then dropped, never applied
-        after this client saw the keys. Raises (TQConnectionError) while the controller cannot be told."""
-        if not self._unsettled_discards:  # the common case: one attribute test
+    def _settle(self, timeout: float | None = None) -> None:
+        """Fence the destructive requests that raised with their outcome unknown (see
+        :meth:`_fenced_call`) before anything else is asked: one still on its way is then dropped,
+        never applied after this client saw the keys. Raises (TQConnectionError) while the controller
+        cannot be told."""
+        if not self._unsettled:  # the common case: one attribute test
             return
-        with self._discards_lock:
-            ids = sorted(self._unsettled_discards)
+        with self._unsettled_lock:
+            ids = sorted(self._unsettled)
         if ids:
-            self._ctrl.call(Op.ABORT_DISCARDS, messages.AbortDiscards(ids=ids), timeout=timeout, resend=True)
-            with self._discards_lock:
-                self._unsettled_discards.difference_update(ids)
+            self._ctrl.call(Op.ABORT_REQUESTS, messages.AbortRequests(ids=ids), timeout=timeout, resend=True)
+            with self._unsettled_lock:
+                self._unsettled.difference_update(ids)
 
     # ------------------------------------------------------------------ partitions and keys
     def register_partition(self, partition_id: str, *, reuse: bool = False) -> None:
@@ -884,12 +887,44 @@ class TQClient:
         self._call(Op.CREATE_PARTITION, messages.CreatePartition(partition=partition_id, reuse=reuse))
 
     def clear_partition(self, partition_id: str) -> int:
-        """Free every key of a partition (the partition stays registered); returns keys cleared."""
-        return self._call(Op.CLEAR_PARTITION, messages.ClearPartition(partition=partition_id)).keys_cleared
+        """Free every key of a partition (the partition stays registered); returns keys cleared. One
+        that raised TQConnectionError is settled as :meth:`_fenced_call` says."""
+        args = messages.ClearPartition(partition=partition_id, request_id=new_request_id())
+        return self._fenced_call(Op.CLEAR_PARTITION, args).keys_cleared
 
     def drop_partition(self, partition_id: str) -> None:
-        """Free every key and unregister the partition."""
-        self._call(Op.DROP_PARTITION, messages.DropPartition(partition=partition_id))
+        """Free every key and unregister the partition (settled as :meth:`_fenced_call` says)."""
+        self._fenced_call(Op.DROP_PARTITION, messages.DropPartition(partition=partition_id, request_id=new_request_id()))
+
+    def _fenced_call(self, op: Op, args: Any) -> Any:
+        """Send a destructive request (with a ``request_id``) and return its reply.
+
+        With no reply in time (a stalled controller, a network cut) the request asks whether it was
+        applied, within its timeout: if it was, its reply is returned as it would have been; if not, it
+        is fenced and TQConnectionError says nothing was applied. If the controller cannot be asked
+        either, TQConnectionError says the outcome is unknown - and this client settles it before
+        its next request: from then on it has been applied for good or never will be (a copy of the
+        request that arrives later is dropped, see tq.request_book). Sent again across a network cut
+        (``resend``), it is answered as the first time."""
+        probe_s = min(ABORT_PROBE_S, 0.25 * self.timeout)
+        with time_budget(self.timeout):
+            try:
+                with time_budget(self.timeout - probe_s):  # keep time to ask, should no reply come
+                    return self._call(op, args, resend=True)
+            except TQConnectionError as exc:
+                failed = exc
+            try:
+                applied = self._ctrl.call(Op.ABORT_REQUESTS, messages.AbortRequests(ids=[args.request_id]), timeout=probe_s)[0].applied
+            except TQConnectionError:
+                with self._unsettled_lock:
+                    self._unsettled.add(args.request_id)
+                raise TQConnectionError(
+                    f"{failed}; the outcome of this {op} is unknown: it is settled before this client's next request "
+                    "(the controller has applied it all by then, or never will)"
+                ) from None
+        if applied[0] is None:
+            raise TQConnectionError(f"{failed}; this {op} was not applied (and never will be)") from None
+        return messages.CONTROLLER_REPLIES[op](**{_COUNTED[op]: applied[0]})  # as it would have been
 
     def list_partitions(self) -> list[dict[str, Any]]:
         """Each partition's key count, fields (schema, how many keys produced them) and bytes held."""
@@ -1610,7 +1645,7 @@ class TQClient:
         if not fields:
             raise InvalidRequestError("get needs at least one field (the meta names none)")
         with time_budget(self.timeout + (wait_timeout or 0.0)):  # every request of the get, in all
-            self._settle_discards()  # a same-host get may ask the controller nothing
+            self._settle()  # a same-host get may ask the controller nothing
             while True:
                 try:
                     if not copy:
@@ -1915,35 +1950,10 @@ class TQClient:
 
     # ------------------------------------------------------------------ deletes and stats
     def discard(self, meta: KVBatchMeta) -> int:
-        """Free the meta's keys (all their fields) and unregister them; returns keys discarded.
-
-        All or nothing. With no reply in time (a stalled controller, a network cut) the discard asks
-        whether it was applied: if it was, it returns; if not, it is fenced and raises
-        TQConnectionError saying so (the keys are intact). If the controller cannot be asked either,
-        TQConnectionError says the outcome is unknown - and this client settles it before its next
-        request: from then on the keys are gone for good or intact for good (a request of it that
-        arrives late is dropped)."""
-        discard_id = secrets.randbits(63) + 1
-        args = self._with_reads(messages.Discard(partition=meta.partition_id, keys=list(meta.keys), discard_id=discard_id))
-        probe_s = min(ABORT_PROBE_S, 0.25 * self.timeout)
-        with time_budget(self.timeout):
-            try:
-                with time_budget(self.timeout - probe_s):  # keep time to ask, should no reply come
-                    return self._call(Op.DISCARD, args, resend=True).discarded  # sent again, answered again
-            except TQConnectionError as exc:
-                failed = exc
-            try:
-                applied = self._ctrl.call(Op.ABORT_DISCARDS, messages.AbortDiscards(ids=[discard_id]), timeout=probe_s)[0].applied
-            except TQConnectionError:
-                with self._discards_lock:
-                    self._unsettled_discards.add(discard_id)
-                raise TQConnectionError(
-                    f"{failed}; the outcome of this discard is unknown: its keys are either all gone or all intact, "
-                    "settled before this client's next request (the controller has applied it by then or never will)"
-                ) from None
-        if applied[0]:
-            return len(args.keys)
-        raise TQConnectionError(f"{failed}; this discard was not applied (and never will be): its keys are intact") from None
+        """Free the meta's keys (all their fields) and unregister them; returns keys discarded. All or
+        nothing; a discard that raised TQConnectionError is settled as :meth:`_fenced_call` says."""
+        args = messages.Discard(partition=meta.partition_id, keys=list(meta.keys), request_id=new_request_id())
+        return self._fenced_call(Op.DISCARD, self._with_reads(args)).discarded
 
     def stats(self) -> dict[str, Any]:
         """Controller stats (partitions, op counts and latencies) plus every storage unit's."""

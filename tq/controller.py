@@ -45,13 +45,13 @@ from .errors import (
     TQTimeoutError,
 )
 from .arena import host_identity
-from .discards import DiscardBook
 from .journal import Journal
 from .leases import LeaseBook, leased_blocks, new_lease_id
 from .locations import FEW_ROWS, LocationTable, remove_orphans, slots_index, take_records
 from .messages import ControllerOp as Op
 from .partition import Partition, Waiter, put_at, rows_at
 from .pins import POLL_S as PIN_POLL_S, SUPPORTED as PINS_SUPPORTED, PinBoard
+from .request_book import RequestBook
 from .recovery import COMPACT_AFTER, JournalRecovery  # noqa: F401 - COMPACT_AFTER: tq.controller's API
 from .supervision import UNIT_LOST_S, UnitLedger, UnitSupervision
 from .protocol import LOC_BLOCK as BLOCK, LOC_COLUMNS, LOC_NBYTES as NBYTES  # location
@@ -115,7 +115,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         self.ledgers: dict[int, UnitLedger] = collections.defaultdict(UnitLedger)
         # (unit, block) -> commit digest of recent commits: a retried commit gets the first one's answer
         self.recent_commits: collections.OrderedDict[tuple[int, int], int] = collections.OrderedDict()
-        self.discards = DiscardBook()  # recent discards by id: a resend answered again, a late one fenced
+        self.request_book = RequestBook()  # recent discards and clears by id: sent again answered again, late ones fenced
         self._next_adopted_check = 0.0
         self._next_heartbeat = 0.0
         self._next_unit_flush = 0.0
@@ -144,7 +144,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
                 Op.MINT: self.op_mint,
                 Op.COMMIT: self.op_commit,
                 Op.ABORT_BLOCKS: self.op_abort_blocks,
-                Op.ABORT_DISCARDS: self.op_abort_discards,
+                Op.ABORT_REQUESTS: self.op_abort_requests,
                 Op.LOCATE: self.op_locate,
                 Op.WAIT: self.op_wait,
                 Op.DISCARD: self.op_discard,
@@ -460,15 +460,24 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         return n
 
     def op_clear_partition(self, args: messages.ClearPartition, buffers: list, call: Call) -> messages.ClearPartitionReply:
-        return messages.ClearPartitionReply(keys_cleared=self._clear(self._partition(args.partition)))
+        done = self.request_book.check(Op.CLEAR_PARTITION, args.request_id)
+        if done is not None:
+            return messages.ClearPartitionReply(keys_cleared=done, duplicate=True)
+        n = self._clear(self._partition(args.partition))
+        self.request_book.record(args.request_id, n)
+        return messages.ClearPartitionReply(keys_cleared=n)
 
     def op_drop_partition(self, args: messages.DropPartition, buffers: list, call: Call) -> messages.DropPartitionReply:
+        done = self.request_book.check(Op.DROP_PARTITION, args.request_id)
+        if done is not None:
+            return messages.DropPartitionReply(keys_cleared=done, duplicate=True)
         part = self._partition(args.partition)
         n = self._clear(part, drop=True)
         del self.partitions[part.pid]
         for w in [w for w in self.waiters if w.pid == part.pid]:
             self.waiters.remove(w)
             self.reply_error(w.call, PartitionNotFoundError(f"partition {part.pid!r} was dropped while waiting"))
+        self.request_book.record(args.request_id, n)
         return messages.DropPartitionReply(keys_cleared=n)
 
     def op_list_partitions(self, args: messages.ListPartitions, buffers: list, call: Call) -> list[messages.PartitionSummary]:
@@ -901,7 +910,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             self.bytes_read[int(u)] = self.bytes_read.get(int(u), 0) + b
 
     def op_discard(self, args: messages.Discard, buffers: list, call: Call) -> messages.DiscardReply:
-        done = self.discards.check(args.discard_id)  # (its reads were counted the first time)
+        done = self.request_book.check(Op.DISCARD, args.request_id)  # (its reads were counted the first time)
         if done is not None:
             return messages.DiscardReply(discarded=done, duplicate=True)
         self._count_reads(args)
@@ -919,13 +928,13 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
                 loc[at] = -1
         part.free_slots.extend(slots.tolist())
         self._free_rows(part, rows)
-        self.discards.record(args.discard_id, len(keys))
+        self.request_book.record(args.request_id, len(keys))
         return messages.DiscardReply(discarded=len(keys))
 
-    def op_abort_discards(self, args: messages.AbortDiscards, buffers: list, call: Call) -> messages.AbortDiscardsReply:
-        """A client gives up on discards it got no reply to: each one not applied yet is fenced (see
-        tq.discards). Answers, per id, whether it had been applied."""
-        return messages.AbortDiscardsReply(applied=self.discards.abort(args.ids))
+    def op_abort_requests(self, args: messages.AbortRequests, buffers: list, call: Call) -> messages.AbortRequestsReply:
+        """A client gives up on requests it got no reply to: each one not applied yet is fenced (see
+        tq.request_book). Answers, per id, whether it had been applied."""
+        return messages.AbortRequestsReply(applied=self.request_book.abort(args.ids))
 
     def op_get_meta(self, args: messages.GetMeta, buffers: list, call: Call) -> messages.GetMetaReply:
         """Keys (all, or the given ones), their tags and sequence lengths, and fields produced for all."""

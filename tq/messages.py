@@ -49,6 +49,10 @@ BlockId = Annotated[int, msgspec.Meta(ge=0, lt=BLOCK_ID_LIMIT)]
 LeaseId = Annotated[int, msgspec.Meta(gt=0, le=(1 << 63) - 1)]  # a borrowed get's lease (a reader may choose it)
 # Seconds to wait: finite (a NaN or infinity would park a request forever) and >= 0.
 Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]
+# The id a client gives a destructive request (discard, clear_partition, drop_partition): the
+# controller answers the same request sent again with the first one's reply, and drops one whose
+# client fenced it (AbortRequests) before it arrived (see tq.request_book).
+RequestId = Annotated[int, msgspec.Meta(gt=0, le=(1 << 63) - 1)]
 TagValue = Union[None, bool, int, float, str]
 
 
@@ -64,7 +68,7 @@ class ControllerOp(enum.StrEnum):
     MINT = "mint"
     COMMIT = "commit"
     ABORT_BLOCKS = "abort_blocks"
-    ABORT_DISCARDS = "abort_discards"
+    ABORT_REQUESTS = "abort_requests"
     LOCATE = "locate"
     WAIT = "wait"
     DISCARD = "discard"
@@ -222,15 +226,18 @@ class CreatePartitionReply(Reply):
 
 
 class ClearPartition(PartitionArgs):
-    pass
+    request_id: Union[RequestId, None] = None
 
 
 class ClearPartitionReply(Reply):
+    """``keys_cleared``: keys freed; ``duplicate``: the request sent again, answered as the first time."""
+
     keys_cleared: int
+    duplicate: bool = False
 
 
 class DropPartition(PartitionArgs):
-    pass
+    request_id: Union[RequestId, None] = None
 
 
 class DropPartitionReply(ClearPartitionReply):
@@ -375,15 +382,10 @@ class WaitReply(Reply):
     ready: bool
 
 
-# A discard's id, chosen by its client: the controller answers a discard sent again with the first
-# one's reply, and drops one whose client fenced it (AbortDiscards) before it arrived.
-DiscardId = Annotated[int, msgspec.Meta(gt=0, le=(1 << 63) - 1)]
-
-
 class Discard(ReadsArgs, kw_only=True):
     partition: str
     keys: list[str]
-    discard_id: Union[DiscardId, None] = None
+    request_id: Union[RequestId, None] = None
 
 
 class DiscardReply(Reply):
@@ -393,14 +395,15 @@ class DiscardReply(Reply):
     duplicate: bool = False
 
 
-class AbortDiscards(Args):
-    """A client gives up on discards whose replies it never got: each one not applied yet never will be."""
+class AbortRequests(Args):
+    """A client gives up on requests (with ids) whose replies it never got: each one not applied yet
+    never will be (see tq.request_book)."""
 
-    ids: Annotated[list[DiscardId], msgspec.Meta(min_length=1)]
+    ids: Annotated[list[RequestId], msgspec.Meta(min_length=1)]
 
 
-class AbortDiscardsReply(Reply):
-    applied: list[bool]  # per id: whether that discard had been applied (else it is fenced now)
+class AbortRequestsReply(Reply):
+    applied: list[Union[Count, None]]  # per id: the count its reply carried if it was applied, else None (fenced now)
 
 
 class GetMeta(PartitionArgs):
@@ -522,7 +525,7 @@ CONTROLLER_REQUESTS: dict[ControllerOp, type[Args]] = {
     ControllerOp.MINT: Mint,
     ControllerOp.COMMIT: Commit,
     ControllerOp.ABORT_BLOCKS: AbortBlocks,
-    ControllerOp.ABORT_DISCARDS: AbortDiscards,
+    ControllerOp.ABORT_REQUESTS: AbortRequests,
     ControllerOp.LOCATE: Locate,
     ControllerOp.WAIT: Wait,
     ControllerOp.DISCARD: Discard,
@@ -549,7 +552,7 @@ CONTROLLER_REPLIES: dict[ControllerOp, Any] = {
     ControllerOp.MINT: MintReply,
     ControllerOp.COMMIT: CommitReply,
     ControllerOp.ABORT_BLOCKS: AbortBlocksReply,
-    ControllerOp.ABORT_DISCARDS: AbortDiscardsReply,
+    ControllerOp.ABORT_REQUESTS: AbortRequestsReply,
     ControllerOp.LOCATE: LocateReply,
     ControllerOp.WAIT: WaitReply,
     ControllerOp.DISCARD: DiscardReply,

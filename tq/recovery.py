@@ -8,7 +8,7 @@ suppressed (``_replaying``). Fences and low-water marks reported by units are jo
 journal is rewritten as one ``__snapshot__``, so a replay stays about as long as the state is big.
 
 :class:`JournalRecovery` is a part of :class:`~tq.controller.Controller` (a mixin) and works on its
-state (partitions, units, ledgers, recent commits and discards).
+state (partitions, units, ledgers, recent commits and destructive requests).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import msgspec
 import numpy as np
 
 from .errors import JournalError
-from .discards import DiscardBook
 from .journal import Journal, JournalWriteError
 from .leases import LeaseBook, holder_ref, pin_ref
 from .messages import AdoptBlock, ControllerOp as Op
+from .request_book import RequestBook
 from .rpc import Call, ServerMustStop
 from .schema import FieldSchema
 from .supervision import UnitLedger
@@ -39,7 +39,7 @@ JOURNALED_OPS = frozenset(
         Op.MINT,
         Op.COMMIT,
         Op.DISCARD,
-        Op.ABORT_DISCARDS,
+        Op.ABORT_REQUESTS,
         Op.SET_TAGS,
         Op.REGISTER_UNIT,
         Op.PIN_FILE,
@@ -129,7 +129,7 @@ class JournalRecovery:
                 for u, led in self.ledgers.items()
             },
             "recent_commits": [[u, b, d] for (u, b), d in self.recent_commits.items()],
-            "discards": self.discards.snapshot(),
+            "requests": self.request_book.snapshot(),
             "leases": self.lease_book.snapshot(),
             "pin_files": sorted(self.pin_board.files) if self.pin_board is not None else [],
             "partitions": {
@@ -153,7 +153,7 @@ class JournalRecovery:
             for ad in msgspec.convert(adopts[0] if adopts else [], list[AdoptBlock]):
                 led.adopts[ad.block] = ad
         self.recent_commits = collections.OrderedDict(((u, b), d) for u, b, d in snap.get("recent_commits", []))
-        self.discards = DiscardBook.restore(snap.get("discards"))
+        self.request_book = RequestBook.restore(snap.get("requests"))
         self.lease_book = LeaseBook.restore(snap.get("leases"))
         for path in snap.get("pin_files", []):
             self._register_pins(path)

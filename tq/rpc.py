@@ -121,6 +121,9 @@ def reconnect_when_silent(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.CONNECT_TIMEOUT, int(ZMQ_CONNECT_TRY_S * 1e3))
 
 
+RESEND_MIN_S = 0.05  # a stuck request is sent again only with this much of its call's time left
+
+
 class _RequestStuck(Exception):
     """A request not getting through: TCP is retransmitting it, or the ZMQ connection that held it was
     dropped for its silence (see RpcChannel.call's ``resend``)."""
@@ -931,6 +934,8 @@ class RpcChannel:
     def _recv(
         self, rid: int, op: str, timeout: float | None, check: Callable[[], None] | None, resend: bool
     ) -> tuple[Any, protocol.ReplyMessage]:
+        if (left := time_left()) is not None and left <= 0:  # sent, its call's time spent getting it out
+            raise TQConnectionError(f"no reply from {self.name} at {self.address} to '{op}': the call's timeout ran out")
         timeout = _bounded(self.timeout if timeout is None else timeout, op, f"{self.name} at {self.address}")
         deadline = time.monotonic() + timeout
         stream = getattr(self._local, "sent_on", None)
@@ -1036,7 +1041,7 @@ class RpcChannel:
                 try:
                     return self.recv(rid, op, timeout=timeout, check=check, resend=resend)
                 except _RequestStuck:
-                    if (time_left() or 0.0) <= 0:
+                    if (time_left() or 0.0) < RESEND_MIN_S:  # found stuck as its time ran out
                         raise TQConnectionError(
                             f"no reply from {self.name} at {self.address} to '{op}' in time: the network did not carry it"
                         ) from None

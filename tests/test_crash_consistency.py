@@ -876,7 +876,7 @@ def _controller_channel(address: str, timeout: float = 10.0):
 
 
 def test_a_destructive_request_sent_again_is_answered_again_and_one_its_client_fenced_is_dropped(tmp_path):
-    """A request id settles a discard, clear or drop across a lost reply and a controller crash: the
+    """A request id settles a discard, clear, drop or create across a lost reply and a controller crash: the
     same request again (a resend across a network cut) is answered as the first time, not refused for
     what it removed itself; once its client fenced it (abort_requests), a copy that arrives late is
     dropped and nothing is removed; the fences and the applied ids survive a crash (journaled)."""
@@ -908,11 +908,14 @@ def test_a_destructive_request_sent_again_is_answered_again_and_one_its_client_f
         assert [(r.keys_cleared, r.duplicate) for r in cleared] == [(1, False), (1, True)]
         dropped = [call("drop_partition", messages.DropPartition(partition="q", request_id=31)) for _ in range(2)]
         assert [(r.keys_cleared, r.duplicate) for r in dropped] == [(0, False), (0, True)]  # not PartitionNotFoundError
-        fenced = call("abort_requests", messages.AbortRequests(ids=[11, 12, 22]))
-        assert fenced.applied == [1, None, None]  # 11 had been applied (freeing 1 key); 12 and 22 never were, and never will be
+        made = [call("create_partition", messages.CreatePartition(partition="s", request_id=41)) for _ in range(2)]
+        assert [(r.reused, r.duplicate) for r in made] == [(False, False), (False, True)]  # not PartitionExistsError
+        fenced = call("abort_requests", messages.AbortRequests(ids=[11, 12, 22, 42]))
+        assert fenced.applied == [1, None, None, None]  # 11 had been applied (freeing 1 key); the rest never were, and never will be
         late = [
             ("discard", messages.Discard(partition="p", keys=["b"], request_id=12)),
             ("clear_partition", messages.ClearPartition(partition="r", request_id=22)),
+            ("create_partition", messages.CreatePartition(partition="r", reuse=True, request_id=42)),
         ]
         for op, args in late:  # the late copies of the fenced requests
             with pytest.raises(InvalidRequestError, match="given up on by its client"):

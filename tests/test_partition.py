@@ -76,14 +76,22 @@ def wait_for(name):
 out = {}
 # two clients: a request whose outcome is unknown is settled before its client's next one (which
 # would not be sent into the cut)
-with TQClient(address, timeout=2.0, transport="tcp") as c, TQClient(address, timeout=2.0, transport="tcp") as c2:
-    for pid in ("d", "e"):
+clients = [TQClient(address, timeout=2.0, transport="tcp") for _ in range(3)]
+c, c2, c3 = clients
+with c, c2, c3:
+    for pid in ("d", "e", "f"):
         c.register_partition(pid)
         c.put(pid, ["a", "b"], {"x": torch.ones(2, 8)})
-    c2.get_meta("e")  # connected before the cut: the clear goes into that connection
+    c2.get_meta("e")  # connected before the cut: their requests go into these connections
+    c3.get_meta("f")
     (run / "ready").write_text("1")
     wait_for("cut")
-    for op, call in (("discard", lambda: c.discard(KVBatchMeta("d", ("a",)))), ("clear", lambda: c2.clear_partition("e"))):
+    calls = (
+        ("discard", lambda: c.discard(KVBatchMeta("d", ("a",)))),
+        ("clear", lambda: c2.clear_partition("e")),
+        ("reuse", lambda: c3.register_partition("f", reuse=True)),
+    )
+    for op, call in calls:
         try:
             call()
             out[op] = "returned"
@@ -91,11 +99,11 @@ with TQClient(address, timeout=2.0, transport="tcp") as c, TQClient(address, tim
             out[op] = f"raised: {exc}"
     (run / "sent").write_text("1")
     wait_for("healed")
-    for client in (c, c2):
+    for client in clients:
         client.timeout = client._ctrl.timeout = 10.0
-    out["listed"] = [sorted(client.get_meta(pid).keys) for client, pid in ((c, "d"), (c2, "e"))]
-    time.sleep(8.0)  # past the cut-off requests' next TCP retransmissions
-    out["listed_later"] = [sorted(c.get_meta(pid).keys) for pid in ("d", "e")]
+    out["listed"] = [sorted(client.get_meta(pid).keys) for client, pid in zip(clients, "def")]
+    time.sleep(12.0)  # past the cut-off requests' next TCP retransmissions
+    out["listed_later"] = [sorted(c.get_meta(pid).keys) for pid in "def"]
 (run / "out.json").write_text(json.dumps(out))
 """
 
@@ -104,8 +112,8 @@ with TQClient(address, timeout=2.0, transport="tcp") as c, TQClient(address, tim
 @pytest.mark.timeout(180)
 @pytest.mark.long
 def test_a_discard_or_clear_that_timed_out_in_a_cut_is_not_applied_after_the_client_saw_its_keys(tmp_path):
-    """A discard and a clear_partition sent into a network cut time out; each request stays in its
-    closed TCP connection, retransmitted with back-off, and reaches the controller seconds after the
+    """A discard, a clear_partition and a register_partition(reuse=True) - which clears - sent into a
+    network cut time out; each request stays in its closed TCP connection, retransmitted with back-off, and reaches the controller seconds after the
     link is back. The client's next request (a listing, right after the heal) settles them: what it
     lists stays so. Before the fix the listing showed the keys and the late requests then removed them
     - requests that had raised, applied under keys the client had seen intact after them."""
@@ -132,4 +140,4 @@ def test_a_discard_or_clear_that_timed_out_in_a_cut_is_not_applied_after_the_cli
     assert proc.returncode == 0, (tmp_path / "client.log").read_text()
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["listed"] == out["listed_later"], out
-    assert all(out[op].startswith("raised") and "unknown" in out[op] for op in ("discard", "clear")), out
+    assert all(out[op].startswith("raised") and "unknown" in out[op] for op in ("discard", "clear", "reuse")), out

@@ -78,8 +78,6 @@ PREFAULT_MIN_BYTES = 1 << 20  # a put this big maps its pages in one call first 
 FREE_GRACE_S = 0.05  # a write that finds no room waits this long for frees already decided (see _room_wait_s)
 GIVE_BACK_S = 0.25  # how long giving a slab's unused ids back may wait (close() must not hang on a dead controller)
 ABORT_PROBE_S = 0.5  # after a commit or a destructive request got no reply: how long to ask whether it landed
-# the reply field of each destructive request (see _fenced_call) that counts the keys it freed
-_COUNTED = {Op.DISCARD: "discarded", Op.CLEAR_PARTITION: "keys_cleared", Op.DROP_PARTITION: "keys_cleared"}
 UNIT_CHECK_MIN_S = 0.05  # a wait on a unit asks the controller about it only with this much of its time left
 log = logging.getLogger("tq.client")
 
@@ -883,24 +881,28 @@ class TQClient:
 
     # ------------------------------------------------------------------ partitions and keys
     def register_partition(self, partition_id: str, *, reuse: bool = False) -> None:
-        """Create a partition; with ``reuse=True`` an existing one is cleared and reused."""
-        self._call(Op.CREATE_PARTITION, messages.CreatePartition(partition=partition_id, reuse=reuse))
+        """Create a partition; with ``reuse=True`` an existing one is cleared and reused (settled as
+        :meth:`_fenced_call` says if it raised TQConnectionError)."""
+        args = messages.CreatePartition(partition=partition_id, reuse=reuse, request_id=new_request_id())
+        self._fenced_call(Op.CREATE_PARTITION, args, lambda r: int(r.reused))
 
     def clear_partition(self, partition_id: str) -> int:
         """Free every key of a partition (the partition stays registered); returns keys cleared. One
         that raised TQConnectionError is settled as :meth:`_fenced_call` says."""
         args = messages.ClearPartition(partition=partition_id, request_id=new_request_id())
-        return self._fenced_call(Op.CLEAR_PARTITION, args).keys_cleared
+        return self._fenced_call(Op.CLEAR_PARTITION, args, lambda r: r.keys_cleared)
 
     def drop_partition(self, partition_id: str) -> None:
         """Free every key and unregister the partition (settled as :meth:`_fenced_call` says)."""
-        self._fenced_call(Op.DROP_PARTITION, messages.DropPartition(partition=partition_id, request_id=new_request_id()))
+        args = messages.DropPartition(partition=partition_id, request_id=new_request_id())
+        self._fenced_call(Op.DROP_PARTITION, args, lambda r: r.keys_cleared)
 
-    def _fenced_call(self, op: Op, args: Any) -> Any:
-        """Send a destructive request (with a ``request_id``) and return its reply.
+    def _fenced_call(self, op: Op, args: Any, count_of: Callable[[Any], int]) -> int:
+        """Send a request that removes or replaces state (with a ``request_id``) and return the count
+        its reply carries (``count_of``: keys freed; for a create, whether it reused a partition).
 
         With no reply in time (a stalled controller, a network cut) the request asks whether it was
-        applied, within its timeout: if it was, its reply is returned as it would have been; if not, it
+        applied, within its timeout: if it was, the count is returned as it would have been; if not, it
         is fenced and TQConnectionError says nothing was applied. If the controller cannot be asked
         either, TQConnectionError says the outcome is unknown - and this client settles it before
         its next request: from then on it has been applied for good or never will be (a copy of the
@@ -910,7 +912,7 @@ class TQClient:
         with time_budget(self.timeout):
             try:
                 with time_budget(self.timeout - probe_s):  # keep time to ask, should no reply come
-                    return self._call(op, args, resend=True)
+                    return count_of(self._call(op, args, resend=True))
             except TQConnectionError as exc:
                 failed = exc
             try:
@@ -924,7 +926,7 @@ class TQClient:
                 ) from None
         if applied[0] is None:
             raise TQConnectionError(f"{failed}; this {op} was not applied (and never will be)") from None
-        return messages.CONTROLLER_REPLIES[op](**{_COUNTED[op]: applied[0]})  # as it would have been
+        return applied[0]
 
     def list_partitions(self) -> list[dict[str, Any]]:
         """Each partition's key count, fields (schema, how many keys produced them) and bytes held."""
@@ -1953,7 +1955,7 @@ class TQClient:
         """Free the meta's keys (all their fields) and unregister them; returns keys discarded. All or
         nothing; a discard that raised TQConnectionError is settled as :meth:`_fenced_call` says."""
         args = messages.Discard(partition=meta.partition_id, keys=list(meta.keys), request_id=new_request_id())
-        return self._fenced_call(Op.DISCARD, self._with_reads(args)).discarded
+        return self._fenced_call(Op.DISCARD, self._with_reads(args), lambda r: r.discarded)
 
     def stats(self) -> dict[str, Any]:
         """Controller stats (partitions, op counts and latencies) plus every storage unit's."""

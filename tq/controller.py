@@ -440,13 +440,18 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         pid = args.partition
         if not pid:
             raise InvalidRequestError("partition id must be a non-empty string")
-        if pid in self.partitions:
+        done = self.request_book.check(Op.CREATE_PARTITION, args.request_id)  # a late one must not clear it
+        if done is not None:
+            return messages.CreatePartitionReply(partition=pid, reused=bool(done), duplicate=True)
+        reused = pid in self.partitions
+        if reused:
             if not args.reuse:
                 raise PartitionExistsError(f"partition {pid!r} already exists (pass reuse=True to clear and reuse it)")
             self._clear(self.partitions[pid])
-            return messages.CreatePartitionReply(partition=pid, reused=True)
-        self.partitions[pid] = self._new_partition(pid)
-        return messages.CreatePartitionReply(partition=pid, reused=False)
+        else:
+            self.partitions[pid] = self._new_partition(pid)
+        self.request_book.record(args.request_id, int(reused))
+        return messages.CreatePartitionReply(partition=pid, reused=reused)
 
     def _clear(self, part: Partition, *, drop: bool = False) -> int:
         n = len(part.index)

@@ -49,7 +49,8 @@ BlockId = Annotated[int, msgspec.Meta(ge=0, lt=BLOCK_ID_LIMIT)]
 LeaseId = Annotated[int, msgspec.Meta(gt=0, le=(1 << 63) - 1)]  # a borrowed get's lease (a reader may choose it)
 # Seconds to wait: finite (a NaN or infinity would park a request forever) and >= 0.
 Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]
-# The id a client gives a destructive request (discard, clear_partition, drop_partition): the
+# The id a client gives a request that removes or replaces state (discard, clear_partition,
+# drop_partition, create_partition - which may clear one with ``reuse``): the
 # controller answers the same request sent again with the first one's reply, and drops one whose
 # client fenced it (AbortRequests) before it arrived (see tq.request_book).
 RequestId = Annotated[int, msgspec.Meta(gt=0, le=(1 << 63) - 1)]
@@ -218,11 +219,15 @@ class PartitionArgs(Args):
 
 class CreatePartition(PartitionArgs):
     reuse: bool = False
+    request_id: Union[RequestId, None] = None
 
 
 class CreatePartitionReply(Reply):
+    """``duplicate``: the request sent again, answered as the first time."""
+
     partition: str
     reused: bool
+    duplicate: bool = False
 
 
 class ClearPartition(PartitionArgs):

@@ -26,7 +26,8 @@ one that is as big goes in lanes too, a block per lane made visible by one commi
 Client semantics: an op that raises is failed and unacknowledged, never a loss, but whatever it may
 have done must stay consistent: the keys of a put that raised must later be absent or read exactly its
 bytes, a write-back that raised leaves each row's old bytes (or none) or its new ones (the same for all
-its keys), a discard that raised leaves its keys gone or intact. Each client checks this by listing its
+its keys), a discard that raised leaves its keys gone or intact, and so does a clear of the client's
+partition (now and then, with nothing else unsettled) for all of them. Each client checks this by listing its
 partition and reading such keys back, and checks every row it reads against the sha256 of what it wrote.
 Counted: **acknowledged writes lost** ((key, field) rows of a put or write-back that returned, not
 discarded since, later missing or reading other bytes), **wrong-bytes reads** (rows read with bytes that
@@ -79,8 +80,8 @@ from tq.storage import DEFAULT_ALLOC_LEASE_S, DEFAULT_COMMIT_LEASE_S
 MiB = 1 << 20
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = ("unit_kill", "unit_stop", "controller_kill", "controller_stop")
-OPS = ("put", "get", "write_back", "discard", "audit")
-WEIGHTS = np.array([30, 36, 14, 12, 8], dtype=np.float64)
+OPS = ("put", "get", "write_back", "discard", "clear", "audit")
+WEIGHTS = np.array([30, 36, 14, 12, 1, 8], dtype=np.float64)
 PUT_FIELDS = ("lp", "emb", "msgs")  # a put writes "ids" and some of these (the soak's schemas)
 MAX_LIVE_KEYS = 128  # per client
 MAX_BATCH = 8
@@ -153,6 +154,7 @@ class ChaosClient(RowMaker):
         self.live: list[Held] = []
         self.maybe: list[Held] = []  # puts that raised, not yet found landed or absent
         self.dropping: list[Held] = []  # discards that raised, not yet found applied or not
+        self.clearing: list[list[Held]] = []  # clears that raised (each: the batches live then), likewise
         self.absent: dict[str, Held] = {}  # keys of puts that raised and were found absent
         self.discarded: set[str] = set()  # keys of discards that returned (or were found applied)
         self.gone: set[str] = set()  # keys no longer tracked after a wrong outcome or a loss
@@ -406,6 +408,26 @@ class ChaosClient(RowMaker):
             self.outcomes["discard_count_wrong"] += 1
             self.note(f"discard of {len(gone)} keys reported {got}")
 
+    def op_clear(self) -> None:
+        """Clear this client's partition (with nothing pending: every key in it is a live one), all of
+        its batches going at once."""
+        if self.pending() or not self.live:
+            self.op_discard()
+            return
+        batches, self.live = self.live, []
+        keys = [k for h in batches for k in h.keys]
+        try:
+            got = self._call("clear", lambda: self.client.clear_partition(self.pid))
+        except Exception as exc:
+            self._did(keys, f"clear of {len(keys)} raised {type(exc).__name__}")
+            self.clearing.append(batches)
+            raise
+        self._did(keys, f"clear of {len(keys)} returned")
+        self.discarded.update(keys)
+        if got != len(keys):
+            self.outcomes["clear_count_wrong"] += 1
+            self.note(f"clear of {len(keys)} keys reported {got}")
+
     def _read_all(self, h: Held, what: str) -> None:
         """Read every settled field of every key of ``h`` (keys-built meta: asks the controller) and
         check it. A read that fails with something other than a TQError (e.g. an object column whose
@@ -484,6 +506,7 @@ class ChaosClient(RowMaker):
 
         each([("put", h, listing) for h in list(self.maybe)], self._settle_keys)
         each([("discard", h, listing) for h in list(self.dropping)], self._settle_keys)
+        each([(batches, listing) for batches in list(self.clearing)], self._settle_clear)
         each([(h, name) for h in self.live for name in list(h.unsure)], self._settle_write_back)
         if self.suspect:  # a read said rows are missing: check every field of every batch
             each([(h,) for h in list(self.live)], self._check_fields)
@@ -522,6 +545,35 @@ class ChaosClient(RowMaker):
             else:
                 self.outcomes[f"{op}_{done}"] += 1
                 self.live.append(h)
+
+    def _settle_clear(self, batches: list[Held], listing: set[str]) -> None:
+        """A clear that raised: every key of every batch it found gone, or all there reading their bytes
+        (then tracked live again)."""
+        keys = [k for h in batches for k in h.keys]
+        present = [k for k in keys if k in listing]
+        self._did(keys, f"clear settled: {len(present)} of {len(keys)} keys listed")
+        if not present:
+            self.clearing.remove(batches)
+            self.outcomes["clear_applied"] += 1
+            self.discarded.update(keys)
+            return
+        if len(present) < len(keys):
+            self.clearing.remove(batches)
+            self.outcomes["clear_partial"] += 1
+            self.wrong += sum(len(h.sums) for h in batches for k in h.keys if k in listing)
+            self.gone.update(keys)
+            self.note(f"WRONG OUTCOME: a clear that raised left {len(present)} of its {len(keys)} keys in the partition")
+            return
+        before = self.wrong
+        for h in batches:
+            self._read_all(h, "a clear that raised")
+        self.clearing.remove(batches)
+        if self.wrong > before or any(h.broken for h in batches):
+            self.outcomes["clear_wrong"] += 1
+            self.gone.update(keys)
+        else:
+            self.outcomes["clear_not_applied"] += 1
+            self.live.extend(batches)
 
     def _settle_write_back(self, h: Held, name: str) -> None:
         """A write-back that raised: every row its old bytes (or none, if it had none) or its new ones."""
@@ -586,7 +638,8 @@ class ChaosClient(RowMaker):
 
     def _strangers(self, listing: set[str]) -> None:
         """Keys in the partition that should not be there."""
-        known = {k for hs in (self.live, self.maybe, self.dropping) for h in hs for k in h.keys} | self.gone
+        clearing = [h for batches in self.clearing for h in batches]
+        known = {k for hs in (self.live, self.maybe, self.dropping, clearing) for h in hs for k in h.keys} | self.gone
         for k in listing - known:
             if k in self.absent:  # found absent earlier, there now: settled again like any put that raised
                 self.phantoms.add(k)
@@ -605,7 +658,7 @@ class ChaosClient(RowMaker):
 
     # -- loop
     def pending(self) -> bool:
-        return bool(self.maybe or self.dropping or self.suspect or any(h.unsure for h in self.live))
+        return bool(self.maybe or self.dropping or self.clearing or self.suspect or any(h.unsure for h in self.live))
 
     def step(self, op: str) -> bool:
         """Run one op; False if it failed."""
@@ -631,7 +684,7 @@ class ChaosClient(RowMaker):
                 op = "audit"
             else:
                 op = str(self.rng.choice(OPS, p=p))
-                if not self.live and op in ("get", "write_back", "discard"):
+                if not self.live and op in ("get", "write_back", "discard", "clear"):
                     op = "put"
                 elif op == "put" and self._live_keys() + MAX_BATCH > MAX_LIVE_KEYS:
                     op = "discard"
@@ -674,7 +727,8 @@ class ChaosClient(RowMaker):
                 break
             time.sleep(0.5)
         unverified = sum(len(h.keys) for h in self.live if id(h) not in done)
-        for h in [h for h in self.live if id(h) not in done] + self.maybe + self.dropping:
+        clearing = [h for batches in self.clearing for h in batches]
+        for h in [h for h in self.live if id(h) not in done] + self.maybe + self.dropping + clearing:
             if h in self.maybe:
                 self.outcomes["put_unsettled"] += 1
             self._by_row(h, "final verification", final=True)
@@ -693,7 +747,7 @@ class ChaosClient(RowMaker):
             self.final["keys_left"] = len(self._call("get_meta", lambda: self.client.get_meta(self.pid)).keys)
         except Exception as exc:
             self.final["discard_error"] = f"{type(exc).__name__}: {exc}"[:300]
-        self.live, self.maybe, self.dropping = [], [], []
+        self.live, self.maybe, self.dropping, self.clearing = [], [], [], []
         self.client.close()
 
     def report(self) -> dict[str, Any]:

@@ -522,7 +522,9 @@ def test_a_second_unit_process_can_never_take_over_a_live_units_arena():
 def test_journal_stays_compact_under_a_long_run_of_puts_and_discards(tmp_path):
     """A controller journal that only sees puts and discards (no partition created or cleared) is
     compacted too, so a restart replays a bounded journal: before, it grew without bound (a 10-minute
-    chaos run left 28,000 records and restarts took up to 6 s)."""
+    chaos run left 28,000 records and restarts took up to 6 s). A fenced request id survives the
+    compaction (tq.request_book)."""
+    from tq import messages
     from tq.controller import COMPACT_AFTER
     from tq.journal import Journal
 
@@ -534,6 +536,7 @@ def test_journal_stays_compact_under_a_long_run_of_puts_and_discards(tmp_path):
     try:
         c.register_partition("p")
         kept = c.put("p", ["kept"], {"x": torch.tensor([7])})
+        assert c._ctrl.call("abort_requests", messages.AbortRequests(ids=[99]))[0].applied == [None]  # a fenced discard
         for i in range(COMPACT_AFTER + 300):  # over 2 * COMPACT_AFTER records (a commit and a discard each)
             c.discard(c.put("p", [f"k{i}"], {"x": torch.tensor([i])}))
         records = sum(1 for _ in Journal.replay(str(state / "controller.journal")))
@@ -543,6 +546,10 @@ def test_journal_stays_compact_under_a_long_run_of_puts_and_discards(tmp_path):
         again = TQServer(port=port, storage_units=1, capacity=16 << 20, journal_dir=str(state))
         assert c.get_meta("p").keys == ("kept",)
         assert torch.equal(c.get(kept, ["x"])["x"], torch.tensor([7]))
+        # the request book came back from the snapshot (and the records after it): the fence holds
+        with pytest.raises(InvalidRequestError, match="given up on by its client"):
+            c._ctrl.call("discard", messages.Discard(partition="p", keys=["kept"], request_id=99))
+        assert c.get_meta("p").keys == ("kept",)
     finally:
         c.close()
         for s in (again, server):
@@ -935,6 +942,50 @@ def test_a_destructive_request_sent_again_is_answered_again_and_one_its_client_f
         chan.close()
         c.close()
         shut_down((second, first), unit_pids)
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_a_put_whose_outcome_is_unknown_is_settled_before_the_clients_next_request(transport):
+    """A put's commit and the probe after it get no reply (in a network cut: the probe lost, the commit
+    retransmitted later - here the test holds both back): the put raises saying its outcome is
+    unknown, and the client's next request fences its blocks first - so the commit reaching the
+    controller after that is refused, and the key never appears. Before, such a commit was applied
+    whenever it came within the blocks' 30 s commit lease: a key listed absent, then present."""
+    from tq.errors import TQError
+
+    with TQServer(storage_units=1, capacity=16 << 20) as server:
+        c = TQClient(server.address, timeout=1.0, transport=transport)
+        held: list = []
+        chan = _controller_channel(server.address)
+        try:
+            c.register_partition("p")
+            c.put("p", ["a"], {"x": torch.ones(1, 4)})
+            real_call = c._ctrl.call
+
+            def held_back(op, args, *a, **kw):
+                if op == "commit" or (op == "abort_blocks" and not probed):
+                    probed.extend([True] if op == "abort_blocks" else [])  # the probe is lost, the commit held
+                    held.append((args, a[0] if a else kw.get("buffers", ())))
+                    raise TQConnectionError(f"no reply from controller to {op!r} (held back by this test)")
+                return real_call(op, args, *a, **kw)
+
+            probed: list = []
+            c._ctrl.call = held_back
+            with pytest.raises(TQConnectionError, match="outcome of this put is unknown"):
+                c.put("p", ["b"], {"x": torch.full((1, 4), 2.0)})
+            assert probed == [True]
+            assert c.get_meta("p").keys == ("a",)  # the client's next request
+            args, buffers = held[0]
+            assert held[1][0].blocks  # (the lost probe)
+            with pytest.raises(TQError):
+                chan.call("commit", args, buffers)  # the commit arriving at last
+            assert c.get_meta("p").keys == ("a",)
+            c._ctrl.call = real_call
+            c.put("p", ["b"], {"x": torch.full((1, 4), 3.0)})  # written again: its own bytes
+            assert torch.equal(c.get(c.get_meta("p", ["b"]), ["x"])["x"], torch.full((1, 4), 3.0))
+        finally:
+            chan.close()
+            c.close()
 
 
 def test_a_discard_whose_outcome_is_unknown_is_settled_before_the_clients_next_request():

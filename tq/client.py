@@ -657,9 +657,10 @@ class TQClient:
         # unit -> allocations this client is done writing into, told to the unit with its next alloc
         # (or at close): a unit keeps the range of a live writer whose lease ran out until then
         self._released: dict[int, list[int]] = {}
-        # ids of destructive requests that raised with their outcome unknown: fenced before this
-        # client's next controller request or get (see _fenced_call)
+        # requests that raised with their outcome unknown, fenced before this client's next controller
+        # request or get: ids of destructive ones (see _fenced_call), (unit, block) of writes' commits
         self._unsettled: set[int] = set()
+        self._unsettled_blocks: set[tuple[int, int]] = set()
         self._unsettled_lock = threading.Lock()
         self._slab_keeper: threading.Thread | None = None  # gives idle slabs back (see _keep_slabs)
         self._slab_keeper_stop = threading.Event()
@@ -866,18 +867,21 @@ class TQClient:
         return self._ctrl.call(op, args, buffers, timeout=timeout, resend=resend)[0]
 
     def _settle(self, timeout: float | None = None) -> None:
-        """Fence the destructive requests that raised with their outcome unknown (see
-        :meth:`_fenced_call`) before anything else is asked: one still on its way is then dropped,
-        never applied after this client saw the keys. Raises (TQConnectionError) while the controller
-        cannot be told."""
-        if not self._unsettled:  # the common case: one attribute test
+        """Fence the requests that raised with their outcome unknown - destructive ones (see
+        :meth:`_fenced_call`) and writes' commits - before anything else is asked: one still on its
+        way is then dropped, never applied after this client saw the keys. Raises (TQConnectionError)
+        while the controller cannot be told."""
+        if not (self._unsettled or self._unsettled_blocks):  # the common case: two attribute tests
             return
         with self._unsettled_lock:
-            ids = sorted(self._unsettled)
+            ids, blocks = sorted(self._unsettled), sorted(self._unsettled_blocks)
         if ids:
             self._ctrl.call(Op.ABORT_REQUESTS, messages.AbortRequests(ids=ids), timeout=timeout, resend=True)
-            with self._unsettled_lock:
-                self._unsettled.difference_update(ids)
+        if blocks:  # a commit applied by now is reported so (its keys stay); one not applied never will be
+            self._ctrl.call(Op.ABORT_BLOCKS, messages.AbortBlocks(blocks=blocks), timeout=timeout, resend=True)
+        with self._unsettled_lock:
+            self._unsettled.difference_update(ids)
+            self._unsettled_blocks.difference_update(blocks)
 
     # ------------------------------------------------------------------ partitions and keys
     def register_partition(self, partition_id: str, *, reuse: bool = False) -> None:
@@ -1084,9 +1088,11 @@ class TQClient:
                     Op.ABORT_BLOCKS, messages.AbortBlocks(blocks=[(p.unit, p.block) for p in parts]), timeout=probe_s
                 ).committed
             except TQConnectionError:
+                with self._unsettled_lock:
+                    self._unsettled_blocks.update((p.unit, p.block) for p in parts)
                 raise TQConnectionError(
                     f"{exc}; the outcome of this {mode} is unknown: its keys are either absent or hold exactly "
-                    "this write's bytes (a commit that arrives late is applied; one that never does is reclaimed)"
+                    "this write's bytes, settled before this client's next request (a commit arriving after that is refused)"
                 ) from None
             if all(landed):  # it did land (the meta then carries no slots: its gets ask the controller)
                 return messages.CommitReply(keys=len(keys))

@@ -846,6 +846,10 @@ class TQClient:
                 for unit in list(self._released):
                     self._send_released(unit)
                 self._released.clear()  # what could not be sent: a unit holds it only while this process lives
+            try:  # once this client is gone nothing fences them (best effort, as the slabs above)
+                self._settle(GIVE_BACK_S)
+            except TQError:
+                pass
         self._ctrl.close()
         for chan in self._unit_chans.values():
             chan.close()

@@ -657,8 +657,10 @@ class TQClient:
         # unit -> allocations this client is done writing into, told to the unit with its next alloc
         # (or at close): a unit keeps the range of a live writer whose lease ran out until then
         self._released: dict[int, list[int]] = {}
-        # requests that raised with their outcome unknown, fenced before this client's next controller
-        # request or get: ids of destructive ones (see _fenced_call), (unit, block) of writes' commits
+        # requests that raised with their outcome unknown, fenced before this client's next request to
+        # the controller: ids of destructive ones (see _fenced_call), (unit, block) of writes' commits
+        # (a same-host get that reads the location table asks the controller nothing: it works on
+        # while the controller is away, and may see either outcome until then)
         self._unsettled: set[int] = set()
         self._unsettled_blocks: set[tuple[int, int]] = set()
         self._unsettled_lock = threading.Lock()
@@ -913,7 +915,7 @@ class TQClient:
         applied, within its timeout: if it was, the count is returned as it would have been; if not, it
         is fenced and TQConnectionError says nothing was applied. If the controller cannot be asked
         either, TQConnectionError says the outcome is unknown - and this client settles it before
-        its next request: from then on it has been applied for good or never will be (a copy of the
+        its next request to the controller: from then on it has been applied for good or never will be (a copy of the
         request that arrives later is dropped, see tq.request_book). Sent again across a network cut
         (``resend``), it is answered as the first time."""
         probe_s = min(ABORT_PROBE_S, 0.25 * self.timeout)
@@ -929,7 +931,7 @@ class TQClient:
                 with self._unsettled_lock:
                     self._unsettled.add(args.request_id)
                 raise TQConnectionError(
-                    f"{failed}; the outcome of this {op} is unknown: it is settled before this client's next request "
+                    f"{failed}; the outcome of this {op} is unknown: it is settled before this client's next request to the controller "
                     "(the controller has applied it all by then, or never will)"
                 ) from None
         if applied[0] is None:
@@ -1096,7 +1098,7 @@ class TQClient:
                     self._unsettled_blocks.update((p.unit, p.block) for p in parts)
                 raise TQConnectionError(
                     f"{exc}; the outcome of this {mode} is unknown: its keys are either absent or hold exactly "
-                    "this write's bytes, settled before this client's next request (a commit arriving after that is refused)"
+                    "this write's bytes, settled before this client's next request to the controller (a commit arriving after that is refused)"
                 ) from None
             if all(landed):  # it did land (the meta then carries no slots: its gets ask the controller)
                 return messages.CommitReply(keys=len(keys))
@@ -1531,6 +1533,7 @@ class TQClient:
         args = messages.Locate(partition=meta.partition_id, keys=list(meta.keys), fields=fields, timeout=wait_timeout)
         # a read, asked again if stuck in a network cut (no lease: asked twice, it takes nothing twice;
         # its bytes may be counted twice in the read metrics)
+        self._settle()
         located, lmsg = self._ctrl.call(Op.LOCATE, self._with_reads(args), timeout=self.timeout + (wait_timeout or 0.0), resend=True)
         if located.units_version != self._units_version:
             self._refresh_units()
@@ -1657,7 +1660,6 @@ class TQClient:
         if not fields:
             raise InvalidRequestError("get needs at least one field (the meta names none)")
         with time_budget(self.timeout + (wait_timeout or 0.0)):  # every request of the get, in all
-            self._settle()  # a same-host get may ask the controller nothing
             while True:
                 try:
                     if not copy:
@@ -1734,6 +1736,7 @@ class TQClient:
                 lease_id=new_lease_id(),
                 **self._lease_holder(),
             )
+            self._settle()
             rid = self._ctrl.send(Op.BORROW, self._with_reads(args))
         try:
             # the reader checked every row lies in the arena; views need each field's rows back to back
@@ -1821,6 +1824,7 @@ class TQClient:
             lease_id=new_lease_id(),
             **self._lease_holder(),
         )
+        self._settle()
         try:
             located, lmsg = self._ctrl.call(Op.LOCATE, self._with_reads(args), timeout=self.timeout + (wait_timeout or 0.0))
         except TQConnectionError:  # no reply: the lease asked for may be granted all the same - give it up later

@@ -959,7 +959,8 @@ def test_a_put_whose_outcome_is_unknown_is_settled_before_the_clients_next_reque
         chan = _controller_channel(server.address)
         try:
             c.register_partition("p")
-            c.put("p", ["a"], {"x": torch.ones(1, 4)})
+            meta_a = c.put("p", ["a"], {"x": torch.ones(1, 4)})
+            assert torch.equal(c.get(meta_a, ["x"])["x"], torch.ones(1, 4))  # (same host: maps the location table)
             real_call = c._ctrl.call
 
             def held_back(op, args, *a, **kw):
@@ -974,6 +975,13 @@ def test_a_put_whose_outcome_is_unknown_is_settled_before_the_clients_next_reque
             with pytest.raises(TQConnectionError, match="outcome of this put is unknown"):
                 c.put("p", ["b"], {"x": torch.full((1, 4), 2.0)})
             assert probed == [True]
+            if transport == "auto" and c._tables.get("p"):  # a same-host get asks the controller nothing,
+                os.kill(server.proc.pid, signal.SIGSTOP)  # so it settles nothing: it reads while the controller is away
+                try:
+                    assert torch.equal(c.get(meta_a, ["x"])["x"], torch.ones(1, 4))
+                finally:
+                    os.kill(server.proc.pid, signal.SIGCONT)
+            c.timeout = c._ctrl.timeout = 10.0
             assert c.get_meta("p").keys == ("a",)  # the client's next request
             args, buffers = held[0]
             assert held[1][0].blocks  # (the lost probe)

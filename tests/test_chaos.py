@@ -22,14 +22,11 @@ TIMEOUT = 2.0
 
 @pytest.mark.timeout(240)
 @pytest.mark.long
-# with a secret: slow (the default set's 10 minutes; tests/test_auth.py checks signing and hostile
-# peers without faults)
-@pytest.mark.parametrize("secret", [None, pytest.param("chaos-ci-s3cret", marks=pytest.mark.slow)], ids=["open", "secret"])
+@pytest.mark.parametrize("secret", [None, "chaos-ci-s3cret"], ids=["open", "secret"])
 def test_short_chaos_loses_nothing_and_leaves_nothing(tmp_path, monkeypatch, secret):
-    """Without a secret, and (in the slow set: ``-m slow``) with one for every process of the run
-    (``TQ_SECRET``, which the controller, its units and every client take) - so every request is signed
-    and checked, and a same-host connection that fails the check or sends nothing authenticated is
-    closed, under faults."""
+    """Run twice: without a secret, and with one for every process of the run (``TQ_SECRET``, which the
+    controller, its units and every client take) - so every request is signed and checked, and a
+    same-host connection that fails the check or sends nothing authenticated is closed, under faults."""
     if secret is None:
         monkeypatch.delenv("TQ_SECRET", raising=False)
     else:

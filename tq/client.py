@@ -869,8 +869,13 @@ class TQClient:
         self.close()
 
     def _call(self, op: Op, args: messages.Args, buffers: Sequence[Any] = (), timeout: float | None = None, resend: bool = False) -> Any:
-        self._settle(timeout)
-        return self._ctrl.call(op, args, buffers, timeout=timeout, resend=resend)[0]
+        return self._ask(op, args, buffers, timeout=timeout, resend=resend)[0]
+
+    def _ask(self, op: Op, args: messages.Args, buffers: Sequence[Any] = (), **kw: Any) -> tuple[Any, protocol.ReplyMessage]:
+        """A request to the controller (``RpcChannel.call``'s result and reply), once what earlier ones
+        left unknown is settled (:meth:`_settle`)."""
+        self._settle(kw.get("timeout"))
+        return self._ctrl.call(op, args, buffers, **kw)
 
     def _settle(self, timeout: float | None = None) -> None:
         """Fence the requests that raised with their outcome unknown - destructive ones (see
@@ -880,7 +885,7 @@ class TQClient:
         if not (self._unsettled or self._unsettled_blocks):  # the common case: two attribute tests
             return
         with self._unsettled_lock:
-            ids, blocks = sorted(self._unsettled), sorted(self._unsettled_blocks)
+            ids, blocks = list(self._unsettled), list(self._unsettled_blocks)
         if ids:
             self._ctrl.call(Op.ABORT_REQUESTS, messages.AbortRequests(ids=ids), timeout=timeout, resend=True)
         if blocks:  # a commit applied by now is reported so (its keys stay); one not applied never will be
@@ -894,22 +899,23 @@ class TQClient:
         """Create a partition; with ``reuse=True`` an existing one is cleared and reused (settled as
         :meth:`_fenced_call` says if it raised TQConnectionError)."""
         args = messages.CreatePartition(partition=partition_id, reuse=reuse, request_id=new_request_id())
-        self._fenced_call(Op.CREATE_PARTITION, args, lambda r: int(r.reused))
+        self._fenced_call(Op.CREATE_PARTITION, args)
 
     def clear_partition(self, partition_id: str) -> int:
         """Free every key of a partition (the partition stays registered); returns keys cleared. One
         that raised TQConnectionError is settled as :meth:`_fenced_call` says."""
         args = messages.ClearPartition(partition=partition_id, request_id=new_request_id())
-        return self._fenced_call(Op.CLEAR_PARTITION, args, lambda r: r.keys_cleared)
+        return self._fenced_call(Op.CLEAR_PARTITION, args)
 
     def drop_partition(self, partition_id: str) -> None:
         """Free every key and unregister the partition (settled as :meth:`_fenced_call` says)."""
         args = messages.DropPartition(partition=partition_id, request_id=new_request_id())
-        self._fenced_call(Op.DROP_PARTITION, args, lambda r: r.keys_cleared)
+        self._fenced_call(Op.DROP_PARTITION, args)
 
-    def _fenced_call(self, op: Op, args: Any, count_of: Callable[[Any], int]) -> int:
+    def _fenced_call(self, op: Op, args: Any) -> int:
         """Send a request that removes or replaces state (with a ``request_id``) and return the count
-        its reply carries (``count_of``: keys freed; for a create, whether it reused a partition).
+        its reply carries (:class:`~tq.messages.OnceReply`: keys freed; for a create, whether it reused
+        a partition).
 
         With no reply in time (a stalled controller, a network cut) the request asks whether it was
         applied, within its timeout: if it was, the count is returned as it would have been; if not, it
@@ -922,7 +928,7 @@ class TQClient:
         with time_budget(self.timeout):
             try:
                 with time_budget(self.timeout - probe_s):  # keep time to ask, should no reply come
-                    return count_of(self._call(op, args, resend=True))
+                    return self._call(op, args, resend=True).count
             except TQConnectionError as exc:
                 failed = exc
             try:
@@ -1533,8 +1539,7 @@ class TQClient:
         args = messages.Locate(partition=meta.partition_id, keys=list(meta.keys), fields=fields, timeout=wait_timeout)
         # a read, asked again if stuck in a network cut (no lease: asked twice, it takes nothing twice;
         # its bytes may be counted twice in the read metrics)
-        self._settle()
-        located, lmsg = self._ctrl.call(Op.LOCATE, self._with_reads(args), timeout=self.timeout + (wait_timeout or 0.0), resend=True)
+        located, lmsg = self._ask(Op.LOCATE, self._with_reads(args), timeout=self.timeout + (wait_timeout or 0.0), resend=True)
         if located.units_version != self._units_version:
             self._refresh_units()
         n = len(meta.keys)
@@ -1736,7 +1741,7 @@ class TQClient:
                 lease_id=new_lease_id(),
                 **self._lease_holder(),
             )
-            self._settle()
+            self._settle()  # (sent and received apart: not through _ask)
             rid = self._ctrl.send(Op.BORROW, self._with_reads(args))
         try:
             # the reader checked every row lies in the arena; views need each field's rows back to back
@@ -1824,9 +1829,8 @@ class TQClient:
             lease_id=new_lease_id(),
             **self._lease_holder(),
         )
-        self._settle()
         try:
-            located, lmsg = self._ctrl.call(Op.LOCATE, self._with_reads(args), timeout=self.timeout + (wait_timeout or 0.0))
+            located, lmsg = self._ask(Op.LOCATE, self._with_reads(args), timeout=self.timeout + (wait_timeout or 0.0))
         except TQConnectionError:  # no reply: the lease asked for may be granted all the same - give it up later
             self._leases.abandon(args.lease_id)  # type: ignore[arg-type]
             raise
@@ -1969,7 +1973,7 @@ class TQClient:
         """Free the meta's keys (all their fields) and unregister them; returns keys discarded. All or
         nothing; a discard that raised TQConnectionError is settled as :meth:`_fenced_call` says."""
         args = messages.Discard(partition=meta.partition_id, keys=list(meta.keys), request_id=new_request_id())
-        return self._fenced_call(Op.DISCARD, self._with_reads(args), lambda r: r.discarded)
+        return self._fenced_call(Op.DISCARD, self._with_reads(args))
 
     def stats(self) -> dict[str, Any]:
         """Controller stats (partitions, op counts and latencies) plus every storage unit's."""

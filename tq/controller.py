@@ -25,7 +25,7 @@ import os
 import signal
 import struct
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import zmq
@@ -115,7 +115,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         self.ledgers: dict[int, UnitLedger] = collections.defaultdict(UnitLedger)
         # (unit, block) -> commit digest of recent commits: a retried commit gets the first one's answer
         self.recent_commits: collections.OrderedDict[tuple[int, int], int] = collections.OrderedDict()
-        self.request_book = RequestBook()  # recent discards and clears by id: sent again answered again, late ones fenced
+        self.request_book = RequestBook()  # requests with an id (see _once): sent again answered again, late ones fenced
         self._next_adopted_check = 0.0
         self._next_heartbeat = 0.0
         self._next_unit_flush = 0.0
@@ -137,9 +137,9 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             {
                 Op.HELLO: self.op_hello,
                 Op.REGISTER_UNIT: self.op_register_unit,
-                Op.CREATE_PARTITION: self.op_create_partition,
-                Op.CLEAR_PARTITION: self.op_clear_partition,
-                Op.DROP_PARTITION: self.op_drop_partition,
+                Op.CREATE_PARTITION: self._once(Op.CREATE_PARTITION, self.op_create_partition),
+                Op.CLEAR_PARTITION: self._once(Op.CLEAR_PARTITION, self.op_clear_partition),
+                Op.DROP_PARTITION: self._once(Op.DROP_PARTITION, self.op_drop_partition),
                 Op.LIST_PARTITIONS: self.op_list_partitions,
                 Op.MINT: self.op_mint,
                 Op.COMMIT: self.op_commit,
@@ -147,7 +147,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
                 Op.ABORT_REQUESTS: self.op_abort_requests,
                 Op.LOCATE: self.op_locate,
                 Op.WAIT: self.op_wait,
-                Op.DISCARD: self.op_discard,
+                Op.DISCARD: self._once(Op.DISCARD, self.op_discard),
                 Op.GET_META: self.op_get_meta,
                 Op.SET_TAGS: self.op_set_tags,
                 Op.LEASES: self.op_leases,
@@ -440,18 +440,13 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         pid = args.partition
         if not pid:
             raise InvalidRequestError("partition id must be a non-empty string")
-        done = self.request_book.check(Op.CREATE_PARTITION, args.request_id)  # a late one must not clear it
-        if done is not None:
-            return messages.CreatePartitionReply(partition=pid, reused=bool(done), duplicate=True)
-        reused = pid in self.partitions
-        if reused:
+        if pid in self.partitions:
             if not args.reuse:
                 raise PartitionExistsError(f"partition {pid!r} already exists (pass reuse=True to clear and reuse it)")
             self._clear(self.partitions[pid])
-        else:
-            self.partitions[pid] = self._new_partition(pid)
-        self.request_book.record(args.request_id, int(reused))
-        return messages.CreatePartitionReply(partition=pid, reused=reused)
+            return messages.CreatePartitionReply(partition=pid, reused=True)
+        self.partitions[pid] = self._new_partition(pid)
+        return messages.CreatePartitionReply(partition=pid, reused=False)
 
     def _clear(self, part: Partition, *, drop: bool = False) -> int:
         n = len(part.index)
@@ -465,24 +460,15 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         return n
 
     def op_clear_partition(self, args: messages.ClearPartition, buffers: list, call: Call) -> messages.ClearPartitionReply:
-        done = self.request_book.check(Op.CLEAR_PARTITION, args.request_id)
-        if done is not None:
-            return messages.ClearPartitionReply(keys_cleared=done, duplicate=True)
-        n = self._clear(self._partition(args.partition))
-        self.request_book.record(args.request_id, n)
-        return messages.ClearPartitionReply(keys_cleared=n)
+        return messages.ClearPartitionReply(keys_cleared=self._clear(self._partition(args.partition)))
 
     def op_drop_partition(self, args: messages.DropPartition, buffers: list, call: Call) -> messages.DropPartitionReply:
-        done = self.request_book.check(Op.DROP_PARTITION, args.request_id)
-        if done is not None:
-            return messages.DropPartitionReply(keys_cleared=done, duplicate=True)
         part = self._partition(args.partition)
         n = self._clear(part, drop=True)
         del self.partitions[part.pid]
         for w in [w for w in self.waiters if w.pid == part.pid]:
             self.waiters.remove(w)
             self.reply_error(w.call, PartitionNotFoundError(f"partition {part.pid!r} was dropped while waiting"))
-        self.request_book.record(args.request_id, n)
         return messages.DropPartitionReply(keys_cleared=n)
 
     def op_list_partitions(self, args: messages.ListPartitions, buffers: list, call: Call) -> list[messages.PartitionSummary]:
@@ -915,9 +901,6 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             self.bytes_read[int(u)] = self.bytes_read.get(int(u), 0) + b
 
     def op_discard(self, args: messages.Discard, buffers: list, call: Call) -> messages.DiscardReply:
-        done = self.request_book.check(Op.DISCARD, args.request_id)  # (its reads were counted the first time)
-        if done is not None:
-            return messages.DiscardReply(discarded=done, duplicate=True)
         self._count_reads(args)
         part = self._partition(args.partition)
         keys = args.keys
@@ -933,8 +916,23 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
                 loc[at] = -1
         part.free_slots.extend(slots.tolist())
         self._free_rows(part, rows)
-        self.request_book.record(args.request_id, len(keys))
         return messages.DiscardReply(discarded=len(keys))
+
+    def _once(self, op: Op, handler: Callable[..., messages.OnceReply]) -> Callable[..., messages.OnceReply]:
+        """``handler`` of a request its client gives an id (tq.request_book): applied once - sent again,
+        it gets the first answer (a discard's reads are not counted twice); fenced by its client, it is
+        dropped."""
+        reply_type = messages.CONTROLLER_REPLIES[op]
+
+        def once(args: Any, buffers: list, call: Call) -> messages.OnceReply:
+            done = self.request_book.check(op, args.request_id)
+            if done is not None:
+                return reply_type.again(args, done)
+            reply = handler(args, buffers, call)
+            self.request_book.record(args.request_id, reply.count)
+            return reply
+
+        return once
 
     def op_abort_requests(self, args: messages.AbortRequests, buffers: list, call: Call) -> messages.AbortRequestsReply:
         """A client gives up on requests it got no reply to: each one not applied yet is fenced (see

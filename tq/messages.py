@@ -222,23 +222,49 @@ class CreatePartition(PartitionArgs):
     request_id: Union[RequestId, None] = None
 
 
-class CreatePartitionReply(Reply):
-    """``duplicate``: the request sent again, answered as the first time."""
+class OnceReply(Reply):
+    """The reply of a request a client gives an id (tq.request_book): what the controller keeps of it
+    is one count, from which it answers the request sent again (``duplicate``)."""
 
+    duplicate: bool = False
+
+    @property
+    def count(self) -> int:
+        raise NotImplementedError
+
+    @classmethod
+    def again(cls, args: Any, count: int) -> "OnceReply":
+        """The reply to ``args`` sent again, applied the first time with ``count``."""
+        raise NotImplementedError
+
+
+class CreatePartitionReply(OnceReply, kw_only=True):
     partition: str
     reused: bool
-    duplicate: bool = False
+
+    @property
+    def count(self) -> int:
+        return int(self.reused)
+
+    @classmethod
+    def again(cls, args: Any, count: int) -> "CreatePartitionReply":
+        return cls(partition=args.partition, reused=bool(count), duplicate=True)
 
 
 class ClearPartition(PartitionArgs):
     request_id: Union[RequestId, None] = None
 
 
-class ClearPartitionReply(Reply):
-    """``keys_cleared``: keys freed; ``duplicate``: the request sent again, answered as the first time."""
-
+class ClearPartitionReply(OnceReply, kw_only=True):
     keys_cleared: int
-    duplicate: bool = False
+
+    @property
+    def count(self) -> int:
+        return self.keys_cleared
+
+    @classmethod
+    def again(cls, args: Any, count: int) -> "ClearPartitionReply":
+        return cls(keys_cleared=count, duplicate=True)
 
 
 class DropPartition(PartitionArgs):
@@ -393,11 +419,16 @@ class Discard(ReadsArgs, kw_only=True):
     request_id: Union[RequestId, None] = None
 
 
-class DiscardReply(Reply):
-    """``discarded``: keys freed; ``duplicate``: a discard sent again, answered as the first time."""
-
+class DiscardReply(OnceReply, kw_only=True):
     discarded: int
-    duplicate: bool = False
+
+    @property
+    def count(self) -> int:
+        return self.discarded
+
+    @classmethod
+    def again(cls, args: Any, count: int) -> "DiscardReply":
+        return cls(discarded=count, duplicate=True)
 
 
 class AbortRequests(Args):

@@ -882,11 +882,12 @@ def _controller_channel(address: str, timeout: float = 10.0):
     return RpcChannel(address, secret=None, timeout=timeout, name="controller", replies=messages.CONTROLLER_REPLY_DECODERS)
 
 
-def test_a_destructive_request_sent_again_is_answered_again_and_one_its_client_fenced_is_dropped(tmp_path):
-    """A request id settles a discard, clear, drop or create across a lost reply and a controller crash: the
-    same request again (a resend across a network cut) is answered as the first time, not refused for
-    what it removed itself; once its client fenced it (abort_requests), a copy that arrives late is
-    dropped and nothing is removed; the fences and the applied ids survive a crash (journaled)."""
+def test_a_request_sent_again_is_answered_again_and_one_its_client_fenced_is_dropped(tmp_path):
+    """A request id settles a discard, clear, drop, create, mint or set_tags across a lost reply and a
+    controller crash: the same request again (a resend across a network cut) is answered as the first
+    time, not refused for what it did itself; once its client fenced it (abort_requests), a copy that
+    arrives late is dropped and nothing changes; the fences and the applied ids survive a crash
+    (journaled)."""
     from tq import messages
     from tq.errors import InvalidRequestError
 
@@ -917,17 +918,25 @@ def test_a_destructive_request_sent_again_is_answered_again_and_one_its_client_f
         assert [(r.keys_cleared, r.duplicate) for r in dropped] == [(0, False), (0, True)]  # not PartitionNotFoundError
         made = [call("create_partition", messages.CreatePartition(partition="s", request_id=41)) for _ in range(2)]
         assert [(r.reused, r.duplicate) for r in made] == [(False, False), (False, True)]  # not PartitionExistsError
-        fenced = call("abort_requests", messages.AbortRequests(ids=[11, 12, 22, 42]))
-        assert fenced.applied == [1, None, None, None]  # 11 had been applied (freeing 1 key); the rest never were, and never will be
+        minted = [call("mint", messages.Mint(partition="s", keys=["m"], request_id=51)) for _ in range(2)]
+        assert [(r.minted, r.duplicate) for r in minted] == [(1, False), (1, True)]  # not DuplicateKeyError
+        tagged = [call("set_tags", messages.SetTags(partition="s", keys=["m"], tags={"t": [1]}, request_id=61)) for _ in range(2)]
+        assert [(r.keys, r.duplicate) for r in tagged] == [(1, False), (1, True)]
+        fenced = call("abort_requests", messages.AbortRequests(ids=[11, 12, 22, 42, 52, 62]))
+        # 11 had been applied (freeing 1 key); the rest never were, and never will be
+        assert fenced.applied == [1, None, None, None, None, None]
         late = [
             ("discard", messages.Discard(partition="p", keys=["b"], request_id=12)),
             ("clear_partition", messages.ClearPartition(partition="r", request_id=22)),
             ("create_partition", messages.CreatePartition(partition="r", reuse=True, request_id=42)),
+            ("mint", messages.Mint(partition="s", keys=["late"], request_id=52)),
+            ("set_tags", messages.SetTags(partition="s", keys=["m"], tags={"t": [0]}, request_id=62)),
         ]
         for op, args in late:  # the late copies of the fenced requests
             with pytest.raises(InvalidRequestError, match="given up on by its client"):
                 call(op, args)
         assert sorted(c.get_meta("p").keys) == ["b", "c"] and c.get_meta("r").keys == ("a",)
+        assert c.get_meta("s").keys == ("m",) and c.get_meta("s").tags == {"t": (1,)}
         os.kill(first.proc.pid, signal.SIGKILL)  # the journal holds every id: a restart keeps them
         first.proc.wait(10)
         second = TQServer(port=port, storage_units=1, capacity=16 << 20, journal_dir=state)
@@ -935,9 +944,10 @@ def test_a_destructive_request_sent_again_is_answered_again_and_one_its_client_f
             with pytest.raises(InvalidRequestError, match="given up on by its client"):
                 call(op, args)
         assert discard(["a"], 11).duplicate and call("drop_partition", messages.DropPartition(partition="q", request_id=31)).duplicate
-        assert call("abort_requests", messages.AbortRequests(ids=[11, 21])).applied == [1, 1]
+        assert call("abort_requests", messages.AbortRequests(ids=[11, 21, 51, 61])).applied == [1, 1, 1, 1]
         assert torch.equal(c.get(c.get_meta("p", ["b", "c"]), ["x"])["x"], torch.tensor([[2.0, 3.0], [4.0, 5.0]]))
         assert c.get_meta("r").keys == ("a",)
+        assert c.get_meta("s").keys == ("m",) and c.get_meta("s").tags == {"t": (1,)}
     finally:
         chan.close()
         c.close()
@@ -1035,4 +1045,33 @@ def test_a_discard_whose_outcome_is_unknown_is_settled_before_the_clients_next_r
             assert torch.equal(c.get(c.get_meta("p", ["a"]), ["x"])["x"], torch.ones(1, 4))
         finally:
             chan.close()
+            c.close()
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_a_mint_applied_whose_reply_was_lost_returns_a_meta_its_keys_are_written_through(transport):
+    """A register_keys applied by the controller whose reply is lost: its probe finds it applied, so the
+    call returns a meta as the mint sent again would get it - without slots, its keys found by name -
+    and write_back and get work on it (neither a raise for a mint that took effect nor a
+    DuplicateKeyError when the caller tries again)."""
+    with TQServer(storage_units=1, capacity=16 << 20) as server:
+        c = TQClient(server.address, timeout=2.0, transport=transport)
+        try:
+            c.register_partition("p")
+            real_call = c._ctrl.call
+
+            def reply_lost(op, args, *a, **kw):
+                reply = real_call(op, args, *a, **kw)
+                if op == "mint":
+                    raise TQConnectionError("no reply from controller to 'mint' (lost by this test)")
+                return reply
+
+            c._ctrl.call = reply_lost
+            meta = c.register_keys("p", ["a", "b"])
+            c._ctrl.call = real_call
+            assert meta.keys == ("a", "b") and meta.slots is None
+            c.write_back(meta, {"x": torch.arange(8.0).reshape(2, 4)})
+            assert torch.equal(c.get(meta, ["x"])["x"], torch.arange(8.0).reshape(2, 4))
+            assert c.get_meta("p").keys == ("a", "b")
+        finally:
             c.close()

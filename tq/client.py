@@ -658,7 +658,7 @@ class TQClient:
         # (or at close): a unit keeps the range of a live writer whose lease ran out until then
         self._released: dict[int, list[int]] = {}
         # requests that raised with their outcome unknown, fenced before this client's next request to
-        # the controller: ids of destructive ones (see _fenced_call), (unit, block) of writes' commits
+        # the controller: ids of requests that change a partition (see _fenced_call), (unit, block) of writes' commits
         # (a same-host get that reads the location table asks the controller nothing: it works on
         # while the controller is away, and may see either outcome until then)
         self._unsettled: set[int] = set()
@@ -898,27 +898,24 @@ class TQClient:
     def register_partition(self, partition_id: str, *, reuse: bool = False) -> None:
         """Create a partition; with ``reuse=True`` an existing one is cleared and reused (settled as
         :meth:`_fenced_call` says if it raised TQConnectionError)."""
-        args = messages.CreatePartition(partition=partition_id, reuse=reuse, request_id=new_request_id())
-        self._fenced_call(Op.CREATE_PARTITION, args)
+        self._fenced_call(Op.CREATE_PARTITION, messages.CreatePartition(partition=partition_id, reuse=reuse, request_id=new_request_id()))
 
     def clear_partition(self, partition_id: str) -> int:
         """Free every key of a partition (the partition stays registered); returns keys cleared. One
         that raised TQConnectionError is settled as :meth:`_fenced_call` says."""
-        args = messages.ClearPartition(partition=partition_id, request_id=new_request_id())
-        return self._fenced_call(Op.CLEAR_PARTITION, args)
+        return self._fenced_call(Op.CLEAR_PARTITION, messages.ClearPartition(partition=partition_id, request_id=new_request_id())).count
 
     def drop_partition(self, partition_id: str) -> None:
         """Free every key and unregister the partition (settled as :meth:`_fenced_call` says)."""
-        args = messages.DropPartition(partition=partition_id, request_id=new_request_id())
-        self._fenced_call(Op.DROP_PARTITION, args)
+        self._fenced_call(Op.DROP_PARTITION, messages.DropPartition(partition=partition_id, request_id=new_request_id()))
 
-    def _fenced_call(self, op: Op, args: Any) -> int:
-        """Send a request that removes or replaces state (with a ``request_id``) and return the count
-        its reply carries (:class:`~tq.messages.OnceReply`: keys freed; for a create, whether it reused
-        a partition).
+    def _fenced_call(self, op: Op, args: Any) -> messages.OnceReply:
+        """Send a request that changes a partition (with a ``request_id``) and return its reply
+        (:class:`~tq.messages.OnceReply`).
 
         With no reply in time (a stalled controller, a network cut) the request asks whether it was
-        applied, within its timeout: if it was, the count is returned as it would have been; if not, it
+        applied, within its timeout: if it was, the reply is returned as the request sent again would
+        get it (:meth:`~tq.messages.OnceReply.again`: its count, a mint's slots left out); if not, it
         is fenced and TQConnectionError says nothing was applied. If the controller cannot be asked
         either, TQConnectionError says the outcome is unknown - and this client settles it before
         its next request to the controller: from then on it has been applied for good or never will be (a copy of the
@@ -928,7 +925,7 @@ class TQClient:
         with time_budget(self.timeout):
             try:
                 with time_budget(self.timeout - probe_s):  # keep time to ask, should no reply come
-                    return self._call(op, args, resend=True).count
+                    return self._call(op, args, resend=True)
             except TQConnectionError as exc:
                 failed = exc
             try:
@@ -942,7 +939,7 @@ class TQClient:
                 ) from None
         if applied[0] is None:
             raise TQConnectionError(f"{failed}; this {op} was not applied (and never will be)") from None
-        return applied[0]
+        return messages.CONTROLLER_REPLIES[op].again(args, applied[0])
 
     def list_partitions(self) -> list[dict[str, Any]]:
         """Each partition's key count, fields (schema, how many keys produced them) and bytes held."""
@@ -952,9 +949,9 @@ class TQClient:
         """Register ``keys`` with no data yet; ``write_back`` on the returned meta fills their fields.
 
         Raises :class:`~tq.errors.DuplicateKeyError` naming a key the partition already holds (nothing is
-        registered then)."""
+        registered then); one that raised TQConnectionError is settled as :meth:`_fenced_call` says."""
         keys = list(keys)
-        r = self._call(Op.MINT, messages.Mint(partition=partition_id, keys=keys))
+        r = self._fenced_call(Op.MINT, messages.Mint(partition=partition_id, keys=keys, request_id=new_request_id()))
         return KVBatchMeta(partition_id, tuple(keys), slot_table=r.slot_table, slots=r.slots)
 
     def mint_keys(self, partition_id: str, uids: Sequence[str], group_size: int) -> KVBatchMeta:
@@ -976,11 +973,12 @@ class TQClient:
         )
 
     def set_tags(self, meta: KVBatchMeta) -> None:
-        """Store the meta's per-key tags on the controller (so :meth:`get_meta` returns them)."""
+        """Store the meta's per-key tags on the controller (so :meth:`get_meta` returns them); one that
+        raised TQConnectionError is settled as :meth:`_fenced_call` says."""
         if meta.tags:
-            self._call(
-                Op.SET_TAGS,
-                messages.SetTags(partition=meta.partition_id, keys=list(meta.keys), tags={k: list(v) for k, v in meta.tags.items()}),
+            tags = {k: list(v) for k, v in meta.tags.items()}
+            self._fenced_call(
+                Op.SET_TAGS, messages.SetTags(partition=meta.partition_id, keys=list(meta.keys), tags=tags, request_id=new_request_id())
             )
 
     # ------------------------------------------------------------------ writes
@@ -1973,7 +1971,7 @@ class TQClient:
         """Free the meta's keys (all their fields) and unregister them; returns keys discarded. All or
         nothing; a discard that raised TQConnectionError is settled as :meth:`_fenced_call` says."""
         args = messages.Discard(partition=meta.partition_id, keys=list(meta.keys), request_id=new_request_id())
-        return self._fenced_call(Op.DISCARD, self._with_reads(args))
+        return self._fenced_call(Op.DISCARD, self._with_reads(args)).count
 
     def stats(self) -> dict[str, Any]:
         """Controller stats (partitions, op counts and latencies) plus every storage unit's."""

@@ -25,7 +25,7 @@ is left out while it holds it, as the hand-built maps before them left optional 
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 import msgspec
 
@@ -49,9 +49,8 @@ BlockId = Annotated[int, msgspec.Meta(ge=0, lt=BLOCK_ID_LIMIT)]
 LeaseId = Annotated[int, msgspec.Meta(gt=0, le=(1 << 63) - 1)]  # a borrowed get's lease (a reader may choose it)
 # Seconds to wait: finite (a NaN or infinity would park a request forever) and >= 0.
 Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]
-# The id a client gives a request that removes or replaces state (discard, clear_partition,
-# drop_partition, create_partition - which may clear one with ``reuse``): the
-# controller answers the same request sent again with the first one's reply, and drops one whose
+# The id a client gives a request that changes a partition (discard, clear_partition, drop_partition,
+# create_partition - which may clear one with ``reuse`` -, mint, set_tags): the controller answers the same request sent again with the first one's reply, and drops one whose
 # client fenced it (AbortRequests) before it arrived (see tq.request_book).
 RequestId = Annotated[int, msgspec.Meta(gt=0, le=(1 << 63) - 1)]
 TagValue = Union[None, bool, int, float, str]
@@ -224,27 +223,26 @@ class CreatePartition(PartitionArgs):
 
 class OnceReply(Reply):
     """The reply of a request a client gives an id (tq.request_book): what the controller keeps of it
-    is one count, from which it answers the request sent again (``duplicate``)."""
+    is one count (the field ``counted`` names), from which it answers the request sent again
+    (``duplicate``)."""
 
+    counted: ClassVar[str]
     duplicate: bool = False
 
     @property
     def count(self) -> int:
-        raise NotImplementedError
+        return int(getattr(self, self.counted))
 
     @classmethod
     def again(cls, args: Any, count: int) -> "OnceReply":
         """The reply to ``args`` sent again, applied the first time with ``count``."""
-        raise NotImplementedError
+        return cls(**{cls.counted: count}, duplicate=True)
 
 
 class CreatePartitionReply(OnceReply, kw_only=True):
+    counted = "reused"
     partition: str
     reused: bool
-
-    @property
-    def count(self) -> int:
-        return int(self.reused)
 
     @classmethod
     def again(cls, args: Any, count: int) -> "CreatePartitionReply":
@@ -256,15 +254,8 @@ class ClearPartition(PartitionArgs):
 
 
 class ClearPartitionReply(OnceReply, kw_only=True):
+    counted = "keys_cleared"
     keys_cleared: int
-
-    @property
-    def count(self) -> int:
-        return self.keys_cleared
-
-    @classmethod
-    def again(cls, args: Any, count: int) -> "ClearPartitionReply":
-        return cls(keys_cleared=count, duplicate=True)
 
 
 class DropPartition(PartitionArgs):
@@ -298,16 +289,18 @@ class KeysArgs(PartitionArgs):
 
 
 class Mint(KeysArgs):
-    pass
+    request_id: Union[RequestId, None] = None
 
 
-class MintReply(Reply):
+class MintReply(OnceReply, kw_only=True):
     """Keys minted, and what a meta carries so a same-host reader finds their records (the location
-    table's incarnation and each key's slot: ``KVBatchMeta.slots``)."""
+    table's incarnation and each key's slot: ``KVBatchMeta.slots``; left out of a mint answered again,
+    whose keys a reader then finds by name)."""
 
+    counted = "minted"
     minted: int
-    slot_table: int
-    slots: list[int]
+    slot_table: Union[int, None] = None
+    slots: Union[list[int], None] = None
 
 
 class CommitField(msgspec.Struct):
@@ -420,15 +413,8 @@ class Discard(ReadsArgs, kw_only=True):
 
 
 class DiscardReply(OnceReply, kw_only=True):
+    counted = "discarded"
     discarded: int
-
-    @property
-    def count(self) -> int:
-        return self.discarded
-
-    @classmethod
-    def again(cls, args: Any, count: int) -> "DiscardReply":
-        return cls(discarded=count, duplicate=True)
 
 
 class AbortRequests(Args):
@@ -457,9 +443,11 @@ class GetMetaReply(Reply):
 
 class SetTags(KeysArgs):
     tags: dict[str, list[TagValue]]
+    request_id: Union[RequestId, None] = None
 
 
-class SetTagsReply(Reply):
+class SetTagsReply(OnceReply, kw_only=True):
+    counted = "keys"
     keys: int
 
 

@@ -1,6 +1,6 @@
-"""The controller's book of recent requests that remove or replace state (discard, clear_partition,
-drop_partition, create_partition - which clears an existing partition with ``reuse``), by the id
-each client gives such a request.
+"""The controller's book of recent requests that change a partition (discard, clear_partition,
+drop_partition, create_partition - which clears an existing partition with ``reuse`` -, mint,
+set_tags), by the id each client gives such a request.
 
 One whose reply never reached its client (the controller was stalled, or the network cut) has an
 unknown outcome, and it may still be on its way: in a socket's buffer, or retransmitted by TCP after
@@ -47,8 +47,8 @@ class RequestBook:
         return self.applied.get(request_id)
 
     def record(self, request_id: int | None, count: int) -> None:
-        """A request was applied; ``count``: what its reply counted (keys freed; for a create, 1 if it
-        reused a partition)."""
+        """A request was applied; ``count``: what its reply counted (keys freed, minted or tagged; for
+        a create, 1 if it reused a partition)."""
         if request_id is not None:
             _bounded_add(self.applied, request_id, count)
 

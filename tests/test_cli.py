@@ -149,6 +149,27 @@ def test_stop_when_nothing_runs(cli_env):
     assert "no TQ controller" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_stop_process_waits_for_the_exit_and_kills_a_process_that_ignores_sigterm():
+    """``launch.stop_process`` (what stops every service this project starts): the exit code of a
+    process that ends on SIGTERM; one that ignores it is SIGKILLed once the timeout is out; an ended
+    one is reaped, not signalled. ``wait_exit`` raises TimeoutExpired while a process runs."""
+    from tq import launch
+
+    ignores = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(60)"
+    polite = subprocess.Popen([sys.executable, "-c", "import time; print(1, flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
+    stubborn = subprocess.Popen([sys.executable, "-c", ignores], stdout=subprocess.PIPE)
+    done = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    for p in (polite, stubborn):
+        p.stdout.readline()  # running (and, for the stubborn one, ignoring SIGTERM)
+    with pytest.raises(subprocess.TimeoutExpired):
+        launch.wait_exit(polite, 0.05)
+    launch.stop_process(polite, 10.0)
+    launch.stop_process(stubborn, 0.3)
+    assert launch.wait_exit(done, 10.0) == 3
+    launch.stop_process(done, 10.0)
+    assert (polite.returncode, stubborn.returncode, done.returncode) == (-signal.SIGTERM, -signal.SIGKILL, 3)
+
+
 def test_stale_run_file(cli_env):
     """A run file whose controller died is reported (and cleaned) by stop, and does not block start."""
     os.makedirs(cli_env["TQ_RUN_DIR"])

@@ -33,6 +33,7 @@ import hmac
 import itertools
 import logging
 import secrets
+import signal
 import socket
 import threading
 import time
@@ -493,8 +494,40 @@ class RpcServer:
     def stop(self) -> None:
         self._running = False
 
+    def _wake_on_signals(self) -> Callable[[], None]:
+        """Have a signal wake this loop's poll (``signal.set_wakeup_fd``): a SIGTERM's handler calls
+        :meth:`stop`, and without this the poll, restarted after the interruption, slept out its
+        remaining 100 ms first - twice in a service's shutdown (controller, then its units). Only in
+        the main thread, where Python runs signal handlers; returns what undoes it."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        earlier = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+
+        def drain(readable: bool, writable: bool) -> None:
+            with contextlib.suppress(BlockingIOError):
+                os.read(r, 4096)
+
+        self.watch_fd(r, False, drain)
+
+        def undo() -> None:
+            signal.set_wakeup_fd(earlier)
+            self.unwatch_fd(r)
+            os.close(r)
+            os.close(w)
+
+        return undo
+
     def serve_forever(self) -> None:
         self._running = True
+        unwake = self._wake_on_signals()
+        try:
+            self._serve_loop()
+        finally:
+            unwake()
+        self.close()
+
+    def _serve_loop(self) -> None:
         while self._running:
             if self._beside:  # what this loop's last turn left to write, written side by side
                 self._flush_beside()
@@ -521,7 +554,6 @@ class RpcServer:
             for listener in self.listeners:
                 listener.on_tick(now)
             self.on_tick(now)
-        self.close()
 
     def close(self) -> None:
         if self._monitor is not None:

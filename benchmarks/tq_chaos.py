@@ -27,7 +27,9 @@ Client semantics: an op that raises is failed and unacknowledged, never a loss, 
 have done must stay consistent: the keys of a put that raised must later be absent or read exactly its
 bytes, a write-back that raised leaves each row's old bytes (or none) or its new ones (the same for all
 its keys), a discard that raised leaves its keys gone or intact, and so does a clear of the client's
-partition (now and then, with nothing else unsettled) for all of them. Each client checks this by listing its
+partition (now and then, with nothing else unsettled) for all of them. A quarter of the puts go the
+rollout way instead - ``register_keys`` (a mint), then a ``write_back`` of every field into the keys -
+and a mint that raised leaves its keys all there (empty) or all absent. Each client checks this by listing its
 partition and reading such keys back, and checks every row it reads against the sha256 of what it wrote.
 Counted: **acknowledged writes lost** ((key, field) rows of a put or write-back that returned, not
 discarded since, later missing or reading other bytes), **wrong-bytes reads** (rows read with bytes that
@@ -88,6 +90,7 @@ MAX_BATCH = 8
 BORROW_P = 1 / 3  # gets that borrow (copy=False): views held over the next 1-7 ops, then checked again
 MAX_BORROWED = 4  # per client
 BIG_P = 0.05  # of puts: a big batch (see the module docstring)
+MINT_P = 0.25  # of the other puts: register_keys, then a write_back of every field (see the module docstring)
 BIG_KEYS = 4
 BIG_TOKENS = (550_000, 650_000)  # per key: its int64 "ids" alone are over 16 MiB for the batch
 TOKEN_BYTES = {f: DTYPES[d][0] for f, d in {**JAGGED, "plp": "float32"}.items()}  # the jagged fields' (plp: a write-back)
@@ -284,6 +287,9 @@ class ChaosClient(RowMaker):
         keys = [f"c{self.idx}-{self.counter}-{j}" for j in range(n)]
         self.counter += 1
         h = Held(keys, lengths, {name: [digest(r) for r in rows_of(col)] for name, col in cols.items()}, set(), big=big)
+        if not big and self.rng.random() < MINT_P:
+            self._mint_and_fill(h, cols)
+            return
         try:
             h.meta = self._call("put", lambda: self.client.put(self.pid, keys, cols))
         except Exception as exc:
@@ -297,6 +303,27 @@ class ChaosClient(RowMaker):
             self._count_big(
                 self.big_puts, [sum(h.lengths[i] * TOKEN_BYTES[f] for f in names if f in TOKEN_BYTES) for i in range(n)], _lanes_of
             )
+
+    def _mint_and_fill(self, h: Held, cols: dict[str, Any]) -> None:
+        """A put the rollout way: the keys registered empty (a mint), then every field written back. A
+        mint that raised is settled like a put that raised (its keys all there, empty, or all absent);
+        a fill that raised like a write-back that raised, field by field (none, or the new rows)."""
+        try:
+            meta = self._call("mint", lambda: self.client.register_keys(self.pid, h.keys))
+        except Exception as exc:
+            self._did(h.keys, f"mint raised {type(exc).__name__}")
+            self.maybe.append(Held(h.keys, h.lengths, {}, set()))
+            raise
+        self._did(h.keys, f"mint of {len(h.keys)} acknowledged")
+        empty = Held(h.keys, h.lengths, {}, set(), meta)
+        self.live.append(empty)  # tracked from here: no field yet
+        try:
+            self._call("write_back", lambda: self.client.write_back(meta, cols))
+        except Exception:
+            empty.unsure = {name: (None, sums, False) for name, sums in h.sums.items()}
+            raise
+        self._did(h.keys, f"fill of {len(h.keys)} acknowledged")
+        empty.sums, empty.acked = h.sums, set(h.sums)
 
     def op_get(self) -> None:
         from tq.errors import FieldNotProducedError, KeyNotFoundError, TQError

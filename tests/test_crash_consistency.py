@@ -557,6 +557,37 @@ def test_journal_stays_compact_under_a_long_run_of_puts_and_discards(tmp_path):
                 s.shutdown()
 
 
+def test_a_controller_restarted_before_each_compaction_still_compacts_its_journal(tmp_path):
+    """Killed and restarted every 1,200 journaled changes (under COMPACT_AFTER each time), the
+    controller still compacts: the count towards the next compaction goes on from the records its
+    restart replayed. Before, each restart counted from zero - a chaos run whose controller was
+    killed every few seconds grew its journal to 5.6 MB, and a restart to 3.1 s."""
+    from tq.controller import COMPACT_AFTER
+    from tq.journal import Journal
+
+    port = free_port()
+    state = tmp_path / "state"
+    servers = [TQServer(port=port, storage_units=1, capacity=16 << 20, journal_dir=str(state))]
+    c = TQClient(servers[0].address, timeout=10.0)
+    unit_pids = [u["pid"] for u in c.stats()["units"]]  # they outlive each killed controller
+    try:
+        c.register_partition("p")
+        meta = c.put("p", ["k"], {"x": torch.tensor([1])})
+        for life in range(4):
+            for i in range(1200):  # one journal record each
+                c.set_tags(meta.stamp_tags(step=[life * 1200 + i]))
+            os.kill(servers[-1].proc.pid, signal.SIGKILL)
+            servers[-1].proc.wait(10)
+            servers.append(TQServer(port=port, storage_units=1, capacity=16 << 20, journal_dir=str(state)))
+        records = sum(1 for _ in Journal.replay(str(state / "controller.journal")))
+        assert records <= COMPACT_AFTER, records  # 4,800 changes: 4,803 records without a compaction
+        assert c.get_meta("p").tags == {"step": (4799,)}
+        assert torch.equal(c.get(meta, ["x"])["x"], torch.tensor([1]))
+    finally:
+        c.close()
+        shut_down(tuple(reversed(servers)), unit_pids)
+
+
 def test_frees_leave_the_controller_only_after_the_op_that_freed_them_is_journaled(tmp_path, loopback):
     """A controller killed between telling a unit to free a discarded key's rows and journaling the
     discard came back with the key pointing at freed, reused rows (5 wrong-bytes reads in a chaos

@@ -877,6 +877,17 @@ class TQClient:
         self._settle(kw.get("timeout"))
         return self._ctrl.call(op, args, buffers, **kw)
 
+    def _probe(self, failed: TQConnectionError, ask: Callable[[], Any], unsettle: Callable[[], None], unknown: str) -> Any:
+        """After a request that changes state got no reply (``failed``): ``ask`` the controller whether it
+        was applied - which fences it if not - and return the answer. With no answer to that either,
+        ``unsettle`` records it (under the lock) for :meth:`_settle` and TQConnectionError says ``unknown``."""
+        try:
+            return ask()
+        except TQConnectionError:
+            with self._unsettled_lock:
+                unsettle()
+            raise TQConnectionError(f"{failed}; {unknown}") from None
+
     def _settle(self, timeout: float | None = None) -> None:
         """Fence the requests that raised with their outcome unknown - destructive ones (see
         :meth:`_fenced_call`) and writes' commits - before anything else is asked: one still on its
@@ -928,15 +939,13 @@ class TQClient:
                     return self._call(op, args, resend=True)
             except TQConnectionError as exc:
                 failed = exc
-            try:
-                applied = self._ctrl.call(Op.ABORT_REQUESTS, messages.AbortRequests(ids=[args.request_id]), timeout=probe_s)[0].applied
-            except TQConnectionError:
-                with self._unsettled_lock:
-                    self._unsettled.add(args.request_id)
-                raise TQConnectionError(
-                    f"{failed}; the outcome of this {op} is unknown: it is settled before this client's next request to the controller "
-                    "(the controller has applied it all by then, or never will)"
-                ) from None
+            applied = self._probe(
+                failed,
+                lambda: self._ctrl.call(Op.ABORT_REQUESTS, messages.AbortRequests(ids=[args.request_id]), timeout=probe_s)[0].applied,
+                lambda: self._unsettled.add(args.request_id),
+                f"the outcome of this {op} is unknown: it is settled before this client's next request to the controller "
+                "(the controller has applied it all by then, or never will)",
+            )
         if applied[0] is None:
             raise TQConnectionError(f"{failed}; this {op} was not applied (and never will be)") from None
         return messages.CONTROLLER_REPLIES[op].again(args, applied[0])
@@ -1093,17 +1102,14 @@ class TQClient:
             # No reply (or no time left to ask): the commit may still be applied (a stalled controller)
             # or may be lost (a restarted one). Ask: the controller fences blocks not committed, so the
             # outcome is settled either way - never a key pointing at storage that is freed or reused.
-            try:
-                landed = self._call(
-                    Op.ABORT_BLOCKS, messages.AbortBlocks(blocks=[(p.unit, p.block) for p in parts]), timeout=probe_s
-                ).committed
-            except TQConnectionError:
-                with self._unsettled_lock:
-                    self._unsettled_blocks.update((p.unit, p.block) for p in parts)
-                raise TQConnectionError(
-                    f"{exc}; the outcome of this {mode} is unknown: its keys are either absent or hold exactly "
-                    "this write's bytes, settled before this client's next request to the controller (a commit arriving after that is refused)"
-                ) from None
+            blocks = [(p.unit, p.block) for p in parts]
+            landed = self._probe(
+                exc,
+                lambda: self._call(Op.ABORT_BLOCKS, messages.AbortBlocks(blocks=blocks), timeout=probe_s).committed,
+                lambda: self._unsettled_blocks.update(blocks),
+                f"the outcome of this {mode} is unknown: its keys are either absent or hold exactly this write's bytes, "
+                "settled before this client's next request to the controller (a commit arriving after that is refused)",
+            )
             if all(landed):  # it did land (the meta then carries no slots: its gets ask the controller)
                 return messages.CommitReply(keys=len(keys))
             raise TQConnectionError(f"{exc}; this {mode} did not land (its storage was reclaimed): write it again") from None

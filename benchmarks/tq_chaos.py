@@ -29,7 +29,9 @@ bytes, a write-back that raised leaves each row's old bytes (or none) or its new
 its keys), a discard that raised leaves its keys gone or intact, and so does a clear of the client's
 partition (now and then, with nothing else unsettled) for all of them. A quarter of the puts go the
 rollout way instead - ``register_keys`` (a mint), then a ``write_back`` of every field into the keys -
-and a mint that raised leaves its keys all there (empty) or all absent. Each client checks this by listing its
+and a mint that raised leaves its keys all there (empty) or all absent. Clients also tag batches
+(``set_tags``): every key of a batch carries its last tag, and a set_tags that raised leaves the old
+one on all of them or the new one. Each client checks this by listing its
 partition and reading such keys back, and checks every row it reads against the sha256 of what it wrote.
 Counted: **acknowledged writes lost** ((key, field) rows of a put or write-back that returned, not
 discarded since, later missing or reading other bytes), **wrong-bytes reads** (rows read with bytes that
@@ -82,14 +84,15 @@ from tq.storage import DEFAULT_ALLOC_LEASE_S, DEFAULT_COMMIT_LEASE_S
 MiB = 1 << 20
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = ("unit_kill", "unit_stop", "controller_kill", "controller_stop")
-OPS = ("put", "get", "write_back", "discard", "clear", "audit")
-WEIGHTS = np.array([30, 36, 14, 12, 1, 8], dtype=np.float64)
+OPS = ("put", "get", "write_back", "discard", "clear", "tag", "audit")
+WEIGHTS = np.array([30, 36, 14, 12, 1, 4, 8], dtype=np.float64)
 PUT_FIELDS = ("lp", "emb", "msgs")  # a put writes "ids" and some of these (the soak's schemas)
 MAX_LIVE_KEYS = 128  # per client
 MAX_BATCH = 8
 BORROW_P = 1 / 3  # gets that borrow (copy=False): views held over the next 1-7 ops, then checked again
 MAX_BORROWED = 4  # per client
 BIG_P = 0.05  # of puts: a big batch (see the module docstring)
+UNKNOWN_TAG = -1  # a batch's tag once found wrong (set_tags values are >= 0): not checked until tagged again
 MINT_P = 0.25  # of the other puts: register_keys, then a write_back of every field (see the module docstring)
 BIG_KEYS = 4
 BIG_TOKENS = (550_000, 650_000)  # per key: its int64 "ids" alone are over 16 MiB for the batch
@@ -128,6 +131,8 @@ class Held:
     unsure: dict[str, tuple[list[str] | None, list[str], bool]] = field(default_factory=dict)
     broken: set[str] = field(default_factory=set)  # fields found in a state no write explains: not read again
     big: bool = False  # a big batch (BIG_KEYS keys of BIG_TOKENS tokens)
+    tag: int | None = None  # the "step" tag its keys carry (set_tags), None if never tagged
+    tag_unsure: tuple[int | None, int] | None = None  # a set_tags that raised: (the tag before, the one it set)
 
     def select(self, idx: list[int]) -> "Held":
         return Held(
@@ -139,6 +144,8 @@ class Held:
             {f: (None if o is None else [o[i] for i in idx], [n[i] for i in idx], a) for f, (o, n, a) in self.unsure.items()},
             set(self.broken),
             self.big,
+            self.tag,
+            self.tag_unsure,
         )
 
 
@@ -409,6 +416,46 @@ class ChaosClient(RowMaker):
         h.sums[name] = new
         h.acked.add(name)
 
+    def op_tag(self) -> None:
+        """Tag a batch's keys with a new "step" value (set_tags); the audit checks every batch's tags."""
+        from tq import KVBatchMeta
+
+        ready = [h for h in self.live if h.tag_unsure is None]
+        if not ready:
+            return
+        h = ready[int(self.rng.integers(len(ready)))]
+        value = self.counter
+        self.counter += 1
+        meta = KVBatchMeta(self.pid, tuple(h.keys), tags={"step": (value,) * len(h.keys)})
+        try:
+            self._call("set_tags", lambda: self.client.set_tags(meta))
+        except Exception:
+            h.tag_unsure = (h.tag, value)
+            raise
+        h.tag = value
+
+    def _check_tags(self, tags: dict[str, Any]) -> None:
+        """Every live batch's keys carry its tag; a set_tags that raised left the old tag on all of them
+        or the new one (the listing that gave ``tags`` settled it first). A batch found otherwise is
+        counted once and checked again only after its next set_tags returns."""
+        for h in self.live:
+            got = {tags.get(k) for k in h.keys}
+            if h.tag_unsure is not None:
+                old, new = h.tag_unsure
+                h.tag_unsure = None
+                if got == {new} or (got == {old} and old != UNKNOWN_TAG):
+                    self.outcomes["set_tags_applied" if got == {new} else "set_tags_not_applied"] += 1
+                    h.tag = got.pop()
+                    continue
+                if old == UNKNOWN_TAG:
+                    continue
+            elif h.tag == UNKNOWN_TAG or got == {h.tag}:
+                continue
+            self.wrong += len(h.keys)
+            self.outcomes["set_tags_wrong"] += 1
+            self.note(f"WRONG TAGS: batch of {h.keys[0]!r} carries {sorted(got, key=str)}, want {h.tag}")
+            h.tag = UNKNOWN_TAG
+
     def op_discard(self) -> None:
         ready = [i for i, h in enumerate(self.live) if not h.unsure]
         if not ready:
@@ -507,7 +554,9 @@ class ChaosClient(RowMaker):
     def op_audit(self) -> None:
         """List the partition and settle every failed op's outcome (see the module docstring). Each
         pending item is settled on its own; the first error is raised after trying them all."""
-        listing = set(self._call("get_meta", lambda: self.client.get_meta(self.pid)).keys)
+        listed = self._call("get_meta", lambda: self.client.get_meta(self.pid))
+        listing = set(listed.keys)
+        tags = dict(zip(listed.keys, listed.tags.get("step", (None,) * len(listed.keys))))
         # acknowledged keys must all be there
         for at in range(len(self.live) - 1, -1, -1):
             h = self.live[at]
@@ -535,6 +584,7 @@ class ChaosClient(RowMaker):
         each([("discard", h, listing) for h in list(self.dropping)], self._settle_keys)
         each([(batches, listing) for batches in list(self.clearing)], self._settle_clear)
         each([(h, name) for h in self.live for name in list(h.unsure)], self._settle_write_back)
+        self._check_tags(tags)
         if self.suspect:  # a read said rows are missing: check every field of every batch
             each([(h,) for h in list(self.live)], self._check_fields)
             self.suspect = bool(errors)
@@ -685,7 +735,9 @@ class ChaosClient(RowMaker):
 
     # -- loop
     def pending(self) -> bool:
-        return bool(self.maybe or self.dropping or self.clearing or self.suspect or any(h.unsure for h in self.live))
+        return bool(
+            self.maybe or self.dropping or self.clearing or self.suspect or any(h.unsure or h.tag_unsure is not None for h in self.live)
+        )
 
     def step(self, op: str) -> bool:
         """Run one op; False if it failed."""

@@ -132,7 +132,7 @@ class Held:
     broken: set[str] = field(default_factory=set)  # fields found in a state no write explains: not read again
     big: bool = False  # a big batch (BIG_KEYS keys of BIG_TOKENS tokens)
     tag: int | None = None  # the "step" tag its keys carry (set_tags), None if never tagged
-    tag_unsure: tuple[int | None, int] | None = None  # a set_tags that raised: (the tag before, the one it set)
+    tag_unsure: int | None = None  # a set_tags that raised: the tag it set (``tag`` stays the one before)
 
     def select(self, idx: list[int]) -> "Held":
         return Held(
@@ -430,7 +430,7 @@ class ChaosClient(RowMaker):
         try:
             self._call("set_tags", lambda: self.client.set_tags(meta))
         except Exception:
-            h.tag_unsure = (h.tag, value)
+            h.tag_unsure = value
             raise
         h.tag = value
 
@@ -440,21 +440,18 @@ class ChaosClient(RowMaker):
         counted once and checked again only after its next set_tags returns."""
         for h in self.live:
             got = {tags.get(k) for k in h.keys}
-            if h.tag_unsure is not None:
-                old, new = h.tag_unsure
-                h.tag_unsure = None
-                if got == {new} or (got == {old} and old != UNKNOWN_TAG):
-                    self.outcomes["set_tags_applied" if got == {new} else "set_tags_not_applied"] += 1
-                    h.tag = got.pop()
-                    continue
-                if old == UNKNOWN_TAG:
-                    continue
+            new, h.tag_unsure = h.tag_unsure, None
+            if new is not None and got == {new}:
+                self.outcomes["set_tags_applied"] += 1
+                h.tag = new
             elif h.tag == UNKNOWN_TAG or got == {h.tag}:
-                continue
-            self.wrong += len(h.keys)
-            self.outcomes["set_tags_wrong"] += 1
-            self.note(f"WRONG TAGS: batch of {h.keys[0]!r} carries {sorted(got, key=str)}, want {h.tag}")
-            h.tag = UNKNOWN_TAG
+                if new is not None and h.tag != UNKNOWN_TAG:
+                    self.outcomes["set_tags_not_applied"] += 1
+            else:
+                self.wrong += len(h.keys)
+                self.outcomes["set_tags_wrong"] += 1
+                self.note(f"WRONG TAGS: batch of {h.keys[0]!r} carries {sorted(got, key=str)}, want {h.tag}")
+                h.tag = UNKNOWN_TAG
 
     def op_discard(self) -> None:
         ready = [i for i, h in enumerate(self.live) if not h.unsure]

@@ -173,11 +173,8 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             if self.tcp is not None:
                 stream_transport.remember_port(journal_dir, self.tcp.sock.getsockname()[1])
             path = os.path.join(journal_dir, "controller.journal")
-            replayed = self._replay(path)
+            self._replay(path)
             self.journal = Journal(path, fsync=fsync)
-            # counted on from the replay: a controller restarted every few seconds (before it appended
-            # COMPACT_AFTER records) never compacted, and its journal - so each restart - kept growing
-            self.journal.appended = replayed
             if self.journal.truncated_bytes:
                 log.warning("controller journal %s: dropped a torn tail of %d bytes", path, self.journal.truncated_bytes)
             self.expected_units = max(self.expected_units, len(self.units))

@@ -117,12 +117,16 @@ class Journal:
         self.path = path
         self.fsync = fsync
         self.fsync_interval_s = float(fsync_interval_s)
-        self.appended = 0  # records appended since open or the last rewrite
         created = not os.path.exists(path)
         self._f = open(path, "ab", buffering=0)
         data = _read(path)
+        ends = [end for _, end in _records(data)]
+        # records since the last rewrite - at open, all the file holds: a process restarted before it
+        # appended what its compaction waits for counts on from its predecessor's records (counted from
+        # zero, a controller killed every few seconds never compacted: 5.6 MB, 3.1 s restarts)
+        self.appended = len(ends)
         # where the last complete record ends: appends go here, and a failed one is cut back to it
-        self._end = max((end for _, end in _records(data)), default=0)
+        self._end = ends[-1] if ends else 0
         self.truncated_bytes = len(data) - self._end
         if self.truncated_bytes:
             os.ftruncate(self._f.fileno(), self._end)

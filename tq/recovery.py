@@ -86,18 +86,13 @@ class JournalRecovery:
                 )
             ) from exc
 
-    def _replay(self, path: str) -> int:
-        """Rebuild the state the journal at ``path`` holds; returns the records after its last snapshot
-        (the reopened journal counts on from there towards its next compaction)."""
+    def _replay(self, path: str) -> None:
         self._replaying = True  # rebuild state only: nothing is sent to the units
-        since_snapshot = 0
         try:
             n = 0
             for op, args, bufs in Journal.replay(path):
-                since_snapshot += 1
                 if op == "__snapshot__":
                     self._restore(args)
-                    since_snapshot = 0
                 elif op == "__fence__":
                     self.ledgers[args["unit"]].fenced.update(args["blocks"])
                 elif op == "__water__":
@@ -119,7 +114,6 @@ class JournalRecovery:
             self._replaying = False
         if n:
             log.warning("controller recovered %d partitions and %d storage units from %s", len(self.partitions), len(self.units), path)
-        return since_snapshot
 
     def _snapshot(self) -> dict[str, Any]:
         return {

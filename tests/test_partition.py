@@ -112,7 +112,49 @@ with c, c2, c3, c4, c5:
     out["listed"] = [listing(client, pid) for client, pid in zip(clients, PIDS)]
     time.sleep(12.0)  # past the cut-off requests' next TCP retransmissions
     out["listed_later"] = [listing(c, pid) for pid in PIDS]
+    out["killed_listed_later"] = [listing(c, pid) for pid in "kl"]
 (run / "out.json").write_text(json.dumps(out))
+"""
+
+
+# A client killed while its requests are in a cut: no client is left to settle them (as above), so
+# only TCP can keep them from the controller - the kernel retransmits a dead process's unacknowledged
+# bytes for up to ~100 s (tcp_orphan_retries), long after the heal.
+_KILLED_CLIENT = r"""
+import sys, threading, time, torch
+from pathlib import Path
+from tq import KVBatchMeta, TQClient
+address, run = sys.argv[1], Path(sys.argv[2])
+c, over_zmq = (TQClient(address, timeout=3.0, transport="tcp") for _ in range(2))
+over_zmq._ctrl.use_stream(None)
+for pid in "kl":
+    c.register_partition(pid)
+    c.put(pid, ["a", "b"], {"x": torch.ones(2, 8)})
+cut = threading.Event()
+
+def call_in_cut(call, *args):
+    call.__self__.get_meta("k")  # this thread's connection, made before the cut: its request goes into it
+    connected.release()
+    cut.wait()
+    call(*args)
+
+connected = threading.Semaphore(0)
+calls = (
+    (c.register_keys, ("k", ["c"])),
+    (c.discard, (KVBatchMeta("l", ("a",)),)),
+    (over_zmq.set_tags, (KVBatchMeta("k", ("a", "b"), tags={"t": (1, 2)}),)),
+)
+for call, args in calls:
+    threading.Thread(target=call_in_cut, args=(call, *args), daemon=True).start()
+for _ in calls:
+    connected.acquire()
+(run / "killed-ready").write_text("1")
+while not (run / "cut").exists():
+    time.sleep(0.01)
+cut.set()
+time.sleep(0.5)
+(run / "killed-sending").write_text("1")
+time.sleep(60)  # killed by the test before its calls time out
 """
 
 
@@ -126,22 +168,32 @@ def test_a_request_that_timed_out_in_a_cut_is_not_applied_after_its_client_liste
     client's next request (a listing, right after the heal) settles them: what it lists stays so.
     Before the fixes the listing showed the partition as it was and the late requests then changed it
     - removed its keys (aa3bc39), added an empty key or rewrote its tags (6346793): requests that had
-    raised, applied after their client had seen the partition without them."""
+    raised, applied after their client had seen the partition without them. And a register_keys, a
+    discard and a set_tags (over ZMQ) of a client killed while they wait in the cut never reach the
+    controller: before the fix the dead process's kernel delivered them after the heal."""
     import json
+    import os
+    import signal
     import sys
     import time
 
-    def await_file(name: str) -> None:
+    def await_file(name: str, log: str = "client.log") -> None:
         deadline = time.monotonic() + 90
+        who = killed if log == "killed.log" else proc
         while not (tmp_path / name).exists():
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "client.log").read_text()
+            assert who.poll() is None and time.monotonic() < deadline, (tmp_path / log).read_text()
             time.sleep(0.05)
 
     with tq_partition.service_on_two_hosts(tmp_path, units_on=(0,)) as (cluster, address, env):
+        killed = cluster.spawn(1, [sys.executable, "-c", _KILLED_CLIENT, address, str(tmp_path)], tmp_path / "killed.log", env)
         proc = cluster.spawn(1, [sys.executable, "-c", _CUT_DISCARDER, address, str(tmp_path)], tmp_path / "client.log", env)
         await_file("ready")
+        await_file("killed-ready", "killed.log")
         cluster.cut(1)
         (tmp_path / "cut").write_text("1")
+        await_file("killed-sending", "killed.log")
+        os.killpg(killed.pid, signal.SIGKILL)  # its register_keys and discard in the cut, unanswered
+        assert killed.wait(10) == -signal.SIGKILL, (tmp_path / "killed.log").read_text()
         await_file("sent")
         time.sleep(1.0)  # the requests' next retransmissions come after the heal
         cluster.heal(1)
@@ -150,4 +202,7 @@ def test_a_request_that_timed_out_in_a_cut_is_not_applied_after_its_client_liste
     assert proc.returncode == 0, (tmp_path / "client.log").read_text()
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["listed"] == out["listed_later"], out
+    # the killed client's mint, discard and set_tags (over ZMQ) never reached the controller: its
+    # connections gave up on them at its timeout (TCP_USER_TIMEOUT), ~8 s before the heal
+    assert out["killed_listed_later"] == [[["a", "b"], {}], [["a", "b"], {}]], out
     assert all(out[op].startswith("raised") and "unknown" in out[op] for op in ("discard", "clear", "reuse", "mint", "tags")), out

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import hmac
 import logging
+import math
 import os
 import secrets
 import select
@@ -97,6 +98,13 @@ TCP_CONNECT_S = 2.0  # a TCP stream not connected and answered within this is no
 # would hold each of its connections - a descriptor and a peer - forever. Probed after this long idle,
 # every TCP_KEEPALIVE[1] s, closed after TCP_KEEPALIVE[2] unanswered probes: about two minutes.
 TCP_KEEPALIVE = (60, 10, 6)
+# A request's bytes that the server's host has not acknowledged within the request's time (its call's
+# timeout, at least a second) are given up on: TCP resets the connection (TCP_USER_TIMEOUT) instead of
+# retransmitting them with a doubling back-off - for ~100 s even after the client process died
+# (tcp_orphan_retries). So a request reaches the server within its call's time of being sent, or never:
+# a client killed while its request waited in a network cut leaves nothing to arrive after the heal (a
+# living client settles its own, by request id; a Unix socket loses nothing and is never cut).
+UNACKED_MIN_S = 1
 # While this many replies (or bytes of them) wait unwritten for a client's connection, the server reads
 # no more of its requests (until they are all written): a process sending requests whose replies it
 # does not read is held back by its own socket, instead of growing the server's memory. A client that
@@ -749,6 +757,15 @@ class ClientStream:
         self._readable.register(self.sock, select.POLLIN)
         self._writable.register(self.sock, select.POLLOUT)
         self.sender: protocol.Sender | None = None  # with a secret: this stream's request stamps
+        self._unacked_ms = 0 if address.startswith("tcp://") and hasattr(socket, "TCP_USER_TIMEOUT") else -1
+
+    def give_up_after(self, seconds: float) -> None:
+        """Have TCP reset this connection once bytes it sent stay unacknowledged ``seconds`` (rounded
+        up, at least UNACKED_MIN_S: see there). A Unix socket, or a system without the option: nothing."""
+        ms = max(UNACKED_MIN_S, math.ceil(seconds)) * 1000
+        if self._unacked_ms >= 0 and ms != self._unacked_ms:  # mostly the same from call to call: no syscall
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, ms)
+            self._unacked_ms = ms
 
     def send(self, frames: Sequence[Any], timeout: float) -> None:
         """Write a whole request; OSError (the server closed, or took nothing within ``timeout``)
@@ -760,6 +777,7 @@ class ClientStream:
                 raise ConnectionResetError("the server closed the connection")
         except BlockingIOError:  # nothing to read: the connection is open
             pass
+        self.give_up_after(timeout)
         views, deadline = _wire(frames), time.monotonic() + timeout
         while True:
             try:

@@ -954,3 +954,40 @@ def test_a_unit_restarted_just_before_a_shutdown_leaves_no_arena():
             # the controller saw it exit - and started its restart in the same turn - but it has not rejoined
             assert wait_until(lambda: not client.stats()["units"][0]["alive"], timeout=10)
         assert not [p for p in (unit["arena_path"], unit["arena_path"] + ".journal") if os.path.exists(p)]
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used."""
+    import os
+
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_server_spins_after_a_request_then_sleeps_when_idle(monkeypatch):
+    """TQ_SERVE_SPIN_US: after a request the controller polls without sleeping that long (requests 5 ms
+    apart under a 20 ms spin keep it busy: CPU time near the wall time; it used ~15 ms of CPU for
+    them without the spin), then blocks again (an idle second costs it next to nothing)."""
+    monkeypatch.setenv("TQ_SERVE_SPIN_US", "20000")
+    with TQServer(storage_units=1, capacity=16 << 20) as server, TQClient(server.address) as c:
+        c.register_partition("spin")
+        meta = c.put("spin", ["a"], {"x": torch.arange(4)[None]})
+        pid = server.proc.pid
+        before, t0 = _cpu_s(pid), time.monotonic()
+        for _ in range(100):
+            assert c.get_meta("spin", ["a"]).keys == meta.keys
+            time.sleep(0.005)
+        busy, wall = _cpu_s(pid) - before, time.monotonic() - t0
+        time.sleep(0.1)  # past the last spin
+        before = _cpu_s(pid)
+        time.sleep(1.0)
+        idle = _cpu_s(pid) - before
+    assert busy > 0.25 * wall, (busy, wall)  # 2 cores shared with another test worker: a quarter at least
+    assert idle < 0.1, idle
+
+
+@pytest.mark.parametrize("value, why", [("1e9", "between 0 and 100000"), ("fast", "a number of microseconds")])
+def test_a_bad_serve_spin_setting_fails_the_start_naming_it(monkeypatch, value, why):
+    monkeypatch.setenv("TQ_SERVE_SPIN_US", value)
+    with pytest.raises(ValueError, match=f"TQ_SERVE_SPIN_US must be {why}"):
+        TQServer(storage_units=0)

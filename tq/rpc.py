@@ -272,6 +272,7 @@ class RpcServer:
     def __init__(self, name: str, bind: str, *, secret: bytes | None, max_message_bytes: int) -> None:
         self.name = name
         self.secret = secret
+        self.spin_s = serve_spin_s()  # before anything is bound: a bad TQ_SERVE_SPIN_US fails the start
         self.max_message_bytes = max_message_bytes
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -528,6 +529,7 @@ class RpcServer:
         self.close()
 
     def _serve_loop(self) -> None:
+        spin_s, busy_at = self.spin_s, 0.0
         while self._running:
             if self._beside:  # what this loop's last turn left to write, written side by side
                 self._flush_beside()
@@ -535,7 +537,12 @@ class RpcServer:
             # whole milliseconds, rounded up: zmq's poll truncates, so a deadline under 1 ms away would
             # spin the loop (and a CPU) until it passed
             timeout_ms = 100 if deadline is None else max(0, min(100, math.ceil((deadline - time.monotonic()) * 1e3)))
-            for sock, event in self._poller.poll(timeout_ms):
+            if spin_s and time.perf_counter() - busy_at < spin_s:  # see serve_spin_s
+                timeout_ms = 0
+            ready = self._poller.poll(timeout_ms)
+            if ready:
+                busy_at = time.perf_counter()
+            for sock, event in ready:
                 if sock is self.sock:
                     self._serve_ready()
                 elif type(sock) is int:  # a file descriptor (watch_fd); None: unwatched earlier in this batch
@@ -683,6 +690,28 @@ def _zero_copy(frames: Sequence[Any]) -> bool:
 CHECK_EVERY_S = 0.25
 LAST_REPLY_GRACE_S = 0.5  # a server stopping at once (ServerMustStop) keeps its sockets this long first
 SERVE_BATCH = 64  # requests a server takes from its queue before its loop ticks again (bounds the tick's delay)
+
+
+def serve_spin_s() -> float:
+    """How long a server's loop polls without sleeping after it last had something to do, before it
+    blocks: a sleeping server is woken through the kernel's scheduler - on a VM an interrupt through the
+    hypervisor, most of what a same-host round trip costs - and a client's next request (a put's
+    commit after its store, the next put) mostly comes within a millisecond. Spinning takes a core, so
+    only where there are cores to spare: 1 ms with 8 or more, none below (on 2 vCPUs the spinning
+    server took the CPU its client needed: put p50 0.31 -> 0.55 ms). ``TQ_SERVE_SPIN_US`` sets it
+    (0: never spin, as on a host whose cores the trainer needs). Measured on a 16-core H200 host (1 ms,
+    two runs of 3,000 calls): 1-key TCP put p99 1.20 / 1.15 -> 0.79 / 0.62 ms, TCP get p99
+    0.90 / 1.01 -> 0.73 / 0.52 ms, same-host put p99 0.55 / 0.72 -> 0.40 / 0.39 ms."""
+    env = os.environ.get("TQ_SERVE_SPIN_US")
+    if env is not None:
+        try:
+            us = float(env)
+        except ValueError:
+            raise ValueError(f"TQ_SERVE_SPIN_US must be a number of microseconds, not {env!r}") from None
+        if not 0 <= us <= 100_000:
+            raise ValueError(f"TQ_SERVE_SPIN_US must be between 0 and 100000 microseconds, not {env!r}")
+        return us * 1e-6
+    return 1e-3 if stream_transport.usable_cores() >= 8 else 0.0
 
 
 # A client polls for a reply this long before it sleeps on the socket: most replies of a same-host

@@ -10,7 +10,7 @@ from typing import Any
 from . import launch
 from .errors import AuthenticationError, TQConnectionError
 from .messages import CONTROLLER_REPLY_DECODERS, ControllerOp, Hello, HelloReply
-from .rpc import RpcChannel
+from .rpc import RpcChannel, serve_spin_s
 from .stream_transport import endpoint_host
 
 
@@ -62,6 +62,7 @@ class TQServer:
             if not 0 <= value <= 65535:
                 raise ValueError(f"{name} must be in 0..65535 (0 picks a free one), got {value}")
         check_bind_allowed(f"tcp://{host}:{port}", secret.encode() if secret else None)
+        serve_spin_s()  # a bad TQ_SERVE_SPIN_US is named here, not only in the processes' stderr
         self.secret = secret
         ready_file = launch.new_ready_file("tq-ready-")
         self.proc = subprocess.Popen(

@@ -1346,6 +1346,8 @@ def run_chaos(
     phases: dict[str, float] = {}
     if run_dir is None:
         run_dir = os.path.join(REPO, "logs", "tq_chaos", time.strftime("%Y%m%d-%H%M%S"))
+    if os.path.exists(os.path.join(run_dir, "state")):  # its journal would bring the old run's partitions back
+        raise ValueError(f"run dir {run_dir} holds an earlier run's service state: give a fresh --run-dir")
     os.makedirs(run_dir, exist_ok=True)
     warmup_s = warmup_s if warmup_s is not None else min(max(0.05 * duration, 3.0), 10.0)
     tail_s = 3.0  # no fault starts in the last seconds of the load

@@ -85,3 +85,12 @@ def test_short_chaos_loses_nothing_and_leaves_nothing(tmp_path, monkeypatch, sec
         assert sd["shm_dir"] not in (p.info["cmdline"] or []), p
     left = [n for n in os.listdir("/dev/shm") if any(n.startswith(f"tq-loc-{pid}-") for pid in sd["controller_pids"])]
     assert left == [], left
+
+
+def test_a_run_dir_holding_an_earlier_runs_state_is_refused_before_anything_starts(tmp_path):
+    """A reused --run-dir would restart the service from the old run's journal (its partitions back,
+    the canary's registration refused): refused at once, naming the directory."""
+    (tmp_path / "state").mkdir()
+    with pytest.raises(ValueError, match="holds an earlier run's service state"):
+        run_chaos(duration=5.0, run_dir=str(tmp_path), log=lambda _: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state"]

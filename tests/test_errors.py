@@ -577,6 +577,32 @@ def test_storage_unit_enforces_its_message_size_limit():
         fake_ctrl.close(0)
 
 
+# ----------------------------------------------------------------------------- times
+BAD_SECONDS = [float("inf"), float("nan"), -1.0, 1e12, "soon"]
+
+
+@pytest.mark.parametrize("value", BAD_SECONDS, ids=str)
+def test_a_wait_or_get_with_an_impossible_time_is_refused_naming_it(tclient, part, value):
+    """An infinite, NaN, negative, too long or non-numeric wait is an InvalidRequestError naming the
+    argument, before anything is sent (it was an OverflowError, a ValueError or a TypeError from
+    inside the transport); the client works on."""
+    meta = tclient.put(part, unique_keys(1), {"x": torch.ones(1, 2)})
+    with pytest.raises(InvalidRequestError, match=r"^timeout must be"):
+        tclient.wait(meta, ["x"], timeout=value)
+    with pytest.raises(InvalidRequestError, match=r"^wait_timeout must be"):
+        tclient.get(meta, ["x"], wait_timeout=value)
+    tclient.wait(meta, ["x"], timeout=1e8)  # long, but a time: fine
+    assert torch.equal(tclient.get(meta, ["x"], wait_timeout=1e8)["x"], torch.ones(1, 2))
+
+
+@pytest.mark.parametrize("value", [*BAD_SECONDS, 0.0, 1e5], ids=str)
+def test_a_client_with_an_impossible_timeout_is_refused_naming_it(tq_server, value):
+    with pytest.raises(InvalidRequestError, match=r"^timeout must be"):
+        TQClient(tq_server.address, timeout=value)
+    with pytest.raises(InvalidRequestError, match=r"^capacity_wait_s must be"):
+        TQClient(tq_server.address, capacity_wait_s=-1.0 if value in (0.0, 1e5) else value)
+
+
 # ----------------------------------------------------------------------------- unreachable servers
 def test_client_to_a_port_nobody_listens_on():
     address = f"tcp://127.0.0.1:{free_port()}"

@@ -612,6 +612,19 @@ class _LeaseKeeper:
         self._events.put(None)
 
 
+def _seconds_arg(name: str, value: Any, most: float, *, zero: bool = True) -> float:
+    """``value`` as a number of seconds, or InvalidRequestError naming ``name``: finite, at most
+    ``most``, at least 0 (above 0 without ``zero``) - an infinite or NaN time would fail later inside
+    the transport, with an error that names none of it."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise InvalidRequestError(f"{name} must be a number of seconds, got {value!r}") from None
+    if not (0.0 <= seconds <= most and (zero or seconds > 0.0)):  # NaN fails every comparison
+        raise InvalidRequestError(f"{name} must be in {'[' if zero else '('}0, {most:g}] seconds, got {value!r}")
+    return seconds
+
+
 class TQClient:
     """A long-lived, thread-safe connection to a TQ service (controller + storage units).
 
@@ -643,8 +656,8 @@ class TQClient:
         if transport not in ("auto", "tcp"):
             raise InvalidRequestError(f"transport must be 'auto' or 'tcp', got {transport!r}")
         secret = secret if secret is not None else os.environ.get("TQ_SECRET")
-        self.address, self.timeout, self.transport = address, timeout, transport
-        self.capacity_wait_s = capacity_wait_s
+        self.address, self.timeout, self.transport = address, _seconds_arg("timeout", timeout, 86400.0, zero=False), transport
+        self.capacity_wait_s = _seconds_arg("capacity_wait_s", capacity_wait_s, 86400.0)
         if not 0.0 < lease_s <= 86400.0:
             raise InvalidRequestError(f"lease_s must be in (0, 86400] seconds, got {lease_s!r}")
         self.lease_s = lease_s
@@ -1431,6 +1444,7 @@ class TQClient:
     # ------------------------------------------------------------------ reads
     def wait(self, meta: KVBatchMeta, fields: Sequence[str] | None = None, timeout: float = 60.0) -> None:
         """Block until every key of ``meta`` has ``fields`` (default: ``meta.fields``) or time out."""
+        timeout = _seconds_arg("timeout", timeout, messages.MAX_SECONDS)
         fields = list(fields if fields is not None else meta.fields)
         self._call(
             Op.WAIT,
@@ -1668,6 +1682,8 @@ class TQClient:
         fields = list(fields if fields is not None else meta.fields)
         if not fields:
             raise InvalidRequestError("get needs at least one field (the meta names none)")
+        if wait_timeout is not None:
+            wait_timeout = _seconds_arg("wait_timeout", wait_timeout, messages.MAX_SECONDS)
         with time_budget(self.timeout + (wait_timeout or 0.0)):  # every request of the get, in all
             while True:
                 try:

@@ -48,7 +48,8 @@ Count = Annotated[int, msgspec.Meta(ge=0)]  # msgspec never takes a bool for an 
 BlockId = Annotated[int, msgspec.Meta(ge=0, lt=BLOCK_ID_LIMIT)]
 LeaseId = Annotated[int, msgspec.Meta(gt=0, le=(1 << 63) - 1)]  # a borrowed get's lease (a reader may choose it)
 # Seconds to wait: finite (a NaN or infinity would park a request forever) and >= 0.
-Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]
+MAX_SECONDS = 1e9  # the longest time a request may name (a wait, a lease)
+Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_SECONDS)]
 # The id a client gives a request that changes a partition (discard, clear_partition, drop_partition,
 # create_partition - which may clear one with ``reuse`` -, mint, set_tags): the controller answers the same request sent again with the first one's reply, and drops one whose
 # client fenced it (AbortRequests) before it arrived (see tq.request_book).

@@ -826,7 +826,7 @@ class RpcChannel:
             reconnect_when_silent(sock)
             # a request TCP could not deliver within the channel's timeout is given up on, as on a stream
             # (stream_transport.UNACKED_MIN_S) - also one in a connection the heartbeats dropped
-            sock.setsockopt(zmq.TCP_MAXRT, max(stream_transport.UNACKED_MIN_S, math.ceil(self.timeout)) * 1000)
+            sock.setsockopt(zmq.TCP_MAXRT, stream_transport.unacked_ms(self.timeout))
             set_client_credentials(sock, self.secret)
             # Watch the first handshake: a server that refuses this client's credentials is then
             # reported at once (AuthenticationError), not after the timeout as if it were down; and the

@@ -105,6 +105,14 @@ TCP_KEEPALIVE = (60, 10, 6)
 # a client killed while its request waited in a network cut leaves nothing to arrive after the heal (a
 # living client settles its own, by request id; a Unix socket loses nothing and is never cut).
 UNACKED_MIN_S = 1
+UNACKED_MAX_S = 2_000_000  # the option is a C int of milliseconds: a longer call's bytes get this long
+
+
+def unacked_ms(seconds: float) -> int:
+    """The TCP_USER_TIMEOUT, in milliseconds, of a request with ``seconds`` to be answered in (see above)."""
+    return max(UNACKED_MIN_S, math.ceil(min(seconds, UNACKED_MAX_S))) * 1000
+
+
 # While this many replies (or bytes of them) wait unwritten for a client's connection, the server reads
 # no more of its requests (until they are all written): a process sending requests whose replies it
 # does not read is held back by its own socket, instead of growing the server's memory. A client that
@@ -762,8 +770,10 @@ class ClientStream:
     def give_up_after(self, seconds: float) -> None:
         """Have TCP reset this connection once bytes it sent stay unacknowledged ``seconds`` (rounded
         up, at least UNACKED_MIN_S: see there). A Unix socket, or a system without the option: nothing."""
-        ms = max(UNACKED_MIN_S, math.ceil(seconds)) * 1000
-        if self._unacked_ms >= 0 and ms != self._unacked_ms:  # mostly the same from call to call: no syscall
+        if self._unacked_ms < 0:
+            return
+        ms = unacked_ms(seconds)
+        if ms != self._unacked_ms:  # mostly the same from call to call: no syscall
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, ms)
             self._unacked_ms = ms
 

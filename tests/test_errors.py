@@ -595,6 +595,34 @@ def test_a_wait_or_get_with_an_impossible_time_is_refused_naming_it(tclient, par
     assert torch.equal(tclient.get(meta, ["x"], wait_timeout=1e8)["x"], torch.ones(1, 2))
 
 
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda c, p, m: c.put(p, "mn", {"y": torch.ones(2)}),
+        lambda c, p, m: c.register_keys(p, "qr"),
+        lambda c, p, m: c.get_meta(p, "ab"),
+        lambda c, p, m: c.get(m, "xy"),
+        lambda c, p, m: c.wait(m, "x"),
+    ],
+    ids=["put", "register_keys", "get_meta", "get", "wait"],
+)
+def test_keys_or_fields_given_as_one_string_are_refused(tclient, part, call):
+    """``list("mn")`` is ``["m", "n"]``: a put of keys "mn" stored keys m and n."""
+    meta = tclient.put(part, unique_keys(1), {"x": torch.ones(1, 2)})
+    with pytest.raises(InvalidRequestError, match="must be a list of names, not a single str"):
+        call(tclient, part, meta)
+    assert tclient.get_meta(part).keys == meta.keys  # nothing was stored or registered
+
+
+@pytest.mark.parametrize("pad_to", [-1, True, 2.5, "x", 10**20], ids=str)
+def test_a_bad_pad_to_is_refused_naming_it(tclient, part, pad_to):
+    """A huge one was an OverflowError from the copier, a string a TypeError from a comparison."""
+    meta = tclient.put(part, unique_keys(2), {"x": [torch.ones(3), torch.ones(5)]})
+    with pytest.raises(InvalidRequestError, match=r"pad_to must be None or a whole number in \[0, 2147483648\]"):
+        tclient.get(meta, ["x"], pad_to=pad_to)
+    assert tclient.get(meta, ["x"], pad_to=6)["x"].shape == (2, 6)
+
+
 @pytest.mark.parametrize("value", [*BAD_SECONDS, 0.0, 1e5], ids=str)
 def test_a_client_with_an_impossible_timeout_is_refused_naming_it(tq_server, value):
     with pytest.raises(InvalidRequestError, match=r"^timeout must be"):
@@ -726,8 +754,37 @@ def test_out_of_range_port_is_refused_before_starting_anything():
     """A port past 65535 used to be taken modulo 65536 by the bind."""
     with pytest.raises(ValueError, match=r"port must be in 0\.\.65535"):
         TQServer(port=99999)
-    with pytest.raises(ValueError, match=r"stream_port must be in 0\.\.65535"):
+    with pytest.raises(ValueError, match=r"--stream-port: port must be in 0\.\.65535"):
         TQServer(stream_port=-1)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"storage_units": -1}, r"--storage-units: must be >= 0, got -1"),
+        ({"capacity": 0}, r"--capacity: size must be positive"),
+        ({"capacity": -5}, r"--capacity: invalid size '-5'"),
+        ({"fsync": "sometimes"}, r"--fsync: invalid choice: 'sometimes'"),
+        ({"commit_lease_s": -1.0}, r"--commit-lease: must be a finite number of seconds > 0"),
+        ({"unit_lost_s": float("inf")}, r"--unit-lost-s: must be a finite number of seconds > 0"),
+        ({"start_timeout": float("nan")}, r"start_timeout must be in \(0, 86400\] seconds"),
+    ],
+    ids=lambda v: str(v)[:30],
+)
+def test_a_bad_server_setting_is_refused_naming_it_before_anything_starts(settings, message):
+    """Checked by the controller's own parser in the caller's process: before, the controller exited
+    with the reason on its stderr only, and TQServer said no more than that it exited."""
+    with pytest.raises(ValueError, match=message):
+        TQServer(**settings)
+
+
+def test_a_capacity_the_shm_dir_cannot_hold_is_refused_at_once():
+    """It used to start the controller, whose unit could not make its arena, and wait out the whole
+    start timeout (60 s) for a unit that never registered."""
+    t0 = time.monotonic()
+    with pytest.raises(CapacityError, match="bytes free but the storage unit needs"):
+        TQServer(storage_units=1, capacity=1 << 70)
+    assert time.monotonic() - t0 < 10.0  # a bound on hanging, not a speed test
 
 
 # ----------------------------------------------------------------------------- capacity

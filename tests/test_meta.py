@@ -471,3 +471,20 @@ def test_pad_length_is_pad_to_else_the_global_length_else_the_longest_rounded_up
     r = g.with_extra_info(pad_to_multiple=8)
     assert r.pad_length(13) == 32 and r.pad_length(13, pad_to=16) == 16
     assert m.with_extra_info(pad_to_multiple=8).pad_length(13) == 16
+
+
+@pytest.mark.parametrize(
+    "extra, what",
+    [
+        ({"global_forward_pad_seqlen": "x"}, "the pad length"),
+        ({"global_forward_pad_seqlen": -4}, "the pad length"),
+        ({"global_forward_pad_seqlen": 1 << 40}, "the pad length"),
+        ({"pad_to_multiple": 2.5}, "pad_to_multiple"),
+        ({"pad_to_multiple": True}, "pad_to_multiple"),
+    ],
+    ids=str,
+)
+def test_a_bad_pad_length_in_extra_info_is_a_value_error_naming_it(extra, what):
+    """A string was a TypeError from a comparison, a float padded to a fraction."""
+    with pytest.raises(ValueError, match=rf"{what}.*must be a whole number in \[0, 2147483648\]"):
+        KVBatchMeta("p", ("a",)).with_extra_info(**extra).pad_length(13)

@@ -49,7 +49,7 @@ from .jagged import JaggedTensor
 from .locations import H_PIN_EPOCH, SUPPORTED as LOCAL_TABLES_SUPPORTED, LocatedRows, LocationView
 from . import messages
 from .messages import ControllerOp as Op, UnitOp
-from .meta import KVBatchMeta
+from .meta import MAX_PAD_LENGTH, KVBatchMeta
 from .leases import new_lease_id
 from .request_book import new_request_id
 from .pins import SUPPORTED as PINS_SUPPORTED, PinFile
@@ -612,6 +612,14 @@ class _LeaseKeeper:
         self._events.put(None)
 
 
+def _names(value: Any, what: str) -> list[str]:
+    """``value`` (keys, fields) as a list; InvalidRequestError for a lone str or bytes, which ``list()``
+    would read as one name per character."""
+    if isinstance(value, (str, bytes)):
+        raise InvalidRequestError(f"{what} must be a list of names, not a single {type(value).__name__} ({value[:40]!r})")
+    return list(value)
+
+
 def _seconds_arg(name: str, value: Any, most: float, *, zero: bool = True) -> float:
     """``value`` as a number of seconds, or InvalidRequestError naming ``name``: finite, at most
     ``most``, at least 0 (above 0 without ``zero``) - an infinite or NaN time would fail later inside
@@ -972,7 +980,7 @@ class TQClient:
 
         Raises :class:`~tq.errors.DuplicateKeyError` naming a key the partition already holds (nothing is
         registered then); one that raised TQConnectionError is settled as :meth:`_fenced_call` says."""
-        keys = list(keys)
+        keys = _names(keys, "keys")
         r = self._fenced_call(Op.MINT, messages.Mint(partition=partition_id, keys=keys, request_id=new_request_id()))
         return KVBatchMeta(partition_id, tuple(keys), slot_table=r.slot_table, slots=r.slots)
 
@@ -982,7 +990,7 @@ class TQClient:
 
     def get_meta(self, partition_id: str, keys: Sequence[str] | None = None) -> KVBatchMeta:
         """A meta for the given keys (default: every key), with their tags, lengths and common fields."""
-        args = messages.GetMeta(partition=partition_id, keys=list(keys) if keys is not None else None)
+        args = messages.GetMeta(partition=partition_id, keys=_names(keys, "keys") if keys is not None else None)
         r = self._call(Op.GET_META, args, resend=True)  # a read: asked again if stuck in a network cut
         return KVBatchMeta(
             partition_id,
@@ -1020,7 +1028,7 @@ class TQClient:
         varies (token-aligned), or a list of ``n`` msgpack-able Python values (strings, message logs).
         ``sequence_lengths`` default to the row lengths of the first jagged column.
         """
-        keys = list(keys)
+        keys = _names(keys, "keys")
         encoded = self._encode(keys, columns)
         if sequence_lengths is None:  # ints already
             seq = next((c.lengths.tolist() for c in encoded.values() if c.lengths is not None), None)
@@ -1445,7 +1453,7 @@ class TQClient:
     def wait(self, meta: KVBatchMeta, fields: Sequence[str] | None = None, timeout: float = 60.0) -> None:
         """Block until every key of ``meta`` has ``fields`` (default: ``meta.fields``) or time out."""
         timeout = _seconds_arg("timeout", timeout, messages.MAX_SECONDS)
-        fields = list(fields if fields is not None else meta.fields)
+        fields = _names(fields if fields is not None else meta.fields, "fields")
         self._call(
             Op.WAIT,
             messages.Wait(partition=meta.partition_id, keys=list(meta.keys), fields=fields, timeout=timeout),
@@ -1679,9 +1687,13 @@ class TQClient:
         """
         if layout not in ("padded", "jagged", "list"):
             raise InvalidRequestError(f"layout must be 'padded', 'jagged' or 'list', got {layout!r}")
-        fields = list(fields if fields is not None else meta.fields)
+        fields = _names(fields if fields is not None else meta.fields, "fields")
         if not fields:
             raise InvalidRequestError("get needs at least one field (the meta names none)")
+        if pad_to is not None and (
+            isinstance(pad_to, bool) or not isinstance(pad_to, (int, np.integer)) or not 0 <= pad_to <= MAX_PAD_LENGTH
+        ):
+            raise InvalidRequestError(f"pad_to must be None or a whole number in [0, {MAX_PAD_LENGTH}], got {pad_to!r}")
         if wait_timeout is not None:
             wait_timeout = _seconds_arg("wait_timeout", wait_timeout, messages.MAX_SECONDS)
         with time_budget(self.timeout + (wait_timeout or 0.0)):  # every request of the get, in all

@@ -1165,7 +1165,8 @@ def serve(
         ctrl.remove_arenas_of(ctrl.children)
 
 
-def main(argv: list[str] | None = None) -> None:
+def argument_parser() -> argparse.ArgumentParser:
+    """The controller's command line (also what :class:`~tq.server.TQServer` checks its settings with)."""
     p = argparse.ArgumentParser(description="Run the TQ controller and its local storage units in the foreground.")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=argtypes.port, default=0, help="0..65535 (0: pick a free one)")
@@ -1201,6 +1202,11 @@ def main(argv: list[str] | None = None) -> None:
         "default: $TQ_METRICS_PORT, else no metrics)",
     )
     p.add_argument("--unit-lost-s", type=argtypes.positive_seconds, default=UNIT_LOST_S, metavar="SECONDS", help=launch.UNIT_LOST_HELP)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argument_parser()
     a = p.parse_args(argv)
     if a.metrics_port is None and os.environ.get("TQ_METRICS_PORT"):  # a service a program starts (a trainer's TQServer)
         try:

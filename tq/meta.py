@@ -50,6 +50,9 @@ def _normalise_slots(value: Any, n: int) -> tuple[int, ...] | range:
     return slots
 
 
+MAX_PAD_LENGTH = 1 << 31  # entries a padded row may have (longer than any sequence a model takes)
+
+
 def _as_tuple(value: Any, what: str) -> tuple:
     """Normalise a list / tuple / numpy array / iterable to a tuple of Python objects."""
     if isinstance(value, tuple):
@@ -437,6 +440,14 @@ class KVBatchMeta:
         target = pad_to if pad_to is not None else self.extra_info.get("global_forward_pad_seqlen")
         target = longest if target is None else target
         multiple = self.extra_info.get("pad_to_multiple")
+        for name, value in (
+            ("the pad length (pad_to, or extra_info['global_forward_pad_seqlen'])", target),
+            ("extra_info['pad_to_multiple']", multiple),
+        ):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= MAX_PAD_LENGTH
+            ):
+                raise ValueError(f"{name} must be a whole number in [0, {MAX_PAD_LENGTH}], got {value!r}")
         return -(-target // multiple) * multiple if multiple else target
 
     def with_extra_info(self, **kv: Any) -> KVBatchMeta:

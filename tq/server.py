@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import socket
 import subprocess
 from typing import Any
 
 from . import launch
+from .arena import check_shm_room
 from .errors import AuthenticationError, TQConnectionError
 from .messages import CONTROLLER_REPLY_DECODERS, ControllerOp, Hello, HelloReply
 from .rpc import RpcChannel, serve_spin_s
@@ -35,6 +37,20 @@ def check_bind_allowed(bind: str, secret: bytes | None) -> None:
         )
 
 
+def _checked(command: list[str]) -> argparse.Namespace:
+    """The settings of a controller command line, checked by the controller's own parser before
+    anything starts: a bad one is a ValueError naming it here, not a controller that exits with the
+    reason only in its stderr (and TQServer's error saying no more than that it exited)."""
+    from .controller import argument_parser
+
+    parser = argument_parser()
+    parser.exit_on_error = False
+    try:
+        return parser.parse_args(command[3:])  # past "python -m tq.controller"
+    except argparse.ArgumentError as exc:
+        raise ValueError(f"TQServer setting refused: {exc}") from None
+
+
 class TQServer:
     """A controller process and its storage units, started as a subprocess of the caller.
 
@@ -58,30 +74,29 @@ class TQServer:
         stream_port: int = 0,
         unit_lost_s: float | None = None,
     ) -> None:
-        for name, value in (("port", port), ("stream_port", stream_port)):
-            if not 0 <= value <= 65535:
-                raise ValueError(f"{name} must be in 0..65535 (0 picks a free one), got {value}")
+        if not (isinstance(start_timeout, (int, float)) and 0 < start_timeout <= 86400):  # NaN fails too
+            raise ValueError(f"start_timeout must be in (0, 86400] seconds, got {start_timeout!r}")
+        ready_file = launch.new_ready_file("tq-ready-")
+        command = launch.controller_command(
+            host=host,
+            port=port,
+            storage_units=storage_units,
+            capacity=capacity,
+            shm_dir=shm_dir,
+            ready_file=ready_file,
+            fsync=fsync,
+            journal_dir=journal_dir,
+            commit_lease_s=commit_lease_s,
+            stream_port=stream_port,
+            unit_lost_s=unit_lost_s,
+        )
+        settings = _checked(command)
         check_bind_allowed(f"tcp://{host}:{port}", secret.encode() if secret else None)
+        if settings.storage_units:  # the arenas are allocated at start: room for all of them, or a clear error now
+            check_shm_room(shm_dir, settings.capacity)
         serve_spin_s()  # a bad TQ_SERVE_SPIN_US is named here, not only in the processes' stderr
         self.secret = secret
-        ready_file = launch.new_ready_file("tq-ready-")
-        self.proc = subprocess.Popen(
-            launch.controller_command(
-                host=host,
-                port=port,
-                storage_units=storage_units,
-                capacity=capacity,
-                shm_dir=shm_dir,
-                ready_file=ready_file,
-                fsync=fsync,
-                journal_dir=journal_dir,
-                commit_lease_s=commit_lease_s,
-                stream_port=stream_port,
-                unit_lost_s=unit_lost_s,
-            ),
-            env=launch.service_env(secret),
-            stdout=subprocess.DEVNULL,
-        )
+        self.proc = subprocess.Popen(command, env=launch.service_env(secret), stdout=subprocess.DEVNULL)
         try:
             self.address = launch.await_ready_file(
                 ready_file, alive=lambda: self.proc.poll() is None, timeout=start_timeout, what="the TQ controller"

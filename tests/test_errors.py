@@ -614,6 +614,28 @@ def test_keys_or_fields_given_as_one_string_are_refused(tclient, part, call):
     assert tclient.get_meta(part).keys == meta.keys  # nothing was stored or registered
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"tags": {"t": [object()]}}, "tag 't' value at index 0 has type object"),
+        ({"tags": {"t": [1, 2]}}, "tag 't' has 2 values for 1 keys"),
+        ({"sequence_lengths": [-3]}, "sequence_lengths value -3 for key"),
+        ({"sequence_lengths": [2.7]}, "has type float; expected int"),
+    ],
+    ids=["tag-object", "tag-length", "negative-length", "float-length"],
+)
+def test_a_put_with_bad_tags_or_lengths_is_refused_before_anything_is_stored(tclient, part, kwargs, message):
+    """A negative length used to be refused by the returned meta after the commit: the put raised
+    ValueError with its key stored (a retry then hit DuplicateKeyError); a float length was truncated,
+    an unencodable tag a TypeError from msgpack."""
+    key = unique_keys(1)
+    with pytest.raises(InvalidRequestError, match=message):
+        tclient.put(part, key, {"x": torch.ones(1, 2)}, **kwargs)
+    assert tclient.get_meta(part).keys == ()
+    meta = tclient.put(part, key, {"x": torch.ones(1, 2)}, sequence_lengths=torch.tensor([2]))  # a tensor of lengths is fine
+    assert meta.sequence_lengths == (2,) and tclient.get_meta(part).keys == tuple(key)
+
+
 @pytest.mark.parametrize("pad_to", [-1, True, 2.5, "x", 10**20], ids=str)
 def test_a_bad_pad_to_is_refused_naming_it(tclient, part, pad_to):
     """A huge one was an OverflowError from the copier, a string a TypeError from a comparison."""

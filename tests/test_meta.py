@@ -488,3 +488,14 @@ def test_a_bad_pad_length_in_extra_info_is_a_value_error_naming_it(extra, what):
     """A string was a TypeError from a comparison, a float padded to a fraction."""
     with pytest.raises(ValueError, match=rf"{what}.*must be a whole number in \[0, 2147483648\]"):
         KVBatchMeta("p", ("a",)).with_extra_info(**extra).pad_length(13)
+
+
+def test_with_slots_adds_the_slots_and_keeps_the_rest():
+    m = KVBatchMeta("p", ("a", "b"), ("x",), (3, 4), {"t": (1, 2)}).with_extra_info(z=1)
+    s = m.with_slots(7, [5, 6])
+    assert (s.slot_table, s.slots) == (7, range(5, 7)) and s == m._replace(slot_table=7, slots=(5, 6))
+    assert m.slots is None  # the original is unchanged
+    with pytest.raises(ValueError, match="slots"):
+        m.with_slots(7, [5])
+    with pytest.raises(ValueError, match="together"):
+        m.with_slots(None, [5, 6])

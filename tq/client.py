@@ -1032,18 +1032,19 @@ class TQClient:
         encoded = self._encode(keys, columns)
         if sequence_lengths is None:  # ints already
             seq = next((c.lengths.tolist() for c in encoded.values() if c.lengths is not None), None)
+        elif isinstance(sequence_lengths, (torch.Tensor, np.ndarray)):
+            seq = sequence_lengths.tolist()
         else:
-            seq = [int(s) for s in sequence_lengths]
-        r = self._store_and_commit(partition_id, keys, encoded, "put", tags, seq)
-        return KVBatchMeta(
-            partition_id,
-            tuple(keys),
-            tuple(columns),
-            tuple(seq) if seq is not None else None,
-            {k: tuple(v) for k, v in (tags or {}).items()},
-            slot_table=r.slot_table,
-            slots=r.slots,
-        )
+            seq = list(sequence_lengths)
+        # the meta checks tags and lengths before anything is stored: one it refused after the commit
+        # would report a put as failed whose keys are there
+        try:
+            meta = KVBatchMeta(partition_id, tuple(keys), tuple(columns), None if seq is None else tuple(seq), dict(tags or {}))
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(f"put into {partition_id!r}: {exc}") from None
+        lengths = None if meta.sequence_lengths is None else list(meta.sequence_lengths)
+        r = self._store_and_commit(partition_id, keys, encoded, "put", meta.tags or None, lengths)
+        return meta.with_slots(r.slot_table, r.slots)
 
     def write_back(self, meta: KVBatchMeta, columns: Mapping[str, Any], *, overwrite: bool = False) -> KVBatchMeta:
         """Store new fields for the meta's existing keys; returns the meta with the fields added.

@@ -15,6 +15,7 @@ This module is pure Python (plus numpy and msgpack): no I/O, no torch.
 
 from __future__ import annotations
 
+
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -389,6 +390,18 @@ class KVBatchMeta:
         )
 
     # ------------------------------------------------------ field / tag edits
+    def with_slots(self, slot_table: int | None, slots: Any) -> KVBatchMeta:
+        """This meta with its keys' slots in ``slot_table`` (what a write's reply names; None, None:
+        none). Only the slots are checked: the rest was when this meta was made (a put checks its
+        meta before it stores anything, then adds the slots)."""
+        if (slots is None) != (slot_table is None):
+            raise ValueError("slots and slot_table are set together or not at all")
+        if slot_table is not None and type(slot_table) is not int:
+            raise TypeError(f"slot_table must be an int, got {type(slot_table).__name__}")
+        new = object.__new__(type(self))  # not __init__: nothing else is checked again
+        new.__dict__.update(self.__dict__, slot_table=slot_table, slots=None if slots is None else _normalise_slots(slots, len(self.keys)))
+        return new
+
     def _replace(self, **changes: Any) -> KVBatchMeta:
         values = {
             "partition_id": self.partition_id,

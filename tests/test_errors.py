@@ -654,6 +654,20 @@ def test_a_client_with_an_impossible_timeout_is_refused_naming_it(tq_server, val
 
 
 # ----------------------------------------------------------------------------- unreachable servers
+@pytest.mark.parametrize(
+    "address",
+    ["foo", "tcp://127.0.0.1", "tcp://127.0.0.1:0", "tcp://127.0.0.1:99999", "ipc:///tmp/tq", "tcp://*:5555", 5555, None],
+    ids=str,
+)
+def test_a_malformed_address_is_refused_naming_it(address):
+    """ZMQ raised its own error for some ('Invalid argument') and took others for a server that never
+    answers (the whole timeout, then 'server down or unreachable')."""
+    t0 = time.monotonic()
+    with pytest.raises(InvalidRequestError, match=r"address must be a controller's 'tcp://HOST:PORT'"):
+        TQClient(address, timeout=5.0)
+    assert time.monotonic() - t0 < 2.0  # a bound on hanging, not a speed test
+
+
 def test_client_to_a_port_nobody_listens_on():
     address = f"tcp://127.0.0.1:{free_port()}"
     t0 = time.monotonic()

@@ -20,6 +20,7 @@ import itertools
 import logging
 import os
 import queue
+import re
 import threading
 import time
 import warnings
@@ -612,6 +613,18 @@ class _LeaseKeeper:
         self._events.put(None)
 
 
+_ADDRESS = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]*]+):(\d{1,5})")  # host or [IPv6]:port
+
+
+def _checked_address(address: Any) -> str:
+    """``address`` if it is a controller's address, ``tcp://HOST:PORT``; else InvalidRequestError
+    naming it (ZMQ took a malformed one for a server that never answers, or raised its own error)."""
+    m = _ADDRESS.fullmatch(address) if isinstance(address, str) else None
+    if m is None or not 1 <= int(m.group(2)) <= 65535:
+        raise InvalidRequestError(f"address must be a controller's 'tcp://HOST:PORT' (port 1..65535), got {address!r}")
+    return address
+
+
 def _names(value: Any, what: str) -> list[str]:
     """``value`` (keys, fields) as a list; InvalidRequestError for a lone str or bytes, which ``list()``
     would read as one name per character."""
@@ -664,7 +677,11 @@ class TQClient:
         if transport not in ("auto", "tcp"):
             raise InvalidRequestError(f"transport must be 'auto' or 'tcp', got {transport!r}")
         secret = secret if secret is not None else os.environ.get("TQ_SECRET")
-        self.address, self.timeout, self.transport = address, _seconds_arg("timeout", timeout, 86400.0, zero=False), transport
+        self.address, self.timeout, self.transport = (
+            _checked_address(address),
+            _seconds_arg("timeout", timeout, 86400.0, zero=False),
+            transport,
+        )
         self.capacity_wait_s = _seconds_arg("capacity_wait_s", capacity_wait_s, 86400.0)
         if not 0.0 < lease_s <= 86400.0:
             raise InvalidRequestError(f"lease_s must be in (0, 86400] seconds, got {lease_s!r}")

@@ -683,9 +683,7 @@ class TQClient:
             transport,
         )
         self.capacity_wait_s = _seconds_arg("capacity_wait_s", capacity_wait_s, 86400.0)
-        if not 0.0 < lease_s <= 86400.0:
-            raise InvalidRequestError(f"lease_s must be in (0, 86400] seconds, got {lease_s!r}")
-        self.lease_s = lease_s
+        self.lease_s = _seconds_arg("lease_s", lease_s, 86400.0, zero=False)
         self._leases = _LeaseKeeper(self)
         self._pins_refused = False  # the controller reads no pins: borrowed gets lease by request
         self._pins_lock = threading.Lock()  # one registration of a pin file at a time

@@ -15,7 +15,6 @@ This module is pure Python (plus numpy and msgpack): no I/O, no torch.
 
 from __future__ import annotations
 
-
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any

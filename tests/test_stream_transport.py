@@ -762,7 +762,9 @@ def test_a_big_tcp_get_reads_its_parts_over_several_streams_at_once(server, monk
         assert torch.equal(remote.get(meta)["x"], rows)
         order = list(range(39, -1, -1))
         assert torch.equal(remote.get(meta.select(order))["x"], rows[order])
-        assert _tcp_streams(server)[1] - base[1] == 5  # a lane of 8 MiB each, its own connection
+        # a lane of 8 MiB each, on a connection of its pool thread: 5 - or a few more when the second
+        # get's lanes went to threads other than the first's (seen with 16 cores: 6)
+        assert 5 <= _tcp_streams(server)[1] - base[1] <= 8
         writer.discard(meta)
     assert wait_until(lambda: _tcp_streams(server) == base, timeout=5.0)
 

@@ -668,6 +668,67 @@ def test_a_malformed_address_is_refused_naming_it(address):
     assert time.monotonic() - t0 < 2.0  # a bound on hanging, not a speed test
 
 
+_STALL_THEN_HANG_UP = r"""
+import socket, sys, threading, time, zmq
+from tq import messages, rpc
+from tq.errors import TQConnectionError
+
+# A peer that holds the first connection silent - the call gives up waiting for its handshake - and
+# then hangs up on every connection at once: each of ZMQ's reconnects fails its handshake.
+ls = socket.socket()
+ls.bind(("127.0.0.1", 0))
+ls.listen(1000)
+held, hang_up = [], threading.Event()
+
+def peer():
+    while True:
+        c, _ = ls.accept()
+        if hang_up.is_set():
+            c.close()
+        else:
+            held.append(c)
+
+threading.Thread(target=peer, daemon=True).start()
+silent = rpc.reconnect_when_silent
+
+def fast_reconnects(sock):  # 1 ms between tries instead of 100: the events come 100x as fast
+    silent(sock)
+    sock.setsockopt(zmq.RECONNECT_IVL, 1)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1)
+
+rpc.reconnect_when_silent = fast_reconnects
+chan = rpc.RpcChannel(f"tcp://127.0.0.1:{ls.getsockname()[1]}", secret=None, timeout=0.5, name="stalling peer",
+                      replies=messages.CONTROLLER_REPLY_DECODERS)
+try:
+    chan.call(messages.ControllerOp.HELLO, messages.Hello(timeout=0.1))
+except TQConnectionError:
+    pass
+hang_up.set()
+for c in held:
+    c.close()
+time.sleep(3.0)  # thousands of failed handshakes
+router = zmq.Context.instance().socket(zmq.ROUTER)
+port = router.bind_to_random_port("tcp://127.0.0.1")
+other = zmq.Context.instance().socket(zmq.DEALER)
+other.setsockopt(zmq.IMMEDIATE, 1)
+other.connect(f"tcp://127.0.0.1:{port}")
+print("other socket connected:", bool(other.poll(3000, zmq.POLLOUT)), flush=True)
+import os
+os._exit(0)
+"""
+
+
+def test_a_socket_whose_handshakes_fail_after_its_call_gave_up_does_not_freeze_the_process():
+    """A client socket keeps a monitor of failed handshakes until it first connects; its events are
+    read only while a call waits. One whose call gave up (the peer held the handshake) went on
+    reconnecting, and once its peer hung up on each try the unread events filled the monitor's
+    queue: libzmq's I/O thread then blocked sending the next one, and no socket of the process could
+    connect any more - the whole client froze (seen as a test module whose every later test failed
+    'cannot reach controller'). Run in a child process: the freeze is of its ZMQ context."""
+    out = subprocess.run([sys.executable, "-c", _STALL_THEN_HANG_UP], capture_output=True, text=True, timeout=60)
+    assert "other socket connected: True" in out.stdout, (out.stdout, out.stderr[-2000:])
+
+
 def test_client_to_a_port_nobody_listens_on():
     address = f"tcp://127.0.0.1:{free_port()}"
     t0 = time.monotonic()

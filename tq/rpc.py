@@ -895,7 +895,12 @@ class RpcChannel:
                 self._drop_monitor(sock)
         except zmq.Again:  # IMMEDIATE: no connection yet - wait for one, up to the timeout (what a
             # stream connect that failed left of it)
-            if not self._await_connection(sock, max(0.0, deadline - time.monotonic()), check):
+            try:
+                connected = self._await_connection(sock, max(0.0, deadline - time.monotonic()), check)
+            finally:
+                if self._local.monitor is not None:  # the wait ended before a first connection: see _close_unconnected
+                    self._close_unconnected(sock)
+            if not connected:
                 raise TQConnectionError(
                     f"cannot reach {self.name} at {self.address} within {timeout:.1f}s (op '{op}'): server down or unreachable"
                 ) from None
@@ -943,15 +948,23 @@ class RpcChannel:
         sock.disable_monitor()
         monitor.close(0)
 
-    def _refused(self, sock: zmq.Socket, event: dict) -> None:
-        """The server refused this socket's first handshake: close the socket (the next call opens a new
-        one) and raise AuthenticationError."""
+    def _close_unconnected(self, sock: zmq.Socket) -> None:
+        """Close this thread's socket that never connected (nothing is queued on it: IMMEDIATE); the next
+        call opens a new one. Its monitor of failed handshakes is read only while a call waits, and left
+        behind it would fill as ZMQ went on reconnecting - a peer that hangs up on every try makes ten
+        events a second - until libzmq's I/O thread blocked sending the next one, and no socket of the
+        process could connect any more (tests/test_errors.py)."""
         self._drop_monitor(sock)
         with self._lock:
             if sock in self._sockets:
                 self._sockets.remove(sock)
         sock.close(0)
         self._local.sock = None
+
+    def _refused(self, sock: zmq.Socket, event: dict) -> None:
+        """The server refused this socket's first handshake: close the socket (the next call opens a new
+        one) and raise AuthenticationError."""
+        self._close_unconnected(sock)
         kind, value = event["event"], event["value"]
         if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             raise AuthenticationError(f"{self.name} at {self.address} refused this client's credentials: wrong secret")
@@ -1114,6 +1127,8 @@ class RpcChannel:
     def close(self) -> None:
         with self._lock:
             self._closed = True
+            for s in self._sockets:  # a monitor closed while its socket still sends it events blocks libzmq's I/O thread
+                s.disable_monitor()
             for s in (*self._monitors, *self._sockets):
                 s.close(0)
             self._sockets.clear()

@@ -11,6 +11,7 @@ import os
 import tempfile
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -873,6 +874,17 @@ def test_a_bad_server_setting_is_refused_naming_it_before_anything_starts(settin
     with the reason on its stderr only, and TQServer said no more than that it exited."""
     with pytest.raises(ValueError, match=message):
         TQServer(**settings)
+
+
+def test_a_controller_that_cannot_start_says_why_in_the_error():
+    """A port in use made the controller exit with the reason on its stderr only: TQServer said 'the TQ
+    controller exited before it was ready'. The controller writes why into its ready file."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(TQConnectionError, match=r"the TQ controller could not start: ZMQError: Address already in use"):
+            TQServer(port=port, storage_units=0)
 
 
 def test_a_capacity_the_shm_dir_cannot_hold_is_refused_at_once():

@@ -1074,16 +1074,21 @@ def serve(
     from .server import check_bind_allowed
 
     check_bind_allowed(bind, secret)
-    ctrl = Controller(
-        bind,
-        secret=secret,
-        expected_units=storage_units,
-        journal_dir=journal_dir,
-        shm_dir=shm_dir,
-        fsync=fsync,
-        stream_port=stream_port,
-        unit_lost_s=unit_lost_s,
-    )
+    try:
+        ctrl = Controller(
+            bind,
+            secret=secret,
+            expected_units=storage_units,
+            journal_dir=journal_dir,
+            shm_dir=shm_dir,
+            fsync=fsync,
+            stream_port=stream_port,
+            unit_lost_s=unit_lost_s,
+        )
+    except Exception as exc:  # a port in use, a journal it cannot read: its launcher names it (await_ready_file)
+        if ready_file:
+            launch.write_json(ready_file, {"error": f"{type(exc).__name__}: {exc}"})
+        raise
     env = launch.service_env(secret.decode() if secret else None)
     metrics = None
     if metrics_port is not None:  # the endpoint is a process of its own: a scrape never holds our GIL
@@ -1100,15 +1105,11 @@ def serve(
             preexec_fn=_die_with_parent,
         )
         try:
-            info = launch.await_ready_file(
-                ready, alive=lambda: metrics.poll() is None or os.path.exists(ready), timeout=60, what="the metrics endpoint"
-            )
-        except TQError as exc:
-            info = {"error": str(exc)}
-        if "error" in info:
+            info = launch.await_ready_file(ready, alive=lambda: metrics.poll() is None, timeout=60, what="the metrics endpoint")
+        except TQError as exc:  # its port in use, say: named in the error
             launch.stop_process(metrics, 5.0)
             ctrl.close()
-            raise SystemExit(f"tq.controller: {info['error']}")
+            raise SystemExit(f"tq.controller: {exc}") from None
         ctrl.metrics, ctrl.metrics_url = True, info["url"]
     recovered = bool(ctrl.units)
     ctrl.stop_units_on_close = journal_dir is not None  # they do not die with us: stop them on a clean exit

@@ -174,19 +174,25 @@ def await_ready_file(path: str, *, alive: Callable[[], bool], timeout: float, wh
     """Wait until ``path`` exists and return what it holds; read and removed.
 
     Raises :class:`~tq.errors.TQConnectionError` as soon as ``alive()`` says the process is gone, or
-    once ``timeout`` seconds passed, naming ``what`` (e.g. "the TQ controller")."""
+    once ``timeout`` seconds passed, naming ``what`` (e.g. "the TQ controller"); and with the reason a
+    process that could not start wrote there (``{"error": ...}``: a port in use, say)."""
     deadline = time.monotonic() + timeout
     try:
         while not os.path.exists(path):
             if not alive():
+                if os.path.exists(path):  # written as it exited: why it could not start
+                    break
                 raise TQConnectionError(f"{what} exited before it was ready")
             if time.monotonic() > deadline:
                 raise TQConnectionError(f"{what} was not ready within {timeout:.0f}s")
             time.sleep(POLL_S)
         with open(path) as f:
-            return json.load(f)
+            info = json.load(f)
     finally:
         remove_ready_file(path)
+    if "error" in info:
+        raise TQConnectionError(f"{what} could not start: {info['error']}")
+    return info
 
 
 def process_identity(pid: int) -> tuple[int, int] | None:

@@ -13,6 +13,8 @@ import re
 import sys
 from typing import Any
 
+from .errors import InvalidRequestError
+
 _SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -81,3 +83,17 @@ def deprecated_alias(new: str) -> type[argparse.Action]:
             setattr(namespace, self.dest, values)
 
     return _Alias
+
+
+def seconds_value(name: str, value: Any, most: float, *, zero: bool = True) -> float:
+    """A number of seconds passed in Python (a client's timeout, a server's start timeout), or
+    InvalidRequestError (a ValueError) naming ``name``: finite, at most ``most``, at least 0 (above 0
+    without ``zero``) - an infinite or NaN time would fail later inside the transport, with an error
+    that names none of it."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise InvalidRequestError(f"{name} must be a number of seconds, got {value!r}") from None
+    if not (0.0 <= seconds <= most and (zero or seconds > 0.0)):  # NaN fails every comparison
+        raise InvalidRequestError(f"{name} must be in {'[' if zero else '('}0, {most:g}] seconds, got {value!r}")
+    return seconds

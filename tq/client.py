@@ -50,7 +50,8 @@ from .jagged import JaggedTensor
 from .locations import H_PIN_EPOCH, SUPPORTED as LOCAL_TABLES_SUPPORTED, LocatedRows, LocationView
 from . import messages
 from .messages import ControllerOp as Op, UnitOp
-from .meta import MAX_PAD_LENGTH, KVBatchMeta
+from .argtypes import seconds_value
+from .meta import MAX_PAD_LENGTH, KVBatchMeta, is_pad_length
 from .leases import new_lease_id
 from .request_book import new_request_id
 from .pins import SUPPORTED as PINS_SUPPORTED, PinFile
@@ -633,19 +634,6 @@ def _names(value: Any, what: str) -> list[str]:
     return list(value)
 
 
-def _seconds_arg(name: str, value: Any, most: float, *, zero: bool = True) -> float:
-    """``value`` as a number of seconds, or InvalidRequestError naming ``name``: finite, at most
-    ``most``, at least 0 (above 0 without ``zero``) - an infinite or NaN time would fail later inside
-    the transport, with an error that names none of it."""
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        raise InvalidRequestError(f"{name} must be a number of seconds, got {value!r}") from None
-    if not (0.0 <= seconds <= most and (zero or seconds > 0.0)):  # NaN fails every comparison
-        raise InvalidRequestError(f"{name} must be in {'[' if zero else '('}0, {most:g}] seconds, got {value!r}")
-    return seconds
-
-
 class TQClient:
     """A long-lived, thread-safe connection to a TQ service (controller + storage units).
 
@@ -679,11 +667,11 @@ class TQClient:
         secret = secret if secret is not None else os.environ.get("TQ_SECRET")
         self.address, self.timeout, self.transport = (
             _checked_address(address),
-            _seconds_arg("timeout", timeout, 86400.0, zero=False),
+            seconds_value("timeout", timeout, 86400.0, zero=False),
             transport,
         )
-        self.capacity_wait_s = _seconds_arg("capacity_wait_s", capacity_wait_s, 86400.0)
-        self.lease_s = _seconds_arg("lease_s", lease_s, 86400.0, zero=False)
+        self.capacity_wait_s = seconds_value("capacity_wait_s", capacity_wait_s, 86400.0)
+        self.lease_s = seconds_value("lease_s", lease_s, 86400.0, zero=False)
         self._leases = _LeaseKeeper(self)
         self._pins_refused = False  # the controller reads no pins: borrowed gets lease by request
         self._pins_lock = threading.Lock()  # one registration of a pin file at a time
@@ -1047,14 +1035,12 @@ class TQClient:
         encoded = self._encode(keys, columns)
         if sequence_lengths is None:  # ints already
             seq = next((c.lengths.tolist() for c in encoded.values() if c.lengths is not None), None)
-        elif isinstance(sequence_lengths, (torch.Tensor, np.ndarray)):
-            seq = sequence_lengths.tolist()
-        else:
-            seq = list(sequence_lengths)
+        else:  # the meta takes any sequence of ints (numpy's too); a tensor's items are tensors
+            seq = sequence_lengths.tolist() if isinstance(sequence_lengths, torch.Tensor) else sequence_lengths
         # the meta checks tags and lengths before anything is stored: one it refused after the commit
         # would report a put as failed whose keys are there
         try:
-            meta = KVBatchMeta(partition_id, tuple(keys), tuple(columns), None if seq is None else tuple(seq), dict(tags or {}))
+            meta = KVBatchMeta(partition_id, tuple(keys), tuple(columns), seq, dict(tags or {}))
         except (TypeError, ValueError) as exc:
             raise InvalidRequestError(f"put into {partition_id!r}: {exc}") from None
         lengths = None if meta.sequence_lengths is None else list(meta.sequence_lengths)
@@ -1468,7 +1454,7 @@ class TQClient:
     # ------------------------------------------------------------------ reads
     def wait(self, meta: KVBatchMeta, fields: Sequence[str] | None = None, timeout: float = 60.0) -> None:
         """Block until every key of ``meta`` has ``fields`` (default: ``meta.fields``) or time out."""
-        timeout = _seconds_arg("timeout", timeout, messages.MAX_SECONDS)
+        timeout = seconds_value("timeout", timeout, messages.MAX_SECONDS)
         fields = _names(fields if fields is not None else meta.fields, "fields")
         self._call(
             Op.WAIT,
@@ -1706,12 +1692,10 @@ class TQClient:
         fields = _names(fields if fields is not None else meta.fields, "fields")
         if not fields:
             raise InvalidRequestError("get needs at least one field (the meta names none)")
-        if pad_to is not None and (
-            isinstance(pad_to, bool) or not isinstance(pad_to, (int, np.integer)) or not 0 <= pad_to <= MAX_PAD_LENGTH
-        ):
+        if pad_to is not None and not is_pad_length(pad_to):
             raise InvalidRequestError(f"pad_to must be None or a whole number in [0, {MAX_PAD_LENGTH}], got {pad_to!r}")
         if wait_timeout is not None:
-            wait_timeout = _seconds_arg("wait_timeout", wait_timeout, messages.MAX_SECONDS)
+            wait_timeout = seconds_value("wait_timeout", wait_timeout, messages.MAX_SECONDS)
         with time_budget(self.timeout + (wait_timeout or 0.0)):  # every request of the get, in all
             while True:
                 try:

@@ -53,6 +53,22 @@ def _normalise_slots(value: Any, n: int) -> tuple[int, ...] | range:
 MAX_PAD_LENGTH = 1 << 31  # entries a padded row may have (longer than any sequence a model takes)
 
 
+def is_pad_length(value: Any) -> bool:
+    """Whether ``value`` can be a padded length: a whole number (not a bool) in [0, MAX_PAD_LENGTH]."""
+    return not isinstance(value, bool) and isinstance(value, (int, np.integer)) and 0 <= value <= MAX_PAD_LENGTH
+
+
+def _checked_slots(slot_table: Any, slots: Any, n: int) -> tuple[int, ...] | range | None:
+    """``n`` keys' slots, normalised (see _normalise_slots), checked with their table."""
+    if (slots is None) != (slot_table is None):
+        raise ValueError("slots and slot_table are set together or not at all")
+    if slots is None:
+        return None
+    if type(slot_table) is not int:
+        raise TypeError(f"slot_table must be an int, got {type(slot_table).__name__}")
+    return _normalise_slots(slots, n)
+
+
 def _as_tuple(value: Any, what: str) -> tuple:
     """Normalise a list / tuple / numpy array / iterable to a tuple of Python objects."""
     if isinstance(value, tuple):
@@ -224,12 +240,7 @@ class KVBatchMeta:
             raise TypeError(f"extra_info must be a mapping, got {type(self.extra_info).__name__}")
         set_(self, "extra_info", dict(self.extra_info))
 
-        if (self.slots is None) != (self.slot_table is None):
-            raise ValueError("slots and slot_table are set together or not at all")
-        if self.slots is not None:
-            if type(self.slot_table) is not int:
-                raise TypeError(f"slot_table must be an int, got {type(self.slot_table).__name__}")
-            set_(self, "slots", _normalise_slots(self.slots, n))
+        set_(self, "slots", _checked_slots(self.slot_table, self.slots, n))
 
     # ------------------------------------------------------------ basic info
     @property
@@ -393,12 +404,8 @@ class KVBatchMeta:
         """This meta with its keys' slots in ``slot_table`` (what a write's reply names; None, None:
         none). Only the slots are checked: the rest was when this meta was made (a put checks its
         meta before it stores anything, then adds the slots)."""
-        if (slots is None) != (slot_table is None):
-            raise ValueError("slots and slot_table are set together or not at all")
-        if slot_table is not None and type(slot_table) is not int:
-            raise TypeError(f"slot_table must be an int, got {type(slot_table).__name__}")
         new = object.__new__(type(self))  # not __init__: nothing else is checked again
-        new.__dict__.update(self.__dict__, slot_table=slot_table, slots=None if slots is None else _normalise_slots(slots, len(self.keys)))
+        new.__dict__.update(self.__dict__, slot_table=slot_table, slots=_checked_slots(slot_table, slots, len(self.keys)))
         return new
 
     def _replace(self, **changes: Any) -> KVBatchMeta:
@@ -456,9 +463,7 @@ class KVBatchMeta:
             ("the pad length (pad_to, or extra_info['global_forward_pad_seqlen'])", target),
             ("extra_info['pad_to_multiple']", multiple),
         ):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= MAX_PAD_LENGTH
-            ):
+            if value is not None and not is_pad_length(value):
                 raise ValueError(f"{name} must be a whole number in [0, {MAX_PAD_LENGTH}], got {value!r}")
         return -(-target // multiple) * multiple if multiple else target
 

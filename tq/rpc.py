@@ -951,9 +951,9 @@ class RpcChannel:
     def _close_unconnected(self, sock: zmq.Socket) -> None:
         """Close this thread's socket that never connected (nothing is queued on it: IMMEDIATE); the next
         call opens a new one. Its monitor of failed handshakes is read only while a call waits, and left
-        behind it would fill as ZMQ went on reconnecting - a peer that hangs up on every try makes ten
-        events a second - until libzmq's I/O thread blocked sending the next one, and no socket of the
-        process could connect any more (tests/test_errors.py)."""
+        behind it would fill as ZMQ went on reconnecting - a peer that hangs up on every try fails one
+        handshake per reconnect, every 0.1 s - until libzmq's I/O thread blocked sending the next event,
+        and no socket of the process could connect any more (tests/test_errors.py)."""
         self._drop_monitor(sock)
         with self._lock:
             if sock in self._sockets:
@@ -1127,8 +1127,6 @@ class RpcChannel:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            for s in self._sockets:  # a monitor closed while its socket still sends it events blocks libzmq's I/O thread
-                s.disable_monitor()
             for s in (*self._monitors, *self._sockets):
                 s.close(0)
             self._sockets.clear()

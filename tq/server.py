@@ -9,6 +9,7 @@ import subprocess
 from typing import Any
 
 from . import launch
+from .argtypes import seconds_value
 from .arena import check_shm_room
 from .errors import AuthenticationError, TQConnectionError
 from .messages import CONTROLLER_REPLY_DECODERS, ControllerOp, Hello, HelloReply
@@ -74,8 +75,7 @@ class TQServer:
         stream_port: int = 0,
         unit_lost_s: float | None = None,
     ) -> None:
-        if not (isinstance(start_timeout, (int, float)) and 0 < start_timeout <= 86400):  # NaN fails too
-            raise ValueError(f"start_timeout must be in (0, 86400] seconds, got {start_timeout!r}")
+        start_timeout = seconds_value("start_timeout", start_timeout, 86400.0, zero=False)
         ready_file = launch.new_ready_file("tq-ready-")
         command = launch.controller_command(
             host=host,

@@ -30,6 +30,8 @@ threads as TQ's get: torch's intra-op threads, at most 8):
                  the ceiling of a one-thread copy).
   padding only   the padding every timed get ends in, of those same bytes, and nothing else: what a get
                  that cost only its copy would reach (padding only / Ray get: such a get against Ray).
+  TQ growing     TQ's get of a 32 MiB batch grown 3% a step (as a GRPO run's responses lengthen): each
+                 get needs a larger result buffer than any before it.
 
     python -m benchmarks.tq_throughput                 # 8 MiB .. 512 MiB, all systems (~15 minutes on 2 cores)
     python -m benchmarks.tq_throughput --quick         # 8 and 32 MiB, fewer iterations, 1 round
@@ -79,9 +81,13 @@ CONTROL_P99_MS = 1.0
 CONTROL_P99_BARS_MS = {"put, 1 key (same host)": 0.5, "get, 1 key (same host)": 0.5}
 COLD_GET_GBPS = 2.0
 WARM_FLOOR = 0.5
+# Growing batches: TQ's gets of a batch of GROWING_MIB (or the largest size run, if smaller) that
+# grows by GROWTH a step, as a GRPO run's responses lengthen while it trains - every get needs a
+# larger result buffer than the last one had.
+GROWING_MIB, GROWTH = 32, 0.03
 FIELDS = ("input_ids", "generation_logprobs", "prev_logprobs", "token_mask")
 BYTES_PER_TOKEN = 8 + 4 + 4 + 1
-SYSTEMS = ("tq", "tq_tcp", "ray", "transferqueue")
+SYSTEMS = ("tq", "tq_tcp", "ray", "transferqueue", "tq_growing")
 RAY_ZERO_COPY_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
 INSTALL_TRANSFERQUEUE = "transferqueue not installed: pip install -e '.[bench]' (or pip install transferqueue==0.1.11)"
 
@@ -217,8 +223,9 @@ def _tq_producer(address: str, transport: str, conn: Any) -> None:
     client.close()
 
 
-def bench_tq(sizes: list[int], iters: int, transport: str) -> dict[int, dict[str, Any]]:
-    """TQ: a producer process puts each batch, this process gets it back padded (``TQClient.get``)."""
+def bench_tq(sizes: list[int], iters: int, transport: str, growth: float = 0.0) -> dict[int, dict[str, Any]]:
+    """TQ: a producer process puts each batch, this process gets it back padded (``TQClient.get``).
+    ``growth``: each batch of a size is this fraction larger than the one before (see GROWTH)."""
     from tq import KVBatchMeta, TQClient, TQServer
 
     results: dict[int, dict[str, Any]] = {}
@@ -242,26 +249,26 @@ def bench_tq(sizes: list[int], iters: int, transport: str) -> dict[int, dict[str
             for size in sizes:
                 res = results.setdefault(size, {"put": [], "get": [], **({"borrowed": []} if transport == "auto" else {})})
                 for it in range(_iters(size, iters)):
-                    seed = size // MiB * 1000 + it
-                    parent.send((size, seed, partition))
+                    seed, nbytes = size // MiB * 1000 + it, int(size * (1 + growth) ** it)
+                    parent.send((nbytes, seed, partition))
                     put_s, meta_d = parent.recv()
                     meta = KVBatchMeta.from_dict(meta_d)
                     t0 = time.perf_counter()
                     got = client.get(meta, [*FIELDS, "rewards"])
                     get_s = time.perf_counter() - t0
-                    nbytes = payload_bytes(size, seed)
-                    res.setdefault("bytes", nbytes)  # the table's payload column: the first batch
-                    res["put"].append(nbytes / put_s)
-                    res["get"].append(nbytes / get_s)
+                    payload = payload_bytes(nbytes, seed)
+                    res.setdefault("bytes", payload)  # the table's payload column: the first batch
+                    res["put"].append(payload / put_s)
+                    res["get"].append(payload / get_s)
                     if it == 0:
-                        _check(got, make_batch(size, seed))
+                        _check(got, make_batch(nbytes, seed))
                     del got
                     if transport == "auto":  # the borrowed get: read-only views of the arena, nothing copied
                         t0 = time.perf_counter()
                         got = client.get(meta, [*FIELDS, "rewards"], layout="jagged", copy=False)
-                        res["borrowed"].append(nbytes / (time.perf_counter() - t0))
+                        res["borrowed"].append(payload / (time.perf_counter() - t0))
                         if it == 0:
-                            _check_jagged(got, make_batch(size, seed))
+                            _check_jagged(got, make_batch(nbytes, seed))
                         got.release()
                         del got
                     client.discard(meta)
@@ -1022,8 +1029,19 @@ def report(all_res: dict[str, Any], sizes: list[int]) -> str:
     targets["control_p99_over_bar"] = {"target": 1.0, "worst": over, "met": over <= 1.0}
     worst_cold = min(r["tq_cold_get_gbps"] for r in ratios)
     targets["cold_get_gbps"] = {"target": COLD_GET_GBPS, "worst": worst_cold, "met": worst_cold >= COLD_GET_GBPS}
-    floor = min(r["tq_warm_floor"] for r in ratios)
+    base, growing = next(((s, r["get"]) for s, r in get("tq_growing").items()), (0, None))
+    floor = min([r["tq_warm_floor"] for r in ratios] + ([_floor(growing)] if growing else []))
     targets["warm_get_floor"] = {"target": WARM_FLOOR, "worst": floor, "met": floor >= WARM_FLOOR}
+    if growing:
+        fixed = all_res["tq"].get(base)
+        lines += [
+            "",
+            f"Growing batches (a GRPO run's responses lengthen as it trains): TQ gets of a {base // MiB} MiB batch "
+            f"grown {GROWTH:.0%} a step, each needing a larger result buffer than the last: warm median "
+            f"{_warm(growing) / 1e9:.2f} GB/s"
+            + (f" (the fixed {base // MiB} MiB batch: {_warm(fixed['get']) / 1e9:.2f})" if fixed else "")
+            + f", slowest / median {_floor(growing):.2f} (counted in warm_get_floor).",
+        ]
     lines += [
         "",
         "Targets (worst batch size): "
@@ -1153,6 +1171,7 @@ def main(argv: list[str] | None = None) -> int:
         "tq_tcp": lambda: bench_tq(sizes, a.iters, "tcp"),
         "ray": lambda: bench_ray(sizes, a.iters),
         "transferqueue": lambda: bench_transferqueue(sizes, a.iters),
+        "tq_growing": lambda: bench_tq([min(GROWING_MIB, max(a.sizes_mib)) * MiB], a.iters, "auto", growth=GROWTH),
     }
     for name, flag in (("tq_tcp", "tcp"), ("ray", "ray"), ("transferqueue", "transferqueue")):
         if flag in a.skip:

@@ -81,6 +81,11 @@ def test_report_computes_ratios_against_baselines_of_the_same_run():
     assert not res["targets"]["control_p99_over_bar"]["met"]  # 0.6 ms: over the same-host 1-key put's 0.5 ms
     assert res["targets"]["cold_get_gbps"]["met"]
     assert res["targets"]["warm_get_floor"] == {"target": 0.5, "worst": 0.8, "met": True}
+    res["tq_growing"] = {size: {"get": [2e9, 10e9, 4e9, 10e9], "bytes": 8_000_000}}  # a growing batch's outlier
+    table = report(res, [size])
+    assert res["targets"]["warm_get_floor"] == {"target": 0.5, "worst": 0.4, "met": False}
+    assert "warm median 10.00 GB/s (the fixed 8 MiB batch: 10.00), slowest / median 0.40" in table
+    del res["tq_growing"]
     res["transferqueue"][size].update(get_views=[1.0, 0.3e9], put_padded=[1.0, 1e9])  # the faster forms are compared
     table = report(res, [size])
     assert res["ratios"][0]["get_vs_transferqueue"] == pytest.approx(100 / 3) and "| 1.00 [padded] | 0.30 [views] |" in table
@@ -186,6 +191,7 @@ def test_a_tiny_run_writes_its_run_dir_and_leaves_the_published_results_alone(tm
     assert sorted(p.name for p in run.iterdir()) == ["tq_throughput.json", "tq_throughput.md"]
     res = json.loads((run / "tq_throughput.json").read_text())
     assert len(res["tq"][str(MiB)]["get"]) == 3 and res["ray"] is None
+    assert len(res["tq_growing"][str(MiB)]["get"]) == 3  # the growing batch, from the largest size run
     assert res["unavailable"]["ray"] == "left out (--skip ray)"
     assert {"put, 1 key (same host)", "get, 1 key (tcp)"} <= set(res["control_ops"])
     assert all(np.isfinite(v["p99_ms"]) for v in res["control_ops"].values())

@@ -68,6 +68,25 @@ def test_best_fit_never_hands_out_a_buffer_over_twice_the_request():
     assert _addr(fits) == big_addr and fits.size == 9 * MiB
 
 
+def test_a_request_over_every_idle_buffer_grows_the_largest_in_place():
+    """Batches that grow step by step (a GRPO run's responses lengthen) reuse the pages they had: the
+    largest idle buffer is grown, keeping its bytes; a fresh mapping would be zeroed."""
+    pool = HostBufferPool(max_cached_bytes=64 * MiB)
+    small, large = pool.empty(2 * MiB), pool.empty(4 * MiB)
+    large[: 4 * MiB] = 7
+    del small, large
+    gc.collect()
+    grown = pool.empty(7 * MiB)  # rounded to 8 MiB; neither idle buffer holds it
+    assert grown.size == 7 * MiB and (grown[: 4 * MiB] == 7).all()
+    assert pool.cached_bytes == 2 * MiB  # the smaller one stays idle
+    grown[:] = 1  # every byte of the grown buffer is writable
+    del grown
+    gc.collect()
+    assert pool.cached_bytes == 10 * MiB  # it comes back at its new size
+    again = pool.empty(8 * MiB)
+    assert (again[: 4 * MiB] == 1).all() and pool.cached_bytes == 2 * MiB
+
+
 def test_idle_bytes_stay_within_the_budget_and_small_requests_are_not_pooled():
     pool = HostBufferPool(max_cached_bytes=4 * MiB)
     bufs = [pool.empty(POOL_GRANULE) for _ in range(4)]
@@ -111,17 +130,24 @@ def test_a_fresh_buffer_is_populated_before_the_get_writes_it():
         huge_page_mapping(POOL_GRANULE, populate=False).madvise(23)
     except (OSError, ValueError):
         pytest.skip("this kernel cannot populate a mapping in one call")
-    a = HostBufferPool(max_cached_bytes=256 * MiB).empty(64 * MiB)
+    pool = HostBufferPool(max_cached_bytes=256 * MiB)
+    a = pool.empty(64 * MiB)
     before = _thread_faults()
     a[:] = 1  # what the get's copy does: every page written
     populated = _thread_faults() - before
+    del a
+    gc.collect()
+    grown = pool.empty(128 * MiB)  # the idle 64 MiB grown: its new half is populated too
+    before = _thread_faults()
+    grown[64 * MiB :] = 1
+    populated_grown = _thread_faults() - before
     plain = np.frombuffer(huge_page_mapping(64 * MiB), dtype=np.uint8)
     before = _thread_faults()
     plain[:] = 1
     faulted = _thread_faults() - before
     # 32 huge pages or 16k small ones, against (nearly) none: a loaded machine's kernel may fault a few
     # populated pages again (5 of 32 seen in a full-suite run), never most of them
-    assert faulted >= 16 and populated * 4 <= faulted, (populated, faulted)
+    assert faulted >= 16 and populated * 4 <= faulted and populated_grown * 4 <= faulted, (populated, populated_grown, faulted)
 
 
 _COLLECTED_INSIDE_THE_POOL = """

@@ -133,6 +133,9 @@ class HostBufferPool:
         with self._lock:
             self._take_back()
             for _, _, mm in self._free:
-                mm.close()  # idle: no array views it
+                try:
+                    mm.close()
+                except BufferError:  # queued by its array's finalizer, which still holds it: unmapped
+                    pass  # when that array is gone (see _grown)
             self._free.clear()
             self._cached = 0

@@ -46,7 +46,7 @@ from .loss import metric_reduction, reduce_metrics
 from .micro_batching import MicroBatchPlan, forward_backward, local_valid_counts, logprobs_for_plan, plan_from_extra_info
 from .optim import build_optimizer, build_scheduler
 
-__all__ = ["DPPolicyWorker", "LOGPROB_INPUT_FIELDS", "borrow_and_pad", "fetch_padded"]
+__all__ = ["DPPolicyWorker", "LOGPROB_INPUT_FIELDS", "copy_and_pad", "fetch_padded"]
 
 # The subset of LP_SEED_FIELDS a log-prob pass reads (the masks do not change log-probs).
 LOGPROB_INPUT_FIELDS = tuple(f for f in LP_SEED_FIELDS if f in ("input_ids", "input_lengths"))
@@ -65,30 +65,33 @@ def fetch_padded(
     """A shard's ``fields`` on ``device``, jagged ones padded as ``client.get(meta, fields,
     layout="padded", pad_value=pad_value)`` pads them (``meta.pad_length``; other fields 0).
 
-    On the CPU that is the padded get itself (one copy, by TQ's row copier). On another device (a
-    GPU rank) the rows are borrowed where they lie (``copy=False``: no host copy), only their bytes
-    are copied to the device, and the padding is written there: the padded get would copy every row
-    into a host buffer and then send rows and padding alike over PCIe. The borrow ends once the
-    copies to the device are done (a copy from pageable memory returns when the source was read)."""
+    On the CPU that is the padded get itself (one copy, by TQ's row copier). On a GPU rank the rows
+    go to the device unpadded and the padding is written there (:func:`copy_and_pad`): the padded
+    get would send rows and padding alike over PCIe."""
     if device.type == "cpu":
         return client.get(meta, list(fields), layout="padded", pad_value=dict(pad_value), wait_timeout=client.timeout)
-    return borrow_and_pad(client, meta, fields, pad_value, device)
+    return copy_and_pad(client, meta, fields, pad_value, device)
 
 
-def borrow_and_pad(
+def copy_and_pad(
     client: Any, meta: KVBatchMeta, fields: Sequence[str], pad_value: Mapping[str, Any], device: torch.device
 ) -> dict[str, Any]:
-    """:func:`fetch_padded` off the CPU: borrow the rows, copy their bytes to ``device``, pad there."""
+    """:func:`fetch_padded` off the CPU: the rows copied unpadded by TQ's row copier (several
+    threads) into page-locked memory (``pin_memory``, on CUDA), sent to ``device`` at the bus's
+    speed, padded there. Borrowing the rows from the arena instead skips the host copy but sends
+    from pageable memory, which CUDA stages at a fraction of the bus's speed: on one H200, 6.5 GB/s
+    from pageable memory against 54.6 pinned, and this fetch 1.36x / 2.44x the borrowing one at
+    34 / 269 MB (docs/gpu.md)."""
     from tq import JaggedTensor
 
+    got = client.get(meta, list(fields), layout="jagged", pin_memory=device.type == "cuda", wait_timeout=client.timeout)
     out: dict[str, Any] = {}
-    with client.get(meta, list(fields), layout="jagged", copy=False, wait_timeout=client.timeout) as got:
-        for name, v in got.items():
-            if isinstance(v, JaggedTensor):
-                longest = int(v.lengths.max()) if len(v) else 0
-                out[name] = v.to_padded(meta.pad_length(longest), pad_value.get(name, 0), device=device)
-            else:
-                out[name] = v.to(device, copy=True) if isinstance(v, torch.Tensor) else v  # never a view past the borrow
+    for name, v in got.items():
+        if isinstance(v, JaggedTensor):
+            longest = int(v.lengths.max()) if len(v) else 0
+            out[name] = v.to_padded(meta.pad_length(longest), pad_value.get(name, 0), device=device)
+        else:  # torch keeps a pinned source's block until a non-blocking copy out of it ran
+            out[name] = v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
     return out
 
 

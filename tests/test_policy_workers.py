@@ -243,26 +243,27 @@ def test_a_dead_actor_is_named_even_when_a_peer_failed_first(ray_session):
         ray.kill(alive)  # its handle outlives the test in Ray's reference counts: free its CPU for the next test
 
 
-def test_a_gpu_ranks_fetch_borrows_and_pads_on_the_device_as_the_padded_get_pads(client, partition, batch):
-    """What a GPU rank's fetch builds (rows borrowed from the arena, copied to the device, padded there;
-    run here with the CPU as the device) is bit for bit the padded get a CPU rank makes, under the
-    meta's pad length (``global_forward_pad_seqlen`` rounded up to ``pad_to_multiple``)."""
-    from policy.worker import borrow_and_pad, fetch_padded
+def test_a_gpu_ranks_fetch_pads_on_the_device_as_the_padded_get_pads(client, partition, batch):
+    """What a GPU rank's fetch builds (rows copied unpadded, sent to the device, padded there; run
+    here with the CPU as the device - on CUDA the copy lands in page-locked memory, checked by
+    tests/test_pinned_get.py) is bit for bit the padded get a CPU rank makes, under the meta's pad
+    length (``global_forward_pad_seqlen`` rounded up to ``pad_to_multiple``)."""
+    from policy.worker import copy_and_pad, fetch_padded
 
     data = batch.select_columns(ROLLOUT_FIELDS)
     meta = client.put(partition, [f"s{i}" for i in range(batch.size)], to_tq_columns(data))
     meta = meta.with_extra_info(global_forward_pad_seqlen=42, pad_to_multiple=8)
     pad = {"input_ids": 7}
     padded = fetch_padded(client, meta, ROLLOUT_FIELDS, pad, torch.device("cpu"))
-    on_device = borrow_and_pad(client, meta, ROLLOUT_FIELDS, pad, torch.device("cpu"))
+    on_device = copy_and_pad(client, meta, ROLLOUT_FIELDS, pad, torch.device("cpu"))
     assert padded["input_ids"].shape[1] == 48  # 42 rounded up to 8
     assert set(on_device) == set(ROLLOUT_FIELDS)
     for f in ROLLOUT_FIELDS:
         assert on_device[f].dtype == padded[f].dtype and torch.equal(on_device[f], padded[f]), f
-    # The rows were borrowed (the arena was mapped for views), and nothing returned views it: the
-    # borrow ends with the call, after which the arena's bytes may be freed and reused.
-    arenas = [(a.ctypes.data, a.ctypes.data + a.nbytes) for a in client._ro_views.values()]
-    assert arenas
+    # Nothing returned views a storage arena: the arena's bytes may be freed and reused once the call ends.
+    arenas = [(a.view.ctypes.data, a.view.ctypes.data + a.size) for a in client._arenas.values()]
+    arenas += [(a.ctypes.data, a.ctypes.data + a.nbytes) for a in client._ro_views.values()]
+    assert arenas  # same host: the rows were read out of the arena
     for f in ROLLOUT_FIELDS:
         at = on_device[f].untyped_storage().data_ptr()
         assert not any(lo <= at < hi for lo, hi in arenas), f"{f} views the storage arena"

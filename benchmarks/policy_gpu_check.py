@@ -6,8 +6,8 @@ batch shipped through Ray) and through ``TQPolicy`` (KVBatchMeta shards, workers
 checks both compute the same log-probs, metrics and updated weights, and times each pass. Then it
 times a GPU rank's fetch of a larger batch both ways in the same process, alternating: the padded get
 on the host then copied to the GPU (what a rank did before), against ``policy.worker.fetch_padded``
-(rows borrowed from the arena, only their bytes copied to the GPU, padded there), and checks both give
-the same tensors.
+(rows copied unpadded into page-locked memory, sent to the GPU, padded there; it borrowed them from
+the arena up to edca89b - its published result is of that), and checks both give the same tensors.
 
     python -m benchmarks.policy_gpu_check --samples 256 --max-len 1024
 

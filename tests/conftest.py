@@ -491,3 +491,39 @@ def loopback():
     harness = LoopbackController()
     yield harness
     harness.unit.close(0)
+
+
+WIDE_DTYPES = ("float32", "bfloat16", "float16", "int64", "int32", "int8", "uint8", "bool", "float64")
+# pad values of the wide batch's dtypes where 0 would not show a missing pad
+_WIDE_PADS = {"bool": True, "uint8": 7, "int8": -3, "int32": -100, "int64": -1}
+
+
+def wide_pad(dtype, default=0):
+    """The pad value :func:`wide_batch`'s tests use for a field of ``dtype`` (a torch dtype)."""
+    return _WIDE_PADS.get(str(dtype).removeprefix("torch."), default)
+
+
+def wide_batch(n: int, fields: int, longest: int, seed: int) -> dict:
+    """``fields`` jagged columns sharing their row lengths (as a rollout's per-token fields do), of
+    every dtype, some with a trailing dim, plus a fixed-shape and an object column."""
+    import numpy as np
+    import torch
+
+    from tq import JaggedTensor
+
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(longest // 3, longest + 1, size=n)
+    lengths[int(rng.integers(n))] = longest - 3  # odd byte spans: rows straddle the store vectors
+    lengths[int(rng.integers(n))] = 0
+    lengths = torch.from_numpy(lengths.astype(np.int64))
+    offsets = torch.zeros(n + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    cols: dict = {}
+    for f in range(fields):
+        dtype, trailing = getattr(torch, WIDE_DTYPES[f % len(WIDE_DTYPES)]), ((3,) if f % 4 == 3 else ())
+        raw = torch.from_numpy(rng.integers(0, 256, size=int(offsets[-1]) * int(np.prod(trailing)) * dtype.itemsize, dtype=np.uint8))
+        values = (raw % 2 if dtype == torch.bool else raw).view(dtype).reshape(int(offsets[-1]), *trailing)
+        cols[f"f{f:02d}"] = JaggedTensor(values, offsets)
+    cols["reward"] = torch.from_numpy(rng.standard_normal((n, 2)).astype(np.float32))
+    cols["tag"] = [f"sample-{i}" * (i % 3) for i in range(n)]
+    return cols

@@ -11,43 +11,18 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
 
-from conftest import assert_same, bits, unique_keys
+from conftest import assert_same, bits, unique_keys, wide_batch, wide_pad
 from tq import JaggedTensor, TQClient, rowcopy
 from tq.bufferpool import HostBufferPool
-
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool, torch.float64]
-PADS = {torch.bool: True, torch.uint8: 7, torch.int8: -3, torch.int32: -100, torch.int64: -1}
-
-
-def _wide_batch(n: int, fields: int, longest: int, seed: int) -> dict:
-    """``fields`` jagged columns sharing their row lengths (as a rollout's per-token fields do), of
-    every dtype, some with a trailing dim, plus a fixed-shape and an object column."""
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(longest // 3, longest + 1, size=n)
-    lengths[int(rng.integers(n))] = longest - 3  # odd byte spans: rows straddle the store vectors
-    lengths[int(rng.integers(n))] = 0
-    lengths = torch.from_numpy(lengths.astype(np.int64))
-    offsets = torch.zeros(n + 1, dtype=torch.int64)
-    offsets[1:] = torch.cumsum(lengths, 0)
-    cols: dict = {}
-    for f in range(fields):
-        dtype, trailing = DTYPES[f % len(DTYPES)], ((3,) if f % 4 == 3 else ())
-        raw = torch.from_numpy(rng.integers(0, 256, size=int(offsets[-1]) * int(np.prod(trailing)) * dtype.itemsize, dtype=np.uint8))
-        values = (raw % 2 if dtype == torch.bool else raw).view(dtype).reshape(int(offsets[-1]), *trailing)
-        cols[f"f{f:02d}"] = JaggedTensor(values, offsets)
-    cols["reward"] = torch.from_numpy(rng.standard_normal((n, 2)).astype(np.float32))
-    cols["tag"] = [f"sample-{i}" * (i % 3) for i in range(n)]
-    return cols
 
 
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
 def test_a_wide_get_gives_every_field_bit_exact_in_every_layout(tq_server, transport):
     n, fields = 48, 24
-    cols = _wide_batch(n, fields, 701, seed=5)
+    cols = wide_batch(n, fields, 701, seed=5)
     jagged = [f for f, v in cols.items() if isinstance(v, JaggedTensor)]
     padded_bytes = sum(n * 701 * v.values[0:1].numel() * v.values.element_size() for f, v in cols.items() if f in jagged)
     assert padded_bytes >= rowcopy.STREAM_BYTES > 0 and padded_bytes // fields < rowcopy.STREAM_BYTES  # one field alone would not stream
@@ -56,7 +31,7 @@ def test_a_wide_get_gives_every_field_bit_exact_in_every_layout(tq_server, trans
         c.register_partition(pid, reuse=True)
         try:
             meta = c.put(pid, unique_keys(n), cols)
-            pads = {f: PADS.get(cols[f].dtype, float("-inf") if cols[f].dtype.is_floating_point else 0) for f in jagged[::2]}
+            pads = {f: wide_pad(cols[f].dtype, float("-inf") if cols[f].dtype.is_floating_point else 0) for f in jagged[::2]}
             for _ in range(2):  # the second get reuses the first one's pooled buffer
                 got = c.get(meta, pad_value=pads)
                 assert list(got) == list(cols)

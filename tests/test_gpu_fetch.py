@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_same, unique_keys
-from test_get_fields import PADS, _wide_batch
+from conftest import assert_same, unique_keys, wide_batch, wide_pad
 from tq import JaggedTensor, TQClient
 from tq.client import _results
 from tq.columns import field_layout, tensor_at, tensor_in
@@ -72,9 +71,9 @@ def test_pin_memory_without_cuda_is_refused_at_once(client, partition):
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
 def test_a_pinned_get_gives_pinned_tensors_of_the_same_bytes_that_copy_to_the_gpu(tq_server, transport):
     n = 40
-    cols = _wide_batch(n, 12, 517, seed=11)
+    cols = wide_batch(n, 12, 517, seed=11)
     jagged = [f for f, v in cols.items() if isinstance(v, JaggedTensor)]
-    pads = {f: PADS.get(cols[f].dtype, 0) for f in jagged}
+    pads = {f: wide_pad(cols[f].dtype) for f in jagged}
     with TQClient(tq_server.address, timeout=15.0, transport=transport) as c:
         pid = f"pinned-{transport}"
         c.register_partition(pid, reuse=True)

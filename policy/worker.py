@@ -80,8 +80,8 @@ def copy_and_pad(
     threads) into page-locked memory (``pin_memory``, on CUDA), sent to ``device`` at the bus's
     speed, padded there. Borrowing the rows from the arena instead skips the host copy but sends
     from pageable memory, which CUDA stages at a fraction of the bus's speed: on one H200, 6.5 GB/s
-    from pageable memory against 54.6 pinned, and this fetch 1.36x / 2.44x the borrowing one at
-    34 / 269 MB (docs/gpu.md)."""
+    from pageable memory against 54.6 pinned, and this fetch 1.64x / 2.50x the borrowing one at
+    34 / 269 MB (``benchmarks/gpu_fetch.py``, docs/gpu.md)."""
     from tq import JaggedTensor
 
     got = client.get(meta, list(fields), layout="jagged", pin_memory=device.type == "cuda", wait_timeout=client.timeout)

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 from benchmarks.outputs import add_output_args, code_version, open_run
-from benchmarks.tq_throughput import FIELDS, MiB, make_batch
+from benchmarks.tq_throughput import FIELDS, MiB, make_batch, payload_bytes, tq_columns
 
 WAYS = ("borrowed", "pinned jagged", "padded", "pinned padded")
 
@@ -56,7 +56,7 @@ def fetch_ways(client: Any, meta: Any, device: torch.device) -> dict[str, Callab
 
 def bench(sizes: list[int], rounds: int) -> dict[str, Any]:
     """Per batch size, each way's median seconds and GB/s of unpadded payload."""
-    from tq import JaggedTensor, TQClient, TQServer
+    from tq import TQClient, TQServer
 
     device = torch.device("cuda", 0)
     out: dict[str, Any] = {}
@@ -64,10 +64,8 @@ def bench(sizes: list[int], rounds: int) -> dict[str, Any]:
         client.register_partition("fetch")
         for size in sizes:
             b = make_batch(size, 7)
-            cols: dict[str, Any] = {f: JaggedTensor(b[f], b["offsets"]) for f in FIELDS}
-            cols["rewards"] = b["rewards"]
-            meta = client.put("fetch", [f"s{size}_{i}" for i in range(len(b["rewards"]))], cols)
-            payload = sum(b[f].nbytes for f in (*FIELDS, "rewards"))
+            meta = client.put("fetch", [f"s{size}_{i}" for i in range(len(b["rewards"]))], tq_columns(b))
+            payload = payload_bytes(size, 7)
             times: dict[str, list[float]] = {w: [] for w in WAYS}
             ref = None
             for r in range(rounds + 1):

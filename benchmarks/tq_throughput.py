@@ -131,6 +131,15 @@ def make_batch(nbytes: int, seed: int) -> dict[str, Any]:
     }
 
 
+def tq_columns(batch: dict[str, Any]) -> dict[str, Any]:
+    """The batch as a TQ put takes it: each jagged field a :class:`tq.JaggedTensor`, plus its rewards."""
+    from tq import JaggedTensor
+
+    cols: dict[str, Any] = {f: JaggedTensor(batch[f], batch["offsets"]) for f in FIELDS}
+    cols["rewards"] = batch["rewards"]
+    return cols
+
+
 def batch_bytes(batch: dict[str, Any]) -> list[np.ndarray]:
     """The payload of a batch as raw bytes, field by field (``FIELDS``, then ``rewards``)."""
     return [batch[f].numpy().view(np.uint8).reshape(-1) for f in (*FIELDS, "rewards")]
@@ -203,7 +212,7 @@ def _one_torch_thread() -> None:
 
 def _tq_producer(address: str, transport: str, conn: Any) -> None:
     """A producer process: builds batches on request and puts them; reports the put's wall time."""
-    from tq import JaggedTensor, TQClient
+    from tq import TQClient
 
     _one_torch_thread()
 
@@ -215,8 +224,7 @@ def _tq_producer(address: str, transport: str, conn: Any) -> None:
         nbytes, seed, partition = msg
         b = make_batch(nbytes, seed)
         keys = [f"s{seed}_{i}" for i in range(len(b["rewards"]))]
-        cols = {f: JaggedTensor(b[f], b["offsets"]) for f in FIELDS}
-        cols["rewards"] = b["rewards"]
+        cols = tq_columns(b)
         t0 = time.perf_counter()
         meta = client.put(partition, keys, cols)
         conn.send((time.perf_counter() - t0, meta.to_dict()))
@@ -291,16 +299,14 @@ def _sweep_worker(address: str, partition: str, wid: int, nbytes: int, n_puts: i
     import io
     import pstats
 
-    from tq import JaggedTensor, TQClient
+    from tq import TQClient
 
     _one_torch_thread()
     client = TQClient(address, timeout=120)
     batches = []
     for i in range(n_puts):
-        b = make_batch(nbytes, 10_000 * (wid + 1) + i)
-        cols: dict[str, Any] = {f: JaggedTensor(b[f], b["offsets"]) for f in FIELDS}
-        cols["rewards"] = b["rewards"]
-        batches.append((payload_bytes(nbytes, 10_000 * (wid + 1) + i), cols))
+        seed = 10_000 * (wid + 1) + i
+        batches.append((payload_bytes(nbytes, seed), tq_columns(make_batch(nbytes, seed))))
     conn.send(sum(n for n, _ in batches))
     metas: list[Any] = []
     while (msg := conn.recv()) is not None:

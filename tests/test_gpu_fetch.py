@@ -30,11 +30,11 @@ def test_views_of_a_torch_buffer_read_as_numpy_views_do_and_share_its_storage(dt
     shape = (5, 3)
     start = 128
     want = tensor_at(base.numpy(), start, lay, shape)
-    got = tensor_in(base, start, lay, shape)
+    got = tensor_in(base, start, 5 * 3 * lay.bits.itemsize, lay, shape)
     assert got.dtype == want.dtype and got.shape == want.shape
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert got.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()  # torch's own storage, not numpy's
-    empty = tensor_in(base, 4096, lay, (0, 3))
+    empty = tensor_in(base, 4096, 0, lay, (0, 3))
     assert empty.shape == (0, 3)
 
 

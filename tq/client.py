@@ -382,7 +382,7 @@ def _results(
         if shape is None:
             out[name] = None
             continue
-        t = tensor_at(raw, start, lay, shape) if base is None else tensor_in(base, start, lay, shape)
+        t = tensor_at(raw, start, lay, shape) if base is None else tensor_in(base, start, nbytes, lay, shape)
         if lay.kind == JAGGED and layout != "padded":
             jt = _jagged(t, fx.sizes, lay.row_bytes, fx.row_offsets)
             out[name] = jt if layout == "jagged" else jt.unbind()

@@ -187,11 +187,11 @@ def tensor_at(raw: np.ndarray, start: int, layout: FieldLayout, shape: tuple[int
     return t.view(torch.bfloat16) if layout.bfloat16 else t
 
 
-def tensor_in(base: torch.Tensor, start: int, layout: FieldLayout, shape: tuple[int, ...]) -> torch.Tensor:
-    """:func:`tensor_at` for a buffer that is a torch uint8 tensor: a view of ``base`` itself, so
-    torch knows the result's storage as its own (a page-locked buffer from torch's host allocator
-    then stays reserved while a ``non_blocking`` copy out of it runs, as with ``Tensor.pin_memory``)."""
-    nbytes = int(np.prod(shape, dtype=np.int64)) * layout.bits.itemsize
+def tensor_in(base: torch.Tensor, start: int, nbytes: int, layout: FieldLayout, shape: tuple[int, ...]) -> torch.Tensor:
+    """:func:`tensor_at` of ``base[start:start + nbytes]`` (a torch uint8 tensor): a view of ``base``
+    itself, so torch knows the result's storage as its own (a page-locked buffer from torch's host
+    allocator then stays reserved while a ``non_blocking`` copy out of it runs, as with
+    ``Tensor.pin_memory``)."""
     return base[start : start + nbytes].view(TORCH_DTYPES[layout.schema.dtype]).view(shape)
 
 

@@ -245,9 +245,10 @@ def test_a_dead_actor_is_named_even_when_a_peer_failed_first(ray_session):
 
 def test_a_gpu_ranks_fetch_pads_on_the_device_as_the_padded_get_pads(client, partition, batch):
     """What a GPU rank's fetch builds (rows copied unpadded, sent to the device, padded there; run
-    here with the CPU as the device - on CUDA the copy lands in page-locked memory, checked by
-    tests/test_gpu_fetch.py) is bit for bit the padded get a CPU rank makes, under the meta's pad
-    length (``global_forward_pad_seqlen`` rounded up to ``pad_to_multiple``)."""
+    here with the CPU as the device - on CUDA the copy lands in page-locked memory: the pinned get is
+    tested in tests/test_gpu_fetch.py, and benchmarks/gpu_fetch.py compares this fetch's tensors on a
+    GPU) is bit for bit the padded get a CPU rank makes, under the meta's pad length
+    (``global_forward_pad_seqlen`` rounded up to ``pad_to_multiple``)."""
     from policy.worker import copy_and_pad, fetch_padded
 
     data = batch.select_columns(ROLLOUT_FIELDS)

@@ -6,8 +6,8 @@ batch shipped through Ray) and through ``TQPolicy`` (KVBatchMeta shards, workers
 checks both compute the same log-probs, metrics and updated weights, and times each pass. Then it
 times a GPU rank's fetch of a larger batch both ways in the same process, alternating: the padded get
 on the host then copied to the GPU (what a rank did before), against ``policy.worker.fetch_padded``
-(rows copied unpadded into page-locked memory, sent to the GPU, padded there; it borrowed them from
-the arena up to edca89b - its published result is of that), and checks both give the same tensors.
+(rows copied unpadded into page-locked memory, sent to the GPU, padded there; up to edca89b it
+borrowed them from the arena), and checks both give the same tensors.
 
     python -m benchmarks.policy_gpu_check --samples 256 --max-len 1024
 
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from benchmarks.outputs import add_output_args, open_run
+from benchmarks.outputs import add_output_args, code_version, open_run
 from common.models import MODEL_113M
 
 
@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         "max_len": a.max_len,
         "tokens": int(batch["input_lengths"].sum()),
         "dtype": a.dtype,
+        "code": code_version(),
     }
     with (
         TQServer(storage_units=1, capacity=4 << 30) as server,

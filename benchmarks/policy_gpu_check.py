@@ -110,7 +110,10 @@ def main(argv: list[str] | None = None) -> None:
     ray.init(num_cpus=os.cpu_count(), num_gpus=gpus, include_dashboard=False, log_to_driver=True)
     say(f"ray up, {gpus} GPU worker(s)")
     tiny = MODEL_113M
-    # Both policies live at once, one worker per GPU each: half a GPU per worker so Ray can place them.
+    # Both policies live at once, rank r of each on GPU r: half a GPU per worker, both in bundle r of
+    # one placement group (Ray alone would pack a policy's two half-GPU ranks onto one GPU).
+    pg = ray.util.placement_group([{"GPU": 1, "CPU": 2}] * gpus)
+    ray.get(pg.ready(), timeout=120)
     cfg = PolicyConfig(
         dp_size=gpus,
         dtype=a.dtype,
@@ -140,8 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     }
     with (
         TQServer(storage_units=1, capacity=4 << 30) as server,
-        Policy(cfg, calls=DriverTraffic()) as legacy,
-        TQPolicy(cfg, TQConnection(server.address), calls=DriverTraffic()) as tqp,
+        Policy(cfg, calls=DriverTraffic(), placement_group=pg) as legacy,
+        TQPolicy(cfg, TQConnection(server.address), calls=DriverTraffic(), placement_group=pg) as tqp,
     ):
         out["params_m"] = sum(v.numel() for v in legacy.get_weights().values()) / 1e6
         say(f"policies up: {out['params_m']:.0f}M parameters")

@@ -24,6 +24,7 @@ from tq.meta import KVBatchMeta
 
 from .config import DynamicBatchingConfig, PolicyConfig, SequencePackingConfig
 from .dispatch import global_batches, index_meta, pad_multiple, shard_for_dp, shard_rows, stamp_pad_seqlen
+from .placement import ranks_sharing_a_gpu, shared_gpu_error
 from .traffic import ActorCalls
 from .worker import DPPolicyWorker
 
@@ -31,6 +32,15 @@ __all__ = ["Policy", "TQPolicy", "PolicyConfig", "DynamicBatchingConfig", "Seque
 
 TRAIN_PARTITION = "train"
 VAL_PARTITION = "val"
+
+
+def _in_bundle(placement_group: Any, rank: int) -> dict[str, Any]:
+    """Ray actor options that run ``rank`` in bundle ``rank`` of ``placement_group`` (none without one)."""
+    if placement_group is None:
+        return {}
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=rank)}
 
 
 class _WorkerGroup:
@@ -42,13 +52,21 @@ class _WorkerGroup:
     ``worker_cls`` is the actor class of a rank (``benchmarks.dataplane_scale`` swaps in one whose
     compute is a no-op, keeping every data-moving call as it is); ``worker_options``, Ray actor options
     added to the ranks' resources (the benchmark spreads its ranks over an emulated cluster's nodes).
+    ``placement_group``: a Ray placement group with a bundle per rank (rank ``r`` runs in bundle ``r``),
+    so ranks asking for a fraction of a GPU each get a GPU of their own; without it, GPU ranks that Ray
+    put on one GPU are refused before they form their group (:mod:`policy.placement`).
     """
 
     worker_cls: type = DPPolicyWorker
     worker_options: Mapping[str, Any] = {}
 
     def __init__(
-        self, config: PolicyConfig | Mapping[str, Any], *, calls: ActorCalls | None = None, connection: TQConnection | None = None
+        self,
+        config: PolicyConfig | Mapping[str, Any],
+        *,
+        calls: ActorCalls | None = None,
+        connection: TQConnection | None = None,
+        placement_group: Any = None,
     ) -> None:
         import ray
 
@@ -56,13 +74,21 @@ class _WorkerGroup:
             raise RuntimeError("call ray.init() before creating a policy")
         self.config = config if isinstance(config, PolicyConfig) else PolicyConfig(**config)
         cfg = self.config
-        actor_cls = ray.remote(self.worker_cls).options(
-            num_cpus=cfg.num_cpus_per_worker, num_gpus=cfg.num_gpus_per_worker, **self.worker_options
-        )
+        if placement_group is not None and placement_group.bundle_count < cfg.dp_size:
+            raise ValueError(f"placement_group has {placement_group.bundle_count} bundles for policy.dp_size={cfg.dp_size}: one per rank")
+        actor_cls = ray.remote(self.worker_cls)
+        options = dict(num_cpus=cfg.num_cpus_per_worker, num_gpus=cfg.num_gpus_per_worker, **self.worker_options)
         cfg_dict = cfg.model_dump()
         self.calls = calls if calls is not None else ActorCalls()
-        self.workers = [actor_cls.remote(cfg_dict, r, cfg.dp_size, connection) for r in range(cfg.dp_size)]
+        self.workers = [
+            actor_cls.options(**options, **_in_bundle(placement_group, r)).remote(cfg_dict, r, cfg.dp_size, connection)
+            for r in range(cfg.dp_size)
+        ]
         try:
+            if cfg.backend == "nccl" and cfg.dp_size > 1:  # before NCCL meets them (its error names no rank or fix)
+                shared = ranks_sharing_a_gpu(self._get([w.placement.remote() for w in self.workers], "placement"))
+                if shared:
+                    raise ValueError(shared_gpu_error(shared, cfg.num_gpus_per_worker))
             addr, port = self._get(self.workers[0].master_address.remote(), "master_address")
             # All ranks must enter init_process_group together: launch all, then wait.
             self.worker_info = self._get([w.init_distributed.remote(addr, port) for w in self.workers], "init_distributed")
@@ -188,12 +214,20 @@ class TQPolicy(_WorkerGroup):
         config: the policy config.
         connection: the data plane; every worker gets it at start-up and this driver connects with it.
         calls: how worker calls are sent (see :class:`_WorkerGroup`).
+        placement_group: a Ray placement group with a bundle per rank (see :class:`_WorkerGroup`).
     """
 
-    def __init__(self, config: PolicyConfig | Mapping[str, Any], connection: TQConnection, *, calls: ActorCalls | None = None) -> None:
+    def __init__(
+        self,
+        config: PolicyConfig | Mapping[str, Any],
+        connection: TQConnection,
+        *,
+        calls: ActorCalls | None = None,
+        placement_group: Any = None,
+    ) -> None:
         if not isinstance(connection, TQConnection):
             raise TypeError(f"TQPolicy needs a tq.TQConnection (address, secret, timeout), got {type(connection).__name__}")
-        super().__init__(config, calls=calls, connection=connection)
+        super().__init__(config, calls=calls, connection=connection, placement_group=placement_group)
         self.connection = connection
         try:
             self.client = connection.connect()

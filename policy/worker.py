@@ -143,6 +143,13 @@ class DPPolicyWorker:
 
         return ray.util.get_node_ip_address(), _free_port()
 
+    def placement(self) -> tuple[str, list[str]]:
+        """(this rank's Ray node id, the GPU ids Ray assigned it): the group checks that no two ranks
+        share a GPU before NCCL meets them (:mod:`policy.placement`)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), [str(g) for g in ray.get_gpu_ids()]
+
     def init_distributed(self, master_addr: str, master_port: int) -> dict[str, Any]:
         """Join the process group (bounded by ``dist_timeout_s``), sync weights from rank 0, build the reference."""
         if self.world_size > 1:

@@ -87,15 +87,26 @@ def test_policy_and_tqpolicy_are_bit_identical(ray_session, tq_connection, batch
         tqp.finish_step(meta)
 
 
-def test_dp2_update_matches_dp1(ray_session, batch):
-    """The same global batch on 1 or 2 ranks gives the same update (global normalization + SUM all-reduce)."""
+def test_dp2_update_in_a_placement_group_matches_dp1(ray_session, batch):
+    """The same global batch on 1 or 2 ranks gives the same update (global normalization + SUM all-reduce).
+    The 2 ranks run in a placement group that holds nearly every CPU, a bundle per rank: they start
+    only if rank r is scheduled into bundle r (outside it, or two in one bundle, they would not fit)."""
     data = batch.slice(0, 8)
     out = {}
-    for dp in (1, 2):
-        with Policy(_cfg(dp_size=dp)) as policy:
+
+    def step(dp: int, pg=None) -> None:
+        with Policy(_cfg(dp_size=dp, ray_timeout_s=60), placement_group=pg) as policy:
             w0 = policy.get_weights()
             d, metrics = _legacy_step(policy, data)
             out[dp] = (w0, policy.get_weights(), metrics, d["prev_logprobs"])
+
+    step(1)
+    pg = ray.util.placement_group([{"CPU": 0.9}] * 2)
+    try:
+        ray.get(pg.ready(), timeout=30)
+        step(2, pg)
+    finally:
+        ray.util.remove_placement_group(pg)
     (w0a, w1a, ma, lpa), (w0b, w1b, mb, lpb) = out[1], out[2]
     assert _weights_equal(w0a, w0b)
     torch.testing.assert_close(lpa, lpb, atol=1e-6, rtol=0)

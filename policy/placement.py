@@ -1,0 +1,36 @@
+"""Where a DP group's ranks landed, checked before they form their process group (pure logic, no Ray).
+
+Ray packs fractional GPU requests onto as few GPUs as it can: two ranks asking for half a GPU each
+land on the same one unless a placement group's bundles keep them apart (one ``{"GPU": 1}`` bundle a
+rank, colocated actors in the same bundles, as verl's resource pools and NeMo-RL's virtual clusters
+do). NCCL refuses two ranks of one group on one GPU ("Duplicate GPU detected"), so the group checks
+first and names the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+#: Where one rank runs: (Ray node id, the GPU ids Ray assigned it on that node).
+RankPlacement = tuple[str, Sequence[str]]
+
+
+def ranks_sharing_a_gpu(placements: Sequence[RankPlacement]) -> dict[tuple[str, str], list[int]]:
+    """``{(node, gpu): [ranks]}`` for every GPU that more than one rank was given (empty: none shared).
+    ``placements[r]`` is rank ``r``'s; a rank with no GPU shares none."""
+    ranks_of: dict[tuple[str, str], list[int]] = {}
+    for rank, (node, gpus) in enumerate(placements):
+        for gpu in dict.fromkeys(gpus):
+            ranks_of.setdefault((node, gpu), []).append(rank)
+    return {where: ranks for where, ranks in ranks_of.items() if len(ranks) > 1}
+
+
+def shared_gpu_error(shared: dict[tuple[str, str], list[int]], gpus_per_rank: float) -> str:
+    """The message for :func:`ranks_sharing_a_gpu`'s finding: which ranks, which GPU, and what to do."""
+    (node, gpu), ranks = next(iter(shared.items()))
+    return (
+        f"policy ranks {ranks} were all placed on GPU {gpu} of Ray node {node[:12]}: Ray packs fractional GPU requests "
+        f"(policy.num_gpus_per_worker={gpus_per_rank:g}) onto one GPU, and NCCL needs a GPU per rank of a group. Ask for "
+        "whole GPUs (policy.num_gpus_per_worker=1), or pass placement_group= a Ray placement group with one "
+        '{"GPU": 1} bundle per rank (rank r runs in bundle r; put the actors that share its GPU in the same bundle)'
+    )

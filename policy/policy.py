@@ -19,12 +19,12 @@ import torch
 
 from common.batched_data_dict import BatchedDataDict
 from common.fields import TOKEN_FIELDS
+from common.placement import in_bundle, ranks_sharing_a_gpu, shared_gpu_error
 from tq.connection import TQConnection
 from tq.meta import KVBatchMeta
 
 from .config import DynamicBatchingConfig, PolicyConfig, SequencePackingConfig
 from .dispatch import global_batches, index_meta, pad_multiple, shard_for_dp, shard_rows, stamp_pad_seqlen
-from .placement import ranks_sharing_a_gpu, shared_gpu_error
 from .traffic import ActorCalls
 from .worker import DPPolicyWorker
 
@@ -32,15 +32,6 @@ __all__ = ["Policy", "TQPolicy", "PolicyConfig", "DynamicBatchingConfig", "Seque
 
 TRAIN_PARTITION = "train"
 VAL_PARTITION = "val"
-
-
-def _in_bundle(placement_group: Any, rank: int) -> dict[str, Any]:
-    """Ray actor options that run ``rank`` in bundle ``rank`` of ``placement_group`` (none without one)."""
-    if placement_group is None:
-        return {}
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=rank)}
 
 
 class _WorkerGroup:
@@ -54,7 +45,7 @@ class _WorkerGroup:
     added to the ranks' resources (the benchmark spreads its ranks over an emulated cluster's nodes).
     ``placement_group``: a Ray placement group with a bundle per rank (rank ``r`` runs in bundle ``r``),
     so ranks asking for a fraction of a GPU each get a GPU of their own; without it, GPU ranks that Ray
-    put on one GPU are refused before they form their group (:mod:`policy.placement`).
+    put on one GPU are refused before they form their group (:mod:`common.placement`).
     """
 
     worker_cls: type = DPPolicyWorker
@@ -81,7 +72,7 @@ class _WorkerGroup:
         cfg_dict = cfg.model_dump()
         self.calls = calls if calls is not None else ActorCalls()
         self.workers = [
-            actor_cls.options(**options, **_in_bundle(placement_group, r)).remote(cfg_dict, r, cfg.dp_size, connection)
+            actor_cls.options(**options, **in_bundle(placement_group, r)).remote(cfg_dict, r, cfg.dp_size, connection)
             for r in range(cfg.dp_size)
         ]
         try:

@@ -145,7 +145,7 @@ class DPPolicyWorker:
 
     def placement(self) -> tuple[str, list[str]]:
         """(this rank's Ray node id, the GPU ids Ray assigned it): the group checks that no two ranks
-        share a GPU before NCCL meets them (:mod:`policy.placement`)."""
+        share a GPU before NCCL meets them (:mod:`common.placement`)."""
         import ray
 
         return ray.get_runtime_context().get_node_id(), [str(g) for g in ray.get_gpu_ids()]

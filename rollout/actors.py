@@ -82,6 +82,8 @@ class SyncRolloutImpl:
         connection: the data plane, a ``tq.TQConnection`` (needed by ``rollout_to_tq`` only).
         limits: a ``RolloutLimits`` or its fields as a dict.
         seed: overrides the sampling seed of a generation backend built from a config.
+        placement_group: the bundles the Ray generation workers of a config run in (colocated with
+            the policy's ranks; see ``make_generation_backend``).
     """
 
     def __init__(
@@ -93,9 +95,12 @@ class SyncRolloutImpl:
         connection: TQConnection | None = None,
         limits: RolloutLimits | Mapping[str, Any],
         seed: int | None = None,
+        placement_group: Any = None,
     ) -> None:
         self.tokenizer = resolve_tokenizer(tokenizer_name, generation)
-        self.generation, self._owns_generation = resolve_generation(generation, tokenizer=self.tokenizer, seed=seed)
+        self.generation, self._owns_generation = resolve_generation(
+            generation, tokenizer=self.tokenizer, seed=seed, placement_group=placement_group
+        )
         self.task_to_env = resolve_environments(environments)
         self.limits = limits if isinstance(limits, RolloutLimits) else RolloutLimits(**limits)
         self.connection = connection

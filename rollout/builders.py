@@ -64,13 +64,15 @@ def resolve_generation(
     tokenizer: Any = None,
     seed: int | None = None,
     timeout_s: float = 600.0,
+    placement_group: Any = None,
 ) -> tuple[GenerationInterface, bool]:
     """``(backend, owned)``: the backend ``generation`` names, and whether it was built here.
 
     ``generation`` is a backend (used as is), a config (built with ``make_generation_backend``; ``seed``
     overrides its sampling seed; an in-process transformers backend shares ``tokenizer``), a Ray
     actor handle or a list of them (``RayGenerationWorker`` actors, adopted), or None (the default
-    config: the offline tiny model).
+    config: the offline tiny model). ``placement_group``: where a config's Ray workers run (see
+    ``make_generation_backend``).
     """
     if isinstance(generation, GenerationInterface):
         return generation, False
@@ -92,7 +94,8 @@ def resolve_generation(
     if seed is not None:
         config = config.model_copy(update={"seed": int(seed)})
     shares_tokenizer = tokenizer is not None and config.ray_workers == 0 and config.backend == "hf"
-    return make_generation_backend(config, **({"tokenizer": tokenizer} if shares_tokenizer else {})), True
+    shared = {"tokenizer": tokenizer} if shares_tokenizer else {}
+    return make_generation_backend(config, placement_group=placement_group, **shared), True
 
 
 def resolve_tokenizer(tokenizer: Any, generation: Any) -> Any:

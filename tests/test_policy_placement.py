@@ -1,12 +1,12 @@
 """Where a policy's DP ranks run: a bundle of a placement group per rank, and ranks that Ray put on one
-GPU refused before NCCL meets them (``policy.placement``; the GPU cases run where CUDA is)."""
+GPU refused before NCCL meets them (``common.placement``; the GPU cases run where CUDA is)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from policy.placement import ranks_sharing_a_gpu, shared_gpu_error
+from common.placement import ranks_sharing_a_gpu, shared_gpu_error
 from policy.policy import Policy, PolicyConfig
 
 ray = pytest.importorskip("ray")

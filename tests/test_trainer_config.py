@@ -200,3 +200,37 @@ def test_the_rollout_actor_starts_beside_the_policy_only_when_they_share_no_gpu(
         GRPOTrainer(load_config(CONFIG_DIR / recipe))
     assert order == first
     assert killed == ([handle] if first[0] == "rollout" else [])
+
+
+def _recipe(recipe: str, *overrides: str):
+    return parse_cli(["--config", str(CONFIG_DIR / recipe), *overrides])
+
+
+def test_colocated_policy_ranks_get_a_gpu_bundle_each_shared_with_their_generation_worker():
+    """Half a GPU per policy rank: one {"GPU": 1} bundle per rank (Ray alone packs two halves onto one
+    GPU); the colocated generation workers' CPUs go in the same bundles. Ray's own placement where it
+    is right: one rank, whole GPUs, CPU ranks."""
+    from trainer.config import colocation_bundles, generation_colocated
+
+    one = _recipe("grpo_gpu_vllm_1gpu.yaml")
+    assert colocation_bundles(one) is None and generation_colocated(one)  # one rank: both on the one GPU
+    two = _recipe("grpo_gpu_vllm_1gpu.yaml", "policy.dp_size=2", "policy.train_global_batch_size=512")
+    assert colocation_bundles(two) == [{"GPU": 1.0, "CPU": 2.0}] * 2
+    more = _recipe("grpo_gpu_vllm_1gpu.yaml", "policy.dp_size=2", "generation.ray_workers=4", "generation.refit_transport=state_dict")
+    assert colocation_bundles(more) == [{"GPU": 1.0, "CPU": 2.0}] * 4  # a bundle per worker, ranks in the first two
+    apart = _recipe(
+        "grpo_gpu_vllm_1gpu.yaml", "policy.dp_size=2", "generation.num_gpus_per_worker=1", "generation.refit_transport=state_dict"
+    )
+    assert not generation_colocated(apart) and colocation_bundles(apart) == [{"GPU": 1.0, "CPU": 1.0}] * 2  # engines elsewhere
+    assert colocation_bundles(_recipe("grpo_gpu_vllm_2gpu.yaml", "policy.dp_size=2", "policy.train_global_batch_size=512")) is None
+    assert colocation_bundles(parse_cli(["policy.dp_size=2"])) is None  # CPU ranks
+
+
+def test_colocated_configs_that_cannot_work_are_refused_naming_the_key():
+    with pytest.raises(
+        ConfigError, match=r"'cuda_ipc' hands the generation workers a handle to policy rank 0's GPU memory.*use 'state_dict'"
+    ):
+        _recipe("grpo_gpu_vllm_1gpu.yaml", "policy.dp_size=2", "generation.ray_workers=2")
+    _recipe("grpo_gpu_vllm_1gpu.yaml", "policy.dp_size=2")  # one engine: it shares rank 0's GPU, IPC works
+    with pytest.raises(ConfigError, match=r"policy.num_gpus_per_worker 0.5 with policy.dp_size 2 is not supported in async mode"):
+        _recipe("grpo_gpu_vllm_async_2gpu.yaml", "policy.num_gpus_per_worker=0.5", "policy.dp_size=2")

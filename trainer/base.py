@@ -27,8 +27,8 @@ from rollout.actors import SyncRolloutActor
 from tq.errors import TQError
 
 from .checkpoint import latest_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
-from .common import build_dataloader, build_datasets, init_ray, ray_auth_note, run_name
-from .config import DEFAULT_CONFIG, ConfigError, MasterConfig, check_local_paths, config_help, parse_cli
+from .common import build_dataloader, build_datasets, colocation_group, init_ray, ray_auth_note, run_name
+from .config import DEFAULT_CONFIG, ConfigError, MasterConfig, check_local_paths, config_help, generation_colocated, parse_cli
 from .driver import DriverRecord
 from .ledger import PromptLedger
 from .logger import MetricsLogger
@@ -86,8 +86,12 @@ class GRPOTrainerBase(ABC):
         # torch and building its model) unless both put models on GPUs they may share: a colocated vLLM
         # sizes its KV cache from the device's free memory, measured while it starts, which a policy
         # loading onto that GPU meanwhile would skew.
-        rollout = self._launch_rollout_actor() if _start_side_by_side(cfg) else None
+        # Policy ranks asking for a fraction of a GPU each get a GPU each: a bundle per rank, shared
+        # with the generation worker colocated on it (None where Ray's own placement is right).
+        self.placement_group = colocation_group(cfg)
+        rollout = None
         try:
+            rollout = self._launch_rollout_actor() if _start_side_by_side(cfg) else None
             self.policy = self.build_policy()
             if rollout is None:
                 rollout = self._launch_rollout_actor()
@@ -95,6 +99,7 @@ class GRPOTrainerBase(ABC):
         except BaseException:
             if rollout is not None:
                 ray.kill(rollout)
+            self._remove_placement_group()
             raise
         self.rollout = rollout
         self._pop_driver_counters()
@@ -122,6 +127,7 @@ class GRPOTrainerBase(ABC):
                 "max_rollout_turns": cfg.grpo.max_rollout_turns,
             },
             seed=cfg.grpo.seed,
+            placement_group=self.placement_group if generation_colocated(cfg) else None,
             **self.rollout_kwargs(),
         )
 
@@ -164,7 +170,8 @@ class GRPOTrainerBase(ABC):
     # ------------------------------------------------------------------ what the two paths implement
     @abstractmethod
     def build_policy(self) -> Any:
-        """The policy (legacy ``Policy`` or ``TQPolicy``), sending its worker calls through :meth:`new_calls`."""
+        """The policy (legacy ``Policy`` or ``TQPolicy``), sending its worker calls through :meth:`new_calls`,
+        its ranks in :attr:`placement_group`'s bundles (if any)."""
 
     def rollout_kwargs(self) -> dict[str, Any]:
         """Extra constructor arguments of the rollout actor (the TQ path passes the TQ address)."""
@@ -363,12 +370,18 @@ class GRPOTrainerBase(ABC):
                 print(f"curves: {plot}; metrics: {self.logger.run_dir / 'metrics.jsonl'}", flush=True)
         return history
 
+    def _remove_placement_group(self) -> None:
+        if self.placement_group is not None:
+            ray.util.remove_placement_group(self.placement_group)
+            self.placement_group = None
+
     def shutdown(self) -> None:
         """Stop the policy workers, the rollout actor and (if started here) the TQ service."""
         try:
             self.policy.shutdown()
         finally:
             ray.kill(self.rollout)
+            self._remove_placement_group()
             self.ledger.close()
             if self.driver_record is not None:
                 self.driver_record.release()

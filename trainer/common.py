@@ -19,7 +19,7 @@ from rollout.data import PromptDataset, StatefulDataLoader
 from rollout.environments import builtin_task_dataset, make_environment
 
 from . import algorithms as A
-from .config import GRPOConfig, MasterConfig
+from .config import GRPOConfig, MasterConfig, colocation_bundles
 
 
 class _RayTokenAuthNotice(logging.Filter):
@@ -54,6 +54,26 @@ def init_ray(cfg: MasterConfig) -> None:
     else:
         # address="local": a Ray of its own, never a `ray start` cluster that happens to run on this host.
         ray.init(address="local", num_cpus=cfg.cluster.num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True)
+
+
+def colocation_group(cfg: MasterConfig) -> Any:
+    """The placement group of :func:`~trainer.config.colocation_bundles`, placed (None if the run needs
+    none); bounded by ``policy.ray_timeout_s``, with an error naming what the cluster lacks."""
+    import ray
+
+    bundles = colocation_bundles(cfg)
+    if bundles is None:
+        return None
+    pg = ray.util.placement_group(bundles, strategy="PACK")
+    try:
+        ray.get(pg.ready(), timeout=cfg.policy.ray_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        ray.util.remove_placement_group(pg)
+        raise TimeoutError(
+            f"the policy's {len(bundles)} ranks need a GPU each ({len(bundles)} bundles of {bundles[0]}), and Ray did not "
+            f"find them within policy.ray_timeout_s={cfg.policy.ray_timeout_s:g}s: the cluster has fewer free GPUs"
+        ) from None
+    return pg
 
 
 def run_name(cfg: MasterConfig, trainer: str) -> str:

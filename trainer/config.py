@@ -266,9 +266,41 @@ class MasterConfig(_Strict):
                 f"generation.refit_transport {t!r} needs generation.backend 'vllm' and the policy on a GPU "
                 "(policy.num_gpus_per_worker > 0); use 'state_dict'"
             )
+        if t == "cuda_ipc" and colocation_bundles(self) is not None and generation_colocated(self) and self.generation.ray_workers > 1:
+            raise ValueError(
+                "generation.refit_transport 'cuda_ipc' hands the generation workers a handle to policy rank 0's GPU memory; "
+                f"colocated with policy.dp_size={self.policy.dp_size} ranks, generation worker r runs on rank r's GPU and "
+                "cannot open it: use 'state_dict' (or generation.ray_workers: 1)"
+            )
         if self.async_grpo.enabled:
             validate_async(self)
         return self
+
+
+def generation_colocated(cfg: "MasterConfig") -> bool:
+    """Whether the Ray generation workers share the policy ranks' GPUs: each takes a fraction of a GPU
+    that leaves room for a rank's fraction (``refit_transport: nccl`` puts them on GPUs of their own)."""
+    g, p = cfg.generation, cfg.policy
+    return (
+        g.ray_workers > 0
+        and 0 < g.num_gpus_per_worker
+        and g.num_gpus_per_worker + p.num_gpus_per_worker <= 1
+        and g.refit_transport != "nccl"
+    )
+
+
+def colocation_bundles(cfg: "MasterConfig") -> list[dict[str, float]] | None:
+    """The bundles of the placement group a run needs when its policy ranks ask for a fraction of a
+    GPU each: one ``{"GPU": 1}`` bundle per GPU, rank r (and generation worker r, when colocated) in
+    bundle r - Ray alone packs fractional requests onto one GPU, and NCCL needs a GPU per rank (verl's
+    resource pools and NeMo-RL's virtual clusters do the same). None where Ray's own placement is
+    right: CPU ranks, whole GPUs, or a single rank."""
+    p, g = cfg.policy, cfg.generation
+    if not 0 < p.num_gpus_per_worker < 1 or p.dp_size < 2:
+        return None
+    gen = generation_colocated(cfg)
+    cpus = p.num_cpus_per_worker + (g.num_cpus_per_worker if gen else 0.0)
+    return [{"GPU": 1.0, "CPU": cpus} for _ in range(max(p.dp_size, g.ray_workers if gen else 0))]
 
 
 def validate_async(cfg: "MasterConfig") -> None:
@@ -283,6 +315,12 @@ def validate_async(cfg: "MasterConfig") -> None:
         raise ValueError(
             f"generation.refit_transport {cfg.generation.refit_transport!r} is not supported in async mode "
             "(async_grpo): its refits are staged while generation runs on; use 'state_dict'"
+        )
+    if colocation_bundles(cfg) is not None:
+        raise ValueError(
+            f"policy.num_gpus_per_worker {cfg.policy.num_gpus_per_worker:g} with policy.dp_size {cfg.policy.dp_size} is not "
+            "supported in async mode (async_grpo): its collector's engines are not placed beside the ranks; give each "
+            "rank a whole GPU (policy.num_gpus_per_worker: 1)"
         )
     a, n = cfg.async_grpo, cfg.grpo.num_prompts_per_step
     if a.max_buffered_groups is not None and a.max_buffered_groups < 2 * n:

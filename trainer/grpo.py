@@ -31,7 +31,7 @@ class GRPOTrainer(GRPOTrainerBase):
     name = "grpo"
 
     def build_policy(self) -> Policy:
-        return Policy(self.cfg.policy, calls=self.new_calls())
+        return Policy(self.cfg.policy, calls=self.new_calls(), placement_group=self.placement_group)
 
     def _rollout(self, batches: BatchSource) -> tuple[BatchedDataDict, dict[str, float]]:
         """Roll out until enough groups survive dynamic sampling."""

@@ -101,7 +101,7 @@ class GRPOSyncTrainer(GRPOTrainerBase):
         return self.connection.address
 
     def build_policy(self) -> TQPolicy:
-        return TQPolicy(self.cfg.policy, self.connection, calls=self.new_calls())
+        return TQPolicy(self.cfg.policy, self.connection, calls=self.new_calls(), placement_group=self.placement_group)
 
     def rollout_kwargs(self) -> dict[str, Any]:
         return {"connection": self.connection}

@@ -22,11 +22,14 @@ if TYPE_CHECKING:
     from rollout.generation.vllm_backend import VllmGenerationBackend
 
 
-def make_generation_backend(config: GenerationBackendConfig | dict[str, Any] | None = None, **hf_kwargs: Any) -> GenerationInterface:
+def make_generation_backend(
+    config: GenerationBackendConfig | dict[str, Any] | None = None, *, placement_group: Any = None, **hf_kwargs: Any
+) -> GenerationInterface:
     """Build the backend ``config`` selects.
 
     ``backend`` picks "hf" (transformers), "vllm" or "synthetic"; ``ray_workers > 0`` puts that many copies in Ray
-    actors behind a ``RayGenerationPool`` (needs ``ray.init``). ``hf_kwargs`` (``model=``,
+    actors behind a ``RayGenerationPool`` (needs ``ray.init``), in the bundles of ``placement_group`` if
+    given (one per worker, shared with the policy ranks colocated there). ``hf_kwargs`` (``model=``,
     ``tokenizer=``) go to an in-process transformers backend, e.g. to share a colocated policy's model.
     """
     if config is None:
@@ -38,7 +41,9 @@ def make_generation_backend(config: GenerationBackendConfig | dict[str, Any] | N
             raise ValueError("model=/tokenizer= cannot be shared with Ray workers (they load their own)")
         from rollout.generation.ray_worker import RayGenerationPool
 
-        return RayGenerationPool(config)
+        return RayGenerationPool(config, placement_group=placement_group)
+    if placement_group is not None:
+        raise ValueError("placement_group places Ray generation workers: it needs generation.ray_workers > 0")
     if config.backend == "vllm":
         if hf_kwargs:
             raise ValueError(f"the vLLM backend takes no {sorted(hf_kwargs)}")

@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from common.placement import in_bundle
 from common.weight_sync import is_weight_bucket
 from rollout.generation.config import GenerationBackendConfig
 from rollout.interfaces import GenerationInterface, GenerationOutput
@@ -68,12 +69,13 @@ class RayGenerationPool(GenerationInterface):
     """``GenerationInterface`` over ``num_workers`` generation actors (needs ``ray.init`` first).
 
     Each actor reserves ``config.num_cpus_per_worker`` CPUs (fractional, default 0.25, so a 2-core
-    machine can host several) and ``config.num_gpus_per_worker`` GPUs. ``generate`` splits a batch
+    machine can host several) and ``config.num_gpus_per_worker`` GPUs; with ``placement_group``, worker
+    ``j`` runs in its bundle ``j`` (modulo its bundle count), beside the policy rank of that bundle. ``generate`` splits a batch
     into contiguous chunks, one per worker; ``generate_async`` sends each single-prompt request to
     the next worker in turn.
     """
 
-    def __init__(self, config: GenerationBackendConfig, *, num_workers: int | None = None) -> None:
+    def __init__(self, config: GenerationBackendConfig, *, num_workers: int | None = None, placement_group: Any = None) -> None:
         import ray
 
         if not ray.is_initialized():
@@ -85,8 +87,12 @@ class RayGenerationPool(GenerationInterface):
         self.timeout_s = config.ray_timeout_s
         actor_cls = ray.remote(RayGenerationWorker)
         cfg = config.model_dump()
+        bundles = placement_group.bundle_count if placement_group is not None else 1
         self.workers = [
-            actor_cls.options(num_cpus=config.num_cpus_per_worker, num_gpus=config.num_gpus_per_worker).remote(cfg) for _ in range(n)
+            actor_cls.options(
+                num_cpus=config.num_cpus_per_worker, num_gpus=config.num_gpus_per_worker, **in_bundle(placement_group, j % bundles)
+            ).remote(cfg)
+            for j in range(n)
         ]
         versions = self._get([w.ready.remote() for w in self.workers], "start generation workers")
         self._version = int(versions[0])

@@ -1,15 +1,15 @@
-"""Where a DP group's ranks landed, checked before they form their process group (pure logic, no Ray).
+"""Placing actors on GPUs: a placement group's bundles, and where a DP group's ranks landed.
 
 Ray packs fractional GPU requests onto as few GPUs as it can: two ranks asking for half a GPU each
 land on the same one unless a placement group's bundles keep them apart (one ``{"GPU": 1}`` bundle a
 rank, colocated actors in the same bundles, as verl's resource pools and NeMo-RL's virtual clusters
-do). NCCL refuses two ranks of one group on one GPU ("Duplicate GPU detected"), so the group checks
-first and names the fix.
+do). NCCL refuses two ranks of one group on one GPU ("Duplicate GPU detected"), so a policy checks
+first and names the fix. The checks are pure; :func:`in_bundle` only builds Ray's actor option.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 #: Where one rank runs: (Ray node id, the GPU ids Ray assigned it on that node).
 RankPlacement = tuple[str, Sequence[str]]
@@ -34,3 +34,12 @@ def shared_gpu_error(shared: dict[tuple[str, str], list[int]], gpus_per_rank: fl
         "whole GPUs (policy.num_gpus_per_worker=1), or pass placement_group= a Ray placement group with one "
         '{"GPU": 1} bundle per rank (rank r runs in bundle r; put the actors that share its GPU in the same bundle)'
     )
+
+
+def in_bundle(placement_group: Any, index: int) -> dict[str, Any]:
+    """Ray actor options that run an actor in bundle ``index`` of ``placement_group`` (none without one)."""
+    if placement_group is None:
+        return {}
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=index)}

@@ -234,3 +234,11 @@ def test_colocated_configs_that_cannot_work_are_refused_naming_the_key():
     _recipe("grpo_gpu_vllm_1gpu.yaml", "policy.dp_size=2")  # one engine: it shares rank 0's GPU, IPC works
     with pytest.raises(ConfigError, match=r"policy.num_gpus_per_worker 0.5 with policy.dp_size 2 is not supported in async mode"):
         _recipe("grpo_gpu_vllm_async_2gpu.yaml", "policy.num_gpus_per_worker=0.5", "policy.dp_size=2")
+
+
+def test_the_local_rays_cpu_count_is_a_whole_number():
+    """``ray.init`` takes ``num_cpus`` as an int: given 16.0 (this key was a float) the raylet of a
+    2-GPU host never started - a 30 s start-up timeout naming neither the value nor the key."""
+    assert type(parse_cli(["cluster.num_cpus=16"]).cluster.num_cpus) is int
+    with pytest.raises(ConfigError, match=r"cluster.num_cpus: Input should be a valid integer"):
+        parse_cli(["cluster.num_cpus=2.5"])

@@ -190,7 +190,9 @@ class CheckpointingConfig(_Strict):
 
 class ClusterConfig(_Strict):
     ray_address: str | None = Field(None, description="Connect to a running Ray cluster; None: start one locally.")
-    num_cpus: float | None = Field(None, description="Logical CPUs of a local Ray (default: the machine's)")
+    # an int, as ray.init documents it: a float (16.0) kept a GPU host's raylet from starting (a 30 s
+    # start-up timeout naming neither the value nor the key)
+    num_cpus: int | None = Field(None, ge=1, description="Logical CPUs of a local Ray (default: the machine's)")
 
 
 class AsyncGRPOConfig(_Strict):

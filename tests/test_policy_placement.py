@@ -55,3 +55,38 @@ def test_half_gpu_ranks_in_a_bundle_each_get_a_gpu_each_and_form_their_group(ray
             assert [i["world_size"] for i in policy.worker_info] == [2, 2]
     finally:
         ray.util.remove_placement_group(pg)
+
+
+@pytest.mark.skipif(not CUDA or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_a_colocated_run_puts_a_policy_rank_and_a_generation_worker_on_each_gpu(ray_session, tmp_path):
+    """The trainer with half-GPU ranks and generation workers on 2 GPUs: its placement group has a
+    bundle per rank, the ranks are on different GPUs, each generation worker is on a rank's GPU, and a
+    step trains (on the module's 2-CPU Ray: every actor asks for a quarter of a CPU)."""
+    from trainer.config import parse_cli
+    from trainer.grpo_sync import GRPOSyncTrainer
+
+    cfg = parse_cli(
+        [
+            *("policy.dp_size=2", "policy.num_gpus_per_worker=0.5", "policy.num_cpus_per_worker=0.25"),
+            *("generation.backend=hf", "generation.device=cuda", "generation.ray_workers=2"),
+            *("generation.num_gpus_per_worker=0.5", "generation.num_cpus_per_worker=0.25"),
+            *("grpo.max_num_steps=1", "grpo.val_period=0", "checkpointing.enabled=false"),
+            *("logger.tensorboard=false", "logger.plot=false", "logger.progress=false", f"logger.log_dir={tmp_path}"),
+        ]
+    )
+    trainer = GRPOSyncTrainer(cfg)
+    try:
+        assert trainer.placement_group is not None and trainer.placement_group.bundle_count == 2
+        ranks = ray.get([w.placement.remote() for w in trainer.policy.workers])
+        assert ranks_sharing_a_gpu(ranks) == {} and all(len(g) == 1 for _, g in ranks), ranks
+        gens = ray.get(
+            trainer.rollout.__ray_call__.remote(
+                lambda actor: ray.get(
+                    [w.__ray_call__.remote(lambda _: [str(g) for g in ray.get_gpu_ids()]) for w in actor.generation.workers]
+                )
+            )
+        )
+        assert sorted(g for (g,) in gens) == sorted(g for _, (g,) in ranks), (gens, ranks)  # a worker per rank's GPU
+        assert len(trainer.fit()) == 1
+    finally:
+        trainer.shutdown()

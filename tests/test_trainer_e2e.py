@@ -58,30 +58,66 @@ def _fit(cls, cfg):
 
 
 @pytest.mark.long
-def test_legacy_and_tq_trainers_produce_the_same_metrics(tmp_path, monkeypatch):
+def test_legacy_and_tq_trainers_produce_the_same_metrics(tmp_path, monkeypatch, capsys):
     """Same config and seed: per-step reward, loss and log-prob metrics agree for 3 steps. The same
-    runs check the TQ trainer's per-step data-plane metrics, and that Ray's token-authentication
-    warning is not printed (the start-up block explains it instead)."""
+    runs check the TQ trainer's per-step data-plane metrics, its console, and that Ray's
+    token-authentication warning is not printed (the start-up block explains it instead). The TQ run
+    takes its data plane's secret from the config alone - no ``TQ_SECRET`` in any environment, so no
+    worker can inherit one: every client it starts (driver, DP workers, rollout actor) signs its
+    requests and the secret-protected service serves every step."""
     import logging
+    import os
+    import uuid
 
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)  # as on a fresh shell: Ray warns when it turns token auth on
+    monkeypatch.delenv("TQ_SECRET", raising=False)
     warned: list[str] = []
     seen = logging.Handler()
     seen.emit = lambda record: warned.append(record.getMessage())
     ray_auth_log = logging.getLogger("ray._private.authentication.authentication_token_setup")
     ray_auth_log.addHandler(seen)
+    secret = f"e2e-{uuid.uuid4().hex}"
     try:
         legacy, _ = _fit(GRPOTrainer, _cfg(tmp_path, "grpo.max_num_steps=3"))
-        tq, _ = _fit(GRPOSyncTrainer, _cfg(tmp_path, "grpo.max_num_steps=3"))
+        with TQServer(storage_units=1, capacity=128 << 20, secret=secret) as server:
+            capsys.readouterr()
+            tq, trainer = _fit(
+                GRPOSyncTrainer,
+                _cfg(
+                    tmp_path,
+                    "grpo.max_num_steps=3",
+                    f"data_plane.address={server.address}",
+                    f"data_plane.secret={secret}",
+                    "logger.progress=true",
+                ),
+            )
+            out = capsys.readouterr().out
+            with TQClient(server.address, secret=secret) as client:
+                assert client.stats()["rejected_messages"] == 0  # no client tried without the secret
+                assert all(p["keys"] == 0 for p in client.list_partitions())
     finally:
         ray_auth_log.removeHandler(seen)
     assert len(legacy) == len(tq) == 3
     assert any(h["loss"] != 0 for h in legacy)  # the runs did train
+    assert "seq_logprob_error" in tq[0]  # the workers' written columns were read back
     for step, (a, b) in enumerate(zip(legacy, tq), start=1):
         for key in COMPARED:
             if key in a or key in b:
                 assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-7), f"step {step}: {key} {a[key]} != {b[key]}"
     assert not [m for m in warned if "Token authentication is enabled" in m], warned
+    assert "TQ_SECRET" not in os.environ  # the driver's environment is left alone
+    # The console: the start-up block with the resolved config's key facts, then the step lines.
+    for fact in (
+        "grpo_sync: GRPO (synchronous, TQ path",
+        "model       tiny-random",
+        "steps       3 x 8 prompts x 8 samples",
+        "DP          2 policy worker(s)",
+        f"data plane  {server.address} (a running tq-controller)",
+        f"logs        {trainer.logger.run_dir}",
+        "ray         local: token authentication",
+    ):
+        assert fact in out, fact
+    assert "step 3/3 | reward" in out and "| elapsed 0:" in out and ", ETA 0:00" in out
     # Data plane, every step: the time in TQ calls is part of the step; the rollout's columns, the
     # workers' log-probs and the driver's advantages are written, the workers read their shards back.
     assert not any(k.startswith("dataplane/") for k in legacy[0])
@@ -123,48 +159,6 @@ def test_tq_driver_receives_per_sample_data_only_and_the_store_empties(tmp_path)
     assert runs[24] < 1.25 * runs[2]  # 12x longer responses: (almost) the same driver traffic
     legacy, _ = _fit(GRPOTrainer, _cfg(tmp_path, "grpo.max_num_steps=1", "grpo.max_new_tokens=24", "logger.data_movement_metrics=true"))
     assert max(h["driver_bytes_received"] for h in legacy) > 2 * runs[24]
-
-
-@pytest.mark.long
-def test_tq_trainer_takes_the_data_plane_secret_from_the_config_alone(tmp_path, monkeypatch, capsys):
-    """``data_plane.secret`` set in the config only - no ``TQ_SECRET`` in any environment, and Ray already
-    running (as in a notebook), so no worker can inherit one: every client the trainer starts (driver,
-    DP workers, rollout actor) signs its requests and the secret-protected service serves a step."""
-    import os
-    import uuid
-
-    monkeypatch.delenv("TQ_SECRET", raising=False)
-    secret = f"e2e-{uuid.uuid4().hex}"
-    with TQServer(storage_units=1, capacity=128 << 20, secret=secret) as server:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-        cfg = _cfg(
-            tmp_path,
-            "grpo.max_num_steps=1",
-            "grpo.num_prompts_per_step=4",
-            "policy.train_global_batch_size=32",
-            f"data_plane.address={server.address}",
-            f"data_plane.secret={secret}",
-            "logger.progress=true",
-        )
-        history, trainer = _fit(GRPOSyncTrainer, cfg)
-        # The console: the start-up block with the resolved config's key facts, then the step line.
-        out = capsys.readouterr().out
-        for fact in (
-            "grpo_sync: GRPO (synchronous, TQ path",
-            "model       tiny-random",
-            "steps       1 x 4 prompts x 8 samples",
-            "DP          2 policy worker(s)",
-            f"data plane  {server.address} (a running tq-controller)",
-            f"logs        {trainer.logger.run_dir}",
-            "ray         local: token authentication",
-        ):
-            assert fact in out, fact
-        assert "step 1/1 | reward" in out and "| elapsed 0:" in out and ", ETA 0:00" in out
-        assert len(history) == 1 and "seq_logprob_error" in history[0]  # worker-written columns were read back
-        assert "TQ_SECRET" not in os.environ  # the driver's environment is left alone
-        with TQClient(server.address, secret=secret) as client:
-            assert client.stats()["rejected_messages"] == 0  # no client tried without the secret
-            assert all(p["keys"] == 0 for p in client.list_partitions())
 
 
 # slow since tests/test_crash_resume.py resumes both trainers from a checkpoint (after a kill -9) in CI

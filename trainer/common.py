@@ -70,8 +70,9 @@ def colocation_group(cfg: MasterConfig) -> Any:
     except ray.exceptions.GetTimeoutError:
         ray.util.remove_placement_group(pg)
         raise TimeoutError(
-            f"the policy's {len(bundles)} ranks need a GPU each ({len(bundles)} bundles of {bundles[0]}), and Ray did not "
-            f"find them within policy.ray_timeout_s={cfg.policy.ray_timeout_s:g}s: the cluster has fewer free GPUs"
+            f"the run places its policy ranks (and colocated generation workers) in {len(bundles)} bundles of {bundles[0]}, "
+            f"a GPU each, and Ray did not find them within policy.ray_timeout_s={cfg.policy.ray_timeout_s:g}s: the cluster "
+            "has fewer free GPUs (or CPUs)"
         ) from None
     return pg
 

@@ -242,3 +242,19 @@ def test_the_local_rays_cpu_count_is_a_whole_number():
     assert type(parse_cli(["cluster.num_cpus=16"]).cluster.num_cpus) is int
     with pytest.raises(ConfigError, match=r"cluster.num_cpus: Input should be a valid integer"):
         parse_cli(["cluster.num_cpus=2.5"])
+
+
+def test_a_run_needing_gpus_the_cluster_lacks_fails_naming_them_and_leaves_no_placement_group(ray_session, tmp_path):
+    """Half-GPU ranks on a Ray without GPUs: the trainer's placement group is not placed within
+    ``policy.ray_timeout_s``; the error names the bundles, and the group is removed."""
+    from trainer.grpo import GRPOTrainer
+
+    cfg = parse_cli(
+        [
+            *("policy.dp_size=2", "policy.num_gpus_per_worker=0.5", "policy.ray_timeout_s=2"),
+            *("checkpointing.enabled=false", f"logger.log_dir={tmp_path}"),
+        ]
+    )
+    with pytest.raises(TimeoutError, match=r"in 2 bundles of \{'GPU': 1.0, 'CPU': 0.5\}, a GPU each.*fewer free GPUs"):
+        GRPOTrainer(cfg)
+    assert all(pg["state"] == "REMOVED" for pg in ray_session.util.placement_group_table().values())

@@ -36,6 +36,20 @@ def shared_gpu_error(shared: dict[tuple[str, str], list[int]], gpus_per_rank: fl
     )
 
 
+def bundle_count(placement_group: Any, needed: int, what: str) -> int:
+    """The bundle count of ``placement_group`` (a Ray ``PlacementGroup``), refused naming ``what`` if it
+    is something else or has fewer than ``needed`` bundles."""
+    from ray.util.placement_group import PlacementGroup
+
+    if not isinstance(placement_group, PlacementGroup):
+        raise TypeError(
+            f"{what}: placement_group must be a Ray placement group (ray.util.placement_group), got {type(placement_group).__name__}"
+        )
+    if placement_group.bundle_count < needed:
+        raise ValueError(f"{what}: placement_group has {placement_group.bundle_count} bundles for {needed}: one per rank")
+    return placement_group.bundle_count
+
+
 def in_bundle(placement_group: Any, index: int) -> dict[str, Any]:
     """Ray actor options that run an actor in bundle ``index`` of ``placement_group`` (none without one)."""
     if placement_group is None:

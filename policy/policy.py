@@ -19,7 +19,7 @@ import torch
 
 from common.batched_data_dict import BatchedDataDict
 from common.fields import TOKEN_FIELDS
-from common.placement import in_bundle, ranks_sharing_a_gpu, shared_gpu_error
+from common.placement import bundle_count, in_bundle, ranks_sharing_a_gpu, shared_gpu_error
 from tq.connection import TQConnection
 from tq.meta import KVBatchMeta
 
@@ -65,8 +65,8 @@ class _WorkerGroup:
             raise RuntimeError("call ray.init() before creating a policy")
         self.config = config if isinstance(config, PolicyConfig) else PolicyConfig(**config)
         cfg = self.config
-        if placement_group is not None and placement_group.bundle_count < cfg.dp_size:
-            raise ValueError(f"placement_group has {placement_group.bundle_count} bundles for policy.dp_size={cfg.dp_size}: one per rank")
+        if placement_group is not None:
+            bundle_count(placement_group, cfg.dp_size, f"policy.dp_size={cfg.dp_size}")
         actor_cls = ray.remote(self.worker_cls)
         options = dict(num_cpus=cfg.num_cpus_per_worker, num_gpus=cfg.num_gpus_per_worker, **self.worker_options)
         cfg_dict = cfg.model_dump()

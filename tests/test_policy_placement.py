@@ -22,11 +22,13 @@ def test_ranks_given_the_same_gpu_of_a_node_are_found():
     assert "placement_group=" in msg and '{"GPU": 1}' in msg
 
 
-def test_a_placement_group_needs_a_bundle_per_rank(ray_session):
+def test_a_placement_group_must_be_one_with_a_bundle_per_rank(ray_session):
     pg = ray.util.placement_group([{"CPU": 0.1}])
     try:
-        with pytest.raises(ValueError, match=r"placement_group has 1 bundles for policy.dp_size=2: one per rank"):
+        with pytest.raises(ValueError, match=r"policy.dp_size=2: placement_group has 1 bundles for 2: one per rank"):
             Policy(PolicyConfig(dp_size=2), placement_group=pg)
+        with pytest.raises(TypeError, match=r"placement_group must be a Ray placement group .*got str"):
+            Policy(PolicyConfig(dp_size=2), placement_group="pg")
     finally:
         ray.util.remove_placement_group(pg)
 
@@ -90,3 +92,10 @@ def test_a_colocated_run_puts_a_policy_rank_and_a_generation_worker_on_each_gpu(
         assert len(trainer.fit()) == 1
     finally:
         trainer.shutdown()
+
+
+def test_a_placement_group_only_places_ray_generation_workers():
+    from rollout.generation import make_generation_backend
+
+    with pytest.raises(ValueError, match=r"placement_group places Ray generation workers: it needs generation.ray_workers > 0"):
+        make_generation_backend({"backend": "synthetic", "ray_workers": 0}, placement_group=object())

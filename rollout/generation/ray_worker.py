@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from common.placement import in_bundle
+from common.placement import bundle_count, in_bundle
 from common.weight_sync import is_weight_bucket
 from rollout.generation.config import GenerationBackendConfig
 from rollout.interfaces import GenerationInterface, GenerationOutput
@@ -87,7 +87,7 @@ class RayGenerationPool(GenerationInterface):
         self.timeout_s = config.ray_timeout_s
         actor_cls = ray.remote(RayGenerationWorker)
         cfg = config.model_dump()
-        bundles = placement_group.bundle_count if placement_group is not None else 1
+        bundles = 1 if placement_group is None else bundle_count(placement_group, 1, "RayGenerationPool")
         self.workers = [
             actor_cls.options(
                 num_cpus=config.num_cpus_per_worker, num_gpus=config.num_gpus_per_worker, **in_bundle(placement_group, j % bundles)

@@ -228,10 +228,10 @@ def test_colocated_policy_ranks_get_a_gpu_bundle_each_shared_with_their_generati
 
 def test_colocated_configs_that_cannot_work_are_refused_naming_the_key():
     with pytest.raises(
-        ConfigError, match=r"'cuda_ipc' hands the generation workers a handle to policy rank 0's GPU memory.*use 'state_dict'"
+        ConfigError, match=r"'cuda_ipc' maps each generation worker .* generation.ray_workers \(3\) must be <= policy.dp_size \(2\)"
     ):
-        _recipe("grpo_gpu_vllm_1gpu.yaml", "policy.dp_size=2", "generation.ray_workers=2")
-    _recipe("grpo_gpu_vllm_1gpu.yaml", "policy.dp_size=2")  # one engine: it shares rank 0's GPU, IPC works
+        _recipe("grpo_gpu_vllm_1gpu.yaml", "policy.dp_size=2", "generation.ray_workers=3")
+    _recipe("grpo_gpu_vllm_1gpu.yaml", "policy.dp_size=2", "generation.ray_workers=2")  # engine j maps the buffer of rank j, beside it
     with pytest.raises(ConfigError, match=r"policy.num_gpus_per_worker 0.5 with policy.dp_size 2 is not supported in async mode"):
         _recipe("grpo_gpu_vllm_async_2gpu.yaml", "policy.num_gpus_per_worker=0.5", "policy.dp_size=2")
 

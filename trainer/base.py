@@ -207,11 +207,16 @@ class GRPOTrainerBase(ABC):
     def refit_weights(self) -> Any:
         """What a refit ships: rank 0's weights as an object reference (they skip the driver), or an
         empty mapping when the generation backend loads none (synthetic), so that benchmarks on it
-        measure data movement rather than a weight transfer the generator ignores."""
+        measure data movement rather than a weight transfer the generator ignores. A CUDA IPC refit of
+        several colocated generation workers ships one bucket per worker, each from the rank on its GPU."""
         if not self.cfg.generation.loads_weights:
             return {}
-        if self.cfg.generation.refit_transport == "cuda_ipc":  # a handle of rank 0's GPU buffer, no copy
-            return self.policy.workers[0].get_weight_ipc_bucket.remote(self.cfg.generation.dtype, self.step)
+        g = self.cfg.generation
+        if g.refit_transport == "cuda_ipc":  # a handle of a rank's GPU buffer, no copy
+            if g.ray_workers < 2:
+                return self.policy.workers[0].get_weight_ipc_bucket.remote(g.dtype, self.step)
+            # generation worker j runs beside rank j (bundle j): it maps that rank's buffer, on its own GPU
+            return [self.policy.workers[j].get_weight_ipc_bucket.remote(g.dtype, self.step) for j in range(g.ray_workers)]
         return self.policy.workers[0].get_weights.remote()
 
     def refit_generation(self) -> None:

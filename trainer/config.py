@@ -268,11 +268,11 @@ class MasterConfig(_Strict):
                 f"generation.refit_transport {t!r} needs generation.backend 'vllm' and the policy on a GPU "
                 "(policy.num_gpus_per_worker > 0); use 'state_dict'"
             )
-        if t == "cuda_ipc" and colocation_bundles(self) is not None and generation_colocated(self) and self.generation.ray_workers > 1:
+        if t == "cuda_ipc" and self.generation.ray_workers > self.policy.dp_size:
             raise ValueError(
-                "generation.refit_transport 'cuda_ipc' hands the generation workers a handle to policy rank 0's GPU memory; "
-                f"colocated with policy.dp_size={self.policy.dp_size} ranks, generation worker r runs on rank r's GPU and "
-                "cannot open it: use 'state_dict' (or generation.ray_workers: 1)"
+                f"generation.refit_transport 'cuda_ipc' maps each generation worker onto the GPU memory of the policy rank beside it: "
+                f"generation.ray_workers ({self.generation.ray_workers}) must be <= policy.dp_size ({self.policy.dp_size}); "
+                "or use 'state_dict'"
             )
         if self.async_grpo.enabled:
             validate_async(self)

@@ -151,12 +151,18 @@ class RayGenerationPool(GenerationInterface):
         except asyncio.TimeoutError:
             raise TimeoutError(f"generate_async: no answer within {self.timeout_s:.0f}s") from None
 
-    def update_weights(self, state_dict: Mapping[str, Any], weight_version: int) -> None:
+    def update_weights(self, state_dict: Mapping[str, Any] | Sequence[Any], weight_version: int) -> None:
         """Push new weights to every worker: a state dict as one object-store copy read by all of
-        them; a weight bucket as it is (small: a handle or a broadcast's layout)."""
+        them; a weight bucket as it is (small: a handle or a broadcast's layout); a list of one bucket
+        (or its object reference) per worker, worker ``j`` getting item ``j`` (a CUDA IPC refit: each
+        worker maps the buffer of the policy rank on its own GPU)."""
         import ray
 
-        if is_weight_bucket(state_dict):
+        if isinstance(state_dict, (list, tuple)):
+            if len(state_dict) != len(self.workers):
+                raise ValueError(f"update_weights got {len(state_dict)} per-worker buckets for {len(self.workers)} generation workers")
+            self._get([w.update_weights.remote(b, int(weight_version)) for w, b in zip(self.workers, state_dict)], "update_weights")
+        elif is_weight_bucket(state_dict):
             per_worker = [state_dict] * len(self.workers)
             if state_dict["transport"] == "nccl":  # each worker's ranks in the sender's group
                 tp = self.config.vllm_tensor_parallel_size

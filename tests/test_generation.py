@@ -235,6 +235,21 @@ def test_ray_pool_generates_and_refits_through_object_store(ray_session, model, 
         outs = asyncio.run(two_async())
         for i, o in enumerate(outs):
             assert torch.equal(o.response_ids[0], ref.response_ids[i]) and o.weight_version == 1
+
+        # One state per worker (as a CUDA IPC refit of colocated engines ships them: worker j gets
+        # item j, an object reference resolved where it runs). The batch's first prompt goes to
+        # worker 0, the rest to worker 1.
+        third = load_model(TINY_MODEL, tokenizer=tok, seed=2)
+        pool.update_weights([ray_session.put(m.state_dict()) for m in (new_model, third)], weight_version=2)
+        split = pool.generate(prompts, max_new_tokens=6, greedy=True)
+        assert split.weight_version == 2
+        bound = round(len(prompts) / 2)
+        for i, (p, ids, lps) in enumerate(zip(prompts, split.response_ids, split.logprobs)):
+            mine, other = (new_model, third) if i < bound else (third, new_model)
+            assert torch.allclose(lps, expected_logprobs(mine, p, ids), atol=1e-4), i
+            assert not torch.allclose(lps, expected_logprobs(other, p, ids), atol=1e-2), i
+        with pytest.raises(ValueError, match=r"update_weights got 1 per-worker buckets for 2 generation workers"):
+            pool.update_weights([new_model.state_dict()], weight_version=3)
     finally:
         pool.shutdown()
 

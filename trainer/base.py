@@ -213,7 +213,7 @@ class GRPOTrainerBase(ABC):
             return {}
         g = self.cfg.generation
         if g.refit_transport == "cuda_ipc":  # a handle of a rank's GPU buffer, no copy
-            if g.ray_workers < 2:
+            if g.ray_workers == 0:  # the engine runs inside the rollout actor
                 return self.policy.workers[0].get_weight_ipc_bucket.remote(g.dtype, self.step)
             # generation worker j runs beside rank j (bundle j): it maps that rank's buffer, on its own GPU
             return [self.policy.workers[j].get_weight_ipc_bucket.remote(g.dtype, self.step) for j in range(g.ray_workers)]

@@ -69,10 +69,10 @@ class RayGenerationPool(GenerationInterface):
     """``GenerationInterface`` over ``num_workers`` generation actors (needs ``ray.init`` first).
 
     Each actor reserves ``config.num_cpus_per_worker`` CPUs (fractional, default 0.25, so a 2-core
-    machine can host several) and ``config.num_gpus_per_worker`` GPUs; with ``placement_group``, worker
-    ``j`` runs in its bundle ``j`` (modulo its bundle count), beside the policy rank of that bundle. ``generate`` splits a batch
-    into contiguous chunks, one per worker; ``generate_async`` sends each single-prompt request to
-    the next worker in turn.
+    machine can host several) and ``config.num_gpus_per_worker`` GPUs; with ``placement_group``,
+    worker ``j`` runs in its bundle ``j`` (modulo its bundle count), beside the policy rank of that
+    bundle. ``generate`` splits a batch into contiguous chunks, one per worker; ``generate_async``
+    sends each single-prompt request to the next worker in turn.
     """
 
     def __init__(self, config: GenerationBackendConfig, *, num_workers: int | None = None, placement_group: Any = None) -> None:

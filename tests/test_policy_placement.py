@@ -89,6 +89,9 @@ def test_a_colocated_run_puts_a_policy_rank_and_a_generation_worker_on_each_gpu(
             )
         )
         assert sorted(g for (g,) in gens) == sorted(g for _, (g,) in ranks), (gens, ranks)  # a worker per rank's GPU
+        assert "2 policy worker(s), a GPU each (placement group of 2 bundles, shared with the generation workers)" in "\n".join(
+            trainer.startup_lines()
+        )
         assert len(trainer.fit()) == 1
     finally:
         trainer.shutdown()

@@ -144,13 +144,20 @@ class GRPOTrainerBase(ABC):
             f"  model       {p.model_name} ({p.dtype}, policy on {p.device}, {cfg.generation.backend} generation)",
             f"  steps       {g.max_num_steps} x {g.num_prompts_per_step} prompts x {g.num_generations_per_prompt} samples{resumed}; "
             f"optimizer batch {p.train_global_batch_size}, lr {p.learning_rate:g}",
-            f"  DP          {p.dp_size} policy worker(s)",
+            f"  DP          {p.dp_size} policy worker(s){self._placement_note()}",
             f"  data        {cfg.data.dataset} ({len(self.loader.dataset)} prompts); validation {val}",
             f"  data plane  {self.dataplane_line()}",
             f"  ray         {cfg.cluster.ray_address or 'local'}: {ray_auth_note()}",
             f"  logs        {self.logger.run_dir} (metrics.jsonl{', tensorboard/' if cfg.logger.tensorboard else ''}"
             f"{', curves.png at the end' if cfg.logger.plot else ''})",
         ]
+
+    def _placement_note(self) -> str:
+        """How the ranks were placed, when the trainer placed them (the start-up block's DP line)."""
+        if self.placement_group is None:
+            return ""
+        with_gen = generation_colocated(self.cfg)
+        return f", a GPU each (placement group of {self.placement_group.bundle_count} bundles{', shared with the generation workers' if with_gen else ''})"
 
     def algorithm_line(self) -> str:
         """What the run trains with (the start-up block's first line)."""

@@ -446,7 +446,7 @@ class DPPolicyWorker:
 
     def get_weight_ipc_bucket(self, dtype: str, version: int) -> dict[str, Any]:
         """This rank's weights cast into its GPU refit buffer, as a ``"cuda_ipc"`` weight bucket that a
-        colocated vLLM engine maps and copies from (call on rank 0)."""
+        colocated vLLM engine maps and copies from (call on the rank beside that engine, on its GPU)."""
         return self._weight_sender().cuda_ipc_bucket(self.model, DTYPES[dtype], version)
 
     def get_weight_nccl_bucket(self, dtype: str, version: int, group: Mapping[str, Any]) -> dict[str, Any]:

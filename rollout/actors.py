@@ -139,8 +139,9 @@ class SyncRolloutImpl:
         """Whether the generation engine is up (validation keeps it up across batches)."""
         return self._warm
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], weight_version: int) -> int:
-        """Refit the generation backend; returns the new weight version."""
+    def update_weights(self, state_dict: Mapping[str, Any] | Sequence[Any], weight_version: int) -> int:
+        """Refit the generation backend (a state dict, a weight bucket, or one bucket per Ray generation
+        worker - see ``RayGenerationPool.update_weights``); returns the new weight version."""
         self.generation.update_weights(state_dict, weight_version)
         return self.generation.weight_version
 

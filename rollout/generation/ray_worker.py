@@ -158,25 +158,23 @@ class RayGenerationPool(GenerationInterface):
         worker maps the buffer of the policy rank on its own GPU)."""
         import ray
 
+        n = len(self.workers)
         if isinstance(state_dict, (list, tuple)):
-            if len(state_dict) != len(self.workers):
-                raise ValueError(f"update_weights got {len(state_dict)} per-worker buckets for {len(self.workers)} generation workers")
-            self._get([w.update_weights.remote(b, int(weight_version)) for w, b in zip(self.workers, state_dict)], "update_weights")
+            if len(state_dict) != n:
+                raise ValueError(f"update_weights got {len(state_dict)} per-worker buckets for {n} generation workers")
+            per_worker = list(state_dict)
         elif is_weight_bucket(state_dict):
-            per_worker = [state_dict] * len(self.workers)
+            per_worker = [state_dict] * n
             if state_dict["transport"] == "nccl":  # each worker's ranks in the sender's group
                 tp = self.config.vllm_tensor_parallel_size
                 base = int(state_dict["group"].get("rank_offset", 1))
-                per_worker = [
-                    {**state_dict, "group": {**state_dict["group"], "rank_offset": base + i * tp}} for i in range(len(self.workers))
-                ]
+                per_worker = [{**state_dict, "group": {**state_dict["group"], "rank_offset": base + i * tp}} for i in range(n)]
+        else:  # one object-store copy, read by every worker
+            per_worker = [ray.put({k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()})] * n
+        try:
             self._get([w.update_weights.remote(b, int(weight_version)) for w, b in zip(self.workers, per_worker)], "update_weights")
-        else:
-            ref = ray.put({k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()})
-            try:
-                self._get([w.update_weights.remote(ref, int(weight_version)) for w in self.workers], "update_weights")
-            finally:
-                del ref
+        finally:
+            del per_worker  # a state dict's object-store copy goes with its last reference
         self._version = int(weight_version)
 
     @property

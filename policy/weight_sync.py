@@ -110,7 +110,7 @@ class WeightBucketSender:
 
 class StandaloneWeightSender:
     """A model and its bucket sender outside a training worker (run it as a Ray actor on its own GPU):
-    a policy rank's sending side alone, for tests and benchmarks of the NCCL refit. ``name``: a model
+    a policy rank's sending side alone, for tests and benchmarks of the NCCL and CUDA IPC refits. ``name``: a model
     name or path, or the tiny model (``seed``), loaded in float32 like a policy's master weights."""
 
     def __init__(self, name: str, seed: int = 0) -> None:
@@ -140,6 +140,10 @@ class StandaloneWeightSender:
     def broadcast(self) -> int:
         """Send the buffer (blocks until the receivers take it)."""
         return self.sender.broadcast()
+
+    def ipc_bucket(self, version: int) -> dict[str, Any]:
+        """Cast the weights into the buffer; the ``"cuda_ipc"`` bucket for an engine on this GPU."""
+        return self.sender.cuda_ipc_bucket(self.model, torch.bfloat16, version)
 
 
 def nccl_refit(pool: Any, sender: Any, group: dict[str, Any], version: int) -> dict[str, Any]:

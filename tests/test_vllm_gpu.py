@@ -319,3 +319,53 @@ def test_nccl_refit_across_gpus(tok):
         pool.shutdown()
     finally:
         ray.shutdown()
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a CUDA IPC refit per engine needs 2 GPUs")
+def test_cuda_ipc_refit_gives_each_engine_the_buffer_on_its_own_gpu(tok):
+    """The colocated refit on 2 GPUs: a placement group bundle per GPU holds a sender (a policy rank's
+    side) and a vLLM engine; ``update_weights`` with one bucket per worker maps, in each engine, the
+    buffer of the sender beside it. The two senders hold different weights, so an engine that got the
+    other GPU's bucket (or the first one, as before the per-worker list) generates the wrong tokens."""
+    import ray
+
+    from common.placement import in_bundle
+    from rollout.generation.ray_worker import RayGenerationPool
+
+    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False)
+    try:
+        pg = ray.util.placement_group([{"GPU": 1, "CPU": 1}] * 2)
+        ray.get(pg.ready(), timeout=60)
+        cfg = dict(backend="vllm", dtype="bfloat16", vllm_enforce_eager=True, vllm_gpu_memory_utilization=0.2, vllm_max_model_len=256)
+        pool = RayGenerationPool(
+            GenerationBackendConfig(**cfg, ray_timeout_s=300, ray_workers=2, num_gpus_per_worker=0.5, num_cpus_per_worker=0.25),
+            placement_group=pg,
+        )
+        senders = [
+            ray.remote(num_gpus=0.5, num_cpus=0.25)(StandaloneWeightSender).options(**in_bundle(pg, j)).remote(TINY_MODEL, seed=7 + j)
+            for j in range(2)
+        ]
+        engine_gpus = [ray.get(w.__ray_call__.remote(lambda _: ray.get_gpu_ids())) for w in pool.workers]
+        sender_gpus = [ray.get(s.__ray_call__.remote(lambda _: ray.get_gpu_ids())) for s in senders]
+        assert engine_gpus == sender_gpus and engine_gpus[0] != engine_gpus[1], (engine_gpus, sender_gpus)
+        for version, seeds in ((1, (7, 8)), (2, (9, 10))):  # new weights on both GPUs: the second refit lands too
+            if version > 1:
+                ray.get([s.reseed.remote(seed) for s, seed in zip(senders, seeds)])
+            buckets = ray.get([s.ipc_bucket.remote(version) for s in senders])
+            assert all(b["transport"] == "cuda_ipc" and "data" not in b for b in buckets)
+            pool.update_weights(buckets, weight_version=version)
+            prompts = [_encode(tok, p) for p in PROMPTS]
+            out = pool.generate(prompts * 2, max_new_tokens=6, greedy=True)  # the first 4 to engine 0, the rest to engine 1
+            assert out.weight_version == version
+            refs = [
+                [x.tolist() for x in _hf(tok, _tiny(tok, seed)).generate(prompts, max_new_tokens=6, greedy=True).response_ids]
+                for seed in seeds
+            ]
+            assert refs[0] != refs[1]  # the two GPUs' weights are told apart by their tokens
+            for j in range(2):
+                assert [x.tolist() for x in out.response_ids[4 * j : 4 * j + 4]] == refs[j], (version, j)
+        pool.shutdown()
+    finally:
+        ray.shutdown()

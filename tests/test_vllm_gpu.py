@@ -328,7 +328,7 @@ def test_cuda_ipc_refit_gives_each_engine_the_buffer_on_its_own_gpu(tok):
     """The colocated refit on 2 GPUs: a placement group bundle per GPU holds a sender (a policy rank's
     side) and a vLLM engine; ``update_weights`` with one bucket per worker maps, in each engine, the
     buffer of the sender beside it. The two senders hold different weights, so an engine that got the
-    other GPU's bucket (or the first one, as before the per-worker list) generates the wrong tokens."""
+    other GPU's bucket (or the first one, as before the per-worker list) gives the wrong log-probs."""
     import ray
 
     from common.placement import in_bundle
@@ -359,13 +359,13 @@ def test_cuda_ipc_refit_gives_each_engine_the_buffer_on_its_own_gpu(tok):
             prompts = [_encode(tok, p) for p in PROMPTS]
             out = pool.generate(prompts * 2, max_new_tokens=6, greedy=True)  # the first 4 to engine 0, the rest to engine 1
             assert out.weight_version == version
-            refs = [
-                [x.tolist() for x in _hf(tok, _tiny(tok, seed)).generate(prompts, max_new_tokens=6, greedy=True).response_ids]
-                for seed in seeds
-            ]
-            assert refs[0] != refs[1]  # the two GPUs' weights are told apart by their tokens
-            for j in range(2):
-                assert [x.tolist() for x in out.response_ids[4 * j : 4 * j + 4]] == refs[j], (version, j)
+            refs = [_hf(tok, _tiny(tok, seed)).generate(prompts, max_new_tokens=6, greedy=True) for seed in seeds]
+            # a tiny random model's greedy tokens may not tell two inits apart; its log-probs do
+            assert not all(torch.allclose(x, y, atol=0.2) for x, y in zip(refs[0].logprobs, refs[1].logprobs))
+            for j, ref in enumerate(refs):
+                assert [x.tolist() for x in out.response_ids[4 * j : 4 * j + 4]] == [x.tolist() for x in ref.response_ids], (version, j)
+                for x, y in zip(out.logprobs[4 * j : 4 * j + 4], ref.logprobs):
+                    assert torch.allclose(x, y, atol=5e-2), (version, j, x, y)
         pool.shutdown()
     finally:
         ray.shutdown()

@@ -7,6 +7,8 @@ units' shared-memory arenas) and ``tcp`` (bytes stream as ZMQ frames).
 from __future__ import annotations
 
 import multiprocessing
+
+import psutil
 import threading
 import time
 import uuid
@@ -991,3 +993,38 @@ def test_a_bad_serve_spin_setting_fails_the_start_naming_it(monkeypatch, value, 
     monkeypatch.setenv("TQ_SERVE_SPIN_US", value)
     with pytest.raises(ValueError, match=f"TQ_SERVE_SPIN_US must be {why}"):
         TQServer(storage_units=0)
+
+
+_OWNER = r"""
+import sys, time
+from tq import TQServer, TQClient
+server = TQServer(storage_units=1, capacity=16 << 20)
+with TQClient(server.address) as c:
+    units = c.stats()["units"]
+print(server.proc.pid, units[0]["pid"], units[0]["arena_path"], flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_a_service_started_in_code_stops_when_the_process_that_started_it_dies(how):
+    """A TQServer's controller and units belong to the process that started them: killed (an OOM kill,
+    a scheduler's SIGKILL, a SIGTERM that runs no ``finally``), it leaves no controller, no unit and no
+    arena behind - as Ray's actors die with their driver. (Before, they ran on, holding the arena.)"""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER], stdout=subprocess.PIPE, text=True)
+    try:
+        controller, unit, arena = owner.stdout.readline().split()
+        assert os.path.exists(arena)
+        owner.send_signal(getattr(signal, how))
+        owner.wait(10)
+        gone = lambda pid: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # noqa: E731
+        assert wait_until(lambda: gone(int(controller)) and gone(int(unit)), timeout=10), (controller, unit)
+        assert not os.path.exists(arena)
+    finally:
+        owner.kill()
+        owner.wait()

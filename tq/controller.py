@@ -62,6 +62,7 @@ from .schema import FieldSchema
 log = logging.getLogger(__name__)
 
 PIN_PRUNE_S = 5.0  # how often the pin files of clients that closed or died are let go
+PARENT_CHECK_S = 0.5  # how often a controller started with parent_pid checks that its starter lives
 RECENT_COMMITS = 1 << 12  # settled commits remembered so that a resent one is answered like the first
 
 
@@ -100,6 +101,10 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         self._snapshot_bytes = 0  # size of the journal right after its last compaction
         self._replaying = False
         self.stop_units_on_close = False
+        # set by serve() for a service started in code (TQServer): the process that started us; once
+        # it is gone we stop as on SIGTERM, as Ray's actors die with their driver
+        self.parent_pid: int | None = None
+        self._next_parent_check = 0.0
         self.partitions: dict[str, Partition] = {}
         self.units: list[dict[str, Any]] = []
         self.unit_socks: dict[int, Any] = {}
@@ -851,6 +856,8 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         flush = self._unit_flush_due()
         if flush is not None:
             times.append(flush)
+        if self.parent_pid is not None:
+            times.append(self._next_parent_check)
         return min(times, default=None)
 
     def on_applied(self, op: str, raw_args: Any, buffers: list) -> None:
@@ -873,6 +880,11 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             self._sweep_gone_files()
         self._flush_units(now)
         self._heartbeat(now)
+        if self.parent_pid is not None and now >= self._next_parent_check:
+            self._next_parent_check = now + PARENT_CHECK_S
+            if os.getppid() != self.parent_pid:  # reparented: the process that started us is gone
+                log.warning("tq.controller: process %d, which started this service, is gone: stopping", self.parent_pid)
+                self.stop()
         if self._running:  # once stopping (shutdown, SIGTERM, Ctrl-C), units that exit are not crashes
             self._reap_children()
         if self.units and self._down_units() != self._published_down:
@@ -1055,6 +1067,7 @@ def serve(
     metrics_port: int | None = None,
     stream_port: int = 0,
     unit_lost_s: float = UNIT_LOST_S,
+    parent_pid: int | None = None,
 ) -> None:
     """Run a controller and ``storage_units`` local storage-unit processes until shut down.
 
@@ -1068,12 +1081,18 @@ def serve(
 
     With ``metrics_port`` (0: a free one) the service's Prometheus metrics are served at
     ``http://<host>:<port>/metrics`` (see :mod:`tq.metrics`; the URL is in the ready file too).
+
+    With ``parent_pid`` (the process that started this one, e.g. :class:`~tq.server.TQServer`'s
+    caller) the service stops, as on SIGTERM, within ``PARENT_CHECK_S`` of that process dying by any
+    means - a SIGKILL included - so a killed program leaves no service and no arena behind.
     """
     import subprocess
 
     from .server import check_bind_allowed
 
     check_bind_allowed(bind, secret)
+    if parent_pid is not None and os.getppid() != parent_pid:  # gone already, or not our parent: nothing would stop us
+        raise SystemExit(f"tq.controller: --parent-pid {parent_pid} is not this process's parent (its parent is {os.getppid()})")
     try:
         ctrl = Controller(
             bind,
@@ -1113,6 +1132,7 @@ def serve(
         ctrl.metrics, ctrl.metrics_url = True, info["url"]
     recovered = bool(ctrl.units)
     ctrl.stop_units_on_close = journal_dir is not None  # they do not die with us: stop them on a clean exit
+    ctrl.parent_pid = parent_pid
     host = unit_host or bind.split("://", 1)[1].rsplit(":", 1)[0]
     per_unit = capacity // max(storage_units, 1)
 
@@ -1203,6 +1223,12 @@ def argument_parser() -> argparse.ArgumentParser:
         "default: $TQ_METRICS_PORT, else no metrics)",
     )
     p.add_argument("--unit-lost-s", type=argtypes.positive_seconds, default=UNIT_LOST_S, metavar="SECONDS", help=launch.UNIT_LOST_HELP)
+    p.add_argument(
+        "--parent-pid",
+        type=argtypes.count,
+        metavar="PID",
+        help="stop (as on SIGTERM) once this process, the one that started the controller, is gone (TQServer passes its own)",
+    )
     return p
 
 
@@ -1229,6 +1255,7 @@ def main(argv: list[str] | None = None) -> None:
         metrics_port=a.metrics_port,
         stream_port=a.stream_port,
         unit_lost_s=a.unit_lost_s,
+        parent_pid=a.parent_pid,
     )
 
 

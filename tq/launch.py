@@ -63,8 +63,11 @@ def controller_command(
     metrics_port: int | None = None,
     stream_port: int = 0,
     unit_lost_s: float | None = None,
+    parent_pid: int | None = None,
 ) -> list[str]:
-    """The command line of a controller process (``python -m tq.controller``) and its local units."""
+    """The command line of a controller process (``python -m tq.controller``) and its local units;
+    with ``parent_pid`` (the caller's own pid, when it starts the process itself) the service stops
+    once that process is gone."""
     cmd = [
         sys.executable,
         "-m",
@@ -94,6 +97,8 @@ def controller_command(
         cmd += ["--stream-port", str(stream_port)]
     if unit_lost_s is not None:
         cmd += ["--unit-lost-s", str(unit_lost_s)]
+    if parent_pid is not None:
+        cmd += ["--parent-pid", str(parent_pid)]
     return cmd
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
 import socket
 import subprocess
 from typing import Any
@@ -53,7 +54,9 @@ def _checked(command: list[str]) -> argparse.Namespace:
 
 
 class TQServer:
-    """A controller process and its storage units, started as a subprocess of the caller.
+    """A controller process and its storage units, started as a subprocess of the caller, and owned by
+    it: they stop with :meth:`shutdown`, and also once the caller's process is gone (killed, even by
+    SIGKILL). A service that outlives its starter is ``tq-controller start``'s.
 
     >>> with TQServer(storage_units=2) as server:
     ...     client = TQClient(server.address)
@@ -89,6 +92,7 @@ class TQServer:
             commit_lease_s=commit_lease_s,
             stream_port=stream_port,
             unit_lost_s=unit_lost_s,
+            parent_pid=os.getpid(),  # the service is this process's: it stops when this process dies, however
         )
         settings = _checked(command)
         check_bind_allowed(f"tcp://{host}:{port}", secret.encode() if secret else None)

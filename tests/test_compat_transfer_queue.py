@@ -153,6 +153,39 @@ def test_init_starts_a_service_and_close_stops_it(monkeypatch):
         tq.init({"backend": {"storage_backend": "MooncakeStore"}})
 
 
+def _kv_in_a_forked_child(results) -> None:
+    try:
+        tq.kv_put("child", "p", {"x": torch.tensor([2])})  # connects this process to the parent's service
+        got = [r.tolist() for r in tq.kv_batch_get(["parent", "child"], "p")["x"].unbind()]
+        tq.close()  # the child's connection only: the service is the parent's
+        results.put(got)
+    except Exception as exc:
+        results.put(repr(exc))
+
+
+def test_a_forked_child_connects_itself_and_its_close_leaves_the_parents_service(monkeypatch):
+    """A DataLoader worker or multiprocessing child forked after init() uses the API as its parent does:
+    at its first call it opens a connection of its own (the parent's client is refused in a fork), and
+    its close() - or exit - stops nothing of the parent's."""
+    import multiprocessing
+
+    monkeypatch.delenv("TQ_ADDRESS", raising=False)
+    tq.init({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}, "data_plane": {"capacity_bytes": 32 << 20}})
+    try:
+        server = tq._STATE.server
+        tq.kv_put("parent", "p", {"x": torch.tensor([1])})
+        ctx = multiprocessing.get_context("fork")
+        results = ctx.Queue()
+        child = ctx.Process(target=_kv_in_a_forked_child, args=(results,))
+        child.start()
+        assert results.get(timeout=60) == [[1], [2]]
+        child.join(30)
+        assert child.exitcode == 0 and server.proc.poll() is None
+        assert tq.kv_list() == {"p": {"parent": {}, "child": {}}}  # the parent's connection works on
+    finally:
+        tq.close()
+
+
 def test_attach_by_environment_with_a_secret_and_close_leaves_the_service(monkeypatch):
     with TQServer(storage_units=1, capacity=16 << 20, secret="s3cret") as server:
         monkeypatch.setenv("TQ_ADDRESS", server.address)

@@ -1410,3 +1410,62 @@ def test_a_call_in_flight_when_another_thread_closes_the_channel_ends_in_tq_conn
     t.join(5)
     assert not t.is_alive() and len(raised) == 1
     assert isinstance(raised[0], TQConnectionError) and "closed" in str(raised[0]), repr(raised[0])
+
+
+def _use_a_forked_client(server: TQServer, client: TQClient, i: int, results) -> None:
+    """In a forked child: every use of the parent's client is refused by name; closing it sends nothing;
+    the parent's server is not stopped by the child's shutdown; a client of the child's own works."""
+    from tq.errors import ForkedClientError
+
+    refused = []
+    for name, call in [
+        ("put", lambda: client.put("forked", [f"inherited{i}"], {"x": torch.full((1, 8), i)})),
+        ("get", lambda: client.get(KVBatchMeta("forked", ("parent",), ("x",)), ["x"])),
+        ("register_partition", lambda: client.register_partition("forked", reuse=True)),
+    ]:
+        try:
+            call()
+            refused.append(f"{name}: not refused")
+        except ForkedClientError as exc:
+            refused.append(str(exc))
+    client.close()  # in the child: drops its copies, tells the service nothing
+    server.shutdown()  # as an inherited `with` or atexit hook would: the parent's service runs on
+    with TQClient(server.address) as own:
+        meta = own.put("forked", [f"child{i}"], {"x": torch.full((1, 8), i)})
+        ok = bool((own.get(meta, ["x"])["x"] == i).all())
+    results.put((i, refused, ok))
+
+
+def test_a_client_used_in_a_forked_child_is_refused_and_the_parent_keeps_working():
+    """A forked child (a DataLoader worker, multiprocessing's default on Linux) shares its parent's
+    sockets, slabs and leases: used there, the parent's client would carve the parent's next block
+    (two processes writing one arena range - another key's bytes), answer the parent's replies or give
+    back its slabs. Every call of it in the child is refused naming the fix, its close in the child
+    sends nothing, the parent's TQServer is not stopped by a child's shutdown, and the parent's client
+    works on. (Before: children's puts collided on one block and the parent's next put was refused as
+    fenced.)"""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    with TQServer(storage_units=1, capacity=64 << 20) as server, TQClient(server.address) as client:
+        client.register_partition("forked")
+        parent = client.put("forked", ["parent"], {"x": torch.full((1, 8), -1)})
+        results = ctx.Queue()
+        children = [ctx.Process(target=_use_a_forked_client, args=(server, client, i, results)) for i in range(3)]
+        for p in children:
+            p.start()
+        got = sorted(results.get(timeout=60) for _ in children)
+        for p in children:
+            p.join(30)
+            assert p.exitcode == 0
+        for i, refused, ok in got:
+            assert ok, i
+            for msg in refused:
+                assert f"opened in process {os.getpid()}" in msg and "TQConnection" in msg, msg
+        assert torch.equal(client.get(parent, ["x"])["x"], torch.full((1, 8), -1))
+        after = client.put("forked", ["parent2"], {"x": torch.full((1, 8), 7)})
+        assert torch.equal(client.get(after, ["x"])["x"], torch.full((1, 8), 7))
+        meta = client.get_meta("forked")
+        assert sorted(meta.keys) == ["child0", "child1", "child2", "parent", "parent2"]
+        for i in range(3):
+            assert torch.equal(client.get(client.get_meta("forked", [f"child{i}"]), ["x"])["x"], torch.full((1, 8), i))

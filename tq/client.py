@@ -26,7 +26,7 @@ import time
 import warnings
 import weakref
 from collections import abc
-from typing import Any, Callable, Literal, Mapping, NamedTuple, Sequence, TypeVar
+from typing import Any, Callable, Literal, Mapping, NamedTuple, Sequence, TypeVar, cast
 
 import msgspec
 import numpy as np
@@ -40,6 +40,7 @@ from .columns import EncodedColumn, FieldLayout, encode_column, field_layout, te
 from .errors import (
     CapacityError,
     DuplicateKeyError,
+    ForkedClientError,
     InvalidRequestError,
     MalformedMessageError,
     StorageUnitError,
@@ -63,6 +64,7 @@ from .rpc import RpcChannel, refuses_connections, time_budget, time_left
 from .schema import DTYPES, JAGGED, OBJECT, FieldSchema
 
 ReadsArgsT = TypeVar("ReadsArgsT", bound=messages.ReadsArgs)
+_Method = TypeVar("_Method", bound=Callable[..., Any])
 
 Layout = Literal["padded", "jagged", "list"]
 _FIELD_ALIGN = 64
@@ -647,8 +649,29 @@ def _names(value: Any, what: str) -> list[str]:
     return list(value)
 
 
+def _in_opening_process(method: _Method) -> _Method:
+    """A TQClient operation, refused (:class:`~tq.errors.ForkedClientError`) in a process forked from the
+    one that opened the client: there it would share that process's sockets (answering its replies),
+    its slabs (carving the block its parent carves next: two processes writing one arena range) and
+    its leases."""
+
+    @functools.wraps(method)
+    def checked(self: "TQClient", *args: Any, **kwargs: Any) -> Any:
+        if os.getpid() != self._pid:
+            raise ForkedClientError(
+                f"this TQClient was opened in process {self._pid}; process {os.getpid()} is a fork of it and cannot use its "
+                "sockets, slabs and leases: open a client in this process (TQConnection.connect(), or TQClient(address))"
+            )
+        return method(self, *args, **kwargs)
+
+    return cast(_Method, checked)
+
+
 class TQClient:
     """A long-lived, thread-safe connection to a TQ service (controller + storage units).
+
+    A client belongs to the process that opened it: a process forked from that one (a DataLoader
+    worker, a ``multiprocessing`` child) opens its own; the inherited one refuses every call there.
 
     Args:
         address: the controller's address, e.g. ``tcp://127.0.0.1:5555``.
@@ -675,6 +698,7 @@ class TQClient:
         capacity_wait_s: float = 0.0,
         lease_s: float = DEFAULT_LEASE_S,
     ) -> None:
+        self._pid = os.getpid()  # the process this client belongs to (see _in_opening_process)
         if transport not in ("auto", "tcp"):
             raise InvalidRequestError(f"transport must be 'auto' or 'tcp', got {transport!r}")
         secret = secret if secret is not None else os.environ.get("TQ_SECRET")
@@ -876,7 +900,10 @@ class TQClient:
         return fits[next(self._rr) % len(fits)]
 
     def close(self) -> None:
-        """Give up every lease, close every connection and unmap every arena."""
+        """Give up every lease, close every connection and unmap every arena. In a process forked from
+        the one that opened the client, nothing: all of that is the opening process's."""
+        if getattr(self, "_pid", None) != os.getpid():
+            return
         if hasattr(self, "_leases"):
             self._leases.stop()
             self._slab_keeper_stop.set()
@@ -943,16 +970,19 @@ class TQClient:
             self._unsettled_blocks.difference_update(blocks)
 
     # ------------------------------------------------------------------ partitions and keys
+    @_in_opening_process
     def register_partition(self, partition_id: str, *, reuse: bool = False) -> None:
         """Create a partition; with ``reuse=True`` an existing one is cleared and reused (settled as
         :meth:`_fenced_call` says if it raised TQConnectionError)."""
         self._fenced_call(Op.CREATE_PARTITION, messages.CreatePartition(partition=partition_id, reuse=reuse, request_id=new_request_id()))
 
+    @_in_opening_process
     def clear_partition(self, partition_id: str) -> int:
         """Free every key of a partition (the partition stays registered); returns keys cleared. One
         that raised TQConnectionError is settled as :meth:`_fenced_call` says."""
         return self._fenced_call(Op.CLEAR_PARTITION, messages.ClearPartition(partition=partition_id, request_id=new_request_id())).count
 
+    @_in_opening_process
     def drop_partition(self, partition_id: str) -> None:
         """Free every key and unregister the partition (settled as :meth:`_fenced_call` says)."""
         self._fenced_call(Op.DROP_PARTITION, messages.DropPartition(partition=partition_id, request_id=new_request_id()))
@@ -987,10 +1017,12 @@ class TQClient:
             raise TQConnectionError(f"{failed}; this {op} was not applied (and never will be)") from None
         return messages.CONTROLLER_REPLIES[op].again(args, applied[0])
 
+    @_in_opening_process
     def list_partitions(self) -> list[dict[str, Any]]:
         """Each partition's key count, fields (schema, how many keys produced them) and bytes held."""
         return msgspec.to_builtins(self._call(Op.LIST_PARTITIONS, messages.ListPartitions()))
 
+    @_in_opening_process
     def register_keys(self, partition_id: str, keys: Sequence[str]) -> KVBatchMeta:
         """Register ``keys`` with no data yet; ``write_back`` on the returned meta fills their fields.
 
@@ -1000,10 +1032,12 @@ class TQClient:
         r = self._fenced_call(Op.MINT, messages.Mint(partition=partition_id, keys=keys, request_id=new_request_id()))
         return KVBatchMeta(partition_id, tuple(keys), slot_table=r.slot_table, slots=r.slots)
 
+    @_in_opening_process
     def mint_keys(self, partition_id: str, uids: Sequence[str], group_size: int) -> KVBatchMeta:
         """Register the ``"{uid}_g{i}"`` keys of ``uids`` with no data yet (:meth:`register_keys`)."""
         return self.register_keys(partition_id, mint_keys(uids, group_size))
 
+    @_in_opening_process
     def get_meta(self, partition_id: str, keys: Sequence[str] | None = None) -> KVBatchMeta:
         """A meta for the given keys (default: every key), with their tags, lengths and common fields."""
         args = messages.GetMeta(partition=partition_id, keys=_names(keys, "keys") if keys is not None else None)
@@ -1018,6 +1052,7 @@ class TQClient:
             slots=r.slots,
         )
 
+    @_in_opening_process
     def set_tags(self, meta: KVBatchMeta) -> None:
         """Store the meta's per-key tags on the controller (so :meth:`get_meta` returns them); one that
         raised TQConnectionError is settled as :meth:`_fenced_call` says."""
@@ -1028,6 +1063,7 @@ class TQClient:
             )
 
     # ------------------------------------------------------------------ writes
+    @_in_opening_process
     def put(
         self,
         partition_id: str,
@@ -1060,6 +1096,7 @@ class TQClient:
         r = self._store_and_commit(partition_id, keys, encoded, "put", meta.tags or None, lengths)
         return meta.with_slots(r.slot_table, r.slots)
 
+    @_in_opening_process
     def write_back(self, meta: KVBatchMeta, columns: Mapping[str, Any], *, overwrite: bool = False) -> KVBatchMeta:
         """Store new fields for the meta's existing keys; returns the meta with the fields added.
 
@@ -1465,6 +1502,7 @@ class TQClient:
         return _StoredPart(unit, stored.block, start, stop, stored.starts)
 
     # ------------------------------------------------------------------ reads
+    @_in_opening_process
     def wait(self, meta: KVBatchMeta, fields: Sequence[str] | None = None, timeout: float = 60.0) -> None:
         """Block until every key of ``meta`` has ``fields`` (default: ``meta.fields``) or time out."""
         timeout = seconds_value("timeout", timeout, messages.MAX_SECONDS)
@@ -1668,6 +1706,7 @@ class TQClient:
             )
         return view
 
+    @_in_opening_process
     def get(
         self,
         meta: KVBatchMeta,
@@ -2031,12 +2070,14 @@ class TQClient:
         return at, planned, jobs
 
     # ------------------------------------------------------------------ deletes and stats
+    @_in_opening_process
     def discard(self, meta: KVBatchMeta) -> int:
         """Free the meta's keys (all their fields) and unregister them; returns keys discarded. All or
         nothing; a discard that raised TQConnectionError is settled as :meth:`_fenced_call` says."""
         args = messages.Discard(partition=meta.partition_id, keys=list(meta.keys), request_id=new_request_id())
         return self._fenced_call(Op.DISCARD, self._with_reads(args)).count
 
+    @_in_opening_process
     def stats(self) -> dict[str, Any]:
         """Controller stats (partitions, op counts and latencies) plus every storage unit's."""
         reply: messages.StatsReply = self._call(Op.STATS, self._with_reads(messages.Stats()))
@@ -2044,11 +2085,13 @@ class TQClient:
             self._refresh_units()
         return service_stats(reply, self._unit_chans, self.timeout)
 
+    @_in_opening_process
     def trim(self) -> int:
         """Have every storage unit give memory back to the OS: the pages of free arena ranges, its idle
         fetch buffers and its free heap; returns the bytes released."""
         return sum(self._unit_chans[u.unit_id].call(UnitOp.TRIM, messages.Trim())[0].released_bytes for u in self._units)
 
+    @_in_opening_process
     def shutdown_service(self) -> None:
         """Stop the controller and its storage units."""
         self._call(Op.SHUTDOWN, messages.Shutdown())

@@ -93,6 +93,12 @@ class FencedCommitError(TQError):
     refused): nothing was made visible, and nothing will be - the put did not land."""
 
 
+class ForkedClientError(TQError, RuntimeError):
+    """A :class:`~tq.TQClient` was used in a process forked from the one that opened it (a DataLoader
+    worker, a ``multiprocessing`` child): its sockets, slabs and leases belong to that process. Open a
+    client in the child (``TQConnection.connect()``; a ``TQConnection`` pickles)."""
+
+
 class JournalError(TQError):
     """The controller could not journal a change (e.g. its disk is full), so it did not make the change
     and stopped: restarted on the same journal dir it recovers every change journaled before."""

@@ -78,6 +78,7 @@ class TQServer:
         stream_port: int = 0,
         unit_lost_s: float | None = None,
     ) -> None:
+        self._pid = os.getpid()  # the owner: only it stops the service (see shutdown)
         start_timeout = seconds_value("start_timeout", start_timeout, 86400.0, zero=False)
         ready_file = launch.new_ready_file("tq-ready-")
         command = launch.controller_command(
@@ -92,7 +93,7 @@ class TQServer:
             commit_lease_s=commit_lease_s,
             stream_port=stream_port,
             unit_lost_s=unit_lost_s,
-            parent_pid=os.getpid(),  # the service is this process's: it stops when this process dies, however
+            parent_pid=self._pid,  # the service is this process's: it stops when this process dies, however
         )
         settings = _checked(command)
         check_bind_allowed(f"tcp://{host}:{port}", secret.encode() if secret else None)
@@ -127,8 +128,11 @@ class TQServer:
             raise TQConnectionError(f"only {len(info.units)} of {expected} storage units registered within {timeout:.0f}s")
 
     def shutdown(self, timeout: float = 15.0) -> None:
-        """Stop the controller and its storage units (SIGTERM, then SIGKILL after ``timeout``)."""
-        launch.stop_process(self.proc, timeout)
+        """Stop the controller and its storage units (SIGTERM, then SIGKILL after ``timeout``). In a
+        process forked from the owner (its atexit hooks, a ``with`` it inherited), nothing: the service
+        is the owner's."""
+        if os.getpid() == self._pid:
+            launch.stop_process(self.proc, timeout)
 
     def __enter__(self) -> "TQServer":
         return self

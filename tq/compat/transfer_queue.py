@@ -227,10 +227,20 @@ class _State:
     settings: dict[str, Any]  # {"connection": TQConnection, "wait_timeout_s": float | None}
     server: TQServer | None = None  # started by this process's init()
     handle: Any = None  # the Ray handle actor this process created
+    pid: int = dataclasses.field(default_factory=os.getpid)  # the process connected (a fork connects anew)
 
 
 _STATE: _State | None = None
 _LOCK = threading.Lock()
+
+
+def _new_lock_in_child() -> None:
+    """A forked child's lock: one held by another thread of the parent at the fork would stay held."""
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 def _ray_if_initialized() -> Any:
@@ -274,7 +284,8 @@ def _settings_of(conf: DictConfig, address: str) -> dict[str, Any]:
 
 
 def init(conf: DictConfig | Mapping[str, Any] | None = None) -> DictConfig | None:
-    """Start or attach to a TQ service and connect this process to it (once per process).
+    """Start or attach to a TQ service and connect this process to it (once per process; a process
+    forked from a connected one connects itself to the same service at its first call).
 
     In order, the first that applies:
 
@@ -358,7 +369,7 @@ def close() -> None:
     global _STATE
     with _LOCK:
         state, _STATE = _STATE, None
-    if state is None:
+    if state is None or state.pid != os.getpid():  # a forked child's copy: the connection, service and actor are its parent's
         return
     state.client.close()
     if state.handle is not None:
@@ -376,6 +387,11 @@ def close() -> None:
 def _state() -> _State:
     global _STATE
     state = _STATE
+    if state is not None and state.pid != os.getpid():  # a forked child (a DataLoader worker): connect it, once
+        with _LOCK:
+            if _STATE is state:
+                _STATE = _State(_connect(state.settings), state.settings)
+            state = _STATE
     if state is None:
         with _LOCK:
             if _STATE is None:

@@ -53,3 +53,23 @@ def test_connect_signs_with_the_value_s_secret_only(monkeypatch):
         monkeypatch.setenv("TQ_SECRET", "s3cret")
         with pytest.raises((AuthenticationError, TQConnectionError)):
             bare.connect().close()
+
+
+def test_a_client_handed_to_a_ray_task_is_refused_naming_the_connection_to_pass(ray_session):
+    """A client is one process's connection; passed to another process (a Ray task's argument, a
+    pickle) it is refused with the fix - the TQConnection - instead of a weakref deep inside it."""
+    ray = ray_session
+    with TQServer(storage_units=1, capacity=16 << 20) as server:
+        conn = TQConnection(server.address)
+        with conn.connect() as client:
+            with pytest.raises(TypeError, match=r"TQClient .* does not pickle: pass a tq.TQConnection"):
+                pickle.dumps(client)
+            with pytest.raises(TypeError, match=r"does not pickle: pass a tq.TQConnection"):
+                ray.get(ray.remote(num_cpus=0.1)(lambda c: c).remote(client), timeout=60)
+
+        @ray.remote(num_cpus=0.1)
+        def partitions(c: TQConnection) -> list:
+            with c.connect() as own:
+                return own.list_partitions()
+
+        assert ray.get(partitions.remote(conn), timeout=60) == []  # what to pass instead

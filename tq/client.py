@@ -926,6 +926,13 @@ class TQClient:
             view.close()
         self._tables.clear()
 
+    def __reduce__(self) -> Any:
+        # what Ray does with an actor's or task's arguments: name the fix, not a weakref deep inside
+        raise TypeError(
+            "a TQClient is one process's connection (sockets, mapped arenas, leases) and does not pickle: pass a "
+            "tq.TQConnection (it pickles, secret included) and open a client where it is used with .connect()"
+        )
+
     def __enter__(self) -> "TQClient":
         return self
 

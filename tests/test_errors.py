@@ -1412,7 +1412,7 @@ def test_a_call_in_flight_when_another_thread_closes_the_channel_ends_in_tq_conn
     assert isinstance(raised[0], TQConnectionError) and "closed" in str(raised[0]), repr(raised[0])
 
 
-def _use_a_forked_client(server: TQServer, client: TQClient, i: int, results) -> None:
+def _use_a_forked_client(server: TQServer, client: TQClient, borrowed, i: int, results) -> None:
     """In a forked child: every use of the parent's client is refused by name; closing it sends nothing;
     the parent's server is not stopped by the child's shutdown; a client of the child's own works."""
     from tq.errors import ForkedClientError
@@ -1428,6 +1428,7 @@ def _use_a_forked_client(server: TQServer, client: TQClient, i: int, results) ->
             refused.append(f"{name}: not refused")
         except ForkedClientError as exc:
             refused.append(str(exc))
+    borrowed.release()  # the parent's views' lease (or pin) is the parent's to give up
     client.close()  # in the child: drops its copies, tells the service nothing
     server.shutdown()  # as an inherited `with` or atexit hook would: the parent's service runs on
     with TQClient(server.address) as own:
@@ -1440,8 +1441,8 @@ def test_a_client_used_in_a_forked_child_is_refused_and_the_parent_keeps_working
     """A forked child (a DataLoader worker, multiprocessing's default on Linux) shares its parent's
     sockets, slabs and leases: used there, the parent's client would carve the parent's next block
     (two processes writing one arena range - another key's bytes), answer the parent's replies or give
-    back its slabs. Every call of it in the child is refused naming the fix, its close in the child
-    sends nothing, the parent's TQServer is not stopped by a child's shutdown, and the parent's client
+    back its slabs. Every call of it in the child is refused naming the fix, its close and a borrowed
+    result's release in the child send nothing, the parent's TQServer is not stopped by a child's shutdown, and the parent's client
     works on. (Before: children's puts collided on one block and the parent's next put was refused as
     fenced.)"""
     import multiprocessing
@@ -1450,8 +1451,9 @@ def test_a_client_used_in_a_forked_child_is_refused_and_the_parent_keeps_working
     with TQServer(storage_units=1, capacity=64 << 20) as server, TQClient(server.address) as client:
         client.register_partition("forked")
         parent = client.put("forked", ["parent"], {"x": torch.full((1, 8), -1)})
+        borrowed = client.get(parent, ["x"], copy=False)
         results = ctx.Queue()
-        children = [ctx.Process(target=_use_a_forked_client, args=(server, client, i, results)) for i in range(3)]
+        children = [ctx.Process(target=_use_a_forked_client, args=(server, client, borrowed, i, results)) for i in range(3)]
         for p in children:
             p.start()
         got = sorted(results.get(timeout=60) for _ in children)
@@ -1469,3 +1471,8 @@ def test_a_client_used_in_a_forked_child_is_refused_and_the_parent_keeps_working
         assert sorted(meta.keys) == ["child0", "child1", "child2", "parent", "parent2"]
         for i in range(3):
             assert torch.equal(client.get(client.get_meta("forked", [f"child{i}"]), ["x"])["x"], torch.full((1, 8), i))
+        client.discard(parent)  # its rows wait for the parent's lease, which no child gave up
+        assert client.stats()["rows_waiting_for_leases"] == 1
+        assert torch.equal(borrowed["x"], torch.full((1, 8), -1))
+        borrowed.release()
+        assert wait_until(lambda: client.stats()["rows_waiting_for_leases"] == 0, timeout=10)

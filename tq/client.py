@@ -519,6 +519,9 @@ class _LeaseKeeper:
             self._thread.start()
 
     def release_now(self, lease: int) -> None:
+        client = self._client()
+        if client is not None and client._pid != os.getpid():  # a forked child's copy of the views: the lease
+            return  # and its pin are the parent's, whose views still read the bytes
         with self._lock:
             if self._views.pop(lease, None) is None:
                 return
@@ -526,7 +529,6 @@ class _LeaseKeeper:
         if pin is not None:
             pin[0].release(pin[1], lease)
             return
-        client = self._client()
         if client is None:
             return
         try:

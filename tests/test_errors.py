@@ -1476,3 +1476,94 @@ def test_a_client_used_in_a_forked_child_is_refused_and_the_parent_keeps_working
         assert torch.equal(borrowed["x"], torch.full((1, 8), -1))
         borrowed.release()
         assert wait_until(lambda: client.stats()["rows_waiting_for_leases"] == 0, timeout=10)
+
+
+def test_a_budget_block_interrupted_before_its_body_leaves_no_deadline_behind():
+    """A Ctrl-C (or a signal handler's exception) landing between a ``with time_budget`` entering and
+    its body: Python runs no ``__exit__``. The block's deadline must not outlive the call - before,
+    the abandoned block restored its enclosing call's deadline when it was collected, and every later
+    call of the thread failed with "no time left" (a client dead after one Ctrl-C)."""
+    from tq.rpc import time_budget, time_left
+
+    def call() -> None:
+        with time_budget(0.05):  # a client call's budget (a put's)
+            inner = time_budget(0.05)  # its commit's, held by this frame as a `with` holds it,
+            inner.__enter__()  # interrupted before its body
+            raise KeyboardInterrupt
+
+    for keep in (False, True):  # the exception dropped, or kept alive as a REPL keeps sys.last_value
+        try:
+            call()
+        except KeyboardInterrupt as exc:
+            kept = exc if keep else None
+        time.sleep(0.1)  # past both deadlines
+        assert time_left() is None, keep
+        with time_budget(5.0):
+            assert 4.0 < time_left() <= 5.0, keep
+    del kept
+
+
+def test_a_client_interrupted_inside_a_put_keeps_working_past_the_puts_timeout(monkeypatch):
+    """The same through a real client: a put interrupted just after its commit's budget block entered
+    (its 3rd: put, commit, the channel's call); past the put's timeout the client still puts and gets."""
+    from tq.rpc import time_budget
+
+    enter, entered = time_budget.__enter__, []
+
+    def interrupted_once(self):
+        enter(self)
+        entered.append(self)
+        if len(entered) == 3:
+            raise KeyboardInterrupt
+
+    with TQServer(storage_units=1, capacity=16 << 20) as server, TQClient(server.address, timeout=0.5) as client:
+        client.register_partition("ctrl-c")
+        monkeypatch.setattr(time_budget, "__enter__", interrupted_once)
+        with pytest.raises(KeyboardInterrupt):
+            client.put("ctrl-c", ["a"], {"x": torch.arange(4)[None]})
+        monkeypatch.setattr(time_budget, "__enter__", enter)
+        time.sleep(0.7)  # past the interrupted put's deadline
+        meta = client.put("ctrl-c", ["b"], {"x": torch.arange(4)[None]})
+        assert torch.equal(client.get(meta, ["x"])["x"], torch.arange(4)[None])
+
+
+@pytest.mark.parametrize("cut", ["reply", "request"])
+def test_a_message_cut_short_by_a_ctrl_c_leaves_the_client_in_step(monkeypatch, cut):
+    """A Ctrl-C landing while a reply is half read (or a request half written) on a stream connection:
+    the next call must not start reading mid-message (before: every later call of the client failed
+    with "stream message declares 3457797581 frames"); the stream is dropped and the next call
+    connects again."""
+    from tq import stream_transport
+
+    if not stream_transport.supported():
+        pytest.skip("no stream connections here")
+    real_receive, real_write, armed = stream_transport._receive, stream_transport._write, [True]
+
+    def receive_cut(sock, reader, chunk):
+        if armed:
+            sock.recv(3)  # 3 bytes of the reply taken off the socket, never parsed (BlockingIOError: none yet)
+            armed.clear()
+            raise KeyboardInterrupt
+        return real_receive(sock, reader, chunk)
+
+    def write_cut(sock, views):
+        if armed:
+            armed.clear()
+            sock.send(bytes(views[0])[:3])  # 3 bytes of the request out, the rest never
+            raise KeyboardInterrupt
+        return real_write(sock, views)
+
+    with TQServer(storage_units=1, capacity=16 << 20) as server, TQClient(server.address, timeout=5.0) as client:
+        client.register_partition("cut")
+        meta = client.put("cut", ["a"], {"x": torch.arange(4)[None]})
+        if cut == "reply":
+            monkeypatch.setattr(stream_transport, "_receive", receive_cut)
+        else:
+            monkeypatch.setattr(stream_transport, "_write", write_cut)
+        with pytest.raises(KeyboardInterrupt):
+            client.get_meta("cut")
+        assert not armed  # the cut did land on the stream
+        for _ in range(3):
+            assert client.get_meta("cut").keys == ("a",)
+            assert torch.equal(client.get(meta, ["x"])["x"], torch.arange(4)[None])
+        client.put("cut", ["b"], {"x": torch.arange(4)[None]})

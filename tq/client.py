@@ -1253,8 +1253,9 @@ class TQClient:
     def _put_here(self, unit: int, encoded: dict[str, EncodedColumn], n: int, need: int) -> _StoredPart:
         """Write all rows into a block carved out of this client's slab on ``unit`` (a unit of this
         host): no request to the unit, so the put's commit is its only round trip."""
-        aid, base, bid, slab = self._carve(unit, need)
+        carved = None  # assigned inside the try: a Ctrl-C landing right after the carve still ends the writing
         try:
+            aid, base, bid, slab = carved = self._carve(unit, need)
             arena = self._arena(unit)
             if need >= PREFAULT_MIN_BYTES:
                 arena.prefault(base, need)
@@ -1265,7 +1266,8 @@ class TQClient:
                 starts[name] = pos
                 pos = align_up(pos + nb, _FIELD_ALIGN)
         finally:
-            self._done_writing(unit, aid, slab)
+            if carved is not None:
+                self._done_writing(unit, carved[0], carved[3])
         return _StoredPart(unit, bid, 0, n, starts, (aid, base, need))
 
     def _done_writing(self, unit: int, aid: int, slab: _Slab | None) -> None:

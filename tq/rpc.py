@@ -35,6 +35,7 @@ import logging
 import secrets
 import signal
 import socket
+import sys
 import threading
 import time
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -68,27 +69,61 @@ def _handshake_monitor(sock: zmq.Socket) -> zmq.Socket:
 
 
 # ----------------------------------------------------------------------------- time budgets
-_budget = threading.local()
+_budget = threading.local()  # .stack: this thread's running budget blocks, [(deadline, frame of the `with`)], innermost last
 
 
-@contextlib.contextmanager
-def time_budget(seconds: float) -> Iterator[None]:
+class time_budget:
     """Every request this thread sends inside the block shares one deadline, ``seconds`` from now (or
     an enclosing block's, if sooner): a client call made of several requests (a put's store, commit
-    and abort probe) then takes at most its timeout in all, not a timeout per request."""
-    outer = getattr(_budget, "deadline", None)
-    mine = time.monotonic() + seconds
-    _budget.deadline = mine if outer is None else min(outer, mine)
-    try:
-        yield
-    finally:
-        _budget.deadline = outer
+    and abort probe) then takes at most its timeout in all, not a timeout per request.
+
+    A block interrupted between entering and its body (a Ctrl-C, a signal handler's exception: Python
+    does not run ``__exit__`` then) would leave its deadline in force for every later call of the
+    thread - a client answering "no time left" forever after one Ctrl-C. So a block is identified by
+    the frame running its ``with``, and one whose frame no longer runs is dropped (:func:`_running`)."""
+
+    __slots__ = ("seconds", "_entry")
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._entry: tuple[float, Any] | None = None
+
+    def __enter__(self) -> None:
+        stack = _running(sys._getframe(1))
+        mine = time.monotonic() + self.seconds
+        self._entry = (mine if not stack else min(stack[-1][0], mine), sys._getframe(1))
+        stack.append(self._entry)
+
+    def __exit__(self, *exc: Any) -> None:
+        stack, entry, self._entry = getattr(_budget, "stack", []), self._entry, None
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i] is entry:  # it and any interrupted block above it
+                del stack[i:]
+                return
+
+
+def _running(frame: Any) -> list[tuple[float, Any]]:
+    """This thread's budget stack, less the blocks on top whose frames are not among ``frame`` and
+    its callers (interrupted blocks: see :class:`time_budget`). A running block's frame is found a
+    few frames up; an interrupted one is dropped before any block is entered above it, so it is only
+    ever on top."""
+    stack: list[tuple[float, Any]] | None = getattr(_budget, "stack", None)
+    if stack is None:
+        stack = _budget.stack = []
+    while stack:
+        top, f = stack[-1][1], frame
+        while f is not None and f is not top:
+            f = f.f_back
+        if f is not None:
+            break
+        stack.pop()
+    return stack
 
 
 def time_left() -> float | None:
-    """Seconds left of this thread's current :func:`time_budget` (None outside one)."""
-    deadline = getattr(_budget, "deadline", None)
-    return None if deadline is None else deadline - time.monotonic()
+    """Seconds left of this thread's current :class:`time_budget` (None outside one)."""
+    stack = _running(sys._getframe(1))
+    return stack[-1][0] - time.monotonic() if stack else None
 
 
 def _bounded(timeout: float, op: str, peer: str) -> float:
@@ -886,6 +921,9 @@ class RpcChannel:
                 # short is dropped unread), so it goes over ZMQ, which waits for a server
                 self._refuse_stream(stream.address, timed_out=False)
                 log.debug("%s: stream connection lost (%s); using %s", self.name, exc, self.address)
+            except BaseException:  # a Ctrl-C (a signal handler's exception) may have cut the request short:
+                self._drop_stream(stream)  # the server drops it unread; the next request connects again
+                raise
         sock = self._socket()
         frames = protocol.request(op, rid, args, buffers, self.secret, self._local.sender)
         copy = not _zero_copy(frames)
@@ -1028,8 +1066,10 @@ class RpcChannel:
                 tcp = stream.address.startswith("tcp://")
                 try:
                     frames = self._recv_stream(stream, op, left, check, resend)
-                except BaseException:  # the check gave up on the reply (e.g. the unit is down), or it is stuck
-                    if tcp:
+                except BaseException as exc:  # the check gave up on the reply (e.g. the unit is down), or it is
+                    # stuck - or a Ctrl-C (a signal handler's exception) cut a reply short: the stream is out of
+                    # step for good (every later read would start mid-message), so it is dropped
+                    if tcp or not isinstance(exc, (TQError, _RequestStuck)):
                         self._drop_stream(stream)
                     raise
                 if frames is None and tcp:

@@ -191,6 +191,8 @@ def validate_record(row: Any, idx: int, config: DataProcessorConfig) -> None:
             raise DatasetError(
                 f"row {idx}: field {config.prompt_key!r} (prompt) must be a string, got {type(row[config.prompt_key]).__name__}"
             )
+        if not row[config.prompt_key].strip():
+            raise DatasetError(f"row {idx}: field {config.prompt_key!r} (prompt) is empty")
     if config.ground_truth_key is not None:
         _check_scalar(row, config.ground_truth_key, idx, "ground truth")
     for key in config.extra_env_keys:

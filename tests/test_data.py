@@ -142,6 +142,7 @@ def test_overlong_prompt_is_truncated_and_masked(tok):
             "row 2: field 'prompt' .* must be a string, got int",
         ),
         ([{"ground_truth": "1"}], {}, "row 0: field 'prompt' .* is missing"),
+        ([{"prompt": "a", "ground_truth": "1"}, {"prompt": " \n", "ground_truth": "1"}], {}, "row 1: field 'prompt' .* is empty"),
         ([{"prompt": "a", "ground_truth": ["1"]}], {}, "row 0: field 'ground_truth' .* must be a string or number, got list"),
         (
             [{"problem": "a", "ground_truth": "1"}, {"ground_truth": "1"}],

@@ -35,3 +35,15 @@ def test_missing_dataset_is_reported_before_anything_starts():
     assert r.returncode == 2, r.stderr
     assert "data.dataset: no such file or directory: '/nonexistent/prompts.jsonl'" in r.stderr
     assert "Traceback" not in r.stderr and "ray" not in (r.stdout + r.stderr).lower()
+
+
+def test_a_malformed_dataset_is_one_line_naming_the_key_row_and_field_before_ray_starts(tmp_path):
+    """A user's JSONL with a row lacking its prompt: named (key, file, row, field) before Ray starts,
+    as a bad setting is - it used to come as a traceback after Ray had started."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1=", "ground_truth": "2"}\n{"question": "2+2=", "ground_truth": "4"}\n')
+    r = _trainer(f"data.dataset={data}", "env.name=math", "data.processor.task_name=math", f"logger.log_dir={tmp_path}")
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2, r.stderr
+    assert lines == [f"error: data.dataset={data}: row 1: field 'prompt' (prompt) is missing"], lines
+    assert "ray" not in r.stdout.lower()

@@ -1,5 +1,7 @@
 """The trainers' configuration: shipped recipes load, overrides apply, bad keys and values are named."""
 
+import re
+
 import pytest
 
 from trainer.config import CONFIG_DIR, ConfigError, load_config, parse_cli
@@ -36,10 +38,11 @@ def test_dotted_overrides_parse_as_yaml_values():
         ("policy.model_name=other", "generation.model_name"),
         ("nosection.x=1", "nosection"),
         ("grpo.num_generations_per_prompt=3", "policy.train_global_batch_size"),
+        ("env.name=math", "data.processor.task_name ('builtin_add') names no environment of this run: env.name is 'math'"),
     ],
 )
 def test_unknown_keys_and_bad_values_are_named(override, named):
-    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=re.escape(named)):
         parse_cli([override])
 
 

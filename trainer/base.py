@@ -24,6 +24,7 @@ import yaml
 from policy.loss import ClippedPGLossFn
 from policy.traffic import ActorCalls, DriverTraffic
 from rollout.actors import SyncRolloutActor
+from rollout.data import DatasetError
 from tq.errors import TQError
 
 from .checkpoint import latest_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
@@ -72,11 +73,12 @@ class GRPOTrainerBase(ABC):
         # One driver per checkpoint dir: refuses to start beside a live one, and reaps what a killed
         # predecessor left running (its Ray processes) before starting Ray again.
         self.driver_record = DriverRecord.claim(ck.checkpoint_dir) if ck.enabled else None
+        # the prompts before Ray: a malformed dataset is named before anything starts
+        train_ds, self.val_dataset = build_datasets(cfg)
+        self.loader = build_dataloader(cfg, train_ds)
         init_ray(cfg)
         if self.driver_record is not None:
             self.driver_record.note_processes()
-        train_ds, self.val_dataset = build_datasets(cfg)
-        self.loader = build_dataloader(cfg, train_ds)
         self.loss_fn = ClippedPGLossFn(cfg.loss)
         # The driver's own actor calls (the policy sends its worker calls and TQ reads/writes apart);
         # measured only with logger.data_movement_metrics (counting re-pickles every payload).
@@ -505,11 +507,12 @@ def run(trainer_cls: type[GRPOTrainerBase], argv: Sequence[str] | None = None, *
         kept = "; the last checkpoint stays loadable" if cfg.checkpointing.enabled else ""
         print(f"interrupted: stopping workers{kept}", file=sys.stderr)
         return 130
-    except (TQError, FileNotFoundError, TimeoutError, ConnectionError, RuntimeError, NotImplementedError) as exc:
+    except (DatasetError, TQError, FileNotFoundError, TimeoutError, ConnectionError, RuntimeError, NotImplementedError) as exc:
         if os.environ.get("TQ_DEBUG"):  # the traceback, for a bug report
             raise
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        # raised in an actor, it comes wrapped with the actor's traceback: the error itself is the line
+        print(f"error: {getattr(exc, 'cause', None) or exc}", file=sys.stderr)
+        return 2 if isinstance(exc, DatasetError) else 1  # the user's data: like a bad setting
     finally:
         if trainer is not None:
             trainer.shutdown()

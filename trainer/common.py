@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import torch
 
 from common.models import load_tokenizer
-from rollout.data import PromptDataset, StatefulDataLoader
+from rollout.data import DatasetError, PromptDataset, StatefulDataLoader
 from rollout.environments import builtin_task_dataset, make_environment
 
 from . import algorithms as A
@@ -102,14 +102,29 @@ def build_datasets(cfg: MasterConfig) -> tuple[PromptDataset, PromptDataset | No
         return train, val
     # Missing files: trainer.config.check_local_paths names the key before anything starts; from_path
     # raises FileNotFoundError naming the path for callers that skip it.
-    train = PromptDataset.from_path(cfg.data.dataset, tok, cfg.data.processor, split=cfg.data.split)
+    train = _prompts(cfg, "data.dataset", cfg.data.dataset, tok, split=cfg.data.split)
     val = None
     if cfg.grpo.val_period and cfg.data.val_dataset:
-        val = PromptDataset.from_path(cfg.data.val_dataset, tok, cfg.data.processor)
+        val = _prompts(cfg, "data.val_dataset", cfg.data.val_dataset, tok)
     return train, val
 
 
+def _prompts(cfg: MasterConfig, key: str, path: str, tok: Any, split: str | None = None) -> PromptDataset:
+    """The dataset at ``path`` (config ``key``); its DatasetError names the key and the file."""
+    try:
+        return PromptDataset.from_path(path, tok, cfg.data.processor, split=split)
+    except DatasetError as exc:
+        raise DatasetError(f"{key}: {exc}" if str(exc).startswith(path) else f"{key}={path}: {exc}") from None
+
+
 def build_dataloader(cfg: MasterConfig, dataset: PromptDataset) -> StatefulDataLoader:
+    """The training prompts in batches of ``grpo.num_prompts_per_step``; DatasetError naming both when
+    the dataset holds fewer prompts than one batch."""
+    if len(dataset) < cfg.grpo.num_prompts_per_step:
+        raise DatasetError(
+            f"data.dataset={cfg.data.dataset}: {len(dataset)} prompts, fewer than one step's grpo.num_prompts_per_step "
+            f"({cfg.grpo.num_prompts_per_step})"
+        )
     return StatefulDataLoader(dataset, cfg.grpo.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=cfg.grpo.seed)
 
 

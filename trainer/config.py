@@ -274,6 +274,12 @@ class MasterConfig(_Strict):
                 f"generation.ray_workers ({self.generation.ray_workers}) must be <= policy.dp_size ({self.policy.dp_size}); "
                 "or use 'state_dict'"
             )
+        task = self.data.processor.task_name
+        if task is not None and task != self.env.name:  # every record would be refused at the first rollout
+            raise ValueError(
+                f"data.processor.task_name ({task!r}) names no environment of this run: env.name is {self.env.name!r} "
+                f"(set data.processor.task_name={self.env.name}, or null to take each row's task_name)"
+            )
         if self.async_grpo.enabled:
             validate_async(self)
         return self

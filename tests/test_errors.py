@@ -1567,3 +1567,21 @@ def test_a_message_cut_short_by_a_ctrl_c_leaves_the_client_in_step(monkeypatch, 
             assert client.get_meta("cut").keys == ("a",)
             assert torch.equal(client.get(meta, ["x"])["x"], torch.arange(4)[None])
         client.put("cut", ["b"], {"x": torch.arange(4)[None]})
+
+
+def test_text_that_is_not_utf8_is_refused_naming_it_and_nothing_lands(tq_server):
+    """A key or partition id holding a lone surrogate (what os.fsdecode makes of a bad file name)
+    cannot cross the wire: InvalidRequestError naming the text, not msgpack's UnicodeEncodeError; the
+    put lands nothing and the client works on."""
+    from tq.errors import InvalidRequestError
+
+    with TQClient(tq_server.address, timeout=10.0) as client:
+        part = f"utf8-{uuid.uuid4().hex[:8]}"
+        client.register_partition(part)
+        with pytest.raises(InvalidRequestError, match=r"'commit' holds text that is not valid UTF-8 \(surrogates not allowed: '\\ud800'\)"):
+            client.put(part, ["ok", "bad\ud800"], {"x": torch.zeros(2, 2)})
+        with pytest.raises(InvalidRequestError, match="not valid UTF-8"):
+            client.register_partition("p\udcff")
+        assert client.get_meta(part).keys == ()
+        assert client.put(part, ["ok"], {"x": torch.zeros(1, 2)}).keys == ("ok",)
+        client.drop_partition(part)

@@ -50,6 +50,7 @@ import numpy as np
 from .errors import (
     ERROR_TYPES,
     AuthenticationError,
+    InvalidRequestError,
     MalformedMessageError,
     MessageTooLargeError,
     ProtocolVersionError,
@@ -439,12 +440,19 @@ def request(op: str, rid: int, args: Any, buffers: Sequence[Any], secret: bytes 
     header = {"op": op, "rid": rid, "args": args}
     if secret:
         (sender or _thread_sender()).stamp(header)
-    frames = encode(header, buffers, secret)
+    name = getattr(op, "value", op)  # an op enum: its wire name
+    try:
+        frames = encode(header, buffers, secret)
+    except UnicodeEncodeError as exc:  # a lone surrogate (e.g. from os.fsdecode): msgpack's error names nothing of ours
+        raise InvalidRequestError(
+            f"request {name!r} holds text that is not valid UTF-8 ({exc.reason}: {exc.object[exc.start : exc.end]!r}): "
+            "keys, partition ids and field names must be encodable text"
+        ) from None
     for f in frames:  # a server would drop the connection without a word: say it here
         n = memoryview(f).nbytes
         if n > MAX_FRAME_BYTES:
             raise MessageTooLargeError(
-                f"request {op!r} has a frame of {n} bytes, over the {MAX_FRAME_BYTES}-byte frame limit: split the batch"
+                f"request {name!r} has a frame of {n} bytes, over the {MAX_FRAME_BYTES}-byte frame limit: split the batch"
             )
     return frames
 

@@ -641,3 +641,54 @@ def test_a_lease_whose_grant_never_reached_its_reader_is_given_up_before_its_ter
             assert st["leases"] == 0 and time.monotonic() - resumed < 4.0, st["leases"]
     finally:
         server.shutdown()
+
+
+def test_a_release_cut_short_by_a_ctrl_c_lets_the_rows_go_with_the_views(client, partition, monkeypatch):
+    """A Ctrl-C landing inside an explicit ``release()`` of a borrowed result: the lease must still go
+    with its views. (Before, the keeper forgot the lease before giving its pin up: cut short there, the
+    pin of this live process held the rows for as long as it ran.)"""
+    from tq.pins import PinFile
+
+    meta = client.put(partition, unique_keys(2), {"x": torch.arange(8).reshape(2, 4)})
+    client.get(meta, ["x"], copy=False).release()  # the first one locates (and learns the table); the next pins
+    got = client.get(meta, ["x"], copy=False)
+    if not got.viewed or not client._leases._slots:
+        pytest.skip("no pinned views here (the controller reads no pin files)")
+    real = PinFile.release
+
+    def cut(self, slot, lease):  # the interrupt, at the call's first line
+        monkeypatch.setattr(PinFile, "release", real)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(PinFile, "release", cut)
+    with pytest.raises(KeyboardInterrupt):
+        got.release()
+    client.discard(meta)
+    assert _settled(client, 1.0)["rows_waiting_for_leases"] > 0  # still pinned: the views live
+    del got
+    gc.collect()
+    assert _stats_until(client, lambda st: not st["rows_waiting_for_leases"], 15.0)["rows_waiting_for_leases"] == 0
+
+
+@pytest.mark.parametrize("how", ["pin", "locate"])
+def test_a_borrowed_get_cut_short_before_it_returns_gives_its_lease_up(client, partition, monkeypatch, how):
+    """A Ctrl-C landing after a borrowed get took its lease (a pin, or a locate's lease) but before
+    the keeper tracked it: the get gives the lease up, so the rows go at their discard. (Before, the
+    lease of this live process held them for as long as it ran.)"""
+    from tq.client import _LeaseKeeper
+
+    meta = client.put(partition, unique_keys(2), {"x": torch.arange(8).reshape(2, 4)})
+    if how == "pin":
+        client.get(meta, ["x"], copy=False).release()  # the first one locates (and learns the table); the next pins
+    real = _LeaseKeeper.hold
+
+    def cut(self, *args):
+        monkeypatch.setattr(_LeaseKeeper, "hold", real)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_LeaseKeeper, "hold", cut)
+    with pytest.raises(KeyboardInterrupt):
+        client.get(meta, ["x"], copy=False)
+    gc.collect()
+    client.discard(meta)
+    assert _stats_until(client, lambda st: not st["rows_waiting_for_leases"], 15.0)["rows_waiting_for_leases"] == 0

@@ -502,6 +502,17 @@ class _LeaseKeeper:
                 return flush
             flush = self._settle(event) or flush
 
+    def give_up(self, lease: int, pin: tuple[PinFile, int] | None) -> None:
+        """A lease a get took and never handed out (it raised): given up now, pinned or by request
+        (given up first, forgotten after, as in :meth:`release_now`)."""
+        if pin is not None:
+            pin[0].release(pin[1], lease)
+        else:
+            self.abandon(lease)
+        with self._lock:
+            self._views.pop(lease, None)
+            self._slots.pop(lease, None)
+
     def abandon(self, lease: int) -> None:
         """A request asking for ``lease`` failed without a reply: the controller may still grant it (it
         may only have been slow), so it is given up at every renewal for one term, and until the
@@ -523,20 +534,23 @@ class _LeaseKeeper:
         if client is not None and client._pid != os.getpid():  # a forked child's copy of the views: the lease
             return  # and its pin are the parent's, whose views still read the bytes
         with self._lock:
-            if self._views.pop(lease, None) is None:
+            if lease not in self._views:
                 return
-            pin = self._slots.pop(lease, None)
+            pin = self._slots.get(lease)
+        # given up first, forgotten after: cut short in between (a Ctrl-C), the lease is still tracked and
+        # goes with its views - forgotten first, a pin of this live process would be held for good
         if pin is not None:
             pin[0].release(pin[1], lease)
-            return
-        if client is None:
-            return
-        try:
-            client._call(Op.LEASES, messages.Leases(release=[lease]))
-        except TQError:  # the controller is away: the keeper gives it up later (or its term runs out)
-            with self._lock:
-                self._ended.append(lease)
-            self._events.put(None)
+        elif client is not None:
+            try:
+                client._call(Op.LEASES, messages.Leases(release=[lease]))
+            except TQError:  # the controller is away: the keeper gives it up later (or its term runs out)
+                with self._lock:
+                    self._ended.append(lease)
+                self._events.put(None)
+        with self._lock:
+            self._views.pop(lease, None)
+            self._slots.pop(lease, None)
 
     def _run(self) -> None:
         while not self._stopped:
@@ -1797,14 +1811,21 @@ class TQClient:
             return BorrowedBatch(self._get_within(meta, fields, layout, pad_to, pad_value, wait_timeout), frozenset(), None)
         values: dict[str, Any] = {}
         arrays: list[np.ndarray] = []
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # torch warns of the read-only arrays it is handed
-            lease, pin = self._borrow_here(meta, fields, layout, pad_to, values, arrays)
-            if lease is None:
-                values.clear()
-                arrays.clear()
-                lease = self._borrow_located(meta, fields, layout, pad_to, wait_timeout, values, arrays)
-        release = self._leases.hold(lease, arrays, pin)
+        lease: int | None = None
+        pin: tuple[PinFile, int] | None = None
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # torch warns of the read-only arrays it is handed
+                lease, pin = self._borrow_here(meta, fields, layout, pad_to, values, arrays)
+                if lease is None:
+                    values.clear()
+                    arrays.clear()
+                    lease = self._borrow_located(meta, fields, layout, pad_to, wait_timeout, values, arrays)
+            release = self._leases.hold(lease, arrays, pin)
+        except BaseException:  # a Ctrl-C between taking the lease and handing it to the keeper: a pin of this
+            if lease is not None:  # live process would hold its rows for as long as it runs
+                self._leases.give_up(lease, pin)
+            raise
         if not arrays:
             release()
         rest = [f for f in fields if f not in values]
@@ -1827,26 +1848,26 @@ class TQClient:
         rows, view, schemas, clears = here
         blocks = sorted(set(rows.blocks.tolist()))
         pins = self._pin_file(view)
-        pinned = None
-        if pins is not None:
-            deadline = time.monotonic_ns() + int(self.lease_s * 1e9)
-            pinned = pins.pin(deadline, rows.unit, blocks, view.mapping, rows.frees, meta.slot_table, clears)  # type: ignore[arg-type]
-        rid = None
-        if pinned is None:
-            args = messages.Borrow(
-                partition=meta.partition_id,
-                unit=rows.unit,
-                blocks=blocks,
-                incarnation=meta.slot_table,  # type: ignore[arg-type] - the reader checked it against the table
-                frees=rows.frees,
-                units_version=self._units_version,
-                lease_s=self.lease_s,
-                lease_id=new_lease_id(),
-                **self._lease_holder(),
-            )
-            self._settle()  # (sent and received apart: not through _ask)
-            rid = self._ctrl.send(Op.BORROW, self._with_reads(args))
-        try:
+        pinned = args = None
+        pin_lease = new_lease_id()  # known before the pin: one cut short as it returned is given up by it
+        try:  # from the pin (or the request) on: whatever raises - a Ctrl-C too - gives the lease up
+            if pins is not None:
+                deadline = time.monotonic_ns() + int(self.lease_s * 1e9)
+                pinned = pins.pin(deadline, rows.unit, blocks, view.mapping, rows.frees, meta.slot_table, clears, pin_lease)  # type: ignore[arg-type]
+            if pinned is None:
+                args = messages.Borrow(
+                    partition=meta.partition_id,
+                    unit=rows.unit,
+                    blocks=blocks,
+                    incarnation=meta.slot_table,  # type: ignore[arg-type] - the reader checked it against the table
+                    frees=rows.frees,
+                    units_version=self._units_version,
+                    lease_s=self.lease_s,
+                    lease_id=new_lease_id(),
+                    **self._lease_holder(),
+                )
+                self._settle()  # (sent and received apart: not through _ask)
+                rid = self._ctrl.send(Op.BORROW, self._with_reads(args))
             # the reader checked every row lies in the arena; views need each field's rows back to back
             arena = self._read_only(rows.unit)
             for f, name in enumerate(fields):
@@ -1868,10 +1889,10 @@ class TQClient:
             if pinned is None:
                 granted = self._ctrl.recv(rid, Op.BORROW)[0].lease
         except BaseException:
-            if pinned is None:  # the lease asked for may be granted all the same: give it up later
+            if pins is not None:
+                pins.unpin(pin_lease)
+            if args is not None:  # the lease asked for may be granted all the same: give it up later
                 self._leases.abandon(args.lease_id)  # type: ignore[arg-type]
-            else:
-                pins.release(pinned[1], pinned[0])  # type: ignore[union-attr]
             raise
         lease, pin = (pinned[0], (pins, pinned[1])) if pinned is not None else (granted, None)
         if lease is not None:  # a refused borrow's rows are read again by the locate, which counts them
@@ -1933,10 +1954,24 @@ class TQClient:
             **self._lease_holder(),
         )
         try:
-            located, lmsg = self._ask(Op.LOCATE, self._with_reads(args), timeout=self.timeout + (wait_timeout or 0.0))
-        except TQConnectionError:  # no reply: the lease asked for may be granted all the same - give it up later
+            return self._view_located(meta, fields, layout, pad_to, wait_timeout, values, arrays, args)
+        except BaseException:  # no reply, a bad one, a Ctrl-C: the lease may be granted all the same - give it up
             self._leases.abandon(args.lease_id)  # type: ignore[arg-type]
             raise
+
+    def _view_located(
+        self,
+        meta: KVBatchMeta,
+        fields: list[str],
+        layout: Layout,
+        pad_to: int | None,
+        wait_timeout: float | None,
+        values: dict[str, Any],
+        arrays: list[np.ndarray],
+        args: messages.Locate,
+    ) -> int:
+        """:meth:`_borrow_located`'s locate and views; returns the lease granted."""
+        located, lmsg = self._ask(Op.LOCATE, self._with_reads(args), timeout=self.timeout + (wait_timeout or 0.0))
         if located.units_version != self._units_version:
             self._refresh_units()
         lease = located.lease

@@ -134,23 +134,45 @@ class PinFile:
         self._free = collections.deque(range(slots))
 
     def pin(
-        self, deadline_ns: int, unit: int, blocks: list[int], table: mmap.mmap, frees: int, incarnation: int, clears: int
+        self,
+        deadline_ns: int,
+        unit: int,
+        blocks: list[int],
+        table: mmap.mmap,
+        frees: int,
+        incarnation: int,
+        clears: int,
+        lease: int | None = None,
     ) -> tuple[int, int] | None:
         """Pin ``blocks`` of ``unit`` until ``deadline_ns`` if the table still has ``frees``,
         ``incarnation`` and ``clears`` once the pin is published; returns (lease id, slot), or None
-        (nothing kept: lease by request)."""
+        (nothing kept: lease by request). ``lease``: the id to pin under (default: a new one) - a
+        caller cut short before it learnt the answer gives the pin up by it (:meth:`unpin`)."""
         if len(blocks) > MAX_BLOCKS or self._slots is None or os.getpid() != self.owner:  # a forked child: its own file
             return None
         try:
             slot = self._free.pop()
         except IndexError:
             return None
-        lease = new_lease_id()
-        held = _pin(self._mm, slot, lease, deadline_ns, unit, blocks, table, frees, incarnation, clears, self.epoch)
+        lease = new_lease_id() if lease is None else lease
+        try:
+            held = _pin(self._mm, slot, lease, deadline_ns, unit, blocks, table, frees, incarnation, clears, self.epoch)
+        except BaseException:  # a Ctrl-C as the pin returned: pinned or not, it is given up
+            self.unpin(lease)
+            if slot not in self._free:
+                self._free.append(slot)
+            raise
         if not held:
             self._free.append(slot)
             return None
         return lease, slot
+
+    def unpin(self, lease: int) -> None:
+        """Give up the pin held under ``lease``, if any (whichever slot)."""
+        slots = self._slots
+        if slots is not None:
+            for slot in np.flatnonzero(slots[:, P_LEASE] == lease).tolist():
+                self.release(slot, lease)
 
     @property
     def revoked(self) -> bool:

@@ -1953,45 +1953,31 @@ class TQClient:
             lease_id=new_lease_id(),
             **self._lease_holder(),
         )
-        try:
-            return self._view_located(meta, fields, layout, pad_to, wait_timeout, values, arrays, args)
-        except BaseException:  # no reply, a bad one, a Ctrl-C: the lease may be granted all the same - give it up
+        try:  # from the request on: no reply, a bad one, a Ctrl-C - the lease may be granted all the same: give it up
+            located, lmsg = self._ask(Op.LOCATE, self._with_reads(args), timeout=self.timeout + (wait_timeout or 0.0))
+            if located.units_version != self._units_version:
+                self._refresh_units()
+            lease = located.lease
+            n = len(meta.keys)
+            loc = protocol.unpack_array(located.loc, lmsg.buffers, name="loc", dtype="<i8")
+            if loc.shape != (len(fields), n, LOC_COLUMNS) or lease is None:
+                raise MalformedMessageError(f"borrowing locate reply has shape {loc.shape} and lease {lease!r}")
+            schemas = {f: FieldSchema.from_wire(located.schemas[f]) for f in fields}
+            self._remember_table(meta.partition_id, located.table, schemas)
+            for f, name in enumerate(fields):
+                unit, starts, sizes = int(loc[f, 0, UNIT]), loc[f, :, OFFSET], loc[f, :, NBYTES]
+                if (loc[f, :, UNIT] != unit).any() or not self._is_local(unit) or (starts[1:] != starts[:-1] + sizes[:-1]).any():
+                    continue  # not all in one arena of this host, back to back in key order
+                self._arena_view(unit, starts, sizes, lambda i: (name, meta.keys[i]))  # noqa: B023 - bounds, naming a bad row
+                got = self._view_field(
+                    schemas[name], self._read_only(unit), int(starts[0]), sizes, int(sizes.sum()), meta, layout, pad_to, arrays
+                )
+                if got is not None:
+                    values[name] = got
+            return lease
+        except BaseException:
             self._leases.abandon(args.lease_id)  # type: ignore[arg-type]
             raise
-
-    def _view_located(
-        self,
-        meta: KVBatchMeta,
-        fields: list[str],
-        layout: Layout,
-        pad_to: int | None,
-        wait_timeout: float | None,
-        values: dict[str, Any],
-        arrays: list[np.ndarray],
-        args: messages.Locate,
-    ) -> int:
-        """:meth:`_borrow_located`'s locate and views; returns the lease granted."""
-        located, lmsg = self._ask(Op.LOCATE, self._with_reads(args), timeout=self.timeout + (wait_timeout or 0.0))
-        if located.units_version != self._units_version:
-            self._refresh_units()
-        lease = located.lease
-        n = len(meta.keys)
-        loc = protocol.unpack_array(located.loc, lmsg.buffers, name="loc", dtype="<i8")
-        if loc.shape != (len(fields), n, LOC_COLUMNS) or lease is None:
-            raise MalformedMessageError(f"borrowing locate reply has shape {loc.shape} and lease {lease!r}")
-        schemas = {f: FieldSchema.from_wire(located.schemas[f]) for f in fields}
-        self._remember_table(meta.partition_id, located.table, schemas)
-        for f, name in enumerate(fields):
-            unit, starts, sizes = int(loc[f, 0, UNIT]), loc[f, :, OFFSET], loc[f, :, NBYTES]
-            if (loc[f, :, UNIT] != unit).any() or not self._is_local(unit) or (starts[1:] != starts[:-1] + sizes[:-1]).any():
-                continue  # not all in one arena of this host, back to back in key order
-            self._arena_view(unit, starts, sizes, lambda i: (name, meta.keys[i]))  # noqa: B023 - bounds, naming a bad row
-            got = self._view_field(
-                schemas[name], self._read_only(unit), int(starts[0]), sizes, int(sizes.sum()), meta, layout, pad_to, arrays
-            )
-            if got is not None:
-                values[name] = got
-        return lease
 
     def _view_field(
         self,

@@ -537,17 +537,23 @@ class _LeaseKeeper:
             if lease not in self._views:
                 return
             pin = self._slots.get(lease)
-        # given up first, forgotten after: cut short in between (a Ctrl-C), the lease is still tracked and
-        # goes with its views - forgotten first, a pin of this live process would be held for good
-        if pin is not None:
-            pin[0].release(pin[1], lease)
-        elif client is not None:
-            try:
-                client._call(Op.LEASES, messages.Leases(release=[lease]))
-            except TQError:  # the controller is away: the keeper gives it up later (or its term runs out)
-                with self._lock:
-                    self._ended.append(lease)
-                self._events.put(None)
+            if pin is None:  # by request: listed as ended first, so a release cut short (a Ctrl-C) or failed
+                del self._views[lease]  # is the keeper's to give up, and no renewal goes out meanwhile
+                self._ended.append(lease)
+        if pin is None:
+            if client is not None:
+                try:
+                    client._call(Op.LEASES, messages.Leases(release=[lease]))
+                except TQError:  # the controller is away: the keeper gives it up later (or its term runs out)
+                    self._events.put(None)
+                    return
+            with self._lock:
+                if lease in self._ended:
+                    self._ended.remove(lease)
+            return
+        # a pin: given up first, forgotten after - cut short in between, the lease is still tracked and goes
+        # with its views; forgotten first, the pin of this live process would be held for good
+        pin[0].release(pin[1], lease)
         with self._lock:
             self._views.pop(lease, None)
             self._slots.pop(lease, None)

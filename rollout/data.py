@@ -346,7 +346,9 @@ class StatefulDataLoader:
         self.drop_last = drop_last
         self.collate_fn = collate_fn
         if len(self) == 0:
-            raise ValueError(f"a dataset of {len(dataset)} rows gives no batch of {batch_size}" + (" with drop_last" if drop_last else ""))
+            raise DatasetError(
+                f"a dataset of {len(dataset)} rows gives no batch of {batch_size}" + (" with drop_last" if drop_last else "")
+            )
         self.epoch = 0
         self.batch_in_epoch = 0
         self._cached_order: tuple[tuple[int, int], np.ndarray] | None = None

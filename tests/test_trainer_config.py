@@ -261,3 +261,18 @@ def test_a_run_needing_gpus_the_cluster_lacks_fails_naming_them_and_leaves_no_pl
     with pytest.raises(TimeoutError, match=r"in 2 bundles of \{'GPU': 1.0, 'CPU': 0.5\}, a GPU each.*fewer free GPUs"):
         GRPOTrainer(cfg)
     assert all(pg["state"] == "REMOVED" for pg in ray_session.util.placement_group_table().values())
+
+
+def test_a_dataset_smaller_than_one_step_is_named_with_both_keys(tmp_path):
+    """One prompt for a step of two: the loader's DatasetError (a run would have no batch) names the
+    dataset and the step's prompt count - the trainer prints it as its one line."""
+    from common.models import build_tiny_tokenizer
+    from rollout.data import DatasetError, PromptDataset
+    from trainer.common import build_dataloader
+
+    cfg = parse_cli(["grpo.num_prompts_per_step=2", "policy.train_global_batch_size=16", f"data.dataset={tmp_path}/p.jsonl"])
+    one = PromptDataset([{"prompt": "1+1=", "ground_truth": "2"}], build_tiny_tokenizer())
+    with pytest.raises(
+        DatasetError, match=rf"^data\.dataset={tmp_path}/p\.jsonl for grpo\.num_prompts_per_step=2: a dataset of 1 rows gives no batch of 2"
+    ):
+        build_dataloader(cfg, one)

@@ -158,7 +158,7 @@ class PinFile:
         try:
             held = _pin(self._mm, slot, lease, deadline_ns, unit, blocks, table, frees, incarnation, clears, self.epoch)
         except BaseException:  # a Ctrl-C as the pin returned: pinned or not, it is given up
-            self.unpin(lease)
+            self.release(slot, lease)
             if slot not in self._free:
                 self._free.append(slot)
             raise

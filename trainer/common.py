@@ -118,14 +118,14 @@ def _prompts(cfg: MasterConfig, key: str, path: str, tok: Any, split: str | None
 
 
 def build_dataloader(cfg: MasterConfig, dataset: PromptDataset) -> StatefulDataLoader:
-    """The training prompts in batches of ``grpo.num_prompts_per_step``; DatasetError naming both when
-    the dataset holds fewer prompts than one batch."""
-    if len(dataset) < cfg.grpo.num_prompts_per_step:
+    """The training prompts in batches of ``grpo.num_prompts_per_step``; the loader's DatasetError (fewer
+    prompts than one batch) names the two keys."""
+    try:
+        return StatefulDataLoader(dataset, cfg.grpo.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=cfg.grpo.seed)
+    except DatasetError as exc:
         raise DatasetError(
-            f"data.dataset={cfg.data.dataset}: {len(dataset)} prompts, fewer than one step's grpo.num_prompts_per_step "
-            f"({cfg.grpo.num_prompts_per_step})"
-        )
-    return StatefulDataLoader(dataset, cfg.grpo.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=cfg.grpo.seed)
+            f"data.dataset={cfg.data.dataset} for grpo.num_prompts_per_step={cfg.grpo.num_prompts_per_step}: {exc}"
+        ) from None
 
 
 def build_task_to_env(cfg: MasterConfig) -> dict[str, Any]:

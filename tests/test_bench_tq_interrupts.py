@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import tq_interrupts
 
 
+# an interrupt landing in a borrowed view's finalizer is reported by Python as ignored: the storm's
+# known residual (docs/reliability.md), not this test's concern
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_short_storm_interrupts_calls_and_every_check_passes(tmp_path, capsys):
     rc = tq_interrupts.main(["--seconds", "3", "--settle-s", "0", "--run-dir", str(tmp_path)])
     assert rc == 0, capsys.readouterr().out

@@ -1585,3 +1585,48 @@ def test_text_that_is_not_utf8_is_refused_naming_it_and_nothing_lands(tq_server)
         assert client.get_meta(part).keys == ()
         assert client.put(part, ["ok"], {"x": torch.zeros(1, 2)}).keys == ("ok",)
         client.drop_partition(part)
+
+
+def test_names_out_of_bounds_are_refused_by_the_client_and_on_the_wire(tq_server):
+    """An empty or over-long key, field, tag name or partition id (a 10 MB key used to be accepted and
+    journaled) is refused naming it, before anything is stored; the same request sent past the client's
+    check is refused by the controller's typed decoder naming the path. A 64-bit tag at each edge goes
+    through; one past it is refused naming the tag, not msgpack's OverflowError. Nothing lands."""
+    from tq import messages
+    from tq.errors import InvalidRequestError
+    from tq.messages import ControllerOp as Op
+    from tq.meta import MAX_NAME_CHARS
+
+    long = "k" * (MAX_NAME_CHARS + 1)
+    x = torch.zeros(2, 2)
+    with TQClient(tq_server.address, timeout=10.0) as client:
+        part = f"names-{uuid.uuid4().hex[:8]}"
+        client.register_partition(part)
+        for keys, columns, tags, match in [
+            (["a", "k" * 10_000_000], {"x": x}, None, "key at index 1 'kkk.*' has 10000000 characters; a name has 1 to 1024"),
+            (["a", ""], {"x": x}, None, "key at index 1 '' has 0 characters"),
+            (["a", "b"], {long: x}, None, "field 'kkk.*' has 1025 characters"),
+            (["a", "b"], {"x": x}, {long: [1, 2]}, "tag name 'kkk.*' has 1025 characters"),
+            (["a", "b"], {"x": x}, {"t": [1, 2**64]}, r"tag 't' value at index 1 \(18446744073709551616\) does not fit in 64 bits"),
+        ]:
+            with pytest.raises(InvalidRequestError, match=match):
+                client.put(part, keys, columns, tags=tags)
+        with pytest.raises(InvalidRequestError, match="put into 'kkk.*': partition_id 'kkk.*' has 1025 characters"):
+            client.put(long, ["a"], {"x": x[:1]})
+        for op, request, path in [
+            (
+                Op.CREATE_PARTITION,
+                messages.CreatePartition(partition=long),
+                r"create_partition: Expected `str` of length <= 1024 - at `\$\.partition`",
+            ),
+            (Op.CREATE_PARTITION, messages.CreatePartition(partition=""), r"Expected `str` of length >= 1 - at `\$\.partition`"),
+            (Op.MINT, messages.Mint(partition=part, keys=["a", long]), r"mint: Expected `str` of length <= 1024 - at `\$\.keys\[1\]`"),
+            (Op.MINT, messages.Mint(partition=part, keys=[""]), r"mint: Expected `str` of length >= 1 - at `\$\.keys\[0\]`"),
+            (Op.SET_TAGS, messages.SetTags(partition=part, keys=["a"], tags={long: [1]}), r"set_tags: Expected `str` of length <= 1024"),
+        ]:
+            with pytest.raises(InvalidRequestError, match=path):
+                client._call(op, request)
+        assert client.get_meta(part).keys == () and [p["partition"] for p in client.list_partitions()].count(long) == 0
+        edge = client.put(part, ["a", "b"], {"x": x}, tags={"t": [-(2**63), 2**64 - 1]})
+        assert client.get_meta(part).tags == edge.tags == {"t": (-(2**63), 2**64 - 1)}
+        client.drop_partition(part)

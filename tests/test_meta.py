@@ -120,6 +120,43 @@ def test_bad_key_and_partition_types_rejected():
         KVBatchMeta("p", ["a", "b"], tags={"t": "xy"})
 
 
+def test_names_are_1_to_max_name_chars_characters():
+    """A key, partition id, field or tag name that is empty or over MAX_NAME_CHARS is refused naming
+    which one and its length (a prompt passed as a key would otherwise be journaled and held per key);
+    the bound itself is a name."""
+    from tq.meta import MAX_NAME_CHARS
+
+    ok = "k" * MAX_NAME_CHARS
+    meta = KVBatchMeta(ok, ["a", ok], [ok], tags={ok: [1, 2]})
+    assert meta.keys[1] == meta.partition_id == meta.fields[0] == ok
+    long = ok + "k"
+    for args, kwargs, match in [
+        (("p", ["a", ""]), {}, "key at index 1 '' has 0 characters; a name has 1 to 1024"),
+        (("p", ["a", long]), {}, "key at index 1 'kkkkkkkkkkkk...kkkkkkkkkkkkk' has 1025 characters"),
+        ((long, ["a"]), {}, "partition_id 'kkk.*' has 1025 characters"),
+        (("", ["a"]), {}, "partition_id '' has 0 characters"),
+        (("p", ["a"], [long]), {}, "field 'kkk.*' has 1025 characters"),
+        (("p", ["a"]), {"tags": {"": [1]}}, "tag name '' has 0 characters"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            KVBatchMeta(*args, **kwargs)
+    with pytest.raises(ValueError, match="tag name '' has 0"):
+        meta.stamp_tags(**{"": 1})
+
+
+def test_int_tags_must_fit_in_64_bits():
+    """msgpack (the wire, the journal) carries ints in [-2**63, 2**64 - 1]: a tag outside is refused
+    by the meta naming it, not by msgpack's OverflowError at the put."""
+    edge = KVBatchMeta("p", ["a", "b", "c"], tags={"t": [-(2**63), 2**64 - 1, None]})
+    assert msgpack.unpackb(msgpack.packb(edge.tags["t"])) == [-(2**63), 2**64 - 1, None]
+    with pytest.raises(ValueError, match=r"tag 't' value at index 1 \(18446744073709551616\) does not fit in 64 bits"):
+        KVBatchMeta("p", ["a", "b"], tags={"t": [1, 2**64]})
+    with pytest.raises(ValueError, match=r"tag 't' value at index 2 .* does not fit"):
+        KVBatchMeta("p", ["a", "b", "c"], tags={"t": ["x", None, -(2**63) - 1]})
+    with pytest.raises(ValueError, match="tag 'u' scalar 18446744073709551616 does not fit"):
+        edge.stamp_tags(u=2**64)
+
+
 def test_frozen():
     m = make_meta()
     with pytest.raises(dataclasses.FrozenInstanceError):

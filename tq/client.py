@@ -21,6 +21,7 @@ import logging
 import os
 import queue
 import re
+import reprlib
 import threading
 import time
 import warnings
@@ -1120,7 +1121,7 @@ class TQClient:
         try:
             meta = KVBatchMeta(partition_id, tuple(keys), tuple(columns), seq, dict(tags or {}))
         except (TypeError, ValueError) as exc:
-            raise InvalidRequestError(f"put into {partition_id!r}: {exc}") from None
+            raise InvalidRequestError(f"put into {reprlib.repr(partition_id)}: {exc}") from None
         lengths = None if meta.sequence_lengths is None else list(meta.sequence_lengths)
         r = self._store_and_commit(partition_id, keys, encoded, "put", meta.tags or None, lengths)
         return meta.with_slots(r.slot_table, r.slots)

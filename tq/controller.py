@@ -442,9 +442,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
 
     # -- partitions
     def op_create_partition(self, args: messages.CreatePartition, buffers: list, call: Call) -> messages.CreatePartitionReply:
-        pid = args.partition
-        if not pid:
-            raise InvalidRequestError("partition id must be a non-empty string")
+        pid = args.partition  # 1 to MAX_NAME_CHARS characters (messages.Name)
         if pid in self.partitions:
             if not args.reuse:
                 raise PartitionExistsError(f"partition {pid!r} already exists (pass reuse=True to clear and reuse it)")

@@ -31,6 +31,7 @@ import msgspec
 
 from .errors import InvalidRequestError, MalformedMessageError, TQError
 from .liveness import NAME_PATTERN
+from .meta import MAX_NAME_CHARS
 
 BLOCK_ID_LIMIT = 1 << 40  # storage units number blocks from 1 and never get near this
 UNIT_ENDED_S = 1e9  # a unit's down_for_s once its process ended (its controller saw it exit)
@@ -55,6 +56,8 @@ Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_SECONDS)]
 # client fenced it (AbortRequests) before it arrived (see tq.request_book).
 RequestId = Annotated[int, msgspec.Meta(gt=0, le=(1 << 63) - 1)]
 TagValue = Union[None, bool, int, float, str]
+# A partition id, key, field or tag name a request creates or names (KVBatchMeta checks the same bound).
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS)]
 
 
 class ControllerOp(enum.StrEnum):
@@ -214,7 +217,7 @@ class RegisterUnitReply(Reply, omit_defaults=False):
 
 
 class PartitionArgs(Args):
-    partition: str
+    partition: Name
 
 
 class CreatePartition(PartitionArgs):
@@ -286,7 +289,7 @@ class PartitionSummary(msgspec.Struct):
 
 
 class KeysArgs(PartitionArgs):
-    keys: list[str]
+    keys: list[Name]
 
 
 class Mint(KeysArgs):
@@ -319,8 +322,8 @@ class Commit(KeysArgs):
 
     mode: Literal["put", "write_back"]
     blocks: Annotated[list[tuple[Count, BlockId, Annotated[int, msgspec.Meta(ge=1)]]], msgspec.Meta(min_length=1)]
-    fields: Annotated[dict[str, CommitField], msgspec.Meta(min_length=1)]
-    tags: Union[dict[str, list[TagValue]], None] = None
+    fields: Annotated[dict[Name, CommitField], msgspec.Meta(min_length=1)]
+    tags: Union[dict[Name, list[TagValue]], None] = None
     sequence_lengths: Union[list[int], None] = None
     overwrite: bool = False
     # same-host puts: per part of ``blocks``, the slab (allocation id) it was carved from and its
@@ -356,9 +359,9 @@ class ReadsArgs(Args):
 
 
 class Locate(ReadsArgs, kw_only=True):
-    partition: str
-    keys: list[str]
-    fields: list[str]
+    partition: Name
+    keys: list[Name]
+    fields: list[Name]
     timeout: Union[Seconds, None] = None  # first wait (parked) until every pair is produced
     # a borrowed get: pin the located rows for this many seconds (renewed with ``leases``) so that
     # no discard, clear or overwrite frees them while the reader views them in the arena
@@ -398,8 +401,8 @@ class LocateReply(Reply):
 
 
 class Wait(PartitionArgs):
-    keys: list[str]
-    fields: list[str]
+    keys: list[Name]
+    fields: list[Name]
     timeout: Seconds
 
 
@@ -408,8 +411,8 @@ class WaitReply(Reply):
 
 
 class Discard(ReadsArgs, kw_only=True):
-    partition: str
-    keys: list[str]
+    partition: Name
+    keys: list[Name]
     request_id: Union[RequestId, None] = None
 
 
@@ -430,7 +433,7 @@ class AbortRequestsReply(Reply):
 
 
 class GetMeta(PartitionArgs):
-    keys: Union[list[str], None] = None  # None: every key
+    keys: Union[list[Name], None] = None  # None: every key
 
 
 class GetMetaReply(Reply):
@@ -443,7 +446,7 @@ class GetMetaReply(Reply):
 
 
 class SetTags(KeysArgs):
-    tags: dict[str, list[TagValue]]
+    tags: dict[Name, list[TagValue]]
     request_id: Union[RequestId, None] = None
 
 

@@ -15,6 +15,7 @@ This module is pure Python (plus numpy and msgpack): no I/O, no torch.
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,21 @@ def _normalise_slots(value: Any, n: int) -> tuple[int, ...] | range:
     if slots and min(slots) < 0:
         raise TypeError("slots must be ints >= 0")
     return slots
+
+
+#: The longest key, partition id, field or tag name, in characters (S3's key bound): a name is an id,
+#: and one longer is a bug upstream (a prompt passed as a key) that would be journaled and held per key.
+MAX_NAME_CHARS = 1024
+#: The range of an int tag value: what msgpack (the wire and the journal) carries.
+TAG_INT_RANGE = (-(1 << 63), (1 << 64) - 1)
+
+
+def check_names(names: Sequence[str], what: str) -> None:
+    """``ValueError`` naming the first of ``names`` (str) that is empty or over MAX_NAME_CHARS."""
+    if names and not 0 < min(lens := list(map(len, names))) <= max(lens) <= MAX_NAME_CHARS:
+        i = next(i for i, n in enumerate(lens) if not 0 < n <= MAX_NAME_CHARS)
+        where = f" at index {i}" if len(names) > 1 else ""
+        raise ValueError(f"{what}{where} {reprlib.repr(names[i])} has {lens[i]} characters; a name has 1 to {MAX_NAME_CHARS}")
 
 
 MAX_PAD_LENGTH = 1 << 31  # entries a padded row may have (longer than any sequence a model takes)
@@ -110,6 +126,11 @@ def _normalise_tag_values(name: str, values: Any, n: int) -> tuple:
                     raise TypeError(
                         f"tag {name!r} value at index {i} has type {type(v).__name__}; tag values must be None, bool, int, float or str"
                     )
+    if int in types:
+        ints = vals if types <= {int, bool} else [v for v in vals if type(v) is int]
+        if not TAG_INT_RANGE[0] <= min(ints) <= max(ints) <= TAG_INT_RANGE[1]:
+            i, v = next((i, v) for i, v in enumerate(vals) if type(v) is int and not TAG_INT_RANGE[0] <= v <= TAG_INT_RANGE[1])
+            raise ValueError(f"tag {name!r} value at index {i} ({v}) does not fit in 64 bits; int tags are in [-2**63, 2**64 - 1]")
     return vals
 
 
@@ -118,6 +139,8 @@ def _normalise_scalar_tag(name: str, value: Any) -> Any:
         value = value.item()
     if type(value) not in _TAG_TYPES:
         raise TypeError(f"tag {name!r} scalar has type {type(value).__name__}; tag values must be None, bool, int, float or str")
+    if type(value) is int and not TAG_INT_RANGE[0] <= value <= TAG_INT_RANGE[1]:
+        raise ValueError(f"tag {name!r} scalar {value} does not fit in 64 bits; int tags are in [-2**63, 2**64 - 1]")
     return value
 
 
@@ -192,6 +215,7 @@ class KVBatchMeta:
 
         if not isinstance(self.partition_id, str):
             raise TypeError(f"partition_id must be a str, got {type(self.partition_id).__name__}")
+        check_names((self.partition_id,), "partition_id")
 
         keys = _as_tuple(self.keys, "keys")
         if not set(map(type, keys)) <= {str}:
@@ -201,6 +225,7 @@ class KVBatchMeta:
         n = len(keys)
         if len(set(keys)) != n:
             raise ValueError(f"duplicate key {_first_duplicate(keys)!r} in keys")
+        check_names(keys, "key")
         set_(self, "keys", keys)
 
         fields = _as_tuple(self.fields, "fields")
@@ -209,6 +234,7 @@ class KVBatchMeta:
                 raise TypeError(f"field names must be str, got {type(f).__name__} ({f!r})")
         if len(set(fields)) != len(fields):
             raise ValueError(f"duplicate field {_first_duplicate(fields)!r} in fields")
+        check_names(fields, "field")
         set_(self, "fields", fields)
 
         if self.sequence_lengths is not None:
@@ -233,6 +259,7 @@ class KVBatchMeta:
         for name, values in self.tags.items():
             if not isinstance(name, str):
                 raise TypeError(f"tag names must be str, got {type(name).__name__} ({name!r})")
+            check_names((name,), "tag name")
             tags[name] = _normalise_tag_values(name, values, n)
         set_(self, "tags", tags)
 

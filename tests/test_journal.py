@@ -517,3 +517,25 @@ def test_controller_replays_requests_journaled_raw_and_as_maps(tmp_path):
         assert sorted(ctrl.partitions["raw"].index) == ["a", "b"]
     finally:
         ctrl.close()
+
+
+def test_a_journaled_request_this_version_refuses_stops_the_replay_naming_it(tmp_path):
+    """Only applied changes are journaled, so a record the typed decoder now refuses (a key longer
+    than MAX_NAME_CHARS, which an older version accepted) cannot be skipped - the keys after it may
+    build on it: the controller refuses to start with JournalError naming the journal, the record and
+    why, not a traceback out of the decoder."""
+    import msgspec
+
+    from tq.controller import Controller
+    from tq.errors import JournalError
+    from tq.meta import MAX_NAME_CHARS
+
+    journal = Journal(str(tmp_path / "controller.journal"))
+    journal.append(["create_partition", msgspec.msgpack.encode({"partition": "p"}), []])
+    journal.append(["mint", msgspec.msgpack.encode({"partition": "p", "keys": ["a", "k" * (MAX_NAME_CHARS + 1)]}), []])
+    journal.close()
+    with pytest.raises(
+        JournalError,
+        match=r"controller\.journal: record 2 \('mint'\) cannot be replayed \(mint: Expected `str` of length <= 1024 - at `\$\.keys\[1\]`\)",
+    ):
+        Controller("tcp://127.0.0.1:0", journal_dir=str(tmp_path), shm_dir=None)

@@ -36,6 +36,7 @@ from .errors import (
     FencedCommitError,
     FieldNotProducedError,
     InvalidRequestError,
+    JournalError,
     KeyNotFoundError,
     PartitionExistsError,
     PartitionNotFoundError,
@@ -178,7 +179,11 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             if self.tcp is not None:
                 stream_transport.remember_port(journal_dir, self.tcp.sock.getsockname()[1])
             path = os.path.join(journal_dir, "controller.journal")
-            self._replay(path)
+            try:
+                self._replay(path)
+            except JournalError:
+                self.close()
+                raise
             self.journal = Journal(path, fsync=fsync)
             if self.journal.truncated_bytes:
                 log.warning("controller journal %s: dropped a torn tail of %d bytes", path, self.journal.truncated_bytes)

@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from .errors import JournalError
+from .errors import JournalError, TQError
 from .journal import Journal, JournalWriteError
 from .leases import LeaseBook, holder_ref, pin_ref
 from .messages import AdoptBlock, ControllerOp as Op
@@ -108,7 +108,13 @@ class JournalRecovery:
                 elif op == "__release__":
                     self._release_leases(args["ids"])
                 else:  # args: msgpack bytes, or a map (journals written before args were kept raw)
-                    self.handle(op, args, [memoryview(b) for b in bufs], Call(b"", None, op, 0.0))
+                    try:
+                        self.handle(op, args, [memoryview(b) for b in bufs], Call(b"", None, op, 0.0))
+                    except TQError as exc:  # only applied changes are journaled: this one was applied by an older version
+                        raise JournalError(
+                            f"controller journal {path}: record {n + 1} ('{op}') cannot be replayed ({exc}); it was applied "
+                            "by a version that allowed it: restart on this journal with that version"
+                        ) from None
                 n += 1
         finally:
             self._replaying = False

@@ -643,10 +643,16 @@ def test_a_lease_whose_grant_never_reached_its_reader_is_given_up_before_its_ter
         server.shutdown()
 
 
-def test_a_release_cut_short_by_a_ctrl_c_lets_the_rows_go_with_the_views(client, partition, monkeypatch):
-    """A Ctrl-C landing inside an explicit ``release()`` of a borrowed result: the lease must still go
-    with its views. (Before, the keeper forgot the lease before giving its pin up: cut short there, the
-    pin of this live process held the rows for as long as it ran.)"""
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_release_cut_short_by_a_ctrl_c_lets_the_rows_go_with_the_views(client, partition, monkeypatch, where):
+    """A Ctrl-C landing inside an explicit ``release()`` of a borrowed result, before or after its pin
+    is given up: the lease must still go with its views. (Before, the keeper forgot the lease before
+    giving its pin up: cut short there, the pin of this live process held the rows for as long as it
+    ran.) Cut short after the pin went, the keeper's renewals must not warn that the borrowed get
+    "outlived its lease" (its views may show reused storage) for a result the reader released: the
+    interrupt storm printed that at every renewal until the views were collected."""
+    import warnings
+
     from tq.pins import PinFile
 
     meta = client.put(partition, unique_keys(2), {"x": torch.arange(8).reshape(2, 4)})
@@ -656,39 +662,81 @@ def test_a_release_cut_short_by_a_ctrl_c_lets_the_rows_go_with_the_views(client,
         pytest.skip("no pinned views here (the controller reads no pin files)")
     real = PinFile.release
 
-    def cut(self, slot, lease):  # the interrupt, at the call's first line
+    def cut(self, slot, lease):  # the interrupt, at the call's first line or after its store
+        if where == "after":
+            real(self, slot, lease)
         monkeypatch.setattr(PinFile, "release", real)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(PinFile, "release", cut)
     with pytest.raises(KeyboardInterrupt):
         got.release()
+    assert client._leases._slots  # still tracked: the keeper forgets it with its views
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        client._leases.flush()
     client.discard(meta)
-    assert _settled(client, 1.0)["rows_waiting_for_leases"] > 0  # still pinned: the views live
+    if where == "before":
+        assert _settled(client, 1.0)["rows_waiting_for_leases"] > 0  # still pinned: the views live
     del got
     gc.collect()
     assert _stats_until(client, lambda st: not st["rows_waiting_for_leases"], 15.0)["rows_waiting_for_leases"] == 0
 
 
-@pytest.mark.parametrize("how", ["pin", "locate"])
-def test_a_borrowed_get_cut_short_before_it_returns_gives_its_lease_up(client, partition, monkeypatch, how):
+@pytest.mark.parametrize("how, where", [("pin", "hold"), ("locate", "hold"), ("pin", "count_read")])
+def test_a_borrowed_get_cut_short_before_it_returns_gives_its_lease_up(client, partition, monkeypatch, how, where):
     """A Ctrl-C landing after a borrowed get took its lease (a pin, or a locate's lease) but before
-    the keeper tracked it: the get gives the lease up, so the rows go at their discard. (Before, the
+    the keeper tracked it - as the keeper is handed it, or as the pinned read is counted (the storm's
+    every untracked pin) - the get gives the lease up, so the rows go at their discard. (Before, the
     lease of this live process held them for as long as it ran.)"""
-    from tq.client import _LeaseKeeper
+    from tq.client import TQClient, _LeaseKeeper
 
     meta = client.put(partition, unique_keys(2), {"x": torch.arange(8).reshape(2, 4)})
     if how == "pin":
         client.get(meta, ["x"], copy=False).release()  # the first one locates (and learns the table); the next pins
-    real = _LeaseKeeper.hold
+    owner, name = (_LeaseKeeper, "hold") if where == "hold" else (TQClient, "_count_read")
+    real = getattr(owner, name)
 
     def cut(self, *args):
-        monkeypatch.setattr(_LeaseKeeper, "hold", real)
+        monkeypatch.setattr(owner, name, real)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_LeaseKeeper, "hold", cut)
+    monkeypatch.setattr(owner, name, cut)
     with pytest.raises(KeyboardInterrupt):
         client.get(meta, ["x"], copy=False)
     gc.collect()
     client.discard(meta)
     assert _stats_until(client, lambda st: not st["rows_waiting_for_leases"], 15.0)["rows_waiting_for_leases"] == 0
+
+
+@pytest.mark.parametrize("how", ["pin", "locate"])
+def test_a_ctrl_c_while_the_views_are_collected_still_lets_the_rows_go(client, partition, how):
+    """A Ctrl-C (any signal handler's exception) lands at the next Python line run; collecting a
+    borrowed result's views ran Python (a ``weakref.finalize`` and the keeper's callback), and one cut
+    short there lost its lease for good: the rows stayed held for as long as the process ran (the
+    interrupt storm's "untracked pins"). Here the exception is raised in the first Python frame entered
+    while the views are collected; the rows must still go at their discard."""
+    meta = client.put(partition, unique_keys(2), {"x": torch.arange(8).reshape(2, 4)})
+    if how == "pin":
+        client.get(meta, ["x"], copy=False).release()  # the first one locates (and learns the table); the next pins
+    else:
+        client._pins_refused = True  # as with a controller that reads no pins: a lease by request
+    got = client.get(meta, ["x"], copy=False)
+    assert got.viewed == {"x"} and bool(client._leases._slots) == (how == "pin")
+    entered: list[str] = []
+
+    def interrupt(frame, event, arg):  # the interrupt, at the first Python frame entered
+        if event == "call":
+            sys.setprofile(None)
+            entered.append(frame.f_code.co_qualname)
+            raise KeyboardInterrupt
+
+    client.discard(meta)
+    assert _settled(client, 1.0)["rows_waiting_for_leases"] > 0  # the views live
+    sys.setprofile(interrupt)
+    try:
+        del got  # the views' last reference: collected here
+    finally:
+        sys.setprofile(None)
+    gc.collect()
+    assert _stats_until(client, lambda st: not st["rows_waiting_for_leases"], 15.0)["rows_waiting_for_leases"] == 0, entered

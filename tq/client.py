@@ -435,10 +435,12 @@ class _LeaseKeeper:
     term and gives up each one once its last view is collected. A lease taken as a pin (``tq.pins``)
     is renewed and given up in this client's pin file, with no request.
 
-    A view's finalizer runs wherever the collector happens to run - in the middle of any code of any
-    of the client's threads, this keeper's own included, possibly with ``_lock`` held. So it only
-    queues the lease (``SimpleQueue.put`` is safe there: it takes no lock a thread could hold); the
-    keeper's thread counts the views down and gives the lease up."""
+    A view is watched by a weak reference whose callback is ``SimpleQueue.put`` itself: the collector
+    runs it wherever it happens to run - in the middle of any code of any of the client's threads, this
+    keeper's own included, possibly with ``_lock`` held - and it takes no lock a thread could hold. Being
+    C, it also runs no Python code a signal handler's exception (a Ctrl-C) could cut short: a Python
+    finalizer interrupted there lost the lease for good. The keeper's thread maps the reference to its
+    lease, counts the views down and gives the lease up."""
 
     def __init__(self, client: "TQClient") -> None:
         self._client = weakref.ref(client)
@@ -448,8 +450,10 @@ class _LeaseKeeper:
         # lease ids asked for by requests that failed (no reply): given up until then, in case one was granted
         self._abandoned: dict[int, float] = {}
         self._lock = threading.Lock()
-        # a collected view's lease id, or None: wake up and flush (see the class docstring)
-        self._events: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        # id of a view's weak reference -> it and its lease (see the class docstring)
+        self._watched: dict[int, tuple[weakref.ref, int]] = {}
+        # a collected view's weak reference, or None: wake up and flush
+        self._events: queue.SimpleQueue[weakref.ref | None] = queue.SimpleQueue()
         self._stopped = False
         self._thread: threading.Thread | None = None
         self.pins: PinFile | None = None  # the client's pin file for new pins, once registered
@@ -463,24 +467,21 @@ class _LeaseKeeper:
             if pin is not None:
                 self._slots[lease] = pin
             self._start()
-        for a in arrays:
-            weakref.finalize(a, self._collected, lease)
+            for a in arrays:
+                ref = weakref.ref(a, self._events.put)
+                self._watched[id(ref)] = (ref, lease)
         return lambda: self.release_now(lease)
 
-    def _collected(self, lease: int) -> None:
-        """A view's finalizer: queue the lease for the keeper's thread, nothing else."""
-        self._events.put(lease)
-
-    def _settle(self, event: int | None) -> bool:
-        """A queued event: None asks for a flush (True); a lease id says one of its views was collected -
-        count it, and at the last one give a pin up (one store) or queue the lease to be given up by
-        request (True: the caller flushes)."""
+    def _settle(self, event: weakref.ref | None) -> bool:
+        """A queued event: None asks for a flush (True); a weak reference says one of its lease's views
+        was collected - count it, and at the last one give a pin up (one store) or queue the lease to be
+        given up by request (True: the caller flushes)."""
         if event is None:
             return True
-        lease = event
         with self._lock:
+            _, lease = self._watched.pop(id(event), (None, 0))  # not there: the keeper stopped
             left = self._views.get(lease)
-            if left is None:  # released explicitly before
+            if left is None:  # released explicitly before (or the keeper stopped)
                 return False
             if left > 1:
                 self._views[lease] = left - 1
@@ -630,6 +631,7 @@ class _LeaseKeeper:
             self._ended.extend(i for i in self._views if i not in self._slots)
             self._views.clear()
             self._slots.clear()
+            self._watched.clear()
         for i, (pins, slot) in pinned:
             pins.release(slot, i)
         for pins in [self.pins, *self._retired_pins]:
@@ -1895,15 +1897,15 @@ class TQClient:
                         values[name] = got
             if pinned is None:
                 granted = self._ctrl.recv(rid, Op.BORROW)[0].lease
+            lease, pin = (pinned[0], (pins, pinned[1])) if pinned is not None else (granted, None)
+            if lease is not None:  # a refused borrow's rows are read again by the locate, which counts them
+                self._count_read(rows)  # a call, where a Ctrl-C lands: inside the try (it lost the pin outside)
         except BaseException:
             if pins is not None:
                 pins.unpin(pin_lease)
             if args is not None:  # the lease asked for may be granted all the same: give it up later
                 self._leases.abandon(args.lease_id)  # type: ignore[arg-type]
             raise
-        lease, pin = (pinned[0], (pins, pinned[1])) if pinned is not None else (granted, None)
-        if lease is not None:  # a refused borrow's rows are read again by the locate, which counts them
-            self._count_read(rows)
         return lease, pin
 
     def _pin_file(self, view: LocationView) -> PinFile | None:

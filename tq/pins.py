@@ -181,10 +181,11 @@ class PinFile:
 
     def renew(self, slot: int, lease: int, deadline_ns: int, now_ns: int) -> bool:
         """Move the pin's deadline on; False when it had passed already (the controller may have
-        ended it and freed its rows: its views can no longer be trusted)."""
+        ended it and freed its rows: its views can no longer be trusted). A pin this process gave up
+        already (a release cut short before its keeper forgot it) has nothing to renew: True."""
         row = self._slots[slot] if self._slots is not None else None
         if row is None or row[P_LEASE] != lease:
-            return False
+            return True
         ok = int(row[P_DEADLINE]) > now_ns
         row[P_DEADLINE] = deadline_ns
         return ok

@@ -159,22 +159,26 @@ class _Slab:
     """A range of a same-host unit's arena and a range of block ids granted to this client: puts
     carve blocks out of it with no request to the unit."""
 
-    __slots__ = ("aid", "pos", "end", "next_id", "end_id", "use_until", "writing", "retired")
+    __slots__ = ("aid", "pos", "end", "next_id", "end_id", "use_until", "writers", "retired", "released")
 
     def __init__(self, aid: int, start: int, size: int, first_id: int, n_ids: int, use_until: float) -> None:
         self.aid, self.pos, self.end = aid, start, start + size
         self.next_id, self.end_id, self.use_until = first_id, first_id + n_ids, use_until
-        self.writing = 0  # puts copying into blocks carved from it right now
+        # the puts copying into blocks carved from it right now, by token: a set, not a count, so that
+        # ending a put's writing is the same done twice (see TQClient._done_writing)
+        self.writers: set[object] = set()
         self.retired = False  # replaced: released to its unit once nothing copies into it
+        self.released = False
 
-    def carve(self, nbytes: int, now: float) -> tuple[int, int] | None:
-        """(start, block id) of a block of ``nbytes`` (ALIGN-rounded), or None if it does not fit."""
-        if self.pos + nbytes > self.end or self.next_id >= self.end_id or now > self.use_until:
+    def carve(self, nbytes: int, now: float, writer: object) -> tuple[int, int] | None:
+        """(start, block id) of a block of ``nbytes`` (ALIGN-rounded) for the put ``writer``, or None if
+        it does not fit (or the slab is given back)."""
+        if self.pos + nbytes > self.end or self.next_id >= self.end_id or now > self.use_until or self.retired:
             return None
         start, bid = self.pos, self.next_id
         self.pos += nbytes
         self.next_id += 1
-        self.writing += 1
+        self.writers.add(writer)
         return start, bid
 
 
@@ -743,6 +747,10 @@ class TQClient:
         # unit -> allocations this client is done writing into, told to the unit with its next alloc
         # (or at close): a unit keeps the range of a live writer whose lease ran out until then
         self._released: dict[int, list[int]] = {}
+        # same-host puts copying now -> (unit, allocation, slab or None, first and number of the block ids
+        # to fence if the put is abandoned): registered by the carve under a token the put made before
+        # it, so a put cut short anywhere still ends its writing
+        self._carvings: dict[object, tuple[int, int, _Slab | None, int, int]] = {}
         # requests that raised with their outcome unknown, fenced before this client's next request to
         # the controller: ids of requests that change a partition (see _fenced_call), (unit, block) of writes' commits
         # (a same-host get that reads the location table asks the controller nothing: it works on
@@ -1177,47 +1185,54 @@ class TQClient:
         overwrite: bool,
     ) -> messages.CommitReply:
         parts = self._store_parts(encoded, len(keys))
-        slabs = [p.slab for p in parts if p.slab is not None]
-        cbufs: list[Any] = []
-        commit = messages.Commit(
-            partition=partition_id,
-            keys=keys,
-            mode=mode,
-            blocks=[(p.unit, p.block, p.stop - p.start) for p in parts],
-            fields={
-                n: messages.CommitField(
-                    schema=c.schema.to_wire(),
-                    row_nbytes=protocol.pack_array(np.diff(c.row_offsets), cbufs),
-                    arena_offsets=protocol.pack_array(
-                        np.concatenate([p.starts[n] + _rebased(c.row_offsets, p.start, p.stop)[:-1] for p in parts]), cbufs
-                    ),
-                )
-                for n, c in encoded.items()
-            },
-            overwrite=overwrite,
-            tags={k: list(v) for k, v in tags.items()} if tags else None,
-            sequence_lengths=sequence_lengths,
-            slabs=slabs if len(slabs) == len(parts) else None,
-        )
-        probe_s = min(ABORT_PROBE_S, 0.25 * self.timeout)
-        try:
-            with time_budget((time_left() or 0.0) - probe_s):  # keep time to ask, should no reply come
-                return self._call(Op.COMMIT, commit, cbufs)
-        except TQConnectionError as exc:
-            # No reply (or no time left to ask): the commit may still be applied (a stalled controller)
-            # or may be lost (a restarted one). Ask: the controller fences blocks not committed, so the
-            # outcome is settled either way - never a key pointing at storage that is freed or reused.
-            blocks = [(p.unit, p.block) for p in parts]
-            landed = self._probe(
-                exc,
-                lambda: self._call(Op.ABORT_BLOCKS, messages.AbortBlocks(blocks=blocks), timeout=probe_s).committed,
-                lambda: self._unsettled_blocks.update(blocks),
-                f"the outcome of this {mode} is unknown: its keys are either absent or hold exactly this write's bytes, "
-                "settled before this client's next request to the controller (a commit arriving after that is refused)",
+        try:  # stored: from here the blocks are this put's to settle
+            slabs = [p.slab for p in parts if p.slab is not None]
+            cbufs: list[Any] = []
+            commit = messages.Commit(
+                partition=partition_id,
+                keys=keys,
+                mode=mode,
+                blocks=[(p.unit, p.block, p.stop - p.start) for p in parts],
+                fields={
+                    n: messages.CommitField(
+                        schema=c.schema.to_wire(),
+                        row_nbytes=protocol.pack_array(np.diff(c.row_offsets), cbufs),
+                        arena_offsets=protocol.pack_array(
+                            np.concatenate([p.starts[n] + _rebased(c.row_offsets, p.start, p.stop)[:-1] for p in parts]), cbufs
+                        ),
+                    )
+                    for n, c in encoded.items()
+                },
+                overwrite=overwrite,
+                tags={k: list(v) for k, v in tags.items()} if tags else None,
+                sequence_lengths=sequence_lengths,
+                slabs=slabs if len(slabs) == len(parts) else None,
             )
-            if all(landed):  # it did land (the meta then carries no slots: its gets ask the controller)
-                return messages.CommitReply(keys=len(keys))
-            raise TQConnectionError(f"{exc}; this {mode} did not land (its storage was reclaimed): write it again") from None
+            probe_s = min(ABORT_PROBE_S, 0.25 * self.timeout)
+            try:
+                with time_budget((time_left() or 0.0) - probe_s):  # keep time to ask, should no reply come
+                    return self._call(Op.COMMIT, commit, cbufs)
+            except TQConnectionError as exc:
+                # No reply (or no time left to ask): the commit may still be applied (a stalled controller)
+                # or may be lost (a restarted one). Ask: the controller fences blocks not committed, so the
+                # outcome is settled either way - never a key pointing at storage that is freed or reused.
+                blocks = [(p.unit, p.block) for p in parts]
+                landed = self._probe(
+                    exc,
+                    lambda: self._call(Op.ABORT_BLOCKS, messages.AbortBlocks(blocks=blocks), timeout=probe_s).committed,
+                    lambda: self._unsettled_blocks.update(blocks),
+                    f"the outcome of this {mode} is unknown: its keys are either absent or hold exactly this write's bytes, "
+                    "settled before this client's next request to the controller (a commit arriving after that is refused)",
+                )
+                if all(landed):  # it did land (the meta then carries no slots: its gets ask the controller)
+                    return messages.CommitReply(keys=len(keys))
+                raise TQConnectionError(f"{exc}; this {mode} did not land (its storage was reclaimed): write it again") from None
+        except TQError:
+            raise
+        except BaseException:  # a Ctrl-C with the blocks stored: whether the commit went out is unknown -
+            with self._unsettled_lock:  # settled (fenced, or found committed) before the next request
+                self._unsettled_blocks.update((p.unit, p.block) for p in parts)
+            raise
 
     def _store_parts(self, encoded: dict[str, EncodedColumn], n: int) -> list[_StoredPart]:
         """Store all rows on the unit picked for them; if it has no room (and ``capacity_wait_s``
@@ -1276,9 +1291,11 @@ class TQClient:
     def _put_here(self, unit: int, encoded: dict[str, EncodedColumn], n: int, need: int) -> _StoredPart:
         """Write all rows into a block carved out of this client's slab on ``unit`` (a unit of this
         host): no request to the unit, so the put's commit is its only round trip."""
-        carved = None  # assigned inside the try: a Ctrl-C landing right after the carve still ends the writing
+        # the put's token, known before the carve: whatever cuts the put short after it (a Ctrl-C
+        # included), the writing ends - and what was carved for a put that never returned is fenced
+        writer, written = object(), False
         try:
-            aid, base, bid, slab = carved = self._carve(unit, need)
+            aid, base, bid = self._carve(unit, need, writer)
             arena = self._arena(unit)
             if need >= PREFAULT_MIN_BYTES:
                 arena.prefault(base, need)
@@ -1288,61 +1305,91 @@ class TQClient:
                 write_chunks(view[pos : pos + nb], col.chunks, threads)
                 starts[name] = pos
                 pos = align_up(pos + nb, _FIELD_ALIGN)
+            written = True
         finally:
-            if carved is not None:
-                self._done_writing(unit, carved[0], carved[3])
+            try:  # in this frame: an interrupt at the call's first line lands here, not past it
+                self._done_writing(writer, abandoned=not written)
+            except BaseException:  # cut short itself: run again to its end (idempotent) - the put now raises
+                self._done_writing(writer, abandoned=True)
+                raise
         return _StoredPart(unit, bid, 0, n, starts, (aid, base, need))
 
-    def _done_writing(self, unit: int, aid: int, slab: _Slab | None) -> None:
-        """This put's copy into allocation ``aid`` (carved from ``slab``, or a slab of its own) ended:
-        what nothing copies into any more is released to its unit with the next alloc."""
+    def _done_writing(self, writer: object, *, abandoned: bool) -> None:
+        """The put ``writer`` no longer copies into what it carved (if it carved at all): an allocation of
+        its own is released to its unit with the next alloc, and so is a slab given back once nothing
+        copies into it; the block ids of an ``abandoned`` put are fenced before this client's next
+        request (its unit then frees their bytes at once, not after its lease). Done twice, the same as
+        once."""
         with self._slab_lock:
-            if slab is None:
-                self._released.setdefault(unit, []).append(aid)
-            else:
-                slab.writing -= 1
-                self._release_when_idle(unit, slab)
+            carving = self._carvings.get(writer)
+            if carving is not None:
+                unit, aid, slab, first, n_ids = carving
+                if abandoned and n_ids:
+                    with self._unsettled_lock:
+                        self._unsettled_blocks.update((unit, b) for b in range(first, first + n_ids))
+                if slab is None:
+                    self._release_alloc(unit, aid)
+                else:
+                    slab.writers.discard(writer)
+                    self._release_when_idle(unit, slab)
+                del self._carvings[writer]
+
+    def _release_alloc(self, unit: int, aid: int) -> None:
+        """Tell ``unit`` with the next alloc that this client no longer writes into ``aid``. Under the
+        slab lock; once only (the unit ignores an allocation it no longer has, if told again later)."""
+        released = self._released.setdefault(unit, [])
+        if aid not in released:
+            released.append(aid)
 
     def _release_when_idle(self, unit: int, slab: _Slab) -> None:
         """A slab given back is released to its unit once no put copies into it. Under the slab lock."""
-        if slab.retired and slab.writing == 0:
-            self._released.setdefault(unit, []).append(slab.aid)
+        if slab.retired and not slab.writers and not slab.released:
+            self._release_alloc(unit, slab.aid)
+            slab.released = True  # after: cut short in between, the next call releases it (once: see _release_alloc)
 
-    def _carve(self, unit: int, need: int) -> tuple[int, int, int, _Slab | None]:
-        """(slab id, arena offset, block id, slab) of ``need`` bytes on ``unit``: from this client's
-        slab, else from a new one (a request to the unit, once per SLAB_IDS puts or SLAB_BYTES), or a
-        slab of its own for a put above a quarter slab (then None). The caller tells
-        :meth:`_done_writing` when its copy ended."""
+    def _carve(self, unit: int, need: int, writer: object) -> tuple[int, int, int]:
+        """(allocation id, arena offset, block id) of ``need`` bytes on ``unit`` for the put ``writer``:
+        from this client's slab, else from a new one (a request to the unit, once per SLAB_IDS puts or
+        SLAB_BYTES), or an allocation of its own for a put above a quarter slab. Each is registered
+        under ``writer`` before anything could cut the carve short; the caller tells
+        :meth:`_done_writing` when its copy ended (or never began)."""
         with self._slab_lock:
             now = time.monotonic()
             slab = self._slabs.get(unit)
-            got = slab.carve(need, now) if slab is not None else None
-            if got is not None:
-                return slab.aid, got[0], got[1], slab  # type: ignore[union-attr]
+            if slab is not None:
+                self._carvings[writer] = (unit, slab.aid, slab, 0, 0)
+                got = slab.carve(need, now, writer)
+                if got is not None:
+                    self._carvings[writer] = (unit, slab.aid, slab, got[1], 1)
+                    return slab.aid, got[0], got[1]
+                del self._carvings[writer]  # a slab it could not carve from: nothing of it to end
             if need > SLAB_BYTES // 4:
-                g = self._alloc(unit, need, ids=1)
-                return g.alloc, g.offset, g.first_block, None
+                g = self._alloc(unit, need, ids=1, writer=writer)
+                return g.alloc, g.offset, g.first_block  # type: ignore[return-value]
             if slab is not None:
                 self._give_back_slabs(lambda s: s is slab)
             try:
-                g = self._alloc(unit, SLAB_BYTES, ids=SLAB_IDS, wait=False)
+                g = self._alloc(unit, SLAB_BYTES, ids=SLAB_IDS, wait=False, writer=writer)
             except CapacityError:  # no room for a whole slab: one just for this put (waiting for room)
-                g = self._alloc(unit, need, ids=1)
-                return g.alloc, g.offset, g.first_block, None
-            slab = self._slabs[unit] = _Slab(g.alloc, g.offset, SLAB_BYTES, g.first_block, SLAB_IDS, now + SLAB_USE_S)
-            start, bid = slab.carve(need, now)  # type: ignore[misc]
+                g = self._alloc(unit, need, ids=1, writer=writer)
+                return g.alloc, g.offset, g.first_block  # type: ignore[return-value]
+            slab = _Slab(g.alloc, g.offset, SLAB_BYTES, g.first_block, SLAB_IDS, now + SLAB_USE_S)  # type: ignore[arg-type]
+            self._carvings[writer] = (unit, g.alloc, slab, 0, 0)
+            self._slabs[unit] = slab
+            start, bid = slab.carve(need, now, writer)  # type: ignore[misc]
+            self._carvings[writer] = (unit, g.alloc, slab, bid, 1)
             if self._slab_keeper is None:  # holds the client weakly: a client nobody closes is still collected
                 args = (weakref.ref(self), self._slab_keeper_stop)
                 self._slab_keeper = threading.Thread(target=_keep_slabs, args=args, name="tq-slab-keeper", daemon=True)
                 self._slab_keeper.start()
-            return slab.aid, start, bid, slab
+            return slab.aid, start, bid
 
     def _give_back_idle_slabs(self) -> None:
         """Give back every slab no put carved from for its use period: its unit gets the room back now
         (it would hold the range for as long as this process lives otherwise: see messages.Alloc)."""
         with self._slab_lock:
             now = time.monotonic()
-            for unit in self._give_back_slabs(lambda slab: now > slab.use_until and slab.writing == 0):
+            for unit in self._give_back_slabs(lambda slab: now > slab.use_until and not slab.writers):
                 self._send_released(unit)
 
     def _give_back_slabs(self, which: Callable[[_Slab], bool]) -> list[int]:
@@ -1350,24 +1397,34 @@ class TQClient:
         their units. Under the slab lock."""
         units = []
         for unit, slab in list(self._slabs.items()):
-            if which(slab):
-                del self._slabs[unit]
-                self._give_back(unit, slab)
+            if which(slab):  # retired and released first: cut short after, it is still let go (idempotent)
                 slab.retired = True
                 self._release_when_idle(unit, slab)
+                del self._slabs[unit]
+                self._give_back(unit, slab)
                 units.append(unit)
         return units
 
     def _send_released(self, unit: int) -> None:
         """Tell ``unit`` now which of its allocations this client no longer writes into (best effort:
         kept for the next alloc if the unit does not answer). Under the slab lock."""
-        aids = self._released.pop(unit, [])
+        aids = list(self._released.get(unit, ()))
         if not aids:
             return
         try:
             self._unit_chans[unit].call(UnitOp.RELEASE, messages.Release(allocs=aids), [], timeout=min(self.timeout, GIVE_BACK_S))
         except (TQError, KeyError):
-            self._released.setdefault(unit, []).extend(aids)
+            return
+        self._forget_released(unit, aids)
+
+    def _forget_released(self, unit: int, aids: list[int]) -> None:
+        """``unit`` was told of ``aids``: they leave the list only now, so a request cut short anywhere
+        (a Ctrl-C) leaves them to be told again (a unit ignores an allocation it no longer has)."""
+        left = [a for a in self._released.get(unit, ()) if a not in aids]
+        if left:
+            self._released[unit] = left
+        else:
+            self._released.pop(unit, None)
 
     def _give_back(self, unit: int, slab: _Slab) -> None:
         """Have the ids this client never used fenced, so the unit closes the slab and frees what no
@@ -1382,11 +1439,14 @@ class TQClient:
             except TQError:
                 pass
 
-    def _alloc(self, unit: int, nbytes: int, *, ids: int = 0, wait: bool = True) -> messages.AllocReply:
+    def _alloc(self, unit: int, nbytes: int, *, ids: int = 0, wait: bool = True, writer: object = None) -> messages.AllocReply:
         """Reserve ``nbytes`` of ``unit``'s arena (a slab with ``ids`` block ids, when ``ids``), waiting
         for room up to ``capacity_wait_s`` when ``wait``. The request of a same-host writer says when
         it stops waiting for the answer (one host, one clock): a unit that gets to it later grants
-        nothing, since a range nobody fills would stay reserved until its lease ends."""
+        nothing, since a range nobody fills would stay reserved until its lease ends. For the put
+        ``writer`` the grant is registered as its own allocation (released when its writing ends, its
+        ids fenced if it is abandoned) as soon as the reply is back, with no call in between for a
+        Ctrl-C to land at."""
         reply_by, writer, writer_file, released = None, None, None, []
         if self._is_local(unit):
             timeout = self.timeout + self.capacity_wait_s
@@ -1394,18 +1454,17 @@ class TQClient:
             writer = os.getpid()
             writer_file = liveness.own_file_or_none(os.path.dirname(self._units[unit].arena_path))
             with self._slab_lock:
-                released = self._released.pop(unit, [])
+                released = list(self._released.get(unit, ()))
         wait_s = self._room_wait_s() if wait else 0.0
         args = messages.Alloc(
             nbytes=nbytes, wait_s=wait_s, ids=ids, reply_by=reply_by, writer=writer, writer_file=writer_file, released=released
         )
-        try:
-            reply = self._unit_call(unit, UnitOp.ALLOC, args, [])
-        except BaseException:
-            if released:  # told nothing for sure: tell it again next time
-                with self._slab_lock:
-                    self._released.setdefault(unit, []).extend(released)
-            raise
+        reply = self._unit_call(unit, UnitOp.ALLOC, args, [])
+        if writer is not None:
+            self._carvings[writer] = (unit, reply.alloc, None, reply.first_block, ids)  # type: ignore[assignment]
+        if released:
+            with self._slab_lock:
+                self._forget_released(unit, released)
         if self._is_local(unit) and self._trim_epochs.get(unit) != reply.trim_epoch:  # it gave pages back (or restarted)
             self._trim_epochs[unit] = reply.trim_epoch
             self._arena(unit).forget_populated()
@@ -1519,7 +1578,8 @@ class TQClient:
                 args = messages.Store(n_rows=stop - start, fields=fields, alloc=alloc.alloc)
                 return self._stored(unit, self._unit_call(unit, UnitOp.STORE, args, buffers), start, stop)
             except BaseException:
-                self._done_writing(unit, alloc.alloc, None)  # abandoned: the unit may free it now
+                with self._slab_lock:  # abandoned: the unit may free it now
+                    self._release_alloc(unit, alloc.alloc)
                 raise
         else:
             for name, (col, ro, chunks) in cols.items():

@@ -213,18 +213,20 @@ def test_a_child_forked_while_another_thread_is_inside_a_pool_can_use_it():
 
 
 def test_a_buffer_queued_back_while_its_dying_array_still_exports_it_is_neither_grown_nor_closed_under_it():
-    """A buffer's finalizer runs while its array is being freed, before the array lets go of the
-    mapping; another thread can take the buffer back in that window. Growing it (mremap) or closing
-    it there raises BufferError: the pool leaves such a buffer alone instead of failing the get or
-    the trim."""
+    """A buffer's weak-reference callback runs while its array is being freed, before the array lets
+    go of the mapping; another thread can take the buffer back in that window. Growing it (mremap)
+    or closing it there raises BufferError: the pool leaves such a buffer alone instead of failing
+    the get or the trim."""
     pool = HostBufferPool(max_cached_bytes=64 * MiB)
     a = pool.empty(2 * MiB)
-    mm = a.base.obj if isinstance(a.base, memoryview) else a.base  # the mapping, still exported by ``a``
-    pool._release(mm, 2 * MiB)  # the finalizer's call, ``a`` not yet freed
+    (ref,) = [r for r, _, _ in pool._watched.values() if r() is a]
+    pool._released.put(ref)  # the callback's call, ``a`` not yet freed
     bigger = pool.empty(4 * MiB)  # the only idle buffer is smaller: grown - but it is still exported
     bigger[:] = 1
     assert bigger.size == 4 * MiB
-    pool._release(mm, 2 * MiB)
+    mm = a.base.obj if isinstance(a.base, memoryview) else a.base  # the mapping, still exported by ``a``
+    pool._watched[id(ref)] = (ref, mm, 2 * MiB)  # back in the pool again, still exported
+    pool._released.put(ref)
     pool.clear()  # closing it would raise too
     assert pool.cached_bytes == 0
     a[:] = 3  # the array still writes its own pages

@@ -62,9 +62,12 @@ class HostBufferPool:
         self._cached = 0
         self._seq = itertools.count()
         self._lock = threading.Lock()
-        # Buffers whose last array was collected, not yet back in ``_free``. The finalizer only queues
-        # them: it runs wherever the collector runs, also on a thread inside ``empty`` with the lock held.
-        self._released: queue.SimpleQueue[tuple[mmap.mmap, int]] = queue.SimpleQueue()
+        # Buffers whose last array was collected, not yet back in ``_free``: each array is watched by a
+        # weak reference whose callback is ``SimpleQueue.put`` itself - it runs wherever the collector
+        # runs (also on a thread inside ``empty`` with the lock held) and, being C, runs no Python code
+        # a signal handler's exception (a Ctrl-C) could cut short.
+        self._released: queue.SimpleQueue[weakref.ref] = queue.SimpleQueue()
+        self._watched: dict[int, tuple[weakref.ref, mmap.mmap, int]] = {}  # id of the reference -> it, the buffer
         _pools.add(self)
 
     @property
@@ -95,7 +98,8 @@ class HostBufferPool:
             # saves a fault per page (a cold 512 MiB get on a 32-core host: 345 ms, 120 ms warm)
             mm = huge_page_mapping(size, populate=self.populate)
         arr = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
-        weakref.finalize(arr, self._release, mm, size)
+        ref = weakref.ref(arr, self._released.put)
+        self._watched[id(ref)] = (ref, mm, size)
         return arr
 
     def _grown(self, mm: mmap.mmap, size: int, new_size: int) -> mmap.mmap | None:
@@ -112,17 +116,15 @@ class HostBufferPool:
             populate_writable(mm, size, new_size - size)
         return mm
 
-    def _release(self, mm: mmap.mmap, size: int) -> None:
-        """A buffer's finalizer: queue it (see ``_released``)."""
-        self._released.put((mm, size))
-
     def _take_back(self) -> None:
         """Move the queued buffers into ``_free`` (call with the lock held), in the order they died."""
         while True:
             try:
-                mm, size = self._released.get_nowait()
+                _, mm, size = self._watched.pop(id(self._released.get_nowait()))
             except queue.Empty:
                 return
+            except KeyError:  # queued twice (only a test does that)
+                continue
             if self._cached + size <= self.max_cached_bytes:
                 bisect.insort(self._free, (size, -next(self._seq), mm))
                 self._cached += size

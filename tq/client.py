@@ -747,6 +747,9 @@ class TQClient:
         # unit -> allocations this client is done writing into, told to the unit with its next alloc
         # (or at close): a unit keeps the range of a live writer whose lease ran out until then
         self._released: dict[int, list[int]] = {}
+        # unit -> ids of alloc requests whose reply never reached this client (a Ctrl-C, a timeout): told
+        # to the unit like ``_released``, which frees what they were granted (nothing of it is in use)
+        self._abandoned_allocs: dict[int, list[int]] = {}
         # same-host puts copying now -> (unit, allocation, slab or None, first and number of the block ids
         # to fence if the put is abandoned): registered by the carve under a token the put made before
         # it, so a put cut short anywhere still ends its writing
@@ -942,9 +945,10 @@ class TQClient:
             self._slab_keeper_stop.set()
             with self._slab_lock:
                 self._give_back_slabs(lambda slab: True)
-                for unit in list(self._released):
+                for unit in {*self._released, *self._abandoned_allocs}:
                     self._send_released(unit)
-                self._released.clear()  # what could not be sent: a unit holds it only while this process lives
+                self._released.clear()
+                self._abandoned_allocs.clear()  # what could not be sent: a unit holds it only while this process lives
             try:  # once this client is gone nothing fences them (best effort, as the slabs above)
                 self._settle(GIVE_BACK_S)
             except TQError:
@@ -1408,23 +1412,26 @@ class TQClient:
     def _send_released(self, unit: int) -> None:
         """Tell ``unit`` now which of its allocations this client no longer writes into (best effort:
         kept for the next alloc if the unit does not answer). Under the slab lock."""
-        aids = list(self._released.get(unit, ()))
-        if not aids:
+        aids, abandoned = list(self._released.get(unit, ())), list(self._abandoned_allocs.get(unit, ()))
+        if not aids and not abandoned:
             return
         try:
-            self._unit_chans[unit].call(UnitOp.RELEASE, messages.Release(allocs=aids), [], timeout=min(self.timeout, GIVE_BACK_S))
+            self._unit_chans[unit].call(
+                UnitOp.RELEASE, messages.Release(allocs=aids, abandoned=abandoned), [], timeout=min(self.timeout, GIVE_BACK_S)
+            )
         except (TQError, KeyError):
             return
-        self._forget_released(unit, aids)
+        self._forget_released(unit, aids, abandoned)
 
-    def _forget_released(self, unit: int, aids: list[int]) -> None:
-        """``unit`` was told of ``aids``: they leave the list only now, so a request cut short anywhere
-        (a Ctrl-C) leaves them to be told again (a unit ignores an allocation it no longer has)."""
-        left = [a for a in self._released.get(unit, ()) if a not in aids]
-        if left:
-            self._released[unit] = left
-        else:
-            self._released.pop(unit, None)
+    def _forget_released(self, unit: int, aids: list[int], abandoned: list[int]) -> None:
+        """``unit`` was told of ``aids`` and ``abandoned``: they leave their lists only now, so a request
+        cut short anywhere (a Ctrl-C) leaves them to be told again (a unit ignores what it no longer
+        has). Removed one by one, not replaced: ``_abandoned_allocs`` is appended to without the lock."""
+        for table, told in ((self._released, aids), (self._abandoned_allocs, abandoned)):
+            kept = table.get(unit)
+            for x in told if kept is not None else ():
+                if x in kept:
+                    kept.remove(x)
 
     def _give_back(self, unit: int, slab: _Slab) -> None:
         """Have the ids this client never used fenced, so the unit closes the slab and frees what no
@@ -1447,24 +1454,39 @@ class TQClient:
         ``writer`` the grant is registered as its own allocation (released when its writing ends, its
         ids fenced if it is abandoned) as soon as the reply is back, with no call in between for a
         Ctrl-C to land at."""
-        reply_by, writer, writer_file, released = None, None, None, []
+        reply_by, pid, writer_file, released, abandoned, request_id = None, None, None, [], [], None
         if self._is_local(unit):
             timeout = self.timeout + self.capacity_wait_s
             reply_by = time.time() + min(timeout, time_left() or timeout)
-            writer = os.getpid()
+            pid, request_id = os.getpid(), new_request_id()
             writer_file = liveness.own_file_or_none(os.path.dirname(self._units[unit].arena_path))
             with self._slab_lock:
                 released = list(self._released.get(unit, ()))
+                abandoned = list(self._abandoned_allocs.setdefault(unit, []))
         wait_s = self._room_wait_s() if wait else 0.0
         args = messages.Alloc(
-            nbytes=nbytes, wait_s=wait_s, ids=ids, reply_by=reply_by, writer=writer, writer_file=writer_file, released=released
+            nbytes=nbytes,
+            wait_s=wait_s,
+            ids=ids,
+            reply_by=reply_by,
+            writer=pid,
+            writer_file=writer_file,
+            released=released,
+            request_id=request_id,
+            abandoned=abandoned,
         )
-        reply = self._unit_call(unit, UnitOp.ALLOC, args, [])
+        lost = self._abandoned_allocs.get(unit)  # made above: appending to it is one call, nothing before it
+        try:
+            reply = self._unit_call(unit, UnitOp.ALLOC, args, [])
+        except BaseException:  # its reply never reached us, or came too late: what it was granted, if
+            if request_id is not None and lost is not None:  # anything, is in no one's use - freed at the next word
+                lost.append(request_id)
+            raise
         if writer is not None:
             self._carvings[writer] = (unit, reply.alloc, None, reply.first_block, ids)  # type: ignore[assignment]
-        if released:
+        if released or abandoned:
             with self._slab_lock:
-                self._forget_released(unit, released)
+                self._forget_released(unit, released, abandoned)
         if self._is_local(unit) and self._trim_epochs.get(unit) != reply.trim_epoch:  # it gave pages back (or restarted)
             self._trim_epochs[unit] = reply.trim_epoch
             self._arena(unit).forget_populated()

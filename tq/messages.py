@@ -629,12 +629,19 @@ class Alloc(Args):
     writer_file: Union[LivenessFile, None] = None
     # allocations of this writer's that it will not write into any more (see Release), told in passing
     released: list[Count] = []
+    # a same-host writer's id for this request: should its reply never reach the writer (a Ctrl-C, a
+    # timeout), the writer names it in ``abandoned`` (see Release) and the unit frees what it granted
+    request_id: Union[RequestId, None] = None
+    abandoned: list[RequestId] = []
 
 
 class Release(Args):
-    """A same-host writer will not write into these allocations (or slabs) of the unit any more."""
+    """A same-host writer will not write into these allocations (or slabs) of the unit any more, nor
+    into what its ``abandoned`` alloc requests (by ``request_id``) were granted - their replies never
+    reached it, so nothing of them is in use: freed at once, a slab's block ids with it."""
 
     allocs: list[Count]
+    abandoned: list[RequestId] = []
 
 
 class ReleaseReply(Reply):

@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -190,6 +190,9 @@ class StorageUnit(RpcServer):
         # mid-copy): kept from everyone else until it releases them or exits. alloc id -> the ranges, and
         # the slab they are the gaps of (None: an allocation)
         self.held: dict[int, tuple[list[tuple[int, int]], Slab | None]] = {}
+        # a same-host writer's alloc request id -> the allocation it was granted (see Alloc.request_id);
+        # not journaled: after a restart an abandoned grant is held while its writer lives, as before
+        self.grants: dict[int, int] = {}
         self._next_writer_check = 0.0
         self._next_liveness_sweep = 0.0  # the first tick sweeps: files of writers that exited while no unit ran
         self.parked_fetches: list[tuple[messages.Fetch, list, Call, float]] = []  # rows of blocks not adopted yet
@@ -393,9 +396,9 @@ class StorageUnit(RpcServer):
     def op_alloc(self, args: messages.Alloc, buffers: list, call: Call) -> messages.AllocReply:
         if args.reply_by is not None and time.time() > args.reply_by + ALLOC_CLOCK_SLACK_S:
             raise TQTimeoutError(f"allocation of {args.nbytes} bytes reached storage unit {self.unit_id} after its writer stopped waiting")
-        if args.released:
-            self._release(args.released)
-            args.released = []  # once, should the request be parked and served again
+        if args.released or args.abandoned:
+            self._release(args.released, args.abandoned)
+            args.released = args.abandoned = []  # once, should the request be parked and served again
         nbytes = args.nbytes
         self._check_fits_at_all(nbytes)
         start = self._allocate(nbytes)
@@ -404,6 +407,8 @@ class StorageUnit(RpcServer):
         if writer is not None:  # journaled first: the records below are in the same write
             self.writers[aid] = writer
             self.journal.append(_writer_record(aid, writer))
+            if args.request_id is not None:
+                self.grants[args.request_id] = aid
         if args.ids:  # a slab: the writer names its blocks (these ids) in its commit
             size, first = align_up(max(nbytes, 1)), self._next_id
             self._next_id += args.ids
@@ -865,13 +870,27 @@ class StorageUnit(RpcServer):
         return messages.FreeBlocksReply(blocks_freed=len(args.blocks))
 
     def op_release(self, args: messages.Release, buffers: list, call: Call) -> messages.ReleaseReply:
-        return messages.ReleaseReply(released_bytes=self._release(args.allocs))
+        return messages.ReleaseReply(released_bytes=self._release(args.allocs, args.abandoned))
 
-    def _release(self, aids: list[int]) -> int:
+    def _release(self, aids: list[int], abandoned: Sequence[int] = ()) -> int:
         """A same-host writer will not write into these allocations any more: ranges held for it
         past their lease are freed, an allocation it abandoned unstored is freed now, and an open
-        slab closes as any other once its ids are settled. Returns the bytes freed."""
+        slab closes as any other once its ids are settled. What ``abandoned`` alloc requests were
+        granted is freed at once - a slab too, its ids settled with it: the writer never heard of
+        them. Returns the bytes freed."""
+        if len(self.grants) > 2 * (len(self.pending) + len(self.slabs) + len(self.held)) + 64:  # forget ended ones
+            self.grants = {r: a for r, a in self.grants.items() if a in self.pending or a in self.slabs or a in self.held}
         released = 0
+        for rid in abandoned:
+            aid = self.grants.pop(rid, -1)
+            if aid in self.slabs:
+                slab = self.slabs[aid]
+                slab.unsettled.clear()  # ids nobody was told of: no commit can name them
+                self.writers.pop(aid, None)
+                self._settled(aid, slab)
+                released += sum(size for _, size in slab.gaps())
+            elif aid in self.pending or aid in self.held:
+                aids = [*aids, aid]
         for aid in aids:
             if aid in self.held:
                 released += self._release_held(aid)

@@ -521,3 +521,25 @@ def test_a_slab_granted_to_an_alloc_whose_reply_was_cut_short_is_freed_at_the_ne
             assert torch.equal(c.get(meta)["x"], torch.arange(16)[None])
             assert wait_until(lambda: (u := c.stats()["unit_stats"][0])["slabs"] == 0 and u["slab_bytes_reserved"] == 0, timeout=10)
             assert c.stats()["unit_stats"][0]["held_bytes"] == 0 and c.get_meta("p").keys == ("b",)
+
+
+def test_an_alloc_its_writer_named_abandoned_before_the_unit_served_it_is_refused():
+    """An alloc parked at its unit for room can come up after its writer gave it up (and named it
+    abandoned with its next word, which found no grant to free): the unit refuses it then, rather
+    than reserve a range no one will ever learn of."""
+    from tq import messages
+    from tq.errors import TQTimeoutError
+    from tq.messages import UnitOp
+    from tq.request_book import new_request_id
+
+    with TQServer(storage_units=1, capacity=32 << 20) as server, TQClient(server.address, timeout=10.0) as c:
+        chan, gone, kept = c._unit_chans[0], new_request_id(), new_request_id()
+        assert chan.call(UnitOp.RELEASE, messages.Release(allocs=[], abandoned=[gone]))[0].released_bytes == 0
+        alloc = {"nbytes": 4096, "ids": 4, "writer": os.getpid()}
+        with pytest.raises(TQTimeoutError, match="after its writer gave it up"):
+            chan.call(UnitOp.ALLOC, messages.Alloc(**alloc, request_id=gone))
+        granted = chan.call(UnitOp.ALLOC, messages.Alloc(**alloc, request_id=kept))[0]
+        assert c.stats()["unit_stats"][0]["slabs"] == 1
+        freed = chan.call(UnitOp.RELEASE, messages.Release(allocs=[], abandoned=[kept]))[0].released_bytes
+        assert freed > 0 and granted.first_block is not None
+        assert c.stats()["unit_stats"][0]["slabs"] == 0 and c.stats()["unit_stats"][0]["bytes_used"] == 0

@@ -193,6 +193,9 @@ class StorageUnit(RpcServer):
         # a same-host writer's alloc request id -> the allocation it was granted (see Alloc.request_id);
         # not journaled: after a restart an abandoned grant is held while its writer lives, as before
         self.grants: dict[int, int] = {}
+        # abandoned alloc request ids that matched no grant (yet: one parked for room may still come up) -> when
+        # told; such a request is refused if it comes up within an allocation lease
+        self.abandoned: dict[int, float] = {}
         self._next_writer_check = 0.0
         self._next_liveness_sweep = 0.0  # the first tick sweeps: files of writers that exited while no unit ran
         self.parked_fetches: list[tuple[messages.Fetch, list, Call, float]] = []  # rows of blocks not adopted yet
@@ -396,6 +399,8 @@ class StorageUnit(RpcServer):
     def op_alloc(self, args: messages.Alloc, buffers: list, call: Call) -> messages.AllocReply:
         if args.reply_by is not None and time.time() > args.reply_by + ALLOC_CLOCK_SLACK_S:
             raise TQTimeoutError(f"allocation of {args.nbytes} bytes reached storage unit {self.unit_id} after its writer stopped waiting")
+        if args.request_id is not None and args.request_id in self.abandoned:
+            raise TQTimeoutError(f"allocation of {args.nbytes} bytes reached storage unit {self.unit_id} after its writer gave it up")
         if args.released or args.abandoned:
             self._release(args.released, args.abandoned)
             args.released = args.abandoned = []  # once, should the request be parked and served again
@@ -881,9 +886,14 @@ class StorageUnit(RpcServer):
         if len(self.grants) > 2 * (len(self.pending) + len(self.slabs) + len(self.held)) + 64:  # forget ended ones
             self.grants = {r: a for r, a in self.grants.items() if a in self.pending or a in self.slabs or a in self.held}
         released = 0
+        now = time.monotonic()
+        if len(self.abandoned) > 1024:
+            self.abandoned = {r: t for r, t in self.abandoned.items() if now - t < self.alloc_lease_s}
         for rid in abandoned:
             aid = self.grants.pop(rid, -1)
-            if aid in self.slabs:
+            if aid == -1:
+                self.abandoned[rid] = now
+            elif aid in self.slabs:
                 slab = self.slabs[aid]
                 slab.unsettled.clear()  # ids nobody was told of: no commit can name them
                 self.writers.pop(aid, None)

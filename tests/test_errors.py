@@ -1630,3 +1630,19 @@ def test_names_out_of_bounds_are_refused_by_the_client_and_on_the_wire(tq_server
         edge = client.put(part, ["a", "b"], {"x": x}, tags={"t": [-(2**63), 2**64 - 1]})
         assert client.get_meta(part).tags == edge.tags == {"t": (-(2**63), 2**64 - 1)}
         client.drop_partition(part)
+
+
+def test_a_listing_that_names_a_key_twice_is_refused_by_the_controller_naming_it(tq_server):
+    """``get_meta`` with a key given twice: a meta's keys are unique, so the controller refuses the
+    request naming the key (DuplicateKeyError, as a mint or put that repeats one), instead of a reply
+    the reader's meta then refused with a bare ValueError after the round trip."""
+    from tq.errors import DuplicateKeyError
+
+    with TQClient(tq_server.address, timeout=10.0) as client:
+        part = f"dup-{uuid.uuid4().hex[:8]}"
+        client.register_partition(part)
+        client.put(part, ["a", "b"], {"x": torch.zeros(2, 2)})
+        with pytest.raises(DuplicateKeyError, match="key 'a' appears more than once in the request"):
+            client.get_meta(part, ["a", "b", "a"])
+        assert client.get_meta(part, ["b", "a"]).keys == ("b", "a")
+        client.drop_partition(part)

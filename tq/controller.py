@@ -957,6 +957,8 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
     def op_get_meta(self, args: messages.GetMeta, buffers: list, call: Call) -> messages.GetMetaReply:
         """Keys (all, or the given ones), their tags and sequence lengths, and fields produced for all."""
         part = self._partition(args.partition)
+        if args.keys is not None:  # a meta's keys are unique: a repeated one is named here, not by the reader's meta
+            self._unique(args.keys)
         keys = args.keys if args.keys is not None else [k for k in part.slot_keys if k is not None]
         slots = part.slots_of(keys)
         sl = slots.tolist()

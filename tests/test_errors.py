@@ -1646,3 +1646,45 @@ def test_a_listing_that_names_a_key_twice_is_refused_by_the_controller_naming_it
             client.get_meta(part, ["a", "b", "a"])
         assert client.get_meta(part, ["b", "a"]).keys == ("b", "a")
         client.drop_partition(part)
+
+
+@pytest.mark.parametrize("op", ["mint", "commit"])
+def test_a_change_cut_short_by_a_ctrl_c_as_it_is_sent_never_lands_later(tq_server, monkeypatch, op):
+    """A Ctrl-C landing as a ``register_keys`` sends its mint (a request with an id) or a put sends its
+    commit: whether it went out is unknown, so it is settled before the client's next request, as one
+    that got no reply is (the request fenced; the put's blocks fenced, or found committed). The same
+    request arriving late is then refused, and the keys never appear after the client listed them
+    as absent. (Before, nothing was settled: the late request was applied.)"""
+    from tq.errors import FencedCommitError, InvalidRequestError
+    from tq.messages import ControllerOp as Op
+
+    with TQClient(tq_server.address, timeout=10.0) as client:
+        part = f"cut-{op}-{uuid.uuid4().hex[:8]}"
+        client.register_partition(part)
+        sent: list = []
+        real = TQClient._call
+
+        def cut(self, called, args, *rest, **kw):
+            if called == op:
+                monkeypatch.setattr(TQClient, "_call", real)
+                sent.append((args, rest[0] if rest else kw.get("buffers", [])))
+                raise KeyboardInterrupt  # as the request goes out: the controller may or may not get it
+            return real(self, called, args, *rest, **kw)
+
+        monkeypatch.setattr(TQClient, "_call", cut)
+        change = (
+            (lambda: client.register_keys(part, ["a"])) if op == "mint" else (lambda: client.put(part, ["a"], {"x": torch.zeros(1, 4)}))
+        )
+        with pytest.raises(KeyboardInterrupt):
+            change()
+        assert client.get_meta(part).keys == ()  # settled first
+        refused = (
+            (InvalidRequestError, "was given up on by its client before it arrived")
+            if op == "mint"
+            else (FencedCommitError, "this commit makes nothing visible")
+        )
+        with pytest.raises(refused[0], match=refused[1]):
+            client._ctrl.call(Op(op), *sent[0])  # the same request, arriving late
+        assert client.get_meta(part).keys == ()
+        assert change().keys == ("a",)  # the client works on
+        client.drop_partition(part)

@@ -1050,6 +1050,11 @@ class TQClient:
                     return self._call(op, args, resend=True)
             except TQConnectionError as exc:
                 failed = exc
+            except TQError:
+                raise
+            except BaseException:  # a Ctrl-C: whether it went out is unknown - settled before the next
+                self._unsettled.add(args.request_id)  # request (one set.add, atomic: no lock to take first)
+                raise
             applied = self._probe(
                 failed,
                 lambda: self._ctrl.call(Op.ABORT_REQUESTS, messages.AbortRequests(ids=[args.request_id]), timeout=probe_s)[0].applied,

@@ -1,9 +1,10 @@
 """A storm of interrupts against one client: does a call cut short anywhere leave the client working?
 
 A SIGALRM handler raises an exception (as a Ctrl-C does) at a random point, 20 us to 2 ms into each
-call - a 1-key put, a listing (``get_meta``), a copying get or a borrowed get (``copy=False``) - and
-after every call, interrupted or not, the same client must put and get a row bit-exact and every key
-the call left must hold exactly its bytes; an exception Python ignores (one raised in a finalizer, where
+call - a 2-key put, a ``write_back`` into 2 registered keys, a ``discard`` of 2 keys, a listing
+(``get_meta``), a copying get or a borrowed get (``copy=False``) - and after every call, interrupted or
+not, the same client must put and get a row bit-exact, every key the call left must hold exactly its
+bytes, and a discard must have left both keys or neither; an exception Python ignores (one raised in a finalizer, where
 cleanup then never ran) fails the run too. At the end every partition is cleared and, once a borrowed
 get's lease term and a unit's allocation lease have passed, what the client still holds is counted:
 pins in its pin file that no view tracks, leases the controller still counts, bytes its storage unit
@@ -72,14 +73,26 @@ def run_storm(seconds: float, seed: int, transport: str, settle_s: float | None 
             i, end = 0, time.monotonic() + seconds
             while time.monotonic() < end and len(failed) < 5:
                 i += 1
-                size, op = rng.choice(SIZES), rng.choice(["put", "get_meta", "get", "borrow"])
+                size, op = rng.choice(SIZES), rng.choice(["put", "write_back", "discard", "get_meta", "get", "borrow"])
                 value = torch.full((2, size), i % 120, dtype=torch.uint8)
+                part, keys = f"p{size}", [f"k{i}a", f"k{i}b"]
+                try:  # what the call works on, made before the interrupt is armed
+                    target = (
+                        c.register_keys(part, keys) if op == "write_back" else c.put(part, keys, {"x": value}) if op == "discard" else None
+                    )
+                except Exception as exc:  # noqa: BLE001
+                    failed.append(f"before call {i}: {type(exc).__name__}: {exc}")
+                    continue
                 try:
                     try:
                         armed[0] = True
                         signal.setitimer(signal.ITIMER_REAL, rng.uniform(2e-5, 2e-3))
                         if op == "put":
-                            c.put(f"p{size}", [f"k{i}a", f"k{i}b"], {"x": value})
+                            c.put(part, keys, {"x": value})
+                        elif op == "write_back":
+                            c.write_back(target, {"x": value})
+                        elif op == "discard":
+                            c.discard(target)
                         elif op == "get_meta":
                             c.get_meta("ref")
                         elif op == "get":
@@ -102,9 +115,17 @@ def run_storm(seconds: float, seed: int, transport: str, settle_s: float | None 
                     meta = c.put("check", [f"c{i}"], {"x": check_row})
                     if not torch.equal(c.get(meta, ["x"])["x"], check_row):
                         failed.append(f"after call {i}: the check read other bytes")
-                    left = [k for k in (f"k{i}a", f"k{i}b") if k in set(c.get_meta(f"p{size}").keys)] if op == "put" else []
-                    if left and not torch.equal(c.get(c.get_meta(f"p{size}", left), ["x"])["x"], value[: len(left)]):
-                        failed.append(f"call {i}: a put left other bytes")
+                    listed = set(c.get_meta(part).keys) if op in ("put", "write_back", "discard") else set()
+                    left = [k for k in keys if k in listed]
+                    if op == "discard" and len(left) == 1:
+                        failed.append(f"call {i}: a discard left one key of two")
+                    if op == "write_back":
+                        written = c.get_meta(part, keys)
+                        left = keys if "x" in written.fields else []
+                    if left and not torch.equal(c.get(c.get_meta(part, left), ["x"])["x"], value[: len(left)]):
+                        failed.append(f"call {i}: a {op} left other bytes")
+                    if op == "write_back":
+                        c.discard(written)  # the partition keeps only what puts left
                 except Exception as exc:  # noqa: BLE001 - every failure is counted, with its type
                     failed.append(f"after call {i}: {type(exc).__name__}: {exc}")
             for name in ["check", "ref", *(f"p{s}" for s in SIZES)]:

@@ -13,5 +13,5 @@ def test_a_short_storm_interrupts_calls_and_every_check_passes(tmp_path, capsys)
     assert rc == 0, capsys.readouterr().out
     r = json.loads((tmp_path / "tq_interrupts.json").read_text())
     assert r["ok"] and not r["failed_checks"] and not r["ignored_exceptions"] and r["interrupted"] > 0 and r["calls"] > r["interrupted"]
-    assert {k.split()[0] for k in r["outcomes"]} == {"put", "get_meta", "get", "borrow"}
+    assert {k.split()[0] for k in r["outcomes"]} == {"put", "write_back", "discard", "get_meta", "get", "borrow"}
     assert "interrupted" in (tmp_path / "tq_interrupts.md").read_text()

@@ -866,6 +866,8 @@ def test_out_of_range_port_is_refused_before_starting_anything():
         ({"commit_lease_s": -1.0}, r"--commit-lease: must be a finite number of seconds > 0"),
         ({"unit_lost_s": float("inf")}, r"--unit-lost-s: must be a finite number of seconds > 0"),
         ({"start_timeout": float("nan")}, r"start_timeout must be in \(0, 86400\] seconds"),
+        ({"storage_units": 1000, "capacity": 1 << 30}, r"--storage-units 1000: one controller starts at most 256 storage units"),
+        ({"storage_units": 2, "capacity": 1 << 20}, r"gives each unit 524288 bytes; a unit needs at least 1048576"),
     ],
     ids=lambda v: str(v)[:30],
 )

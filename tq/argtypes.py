@@ -85,6 +85,48 @@ def deprecated_alias(new: str) -> type[argparse.Action]:
     return _Alias
 
 
+_ADDRESS = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]*]+):(\d{1,5})")  # host or [IPv6]:port
+
+
+def address_value(address: Any) -> str:
+    """``address`` if it is a controller's address, ``tcp://HOST:PORT``; else InvalidRequestError
+    naming it (ZMQ took a malformed one for a server that never answers, or raised its own error)."""
+    m = _ADDRESS.fullmatch(address) if isinstance(address, str) else None
+    if m is None or not 1 <= int(m.group(2)) <= 65535:
+        raise InvalidRequestError(f"address must be a controller's 'tcp://HOST:PORT' (port 1..65535), got {address!r}")
+    return address
+
+
+def address(text: str) -> str:
+    """A controller's address on a command line (see :func:`address_value`)."""
+    try:
+        return address_value(text)
+    except InvalidRequestError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+MAX_LOCAL_UNITS = 256  # storage units one controller starts on its host: each is a process
+MIN_UNIT_BYTES = 1 << 20  # the smallest arena a storage unit is started with
+
+
+def unit_capacity(storage_units: int, capacity: int) -> int:
+    """Each local storage unit's arena when ``capacity`` bytes are split over ``storage_units``, or
+    InvalidRequestError naming both settings: ``--storage-units 1000000 --capacity 1M`` started a
+    million processes of one byte each."""
+    if storage_units > MAX_LOCAL_UNITS:
+        raise InvalidRequestError(
+            f"--storage-units {storage_units}: one controller starts at most {MAX_LOCAL_UNITS} storage units on its host "
+            "(each is a process); run more units on other hosts (python -m tq.storage --controller ...)"
+        )
+    per_unit = capacity // max(storage_units, 1)
+    if storage_units and per_unit < MIN_UNIT_BYTES:
+        raise InvalidRequestError(
+            f"--capacity {capacity} over --storage-units {storage_units} gives each unit {per_unit} bytes; "
+            f"a unit needs at least {MIN_UNIT_BYTES} (1 MiB): raise --capacity or start fewer units"
+        )
+    return per_unit
+
+
 def seconds_value(name: str, value: Any, most: float, *, zero: bool = True) -> float:
     """A number of seconds passed in Python (a client's timeout, a server's start timeout), or
     InvalidRequestError (a ValueError) naming ``name``: finite, at most ``most``, at least 0 (above 0

@@ -34,7 +34,7 @@ import time
 from typing import Any, Sequence
 
 from . import argtypes, launch, messages
-from .errors import AuthenticationError, TQError
+from .errors import AuthenticationError, InvalidRequestError, TQError
 from .messages import CONTROLLER_REPLY_DECODERS, ControllerOp, Stats
 
 EXIT_FAILED = 1
@@ -268,7 +268,8 @@ def cmd_start(args: argparse.Namespace) -> int:
     secret = _secret(args)
     try:
         check_bind_allowed(f"tcp://{args.host}:{args.port}", secret.encode() if secret else None)
-    except AuthenticationError as exc:
+        argtypes.unit_capacity(args.storage_units, args.capacity)
+    except (AuthenticationError, InvalidRequestError) as exc:
         raise CLIError(str(exc), EXIT_REFUSED) from None
 
     run_file = os.path.abspath(args.run_file or default_run_file())
@@ -631,7 +632,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, func, help_ in (("stop", cmd_stop, "shut the service down"), ("status", cmd_status, "show partitions, units and op stats")):
         sp = sub.add_parser(name, help=help_)
-        sp.add_argument("--address", help="controller address (default: the one recorded in the run file)")
+        sp.add_argument(
+            "--address", type=argtypes.address, help="controller address, tcp://HOST:PORT (default: the one recorded in the run file)"
+        )
         common(sp)
         if name == "status":
             view = sp.add_mutually_exclusive_group()

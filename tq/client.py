@@ -20,7 +20,6 @@ import itertools
 import logging
 import os
 import queue
-import re
 import reprlib
 import threading
 import time
@@ -52,7 +51,7 @@ from .jagged import JaggedTensor
 from .locations import H_PIN_EPOCH, SUPPORTED as LOCAL_TABLES_SUPPORTED, LocatedRows, LocationView
 from . import messages
 from .messages import ControllerOp as Op, UnitOp
-from .argtypes import seconds_value
+from .argtypes import address_value, seconds_value
 from .meta import MAX_PAD_LENGTH, KVBatchMeta, is_pad_length
 from .leases import new_lease_id
 from .request_book import new_request_id
@@ -648,9 +647,6 @@ class _LeaseKeeper:
         self._events.put(None)
 
 
-_ADDRESS = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]*]+):(\d{1,5})")  # host or [IPv6]:port
-
-
 def _check_pin_memory(copy: bool) -> None:
     """A get's ``pin_memory=True`` needs CUDA and a copy: refused at once, naming why."""
     if not copy:
@@ -659,15 +655,6 @@ def _check_pin_memory(copy: bool) -> None:
         raise InvalidRequestError(
             "pin_memory=True needs CUDA: page-locked memory is for copies to a GPU (torch.cuda.is_available() is False)"
         )
-
-
-def _checked_address(address: Any) -> str:
-    """``address`` if it is a controller's address, ``tcp://HOST:PORT``; else InvalidRequestError
-    naming it (ZMQ took a malformed one for a server that never answers, or raised its own error)."""
-    m = _ADDRESS.fullmatch(address) if isinstance(address, str) else None
-    if m is None or not 1 <= int(m.group(2)) <= 65535:
-        raise InvalidRequestError(f"address must be a controller's 'tcp://HOST:PORT' (port 1..65535), got {address!r}")
-    return address
 
 
 def _names(value: Any, what: str) -> list[str]:
@@ -732,7 +719,7 @@ class TQClient:
             raise InvalidRequestError(f"transport must be 'auto' or 'tcp', got {transport!r}")
         secret = secret if secret is not None else os.environ.get("TQ_SECRET")
         self.address, self.timeout, self.transport = (
-            _checked_address(address),
+            address_value(address),
             seconds_value("timeout", timeout, 86400.0, zero=False),
             transport,
         )

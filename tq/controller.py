@@ -1139,7 +1139,7 @@ def serve(
     ctrl.stop_units_on_close = journal_dir is not None  # they do not die with us: stop them on a clean exit
     ctrl.parent_pid = parent_pid
     host = unit_host or bind.split("://", 1)[1].rsplit(":", 1)[0]
-    per_unit = capacity // max(storage_units, 1)
+    per_unit = argtypes.unit_capacity(storage_units, capacity)  # checked before anything started (main, TQServer, the CLI)
 
     def spawn(unit_id: int, recover_arena: str | None = None) -> subprocess.Popen:
         cmd = launch.storage_unit_command(
@@ -1245,6 +1245,10 @@ def main(argv: list[str] | None = None) -> None:
             a.metrics_port = argtypes.port(os.environ["TQ_METRICS_PORT"])
         except argparse.ArgumentTypeError as exc:
             p.error(f"TQ_METRICS_PORT: {exc}")
+    try:
+        argtypes.unit_capacity(a.storage_units, a.capacity)
+    except InvalidRequestError as exc:
+        p.error(str(exc))
     logging.basicConfig(level=os.environ.get("TQ_LOG_LEVEL", "WARNING"))
     secret = os.environ.get("TQ_SECRET")
     serve(

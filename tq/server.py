@@ -10,9 +10,9 @@ import subprocess
 from typing import Any
 
 from . import launch
-from .argtypes import seconds_value
+from .argtypes import seconds_value, unit_capacity
 from .arena import check_shm_room
-from .errors import AuthenticationError, TQConnectionError
+from .errors import AuthenticationError, InvalidRequestError, TQConnectionError
 from .messages import CONTROLLER_REPLY_DECODERS, ControllerOp, Hello, HelloReply
 from .rpc import RpcChannel, serve_spin_s
 from .stream_transport import endpoint_host
@@ -48,9 +48,11 @@ def _checked(command: list[str]) -> argparse.Namespace:
     parser = argument_parser()
     parser.exit_on_error = False
     try:
-        return parser.parse_args(command[3:])  # past "python -m tq.controller"
-    except argparse.ArgumentError as exc:
+        settings = parser.parse_args(command[3:])  # past "python -m tq.controller"
+        unit_capacity(settings.storage_units, settings.capacity)
+    except (argparse.ArgumentError, InvalidRequestError) as exc:
         raise ValueError(f"TQServer setting refused: {exc}") from None
+    return settings
 
 
 class TQServer:

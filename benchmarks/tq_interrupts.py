@@ -76,10 +76,12 @@ def run_storm(seconds: float, seed: int, transport: str, settle_s: float | None 
                 size, op = rng.choice(SIZES), rng.choice(["put", "write_back", "discard", "get_meta", "get", "borrow"])
                 value = torch.full((2, size), i % 120, dtype=torch.uint8)
                 part, keys = f"p{size}", [f"k{i}a", f"k{i}b"]
-                try:  # what the call works on, made before the interrupt is armed
-                    target = (
-                        c.register_keys(part, keys) if op == "write_back" else c.put(part, keys, {"x": value}) if op == "discard" else None
-                    )
+                target = None  # what a write-back or a discard works on, made before the interrupt is armed
+                try:
+                    if op == "write_back":
+                        target = c.register_keys(part, keys)
+                    elif op == "discard":
+                        target = c.put(part, keys, {"x": value})
                 except Exception as exc:  # noqa: BLE001
                     failed.append(f"before call {i}: {type(exc).__name__}: {exc}")
                     continue

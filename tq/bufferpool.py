@@ -123,8 +123,6 @@ class HostBufferPool:
                 _, mm, size = self._watched.pop(id(self._released.get_nowait()))
             except queue.Empty:
                 return
-            except KeyError:  # queued twice (only a test does that)
-                continue
             if self._cached + size <= self.max_cached_bytes:
                 bisect.insort(self._free, (size, -next(self._seq), mm))
                 self._cached += size

@@ -158,7 +158,7 @@ class _Slab:
     """A range of a same-host unit's arena and a range of block ids granted to this client: puts
     carve blocks out of it with no request to the unit."""
 
-    __slots__ = ("aid", "pos", "end", "next_id", "end_id", "use_until", "writers", "retired", "released")
+    __slots__ = ("aid", "pos", "end", "next_id", "end_id", "use_until", "writers", "retired")
 
     def __init__(self, aid: int, start: int, size: int, first_id: int, n_ids: int, use_until: float) -> None:
         self.aid, self.pos, self.end = aid, start, start + size
@@ -167,7 +167,6 @@ class _Slab:
         # ending a put's writing is the same done twice (see TQClient._done_writing)
         self.writers: set[object] = set()
         self.retired = False  # replaced: released to its unit once nothing copies into it
-        self.released = False
 
     def carve(self, nbytes: int, now: float, writer: object) -> tuple[int, int] | None:
         """(start, block id) of a block of ``nbytes`` (ALIGN-rounded) for the put ``writer``, or None if
@@ -1339,9 +1338,8 @@ class TQClient:
 
     def _release_when_idle(self, unit: int, slab: _Slab) -> None:
         """A slab given back is released to its unit once no put copies into it. Under the slab lock."""
-        if slab.retired and not slab.writers and not slab.released:
+        if slab.retired and not slab.writers:  # (again, after a re-run: the unit ignores a second release)
             self._release_alloc(unit, slab.aid)
-            slab.released = True  # after: cut short in between, the next call releases it (once: see _release_alloc)
 
     def _carve(self, unit: int, need: int, writer: object) -> tuple[int, int, int]:
         """(allocation id, arena offset, block id) of ``need`` bytes on ``unit`` for the put ``writer``:
@@ -1420,8 +1418,8 @@ class TQClient:
         cut short anywhere (a Ctrl-C) leaves them to be told again (a unit ignores what it no longer
         has). Removed one by one, not replaced: ``_abandoned_allocs`` is appended to without the lock."""
         for table, told in ((self._released, aids), (self._abandoned_allocs, abandoned)):
-            kept = table.get(unit)
-            for x in told if kept is not None else ():
+            kept = table.get(unit, [])
+            for x in told:
                 if x in kept:
                     kept.remove(x)
 
@@ -1447,6 +1445,7 @@ class TQClient:
         ids fenced if it is abandoned) as soon as the reply is back, with no call in between for a
         Ctrl-C to land at."""
         reply_by, pid, writer_file, released, abandoned, request_id = None, None, None, [], [], None
+        lost: list[int] | None = None  # where this request's id goes if its reply never reaches us
         if self._is_local(unit):
             timeout = self.timeout + self.capacity_wait_s
             reply_by = time.time() + min(timeout, time_left() or timeout)
@@ -1454,7 +1453,8 @@ class TQClient:
             writer_file = liveness.own_file_or_none(os.path.dirname(self._units[unit].arena_path))
             with self._slab_lock:
                 released = list(self._released.get(unit, ()))
-                abandoned = list(self._abandoned_allocs.setdefault(unit, []))
+                lost = self._abandoned_allocs.setdefault(unit, [])
+                abandoned = list(lost)
         wait_s = self._room_wait_s() if wait else 0.0
         args = messages.Alloc(
             nbytes=nbytes,
@@ -1467,12 +1467,11 @@ class TQClient:
             request_id=request_id,
             abandoned=abandoned,
         )
-        lost = self._abandoned_allocs.get(unit)  # made above: appending to it is one call, nothing before it
         try:
             reply = self._unit_call(unit, UnitOp.ALLOC, args, [])
-        except BaseException:  # its reply never reached us, or came too late: what it was granted, if
-            if request_id is not None and lost is not None:  # anything, is in no one's use - freed at the next word
-                lost.append(request_id)
+        except BaseException:  # its reply never reached us, or came too late: what it was granted, if anything,
+            if lost is not None:  # is in no one's use - freed at the next word (one append: nothing to cut short)
+                lost.append(request_id)  # type: ignore[arg-type]
             raise
         if writer is not None:
             self._carvings[writer] = (unit, reply.alloc, None, reply.first_block, ids)  # type: ignore[assignment]

@@ -284,10 +284,11 @@ def test_a_write_that_finds_no_room_waits_a_grace_for_frees_then_fails_saying_so
             c.close()
 
 
-@pytest.mark.parametrize("column", ["sparse", "sparse-row", "meta", "meta-row"])
+@pytest.mark.parametrize("column", ["sparse", "sparse-row", "meta", "meta-row", "np-datetime", "np-record", "np-object-2d"])
 def test_unsupported_tensors_raise_a_tq_error_naming_the_field(client, partition, column):
-    """Sparse and meta-device tensors (a whole column or one row of a jagged list) are refused with
-    InvalidRequestError naming the field - before, torch's NotImplementedError/RuntimeError leaked."""
+    """Sparse and meta-device tensors (a whole column or one row of a jagged list) and numpy arrays
+    torch cannot hold (dates, records, a 2-D array of objects) are refused with InvalidRequestError
+    naming the field - before, torch's NotImplementedError/RuntimeError/TypeError leaked."""
     from tq.errors import InvalidRequestError
 
     value = {
@@ -295,6 +296,9 @@ def test_unsupported_tensors_raise_a_tq_error_naming_the_field(client, partition
         "meta": torch.empty(2, 3, device="meta"),
         "sparse-row": [torch.randn(3), torch.randn(2).to_sparse()],
         "meta-row": [torch.randn(3), torch.empty(2, device="meta")],
+        "np-datetime": np.zeros(2, dtype="datetime64[s]"),  # torch's TypeError leaked, naming no field
+        "np-record": np.zeros(2, dtype=[("a", "i4"), ("b", "f8")]),
+        "np-object-2d": np.empty((2, 2), dtype=object),
     }[column]
     with pytest.raises(InvalidRequestError, match=r"field 'odd'"):
         client.put(partition, ["a", "b"], {"ok": torch.ones(2), "odd": value})

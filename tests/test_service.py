@@ -187,6 +187,24 @@ def test_roundtrip_odd_tensor_inputs(tclient, part):
     assert_rows(got["nest"], nested_rows)
 
 
+def test_roundtrip_strided_nested_tensor(tclient, part):
+    """A nested tensor in torch's default (strided) layout is stored as its rows, like the jagged
+    layout's - the put raised AttributeError (no ``offsets()`` on a strided nested tensor)."""
+    rows = [rand((L, 3), torch.float32, 40 + L) for L in (2, 0, 4)]
+    meta = tclient.put(part, keys_for(3), {"nest": torch.nested.nested_tensor(rows)})
+    assert_rows(tclient.get(meta, ["nest"], layout="list")["nest"], rows)
+
+
+def test_roundtrip_numpy_object_and_text_columns(tclient, part):
+    """verl keeps non-tensor columns (``DataProto.non_tensor_batch``) as 1-D numpy arrays of dtype
+    object, or of text: each is stored as a column of per-sample objects and read back as a list."""
+    objs = np.array([{"answer": "4"}, None, [1, "two"]], dtype=object)
+    text = np.array(["a", "bb", ""])
+    meta = tclient.put(part, keys_for(3), {"extra": objs, "uid": text, "raw": np.array([b"x", b"", b"zz"])})
+    got = tclient.get(meta, ["extra", "uid", "raw"])
+    assert got["extra"] == objs.tolist() and got["uid"] == ["a", "bb", ""] and got["raw"] == [b"x", b"", b"zz"]
+
+
 # ----------------------------------------------------------------------------- layouts
 @pytest.fixture()
 def jagged_batch(tclient, part):

@@ -1110,9 +1110,10 @@ class TQClient:
     ) -> KVBatchMeta:
         """Store columns for new keys (fresh, or minted and still empty) in one batched write.
 
-        A column is a tensor ``[n, ...]`` (fixed per-sample shape; ``[n]`` for scalars), a
-        :class:`JaggedTensor` or jagged nested tensor, a list of ``n`` tensors whose leading dim
-        varies (token-aligned), or a list of ``n`` msgpack-able Python values (strings, message logs).
+        A column is a tensor or numeric numpy array ``[n, ...]`` (fixed per-sample shape; ``[n]`` for
+        scalars), a :class:`JaggedTensor` or nested tensor, a list of ``n`` tensors whose leading dim
+        varies (token-aligned), or a list (or 1-D numpy array of objects or text, as verl's
+        ``non_tensor_batch``) of ``n`` msgpack-able Python values (strings, message logs).
         ``sequence_lengths`` default to the row lengths of the first jagged column.
         """
         keys = _names(keys, "keys")

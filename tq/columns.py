@@ -77,12 +77,29 @@ def _offsets(lengths: np.ndarray, unit: int) -> np.ndarray:
     return ro
 
 
+def _from_numpy(field: str, value: np.ndarray) -> torch.Tensor | list:
+    """A numpy column as a tensor (numbers) or as a list of per-sample objects (a 1-D array of
+    objects, str or bytes: verl's ``non_tensor_batch`` form); what torch cannot hold is refused
+    naming the field."""
+    if value.dtype.kind in "OUS":
+        if value.ndim != 1:
+            raise InvalidRequestError(f"field {field!r}: a numpy array of {value.dtype} must be 1-D (one object per sample), got shape {value.shape}")
+        return value.tolist()
+    try:
+        return torch.from_numpy(np.ascontiguousarray(value))
+    except TypeError:
+        raise InvalidRequestError(f"field {field!r}: numpy dtype {value.dtype} is not supported; use one of {sorted(DTYPES)}") from None
+
+
 def encode_column(field: str, value: Any, n_rows: int) -> EncodedColumn:
     """Encode one column of ``n_rows`` samples (see :meth:`TQClient.put` for accepted forms)."""
-    if isinstance(value, np.ndarray) and value.dtype != object:
-        value = torch.from_numpy(np.ascontiguousarray(value))
+    if isinstance(value, np.ndarray):
+        value = _from_numpy(field, value)
     if isinstance(value, torch.Tensor) and value.is_nested:
-        value = JaggedTensor(value.values(), value.offsets().to(torch.int64).cpu())
+        if value.layout == torch.jagged:
+            value = JaggedTensor(value.values(), value.offsets().to(torch.int64).cpu())
+        else:  # torch's default (strided) nested layout has no offsets: its rows, as a list of tensors
+            value = list(value.unbind())
     if isinstance(value, JaggedTensor):
         if len(value) != n_rows:
             raise InvalidRequestError(f"field {field!r} has {len(value)} rows for {n_rows} keys")

@@ -103,6 +103,36 @@ def test_a_key_rewritten_inside_a_put_is_read_with_its_new_row(tq_server, client
             assert tail.viewed == {"tokens"} and torch.equal(tail["tokens"].values, torch.cat(want[4:]))
 
 
+@pytest.mark.parametrize("forgery", ["swapped", "other-key", "built-by-hand", "one-of-a-run"])
+def test_a_meta_whose_slots_name_other_keys_never_reads_their_bytes(tq_server, client, partition, forgery):
+    """Slots are hints a meta carries next to its keys (tq.locations): a meta whose keys and slots
+    disagree - keys replaced with ``dataclasses.replace``, a meta built by hand with another meta's
+    slots - must get its own keys' rows, copied or viewed. The location table now holds each slot's
+    key fingerprint and a reader checks it; before, the reader trusted the slots and handed key a's
+    reader key b's bytes."""
+    import dataclasses
+
+    from tq.meta import KVBatchMeta
+
+    keys = unique_keys(6)
+    values = torch.arange(6, dtype=torch.int64) * 10
+    meta = client.put(partition, keys, {"x": values, "tokens": [torch.full((i + 1,), i) for i in range(6)]})
+    if forgery == "swapped":
+        forged, want = dataclasses.replace(meta, keys=tuple(reversed(keys))), [5, 4, 3, 2, 1, 0]
+    elif forgery == "other-key":
+        forged, want = dataclasses.replace(meta.select([0]), slots=(meta.slots[1],)), [0]
+    elif forgery == "built-by-hand":
+        forged, want = KVBatchMeta(partition, (keys[2], keys[3]), slot_table=meta.slot_table, slots=(meta.slots[3], meta.slots[2])), [2, 3]
+    else:  # the keys of one put (one run of rows) in another order than their slots
+        forged, want = dataclasses.replace(meta.select([1, 2, 3]), keys=(keys[2], keys[1], keys[3])), [2, 1, 3]
+    with TQClient(tq_server.address, timeout=10.0) as reader:
+        copied = reader.get(forged, ["x", "tokens"], layout="list")
+        with reader.get(forged, ["x", "tokens"], copy=False, layout="list") as viewed:
+            for got in (copied, viewed):
+                assert got["x"].tolist() == [w * 10 for w in want]
+                assert [t.tolist() for t in got["tokens"]] == [[w] * (w + 1) for w in want]
+
+
 def _ops(c: TQClient) -> dict[str, int]:
     return {op: v["count"] for op, v in c.stats()["ops"].items()}
 

@@ -29,6 +29,7 @@ from tq.locations import (
     H_COLUMNS,
     H_INCARNATION,
     H_RETIRED,
+    H_UNITS_VERSION,
     FEW_ROWS,
     HEADER_WORDS,
     SUPPORTED,
@@ -53,8 +54,20 @@ pytestmark = pytest.mark.skipif(not SUPPORTED, reason="same-host location tables
 def table(tmp_path):
     t = LocationTable(str(tmp_path), capacity=4, columns=2)
     t.set_status(units_version=1, down_units=0, alive_until_ns=time.monotonic_ns() + 10**10)
+    _name_slots(t)
     yield t
     t.close()
+
+
+def _keys(slots) -> list[str]:
+    """The keys the tests' tables give their slots (see _name_slots)."""
+    return [f"k{s}" for s in slots]
+
+
+def _name_slots(t: LocationTable) -> None:
+    """Give every slot of ``t`` its key ``k{slot}`` (the controller writes a key's fingerprint when
+    it gives the key a slot; a reader reads a slot only for its key)."""
+    t.set_keys(slice(0, t.capacity), _keys(range(t.capacity)))
 
 
 def _record(unit: int, offset: int) -> list[int]:
@@ -73,14 +86,14 @@ def _view(t: LocationTable) -> LocationView:
 def test_reader_sees_records_written_before_it_mapped_and_after(table):
     table.loc("x")[0] = _record(0, 4096)
     view = _view(table)
-    rows = view.read(["x"], [0], *_ids(table))
+    rows = view.read(["x"], [0], _keys([0]), *_ids(table))
     assert (rows.unit, rows.end, rows.longest, rows.totals) == (0, 4096 + 16, (16,), (16,))
     assert rows.offsets.tolist() == [[4096]] and rows.sizes.tolist() == [[16]]
     with table.writing():
         table.loc("x")[1] = _record(0, 8192)
         table.loc("y")[:2] = [[0, 7, 0, 24, 64, -1], [0, 7, 0, 32, 96, -1]]
     view.add_columns(table.descriptor()["columns"])
-    rows = view.read(["x", "y"], (1, 0), *_ids(table))
+    rows = view.read(["x", "y"], (1, 0), _keys((1, 0)), *_ids(table))
     assert rows.offsets.tolist() == [[8192, 4096], [96, 64]] and rows.sizes.tolist() == [[16, 16], [32, 24]]
     assert (rows.end, rows.longest, rows.totals) == (8192 + 16, (16, 32), (32, 56))
 
@@ -91,11 +104,11 @@ def test_reader_makes_each_fields_jagged_offsets_in_the_same_read(table):
     table.loc("x")[:3] = [[0, 7, 0, 16, 0, -1], [0, 7, 1, 48, 16, -1], [0, 7, 2, 0, 64, -1]]
     table.loc("y")[:3] = [[0, 8, 0, 36, 0, -1], [0, 8, 1, 12, 36, -1], [0, 8, 2, 24, 48, -1]]
     view = _view(table)
-    rows = view.read(["x", "y", "x"], [1, 2, 0], *_ids(table), row_bytes=[4, 12, 0])
+    rows = view.read(["x", "y", "x"], [1, 2, 0], _keys([1, 2, 0]), *_ids(table), row_bytes=[4, 12, 0])
     assert rows.row_offsets[0].tolist() == [0, 12, 12, 16]  # 48, 0, 16 bytes in rows of 4
     assert rows.row_offsets[1].tolist() == [0, 1, 3, 6]  # 12, 24, 36 bytes in rows of 12
     assert rows.sizes.tolist() == [[48, 0, 16], [12, 24, 36], [48, 0, 16]]  # as without them
-    assert view.read(["x"], [0], *_ids(table)).row_offsets is None
+    assert view.read(["x"], [0], _keys([0]), *_ids(table)).row_offsets is None
 
 
 def test_rows_of_one_run_are_read_by_their_run_and_offset_words(table):
@@ -105,25 +118,25 @@ def test_rows_of_one_run_are_read_by_their_run_and_offset_words(table):
     sizes, offsets = [16, 48, 0, 20], [100, 116, 164, 164]
     table.loc("x")[:4] = [[0, 7, i, sizes[i], offsets[i], 9] for i in range(4)]
     view = _view(table)
-    whole = view.read(["x"], [0, 1, 2, 3], *_ids(table), row_bytes=[4])
+    whole = view.read(["x"], [0, 1, 2, 3], _keys([0, 1, 2, 3]), *_ids(table), row_bytes=[4])
     assert whole.offsets.tolist() == [offsets] and whole.sizes.tolist() == [sizes]
     assert (whole.adjacent, whole.totals, whole.longest, whole.end) == ((True,), (84,), (48,), 184)
     assert whole.blocks.tolist() == [7] and whole.row_offsets.tolist() == [[0, 4, 16, 16, 21]]
-    assert view.read(["x"], range(0, 4), *_ids(table), row_bytes=[4]).row_offsets.tolist() == whole.row_offsets.tolist()
-    assert view.read(["x"], range(2, 2 + table.capacity), *_ids(table)) is None  # past the table's end
-    viewing = view.read(["x"], range(0, 4), *_ids(table), row_bytes=[4], views=True)  # a borrowed get's read
+    assert view.read(["x"], range(0, 4), _keys(range(0, 4)), *_ids(table), row_bytes=[4]).row_offsets.tolist() == whole.row_offsets.tolist()
+    assert view.read(["x"], range(2, 2 + table.capacity), _keys(range(2, 2 + table.capacity)), *_ids(table)) is None  # past the table's end
+    viewing = view.read(["x"], range(0, 4), _keys(range(0, 4)), *_ids(table), row_bytes=[4], views=True)  # a borrowed get's read
     assert viewing.offsets[0, 0] == 100 and (viewing.totals, viewing.end, viewing.adjacent) == ((84,), 184, (True,))
     assert viewing.row_offsets.tolist() == whole.row_offsets.tolist() and viewing.longest == (0,)  # no sizes made
     table.loc("x")[1, LOC_NBYTES] = 1000  # not a write the controller makes: shows which words are read
-    assert view.read(["x"], [1, 2], *_ids(table)).sizes.tolist() == [[48, 0]]  # a run: offsets only
-    assert view.read(["x"], [1, 3], *_ids(table)).sizes.tolist() == [[1000, 20]]  # not consecutive: records
+    assert view.read(["x"], [1, 2], _keys([1, 2]), *_ids(table)).sizes.tolist() == [[48, 0]]  # a run: offsets only
+    assert view.read(["x"], [1, 3], _keys([1, 3]), *_ids(table)).sizes.tolist() == [[1000, 20]]  # not consecutive: records
     table.loc("x")[1, LOC_NBYTES] = 48
     with table.writing():
         table.loc("x")[2] = -1  # discarded
-    assert view.read(["x"], [0, 1, 2, 3], *_ids(table)) is None
+    assert view.read(["x"], [0, 1, 2, 3], _keys([0, 1, 2, 3]), *_ids(table)) is None
     with table.writing():
         table.loc("x")[2] = [0, 8, 0, 12, 4096, 10]  # put again, elsewhere, by another commit
-    rows = view.read(["x"], [0, 1, 2, 3], *_ids(table))
+    rows = view.read(["x"], [0, 1, 2, 3], _keys([0, 1, 2, 3]), *_ids(table))
     assert rows.offsets.tolist() == [[100, 116, 4096, 164]] and rows.sizes.tolist() == [[16, 48, 12, 20]]
     assert rows.adjacent == (False,) and rows.blocks.tolist() == [7, 8, 7]
 
@@ -149,7 +162,8 @@ def test_gathering_a_few_records_does_not_copy_the_table(tmp_path):
 
 def test_commits_lay_runs_and_a_restored_table_has_none(loopback):
     """A commit's field is a run when its rows lie back to back in one block in ascending consecutive
-    slots (a new id each time); otherwise, and for records restored from a snapshot, its rows carry -1."""
+    slots (a new id each time); otherwise, and for records restored from a snapshot, its rows carry -1.
+    A restored table holds its keys' fingerprints again."""
     ctrl = loopback.start()
     try:
         loopback.commit_two_rows(ctrl)  # a, b: slots 0, 1 at offsets 0, 8 of block 5 - one run
@@ -178,6 +192,14 @@ def test_commits_lay_runs_and_a_restored_table_has_none(loopback):
         ctrl._restore(snap)
         loc = ctrl.partitions["p"].loc("x")
         assert loc[:7, LOC_RUN].tolist() == [-1] * 7 and loc[:7, protocol.LOC_OFFSET].tolist() == [0, 8, 64, 72, 200, 100, 300]
+        # the restored keys' fingerprints are written again: a same-host reader reads them from the
+        # table (not only through the controller), and only for their own keys
+        table = ctrl.partitions["p"].table
+        version = int(table.header[H_UNITS_VERSION])
+        table.set_status(version, 0, alive_until_ns=time.monotonic_ns() + 10**10)
+        ids = (table.incarnation, int(table.header[H_CLEARS]), version)
+        assert _view(table).read(["x"], [0, 1], ["a", "b"], *ids).offsets.tolist() == [[0, 8]]
+        assert _view(table).read(["x"], [0, 1], ["b", "a"], *ids) is None
     finally:
         ctrl.close()
 
@@ -232,25 +254,25 @@ def test_reader_refuses_records_being_written_unproduced_or_on_a_down_unit(table
     table.loc("x")[:3] = [_record(0, 0), _record(0, 64), _record(1, 64)]
     view = _view(table)
     with table.writing():  # seq is odd: whatever is read may be torn
-        assert view.read(["x"], [0], *_ids(table)) is None
-    assert view.read(["x"], [0, 1], *_ids(table)) is not None
-    assert view.read(["x"], [0, 2], *_ids(table)) is None  # rows on two units: the controller's path
-    assert view.read(["x"], [3], *_ids(table)) is None  # not produced
-    assert view.read(["x"], [4], *_ids(table)) is None  # beyond the table
-    assert view.read(["x"], [-1], *_ids(table)) is None
-    assert view.read(["y"], [0], *_ids(table)) is None  # a field this view does not know
+        assert view.read(["x"], [0], _keys([0]), *_ids(table)) is None
+    assert view.read(["x"], [0, 1], _keys([0, 1]), *_ids(table)) is not None
+    assert view.read(["x"], [0, 2], _keys([0, 2]), *_ids(table)) is None  # rows on two units: the controller's path
+    assert view.read(["x"], [3], _keys([3]), *_ids(table)) is None  # not produced
+    assert view.read(["x"], [4], _keys([4]), *_ids(table)) is None  # beyond the table
+    assert view.read(["x"], [-1], _keys([-1]), *_ids(table)) is None
+    assert view.read(["y"], [0], _keys([0]), *_ids(table)) is None  # a field this view does not know
     table.set_status(1, down_units=1 << 1, alive_until_ns=time.monotonic_ns() + 10**10)
-    assert view.read(["x"], [0], *_ids(table)) is not None  # unit 0 is fine
-    assert view.read(["x"], [2], *_ids(table)) is None  # unit 1 is down
+    assert view.read(["x"], [0], _keys([0]), *_ids(table)) is not None  # unit 0 is fine
+    assert view.read(["x"], [2], _keys([2]), *_ids(table)) is None  # unit 1 is down
     table.loc("x")[3] = _record(70, 0)  # units from 62 on share the mask's last bit
     table.set_status(1, down_units=1 << 62, alive_until_ns=time.monotonic_ns() + 10**10)
-    assert view.read(["x"], [3], *_ids(table)) is None and view.read(["x"], [0], *_ids(table)) is not None
+    assert view.read(["x"], [3], _keys([3]), *_ids(table)) is None and view.read(["x"], [0], _keys([0]), *_ids(table)) is not None
     table.loc("y")[:2] = [_record(1, 0), _record(0, 128)]  # a second field: every record of every field checked
     view = _view(table)
-    assert view.read(["x", "y"], [0], *_ids(table)) is None  # its row on another unit than the first field's
-    assert view.read(["x", "y"], [1], *_ids(table)) is not None
+    assert view.read(["x", "y"], [0], _keys([0]), *_ids(table)) is None  # its row on another unit than the first field's
+    assert view.read(["x", "y"], [1], _keys([1]), *_ids(table)) is not None
     table.loc("y")[1] = -1
-    assert view.read(["x", "y"], [1], *_ids(table)) is None  # not produced for the second field
+    assert view.read(["x", "y"], [1], _keys([1]), *_ids(table)) is None  # not produced for the second field
 
 
 def test_records_of_reused_slots_are_refused(table):
@@ -259,18 +281,44 @@ def test_records_of_reused_slots_are_refused(table):
     table.loc("x")[0] = _record(0, 0)
     view = _view(table)
     old = _ids(table)
-    assert view.read(["x"], [0], *old) is not None
+    assert view.read(["x"], [0], _keys([0]), *old) is not None
     table.new_incarnation()  # the slot goes to a new key...
     with table.writing():
         table.loc("x")[0] = _record(1, 4096)  # ...which gets its own records
-    assert view.read(["x"], [0], *old) is None
-    assert view.read(["x"], [0], *_ids(table)).offsets.tolist() == [[4096]]
+    assert view.read(["x"], [0], _keys([0]), *old) is None
+    assert view.read(["x"], [0], _keys([0]), *_ids(table)).offsets.tolist() == [[4096]]
+
+
+def test_a_slot_is_read_only_for_the_key_its_fingerprint_names(table, tmp_path):
+    """A meta pairs each key with a slot; the reader reads a slot only where the table's key plane
+    holds that key's fingerprint - a meta whose keys and slots disagree (swapped, another key's slot)
+    goes to the controller, which locates by key. A grown table keeps the fingerprints; a table whose
+    controller wrote none (0) matches no key."""
+    table.loc("x")[:2] = [_record(0, 0), _record(0, 64)]
+    view = _view(table)
+    assert view.read(["x"], [0, 1], ["k0", "k1"], *_ids(table)).offsets.tolist() == [[0, 64]]
+    assert view.read(["x"], [0, 1], ["k1", "k0"], *_ids(table)) is None  # swapped
+    assert view.read(["x"], range(0, 2), ["k0", "k0"], *_ids(table)) is None  # one run, the second key another's
+    assert view.read(["x"], [1], ["k0"], *_ids(table)) is None
+    assert view.read(["x"], [0], ["k0\x00"], *_ids(table)) is None  # any byte counts
+    assert view.read(["x"], [0], ["\ud800"], *_ids(table)) is None  # no UTF-8 form: the controller says why
+    with pytest.raises(ValueError, match="keys and slots differ"):
+        view.read(["x"], [0, 1], ["k0"], *_ids(table))
+    table.grow(40)
+    assert _view(table).read(["x"], [1, 0], ["k1", "k0"], *_ids(table)).offsets.tolist() == [[64, 0]]
+    bare = LocationTable(str(tmp_path), capacity=4, columns=1)  # no fingerprint written (set_keys never called)
+    try:
+        bare.set_status(units_version=1, down_units=0, alive_until_ns=time.monotonic_ns() + 10**10)
+        bare.loc("x")[0] = _record(0, 0)
+        assert _view(bare).read(["x"], [0], ["k0"], *_ids(bare)) is None
+    finally:
+        bare.close()
 
 
 def test_frees_invalidate_a_copy_in_flight(table):
     table.loc("x")[0] = _record(0, 0)
     view = _view(table)
-    frees = view.read(["x"], [0], *_ids(table)).frees
+    frees = view.read(["x"], [0], _keys([0]), *_ids(table)).frees
     assert view.unchanged(frees)
     with table.writing():
         table.loc("x")[0] = -1
@@ -283,7 +331,7 @@ def test_read_only_for_the_current_incarnation_clears_units_and_a_live_controlle
     view = _view(table)
 
     def usable(inc: int, clears: int, units_version: int) -> bool:
-        return view.read(["x"], [0], inc, clears, units_version) is not None
+        return view.read(["x"], [0], _keys([0]), inc, clears, units_version) is not None
 
     inc, clears = table.incarnation, int(table.header[H_CLEARS])
     assert usable(inc, clears, 1)
@@ -311,10 +359,10 @@ def test_growing_copies_records_and_retires_the_old_file(table):
     table.grow(40)
     table.loc("a"), table.loc("b")  # more fields than columns: remapped again
     assert table.capacity >= 40 and table.path != old_path and not os.path.exists(old_path)
-    assert old.header[H_RETIRED] == 1 and old.read(["x"], [0], *_ids(table)) is None
+    assert old.header[H_RETIRED] == 1 and old.read(["x"], [0], _keys([0]), *_ids(table)) is None
     new = _view(table)
-    assert new.read(["x"], [2, 0, 1], *_ids(table)).offsets.tolist() == [[128, 0, 64]]
-    assert new.read(["a"], [0], *_ids(table)) is None  # new fields start unproduced
+    assert new.read(["x"], [2, 0, 1], _keys([2, 0, 1]), *_ids(table)).offsets.tolist() == [[128, 0, 64]]
+    assert new.read(["a"], [0], _keys([0]), *_ids(table)) is None  # new fields start unproduced
     path = table.path
     table.close()
     assert not os.path.exists(path) and new.header[H_RETIRED] == 1
@@ -325,10 +373,11 @@ def test_a_grown_table_names_its_successor_and_a_reader_follows_it(table):
     old = _view(table)
     assert old.successor() is None  # not retired
     table.grow(40)
+    _name_slots(table)
     table.loc("x")[30] = _record(0, 4096)  # written after the growth: only in the successor
     new = old.successor()
     assert new is not None and new.path == table.path
-    assert new.read(["x"], [2, 30], *_ids(table)).offsets.tolist() == [[128, 4096]]
+    assert new.read(["x"], [2, 30], _keys([2, 30]), *_ids(table)).offsets.tolist() == [[128, 4096]]
     table.grow(100)  # replaced again: the first successor's file is gone, so is the way through it
     assert old.successor() is None and new.successor() is not None
     retired_otherwise = _view(table)
@@ -350,7 +399,7 @@ def test_the_c_reader_refuses_a_header_claiming_more_records_than_the_buffer_hol
     header[H_CAPACITY], header[H_COLUMNS] = capacity, 1
     out = np.empty((3, 1, 1), dtype=np.int64)
     with pytest.raises(ValueError, match="truncated"):
-        read_locations(header.tobytes(), [0], [capacity - 1], 0, 0, 0, out)
+        read_locations(header.tobytes(), [0], [capacity - 1], ["k"], 0, 0, 0, out)
 
 
 _TABLE_MAKER = """

@@ -488,7 +488,7 @@ done_seq:
 }
 
 /* ------------------------------------------------------------------ location tables
- * read_locations(table, cols, slots, incarnation, clears, units_version, out[, row_bytes, starts, views])
+ * read_locations(table, cols, slots, keys, incarnation, clears, units_version, out[, row_bytes, starts, views])
  *   A same-host reader's whole check-and-read of a partition's location table (tq/locations.py
  *   documents the protocol; the layout constants below mirror it and tq/locations.py asserts they
  *   match). Writes the offsets of the rows (cols x slots) to out[0:F*n], their sizes to
@@ -506,13 +506,69 @@ done_seq:
  *   results, and a borrowed get to view them - and the number of block runs written.
  *   Returns None when the table cannot be trusted for them: retired, its controller's lease run out,
  *   another incarnation, clears count or units version, being written (seqlock), a slot or column
- *   out of range, a row not produced or on a down unit, or rows on several units. One C call, not a
+ *   out of range, a slot whose key fingerprint is not its key's (keys: the meta's, one str per
+ *   slot - a meta whose slots name other keys reads nothing of theirs), a row not produced or on a
+ *   down unit, or rows on several units. One C call, not a
  *   dozen numpy ones: it runs right after megabyte copies have evicted the interpreter's caches. */
 enum { H_MAGIC, H_CAPACITY, H_COLUMNS, H_SEQ, H_FREES, H_INCARNATION, H_RETIRED, H_UNITS_VERSION,
        H_DOWN_UNITS, H_ALIVE_UNTIL, H_CLEARS, H_PIN_EPOCH, H_SUCCESSOR, HEADER_WORDS = 16 };
 enum { LOC_UNIT, LOC_BLOCK, LOC_ROW, LOC_NBYTES, LOC_OFFSET, LOC_RUN, LOC_COLUMNS };
+enum { KEY_WORDS = 1 };  /* the key plane after the header: a fingerprint per slot */
 
 static inline int64_t load_word(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+
+/* A key's fingerprint, as the controller writes it in the table's key plane (key_fingerprints) and a
+ * reader checks it: a 64-bit hash of the key's UTF-8 bytes (word by word, then murmur3's finaliser),
+ * never 0 - the plane's value where the controller wrote none, which then matches no key. Not a
+ * defence against forgery (whoever reaches the table reads every arena anyway): it catches a meta
+ * whose keys and slots disagree. */
+static inline uint64_t fmix64(uint64_t k) {
+    k ^= k >> 33, k *= 0xff51afd7ed558ccdULL, k ^= k >> 33, k *= 0xc4ceb9fe1a85ec53ULL;
+    return k ^ (k >> 33);
+}
+
+static int key_fingerprint(PyObject *key, int64_t *out) {
+    Py_ssize_t n;
+    const char *p;
+    if (PyUnicode_CheckExact(key) && PyUnicode_IS_COMPACT_ASCII(key))  /* most keys: their bytes, inline */
+        p = (const char *)PyUnicode_DATA(key), n = PyUnicode_GET_LENGTH(key);
+    else
+        p = PyUnicode_Check(key) ? PyUnicode_AsUTF8AndSize(key, &n) : NULL;
+    if (!p) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "keys must be str");
+        return -1;
+    }
+    uint64_t h = 0x9e3779b97f4a7c15ULL ^ (uint64_t)n, w;
+    for (; n >= 8; p += 8, n -= 8) {  /* one multiply a word; the finaliser mixes the whole */
+        memcpy(&w, p, 8);
+        h = (h ^ w) * 0xff51afd7ed558ccdULL;
+        h = (h << 29) | (h >> 35);
+    }
+    w = 0;
+    for (Py_ssize_t i = 0; i < n; i++) w |= (uint64_t)(unsigned char)p[i] << (8 * i);  /* a call to memcpy costs more */
+    h = fmix64(h ^ w ^ ((uint64_t)n << 56));
+    *out = h ? (int64_t)h : 1;
+    return 0;
+}
+
+static PyObject *key_fingerprints(PyObject *self, PyObject *args) {
+    PyObject *keys_o;
+    Py_buffer out;
+    if (!PyArg_ParseTuple(args, "Ow*", &keys_o, &out)) return NULL;
+    PyObject *keys = PySequence_Fast(keys_o, "keys must be a sequence of str");
+    PyObject *ret = NULL;
+    if (!keys) goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    if (out.len < n * 8) { PyErr_SetString(PyExc_ValueError, "out holds fewer int64 than there are keys"); goto done; }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (key_fingerprint(PySequence_Fast_GET_ITEM(keys, i), (int64_t *)out.buf + i) < 0) goto done;
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    Py_XDECREF(keys);
+    PyBuffer_Release(&out);
+    return ret;
+}
 
 /* One field's records of a read_locations (its planes: P[w] is record word w of every slot): the rows'
  * offsets and sizes, the blocks they lie in (one per run, appended to blocks[*runs...]), the furthest
@@ -585,13 +641,13 @@ static inline int read_field(const int64_t *const P[LOC_COLUMNS], const int64_t 
 
 static PyObject *read_locations(PyObject *self, PyObject *args) {
     Py_buffer table, out, starts_buf = {0};
-    PyObject *cols_o, *slots_o, *row_bytes_o = Py_None;
+    PyObject *cols_o, *slots_o, *keys_o, *row_bytes_o = Py_None;
     long long incarnation, clears, units_version;
     int views = 0;
-    if (!PyArg_ParseTuple(args, "y*OOLLLw*|Ow*p", &table, &cols_o, &slots_o, &incarnation, &clears, &units_version, &out,
+    if (!PyArg_ParseTuple(args, "y*OOOLLLw*|Ow*p", &table, &cols_o, &slots_o, &keys_o, &incarnation, &clears, &units_version, &out,
                           &row_bytes_o, &starts_buf, &views))
         return NULL;
-    PyObject *ret = NULL, *cols = NULL, *slots = NULL, *longest = NULL, *totals = NULL, *adjacent = NULL, *row_bytes = NULL;
+    PyObject *ret = NULL, *cols = NULL, *slots = NULL, *keys = NULL, *longest = NULL, *totals = NULL, *adjacent = NULL, *row_bytes = NULL;
     int64_t *slot_at = NULL;  /* the slots as C ints, converted once for all fields */
     if (!(cols = PySequence_Fast(cols_o, "cols must be a sequence of ints"))) goto done;
     /* consecutive slots come as a range (tq.meta keeps them so): no int to convert per key */
@@ -609,11 +665,13 @@ static PyObject *read_locations(PyObject *self, PyObject *args) {
         if (!(slots = PySequence_Fast(slots_o, "slots must be a sequence of ints"))) goto done;
         n = PySequence_Fast_GET_SIZE(slots);
     }
+    if (!(keys = PySequence_Fast(keys_o, "keys must be a sequence of str"))) goto done;
+    if (PySequence_Fast_GET_SIZE(keys) != n) { PyErr_SetString(PyExc_ValueError, "keys and slots differ in length"); goto done; }
     const int64_t *h = table.buf;
     Py_ssize_t F = PySequence_Fast_GET_SIZE(cols);
     if (table.len < HEADER_WORDS * 8) { PyErr_SetString(PyExc_ValueError, "not a location table"); goto done; }
     int64_t capacity = h[H_CAPACITY], ncols = h[H_COLUMNS];
-    if (capacity < 0 || ncols < 0 || (ncols && capacity > (table.len / 8 - HEADER_WORDS) / LOC_COLUMNS / ncols)) {
+    if (capacity < 0 || ncols < 0 || capacity > (table.len / 8 - HEADER_WORDS) / (KEY_WORDS + LOC_COLUMNS * ncols)) {
         PyErr_SetString(PyExc_ValueError, "location table is truncated");
         goto done;
     }
@@ -635,7 +693,7 @@ static PyObject *read_locations(PyObject *self, PyObject *args) {
         goto untrusted;
     int64_t down = load_word(&h[H_DOWN_UNITS]), unit = -1, end = 0, runs = 0;
     int64_t *offsets = out.buf, *sizes = offsets + F * n, *blocks = sizes + F * n;
-    const int64_t *locs = h + HEADER_WORDS;
+    const int64_t *key_plane = h + HEADER_WORDS, *locs = key_plane + capacity;
     if (!(longest = PyTuple_New(F)) || !(totals = PyTuple_New(F)) || !(adjacent = PyTuple_New(F))) goto done;
     if (!(slot_at = PyMem_Malloc((size_t)(n ? n : 1) * 8))) { PyErr_NoMemory(); goto done; }
     int consecutive = 1;  /* slot i is slot 0 + i: rows may be read as runs */
@@ -649,6 +707,14 @@ static PyObject *read_locations(PyObject *self, PyObject *args) {
         if (slot < 0 || slot >= capacity) goto untrusted;
         slot_at[i] = slot;
         consecutive &= slot == slot_at[0] + i;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {  /* each slot holds the meta's key, not another one */
+        int64_t fp;
+        if (key_fingerprint(PySequence_Fast_GET_ITEM(keys, i), &fp) < 0) {  /* not UTF-8: the controller says why */
+            PyErr_Clear();
+            goto untrusted;
+        }
+        if (load_word(&key_plane[slot_at[i]]) != fp) goto untrusted;
     }
     for (Py_ssize_t f = 0; f < F; f++) {
         int64_t most, total;
@@ -691,6 +757,7 @@ done:
     Py_XDECREF(adjacent);
     Py_XDECREF(cols);
     Py_XDECREF(slots);
+    Py_XDECREF(keys);
     Py_XDECREF(row_bytes);
     PyBuffer_Release(&table);
     PyBuffer_Release(&out);
@@ -810,7 +877,7 @@ static PyObject *bump_word(PyObject *self, PyObject *args) {
 }
 
 static PyObject *table_layout(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}",
+    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "KEY_WORDS", KEY_WORDS,
                          "H_PIN_EPOCH", H_PIN_EPOCH, "H_SUCCESSOR", H_SUCCESSOR, "H_MAGIC", H_MAGIC, "H_CAPACITY", H_CAPACITY, "H_COLUMNS", H_COLUMNS, "H_SEQ", H_SEQ,
                          "H_FREES", H_FREES, "H_INCARNATION", H_INCARNATION, "H_RETIRED", H_RETIRED,
                          "H_UNITS_VERSION", H_UNITS_VERSION, "H_DOWN_UNITS", H_DOWN_UNITS, "H_ALIVE_UNTIL", H_ALIVE_UNTIL,
@@ -844,6 +911,7 @@ static PyMethodDef methods[] = {
     {"copy_fields", copy_fields, METH_VARARGS, "Several row copies (the fields of a get) into one buffer, in one call."},
     {"read_locations", read_locations, METH_VARARGS, "Read a meta's rows out of a shared location table (see above)."},
     {"table_layout", table_layout, METH_NOARGS, "The location-table layout this module was built for."},
+    {"key_fingerprints", key_fingerprints, METH_VARARGS, "Write each key's fingerprint (the location table's key plane) to an int64 buffer."},
     {"pin", pin, METH_VARARGS, "Publish a pin in a slot and keep it if the table freed nothing since its read (see above)."},
     {"read_pins", read_pins, METH_VARARGS, "The pins in use in a pin file, each read whole."},
     {"bump_word", bump_word, METH_VARARGS, "Add 1 to an int64 word atomically, then a full fence."},

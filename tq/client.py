@@ -1676,9 +1676,9 @@ class TQClient:
         row_bytes = None
         if layout != "padded":
             row_bytes = [lay.row_bytes if (lay := field_layout(schemas[f])).kind == JAGGED else 0 for f in fields]
-        rows = view.read(fields, meta.slots, meta.slot_table, clears, self._units_version, row_bytes, views)  # type: ignore[arg-type]
+        rows = view.read(fields, meta.slots, meta.keys, meta.slot_table, clears, self._units_version, row_bytes, views)  # type: ignore[arg-type]
         if rows is None and (view := self._follow_table(meta.partition_id, entry)) is not None:  # grown
-            rows = view.read(fields, meta.slots, meta.slot_table, clears, self._units_version, row_bytes, views)  # type: ignore[arg-type]
+            rows = view.read(fields, meta.slots, meta.keys, meta.slot_table, clears, self._units_version, row_bytes, views)  # type: ignore[arg-type]
         # a unit whose arena this client mapped is local (no file-system check on the hot path); rows
         # past its end are left to the controller's path, which names them
         arena = self._arenas.get(rows.unit) if rows is not None else None

@@ -11,12 +11,17 @@ the only authority: a reader that finds anything unexpected simply asks it (``lo
 File layout (little-endian int64 words)::
 
     header[HEADER_WORDS]                    see the H_* indices below
+    keys[capacity]                          per slot, its key's fingerprint (0: none written)
     locs[columns, LOC_COLUMNS, capacity]    per field column, a plane per record word
 
 Readers identify keys by slot, which a meta carries next to its keys (``KVBatchMeta.slots``) with
 the table's ``incarnation``. A slot is never handed to another key within one incarnation: reusing
 the slots of discarded keys, or clearing the partition, starts a new (random) incarnation, so a meta
-from before can only miss the fast path, never read another key's rows. Readers also need the fields'
+from before can only miss the fast path, never read another key's rows. Slots are only a hint the
+meta carries, though - a meta built by hand, or whose keys were replaced, may pair a key with another
+key's slot - so the table also holds each slot's key fingerprint (a 64-bit hash of the key, written
+when the slot is given to it, ``key_fingerprints``) and a reader reads a slot only where it is the
+fingerprint of the key the meta pairs with it. Readers also need the fields'
 schemas, which they learn from a ``locate`` reply; a field's schema is fixed until the partition is
 cleared, and a field written after a clear with another schema than before bumps ``clears`` (before
 its records are written), so schemas learnt under another ``clears`` count are not used. A clear
@@ -65,16 +70,17 @@ from .arena import map_new_shm_file
 from .pins import bump
 
 try:
+    from ._fastcopy import key_fingerprints as _key_fingerprints
     from ._fastcopy import read_locations as _read_locations
     from ._fastcopy import table_layout as _c_table_layout
-except ImportError:  # no compiler at install time: every get asks the controller
-    _read_locations = _c_table_layout = None
+except ImportError:  # no compiler at install time: no key plane is written and every get asks the controller
+    _read_locations = _c_table_layout = _key_fingerprints = None
 
 # A commit of up to this many rows is checked (controller) and written (write_rows) with Python ints:
 # a NumPy call on a few elements costs 3-5 us warm and several times that in the controller's loop,
 # whose caches the other processes' work between two requests evicts; a list operation a tenth
 FEW_ROWS = 64
-MAGIC = 0x5451_4C4F_4354_0002  # "TQLOCT" v2: planes per record word, runs
+MAGIC = 0x5451_4C4F_4354_0003  # "TQLOCT" v3: planes per record word, runs, key fingerprints
 (
     H_MAGIC,
     H_CAPACITY,
@@ -91,6 +97,7 @@ MAGIC = 0x5451_4C4F_4354_0002  # "TQLOCT" v2: planes per record word, runs
     H_SUCCESSOR,
 ) = range(13)
 HEADER_WORDS = 16
+KEY_WORDS = 1  # the key plane: one fingerprint word per slot
 ALIVE_S = 3.0  # a table whose controller has not renewed it (every second) for this long is not trusted
 #: Same-host readers use the tables only where stores are seen in program order (see module
 #: docstring), and through the C reader (one call, right after copies that evicted the caches).
@@ -110,6 +117,7 @@ _LAYOUT = {
     "H_PIN_EPOCH": H_PIN_EPOCH,
     "H_SUCCESSOR": H_SUCCESSOR,
     "HEADER_WORDS": HEADER_WORDS,
+    "KEY_WORDS": KEY_WORDS,
     "LOC_UNIT": LOC_UNIT,
     "LOC_BLOCK": LOC_BLOCK,
     "LOC_NBYTES": LOC_NBYTES,
@@ -198,7 +206,7 @@ def _mark_retired(header: np.ndarray) -> None:
 
 
 def _nbytes(capacity: int, columns: int) -> int:
-    return 8 * (HEADER_WORDS + columns * capacity * LOC_COLUMNS)
+    return 8 * (HEADER_WORDS + capacity * (KEY_WORDS + columns * LOC_COLUMNS))
 
 
 def new_incarnation() -> int:
@@ -228,6 +236,7 @@ class LocationTable:
         self.header = np.zeros(HEADER_WORDS, dtype=np.int64)
         self.header[H_PIN_EPOCH] = pin_epoch  # the pin board readers' pins must be registered with (tq.pins)
         self._last_run = 0  # run ids handed out (see the module docstring), kept across growth and clears
+        self._keys: np.ndarray | None = None  # the key plane (fingerprint per slot)
         self._allocate(capacity, columns, incarnation=new_incarnation())
 
     # -- storage
@@ -244,8 +253,13 @@ class LocationTable:
             words = np.frombuffer(mm, dtype=np.int64)
         else:
             words = np.empty(size // 8, dtype=np.int64)
-        header, locs = words[:HEADER_WORDS], words[HEADER_WORDS:].reshape(columns, LOC_COLUMNS, capacity)
+        header, keys = words[:HEADER_WORDS], words[HEADER_WORDS : HEADER_WORDS + capacity]
+        locs = words[HEADER_WORDS + capacity :].reshape(columns, LOC_COLUMNS, capacity)
         locs.fill(-1)
+        keys.fill(0)
+        if self._keys is not None:
+            n = min(capacity, self._keys.shape[0])
+            keys[:n] = self._keys[:n]
         old = self.header
         header[:] = old
         header[H_CAPACITY], header[H_COLUMNS], header[H_INCARNATION] = capacity, columns, incarnation
@@ -260,7 +274,7 @@ class LocationTable:
         if path is not None:
             self.header[H_SUCCESSOR] = table_id  # before it is retired: readers seeing that see this
         self._retire_storage()
-        self.header, self._locs, self.path, self._mm = header, locs, path, mm
+        self.header, self._keys, self._locs, self.path, self._mm = header, keys, locs, path, mm
         self._held = fd if path is not None else None
         self.views = {name: locs[self.columns[name]].T for name in in_use}
 
@@ -269,7 +283,7 @@ class LocationTable:
             return
         _mark_retired(self.header)
         self.views, self.header = {}, self.header.copy()  # drop views into the old mapping
-        self._locs = None  # type: ignore[assignment]
+        self._locs = self._keys = None  # type: ignore[assignment]
         if self.path is not None:
             try:
                 os.unlink(self.path)  # readers that mapped it keep their mapping until they drop it
@@ -338,6 +352,15 @@ class LocationTable:
         if run:
             self._last_run += 1
         loc[at, LOC_RUN] = self._last_run if run else -1
+
+    def set_keys(self, at: slice | np.ndarray | list[int], keys: Sequence[str]) -> None:
+        """Write the fingerprints of ``keys``, just given the slots ``at`` addresses (before any record
+        of theirs, and after a new incarnation when the slots are reused): a reader reads a slot only
+        for its key. Without the C helper none is written, and no reader uses the table."""
+        if _key_fingerprints is not None and keys:
+            fp = np.empty(len(keys), dtype=np.int64)
+            _key_fingerprints(keys, fp)
+            self._keys[at] = fp
 
     def restore_rows(self, name: str, records: np.ndarray) -> None:
         """Write field ``name``'s records from a snapshot (``[slots, columns]``, maybe of fewer columns
@@ -453,6 +476,7 @@ class LocationView:
         self,
         fields: list[str],
         slots: Sequence[int],
+        keys: Sequence[str],
         incarnation: int,
         clears: int,
         units_version: int,
@@ -460,7 +484,8 @@ class LocationView:
         views: bool = False,
     ) -> LocatedRows | None:
         """Where the rows (``fields`` x ``slots``) lie, when they are all on one storage unit and the
-        table can be trusted for them: not retired, its controller alive, ``incarnation`` and
+        table can be trusted for them: each slot holds the key ``keys`` pairs with it (its key
+        fingerprint), the table not retired, its controller alive, ``incarnation`` and
         ``clears`` (when the reader learnt the fields' schemas) still current, the units still at
         ``units_version``, every row produced and its unit up, and no write overlapping the read.
         None otherwise: the reader asks the controller. ``row_bytes`` (bytes per row unit, per field;
@@ -472,11 +497,11 @@ class LocationView:
             return None
         planes = np.empty((3, len(cols), len(slots)), dtype=np.int64)
         if row_bytes is None:
-            got = _read_locations(self._mm, cols, slots, incarnation, clears, units_version, planes)
+            got = _read_locations(self._mm, cols, slots, keys, incarnation, clears, units_version, planes)
             row_offsets = None
         else:
             row_offsets = np.empty((len(cols), len(slots) + 1), dtype=np.int64)
-            got = _read_locations(self._mm, cols, slots, incarnation, clears, units_version, planes, row_bytes, row_offsets, views)
+            got = _read_locations(self._mm, cols, slots, keys, incarnation, clears, units_version, planes, row_bytes, row_offsets, views)
         if got is None:
             return None
         *got, runs = got

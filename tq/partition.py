@@ -81,12 +81,14 @@ class Partition:
             del self.free_slots[-reuse:]
             self.index.update(zip(reused, slots))
             at = rows_at(slots)
+            self.table.set_keys(at, reused)
             put_at(self.slot_keys, at, reused)
             put_at(self.seq_lens, at, [-1] * reuse)
             for values in self.tags.values():
                 put_at(values, at, [None] * reuse)
         keys = keys[reuse:]
         start = len(self.slot_keys)
+        self.table.set_keys(slice(start, start + len(keys)), keys)
         self.index.update(zip(keys, range(start, start + len(keys))))
         self.slot_keys.extend(keys)
         self.seq_lens.extend([-1] * len(keys))

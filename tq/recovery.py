@@ -176,7 +176,9 @@ class JournalRecovery:
             p.seq_lens = list(d["seq_lens"])
             p.tags = {k: list(v) for k, v in d["tags"].items()}
             p.schemas = {f: FieldSchema.from_wire(w) for f, w in d["schemas"].items()}
-            p.table.grow(max((shape[0] for shape, _ in d["locs"].values()), default=0))
+            p.table.grow(max([len(p.slot_keys), *(shape[0] for shape, _ in d["locs"].values())]))
+            live = list(p.index.values())
+            p.table.set_keys(live, list(p.index))  # fingerprints for the snapshot's keys
             for f, (shape, b) in d["locs"].items():
                 p.table.restore_rows(f, np.frombuffer(b, dtype=np.int64).reshape(shape))
             self.partitions[pid] = p

@@ -646,6 +646,42 @@ def test_a_bad_pad_to_is_refused_naming_it(tclient, part, pad_to):
     assert tclient.get(meta, ["x"], pad_to=6)["x"].shape == (2, 6)
 
 
+@pytest.mark.parametrize(
+    "pad_value, message",
+    [
+        ("x", "^pad_value 'x' is not a number"),
+        (None, "^pad_value None is not a number"),
+        ([0, 1], r"^pad_value \[0, 1\] is not a number"),
+        ({"ids": 0, "mask": "0"}, r"^pad_value\['mask'\] '0' is not a number"),
+        (float("nan"), "^field 'ids': pad value nan does not fit a int64 field"),
+        (10**30, f"^field 'ids': pad value {10**30} does not fit a int64 field"),
+        ({"ids": -1, "mask": 2**40}, "^field 'mask': pad value 1099511627776 does not fit a int32 field"),
+    ],
+    ids=["str", "none", "list", "per-field-str", "nan-int", "huge", "per-field-huge"],
+)
+def test_a_pad_value_that_is_no_number_of_the_fields_dtype_is_refused_naming_it(tclient, part, pad_value, message):
+    """A str pad value was torch's TypeError ("new(): invalid data type 'str'"), a list a TypeError
+    (unhashable), NaN for an int field a RuntimeError, 10**30 a ValueError from the copier - none
+    naming the field. A numpy or 0-d tensor pad id (as tokenizers hand them out) is a number."""
+    meta = tclient.put(part, unique_keys(2), {"ids": [torch.ones(3, dtype=torch.int64), torch.ones(1, dtype=torch.int64)],
+                                             "mask": [torch.ones(3, dtype=torch.int32), torch.ones(1, dtype=torch.int32)]})
+    with pytest.raises(InvalidRequestError, match=message):
+        tclient.get(meta, ["ids", "mask"], pad_value=pad_value)
+    got = tclient.get(meta, ["ids", "mask"], pad_value={"ids": np.int64(7), "mask": torch.tensor(5)})
+    assert got["ids"][1].tolist() == [1, 7, 7] and got["mask"][1].tolist() == [1, 5, 5]
+
+
+@pytest.mark.parametrize("op", ["get", "write_back", "wait", "discard", "set_tags"])
+def test_a_call_given_no_meta_is_refused_naming_what_it_got(client, partition, op):
+    """A dict or a tuple of keys where a meta goes was an AttributeError on some attribute of it."""
+    meta = client.put(partition, unique_keys(1), {"x": torch.ones(1)})
+    args = {"get": (["x"],), "write_back": ({"y": torch.ones(1)},), "wait": (["x"],), "discard": (), "set_tags": ()}[op]
+    for bad in ({"keys": list(meta.keys), "partition_id": partition}, meta.keys):
+        with pytest.raises(TypeError, match=rf"^{op} needs a KVBatchMeta \(from put, get_meta or mint_keys\), got {type(bad).__name__}$"):
+            getattr(client, op)(bad, *args)
+    assert client.get(meta, ["x"])["x"].tolist() == [1.0]
+
+
 @pytest.mark.parametrize("value", [*BAD_SECONDS, 0.0, 1e5], ids=str)
 def test_a_client_with_an_impossible_timeout_is_refused_naming_it(tq_server, value):
     with pytest.raises(InvalidRequestError, match=r"^timeout must be"):

@@ -36,7 +36,7 @@ from . import liveness, protocol
 from .admin import connect_units, service_stats, unit_stats
 from .arena import ALIGN, Arena, align_up, host_identity, map_read_only
 from .bufferpool import HostBufferPool
-from .columns import EncodedColumn, FieldLayout, encode_column, field_layout, tensor_at, tensor_in, to_tensor, unpack_objects
+from .columns import EncodedColumn, FieldLayout, encode_column, field_layout, pad_number, tensor_at, tensor_in, to_tensor, unpack_objects
 from .errors import (
     CapacityError,
     DuplicateKeyError,
@@ -664,6 +664,13 @@ def _names(value: Any, what: str) -> list[str]:
     return list(value)
 
 
+def _check_meta(meta: Any, op: str) -> None:
+    """TypeError naming what ``op`` got instead of a :class:`KVBatchMeta` (an AttributeError on some
+    field of it, deep in the call, named nothing)."""
+    if not isinstance(meta, KVBatchMeta):
+        raise TypeError(f"{op} needs a KVBatchMeta (from put, get_meta or mint_keys), got {type(meta).__name__}")
+
+
 def _in_opening_process(method: _Method) -> _Method:
     """A TQClient operation, refused (:class:`~tq.errors.ForkedClientError`) in a process forked from the
     one that opened the client: there it would share that process's sockets (answering its replies),
@@ -1091,6 +1098,7 @@ class TQClient:
     def set_tags(self, meta: KVBatchMeta) -> None:
         """Store the meta's per-key tags on the controller (so :meth:`get_meta` returns them); one that
         raised TQConnectionError is settled as :meth:`_fenced_call` says."""
+        _check_meta(meta, "set_tags")
         if meta.tags:
             tags = {k: list(v) for k, v in meta.tags.items()}
             self._fenced_call(
@@ -1139,6 +1147,7 @@ class TQClient:
         Writing a field a key already has is a :class:`~tq.errors.SchemaConflictError` unless
         ``overwrite`` (e.g. the driver updating ``sample_mask``); the schema must match either way.
         """
+        _check_meta(meta, "write_back")
         keys = list(meta.keys)
         self._store_and_commit(meta.partition_id, keys, self._encode(keys, columns), "write_back", None, None, overwrite)
         return meta.add_fields(tuple(columns))
@@ -1613,6 +1622,7 @@ class TQClient:
     @_in_opening_process
     def wait(self, meta: KVBatchMeta, fields: Sequence[str] | None = None, timeout: float = 60.0) -> None:
         """Block until every key of ``meta`` has ``fields`` (default: ``meta.fields``) or time out."""
+        _check_meta(meta, "wait")
         timeout = seconds_value("timeout", timeout, messages.MAX_SECONDS)
         fields = _names(fields if fields is not None else meta.fields, "fields")
         self._call(
@@ -1853,6 +1863,7 @@ class TQClient:
         stalled host resumes); a unit given up on - its process ended, or silent for the
         controller's ``unit_lost_s`` (30 s) - fails the get at once with StorageUnitError.
         """
+        _check_meta(meta, "get")
         if layout not in ("padded", "jagged", "list"):
             raise InvalidRequestError(f"layout must be 'padded', 'jagged' or 'list', got {layout!r}")
         fields = _names(fields if fields is not None else meta.fields, "fields")
@@ -1860,6 +1871,10 @@ class TQClient:
             raise InvalidRequestError("get needs at least one field (the meta names none)")
         if pad_to is not None and not is_pad_length(pad_to):
             raise InvalidRequestError(f"pad_to must be None or a whole number in [0, {MAX_PAD_LENGTH}], got {pad_to!r}")
+        if isinstance(pad_value, abc.Mapping):
+            pad_value = {name: pad_number(v, f"pad_value[{name!r}]") for name, v in pad_value.items()}
+        else:
+            pad_value = pad_number(pad_value, "pad_value")
         if wait_timeout is not None:
             wait_timeout = seconds_value("wait_timeout", wait_timeout, messages.MAX_SECONDS)
         if pin_memory:
@@ -2171,7 +2186,10 @@ class TQClient:
                 span = pad_len * lay.row_bytes
                 n = fx.sizes.size
                 nbytes, shape = n * span, (n, pad_len, *lay.shape)
-                pad = lay.pad(pad_value if fills is None else fills.get(name, 0))
+                try:
+                    pad = lay.pad(pad_value if fills is None else fills.get(name, 0))
+                except InvalidRequestError as exc:
+                    raise InvalidRequestError(f"field {name!r}: {exc}") from None
             elif lay.kind == JAGGED:
                 nbytes = fx.total
                 shape = (nbytes // lay.row_bytes, *lay.shape)
@@ -2189,6 +2207,7 @@ class TQClient:
     def discard(self, meta: KVBatchMeta) -> int:
         """Free the meta's keys (all their fields) and unregister them; returns keys discarded. All or
         nothing; a discard that raised TQConnectionError is settled as :meth:`_fenced_call` says."""
+        _check_meta(meta, "discard")
         args = messages.Discard(partition=meta.partition_id, keys=list(meta.keys), request_id=new_request_id())
         return self._fenced_call(Op.DISCARD, self._with_reads(args)).count
 

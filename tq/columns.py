@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import reprlib
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -136,9 +137,23 @@ def encode_column(field: str, value: Any, n_rows: int) -> EncodedColumn:
     return EncodedColumn(FieldSchema(OBJECT, "object"), _offsets(sizes, 1), [np.frombuffer(b, dtype=np.uint8) for b in blobs])
 
 
+def pad_number(value: Any, what: str) -> float | int | bool:
+    """A pad value as a Python number (a numpy scalar or one-element tensor - as a tokenizer may hand
+    out its pad id - as its item); InvalidRequestError naming ``what`` for anything else."""
+    if isinstance(value, np.generic) or isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if not isinstance(value, (bool, int, float)):
+        raise InvalidRequestError(f"{what} {reprlib.repr(value)} is not a number (a bool, int or float)")
+    return value
+
+
 def pad_bits(schema: FieldSchema, pad_value: float | int | bool) -> Any:
-    """The pad value as the raw bits of the field's dtype (so fills work for bfloat16 too)."""
-    t = torch.tensor(pad_value, dtype=TORCH_DTYPES[schema.dtype])
+    """The pad value (a number) as the raw bits of the field's dtype (so fills work for bfloat16 too);
+    InvalidRequestError for one the dtype cannot hold (torch's own errors named neither)."""
+    try:
+        t = torch.tensor(pad_value, dtype=TORCH_DTYPES[schema.dtype])
+    except (RuntimeError, OverflowError, ValueError):
+        raise InvalidRequestError(f"pad value {pad_value!r} does not fit a {schema.dtype} field") from None
     return t.reshape(1).view(torch.uint8).numpy().view(BITS[schema.itemsize])[0]
 
 

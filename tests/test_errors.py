@@ -622,8 +622,9 @@ def test_keys_or_fields_given_as_one_string_are_refused(tclient, part, call):
         ({"tags": {"t": [1, 2]}}, "tag 't' has 2 values for 1 keys"),
         ({"sequence_lengths": [-3]}, "sequence_lengths value -3 for key"),
         ({"sequence_lengths": [2.7]}, "has type float; expected int"),
+        ({"sequence_lengths": [2**63]}, r"sequence_lengths value 9223372036854775808 for key .* is more than 2147483648 \(MAX_PAD_LENGTH\)"),
     ],
-    ids=["tag-object", "tag-length", "negative-length", "float-length"],
+    ids=["tag-object", "tag-length", "negative-length", "float-length", "huge-length"],
 )
 def test_a_put_with_bad_tags_or_lengths_is_refused_before_anything_is_stored(tclient, part, kwargs, message):
     """A negative length used to be refused by the returned meta after the commit: the put raised
@@ -1668,6 +1669,23 @@ def test_names_out_of_bounds_are_refused_by_the_client_and_on_the_wire(tq_server
         edge = client.put(part, ["a", "b"], {"x": x}, tags={"t": [-(2**63), 2**64 - 1]})
         assert client.get_meta(part).tags == edge.tags == {"t": (-(2**63), 2**64 - 1)}
         client.drop_partition(part)
+
+
+@pytest.mark.parametrize("length", [-1, 2**31 + 1, 2**63])
+def test_a_commit_whose_sequence_lengths_no_sample_has_is_refused_by_the_controllers_decoder(length):
+    """A peer past the client's check (a length of 2**63 was stored and journaled; 10**30 was msgpack's
+    OverflowError in the client) is refused on the wire naming the path."""
+    import msgpack
+
+    from tq import messages
+    from tq.errors import InvalidRequestError
+
+    field = {"schema": ["tensor", "int64", []], "row_nbytes": {"b": 0, "d": "<i8", "s": [1]}, "arena_offsets": {"b": 1, "d": "<i8", "s": [1]}}
+    commit = {"partition": "p", "keys": ["a"], "mode": "put", "blocks": [[0, 1, 1]], "fields": {"x": field}}
+    decoder = messages.ArgsDecoder("commit", messages.Commit)
+    assert decoder.decode(msgpack.packb(commit | {"sequence_lengths": [2**31]})).sequence_lengths == [2**31]
+    with pytest.raises(InvalidRequestError, match=r"^commit: Expected `int` .* - at `\$\.sequence_lengths\[0\]`"):
+        decoder.decode(msgpack.packb(commit | {"sequence_lengths": [length]}))
 
 
 def test_a_listing_that_names_a_key_twice_is_refused_by_the_controller_naming_it(tq_server):

@@ -31,7 +31,7 @@ import msgspec
 
 from .errors import InvalidRequestError, MalformedMessageError, TQError
 from .liveness import NAME_PATTERN
-from .meta import MAX_NAME_CHARS
+from .meta import MAX_NAME_CHARS, MAX_PAD_LENGTH
 
 BLOCK_ID_LIMIT = 1 << 40  # storage units number blocks from 1 and never get near this
 UNIT_ENDED_S = 1e9  # a unit's down_for_s once its process ended (its controller saw it exit)
@@ -58,6 +58,8 @@ RequestId = Annotated[int, msgspec.Meta(gt=0, le=(1 << 63) - 1)]
 TagValue = Union[None, bool, int, float, str]
 # A partition id, key, field or tag name a request creates or names (KVBatchMeta checks the same bound).
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS)]
+# A sample's unpadded length (KVBatchMeta checks the same bound).
+SequenceLength = Annotated[int, msgspec.Meta(ge=0, le=MAX_PAD_LENGTH)]
 
 
 class ControllerOp(enum.StrEnum):
@@ -324,7 +326,7 @@ class Commit(KeysArgs):
     blocks: Annotated[list[tuple[Count, BlockId, Annotated[int, msgspec.Meta(ge=1)]]], msgspec.Meta(min_length=1)]
     fields: Annotated[dict[Name, CommitField], msgspec.Meta(min_length=1)]
     tags: Union[dict[Name, list[TagValue]], None] = None
-    sequence_lengths: Union[list[int], None] = None
+    sequence_lengths: Union[list[SequenceLength], None] = None
     overwrite: bool = False
     # same-host puts: per part of ``blocks``, the slab (allocation id) it was carved from and its
     # arena range ``(slab, start, size)``; the controller has the unit adopt each block once committed

@@ -251,6 +251,9 @@ class KVBatchMeta:
             if lens and min(lens) < 0:
                 i = lens.index(min(lens))
                 raise ValueError(f"sequence_lengths value {lens[i]} for key {keys[i]!r} is negative")
+            if lens and max(lens) > MAX_PAD_LENGTH:
+                i = lens.index(max(lens))
+                raise ValueError(f"sequence_lengths value {lens[i]} for key {keys[i]!r} is more than {MAX_PAD_LENGTH} (MAX_PAD_LENGTH)")
             set_(self, "sequence_lengths", lens)
 
         if not isinstance(self.tags, Mapping):

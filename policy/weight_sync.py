@@ -151,7 +151,7 @@ def nccl_refit(pool: Any, sender: Any, group: dict[str, Any], version: int) -> d
     over NCCL: the sender broadcasts while the pool's workers receive; returns the bucket."""
     import ray
 
-    bucket = ray.get(sender.bucket.remote(version, group))
+    bucket = ray.get(sender.bucket.remote(version, group), timeout=300)  # a wedged sender fails the refit, never freezes it
     sent = sender.broadcast.remote()  # rank 0 sends while the generation workers receive
     pool.update_weights(bucket, weight_version=version)
     if ray.get(sent, timeout=300) != bucket["nbytes"]:

@@ -35,6 +35,7 @@ from tq.locations import (
     SUPPORTED,
     LocationTable,
     LocationView,
+    key_fingerprints,
     remove_orphans,
     take_records,
 )
@@ -59,15 +60,20 @@ def table(tmp_path):
     t.close()
 
 
-def _keys(slots) -> list[str]:
+def _names(slots) -> list[str]:
     """The keys the tests' tables give their slots (see _name_slots)."""
     return [f"k{s}" for s in slots]
+
+
+def _keys(slots) -> np.ndarray:
+    """The fingerprints of those keys, as a reader passes them."""
+    return key_fingerprints(_names(slots))
 
 
 def _name_slots(t: LocationTable) -> None:
     """Give every slot of ``t`` its key ``k{slot}`` (the controller writes a key's fingerprint when
     it gives the key a slot; a reader reads a slot only for its key)."""
-    t.set_keys(slice(0, t.capacity), _keys(range(t.capacity)))
+    t.set_keys(slice(0, t.capacity), _names(range(t.capacity)))
 
 
 def _record(unit: int, offset: int) -> list[int]:
@@ -198,8 +204,8 @@ def test_commits_lay_runs_and_a_restored_table_has_none(loopback):
         version = int(table.header[H_UNITS_VERSION])
         table.set_status(version, 0, alive_until_ns=time.monotonic_ns() + 10**10)
         ids = (table.incarnation, int(table.header[H_CLEARS]), version)
-        assert _view(table).read(["x"], [0, 1], ["a", "b"], *ids).offsets.tolist() == [[0, 8]]
-        assert _view(table).read(["x"], [0, 1], ["b", "a"], *ids) is None
+        assert _view(table).read(["x"], [0, 1], key_fingerprints(["a", "b"]), *ids).offsets.tolist() == [[0, 8]]
+        assert _view(table).read(["x"], [0, 1], key_fingerprints(["b", "a"]), *ids) is None
     finally:
         ctrl.close()
 
@@ -296,21 +302,22 @@ def test_a_slot_is_read_only_for_the_key_its_fingerprint_names(table, tmp_path):
     controller wrote none (0) matches no key."""
     table.loc("x")[:2] = [_record(0, 0), _record(0, 64)]
     view = _view(table)
-    assert view.read(["x"], [0, 1], ["k0", "k1"], *_ids(table)).offsets.tolist() == [[0, 64]]
-    assert view.read(["x"], [0, 1], ["k1", "k0"], *_ids(table)) is None  # swapped
-    assert view.read(["x"], range(0, 2), ["k0", "k0"], *_ids(table)) is None  # one run, the second key another's
-    assert view.read(["x"], [1], ["k0"], *_ids(table)) is None
-    assert view.read(["x"], [0], ["k0\x00"], *_ids(table)) is None  # any byte counts
-    assert view.read(["x"], [0], ["\ud800"], *_ids(table)) is None  # no UTF-8 form: the controller says why
+    assert view.read(["x"], [0, 1], key_fingerprints(["k0", "k1"]), *_ids(table)).offsets.tolist() == [[0, 64]]
+    assert view.read(["x"], [0, 1], key_fingerprints(["k1", "k0"]), *_ids(table)) is None  # swapped
+    assert view.read(["x"], range(0, 2), key_fingerprints(["k0", "k0"]), *_ids(table)) is None  # one run, the second key another's
+    assert view.read(["x"], [1], key_fingerprints(["k0"]), *_ids(table)) is None
+    assert view.read(["x"], [0], key_fingerprints(["k0\x00"]), *_ids(table)) is None  # any byte counts
+    with pytest.raises(UnicodeEncodeError):  # no UTF-8 form: a client leaves such a meta to the controller, which says why
+        key_fingerprints(["\ud800"])
     with pytest.raises(ValueError, match="keys and slots differ"):
-        view.read(["x"], [0, 1], ["k0"], *_ids(table))
+        view.read(["x"], [0, 1], key_fingerprints(["k0"]), *_ids(table))
     table.grow(40)
-    assert _view(table).read(["x"], [1, 0], ["k1", "k0"], *_ids(table)).offsets.tolist() == [[64, 0]]
+    assert _view(table).read(["x"], [1, 0], key_fingerprints(["k1", "k0"]), *_ids(table)).offsets.tolist() == [[64, 0]]
     bare = LocationTable(str(tmp_path), capacity=4, columns=1)  # no fingerprint written (set_keys never called)
     try:
         bare.set_status(units_version=1, down_units=0, alive_until_ns=time.monotonic_ns() + 10**10)
         bare.loc("x")[0] = _record(0, 0)
-        assert _view(bare).read(["x"], [0], ["k0"], *_ids(bare)) is None
+        assert _view(bare).read(["x"], [0], key_fingerprints(["k0"]), *_ids(bare)) is None
     finally:
         bare.close()
 
@@ -399,7 +406,7 @@ def test_the_c_reader_refuses_a_header_claiming_more_records_than_the_buffer_hol
     header[H_CAPACITY], header[H_COLUMNS] = capacity, 1
     out = np.empty((3, 1, 1), dtype=np.int64)
     with pytest.raises(ValueError, match="truncated"):
-        read_locations(header.tobytes(), [0], [capacity - 1], ["k"], 0, 0, 0, out)
+        read_locations(header.tobytes(), [0], [capacity - 1], np.zeros(1, dtype=np.int64), 0, 0, 0, out)
 
 
 _TABLE_MAKER = """

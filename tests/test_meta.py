@@ -475,6 +475,22 @@ def test_consecutive_slots_are_a_range_and_pickle_as_one():
     assert KVBatchMeta.from_dict(m.to_dict()).slots == m.slots
 
 
+def test_what_a_client_caches_on_a_meta_is_neither_pickled_nor_copied_nor_compared():
+    """A same-host client keeps a meta's key fingerprints on it (``_key_fingerprints``): derived from
+    the keys, so a pickle sent to a rank (or a copy) leaves it out - 8 bytes a key more to every rank
+    otherwise - and equality ignores it."""
+    import copy
+
+    import numpy as np
+
+    m = KVBatchMeta("p", [f"k{i}" for i in range(1000)], slot_table=1, slots=range(1000))
+    plain = pickle.dumps(m)
+    object.__setattr__(m, "_key_fingerprints", np.arange(1000, dtype=np.int64))
+    assert pickle.dumps(m) == plain and "_key_fingerprints" not in pickle.loads(plain).__dict__
+    assert "_key_fingerprints" not in copy.deepcopy(m).__dict__ and "_key_fingerprints" not in copy.copy(m).__dict__
+    assert m == pickle.loads(plain) and pickle.loads(plain).slots == range(1000)
+
+
 def test_concat_across_slot_tables_drops_the_slots():
     a = KVBatchMeta("p", ["a"], slot_table=1, slots=[0])
     b = KVBatchMeta("p", ["b"], slot_table=2, slots=[0])

@@ -489,6 +489,7 @@ done_seq:
 
 /* ------------------------------------------------------------------ location tables
  * read_locations(table, cols, slots, keys, incarnation, clears, units_version, out[, row_bytes, starts, views])
+ *   keys: the fingerprints (key_fingerprints) of the keys the meta pairs with the slots, int64.
  *   A same-host reader's whole check-and-read of a partition's location table (tq/locations.py
  *   documents the protocol; the layout constants below mirror it and tq/locations.py asserts they
  *   match). Writes the offsets of the rows (cols x slots) to out[0:F*n], their sizes to
@@ -506,9 +507,8 @@ done_seq:
  *   results, and a borrowed get to view them - and the number of block runs written.
  *   Returns None when the table cannot be trusted for them: retired, its controller's lease run out,
  *   another incarnation, clears count or units version, being written (seqlock), a slot or column
- *   out of range, a slot whose key fingerprint is not its key's (keys: the meta's, one str per
- *   slot - a meta whose slots name other keys reads nothing of theirs), a row not produced or on a
- *   down unit, or rows on several units. One C call, not a
+ *   out of range, a slot whose key fingerprint is not its key's (a meta whose slots name other
+ *   keys reads nothing of theirs), a row not produced or on a down unit, or rows on several units. One C call, not a
  *   dozen numpy ones: it runs right after megabyte copies have evicted the interpreter's caches. */
 enum { H_MAGIC, H_CAPACITY, H_COLUMNS, H_SEQ, H_FREES, H_INCARNATION, H_RETIRED, H_UNITS_VERSION,
        H_DOWN_UNITS, H_ALIVE_UNTIL, H_CLEARS, H_PIN_EPOCH, H_SUCCESSOR, HEADER_WORDS = 16 };
@@ -640,14 +640,14 @@ static inline int read_field(const int64_t *const P[LOC_COLUMNS], const int64_t 
 }
 
 static PyObject *read_locations(PyObject *self, PyObject *args) {
-    Py_buffer table, out, starts_buf = {0};
-    PyObject *cols_o, *slots_o, *keys_o, *row_bytes_o = Py_None;
+    Py_buffer table, keys, out, starts_buf = {0};
+    PyObject *cols_o, *slots_o, *row_bytes_o = Py_None;
     long long incarnation, clears, units_version;
     int views = 0;
-    if (!PyArg_ParseTuple(args, "y*OOOLLLw*|Ow*p", &table, &cols_o, &slots_o, &keys_o, &incarnation, &clears, &units_version, &out,
+    if (!PyArg_ParseTuple(args, "y*OOy*LLLw*|Ow*p", &table, &cols_o, &slots_o, &keys, &incarnation, &clears, &units_version, &out,
                           &row_bytes_o, &starts_buf, &views))
         return NULL;
-    PyObject *ret = NULL, *cols = NULL, *slots = NULL, *keys = NULL, *longest = NULL, *totals = NULL, *adjacent = NULL, *row_bytes = NULL;
+    PyObject *ret = NULL, *cols = NULL, *slots = NULL, *longest = NULL, *totals = NULL, *adjacent = NULL, *row_bytes = NULL;
     int64_t *slot_at = NULL;  /* the slots as C ints, converted once for all fields */
     if (!(cols = PySequence_Fast(cols_o, "cols must be a sequence of ints"))) goto done;
     /* consecutive slots come as a range (tq.meta keeps them so): no int to convert per key */
@@ -665,8 +665,7 @@ static PyObject *read_locations(PyObject *self, PyObject *args) {
         if (!(slots = PySequence_Fast(slots_o, "slots must be a sequence of ints"))) goto done;
         n = PySequence_Fast_GET_SIZE(slots);
     }
-    if (!(keys = PySequence_Fast(keys_o, "keys must be a sequence of str"))) goto done;
-    if (PySequence_Fast_GET_SIZE(keys) != n) { PyErr_SetString(PyExc_ValueError, "keys and slots differ in length"); goto done; }
+    if (keys.len != n * 8) { PyErr_SetString(PyExc_ValueError, "keys and slots differ in length"); goto done; }
     const int64_t *h = table.buf;
     Py_ssize_t F = PySequence_Fast_GET_SIZE(cols);
     if (table.len < HEADER_WORDS * 8) { PyErr_SetString(PyExc_ValueError, "not a location table"); goto done; }
@@ -708,14 +707,10 @@ static PyObject *read_locations(PyObject *self, PyObject *args) {
         slot_at[i] = slot;
         consecutive &= slot == slot_at[0] + i;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {  /* each slot holds the meta's key, not another one */
-        int64_t fp;
-        if (key_fingerprint(PySequence_Fast_GET_ITEM(keys, i), &fp) < 0) {  /* not UTF-8: the controller says why */
-            PyErr_Clear();
-            goto untrusted;
-        }
-        if (load_word(&key_plane[slot_at[i]]) != fp) goto untrusted;
-    }
+    const int64_t *fps = keys.buf;
+    int64_t differ = 0;  /* each slot holds the meta's key, not another one */
+    for (Py_ssize_t i = 0; i < n; i++) differ |= key_plane[slot_at[i]] ^ fps[i];
+    if (differ) goto untrusted;
     for (Py_ssize_t f = 0; f < F; f++) {
         int64_t most, total;
         int back_to_back;
@@ -757,9 +752,9 @@ done:
     Py_XDECREF(adjacent);
     Py_XDECREF(cols);
     Py_XDECREF(slots);
-    Py_XDECREF(keys);
     Py_XDECREF(row_bytes);
     PyBuffer_Release(&table);
+    PyBuffer_Release(&keys);
     PyBuffer_Release(&out);
     if (starts_buf.obj) PyBuffer_Release(&starts_buf);
     return ret;

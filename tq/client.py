@@ -48,7 +48,7 @@ from .errors import (
     TQError,
 )
 from .jagged import JaggedTensor
-from .locations import H_PIN_EPOCH, SUPPORTED as LOCAL_TABLES_SUPPORTED, LocatedRows, LocationView
+from .locations import H_PIN_EPOCH, SUPPORTED as LOCAL_TABLES_SUPPORTED, LocatedRows, LocationView, key_fingerprints
 from . import messages
 from .messages import ControllerOp as Op, UnitOp
 from .argtypes import address_value, seconds_value
@@ -662,6 +662,22 @@ def _names(value: Any, what: str) -> list[str]:
     if isinstance(value, (str, bytes)):
         raise InvalidRequestError(f"{what} must be a list of names, not a single {type(value).__name__} ({value[:40]!r})")
     return list(value)
+
+
+def _key_fingerprints_of(meta: KVBatchMeta) -> np.ndarray | None:
+    """The fingerprints of the meta's keys, which a location table's slots are checked against
+    (:func:`tq.locations.key_fingerprints`); None for keys that have none (not UTF-8: the controller
+    then says why). Kept on the meta, which is immutable: a meta read again (a rank's micro-batches,
+    the next field of the same shard) does not hash its keys again - ~7 ns a key, as much as the rest
+    of a borrowed get of 50k keys. Not pickled (KVBatchMeta.__getstate__)."""
+    fps = meta.__dict__.get("_key_fingerprints")
+    if fps is None:
+        try:
+            fps = key_fingerprints(meta.keys)
+        except UnicodeError:
+            return None
+        object.__setattr__(meta, "_key_fingerprints", fps)
+    return fps
 
 
 def _check_meta(meta: Any, op: str) -> None:
@@ -1686,9 +1702,12 @@ class TQClient:
         row_bytes = None
         if layout != "padded":
             row_bytes = [lay.row_bytes if (lay := field_layout(schemas[f])).kind == JAGGED else 0 for f in fields]
-        rows = view.read(fields, meta.slots, meta.keys, meta.slot_table, clears, self._units_version, row_bytes, views)  # type: ignore[arg-type]
+        fps = _key_fingerprints_of(meta)
+        if fps is None:
+            return None
+        rows = view.read(fields, meta.slots, fps, meta.slot_table, clears, self._units_version, row_bytes, views)  # type: ignore[arg-type]
         if rows is None and (view := self._follow_table(meta.partition_id, entry)) is not None:  # grown
-            rows = view.read(fields, meta.slots, meta.keys, meta.slot_table, clears, self._units_version, row_bytes, views)  # type: ignore[arg-type]
+            rows = view.read(fields, meta.slots, fps, meta.slot_table, clears, self._units_version, row_bytes, views)  # type: ignore[arg-type]
         # a unit whose arena this client mapped is local (no file-system check on the hot path); rows
         # past its end are left to the controller's path, which names them
         arena = self._arenas.get(rows.unit) if rows is not None else None

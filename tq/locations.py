@@ -209,6 +209,13 @@ def _nbytes(capacity: int, columns: int) -> int:
     return 8 * (HEADER_WORDS + capacity * (KEY_WORDS + columns * LOC_COLUMNS))
 
 
+def key_fingerprints(keys: Sequence[str]) -> np.ndarray:
+    """Each key's fingerprint as the table's key plane holds it (int64; needs the C helper)."""
+    out = np.empty(len(keys), dtype=np.int64)
+    _key_fingerprints(keys, out)
+    return out
+
+
 def new_incarnation() -> int:
     """A random positive 63-bit id: stale metas match a new incarnation with probability 2**-63."""
     return secrets.randbits(63) or 1
@@ -358,9 +365,7 @@ class LocationTable:
         of theirs, and after a new incarnation when the slots are reused): a reader reads a slot only
         for its key. Without the C helper none is written, and no reader uses the table."""
         if _key_fingerprints is not None and keys:
-            fp = np.empty(len(keys), dtype=np.int64)
-            _key_fingerprints(keys, fp)
-            self._keys[at] = fp
+            self._keys[at] = key_fingerprints(keys)
 
     def restore_rows(self, name: str, records: np.ndarray) -> None:
         """Write field ``name``'s records from a snapshot (``[slots, columns]``, maybe of fewer columns
@@ -476,7 +481,7 @@ class LocationView:
         self,
         fields: list[str],
         slots: Sequence[int],
-        keys: Sequence[str],
+        keys: np.ndarray,
         incarnation: int,
         clears: int,
         units_version: int,
@@ -484,8 +489,8 @@ class LocationView:
         views: bool = False,
     ) -> LocatedRows | None:
         """Where the rows (``fields`` x ``slots``) lie, when they are all on one storage unit and the
-        table can be trusted for them: each slot holds the key ``keys`` pairs with it (its key
-        fingerprint), the table not retired, its controller alive, ``incarnation`` and
+        table can be trusted for them: each slot holds the key ``keys`` pairs with it (``keys``: the
+        keys' fingerprints, :func:`key_fingerprints`), the table not retired, its controller alive, ``incarnation`` and
         ``clears`` (when the reader learnt the fields' schemas) still current, the units still at
         ``units_version``, every row produced and its unit up, and no write overlapping the read.
         None otherwise: the reader asks the controller. ``row_bytes`` (bytes per row unit, per field;

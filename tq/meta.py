@@ -209,6 +209,11 @@ class KVBatchMeta:
 
     __hash__ = None  # type: ignore[assignment]
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The fields, without what a client cached on this meta (``_key_fingerprints``, see
+        ``TQClient``): derived from the keys, so neither compared nor pickled."""
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
     # ------------------------------------------------------------------ init
     def __post_init__(self) -> None:
         set_ = object.__setattr__

@@ -15,6 +15,9 @@ from tq.errors import AuthenticationError, InvalidRequestError, TQConnectionErro
     "kwargs, message",
     [
         ({"address": "localhost:5555"}, "address"),
+        ({"address": "tcp://127.0.0.1:0"}, r"address must be a controller's 'tcp://HOST:PORT' \(port 1..65535\)"),  # was accepted
+        ({"address": "tcp://127.0.0.1"}, "address"),
+        ({"address": 5555}, "address"),
         ({"address": "tcp://127.0.0.1:1", "timeout_s": 0}, "timeout_s"),
         ({"address": "tcp://127.0.0.1:1", "timeout_s": float("inf")}, "timeout_s"),
         ({"address": "tcp://127.0.0.1:1", "capacity_wait_s": -1}, "capacity_wait_s"),

@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from .argtypes import address_value
 from .errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -53,8 +54,10 @@ class TQConnection:
     capacity_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.address, str) or "://" not in self.address:
-            raise InvalidRequestError(f"TQConnection.address must look like tcp://host:port, got {self.address!r}")
+        try:
+            address_value(self.address)
+        except InvalidRequestError as exc:  # a port-0 or port-less one was accepted here, refused at connect
+            raise InvalidRequestError(f"TQConnection.{exc}") from None
         for name in ("timeout_s", "capacity_wait_s"):
             value = getattr(self, name)
             if (

@@ -325,7 +325,7 @@ def init(conf: DictConfig | Mapping[str, Any] | None = None) -> DictConfig | Non
                 "use SimpleStorage (its num_data_storage_units sets the number of storage units)"
             )
         dp = merged.data_plane
-        _settings_of(merged, "tcp://127.0.0.1:0")  # a bad setting fails here, before anything starts
+        _settings_of(merged, "tcp://127.0.0.1:1")  # a bad setting fails here, before anything starts (an address to check with)
         address = dp.address or os.environ.get("TQ_ADDRESS")
         ray = _ray_if_initialized()
         handle = None

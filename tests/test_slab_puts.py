@@ -543,3 +543,25 @@ def test_an_alloc_its_writer_named_abandoned_before_the_unit_served_it_is_refuse
         freed = chan.call(UnitOp.RELEASE, messages.Release(allocs=[], abandoned=[kept]))[0].released_bytes
         assert freed > 0 and granted.first_block is not None
         assert c.stats()["unit_stats"][0]["slabs"] == 0 and c.stats()["unit_stats"][0]["bytes_used"] == 0
+
+
+def test_a_grant_named_abandoned_after_its_unit_restarted_is_still_freed():
+    """The unit that granted an alloc whose reply its writer never got is killed and restarted before
+    the writer names the request abandoned: the grant is journaled with the slab, so the restarted unit
+    still frees it at that word. Before, it came back as a slab of no known request, held (past its
+    allocation lease) for as long as its writer's process ran."""
+    from tq import messages
+    from tq.messages import UnitOp
+    from tq.request_book import new_request_id
+
+    with TQServer(storage_units=1, capacity=32 << 20) as server, TQClient(server.address, timeout=10.0) as c:
+        lost = new_request_id()
+        c._unit_chans[0].call(UnitOp.ALLOC, messages.Alloc(nbytes=4096, ids=4, writer=os.getpid(), request_id=lost))
+        old = c.stats()["units"][0]
+        os.kill(old["pid"], signal.SIGKILL)
+        assert wait_until(lambda: (u := c.stats()["units"][0])["pid"] != old["pid"] and u["alive"], timeout=15)
+        c._refresh_units()
+        assert c.stats()["unit_stats"][0]["slabs"] == 1  # the slab came back with the unit
+        freed = c._unit_chans[0].call(UnitOp.RELEASE, messages.Release(allocs=[], abandoned=[lost]))[0].released_bytes
+        assert freed > 0
+        assert c.stats()["unit_stats"][0]["slabs"] == 0 and c.stats()["unit_stats"][0]["bytes_used"] == 0

@@ -191,7 +191,7 @@ class StorageUnit(RpcServer):
         # the slab they are the gaps of (None: an allocation)
         self.held: dict[int, tuple[list[tuple[int, int]], Slab | None]] = {}
         # a same-host writer's alloc request id -> the allocation it was granted (see Alloc.request_id);
-        # not journaled: after a restart an abandoned grant is held while its writer lives, as before
+        # journaled ("Q"): a unit restarted before the writer names the request abandoned still frees it
         self.grants: dict[int, int] = {}
         # abandoned alloc request ids that matched no grant (yet: one parked for room may still come up) -> when
         # told; such a request is refused if it comes up within an allocation lease
@@ -414,6 +414,7 @@ class StorageUnit(RpcServer):
             self.journal.append(_writer_record(aid, writer))
             if args.request_id is not None:
                 self.grants[args.request_id] = aid
+                self.journal.append(["Q", aid, args.request_id])
         if args.ids:  # a slab: the writer names its blocks (these ids) in its commit
             size, first = align_up(max(nbytes, 1)), self._next_id
             self._next_id += args.ids
@@ -690,9 +691,11 @@ class StorageUnit(RpcServer):
 
     def _replay(self, path: str) -> None:
         """Rebuild the blocks from the journal: stores ("S"), claims ("C"), partial ("R") and whole
-        ("F") frees, allocations a writer may still be filling ("A", and "X" once released) and the next
-        id ("N", so ids are never reused after a compaction)."""
+        ("F") frees, allocations a writer may still be filling ("A", and "X" once released), the alloc
+        requests that were granted them ("Q") and the next id ("N", so ids are never reused after a
+        compaction)."""
         allocs: dict[int, tuple[int, int, float | None]] = {}
+        grants: dict[int, int] = {}  # alloc request id -> the allocation granted it
         slabs: dict[int, Slab] = {}
         expiries: dict[int, float | None] = {}  # slab or tentative block -> journaled wall-clock deadline
         for rec in Journal.replay(path):
@@ -737,6 +740,8 @@ class StorageUnit(RpcServer):
                 self.writers.pop(bid, None)
             elif kind == "W":  # a liveness file's name, or a pid and start time
                 self.writers[bid] = rec[2] if len(rec) == 3 else (rec[2], rec[3])
+            elif kind == "Q":  # the alloc request granted allocation ``bid``
+                grants[rec[2]] = bid
             if kind == "S":  # an allocation stored as this block is no longer pending
                 allocs = {a: r for a, r in allocs.items() if r[0] != rec[2]}
             self._next_id = max(self._next_id, bid + 1)
@@ -748,6 +753,7 @@ class StorageUnit(RpcServer):
         self.slabs = {aid: sl for aid, sl in slabs.items() if sl.unsettled}
         self.held = {aid: (sl.gaps(), sl) for aid, sl in slabs.items() if not sl.unsettled and self._writer_alive(aid)}
         self.writers = {a: w for a, w in self.writers.items() if a in self.slabs or a in self.held or a in allocs}
+        self.grants = {r: a for r, a in grants.items() if a in self.slabs or a in self.held or a in allocs}
         for aid, sl in self.slabs.items():
             sl.expiry = _monotonic(expiries.get(aid), now, self.alloc_lease_s)
         for b in self.blocks.values():
@@ -783,6 +789,7 @@ class StorageUnit(RpcServer):
                 ["N", self._next_id - 1],
                 *(self._store_record(bid, b, self.tentative.get(bid)) for bid, b in self.blocks.items()),
                 *(_writer_record(aid, w) for aid, w in self.writers.items()),
+                *(["Q", aid, rid] for rid, aid in self.grants.items() if aid in self.pending or aid in self.slabs or aid in self.held),
                 *(["A", aid, start, size, _wall(exp)] for aid, (start, size, exp) in self.pending.items()),
                 # a held allocation comes back as one whose lease ran out (held again, or freed)
                 *(["A", aid, *ranges[0], 0.0] for aid, (ranges, slab) in self.held.items() if slab is None),

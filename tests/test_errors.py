@@ -623,8 +623,9 @@ def test_keys_or_fields_given_as_one_string_are_refused(tclient, part, call):
         ({"sequence_lengths": [-3]}, "sequence_lengths value -3 for key"),
         ({"sequence_lengths": [2.7]}, "has type float; expected int"),
         ({"sequence_lengths": [2**63]}, r"sequence_lengths value 9223372036854775808 for key .* is more than 2147483648 \(MAX_PAD_LENGTH\)"),
+        ({"tags": {"t": ["x" * 65537]}}, r"tag 't' value at index 0 has 65537 characters, more than MAX_TAG_CHARS \(65536\)"),
     ],
-    ids=["tag-object", "tag-length", "negative-length", "float-length", "huge-length"],
+    ids=["tag-object", "tag-length", "negative-length", "float-length", "huge-length", "long-tag"],
 )
 def test_a_put_with_bad_tags_or_lengths_is_refused_before_anything_is_stored(tclient, part, kwargs, message):
     """A negative length used to be refused by the returned meta after the commit: the put raised
@@ -1662,6 +1663,11 @@ def test_names_out_of_bounds_are_refused_by_the_client_and_on_the_wire(tq_server
             (Op.MINT, messages.Mint(partition=part, keys=["a", long]), r"mint: Expected `str` of length <= 1024 - at `\$\.keys\[1\]`"),
             (Op.MINT, messages.Mint(partition=part, keys=[""]), r"mint: Expected `str` of length >= 1 - at `\$\.keys\[0\]`"),
             (Op.SET_TAGS, messages.SetTags(partition=part, keys=["a"], tags={long: [1]}), r"set_tags: Expected `str` of length <= 1024"),
+            (  # a 50 MB tag value was stored and journaled for its key
+                Op.SET_TAGS,
+                messages.SetTags(partition=part, keys=["a"], tags={"t": ["v" * 65537]}),
+                r"set_tags: Expected `str` of length <= 65536 - at `\$\.tags\[\.\.\.\]\[0\]`",
+            ),
         ]:
             with pytest.raises(InvalidRequestError, match=path):
                 client._call(op, request)

@@ -56,6 +56,9 @@ def _normalise_slots(value: Any, n: int) -> tuple[int, ...] | range:
 MAX_NAME_CHARS = 1024
 #: The range of an int tag value: what msgpack (the wire and the journal) carries.
 TAG_INT_RANGE = (-(1 << 63), (1 << 64) - 1)
+#: The longest str tag value, in characters: a tag is a small per-sample value the controller holds
+#: and journals for every key; text longer than this (a prompt, a ground-truth program) is a column.
+MAX_TAG_CHARS = 1 << 16
 
 
 def check_names(names: Sequence[str], what: str) -> None:
@@ -126,6 +129,13 @@ def _normalise_tag_values(name: str, values: Any, n: int) -> tuple:
                     raise TypeError(
                         f"tag {name!r} value at index {i} has type {type(v).__name__}; tag values must be None, bool, int, float or str"
                     )
+    if str in types:
+        strs = vals if types == {str} else [v for v in vals if type(v) is str]
+        if max(map(len, strs)) > MAX_TAG_CHARS:
+            i, v = next((i, v) for i, v in enumerate(vals) if type(v) is str and len(v) > MAX_TAG_CHARS)
+            raise ValueError(
+                f"tag {name!r} value at index {i} has {len(v)} characters, more than MAX_TAG_CHARS ({MAX_TAG_CHARS}): store text that long as a column"
+            )
     if int in types:
         ints = vals if types <= {int, bool} else [v for v in vals if type(v) is int]
         if not TAG_INT_RANGE[0] <= min(ints) <= max(ints) <= TAG_INT_RANGE[1]:
@@ -141,6 +151,8 @@ def _normalise_scalar_tag(name: str, value: Any) -> Any:
         raise TypeError(f"tag {name!r} scalar has type {type(value).__name__}; tag values must be None, bool, int, float or str")
     if type(value) is int and not TAG_INT_RANGE[0] <= value <= TAG_INT_RANGE[1]:
         raise ValueError(f"tag {name!r} scalar {value} does not fit in 64 bits; int tags are in [-2**63, 2**64 - 1]")
+    if type(value) is str and len(value) > MAX_TAG_CHARS:
+        raise ValueError(f"tag {name!r} scalar has {len(value)} characters, more than MAX_TAG_CHARS ({MAX_TAG_CHARS}): store text that long as a column")
     return value
 
 

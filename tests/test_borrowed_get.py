@@ -134,6 +134,21 @@ def test_a_meta_whose_slots_name_other_keys_never_reads_their_bytes(tq_server, c
                 assert [t.tolist() for t in got["tokens"]] == [[w] * (w + 1) for w in want]
 
 
+def test_keys_of_any_text_are_read_from_the_table_without_a_request(tq_server, client, partition):
+    """The controller and a reader hash a key's UTF-8 alike, whatever its script: a meta of non-ASCII
+    keys is read through the location table with no request (a fingerprint that differed would send
+    every such get to the controller - right bytes, silently slower)."""
+    keys = [f"ключ-{i}" for i in range(3)] + ["键-é-\U0001f600", "k\u00e9y"]
+    meta = client.put(partition, keys, {"x": torch.arange(5)})
+    with TQClient(tq_server.address, timeout=10.0) as reader:
+        reader.get(meta, ["x"])  # learns the table and the schema from its locate
+        before = _ops(client)
+        assert reader.get(meta, ["x"])["x"].tolist() == [0, 1, 2, 3, 4]
+        assert reader.get(meta.select([4, 3]), ["x"])["x"].tolist() == [4, 3]
+        after = _ops(client)
+    assert {op: n - before.get(op, 0) for op, n in after.items() if n != before.get(op, 0)} == {"stats": 1}
+
+
 def _ops(c: TQClient) -> dict[str, int]:
     return {op: v["count"] for op, v in c.stats()["ops"].items()}
 

@@ -351,11 +351,17 @@ _RESERVED_TAGS = ("uid", "group_id", "weight_version")
 
 
 def _check_extras(extra_tags: Mapping[str, Any] | None, carry_columns: Sequence[str], carry_keys: Sequence[str]) -> None:
-    """Reject extra tags / carry columns that would replace what ``rollout_to_tq`` writes itself, and
-    carry columns that name no ``driver_carry`` entry."""
+    """Reject extra tags / carry columns that would replace what ``rollout_to_tq`` writes itself, carry
+    columns that name no ``driver_carry`` entry, and extra tags a meta would refuse (their names and
+    values checked as the put checks them - only their count waits for the samples)."""
+    from tq.meta import KVBatchMeta
+
     clash = [k for k in (extra_tags or {}) if k in _RESERVED_TAGS]
     if clash:
         raise ValueError(f"extra_tags {clash} would replace tags rollout_to_tq writes ({', '.join(_RESERVED_TAGS)})")
+    for name, value in (extra_tags or {}).items():
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        KVBatchMeta("extra_tags", tuple(f"s{i}" for i in range(len(values))), tags={name: values})
     bulk = set(completions_to_columns([]))
     clash = [k for k in carry_columns if k in bulk]
     if clash:

@@ -192,4 +192,13 @@ def test_extra_tags_and_carry_columns_reach_tq(tq_server, client, partition, dat
             r.rollout_to_tq(batch_of(dataset, [2, 6]), partition, 2, **kwargs)
     assert client.get_meta(partition).keys == meta.keys  # nothing written by the refused calls
     assert r.get_counters()["batches"] == 2  # only the length mismatch got as far as generating
+    for bad, err, match in [  # refused by the put after a whole rollout was generated, before
+        ({"note": object()}, TypeError, "tag 'note' value at index 0 has type object"),
+        ({"note": ["x" * 65537] * 4}, ValueError, "more than MAX_TAG_CHARS"),
+        ({"": 1}, ValueError, "tag name '' has 0 characters"),
+        ({"big": 2**64}, ValueError, "does not fit in 64 bits"),
+    ]:
+        with pytest.raises(err, match=match):
+            r.rollout_to_tq(batch_of(dataset, [2, 6]), partition, 2, extra_tags=bad)
+    assert r.get_counters()["batches"] == 2 and client.get_meta(partition).keys == meta.keys  # no rollout spent
     r.shutdown()

@@ -622,7 +622,10 @@ def test_keys_or_fields_given_as_one_string_are_refused(tclient, part, call):
         ({"tags": {"t": [1, 2]}}, "tag 't' has 2 values for 1 keys"),
         ({"sequence_lengths": [-3]}, "sequence_lengths value -3 for key"),
         ({"sequence_lengths": [2.7]}, "has type float; expected int"),
-        ({"sequence_lengths": [2**63]}, r"sequence_lengths value 9223372036854775808 for key .* is more than 2147483648 \(MAX_PAD_LENGTH\)"),
+        (
+            {"sequence_lengths": [2**63]},
+            r"sequence_lengths value 9223372036854775808 for key .* is more than 2147483648 \(MAX_PAD_LENGTH\)",
+        ),
         ({"tags": {"t": ["x" * 65537]}}, r"tag 't' value at index 0 has 65537 characters, more than MAX_TAG_CHARS \(65536\)"),
     ],
     ids=["tag-object", "tag-length", "negative-length", "float-length", "huge-length", "long-tag"],
@@ -665,8 +668,14 @@ def test_a_pad_value_that_is_no_number_of_the_fields_dtype_is_refused_naming_it(
     """A str pad value was torch's TypeError ("new(): invalid data type 'str'"), a list a TypeError
     (unhashable), NaN for an int field a RuntimeError, 10**30 a ValueError from the copier - none
     naming the field. A numpy or 0-d tensor pad id (as tokenizers hand them out) is a number."""
-    meta = tclient.put(part, unique_keys(2), {"ids": [torch.ones(3, dtype=torch.int64), torch.ones(1, dtype=torch.int64)],
-                                             "mask": [torch.ones(3, dtype=torch.int32), torch.ones(1, dtype=torch.int32)]})
+    meta = tclient.put(
+        part,
+        unique_keys(2),
+        {
+            "ids": [torch.ones(3, dtype=torch.int64), torch.ones(1, dtype=torch.int64)],
+            "mask": [torch.ones(3, dtype=torch.int32), torch.ones(1, dtype=torch.int32)],
+        },
+    )
     with pytest.raises(InvalidRequestError, match=message):
         tclient.get(meta, ["ids", "mask"], pad_value=pad_value)
     got = tclient.get(meta, ["ids", "mask"], pad_value={"ids": np.int64(7), "mask": torch.tensor(5)})
@@ -1686,7 +1695,11 @@ def test_a_commit_whose_sequence_lengths_no_sample_has_is_refused_by_the_control
     from tq import messages
     from tq.errors import InvalidRequestError
 
-    field = {"schema": ["tensor", "int64", []], "row_nbytes": {"b": 0, "d": "<i8", "s": [1]}, "arena_offsets": {"b": 1, "d": "<i8", "s": [1]}}
+    field = {
+        "schema": ["tensor", "int64", []],
+        "row_nbytes": {"b": 0, "d": "<i8", "s": [1]},
+        "arena_offsets": {"b": 1, "d": "<i8", "s": [1]},
+    }
     commit = {"partition": "p", "keys": ["a"], "mode": "put", "blocks": [[0, 1, 1]], "fields": {"x": field}}
     decoder = messages.ArgsDecoder("commit", messages.Commit)
     assert decoder.decode(msgpack.packb(commit | {"sequence_lengths": [2**31]})).sequence_lengths == [2**31]

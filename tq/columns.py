@@ -84,7 +84,9 @@ def _from_numpy(field: str, value: np.ndarray) -> torch.Tensor | list:
     naming the field."""
     if value.dtype.kind in "OUS":
         if value.ndim != 1:
-            raise InvalidRequestError(f"field {field!r}: a numpy array of {value.dtype} must be 1-D (one object per sample), got shape {value.shape}")
+            raise InvalidRequestError(
+                f"field {field!r}: a numpy array of {value.dtype} must be 1-D (one object per sample), got shape {value.shape}"
+            )
         return value.tolist()
     try:
         return torch.from_numpy(np.ascontiguousarray(value))

@@ -152,7 +152,9 @@ def _normalise_scalar_tag(name: str, value: Any) -> Any:
     if type(value) is int and not TAG_INT_RANGE[0] <= value <= TAG_INT_RANGE[1]:
         raise ValueError(f"tag {name!r} scalar {value} does not fit in 64 bits; int tags are in [-2**63, 2**64 - 1]")
     if type(value) is str and len(value) > MAX_TAG_CHARS:
-        raise ValueError(f"tag {name!r} scalar has {len(value)} characters, more than MAX_TAG_CHARS ({MAX_TAG_CHARS}): store text that long as a column")
+        raise ValueError(
+            f"tag {name!r} scalar has {len(value)} characters, more than MAX_TAG_CHARS ({MAX_TAG_CHARS}): store text that long as a column"
+        )
     return value
 
 

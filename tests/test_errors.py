@@ -682,6 +682,28 @@ def test_a_pad_value_that_is_no_number_of_the_fields_dtype_is_refused_naming_it(
     assert got["ids"][1].tolist() == [1, 7, 7] and got["mask"][1].tolist() == [1, 5, 5]
 
 
+@pytest.mark.parametrize(
+    "uids, group_size, message",
+    [
+        (["u"], 10**9, r"1 uids x group_size 1000000000 is 1000000000 keys, more than MAX_MINT_KEYS \(16777216\)"),
+        (["u"] * 5000, 5000, "is 25000000 keys, more than MAX_MINT_KEYS"),
+        (["u"], 2.0, "group_size must be a whole number >= 1, got 2.0"),
+        (["u"], True, "group_size must be a whole number >= 1, got True"),
+        (["u"], 0, "group_size must be a whole number >= 1, got 0"),
+        ("abc", 2, r"uids must be a list of names, not a single str \('abc'\)"),
+    ],
+    ids=["huge-group", "huge-product", "float", "bool", "zero", "lone-str"],
+)
+def test_mint_keys_refuses_a_slip_before_making_a_key(client, partition, uids, group_size, message):
+    """A group size of 10**9 made a billion key strings in the client before any check (the host ran
+    out of memory); a float one was range()'s TypeError, a lone str was read as one uid per character."""
+    t0 = time.monotonic()
+    with pytest.raises(InvalidRequestError, match=message):
+        client.mint_keys(partition, uids, group_size)
+    assert time.monotonic() - t0 < 1.0 and client.get_meta(partition).keys == ()
+    assert client.mint_keys(partition, ["u"], np.int64(2)).keys == ("u_g0", "u_g1")
+
+
 @pytest.mark.parametrize("op", ["get", "write_back", "wait", "discard", "set_tags"])
 def test_a_call_given_no_meta_is_refused_naming_what_it_got(client, partition, op):
     """A dict or a tuple of keys where a meta goes was an AttributeError on some attribute of it."""

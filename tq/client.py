@@ -91,10 +91,18 @@ UNIT_PROBE_S = 0.5  # how long a connect to a silent unit's address may take to 
 DEFAULT_LEASE_S = 30.0  # a borrowed get's lease term; a live holder renews it every third of it
 
 
+MAX_MINT_KEYS = 1 << 24  # keys one mint_keys makes: more is a slip (a group size of 10**9), not a batch
+
+
 def mint_keys(uids: Sequence[str], group_size: int) -> list[str]:
     """Keys ``"{uid}_g{i}"`` for ``group_size`` generations of each prompt uid, grouped by prompt."""
-    if group_size < 1:
-        raise InvalidRequestError(f"group_size must be >= 1, got {group_size}")
+    if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) or group_size < 1:
+        raise InvalidRequestError(f"group_size must be a whole number >= 1, got {group_size!r}")
+    uids = _names(uids, "uids")
+    if len(uids) * group_size > MAX_MINT_KEYS:  # checked before a key is made: a slip must not eat the host's memory
+        raise InvalidRequestError(
+            f"{len(uids)} uids x group_size {group_size} is {len(uids) * group_size} keys, more than MAX_MINT_KEYS ({MAX_MINT_KEYS})"
+        )
     return [f"{uid}_g{i}" for uid in uids for i in range(group_size)]
 
 

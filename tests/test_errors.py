@@ -704,6 +704,31 @@ def test_mint_keys_refuses_a_slip_before_making_a_key(client, partition, uids, g
     assert client.mint_keys(partition, ["u"], np.int64(2)).keys == ("u_g0", "u_g1")
 
 
+@pytest.mark.parametrize("how", ["pad_to", "extra_info"])
+def test_a_padded_get_larger_than_the_memory_left_is_refused_naming_the_field(tclient, part, how):
+    """A pad length of 2**31 (a sentinel slipping into ``pad_to`` or the meta's
+    ``global_forward_pad_seqlen``) padded every row to it: the client allocated and filled tens of GiB
+    until the host ran out of memory. A result larger than the memory available is refused first."""
+    import dataclasses
+
+    import psutil
+
+    from tq.meta import MAX_PAD_LENGTH
+
+    n = psutil.virtual_memory().available // (MAX_PAD_LENGTH * 8) + 1  # rows of 16 GiB each, padded
+    meta = tclient.put(part, unique_keys(n), {"ids": [torch.ones(1, dtype=torch.int64)] * n})
+    kwargs = {"pad_to": MAX_PAD_LENGTH} if how == "pad_to" else {}
+    if how == "extra_info":
+        meta = dataclasses.replace(meta, extra_info={"global_forward_pad_seqlen": MAX_PAD_LENGTH})
+    t0 = time.monotonic()
+    with pytest.raises(
+        InvalidRequestError, match=r"result needs .* GiB, more than the .* GiB of memory available here; the largest field, 'ids'"
+    ):
+        tclient.get(meta, ["ids"], **kwargs)
+    assert time.monotonic() - t0 < 5.0
+    assert tclient.get(meta, ["ids"], pad_to=4)["ids"].shape == (n, 4)
+
+
 @pytest.mark.parametrize("op", ["get", "write_back", "wait", "discard", "set_tags"])
 def test_a_call_given_no_meta_is_refused_naming_what_it_got(client, partition, op):
     """A dict or a tuple of keys where a meta goes was an AttributeError on some attribute of it."""

@@ -688,6 +688,26 @@ def _key_fingerprints_of(meta: KVBatchMeta) -> np.ndarray | None:
     return fps
 
 
+BIG_RESULT_BYTES = 1 << 30  # a get's result this large is checked against the memory left first
+
+
+def _check_result_fits(nbytes: int, planned: list, fields: list[str]) -> None:
+    """InvalidRequestError naming the largest field when a get's result (``nbytes``) is more than
+    the memory available here: a pad length of 2**31 (a sentinel passed as ``pad_to`` or as the
+    meta's ``global_forward_pad_seqlen``) padded every row to it, and the host ran out of memory
+    filling the pad instead of the call failing."""
+    import psutil
+
+    available = psutil.virtual_memory().available
+    if nbytes > available:
+        size, name, shape = max((p[3], f, p[4]) for p, f in zip(planned, fields))
+        raise InvalidRequestError(
+            f"this get's result needs {nbytes / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB of memory available "
+            f"here; the largest field, {name!r}, is {size / 2**30:.1f} GiB as {tuple(shape) if shape else 'objects'} "
+            "(a pad length too long? pad_to, or the meta's extra_info['global_forward_pad_seqlen'])"
+        )
+
+
 def _check_meta(meta: Any, op: str) -> None:
     """TypeError naming what ``op`` got instead of a :class:`KVBatchMeta` (an AttributeError on some
     field of it, deep in the call, named nothing)."""
@@ -2171,6 +2191,8 @@ class TQClient:
                         raise StorageUnitError(f"storage unit {again.args[0]} restarted again while a get waited on it") from None
             fetched, intact = attempt
             at, planned, jobs = self._plan_copy(fetched, fields, meta, layout, pad_to, pad_value)
+            if at >= BIG_RESULT_BYTES:
+                _check_result_fits(at, planned, fields)
             base = torch.empty(at, dtype=torch.uint8, pin_memory=True) if pin_memory else None  # torch's pinned allocator
             raw = self._pool.empty(at) if base is None else base.numpy()
             # The result tensors are made before the copy: a large copy evicts the caches, and

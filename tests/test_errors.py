@@ -1754,6 +1754,37 @@ def test_a_commit_whose_sequence_lengths_no_sample_has_is_refused_by_the_control
         decoder.decode(msgpack.packb(commit | {"sequence_lengths": [length]}))
 
 
+def test_a_partition_holds_at_most_max_tag_names_tag_names(tq_server):
+    """Each tag name holds a value per slot of its partition on the controller: 2,000 names set on
+    one key of a 20k-key partition took 300 MB of the controller and get_meta 4 s - a per-sample
+    value (a uid) used as a tag *name* would take the service's memory. A meta refuses more than
+    MAX_TAG_NAMES names, the wire too, and the controller a request that would take its partition
+    past it (names of earlier requests counted); the names it has keep working."""
+    from tq import messages
+    from tq.errors import InvalidRequestError
+    from tq.messages import ControllerOp as Op
+    from tq.meta import MAX_TAG_NAMES
+
+    with TQClient(tq_server.address, timeout=10.0) as client:
+        part = f"tagnames-{uuid.uuid4().hex[:8]}"
+        client.register_partition(part)
+        meta = client.put(part, ["a", "b"], {"x": torch.zeros(2, 2)}, tags={"t0": [0, 1]})
+        with pytest.raises(ValueError, match=f"tags has {MAX_TAG_NAMES + 1} names, more than MAX_TAG_NAMES"):
+            KVBatchMeta(part, ("a",), tags={f"u{i}": (i,) for i in range(MAX_TAG_NAMES + 1)})
+        many = {f"u{i}": [i] for i in range(MAX_TAG_NAMES + 1)}
+        with pytest.raises(InvalidRequestError, match=rf"set_tags: Expected `object` of length <= {MAX_TAG_NAMES} - at `\$\.tags`"):
+            client._call(Op.SET_TAGS, messages.SetTags(partition=part, keys=["a"], tags=many))
+        client.set_tags(KVBatchMeta(part, ("a",), tags={f"u{i}": (i,) for i in range(MAX_TAG_NAMES - 1)}))  # 128 with t0
+        with pytest.raises(InvalidRequestError, match=rf"partition '{part}' would hold {MAX_TAG_NAMES + 1} tag names \(first new: 'v'\)"):
+            client.set_tags(KVBatchMeta(part, ("b",), tags={"t0": (5,), "v": (1,)}))
+        with pytest.raises(InvalidRequestError, match="would hold"):
+            client.put(part, ["c"], {"x": torch.zeros(1, 2)}, tags={"w": [1]})
+        got = client.get_meta(part, ["a", "b"])
+        assert len(got.tags) == MAX_TAG_NAMES and got.tags["t0"] == (0, 1) and "v" not in got.tags  # the refused set changed nothing
+        assert "c" not in client.get_meta(part).keys and client.get(meta, ["x"])["x"].shape == (2, 2)
+        client.drop_partition(part)
+
+
 def test_a_listing_that_names_a_key_twice_is_refused_by_the_controller_naming_it(tq_server):
     """``get_meta`` with a key given twice: a meta's keys are unique, so the controller refuses the
     request naming the key (DuplicateKeyError, as a mint or put that repeats one), instead of a reply

@@ -31,7 +31,7 @@ import msgspec
 
 from .errors import InvalidRequestError, MalformedMessageError, TQError
 from .liveness import NAME_PATTERN
-from .meta import MAX_NAME_CHARS, MAX_PAD_LENGTH, MAX_TAG_CHARS
+from .meta import MAX_NAME_CHARS, MAX_PAD_LENGTH, MAX_TAG_CHARS, MAX_TAG_NAMES
 
 BLOCK_ID_LIMIT = 1 << 40  # storage units number blocks from 1 and never get near this
 UNIT_ENDED_S = 1e9  # a unit's down_for_s once its process ended (its controller saw it exit)
@@ -60,6 +60,8 @@ TagValue = Union[None, bool, int, float, str]
 NewTagValue = Union[None, bool, int, float, Annotated[str, msgspec.Meta(max_length=MAX_TAG_CHARS)]]
 # A partition id, key, field or tag name a request creates or names (KVBatchMeta checks the same bound).
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS)]
+# The tags a request stores (KVBatchMeta checks the same bounds; a partition's names are counted too).
+NewTags = Annotated[dict[Name, list[NewTagValue]], msgspec.Meta(max_length=MAX_TAG_NAMES)]
 # A sample's unpadded length (KVBatchMeta checks the same bound).
 SequenceLength = Annotated[int, msgspec.Meta(ge=0, le=MAX_PAD_LENGTH)]
 
@@ -327,7 +329,7 @@ class Commit(KeysArgs):
     mode: Literal["put", "write_back"]
     blocks: Annotated[list[tuple[Count, BlockId, Annotated[int, msgspec.Meta(ge=1)]]], msgspec.Meta(min_length=1)]
     fields: Annotated[dict[Name, CommitField], msgspec.Meta(min_length=1)]
-    tags: Union[dict[Name, list[NewTagValue]], None] = None
+    tags: Union[NewTags, None] = None
     sequence_lengths: Union[list[SequenceLength], None] = None
     overwrite: bool = False
     # same-host puts: per part of ``blocks``, the slab (allocation id) it was carved from and its
@@ -450,7 +452,7 @@ class GetMetaReply(Reply):
 
 
 class SetTags(KeysArgs):
-    tags: dict[Name, list[NewTagValue]]
+    tags: NewTags
     request_id: Union[RequestId, None] = None
 
 

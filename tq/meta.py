@@ -56,6 +56,9 @@ def _normalise_slots(value: Any, n: int) -> tuple[int, ...] | range:
 MAX_NAME_CHARS = 1024
 #: The range of an int tag value: what msgpack (the wire and the journal) carries.
 TAG_INT_RANGE = (-(1 << 63), (1 << 64) - 1)
+#: The most tag names a meta - and a partition - holds: the controller keeps a value per slot for
+#: each; a per-sample value belongs in a tag's values, not in its name.
+MAX_TAG_NAMES = 128
 #: The longest str tag value, in characters: a tag is a small per-sample value the controller holds
 #: and journals for every key; text longer than this (a prompt, a ground-truth program) is a column.
 MAX_TAG_CHARS = 1 << 16
@@ -277,6 +280,10 @@ class KVBatchMeta:
 
         if not isinstance(self.tags, Mapping):
             raise TypeError(f"tags must be a mapping, got {type(self.tags).__name__}")
+        if len(self.tags) > MAX_TAG_NAMES:
+            raise ValueError(
+                f"tags has {len(self.tags)} names, more than MAX_TAG_NAMES ({MAX_TAG_NAMES}): a per-sample value belongs in a tag's values"
+            )
         tags: dict[str, tuple] = {}
         for name, values in self.tags.items():
             if not isinstance(name, str):

@@ -31,7 +31,7 @@ import msgspec
 
 from .errors import InvalidRequestError, MalformedMessageError, TQError
 from .liveness import NAME_PATTERN
-from .meta import MAX_NAME_CHARS, MAX_PAD_LENGTH, MAX_TAG_CHARS, MAX_TAG_NAMES
+from .meta import MAX_FIELDS, MAX_NAME_CHARS, MAX_PAD_LENGTH, MAX_TAG_CHARS, MAX_TAG_NAMES
 
 BLOCK_ID_LIMIT = 1 << 40  # storage units number blocks from 1 and never get near this
 UNIT_ENDED_S = 1e9  # a unit's down_for_s once its process ended (its controller saw it exit)
@@ -328,7 +328,7 @@ class Commit(KeysArgs):
 
     mode: Literal["put", "write_back"]
     blocks: Annotated[list[tuple[Count, BlockId, Annotated[int, msgspec.Meta(ge=1)]]], msgspec.Meta(min_length=1)]
-    fields: Annotated[dict[Name, CommitField], msgspec.Meta(min_length=1)]
+    fields: Annotated[dict[Name, CommitField], msgspec.Meta(min_length=1, max_length=MAX_FIELDS)]
     tags: Union[NewTags, None] = None
     sequence_lengths: Union[list[SequenceLength], None] = None
     overwrite: bool = False

@@ -56,6 +56,9 @@ def _normalise_slots(value: Any, n: int) -> tuple[int, ...] | range:
 MAX_NAME_CHARS = 1024
 #: The range of an int tag value: what msgpack (the wire and the journal) carries.
 TAG_INT_RANGE = (-(1 << 63), (1 << 64) - 1)
+#: The most fields a meta names, and a partition holds from its making (its location table keeps a
+#: column of records per field for every slot).
+MAX_FIELDS = 256
 #: The most tag names a meta - and a partition - holds: the controller keeps a value per slot for
 #: each; a per-sample value belongs in a tag's values, not in its name.
 MAX_TAG_NAMES = 128
@@ -256,6 +259,8 @@ class KVBatchMeta:
                 raise TypeError(f"field names must be str, got {type(f).__name__} ({f!r})")
         if len(set(fields)) != len(fields):
             raise ValueError(f"duplicate field {_first_duplicate(fields)!r} in fields")
+        if len(fields) > MAX_FIELDS:
+            raise ValueError(f"fields has {len(fields)} names, more than MAX_FIELDS ({MAX_FIELDS})")
         check_names(fields, "field")
         set_(self, "fields", fields)
 

@@ -1828,6 +1828,48 @@ def test_a_partition_holds_at_most_max_fields_fields_across_clears(tq_server):
         client.drop_partition(part)
 
 
+_PARTITIONS_UNTIL_REFUSED = """
+import sys
+import torch
+from tq import TQServer, TQClient
+with TQServer(storage_units=1, capacity=16 << 20) as s, TQClient(s.address, timeout=10.0) as c:
+    made = 0
+    try:
+        for i in range(int(sys.argv[1])):
+            c.register_partition(f"p{i}")
+            made += 1
+    except Exception as e:
+        print(type(e).__name__, str(e))
+    meta = c.put("p1", ["a"], {"x": torch.ones(2)[None]})  # the service works on
+    c.drop_partition("p2")
+    c.register_partition("again")  # a dropped partition's descriptors are free again
+    print("made", made, "ok", c.get(meta, ["x"])["x"].tolist())
+"""
+
+
+@pytest.mark.parametrize("soft, hard", [(256, 256), (256, 4096)])
+def test_partitions_past_the_open_file_limit_are_refused_clearly_and_the_soft_limit_is_raised(soft, hard):
+    """Each partition holds two descriptors in the controller (its location table's lock and
+    mapping): under the common soft limit of 1,024 the 503rd register_partition failed with a bare
+    "OSError: [Errno 24] Too many open files". The service now raises its soft limit to the hard one
+    (as Ray's processes do), and past that refuses a new partition with CapacityError naming the
+    limit and what to do - the service works on."""
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    out = subprocess.run(
+        [sys.executable, "-c", _PARTITIONS_UNTIL_REFUSED, "300"], capture_output=True, text=True, timeout=120, preexec_fn=limit
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    if hard == soft:  # nothing to raise: refused, clearly
+        assert "CapacityError the controller is out of file descriptors" in out.stdout and "(ulimit -n)" in out.stdout, out.stdout
+        assert "ok [[1.0, 1.0]]" in out.stdout
+    else:
+        assert out.stdout.strip() == "made 300 ok [[1.0, 1.0]]", out.stdout
+
+
 def test_a_listing_that_names_a_key_twice_is_refused_by_the_controller_naming_it(tq_server):
     """``get_meta`` with a key given twice: a meta's keys are unique, so the controller refuses the
     request naming the key (DuplicateKeyError, as a mint or put that repeats one), instead of a reply

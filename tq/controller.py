@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import errno
 import hashlib
 import itertools
 import logging
@@ -32,6 +33,7 @@ import zmq
 
 from . import argtypes, launch, liveness, stream_transport, messages, protocol
 from .errors import (
+    CapacityError,
     DuplicateKeyError,
     FencedCommitError,
     FieldNotProducedError,
@@ -228,7 +230,19 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
         )
 
     def _new_partition(self, pid: str, table: LocationTable | None = None) -> Partition:
-        part = Partition(pid, table or LocationTable(self.shm_dir, pin_epoch=self.pin_epoch))
+        try:
+            table = table or LocationTable(self.shm_dir, pin_epoch=self.pin_epoch)
+        except OSError as exc:
+            if exc.errno != errno.EMFILE:
+                raise
+            import resource
+
+            raise CapacityError(
+                f"the controller is out of file descriptors ({len(self.partitions)} partitions hold two each; its limit is "
+                f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}): drop partitions no longer used, or raise the open-file "
+                f"limit (ulimit -n) of the process that starts the service; partition {pid!r} was not made"
+            ) from None
+        part = Partition(pid, table)
         self._publish_status(part.table)
         return part
 
@@ -1120,6 +1134,7 @@ def serve(
     from .server import check_bind_allowed
 
     check_bind_allowed(bind, secret)
+    launch.raise_open_file_limit()  # a partition holds two descriptors here
     if parent_pid is not None and os.getppid() != parent_pid:  # gone already, or not our parent: nothing would stop us
         raise SystemExit(f"tq.controller: --parent-pid {parent_pid} is not this process's parent (its parent is {os.getppid()})")
     try:

@@ -49,6 +49,24 @@ STREAM_PORT_HELP = (
 )
 
 
+def raise_open_file_limit() -> int:
+    """Raise this process's soft limit of open files to its hard limit (as Ray's processes do) and
+    return it: a controller holds two descriptors per partition (its location table's lock and
+    mapping) and a unit one per client connection, so the common soft default of 1,024 ran out at
+    ~500 partitions while the hard limit allowed far more."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):  # a container may cap it below the hard limit it reports
+            pass
+    return soft
+
+
 def controller_command(
     *,
     host: str,

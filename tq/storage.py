@@ -991,6 +991,7 @@ def run_storage_unit(
     cleaning its arena up, when that pipe reaches EOF: the launcher closed it or died, however it died.
     With ``metrics`` it records latency histograms and bytes per op for the controller's metrics endpoint.
     """
+    launch.raise_open_file_limit()  # a connection of each client holds a descriptor here
     unit = StorageUnit(
         unit_id,
         bind,

@@ -962,6 +962,10 @@ def test_out_of_range_port_is_refused_before_starting_anything():
         ({"start_timeout": float("nan")}, r"start_timeout must be in \(0, 86400\] seconds"),
         ({"storage_units": 1000, "capacity": 1 << 30}, r"--storage-units 1000: one controller starts at most 256 storage units"),
         ({"storage_units": 2, "capacity": 1 << 20}, r"gives each unit 524288 bytes; a unit needs at least 1048576"),
+        (
+            {"journal_dir": __file__},
+            r"--journal-dir: '.*test_errors.py' exists and is not a directory",
+        ),  # was '--stream-port 0: File exists'
     ],
     ids=lambda v: str(v)[:30],
 )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import sys
 from typing import Any
@@ -39,6 +40,16 @@ def count(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
+
+
+def directory(text: str) -> str:
+    """A directory to keep files in: one that exists, or a path where one can be made (an existing
+    file there was refused only deep in the start, as '--stream-port 0: File exists')."""
+    if not text:
+        raise argparse.ArgumentTypeError("must name a directory, got ''")
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
+    return text
 
 
 def _seconds(text: str, *, zero: bool) -> float:

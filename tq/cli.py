@@ -595,6 +595,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--foreground", action="store_true", help="stay attached and stop the service on Ctrl-C")
     s.add_argument(
         "--journal-dir",
+        type=argtypes.directory,
         metavar="DIR",
         help="crash recovery: the controller journals its partitions and keys here; started again on the "
         "same --port and --journal-dir after a crash, it recovers them and takes its storage units back",

@@ -1242,6 +1242,7 @@ def argument_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-file")
     p.add_argument(
         "--journal-dir",
+        type=argtypes.directory,
         metavar="DIR",
         help="crash recovery: journal partitions and keys here; a restart on the same address and dir recovers them",
     )

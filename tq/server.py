@@ -108,7 +108,7 @@ class TQServer:
             self.address = launch.await_ready_file(
                 ready_file, alive=lambda: self.proc.poll() is None, timeout=start_timeout, what="the TQ controller"
             )["address"]
-            self._await_units(storage_units, start_timeout)
+            self._await_units(settings.storage_units, start_timeout)
         except BaseException:
             self.shutdown()
             raise

@@ -74,3 +74,23 @@ def test_to_padded_writes_rows_then_the_pad_value(dtype, pad, trailing):
     assert jt.to_padded().shape[1] == 11  # the longest row by default
     with pytest.raises(ValueError, match="shorter than the longest row"):
         jt.to_padded(10)
+
+
+@pytest.mark.parametrize(
+    "values, offsets, message",
+    [
+        (
+            torch.tensor(1),
+            torch.tensor([0, 1]),
+            r"values must be a tensor of at least 1 dim \[total, \*trailing\], got a tensor of shape \(\)",
+        ),
+        ([1, 2], torch.tensor([0, 2]), "values must be a tensor of at least 1 dim .*, got list"),
+        (torch.arange(2), [0, 2], "offsets must be a 1-d int64 tensor, got list"),
+        (torch.arange(5), torch.tensor([0, 3, 2, 5]), "offsets must be non-decreasing"),
+    ],
+    ids=["0d-values", "list-values", "list-offsets", "decreasing"],
+)
+def test_a_jagged_tensor_of_the_wrong_parts_is_refused_naming_them(values, offsets, message):
+    """A 0-d values tensor was an IndexError from its shape, a list an AttributeError."""
+    with pytest.raises(ValueError, match=message):
+        JaggedTensor(values, offsets)

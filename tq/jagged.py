@@ -12,6 +12,10 @@ import torch
 from .rowcopy import copy_rows
 
 
+def _described(value: object) -> str:
+    return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+
+
 @dataclass
 class JaggedTensor:
     """Rows ``values[offsets[i]:offsets[i+1]]`` for ``i < len(self)``; trailing dims are shared.
@@ -23,6 +27,10 @@ class JaggedTensor:
     offsets: torch.Tensor
 
     def __post_init__(self) -> None:
+        if not isinstance(self.values, torch.Tensor) or self.values.dim() < 1:
+            raise ValueError(f"values must be a tensor of at least 1 dim [total, *trailing], got {_described(self.values)}")
+        if not isinstance(self.offsets, torch.Tensor):
+            raise ValueError(f"offsets must be a 1-d int64 tensor, got {type(self.offsets).__name__}")
         if self.offsets.dtype != torch.int64 or self.offsets.dim() != 1 or self.offsets.numel() < 1:
             raise ValueError("offsets must be a 1-d int64 tensor with at least one element")
         if int(self.offsets[0]) != 0 or int(self.offsets[-1]) != self.values.shape[0]:

@@ -761,7 +761,7 @@ class Controller(UnitSupervision, JournalRecovery, RpcServer):
             if len(values) != n:
                 raise InvalidRequestError(f"tag {name!r} must list one value per key ({n})")
         new = [name for name in tags or () if name not in part.tags]
-        if len(part.tags) + len(new) > MAX_TAG_NAMES:
+        if new and len(part.tags) + len(new) > MAX_TAG_NAMES:  # names it holds already stay writable
             raise InvalidRequestError(
                 f"partition {part.pid!r} would hold {len(part.tags) + len(new)} tag names (first new: {new[0]!r}), more than "
                 f"MAX_TAG_NAMES ({MAX_TAG_NAMES}): a per-sample value belongs in a tag's values, not in its name"

@@ -691,14 +691,35 @@ def _key_fingerprints_of(meta: KVBatchMeta) -> np.ndarray | None:
 BIG_RESULT_BYTES = 1 << 30  # a get's result this large is checked against the memory left first
 
 
+def _memory_available() -> int:
+    """Bytes this process may still take: the host's available memory, or less where its cgroup (a
+    container's memory limit, v2 or v1) leaves less - what would kill it first."""
+    import psutil
+
+    available = psutil.virtual_memory().available
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(usage_file) as f:
+                usage = int(f.read())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit():
+            available = min(available, max(int(limit) - usage, 0))
+        break
+    return available
+
+
 def _check_result_fits(nbytes: int, planned: list, fields: list[str]) -> None:
     """InvalidRequestError naming the largest field when a get's result (``nbytes``) is more than
     the memory available here: a pad length of 2**31 (a sentinel passed as ``pad_to`` or as the
     meta's ``global_forward_pad_seqlen``) padded every row to it, and the host ran out of memory
     filling the pad instead of the call failing."""
-    import psutil
-
-    available = psutil.virtual_memory().available
+    available = _memory_available()
     if nbytes > available:
         size, name, shape = max((p[3], f, p[4]) for p, f in zip(planned, fields))
         raise InvalidRequestError(

@@ -748,6 +748,16 @@ def test_a_client_with_an_impossible_timeout_is_refused_naming_it(tq_server, val
         TQClient(tq_server.address, capacity_wait_s=-1.0 if value in (0.0, 1e5) else value)
 
 
+def test_a_client_takes_its_settings_as_numbers_and_strings_or_names_them(tq_server):
+    """A timeout of '5' reached the controller channel unconverted (TypeError from its time budget at
+    the first request); a secret that is no str an AttributeError from ``.encode``."""
+    with TQClient(tq_server.address, timeout="5") as c:
+        assert c.timeout == 5.0 and c.list_partitions() is not None
+    for secret in (123, b"bytes"):
+        with pytest.raises(InvalidRequestError, match=f"^secret must be a string, got {type(secret).__name__}$"):
+            TQClient(tq_server.address, secret=secret)
+
+
 # ----------------------------------------------------------------------------- unreachable servers
 @pytest.mark.parametrize(
     "address",

@@ -789,6 +789,8 @@ class TQClient:
         if transport not in ("auto", "tcp"):
             raise InvalidRequestError(f"transport must be 'auto' or 'tcp', got {transport!r}")
         secret = secret if secret is not None else os.environ.get("TQ_SECRET")
+        if secret is not None and not isinstance(secret, str):
+            raise InvalidRequestError(f"secret must be a string, got {type(secret).__name__}")
         self.address, self.timeout, self.transport = (
             address_value(address),
             seconds_value("timeout", timeout, 86400.0, zero=False),
@@ -824,7 +826,7 @@ class TQClient:
         self._secret = secret.encode() if secret else None
         self._pool = buffer_pool or _default_pool
         self._ctrl = RpcChannel(
-            address, secret=self._secret, timeout=timeout, name="controller", replies=messages.CONTROLLER_REPLY_DECODERS
+            address, secret=self._secret, timeout=self.timeout, name="controller", replies=messages.CONTROLLER_REPLY_DECODERS
         )
         self._units: list[messages.UnitInfo] = []
         self._units_lock = threading.Lock()  # see _refresh_units

@@ -756,6 +756,10 @@ def test_a_client_takes_its_settings_as_numbers_and_strings_or_names_them(tq_ser
     for secret in (123, b"bytes"):
         with pytest.raises(InvalidRequestError, match=f"^secret must be a string, got {type(secret).__name__}$"):
             TQClient(tq_server.address, secret=secret)
+        with pytest.raises(InvalidRequestError, match=f"^secret must be a string, got {type(secret).__name__}$"):
+            TQServer(storage_units=0, secret=secret)
+    with pytest.raises(InvalidRequestError, match="^host must be a string, got int$"):  # was "'int' object is not subscriptable"
+        TQServer(storage_units=0, host=5)
 
 
 # ----------------------------------------------------------------------------- unreachable servers

@@ -81,6 +81,9 @@ class TQServer:
         unit_lost_s: float | None = None,
     ) -> None:
         self._pid = os.getpid()  # the owner: only it stops the service (see shutdown)
+        for name, value in (("host", host), ("secret", secret)):
+            if value is not None and not isinstance(value, str):  # .encode / a subscript raised far from here
+                raise InvalidRequestError(f"{name} must be a string, got {type(value).__name__}")
         start_timeout = seconds_value("start_timeout", start_timeout, 86400.0, zero=False)
         ready_file = launch.new_ready_file("tq-ready-")
         command = launch.controller_command(

@@ -96,6 +96,14 @@ def deprecated_alias(new: str) -> type[argparse.Action]:
     return _Alias
 
 
+def optional_text(name: str, value: Any) -> str | None:
+    """``value`` if it is a str or None; else InvalidRequestError naming ``name`` (a secret or host of
+    another type failed far from where it was passed: ``.encode`` or a subscript)."""
+    if value is not None and not isinstance(value, str):
+        raise InvalidRequestError(f"{name} must be a string, got {type(value).__name__}")
+    return value
+
+
 _ADDRESS = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]*]+):(\d{1,5})")  # host or [IPv6]:port
 
 

@@ -51,7 +51,7 @@ from .jagged import JaggedTensor
 from .locations import H_PIN_EPOCH, SUPPORTED as LOCAL_TABLES_SUPPORTED, LocatedRows, LocationView, key_fingerprints
 from . import messages
 from .messages import ControllerOp as Op, UnitOp
-from .argtypes import address_value, seconds_value
+from .argtypes import address_value, optional_text, seconds_value
 from .meta import MAX_PAD_LENGTH, KVBatchMeta, is_pad_length
 from .leases import new_lease_id
 from .request_book import new_request_id
@@ -676,8 +676,9 @@ def _key_fingerprints_of(meta: KVBatchMeta) -> np.ndarray | None:
     """The fingerprints of the meta's keys, which a location table's slots are checked against
     (:func:`tq.locations.key_fingerprints`); None for keys that have none (not UTF-8: the controller
     then says why). Kept on the meta, which is immutable: a meta read again (a rank's micro-batches,
-    the next field of the same shard) does not hash its keys again - ~7 ns a key, as much as the rest
-    of a borrowed get of 50k keys. Not pickled (KVBatchMeta.__getstate__)."""
+    the next field of the same shard) does not hash its keys again (~7 ns a key on the 2-vCPU VM;
+    hashed on every read it cost the H200's 512 MiB borrowed get a third of its speed). Not pickled
+    (KVBatchMeta.__getstate__)."""
     fps = meta.__dict__.get("_key_fingerprints")
     if fps is None:
         try:
@@ -721,7 +722,7 @@ def _check_result_fits(nbytes: int, planned: list, fields: list[str]) -> None:
     filling the pad instead of the call failing."""
     available = _memory_available()
     if nbytes > available:
-        size, name, shape = max((p[3], f, p[4]) for p, f in zip(planned, fields))
+        (_, _, _, size, shape), name = max(zip(planned, fields), key=lambda pf: pf[0][3])
         raise InvalidRequestError(
             f"this get's result needs {nbytes / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB of memory available "
             f"here; the largest field, {name!r}, is {size / 2**30:.1f} GiB as {tuple(shape) if shape else 'objects'} "
@@ -788,9 +789,7 @@ class TQClient:
         self._pid = os.getpid()  # the process this client belongs to (see _in_opening_process)
         if transport not in ("auto", "tcp"):
             raise InvalidRequestError(f"transport must be 'auto' or 'tcp', got {transport!r}")
-        secret = secret if secret is not None else os.environ.get("TQ_SECRET")
-        if secret is not None and not isinstance(secret, str):
-            raise InvalidRequestError(f"secret must be a string, got {type(secret).__name__}")
+        secret = optional_text("secret", secret if secret is not None else os.environ.get("TQ_SECRET"))
         self.address, self.timeout, self.transport = (
             address_value(address),
             seconds_value("timeout", timeout, 86400.0, zero=False),

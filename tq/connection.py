@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from .argtypes import address_value
+from .argtypes import address_value, optional_text
 from .errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -75,8 +75,8 @@ class TQConnection:
             # Resolved here, once, in the building process ("" = none, so that neither unpickling nor
             # replace() in another process looks at that process's environment again).
             object.__setattr__(self, "secret", os.environ.get("TQ_SECRET", ""))
-        elif not isinstance(self.secret, str):
-            raise InvalidRequestError(f"TQConnection.secret must be a string, got {type(self.secret).__name__}")
+        else:
+            optional_text("TQConnection.secret", self.secret)
 
     def connect(self) -> "TQClient":
         """A new client on this connection (the caller closes it; it is thread-safe and long-lived)."""

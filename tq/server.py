@@ -10,7 +10,7 @@ import subprocess
 from typing import Any
 
 from . import launch
-from .argtypes import seconds_value, unit_capacity
+from .argtypes import optional_text, seconds_value, unit_capacity
 from .arena import check_shm_room
 from .errors import AuthenticationError, InvalidRequestError, TQConnectionError
 from .messages import CONTROLLER_REPLY_DECODERS, ControllerOp, Hello, HelloReply
@@ -81,9 +81,8 @@ class TQServer:
         unit_lost_s: float | None = None,
     ) -> None:
         self._pid = os.getpid()  # the owner: only it stops the service (see shutdown)
-        for name, value in (("host", host), ("secret", secret)):
-            if value is not None and not isinstance(value, str):  # .encode / a subscript raised far from here
-                raise InvalidRequestError(f"{name} must be a string, got {type(value).__name__}")
+        optional_text("host", host)  # refused here, not as a subscript or .encode far from here
+        optional_text("secret", secret)
         start_timeout = seconds_value("start_timeout", start_timeout, 86400.0, zero=False)
         ready_file = launch.new_ready_file("tq-ready-")
         command = launch.controller_command(

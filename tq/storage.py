@@ -752,8 +752,8 @@ class StorageUnit(RpcServer):
         # free), unless its writer still runs (it was held for it; see ``held``)
         self.slabs = {aid: sl for aid, sl in slabs.items() if sl.unsettled}
         self.held = {aid: (sl.gaps(), sl) for aid, sl in slabs.items() if not sl.unsettled and self._writer_alive(aid)}
-        self.writers = {a: w for a, w in self.writers.items() if a in self.slabs or a in self.held or a in allocs}
-        self.grants = {r: a for r, a in grants.items() if a in self.slabs or a in self.held or a in allocs}
+        self.writers = {a: w for a, w in self.writers.items() if self._is_open(a)}
+        self.grants = self._open_grants(grants)
         for aid, sl in self.slabs.items():
             sl.expiry = _monotonic(expiries.get(aid), now, self.alloc_lease_s)
         for b in self.blocks.values():
@@ -789,7 +789,7 @@ class StorageUnit(RpcServer):
                 ["N", self._next_id - 1],
                 *(self._store_record(bid, b, self.tentative.get(bid)) for bid, b in self.blocks.items()),
                 *(_writer_record(aid, w) for aid, w in self.writers.items()),
-                *(["Q", aid, rid] for rid, aid in self.grants.items() if aid in self.pending or aid in self.slabs or aid in self.held),
+                *(["Q", aid, rid] for rid, aid in self._open_grants(self.grants).items()),
                 *(["A", aid, start, size, _wall(exp)] for aid, (start, size, exp) in self.pending.items()),
                 # a held allocation comes back as one whose lease ran out (held again, or freed)
                 *(["A", aid, *ranges[0], 0.0] for aid, (ranges, slab) in self.held.items() if slab is None),
@@ -884,6 +884,14 @@ class StorageUnit(RpcServer):
     def op_release(self, args: messages.Release, buffers: list, call: Call) -> messages.ReleaseReply:
         return messages.ReleaseReply(released_bytes=self._release(args.allocs, args.abandoned))
 
+    def _is_open(self, aid: int) -> bool:
+        """Allocation ``aid`` is still granted: pending, an open slab, or held for its live writer."""
+        return aid in self.pending or aid in self.slabs or aid in self.held
+
+    def _open_grants(self, grants: dict[int, int]) -> dict[int, int]:
+        """The alloc requests of ``grants`` whose allocation is still open (the rest have ended)."""
+        return {rid: aid for rid, aid in grants.items() if self._is_open(aid)}
+
     def _release(self, aids: list[int], abandoned: Sequence[int] = ()) -> int:
         """A same-host writer will not write into these allocations any more: ranges held for it
         past their lease are freed, an allocation it abandoned unstored is freed now, and an open
@@ -891,7 +899,7 @@ class StorageUnit(RpcServer):
         granted is freed at once - a slab too, its ids settled with it: the writer never heard of
         them. Returns the bytes freed."""
         if len(self.grants) > 2 * (len(self.pending) + len(self.slabs) + len(self.held)) + 64:  # forget ended ones
-            self.grants = {r: a for r, a in self.grants.items() if a in self.pending or a in self.slabs or a in self.held}
+            self.grants = self._open_grants(self.grants)
         released = 0
         now = time.monotonic()
         if len(self.abandoned) > 1024:

@@ -232,3 +232,112 @@ def test_bad_settings_fail_before_anything_starts(monkeypatch):
         with pytest.raises(ValueError, match="transport|timeout_s|wait_timeout_s"):
             tq.init({"data_plane": bad})
         assert tq._STATE is None
+
+
+def test_concurrent_upserts_and_clears_never_fail(kv):
+    """kv_batch_put is an upsert: two writers registering the same new key, or a clear taking a key
+    between the upsert's look-up and its write, raised DuplicateKeyError / KeyNotFoundError from the
+    native client. The race lost is looked at again; every call succeeds and what is read is whole."""
+    kv.kv_put("old", "p", {"x": torch.ones(2)})
+    errors: list[str] = []
+
+    def run(fn, rounds):
+        try:
+            for r in range(rounds):
+                fn(r)
+        except Exception as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(repr(exc))
+
+    def upsert(r):
+        kv.kv_batch_put(["old", f"new{r}"], "p", TensorDict({"x": torch.full((2, 2), float(r))}, batch_size=2))
+
+    def put_shared(r):
+        kv.kv_batch_put(["shared"], "q", TensorDict({"x": torch.full((1, 2), float(r))}, batch_size=1))
+
+    def clear_shared(r):
+        kv.kv_clear(["shared"], "q")
+
+    for pair in ((upsert, upsert), (put_shared, clear_shared)):
+        threads = [threading.Thread(target=run, args=(fn, 60)) for fn in pair]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert errors == []
+    got = kv.kv_batch_get([f"new{r}" for r in range(60)], "p", select_fields="x")
+    assert [r.tolist() for r in got["x"].unbind()] == [[float(r)] * 2 for r in range(60)]
+
+
+def test_values_the_drop_in_passed_on_wrongly_are_stored_or_refused_naming_them(kv):
+    """numpy str keys (a verl uid array) reached the wire as np.str_ (msgpack's TypeError); a [n, L, 0]
+    field read back as rows of shape (0, 0); 0-d rows were stacked with type promotion (2**40 + 1 read
+    back as a float); a 2-D sparse field, keys given as an int, tags not a list of dicts and a
+    per-call wait of True or "5" failed in library code, or passed where init() refuses them."""
+    import numpy as np
+
+    uids = np.array(["u0", "u1"])
+    kv.kv_batch_put(uids, "p", TensorDict({"x": torch.ones(2, 3)}, batch_size=2))
+    assert [r.tolist() for r in kv.kv_batch_get(uids, "p")["x"].unbind()] == [[1.0] * 3] * 2
+    assert set(kv.kv_list("p")["p"]) == {"u0", "u1"} and kv.kv_put(np.str_("u2"), "p", {"x": torch.ones(3)}).keys == ["u2"]
+    kv.kv_batch_put(["e0", "e1", "e2"], "p", TensorDict({"e": torch.zeros(3, 2, 0)}, batch_size=3))
+    assert [r.shape for r in kv.kv_batch_get(["e0", "e1", "e2"], "p", select_fields="e")["e"].unbind()] == [(2, 0)] * 3
+    from tq.errors import SchemaConflictError
+
+    scalars = TensorDict({"s": NonTensorStack(torch.tensor(1.0), torch.tensor(2**40 + 1))}, batch_size=2)
+    with pytest.raises(SchemaConflictError, match=r"field 's': row 1 is torch.int64"):
+        kv.kv_batch_put(["s0", "s1"], "p", scalars)
+    with pytest.raises(ValueError, match=r"field 'sp'.*sparse"):
+        kv.kv_batch_put(["a0", "a1"], "p", TensorDict({"sp": torch.eye(2).to_sparse()}, batch_size=2))
+    with pytest.raises(TypeError, match="keys must be a str or a list of str, got int"):
+        kv.kv_batch_get(1, "p")
+    for tags in (["notadict"], {"q": 1}):
+        with pytest.raises(TypeError, match="tags must be a list of one dict"):
+            kv.kv_batch_put(["t0"], "p", TensorDict({"x": torch.ones(1, 3)}, batch_size=1), tags=tags)
+    for wait in (True, "5", -1.0, float("nan")):
+        with pytest.raises(ValueError, match="wait_timeout_s must be None or seconds >= 0"):
+            kv.kv_batch_get(uids, "p", wait_timeout_s=wait)
+    assert set(kv.kv_list("p")["p"]) == {"u0", "u1", "u2", "e0", "e1", "e2"}  # nothing of the refused puts landed
+
+
+def test_storage_units_zero_is_refused_not_taken_for_the_default(monkeypatch):
+    monkeypatch.delenv("TQ_ADDRESS", raising=False)
+    for conf, name in (
+        ({"data_plane": {"storage_units": 0}}, "data_plane.storage_units"),
+        ({"backend": {"SimpleStorage": {"num_data_storage_units": 0}}}, "num_data_storage_units"),
+    ):
+        with pytest.raises(ValueError, match=rf"{name} must be a whole number >= 1, got 0"):
+            tq.init(conf)
+        assert tq._STATE is None
+
+
+def test_a_reused_ray_worker_follows_the_driver_to_the_service_it_started_again(ray_session, monkeypatch):
+    """A Ray worker attaches to the service the driver's init() published through the job's handle
+    actor. The driver's close() and a new init() publish another service; the worker (an actor here:
+    the same process, as a reused task worker) kept its client of the stopped one, and every call
+    waited out its timeout. Its next init() now sees the new service and connects to it."""
+    ray = ray_session
+    monkeypatch.delenv("TQ_ADDRESS", raising=False)
+
+    @ray.remote(num_cpus=0.1)
+    class Worker:
+        def put_and_list(self, key: str) -> dict:
+            import torch as _torch
+
+            import tq.compat.transfer_queue as kv
+
+            kv.init()
+            kv.kv_put(key, "p", {"x": _torch.ones(2)})
+            return kv.kv_list("p")["p"]
+
+    conf = {"data_plane": {"storage_units": 1, "capacity_bytes": 32 << 20, "timeout_s": 5.0}}
+    worker = Worker.remote()
+    try:
+        tq.init(conf)
+        assert set(ray.get(worker.put_and_list.remote("first"), timeout=60)) == {"first"}
+        tq.close()
+        tq.init(conf)  # a new service: nothing of the first is in it
+        assert set(ray.get(worker.put_and_list.remote("second"), timeout=60)) == {"second"}
+        assert set(tq.kv_list("p")["p"]) == {"second"}
+    finally:
+        ray.kill(worker)
+        tq.close()

@@ -287,6 +287,27 @@ def test_unsupported_column_type(tclient, part, ref):
     ref.check()
 
 
+def test_columns_that_would_read_back_wrong_are_refused_naming_the_field(tclient, part, ref):
+    """Each was stored and read back wrong, or raised from inside a library: an int past 64 bits in
+    a value (msgpack's OverflowError); 0-d rows of mixed dtypes (torch.stack made 2**40 + 1 a float32,
+    1099511627776.0) or shapes (stack's RuntimeError naming no field); jagged rows whose entries hold
+    no bytes (shape (L, 0): every length read back as 0, as the reader divides bytes by entry size)."""
+    keys = new_keys(3)
+    with pytest.raises(InvalidRequestError, match=r"field 'o': values must be .*msgpack-able.*out of range"):
+        tclient.put(part, keys, {"o": [{"big": 2**64}, 1, 2]})
+    with pytest.raises(SchemaConflictError, match=r"field 's': row 1 is torch.int64\(\), row 0 is torch.float32\(\)"):
+        tclient.put(part, keys, {"s": [torch.tensor(1.0), torch.tensor(2**40 + 1), torch.tensor(3.0)]})
+    with pytest.raises(SchemaConflictError, match=r"field 's': row 1 is torch.float32\(2,\)"):
+        tclient.put(part, keys, {"s": [torch.tensor(1.0), torch.tensor([1.0, 2.0]), torch.tensor(3.0)]})
+    with pytest.raises(SchemaConflictError, match=r"field 's': row 1 is torch.float32\(\), row 0 is torch.float32\(1,\)"):
+        tclient.put(part, keys, {"s": [torch.tensor([1.0]), torch.tensor(2.0), torch.tensor(3.0)]})
+    for empty in ([torch.zeros(2, 0), torch.zeros(1, 0), torch.zeros(3, 0)], JaggedTensor(torch.zeros(6, 0), torch.tensor([0, 2, 3, 6]))):
+        with pytest.raises(InvalidRequestError, match=r"field 'x': jagged rows of shape \(length, 0\) hold no bytes"):
+            tclient.put(part, keys, {"x": empty})
+    assert tclient.get_meta(part).keys == ()
+    ref.check()
+
+
 # ----------------------------------------------------------------------------- hostile raw messages
 def _hdr(**kv) -> bytes:
     return msgpack.packb(kv, use_bin_type=True)
@@ -1687,18 +1708,66 @@ def test_text_that_is_not_utf8_is_refused_naming_it_and_nothing_lands(tq_server)
     """A key or partition id holding a lone surrogate (what os.fsdecode makes of a bad file name)
     cannot cross the wire: InvalidRequestError naming the text, not msgpack's UnicodeEncodeError; the
     put lands nothing and the client works on."""
-    from tq.errors import InvalidRequestError
-
     with TQClient(tq_server.address, timeout=10.0) as client:
         part = f"utf8-{uuid.uuid4().hex[:8]}"
         client.register_partition(part)
-        with pytest.raises(InvalidRequestError, match=r"'commit' holds text that is not valid UTF-8 \(surrogates not allowed: '\\ud800'\)"):
+        with pytest.raises(InvalidRequestError, match=r"key at index 1 'bad\\ud800' is not valid UTF-8 text \(surrogates not allowed"):
             client.put(part, ["ok", "bad\ud800"], {"x": torch.zeros(2, 2)})
         with pytest.raises(InvalidRequestError, match="not valid UTF-8"):
             client.register_partition("p\udcff")
+        with pytest.raises(InvalidRequestError, match="not valid UTF-8"):
+            client.get_meta(part, ["k\udcff"])
         assert client.get_meta(part).keys == ()
         assert client.put(part, ["ok"], {"x": torch.zeros(1, 2)}).keys == ("ok",)
         client.drop_partition(part)
+
+
+def test_text_the_wire_cannot_carry_is_refused_before_a_byte_is_stored(small):
+    """A lone surrogate in a key, a field name or a tag value was refused only when the put's commit
+    was encoded - after its rows were stored: each such put held its bytes until their lease ran out,
+    and meanwhile every writer got CapacityError. Now the meta (or the write's field check) refuses
+    it naming the text, before anything is stored."""
+    c, pid = small
+    meta = c.put(pid, ["kept"], {"y": torch.ones(1, 4)})
+    used = _settled_used(c)
+    row = torch.randn(1, 150_000)  # 600 KB of the 1 MiB unit: a second one held would leave no room
+    cases = [
+        (["k"], {"x": row}, {"src": ["file\udcff.txt"]}, r"tag 'src' value at index 0 'file\\udcff.txt' is not valid UTF-8"),
+        (["k\ud800"], {"x": row}, None, r"key 'k\\ud800' is not valid UTF-8"),
+        (["k"], {"x\ud800": row}, None, r"field 'x\\ud800' is not valid UTF-8"),
+    ]
+    for keys, columns, tags, match in cases:
+        for _ in range(2):
+            with pytest.raises(InvalidRequestError, match=match):
+                c.put(pid, keys, columns, tags=tags)
+    for _ in range(2):
+        with pytest.raises(InvalidRequestError, match=r"field 'z\\udcff' is not valid UTF-8"):
+            c.write_back(meta, {"z\udcff": row})
+    assert _settled_used(c) == used
+    assert c.get_meta(pid).keys == ("kept",)
+    assert torch.equal(c.get(c.put(pid, ["room"], {"x": row}), ["x"])["x"], row)  # the room is there
+
+
+def test_a_commit_refused_before_it_is_sent_gives_its_stored_blocks_back_at_once(small, monkeypatch):
+    """A commit that cannot go out (here the wire refusing its encoding, as it did text with a lone
+    surrogate) after the rows were stored: the client gives the blocks back at once (abort_blocks), not
+    after their commit lease (30 s) - a full unit's other writers would get CapacityError meanwhile."""
+    c, pid = small
+    used = _settled_used(c)
+    row = torch.randn(1, 150_000)
+    real = protocol.request
+
+    def refusing(op, *args, **kwargs):
+        if op == "commit":
+            raise InvalidRequestError("request 'commit' holds text that is not valid UTF-8 (test)")
+        return real(op, *args, **kwargs)
+
+    monkeypatch.setattr(protocol, "request", refusing)
+    with pytest.raises(InvalidRequestError, match="not valid UTF-8 \\(test\\)"):
+        c.put(pid, ["k"], {"x": row})
+    monkeypatch.setattr(protocol, "request", real)
+    assert wait_until(lambda: _unit(c)["bytes_used"] == used, timeout=5.0)
+    assert torch.equal(c.get(c.put(pid, ["k"], {"x": row}), ["x"])["x"], row)
 
 
 def test_names_out_of_bounds_are_refused_by_the_client_and_on_the_wire(tq_server):

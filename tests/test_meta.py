@@ -552,3 +552,33 @@ def test_with_slots_adds_the_slots_and_keeps_the_rest():
         m.with_slots(7, [5])
     with pytest.raises(ValueError, match="together"):
         m.with_slots(None, [5, 6])
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(partition_id="p\udcff", keys=["a"]), r"partition_id 'p\\udcff' is not valid UTF-8 text"),
+        (dict(keys=["ok", "b\ud800"]), r"key at index 1 'b\\ud800' is not valid UTF-8 text \(surrogates not allowed"),
+        (dict(keys=["a"], fields=["f\ud800"]), r"field 'f\\ud800' is not valid UTF-8"),
+        (dict(keys=["a"], tags={"t\ud800": [1]}), r"tag name 't\\ud800' is not valid UTF-8"),
+        (dict(keys=["a", "b"], tags={"t": [1, "x\udcff"]}), r"tag 't' value at index 1 'x\\udcff' is not valid UTF-8"),
+    ],
+)
+def test_text_utf8_cannot_encode_is_refused_naming_it(kwargs, match):
+    """The wire and the journal carry UTF-8: a lone surrogate (os.fsdecode's for a bad file name) is
+    refused when the meta is built - a put's meta is built before it stores a byte."""
+    kwargs = {"partition_id": "p", **kwargs}
+    with pytest.raises(ValueError, match=match):
+        KVBatchMeta(**kwargs)
+    m = KVBatchMeta("p", ["a"], tags={"t": ["x"]})
+    with pytest.raises(ValueError, match=r"tag 'u' scalar 'y\\ud800' is not valid UTF-8"):
+        m.stamp_tags(u="y\ud800")
+
+
+def test_str_subclasses_are_made_plain_str():
+    """numpy's str (a verl uid array's items) passes isinstance(str) but the wire refuses it: a meta
+    holds plain str for its partition id, keys, fields and tag names."""
+    m = KVBatchMeta(np.str_("p"), list(np.array(["u0", "u1"])), fields=[np.str_("f")], tags={np.str_("t"): np.array(["a", "b"])})
+    assert m == KVBatchMeta("p", ["u0", "u1"], ["f"], tags={"t": ["a", "b"]})
+    assert {type(x) for x in (m.partition_id, *m.keys, *m.fields, *m.tags, *m.tags["t"])} == {str}
+    assert KVBatchMeta.from_msgpack(m.to_msgpack()) == m

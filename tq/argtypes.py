@@ -152,6 +152,8 @@ def seconds_value(name: str, value: Any, most: float, *, zero: bool = True) -> f
     without ``zero``) - an infinite or NaN time would fail later inside the transport, with an error
     that names none of it."""
     try:
+        if isinstance(value, bool):  # float(True) is 1.0: a flag passed where a time belongs
+            raise TypeError
         seconds = float(value)
     except (TypeError, ValueError):
         raise InvalidRequestError(f"{name} must be a number of seconds, got {value!r}") from None

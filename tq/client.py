@@ -52,7 +52,7 @@ from .locations import H_PIN_EPOCH, SUPPORTED as LOCAL_TABLES_SUPPORTED, Located
 from . import messages
 from .messages import ControllerOp as Op, UnitOp
 from .argtypes import address_value, optional_text, seconds_value
-from .meta import MAX_PAD_LENGTH, KVBatchMeta, is_pad_length
+from .meta import MAX_PAD_LENGTH, KVBatchMeta, check_names, is_pad_length, plain_strs
 from .leases import new_lease_id
 from .request_book import new_request_id
 from .pins import SUPPORTED as PINS_SUPPORTED, PinFile
@@ -669,7 +669,8 @@ def _names(value: Any, what: str) -> list[str]:
     would read as one name per character."""
     if isinstance(value, (str, bytes)):
         raise InvalidRequestError(f"{what} must be a list of names, not a single {type(value).__name__} ({value[:40]!r})")
-    return list(value)
+    names = list(value)
+    return names if set(map(type, names)) <= {str} else plain_strs(names)  # np.str_ keys (a verl uid array) too
 
 
 def _key_fingerprints_of(meta: KVBatchMeta) -> np.ndarray | None:
@@ -1203,7 +1204,7 @@ class TQClient:
         except (TypeError, ValueError) as exc:
             raise InvalidRequestError(f"put into {reprlib.repr(partition_id)}: {exc}") from None
         lengths = None if meta.sequence_lengths is None else list(meta.sequence_lengths)
-        r = self._store_and_commit(partition_id, keys, encoded, "put", meta.tags or None, lengths)
+        r = self._store_and_commit(meta.partition_id, keys, encoded, "put", meta.tags or None, lengths)
         return meta.with_slots(r.slot_table, r.slots)
 
     @_in_opening_process
@@ -1223,6 +1224,10 @@ class TQClient:
             raise InvalidRequestError("a write needs at least one key")
         if not columns:
             raise InvalidRequestError("a write needs at least one column")
+        try:  # a name the commit could not carry is refused before a byte is stored
+            check_names(plain_strs(columns), "field")
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
         if len(set(keys)) != len(keys):
             seen: set[str] = set()
             dup = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
@@ -1298,7 +1303,10 @@ class TQClient:
                 if all(landed):  # it did land (the meta then carries no slots: its gets ask the controller)
                     return messages.CommitReply(keys=len(keys))
                 raise TQConnectionError(f"{exc}; this {mode} did not land (its storage was reclaimed): write it again") from None
-        except TQError:
+        except TQConnectionError:
+            raise
+        except TQError:  # refused - by the controller, or before the commit went out (a value the wire
+            self._abort_parts(parts)  # cannot carry): its blocks are given back now, not at their lease's end
             raise
         except BaseException:  # a Ctrl-C with the blocks stored: whether the commit went out is unknown -
             with self._unsettled_lock:  # settled (fenced, or found committed) before the next request

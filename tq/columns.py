@@ -106,7 +106,7 @@ def encode_column(field: str, value: Any, n_rows: int) -> EncodedColumn:
     if isinstance(value, JaggedTensor):
         if len(value) != n_rows:
             raise InvalidRequestError(f"field {field!r} has {len(value)} rows for {n_rows} keys")
-        schema = FieldSchema(JAGGED, _dtype_name(value.values, field), tuple(value.values.shape[1:]))
+        schema = _jagged_schema(field, value.values)
         lengths = value.lengths.numpy()
         return EncodedColumn(schema, _offsets(lengths, schema.itemsize * schema.row_elems), [_raw(value.values)], lengths)
     if isinstance(value, torch.Tensor):
@@ -121,22 +121,34 @@ def encode_column(field: str, value: Any, n_rows: int) -> EncodedColumn:
         raise InvalidRequestError(f"field {field!r} has {len(value)} rows for {n_rows} keys")
     if value and all(isinstance(v, torch.Tensor) for v in value):
         first = value[0]
-        if first.dim() == 0:
-            return encode_column(field, torch.stack(list(value)), n_rows)
         dtype, trailing = first.dtype, tuple(first.shape[1:])
-        for i, v in enumerate(value):
+        for i, v in enumerate(value):  # every row as row 0: torch.stack would promote an int row to float
             _check_storable(v, field)
-            if v.dtype != dtype or v.dim() == 0 or tuple(v.shape[1:]) != trailing:
+            if v.dtype != dtype or (v.dim() == 0) != (first.dim() == 0) or tuple(v.shape[1:]) != trailing:
                 raise SchemaConflictError(f"field {field!r}: row {i} is {v.dtype}{tuple(v.shape)}, row 0 is {dtype}{tuple(first.shape)}")
-        schema = FieldSchema(JAGGED, _dtype_name(first, field), trailing)
+        if first.dim() == 0:  # scalars, one a sample
+            return encode_column(field, torch.stack(list(value)), n_rows)
+        schema = _jagged_schema(field, first)
         lengths = np.fromiter((v.shape[0] for v in value), dtype=np.int64, count=n_rows)
         return EncodedColumn(schema, _offsets(lengths, schema.itemsize * schema.row_elems), [_raw(v) for v in value], lengths)
     try:
         blobs = [msgpack.packb(v, use_bin_type=True) for v in value]
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:  # OverflowError: an int past 64 bits
         raise InvalidRequestError(f"field {field!r}: values must be tensors or msgpack-able Python objects ({exc})") from None
     sizes = np.fromiter((len(b) for b in blobs), dtype=np.int64, count=n_rows)
     return EncodedColumn(FieldSchema(OBJECT, "object"), _offsets(sizes, 1), [np.frombuffer(b, dtype=np.uint8) for b in blobs])
+
+
+def _jagged_schema(field: str, values: torch.Tensor) -> FieldSchema:
+    """The schema of a jagged field whose entries are ``values``' rows; InvalidRequestError for entries
+    of no bytes (a trailing dim of 0): a row's length is read back as its bytes over an entry's bytes."""
+    schema = FieldSchema(JAGGED, _dtype_name(values, field), tuple(values.shape[1:]))
+    if schema.row_elems == 0:
+        raise InvalidRequestError(
+            f"field {field!r}: jagged rows of shape (length, {', '.join(map(str, schema.shape))}) hold no bytes, so their lengths "
+            "cannot be stored; drop the empty dimension or store the lengths as a column"
+        )
+    return schema
 
 
 def pad_number(value: Any, what: str) -> float | int | bool:
@@ -233,6 +245,18 @@ def unpack_objects(raw: np.ndarray, sizes: np.ndarray) -> list[Any]:
     """Decode one msgpack value per row from concatenated bytes."""
     out, pos, buf = [], 0, raw.tobytes()
     for s in sizes.tolist():
-        out.append(msgpack.unpackb(buf[pos : pos + s], raw=False, strict_map_key=False))
+        try:
+            out.append(msgpack.unpackb(buf[pos : pos + s], raw=False, strict_map_key=False))
+        except TypeError:  # a dict keyed by tuples: msgpack stored each key as an array
+            out.append(msgpack.unpackb(buf[pos : pos + s], raw=False, strict_map_key=False, object_pairs_hook=_dict_of_pairs))
         pos += s
     return out
+
+
+def _dict_of_pairs(pairs: list[tuple[Any, Any]]) -> dict:
+    """A decoded map whose array keys are made tuples again - the hashable form they were put as."""
+    return {_as_key(k): v for k, v in pairs}
+
+
+def _as_key(value: Any) -> Any:
+    return tuple(map(_as_key, value)) if isinstance(value, list) else value

@@ -68,11 +68,44 @@ MAX_TAG_CHARS = 1 << 16
 
 
 def check_names(names: Sequence[str], what: str) -> None:
-    """``ValueError`` naming the first of ``names`` (str) that is empty or over MAX_NAME_CHARS."""
+    """``ValueError`` naming the first of ``names`` (str) that is empty, over MAX_NAME_CHARS or not
+    UTF-8 text."""
     if names and not 0 < min(lens := list(map(len, names))) <= max(lens) <= MAX_NAME_CHARS:
         i = next(i for i, n in enumerate(lens) if not 0 < n <= MAX_NAME_CHARS)
         where = f" at index {i}" if len(names) > 1 else ""
         raise ValueError(f"{what}{where} {reprlib.repr(names[i])} has {lens[i]} characters; a name has 1 to {MAX_NAME_CHARS}")
+    check_utf8(names, what)
+
+
+def check_utf8(texts: Sequence[str], what: str) -> None:
+    """``ValueError`` naming the first of ``texts`` that UTF-8 cannot encode (a lone surrogate, what
+    ``os.fsdecode`` makes of a bad file name): the wire and the journal carry UTF-8, so such text is
+    refused here, before a put stores a byte, not when its commit is encoded."""
+    joined = "".join(texts)  # one pass: ~1 ms per 100k keys; ASCII (the usual case) needs no encode
+    if joined.isascii():
+        return
+    try:
+        joined.encode()
+    except UnicodeEncodeError as exc:
+        i = next(i for i, t in enumerate(texts) if not t.isascii() and not _encodes(t))
+        where = f" at index {i}" if len(texts) > 1 else ""
+        raise ValueError(
+            f"{what}{where} {reprlib.repr(texts[i])} is not valid UTF-8 text ({exc.reason}: {exc.object[exc.start]!r})"
+        ) from None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def plain_strs(items: Iterable[Any]) -> list[Any]:
+    """``items`` with each str subclass (numpy's ``np.str_``, a str enum) made a plain str - what the
+    wire encodes - and anything else left as it is, for the caller's type check."""
+    return [str.__str__(x) if isinstance(x, str) else x for x in items]
 
 
 MAX_PAD_LENGTH = 1 << 31  # entries a padded row may have (longer than any sequence a model takes)
@@ -137,6 +170,10 @@ def _normalise_tag_values(name: str, values: Any, n: int) -> tuple:
                     )
     if str in types:
         strs = vals if types == {str} else [v for v in vals if type(v) is str]
+        if not "".join(strs).isascii():  # text the wire cannot carry, named by its index among all values
+            for i, v in enumerate(vals):
+                if type(v) is str:
+                    check_utf8((v,), f"tag {name!r} value at index {i}")
         if max(map(len, strs)) > MAX_TAG_CHARS:
             i, v = next((i, v) for i, v in enumerate(vals) if type(v) is str and len(v) > MAX_TAG_CHARS)
             raise ValueError(
@@ -157,6 +194,8 @@ def _normalise_scalar_tag(name: str, value: Any) -> Any:
         raise TypeError(f"tag {name!r} scalar has type {type(value).__name__}; tag values must be None, bool, int, float or str")
     if type(value) is int and not TAG_INT_RANGE[0] <= value <= TAG_INT_RANGE[1]:
         raise ValueError(f"tag {name!r} scalar {value} does not fit in 64 bits; int tags are in [-2**63, 2**64 - 1]")
+    if type(value) is str:
+        check_utf8((value,), f"tag {name!r} scalar")
     if type(value) is str and len(value) > MAX_TAG_CHARS:
         raise ValueError(
             f"tag {name!r} scalar has {len(value)} characters, more than MAX_TAG_CHARS ({MAX_TAG_CHARS}): store text that long as a column"
@@ -240,10 +279,13 @@ class KVBatchMeta:
 
         if not isinstance(self.partition_id, str):
             raise TypeError(f"partition_id must be a str, got {type(self.partition_id).__name__}")
+        if type(self.partition_id) is not str:
+            set_(self, "partition_id", str.__str__(self.partition_id))
         check_names((self.partition_id,), "partition_id")
 
         keys = _as_tuple(self.keys, "keys")
         if not set(map(type, keys)) <= {str}:
+            keys = tuple(plain_strs(keys))
             for i, k in enumerate(keys):
                 if not isinstance(k, str):
                     raise TypeError(f"key at index {i} has type {type(k).__name__}; keys must be str")
@@ -253,7 +295,7 @@ class KVBatchMeta:
         check_names(keys, "key")
         set_(self, "keys", keys)
 
-        fields = _as_tuple(self.fields, "fields")
+        fields = tuple(plain_strs(_as_tuple(self.fields, "fields")))
         for f in fields:
             if not isinstance(f, str):
                 raise TypeError(f"field names must be str, got {type(f).__name__} ({f!r})")
@@ -293,6 +335,7 @@ class KVBatchMeta:
         for name, values in self.tags.items():
             if not isinstance(name, str):
                 raise TypeError(f"tag names must be str, got {type(name).__name__} ({name!r})")
+            name = str.__str__(name)
             check_names((name,), "tag name")
             tags[name] = _normalise_tag_values(name, values, n)
         set_(self, "tags", tags)

@@ -35,9 +35,10 @@ import atexit
 import copy
 import dataclasses
 import os
+import reprlib
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Callable
 
 import numpy as np
@@ -61,6 +62,7 @@ from ..errors import (
 )
 from ..jagged import JaggedTensor
 from ..meta import KVBatchMeta as _NativeMeta
+from ..meta import plain_strs
 from ..server import TQServer
 
 __all__ = [
@@ -228,6 +230,7 @@ class _State:
     server: TQServer | None = None  # started by this process's init()
     handle: Any = None  # the Ray handle actor this process created
     pid: int = dataclasses.field(default_factory=os.getpid)  # the process connected (a fork connects anew)
+    attached: bool = False  # connected to what the Ray job's handle actor published (another process's service)
 
 
 _STATE: _State | None = None
@@ -267,20 +270,42 @@ def _attach_existing() -> _State | None:
     if handle is None:
         return None
     settings = _service.await_settings(ray, handle, DEFAULT_CONFIG["data_plane"]["start_timeout_s"])
-    return _State(_connect(settings), settings)
+    return _State(_connect(settings), settings, attached=True)
+
+
+def _still_published(state: _State) -> bool:
+    """Whether the service ``state`` attached to through the Ray job's handle actor is still the one
+    it publishes: a driver that closed and called init() again published a new one, which a reused
+    Ray worker must connect to - not wait out its timeout on every call to the stopped one."""
+    ray = _ray_if_initialized()
+    if ray is None or not state.attached or state.pid != os.getpid():
+        return True
+    handle = _service.existing_handle(ray)
+    if handle is None:
+        return False
+    try:
+        settings = ray.get(handle.get_config.remote(), timeout=DEFAULT_CONFIG["data_plane"]["start_timeout_s"])
+    except Exception:  # the actor is going away with its service
+        return False
+    return settings is not None and settings["connection"] == state.settings["connection"]
 
 
 def _settings_of(conf: DictConfig, address: str) -> dict[str, Any]:
     """What every process of the job attaches with: the one :class:`~tq.TQConnection` value (its secret
     resolved here, from the config or ``$TQ_SECRET``) and the gets' default wait."""
     dp = conf.data_plane
-    wait = dp.wait_timeout_s
-    if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0):
-        raise ValueError(f"data_plane.wait_timeout_s must be None or seconds >= 0, got {wait!r}")
+    wait = _wait_seconds(dp.wait_timeout_s, "data_plane.wait_timeout_s")
     connection = TQConnection(
         address, secret=dp.secret, timeout_s=float(dp.timeout_s), transport=dp.transport, capacity_wait_s=float(dp.capacity_wait_s)
     )
-    return {"connection": connection, "wait_timeout_s": None if wait is None else float(wait)}
+    return {"connection": connection, "wait_timeout_s": wait}
+
+
+def _wait_seconds(wait: Any, what: str) -> float | None:
+    """A get's wait: None (fail at once when a field is not produced) or seconds >= 0."""
+    if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait < float("inf")):
+        raise ValueError(f"{what} must be None or seconds >= 0, got {wait!r}")
+    return None if wait is None else float(wait)
 
 
 def init(conf: DictConfig | Mapping[str, Any] | None = None) -> DictConfig | None:
@@ -314,7 +339,10 @@ def init(conf: DictConfig | Mapping[str, Any] | None = None) -> DictConfig | Non
     global _STATE
     with _LOCK:
         if _STATE is not None:
-            return conf
+            if _still_published(_STATE):
+                return conf
+            stale, _STATE = _STATE, None
+            stale.client.close()
         merged = OmegaConf.merge(OmegaConf.create({}, flags={"allow_objects": True}), OmegaConf.create(DEFAULT_CONFIG))
         if conf:
             merged = OmegaConf.merge(merged, conf)
@@ -334,14 +362,17 @@ def init(conf: DictConfig | Mapping[str, Any] | None = None) -> DictConfig | Non
             if not created:
                 if address is None:  # the job's service: attach to what its first process published
                     settings = _service.await_settings(ray, handle, dp.start_timeout_s)
-                    _STATE = _State(_connect(settings), settings)
+                    _STATE = _State(_connect(settings), settings, attached=True)
                     return conf
                 handle = None  # an explicit address wins; the job's handle stays as it is
         server = None
         try:
             if address is None:
                 secret = dp.secret if dp.secret is not None else os.environ.get("TQ_SECRET")
-                units = dp.storage_units or merged.backend.SimpleStorage.num_data_storage_units or 1
+                units = dp.storage_units if dp.storage_units is not None else merged.backend.SimpleStorage.num_data_storage_units
+                if isinstance(units, bool) or not isinstance(units, int) or units < 1:
+                    source = "data_plane.storage_units" if dp.storage_units is not None else "backend.SimpleStorage.num_data_storage_units"
+                    raise ValueError(f"{source} must be a whole number >= 1, got {units!r}")
                 server = TQServer(
                     host=dp.host, storage_units=int(units), capacity=int(dp.capacity_bytes), secret=secret, start_timeout=dp.start_timeout_s
                 )
@@ -435,15 +466,13 @@ def _column(name: str, value: Any, n: int) -> Any:
     column (one row per sample, its first dim free), per-sample scalars a dense ``[n]`` tensor,
     anything else a list of msgpack-able values."""
     if not isinstance(value, torch.Tensor):
-        if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value) and value[0].dim() == 0:
-            return torch.stack(list(value))
-        return list(value)
+        return list(value)  # per-sample tensors (scalars too) are checked and stacked by TQClient.put
     if value.is_nested:
         if value.layout == torch.jagged and getattr(value, "_ragged_idx", 1) == 1 and value.lengths() is None:
             return JaggedTensor(value.values(), value.offsets().to(torch.int64).cpu())
         return list(value.unbind())  # strided (or with holes): rows must share their trailing dims
-    if value.dim() <= 1:
-        return value
+    if value.dim() <= 1 or value.layout != torch.strided or 0 in value.shape[2:]:
+        return value  # as it is: sparse is refused by TQClient.put naming it; entries of no bytes stay dense
     if value.shape[0] != n:
         raise ValueError(f"field {name!r} has {value.shape[0]} rows for {n} keys")
     length = value.shape[1]
@@ -484,11 +513,13 @@ def _tensordict(data: dict[str, Any], n: int) -> TensorDict:
 # ------------------------------------------------------------------------------------------- writes
 def _key_list(keys: Any, what: str = "keys") -> list[str]:
     if isinstance(keys, str):
-        return [keys]
+        return [str.__str__(keys)]
+    if not isinstance(keys, Iterable) or isinstance(keys, (bytes, Mapping)):
+        raise TypeError(f"{what} must be a str or a list of str, got {type(keys).__name__}")
     keys = list(keys)
     if not all(isinstance(k, str) for k in keys):
         raise ValueError(f"{what} must be str, got {[type(k).__name__ for k in keys if not isinstance(k, str)][0]}")
-    return keys
+    return plain_strs(keys)  # np.str_ (a verl uid array's items) as the str the wire carries
 
 
 def _existing(client: TQClient, partition_id: str, keys: list[str]) -> _NativeMeta | None:
@@ -507,12 +538,24 @@ def _existing(client: TQClient, partition_id: str, keys: list[str]) -> _NativeMe
 
 
 def _register(client: TQClient, partition_id: str, keys: list[str]) -> _NativeMeta:
-    """Register the keys not registered yet (no fields), then return the meta of all of them."""
-    held = set(client.get_meta(partition_id).keys)
-    new = [k for k in keys if k not in held]
-    if new:
-        client.register_keys(partition_id, new)
-    return client.get_meta(partition_id, keys)
+    """Register the keys not registered yet (no fields), then return the meta of all of them. Another
+    writer registering one of them (DuplicateKeyError: nothing registered) or a clear removing one
+    (KeyNotFoundError) in between is looked at again - an upsert does not fail for a race it lost."""
+    for attempt in range(_UPSERT_ATTEMPTS):
+        held = set(client.get_meta(partition_id).keys)
+        new = [k for k in keys if k not in held]
+        try:
+            if new:
+                client.register_keys(partition_id, new)
+            return client.get_meta(partition_id, keys)
+        except (DuplicateKeyError, KeyNotFoundError):
+            if attempt == _UPSERT_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+#: How often an upsert looks again at keys that other writers registered or cleared under it.
+_UPSERT_ATTEMPTS = 8
 
 
 def _set_tags(client: TQClient, partition_id: str, keys: list[str], tags: list[dict]) -> None:
@@ -530,25 +573,33 @@ def _put(keys: list[str], partition_id: str, fields: Any, tags: list[dict] | Non
     n = len(keys)
     if not isinstance(partition_id, str) or not partition_id:
         raise ValueError(f"partition_id must be a non-empty str, got {partition_id!r}")
+    if tags is not None and (not isinstance(tags, (list, tuple)) or not all(t is None or isinstance(t, Mapping) for t in tags)):
+        raise TypeError(f"tags must be a list of one dict (or None) per key, got {reprlib.repr(tags)}")
     tags = [dict(t) if t else {} for t in tags] if tags is not None else None
     names = list(dict.fromkeys(name for t in tags or () for name in t))
     # validates keys (unique) and tag values (None/bool/int/float/str) before any I/O
     check = _NativeMeta(partition_id, tuple(keys), tags={name: tuple(t.get(name) for t in tags) for name in names} if tags else {})
     columns = _columns(fields, n, data_parser) if fields is not None else {}
     client = _state().client
-    prev = _existing(client, partition_id, keys)
-    if prev is None and columns:
-        try:  # every key new (the common case): data and tags in one write
-            client.put(partition_id, keys, columns, tags=dict(check.tags) or None)
-            return KVBatchMeta(keys, tags or [{} for _ in keys], partition_id, sorted(columns), {})
-        except DuplicateKeyError:  # some keys hold data already: register the new ones, write all back
-            pass
-    if prev is None:
-        prev = _register(client, partition_id, keys)
-    if columns:
-        client.write_back(prev, columns, overwrite=True)
-    if tags:
-        _set_tags(client, partition_id, keys, tags)
+    for attempt in range(_UPSERT_ATTEMPTS):
+        prev = _existing(client, partition_id, keys)
+        if prev is None and columns:
+            try:  # every key new (the common case): data and tags in one write
+                client.put(partition_id, keys, columns, tags=dict(check.tags) or None)
+                return KVBatchMeta(keys, tags or [{} for _ in keys], partition_id, sorted(columns), {})
+            except DuplicateKeyError:  # some keys hold data already: register the new ones, write all back
+                pass
+        try:
+            if prev is None:
+                prev = _register(client, partition_id, keys)
+            if columns:
+                client.write_back(prev, columns, overwrite=True)
+            if tags:
+                _set_tags(client, partition_id, keys, tags)
+            break
+        except KeyNotFoundError:  # a clear took a key after it was looked up: as if it came first
+            if attempt == _UPSERT_ATTEMPTS - 1:
+                raise
     merged = [{**old, **new} for old, new in zip(_service.tag_dicts(prev.tags, n), tags or [{}] * n)]
     return KVBatchMeta(keys, merged, partition_id, sorted(set(prev.fields) | set(columns)), {})
 
@@ -626,7 +677,7 @@ def kv_batch_put(
 def _get(keys: list[str], partition_id: str, fields: list[str] | None, wait_timeout_s: Any) -> TensorDict:
     state = _state()
     client = state.client
-    wait = state.settings.get("wait_timeout_s") if wait_timeout_s is _FROM_CONFIG else wait_timeout_s
+    wait = state.settings.get("wait_timeout_s") if wait_timeout_s is _FROM_CONFIG else _wait_seconds(wait_timeout_s, "wait_timeout_s")
     if not keys:
         raise ValueError("keys or partition were not found!")
     try:

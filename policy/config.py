@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from common.models import DTYPES, TINY_MODEL
 
@@ -54,7 +54,7 @@ class PolicyConfig(_Strict):
     tiny_overrides: dict[str, Any] | None = Field(None, description="Config overrides of the built-in tiny model.")
 
     dp_size: int = Field(1, ge=1, description="Data-parallel policy workers (Ray actors)")
-    seed: int = Field(0, description="Seed of the workers' sampling-free randomness (e.g. dropout)")
+    seed: int = Field(0, ge=0, lt=1 << 63, description="Seed of the workers' sampling-free randomness (e.g. dropout)")
 
     learning_rate: float = Field(1e-5, gt=0.0, description="AdamW learning rate.")
     weight_decay: float = Field(0.01, ge=0.0, description="AdamW weight decay.")
@@ -67,6 +67,14 @@ class PolicyConfig(_Strict):
         0.0, ge=0.0, le=1.0, description=("The cosine schedule's final learning rate, as a fraction of learning_rate.")
     )
     max_grad_norm: float | None = Field(1.0, gt=0.0, description="Clip the gradient norm to this (null: no clipping)")
+    logprob_temperature: float = Field(
+        1.0,
+        gt=0.0,
+        description=(
+            "Logits are divided by this before the log-softmax of log-probs and of the loss, as the sampler does (NeMo-RL, verl): the"
+            " trainers set it from generation (its temperature for 'processed' log-probs, 1 for 'raw' or greedy)."
+        ),
+    )
 
     train_global_batch_size: int = Field(32, ge=1, description="Samples per optimizer step, across all DP ranks.")
     train_micro_batch_size: int = Field(4, ge=1, description="Samples per training forward/backward on one rank.")
@@ -97,6 +105,13 @@ class PolicyConfig(_Strict):
                 "policy.tq_timeout_s was removed: set data_plane.timeout_s (the one timeout of every TQ client, TQConnection.timeout_s)"
             )
         return data
+
+    @field_validator("adam_betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in betas):  # torch.optim.AdamW says so only inside each worker's start-up
+            raise ValueError(f"each AdamW beta must be in [0, 1), got {list(betas)}")
+        return betas
 
     @model_validator(mode="after")
     def _check(self) -> "PolicyConfig":

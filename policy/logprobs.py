@@ -1,8 +1,10 @@
 """Token log-probs from a causal LM, and the per-token reductions workers write back per sample.
 
 Convention (see :mod:`common.fields`): ``lp[:, 0] = 0`` and
-``lp[:, t] = log_softmax(logits[:, t - 1])[input_ids[:, t]]`` (float32 log-softmax whatever the model
-dtype); positions at or beyond a sequence's length are 0.
+``lp[:, t] = log_softmax(logits[:, t - 1] / T)[input_ids[:, t]]`` (float32 log-softmax whatever the model
+dtype); positions at or beyond a sequence's length are 0. ``T`` is the sampling temperature whose
+distribution the generator drew from and reported (``PolicyConfig.logprob_temperature``; 1: the
+model's own), so the policy's log-probs, its loss and the generator's log-probs are of one distribution.
 """
 
 from __future__ import annotations
@@ -27,22 +29,25 @@ def length_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
     return torch.arange(width, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """``lp[:, t] = log_softmax(logits[:, t-1].float())[input_ids[:, t]]``, ``lp[:, 0] = 0`` (``[b, T]``).
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``lp[:, t] = log_softmax(logits[:, t-1].float() / temperature)[input_ids[:, t]]``, ``lp[:, 0] = 0`` (``[b, T]``).
 
     Differentiable; the log-softmax runs in float32 so bf16 models give comparable numbers.
     """
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    scores = logits[:, :-1].float()
+    if temperature != 1.0:
+        scores = scores / temperature
+    logp = torch.log_softmax(scores, dim=-1)
     picked = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     return torch.nn.functional.pad(picked, (1, 0), value=0.0)
 
 
 @torch.no_grad()
-def compute_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def compute_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, lengths: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Log-probs of a right-padded batch in one forward (no micro-batching): float32 ``[n, L]``."""
     mask = length_mask(lengths, input_ids.shape[1])
     logits = model(input_ids=input_ids, attention_mask=mask.long()).logits
-    return token_logprobs(logits, input_ids) * mask
+    return token_logprobs(logits, input_ids, temperature) * mask
 
 
 def num_valid_tokens(token_mask: torch.Tensor) -> torch.Tensor:

@@ -140,10 +140,11 @@ def build_micro_batch(
     return ModelInputs(rows, ids, mask[None, None], pos.unsqueeze(0), lens, starts, longest)
 
 
-def micro_batch_logprobs(model: torch.nn.Module, mb: ModelInputs) -> torch.Tensor:
-    """Forward one micro-batch; float32 log-probs ``[k, mb.width]`` in per-sample layout (grad if enabled)."""
+def micro_batch_logprobs(model: torch.nn.Module, mb: ModelInputs, temperature: float = 1.0) -> torch.Tensor:
+    """Forward one micro-batch; float32 log-probs ``[k, mb.width]`` in per-sample layout (grad if enabled),
+    of the model's distribution at ``temperature`` (see :mod:`policy.logprobs`)."""
     logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids, use_cache=False).logits
-    lp = token_logprobs(logits, mb.input_ids)
+    lp = token_logprobs(logits, mb.input_ids, temperature)
     t = torch.arange(mb.width, device=lp.device).unsqueeze(0)
     if not mb.packed:
         return lp * (t < mb.lengths.unsqueeze(1))
@@ -155,7 +156,12 @@ def micro_batch_logprobs(model: torch.nn.Module, mb: ModelInputs) -> torch.Tenso
 
 @torch.no_grad()
 def logprobs_for_plan(
-    model: torch.nn.Module, input_ids: torch.Tensor, lengths: torch.Tensor, plan: MicroBatchPlan, pad_token_id: int
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    plan: MicroBatchPlan,
+    pad_token_id: int,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """Log-probs of a whole shard (``[n, L]`` float32, 0 past each length), micro-batch by micro-batch."""
     out = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
@@ -170,7 +176,7 @@ def logprobs_for_plan(
             pad_token_id=pad_token_id,
             sequence_length_round=plan.sequence_length_round,
         )
-        out[torch.as_tensor(rows, device=out.device), : mb.width] = micro_batch_logprobs(model, mb)
+        out[torch.as_tensor(rows, device=out.device), : mb.width] = micro_batch_logprobs(model, mb, temperature)
     return out
 
 
@@ -192,6 +198,7 @@ def forward_backward(
     global_valid_seqs: torch.Tensor,
     global_valid_toks: torch.Tensor,
     pad_token_id: int,
+    temperature: float = 1.0,
 ) -> list[dict[str, Any]]:
     """Accumulate the gradients of one shard's share of a global batch; returns per-micro-batch metrics.
 
@@ -212,7 +219,7 @@ def forward_backward(
             pad_token_id=pad_token_id,
             sequence_length_round=plan.sequence_length_round,
         )
-        lp = micro_batch_logprobs(model, mb)
+        lp = micro_batch_logprobs(model, mb, temperature)
         mb_data = data.select_indices(rows)
         for k, v in mb_data.items():
             if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == L:

@@ -277,7 +277,9 @@ class DPPolicyWorker:
         t = time.perf_counter()
         try:
             with self._autocast(dev):
-                return logprobs_for_plan(model, data["input_ids"].to(dev), data["input_lengths"].to(dev), plan, self.pad_token_id)
+                return logprobs_for_plan(
+                    model, data["input_ids"].to(dev), data["input_lengths"].to(dev), plan, self.pad_token_id, self.cfg.logprob_temperature
+                )
         finally:
             model.train(was_training)
             self._timings["compute_s"] += time.perf_counter() - t
@@ -293,7 +295,9 @@ class DPPolicyWorker:
             counts = self._all_reduce(torch.stack([seqs, toks]).to(torch.float64)).to(torch.float32)
             self.optimizer.zero_grad(set_to_none=True)
             with self._autocast(self.device):
-                mb_metrics = forward_backward(self.model, data, plan, loss_fn, counts[0], counts[1], self.pad_token_id)
+                mb_metrics = forward_backward(
+                    self.model, data, plan, loss_fn, counts[0], counts[1], self.pad_token_id, self.cfg.logprob_temperature
+                )
             self._all_reduce_grads()
             # Gradients are identical on every rank after the all-reduce, so is the clipping.
             max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")

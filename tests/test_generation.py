@@ -278,3 +278,35 @@ def test_vllm_backend_matches_hf_and_refits(tok):
         assert all(torch.allclose(x, y, atol=5e-2) for x, y in zip(a.logprobs, b.logprobs))
     finally:
         gen.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["processed", "raw"])
+def test_the_policy_scores_responses_in_the_distribution_the_generator_reports(tok, mode):
+    """With generation.temperature 0.5 the generator samples - and by default reports log-probs of -
+    logits / 0.5, but the policy scored the untempered model: with identical weights a probe run read
+    token_mult_prob_error 1.13 at step 1 (1.0 expected), biasing the importance weights, the KL and
+    seq_logprob_error_threshold. The trainers' config now derives the temperature the policy workers
+    score with (NeMo-RL's and verl's logits / temperature), and a worker's log-probs match the
+    generator's token for token; with logprobs_mode 'raw' both are the untempered model's."""
+    from common.batched_data_dict import BatchedDataDict
+    from policy.worker import DPPolicyWorker
+    from trainer.config import load_config
+
+    cfg = load_config(None, ["generation.temperature=0.5", f"generation.logprobs_mode={mode}", "generation.seed=3"])
+    assert cfg.policy.logprob_temperature == (0.5 if mode == "processed" else 1.0)
+    worker = DPPolicyWorker(cfg.policy.model_copy(update={"dp_size": 1}), rank=0, world_size=1)
+    worker.init_distributed("127.0.0.1", 0)
+    gen = HFGenerationBackend(cfg.generation, tokenizer=tok)
+    gen.update_weights(worker.get_weights(), weight_version=1)  # the trainers' first refit
+    prompts = [encode(tok, p) for p in PROMPTS]
+    out = gen.generate(prompts, max_new_tokens=6)
+    seqs = [torch.cat([p, r]) for p, r in zip(prompts, out.response_ids)]
+    width = max(s.numel() for s in seqs)
+    ids = torch.stack([torch.nn.functional.pad(s, (0, width - s.numel())) for s in seqs])
+    lengths = torch.tensor([s.numel() for s in seqs])
+    lp = worker.get_logprobs(BatchedDataDict(input_ids=ids, input_lengths=lengths), {})["logprobs"]
+    for i, (p, r, lp_gen) in enumerate(zip(prompts, out.response_ids, out.logprobs)):
+        policy_lp = lp[i, p.numel() : p.numel() + r.numel()]
+        assert torch.allclose(policy_lp, lp_gen, atol=1e-4)
+        untempered = expected_logprobs(worker.model, p, r)
+        assert torch.allclose(untempered, lp_gen, atol=1e-4) == (mode == "raw")  # the two distributions differ

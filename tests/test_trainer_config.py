@@ -276,3 +276,48 @@ def test_a_dataset_smaller_than_one_step_is_named_with_both_keys(tmp_path):
         DatasetError, match=rf"^data\.dataset={tmp_path}/p\.jsonl for grpo\.num_prompts_per_step=2: a dataset of 1 rows gives no batch of 2"
     ):
         build_dataloader(cfg, one)
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        # each was accepted and trained nothing, or failed inside step 1 (minutes in, with vLLM) naming no key
+        (
+            ["grpo.num_generations_per_prompt=1", "policy.train_global_batch_size=4"],
+            "grpo.num_generations_per_prompt: Input should be greater than or equal to 2",
+        ),
+        (["env.name=two_turn_guess", "data.processor.task_name=two_turn_guess"], "grpo.max_rollout_turns must be >= 2, got 1"),
+        (
+            ["grpo.overlong_reward_shaping.enabled=true", "grpo.overlong_reward_shaping.buffer_length=4096"],
+            "grpo.overlong_reward_shaping.buffer_length (4096) must be at most grpo.overlong_reward_shaping.max_response_length (1024)",
+        ),
+        (
+            ["grpo.reward_scaling.enabled=true", "grpo.reward_scaling.source_min=1", "grpo.reward_scaling.source_max=0"],
+            "grpo.reward_scaling.source_max (0.0) must exceed grpo.reward_scaling.source_min (1.0)",
+        ),
+        (["policy.adam_betas=[1.5, 2]"], "policy.adam_betas: Value error, each AdamW beta must be in [0, 1)"),
+        (["grpo.seed=99999999999999999999"], "grpo.seed: Input should be less than 9223372036854775808"),
+        (["generation.seed=-1"], "generation.seed: Input should be greater than or equal to 0"),
+        # generation.max_new_tokens was ignored: the trainers generate grpo.max_new_tokens per turn
+        (["generation.max_new_tokens=8"], "generation.max_new_tokens (8) and grpo.max_new_tokens (2) differ"),
+        (["policy.logprob_temperature=0.5"], "policy.logprob_temperature (0.5) must be 1.0"),
+    ],
+)
+def test_settings_that_could_never_train_are_refused_naming_the_keys(overrides, named):
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        parse_cli(overrides)
+
+
+def test_the_policy_scores_at_the_temperature_the_generator_reports_and_one_token_limit_serves_both():
+    cfg = parse_cli(["generation.temperature=0.7"])
+    assert cfg.policy.logprob_temperature == 0.7  # 'processed' log-probs: the tempered distribution
+    assert parse_cli(["generation.temperature=0.7", "generation.logprobs_mode=raw"]).policy.logprob_temperature == 1.0
+    assert parse_cli(["generation.temperature=0"]).policy.logprob_temperature == 1.0  # greedy: no processing
+    both = parse_cli(["generation.max_new_tokens=8", "grpo.max_new_tokens=8"])
+    assert both.grpo.max_new_tokens == both.generation.max_new_tokens == 8
+    from trainer.config import MasterConfig
+
+    assert MasterConfig(generation={"max_new_tokens": 5}).grpo.max_new_tokens == 5  # the one set serves both
+    assert MasterConfig(grpo={"max_new_tokens": 6}).generation.max_new_tokens == 6
+    again = MasterConfig.model_validate(cfg.model_dump())  # the collector actor re-validates the driver's dump
+    assert again.policy.logprob_temperature == 0.7

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from policy.config import PolicyConfig
 from policy.loss import ClippedPGLossConfig
 from rollout.data import DataProcessorConfig
+from rollout.environments.multi_turn import TWO_TURN_TASK_NAME
 from rollout.generation.config import GenerationBackendConfig
 from tq.connection import TQConnection
 
@@ -44,6 +45,14 @@ class RewardScalingConfig(_Strict):
     target_min: float = Field(0.0, description="What source_min maps to.")
     target_max: float = Field(1.0, description="What source_max maps to.")
 
+    @model_validator(mode="after")
+    def _check(self) -> "RewardScalingConfig":
+        if self.enabled and self.source_max <= self.source_min:  # found at the first step's rewards otherwise
+            raise ValueError(
+                f"grpo.reward_scaling.source_max ({self.source_max}) must exceed grpo.reward_scaling.source_min ({self.source_min})"
+            )
+        return self
+
 
 class OverlongShapingConfig(_Strict):
     """DAPO's soft overlong punishment over the last ``buffer_length`` tokens before the maximum."""
@@ -53,10 +62,21 @@ class OverlongShapingConfig(_Strict):
     buffer_length: int = Field(128, ge=1, description="Tokens before max_response_length over which the penalty ramps up linearly.")
     penalty: float = Field(1.0, ge=0.0, description="Reward subtracted at max_response_length.")
 
+    @model_validator(mode="after")
+    def _check(self) -> "OverlongShapingConfig":
+        if self.enabled and self.buffer_length > self.max_response_length:  # found at the first step's rewards otherwise
+            raise ValueError(
+                f"grpo.overlong_reward_shaping.buffer_length ({self.buffer_length}) must be at most "
+                f"grpo.overlong_reward_shaping.max_response_length ({self.max_response_length})"
+            )
+        return self
+
 
 class GRPOConfig(_Strict):
     num_prompts_per_step: int = Field(16, ge=1, description="Prompts (groups) per training step.")
-    num_generations_per_prompt: int = Field(8, ge=1, description="Samples generated per prompt (the group the baseline is computed over)")
+    num_generations_per_prompt: int = Field(
+        8, ge=2, description="Samples generated per prompt (the group the baseline is computed over; a group of one has no baseline)"
+    )
     max_num_steps: int = Field(30, ge=1, description="Training steps of the run (a resumed run continues up to it)")
     max_rollout_turns: int = Field(1, ge=1, description="Model turns per conversation (multi-turn environments)")
     max_new_tokens: int = Field(16, ge=1, description="Tokens generated per turn at most.")
@@ -92,7 +112,7 @@ class GRPOConfig(_Strict):
     val_at_start: bool = Field(False, description="Validate once before the first step.")
     max_val_samples: int = Field(32, ge=1, description="Validation prompts used at most.")
     val_num_generations: int = Field(1, ge=1, description="Samples per validation prompt; > 1 samples (not greedy) and reports pass@k.")
-    seed: int = Field(42, description="Seed of the run: model init, data order, sampling.")
+    seed: int = Field(42, ge=0, lt=1 << 63, description="Seed of the run: model init, data order, sampling.")
 
 
 class DataConfig(_Strict):
@@ -280,9 +300,40 @@ class MasterConfig(_Strict):
                 f"data.processor.task_name ({task!r}) names no environment of this run: env.name is {self.env.name!r} "
                 f"(set data.processor.task_name={self.env.name}, or null to take each row's task_name)"
             )
+        if self.env.name == TWO_TURN_TASK_NAME and self.grpo.max_rollout_turns < 2:  # it scores the second turn only
+            raise ValueError(
+                f"env.name {TWO_TURN_TASK_NAME!r} scores the answer of the second turn: grpo.max_rollout_turns must be >= 2, "
+                f"got {self.grpo.max_rollout_turns}"
+            )
+        self._agree_with_generation()
         if self.async_grpo.enabled:
             validate_async(self)
         return self
+
+    def _agree_with_generation(self) -> None:
+        """The settings the trainers take from one section for both sides: the per-turn token limit
+        (``grpo.max_new_tokens``; NeMo-RL users set ``generation.max_new_tokens``) and the temperature
+        the policy scores with (the distribution the generator sampled and reported). One set and the
+        other not: the set one serves both; both set and different: refused naming both."""
+        g, grpo, p = self.generation, self.grpo, self.policy
+        if "max_new_tokens" in g.model_fields_set and "max_new_tokens" in grpo.model_fields_set:
+            if g.max_new_tokens != grpo.max_new_tokens:
+                raise ValueError(
+                    f"generation.max_new_tokens ({g.max_new_tokens}) and grpo.max_new_tokens ({grpo.max_new_tokens}) differ: "
+                    f"the trainers generate grpo.max_new_tokens per turn: set grpo.max_new_tokens={g.max_new_tokens} too, or drop one"
+                )
+        elif "max_new_tokens" in g.model_fields_set:
+            grpo.max_new_tokens = g.max_new_tokens
+        else:
+            g.max_new_tokens = grpo.max_new_tokens
+        temperature = g.temperature if g.logprobs_mode == "processed" and g.temperature > 0 else 1.0
+        if "logprob_temperature" in p.model_fields_set and p.logprob_temperature != temperature:
+            raise ValueError(
+                f"policy.logprob_temperature ({p.logprob_temperature}) must be {temperature}: the generator reports log-probs of "
+                f"generation.temperature {g.temperature} with generation.logprobs_mode {g.logprobs_mode!r}, and the policy scores the "
+                "same distribution (leave policy.logprob_temperature unset: it is derived)"
+            )
+        p.logprob_temperature = temperature
 
 
 def generation_colocated(cfg: "MasterConfig") -> bool:

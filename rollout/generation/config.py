@@ -29,10 +29,10 @@ class GenerationBackendConfig(BaseModel):
     tokenizer_name: str | None = Field(None, description="Tokenizer (null: model_name).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Generation dtype.")
     device: str = Field("cpu", description="Device of the transformers backend: cpu, cuda, cuda:1, ...")
-    model_seed: int = Field(0, description="Init seed of the tiny random model (every process gets the same weights)")
+    model_seed: int = Field(0, ge=0, lt=1 << 63, description="Init seed of the tiny random model (every process gets the same weights)")
     tiny_overrides: dict[str, Any] | None = Field(None, description="Config overrides of the built-in tiny model.")
 
-    seed: int = Field(0, description="Sampling seed; each call derives its own seed from (seed, call counter)")
+    seed: int = Field(0, ge=0, lt=1 << 63, description="Sampling seed; each call derives its own seed from (seed, call counter)")
     temperature: float = Field(default=1.0, ge=0.0, description="Sampling temperature (0: greedy)")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling (1: off)")
     top_k: int = Field(0, description="Top-k sampling (<= 0: off)")

@@ -301,6 +301,7 @@ def test_a_dataset_smaller_than_one_step_is_named_with_both_keys(tmp_path):
         # generation.max_new_tokens was ignored: the trainers generate grpo.max_new_tokens per turn
         (["generation.max_new_tokens=8"], "generation.max_new_tokens (8) and grpo.max_new_tokens (2) differ"),
         (["policy.logprob_temperature=0.5"], "policy.logprob_temperature (0.5) must be 1.0"),
+        (["env.num_workers=2"], "env.num_workers (2) starts math verifier actors; env.name is 'builtin_add'"),
     ],
 )
 def test_settings_that_could_never_train_are_refused_naming_the_keys(overrides, named):

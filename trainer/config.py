@@ -138,6 +138,12 @@ class EnvConfig(_Strict):
     )
     num_workers: int = Field(0, ge=0, description="math: verifier actors (0: verify in process).")
 
+    @model_validator(mode="after")
+    def _check(self) -> "EnvConfig":
+        if self.num_workers and self.name != "math":  # the other environments score in process: it would be ignored
+            raise ValueError(f"env.num_workers ({self.num_workers}) starts math verifier actors; env.name is {self.name!r}")
+        return self
+
 
 class DataPlaneConfig(_Strict):
     """The TQ service and how every process reaches it: the driver turns this section into one

@@ -271,6 +271,128 @@ def test_async_driver_killed_mid_run_resumes_exactly_once(tmp_path, tq_service):
     assert all(0 <= r["async/trajectory_age_max"] <= 1 for r in rows)
 
 
+# ----------------------------------------------------------------- resuming from a damaged or mismatched checkpoint
+# One real run (the legacy trainer, 2 steps, a checkpoint each) makes step_1 and step_2; each test
+# resumes from a copy. Everything refused or settled from the checkpoint's files alone is decided
+# before Ray starts (these runs take a few seconds each).
+TINY = [
+    "grpo.num_prompts_per_step=4",
+    "grpo.num_generations_per_prompt=4",
+    "data.num_builtin_prompts=16",
+    "policy.dp_size=1",
+    "policy.train_global_batch_size=16",
+    "policy.train_micro_batch_size=8",
+    "policy.logprob_batch_size=8",
+    "grpo.val_period=0",
+    "checkpointing.enabled=true",
+    "checkpointing.save_period=1",
+    "logger.tensorboard=false",
+    "logger.plot=false",
+    "cluster.num_cpus=2",
+]
+
+
+def _tiny(root: Path, *extra: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    args = [*TINY, f"checkpointing.checkpoint_dir={root}/ck", f"logger.log_dir={root}/logs", *extra]
+    return subprocess.run([sys.executable, "-m", "trainer.grpo", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("two_checkpoints")
+    r = _tiny(root, "grpo.max_num_steps=2", timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(p.name for p in (root / "ck").iterdir()) == ["step_1", "step_2"]
+    return root
+
+
+@pytest.fixture()
+def lineage(two_checkpoints, tmp_path) -> Path:
+    """A copy of the two-checkpoint run to resume (and damage)."""
+    import shutil
+
+    shutil.copytree(two_checkpoints, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def _lines(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.strip()]
+
+
+def _damage(step_dir: Path, what: str) -> None:
+    if what == "trainer_state.json":
+        f = step_dir / what
+        f.write_text(f.read_text()[:20])  # truncated
+    elif what == "rng.pt":
+        (step_dir / what).write_bytes(b"")
+    else:  # policy/model.pt, truncated
+        f = step_dir / what
+        f.write_bytes(f.read_bytes()[:5000])
+
+
+def test_resuming_with_other_loader_settings_is_refused_naming_the_checkpoint_and_key(lineage):
+    """grpo.num_prompts_per_step changed since the checkpoint: one line naming the checkpoint and the
+    setting, before Ray starts (it was a ValueError naming neither, after the policy had loaded)."""
+    r = _tiny(lineage, "grpo.max_num_steps=4", "grpo.num_prompts_per_step=8", "policy.train_global_batch_size=32")
+    assert r.returncode == 2, r.stderr
+    assert _lines(r.stderr) == [
+        f"error: checkpoint {lineage}/ck/step_2 was saved with grpo.num_prompts_per_step=4, this run has grpo.num_prompts_per_step=8: "
+        "its data position holds only for the same prompts and batches; resume with the checkpoint's setting, or start over "
+        "in another checkpointing.checkpoint_dir"
+    ]
+    r = _tiny(lineage, "grpo.max_num_steps=4", "data.num_builtin_prompts=20")
+    assert r.returncode == 2 and "16 training prompts, this run has 20 (data.num_builtin_prompts=20)" in r.stderr, r.stderr
+    assert "ray" not in (r.stdout + r.stderr).lower()
+
+
+@pytest.mark.parametrize("damaged", ["trainer_state.json", "rng.pt", "policy/model.pt"])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(lineage, damaged):
+    """step_2 complete but one of its files damaged (truncated JSON, an empty rng.pt, a truncated
+    model.pt): a warning naming it and why, and the run resumes from step_1 - here it stops at once,
+    saying there is nothing to train (grpo.max_num_steps=1), all before Ray starts. These were a
+    JSONDecodeError / EOFError traceback, and a line naming no checkpoint."""
+    _damage(lineage / "ck" / "step_2", damaged)
+    r = _tiny(lineage, "grpo.max_num_steps=1")
+    assert r.returncode == 0, r.stderr
+    (warning,) = _lines(r.stderr)
+    assert warning.startswith(f"warning: checkpoint {lineage}/ck/step_2 is damaged ({damaged} is ")
+    assert warning.endswith(f"resuming from the previous intact one, {lineage}/ck/step_1"), warning
+    assert _lines(r.stdout) == [
+        f"nothing to train: checkpoint {lineage}/ck/step_1 is at step 1 and grpo.max_num_steps=1; raise grpo.max_num_steps to train on"
+    ]
+
+
+def test_no_intact_checkpoint_is_refused_and_max_steps_reached_is_said(lineage):
+    """Every complete checkpoint damaged: refused naming the directory and each problem (not a silent
+    fresh start over the lineage). grpo.max_num_steps at or below the checkpoint's step: one line
+    saying there is nothing to train (it started everything, trained nothing and exited in silence)."""
+    r = _tiny(lineage, "grpo.max_num_steps=2")
+    assert r.returncode == 0 and "ray" not in (r.stdout + r.stderr).lower(), r.stderr
+    assert _lines(r.stdout) == [
+        f"nothing to train: checkpoint {lineage}/ck/step_2 is at step 2 and grpo.max_num_steps=2; raise grpo.max_num_steps to train on"
+    ]
+    _damage(lineage / "ck" / "step_2", "rng.pt")
+    _damage(lineage / "ck" / "step_1", "trainer_state.json")
+    r = _tiny(lineage, "grpo.max_num_steps=4")
+    assert r.returncode == 2, r.stderr
+    (line,) = _lines(r.stderr)
+    assert line.startswith(f"error: checkpointing.checkpoint_dir={lineage}/ck: no intact checkpoint to resume from (step_2: rng.pt is ")
+    assert "; step_1: trainer_state.json is unreadable" in line
+
+
+# slow: the fallback itself is decided before Ray starts (the test above); this one trains on past it
+@pytest.mark.slow
+def test_a_run_resumed_past_a_damaged_checkpoint_trains_on_and_sets_it_aside(lineage):
+    """A truncated model.pt in step_2: the run resumes from step_1, moves step_2 aside (out of the lineage
+    and of pruning) and trains steps 2-3."""
+    _damage(lineage / "ck" / "step_2", "policy/model.pt")
+    r = _tiny(lineage, "grpo.max_num_steps=3", timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from {lineage}/ck/step_1 at step 1" in r.stdout
+    assert f"moved the damaged checkpoint {lineage}/ck/step_2 to {lineage}/ck/corrupt_step_2" in r.stderr
+    assert sorted(p.name for p in (lineage / "ck").iterdir() if p.is_dir()) == ["corrupt_step_2", "step_2", "step_3"]
+
+
 # ---------------------------------------------------------------------------------------------- no Ray
 def test_ledger_lineage_forgets_the_dead_runs_steps_past_its_checkpoint(tmp_path):
     from trainer.ledger import PromptLedger

@@ -47,3 +47,49 @@ def test_a_malformed_dataset_is_one_line_naming_the_key_row_and_field_before_ray
     assert r.returncode == 2, r.stderr
     assert lines == [f"error: data.dataset={data}: row 1: field 'prompt' (prompt) is missing"], lines
     assert "ray" not in r.stdout.lower()
+
+
+def test_an_output_dir_that_is_a_file_is_named_before_ray_starts(tmp_path):
+    """logger.log_dir or checkpointing.checkpoint_dir naming a file (or a path under one): one line naming
+    the key, before Ray starts - it used to be a NotADirectoryError traceback once the workers were up."""
+    afile = tmp_path / "notes.txt"
+    afile.write_text("x")
+    for override, key in [
+        (f"logger.log_dir={afile}", "logger.log_dir"),
+        (f"checkpointing.checkpoint_dir={afile}/ck", "checkpointing.checkpoint_dir"),
+    ]:
+        r = _trainer(
+            "checkpointing.enabled=true", f"checkpointing.checkpoint_dir={tmp_path}/ck", f"logger.log_dir={tmp_path}/logs", override
+        )
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.returncode == 2, r.stderr
+        assert len(lines) == 1 and lines[0].startswith(f"error: {key}=") and "not a directory" in lines[0], lines
+        assert "ray" not in r.stdout.lower()
+
+
+def test_a_dp_layout_larger_than_the_local_ray_is_refused_at_once(tmp_path):
+    """4 ranks of 1 CPU on a local Ray of 2 CPUs could never start: refused naming the settings and the
+    CPUs there, before Ray starts - it used to wait policy.ray_timeout_s (600 s) printing nothing."""
+    r = _trainer("policy.dp_size=4", "policy.num_cpus_per_worker=1", "cluster.num_cpus=2", f"logger.log_dir={tmp_path}")
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2, r.stderr
+    assert len(lines) == 1, lines
+    assert (
+        "policy.dp_size=4 x policy.num_cpus_per_worker=1" in lines[0]
+        and "but 2 are there in the local Ray (cluster.num_cpus=2)" in lines[0]
+    )
+    assert "ray" not in r.stdout.lower()
+
+
+def test_an_attached_cluster_too_small_for_the_run_gets_a_warning_not_a_refusal(capsys):
+    """A cluster the run attaches to may add nodes (autoscaling): the same shortfall is a warning there."""
+    from trainer.common import check_cluster_fits
+    from trainer.config import parse_cli
+
+    cfg = parse_cli(["policy.dp_size=2", "policy.num_gpus_per_worker=1", "cluster.ray_address=10.0.0.1:6379"])
+    check_cluster_fits(cfg, {"CPU": 64.0, "GPU": 1.0}, local=False)
+    err = capsys.readouterr().err
+    assert err.startswith("warning: the run's actors need 2 GPUs (policy.dp_size=2 x policy.num_gpus_per_worker=1: 2) but 1 is there")
+    assert "10.0.0.1:6379" in err and "policy.ray_timeout_s=600s" in err
+    check_cluster_fits(cfg, {"CPU": 64.0, "GPU": 2.0}, local=False)
+    assert capsys.readouterr().err == ""

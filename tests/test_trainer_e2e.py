@@ -251,6 +251,97 @@ def test_ctrl_c_stops_cleanly_without_orphans(tmp_path):
     assert not mine, f"orphaned TQ processes: {mine}"
 
 
+def _sigterm_run(tmp_path, module: str, *, after_checkpoint: bool):
+    """Start ``module`` (a tiny config, a checkpoint every step), SIGTERM the driver alone once it has
+    started (or checkpointed); return (its return code, its stderr, the processes of its session left
+    a second later)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from trainer.checkpoint import latest_checkpoint
+
+    ck = tmp_path / "ck"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            module,
+            "grpo.max_num_steps=100000",
+            "grpo.num_prompts_per_step=4",
+            "grpo.num_generations_per_prompt=4",
+            "data.num_builtin_prompts=16",
+            "policy.train_global_batch_size=16",
+            "policy.train_micro_batch_size=8",
+            "policy.logprob_batch_size=8",
+            "policy.dp_size=1",
+            "grpo.val_period=0",
+            "checkpointing.enabled=true",
+            "checkpointing.save_period=1",
+            f"checkpointing.checkpoint_dir={ck}",
+            f"logger.log_dir={tmp_path}/logs",
+            "logger.tensorboard=false",
+            "logger.plot=false",
+            "cluster.num_cpus=2",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 150
+        # the run directory appears once Ray, the workers and the TQ service are up
+        started = (lambda: latest_checkpoint(ck) is not None) if after_checkpoint else (lambda: any((tmp_path / "logs").glob("*")))
+        while not started() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert proc.poll() is None and started(), "the run did not start in time"
+        proc.send_signal(signal.SIGTERM)  # the driver only, as `kill <pid>` does
+        _, err = proc.communicate(timeout=60)
+        time.sleep(1)
+        left = []
+        for p in psutil.process_iter():
+            try:
+                if os.getsid(p.pid) == proc.pid and p.status() != psutil.STATUS_ZOMBIE:
+                    left.append(p)
+            except (psutil.Error, ProcessLookupError):
+                pass
+        for p in left:
+            p.kill()
+        return proc.returncode, err, [p.pid for p in left]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_sigterm_stops_like_ctrl_c(tmp_path):
+    """``kill <driver pid>`` once the run is up: the clean stop of Ctrl-C (exit code 143, a message, no
+    process of the run left, the driver record released). It was Ray's C++ SIGTERM dump (exit code
+    -6 / -15), no clean-up at all."""
+    code, err, left = _sigterm_run(tmp_path, "trainer.grpo_sync", after_checkpoint=False)
+    assert code == 143, err[-3000:]
+    assert "interrupted (SIGTERM): stopping workers; the last checkpoint stays loadable" in err and "SIGTERM received" not in err
+    assert not left, f"processes left running: {left}"
+    assert not (tmp_path / "ck" / "driver.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", ["trainer.grpo", "trainer.grpo_sync", "trainer.grpo_async"])
+def test_sigterm_mid_run_stops_cleanly_and_leaves_a_loadable_checkpoint(tmp_path, module):
+    """SIGTERM after a checkpoint, on each trainer: exit code 143, nothing left running, the latest
+    checkpoint intact (it resumes)."""
+    from trainer.checkpoint import checkpoint_problem, latest_checkpoint
+
+    code, err, left = _sigterm_run(tmp_path, module, after_checkpoint=True)
+    assert code == 143 and "interrupted (SIGTERM)" in err, err[-3000:]
+    assert not left, f"processes left running: {left}"
+    assert checkpoint_problem(latest_checkpoint(tmp_path / "ck")) is None
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("cls", [GRPOTrainer, GRPOSyncTrainer])
 def test_dynamic_sampling_gives_up_after_max_generation_batches(tmp_path, cls):

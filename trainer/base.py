@@ -27,8 +27,17 @@ from rollout.actors import SyncRolloutActor
 from rollout.data import DatasetError
 from tq.errors import TQError
 
-from .checkpoint import latest_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
-from .common import build_dataloader, build_datasets, colocation_group, init_ray, ray_auth_note, run_name
+from .checkpoint import CheckpointError, find_resume_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint, set_aside
+from .common import (
+    build_dataloader,
+    build_datasets,
+    check_cluster_fits,
+    check_output_paths,
+    colocation_group,
+    init_ray,
+    ray_auth_note,
+    run_name,
+)
 from .config import DEFAULT_CONFIG, ConfigError, MasterConfig, check_local_paths, config_help, generation_colocated, parse_cli
 from .driver import DriverRecord
 from .ledger import PromptLedger
@@ -57,6 +66,20 @@ def _start_side_by_side(cfg: MasterConfig) -> bool:
     return g.num_gpus_per_worker == 0 or p.num_gpus_per_worker == 0 or g.refit_transport == "nccl"
 
 
+class NothingToTrain(Exception):
+    """The checkpoint a run resumes from is already at (or past) ``grpo.max_num_steps``."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a scheduler stopping the job): the run stops as on Ctrl-C (exit code 143)."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    # Once: a repeated SIGTERM must not cut the clean stop short (SIGKILL still ends it at once).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated()
+
+
 class GRPOTrainerBase(ABC):
     """One run of GRPO. ``fit()`` trains ``grpo.max_num_steps`` steps (resuming from a checkpoint)."""
 
@@ -68,14 +91,29 @@ class GRPOTrainerBase(ABC):
         self.cfg = cfg
         torch.manual_seed(cfg.grpo.seed)
         ck = cfg.checkpointing
-        # The checkpoint this run resumes from (None: a fresh start), found before anything starts.
-        self.resume_from = latest_checkpoint(ck.checkpoint_dir) if ck.enabled and ck.resume else None
-        # One driver per checkpoint dir: refuses to start beside a live one, and reaps what a killed
-        # predecessor left running (its Ray processes) before starting Ray again.
-        self.driver_record = DriverRecord.claim(ck.checkpoint_dir) if ck.enabled else None
+        check_output_paths(cfg)
         # the prompts before Ray: a malformed dataset is named before anything starts
         train_ds, self.val_dataset = build_datasets(cfg)
         self.loader = build_dataloader(cfg, train_ds)
+        # The checkpoint this run resumes from (None: a fresh start), read and checked against this
+        # configuration before anything starts (damaged newer ones skipped, see _check_resume).
+        self.resume_from, damaged = find_resume_checkpoint(ck.checkpoint_dir) if ck.enabled and ck.resume else (None, [])
+        self._saved = self._check_resume(damaged)
+        # One driver per checkpoint dir: refuses to start beside a live one, and reaps what a killed
+        # predecessor left running (its Ray processes) before starting Ray again.
+        self.driver_record = DriverRecord.claim(ck.checkpoint_dir) if ck.enabled else None
+        try:
+            for path, _ in damaged:  # out of the lineage (and of pruning), kept for inspection
+                print(f"warning: moved the damaged checkpoint {path} to {set_aside(path)}", file=sys.stderr, flush=True)
+            self._start()
+        except BaseException:
+            if self.driver_record is not None:  # what started is stopped on the way out (run's finally)
+                self.driver_record.release()
+            raise
+
+    def _start(self) -> None:
+        """Everything of ``__init__`` from Ray on: the actors, the logger and the resumed state."""
+        cfg = self.cfg
         init_ray(cfg)
         if self.driver_record is not None:
             self.driver_record.note_processes()
@@ -107,7 +145,7 @@ class GRPOTrainerBase(ABC):
         self._pop_driver_counters()
         # A resumed run keeps logging into the run directory its checkpoint names (unless
         # logger.run_name says otherwise), so metrics.jsonl and prompts.jsonl hold the whole lineage.
-        saved = read_trainer_state(self.resume_from) if self.resume_from is not None else {}
+        saved = self._saved
         name = cfg.logger.run_name or saved.get("run_name") or run_name(cfg, self.name)
         self.logger = MetricsLogger(cfg.logger, name, cfg.model_dump(mode="json"), resume_step=int(saved["step"]) if saved else None)
         self.ledger = PromptLedger(self.logger.run_dir)
@@ -311,6 +349,60 @@ class GRPOTrainerBase(ABC):
                 out[f"timing/worker_{k[:-2]}"] = max(r[k] for r in ranks)  # the slowest rank
         return out
 
+    #: Where this trainer's checkpoints keep the data loader's state (``_check_resume`` compares it).
+    loader_state_key = "dataloader"
+
+    def saved_loader_state(self, state: Mapping[str, Any]) -> Any:
+        """The data loader's state in a checkpoint's trainer state (None if it holds none)."""
+        return state.get(self.loader_state_key)
+
+    def _check_resume(self, damaged: list[tuple[Path, str]]) -> dict[str, Any]:
+        """Before anything starts: the trainer state of :attr:`resume_from` (``{}`` on a fresh start),
+        checked against this configuration. A damaged newer checkpoint was skipped with a warning (as
+        one interrupted while saving is); none intact, a data position saved with other loader
+        settings, or another trainer's state is refused (:class:`CheckpointError` naming the
+        checkpoint and the setting); a checkpoint already at ``grpo.max_num_steps`` raises
+        :class:`NothingToTrain`."""
+        ck, path = self.cfg.checkpointing, self.resume_from
+        if path is None:
+            if damaged:
+                raise CheckpointError(
+                    f"checkpointing.checkpoint_dir={ck.checkpoint_dir}: no intact checkpoint to resume from ("
+                    + "; ".join(f"{p.name}: {why}" for p, why in damaged)
+                    + "); move the damaged ones away, or start over in another checkpointing.checkpoint_dir"
+                )
+            return {}
+        for p, why in damaged:
+            print(f"warning: checkpoint {p} is damaged ({why}); resuming from the previous intact one, {path}", file=sys.stderr, flush=True)
+        state = read_trainer_state(path)
+        saved = self.saved_loader_state(state)
+        if not isinstance(saved, dict):
+            other = "trainer.grpo_async" if "collector" in state else "trainer.grpo or trainer.grpo_sync"
+            raise CheckpointError(
+                f"checkpoint {path} was written by {other}, which trainer.{self.name} cannot resume (it holds no "
+                f"{self.loader_state_key!r} state); resume it with that trainer, or start over in another checkpointing.checkpoint_dir"
+            )
+        mine, data, g = self.loader.state_dict(), self.cfg.data, self.cfg.grpo
+        prompts = f"data.num_builtin_prompts={data.num_builtin_prompts}" if data.dataset == "builtin" else f"data.dataset={data.dataset}"
+        differs = {  # what the loader's position is only valid with, as the user would change it
+            "batch_size": f"grpo.num_prompts_per_step={{}}, this run has grpo.num_prompts_per_step={g.num_prompts_per_step}",
+            "dataset_len": f"{{}} training prompts, this run has {mine['dataset_len']} ({prompts})",
+            "shuffle": f"data.shuffle={{}}, this run has data.shuffle={data.shuffle}",
+            "drop_last": f"the loader's drop_last={{}}, this run has {mine['drop_last']}",
+        }
+        for key, text in differs.items():
+            if key in saved and saved[key] != mine[key]:
+                raise CheckpointError(
+                    f"checkpoint {path} was saved with {text.format(saved[key])}: its data position holds only for the same "
+                    "prompts and batches; resume with the checkpoint's setting, or start over in another checkpointing.checkpoint_dir"
+                )
+        step, last = int(state["step"]), self.cfg.grpo.max_num_steps
+        if step >= last:
+            raise NothingToTrain(
+                f"nothing to train: checkpoint {path} is at step {step} and grpo.max_num_steps={last}; raise grpo.max_num_steps to train on"
+            )
+        return state
+
     def _maybe_resume(self) -> None:
         path = self.resume_from
         if path is None:
@@ -485,11 +577,15 @@ def run(trainer_cls: type[GRPOTrainerBase], argv: Sequence[str] | None = None, *
             print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
             return 0
         check_local_paths(cfg)
+        check_output_paths(cfg)
+        if not cfg.cluster.ray_address:  # before the TQ service starts; init_ray checks the GPUs too
+            check_cluster_fits(cfg, {"CPU": cfg.cluster.num_cpus or os.cpu_count() or 1}, local=True, resources=("CPU",))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     trainer = None
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # SIGTERM stops the run as Ctrl-C does (init_ray keeps this handler over Ray's own).
+    on_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         trainer = trainer_cls(cfg)
         history = trainer.fit()
@@ -503,10 +599,17 @@ def run(trainer_cls: type[GRPOTrainerBase], argv: Sequence[str] | None = None, *
                 flush=True,
             )
         return 0
-    except KeyboardInterrupt:
+    except NothingToTrain as exc:
+        print(exc, flush=True)
+        return 0
+    except KeyboardInterrupt as exc:
         kept = "; the last checkpoint stays loadable" if cfg.checkpointing.enabled else ""
-        print(f"interrupted: stopping workers{kept}", file=sys.stderr)
-        return 130
+        how = " (SIGTERM)" if isinstance(exc, Terminated) else ""
+        print(f"interrupted{how}: stopping workers{kept}", file=sys.stderr, flush=True)
+        return 143 if isinstance(exc, Terminated) else 130
+    except (ConfigError, CheckpointError) as exc:  # found once the data or the cluster is known
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except (DatasetError, TQError, FileNotFoundError, TimeoutError, ConnectionError, RuntimeError, NotImplementedError) as exc:
         if os.environ.get("TQ_DEBUG"):  # the traceback, for a bug report
             raise
@@ -514,6 +617,9 @@ def run(trainer_cls: type[GRPOTrainerBase], argv: Sequence[str] | None = None, *
         print(f"error: {getattr(exc, 'cause', None) or exc}", file=sys.stderr)
         return 2 if isinstance(exc, DatasetError) else 1  # the user's data: like a bad setting
     finally:
-        if trainer is not None:
-            trainer.shutdown()
-        ray.shutdown()
+        try:
+            if trainer is not None:
+                trainer.shutdown()
+            ray.shutdown()
+        finally:
+            signal.signal(signal.SIGTERM, on_sigterm)

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -19,7 +23,7 @@ from rollout.data import DatasetError, PromptDataset, StatefulDataLoader
 from rollout.environments import builtin_task_dataset, make_environment
 
 from . import algorithms as A
-from .config import GRPOConfig, MasterConfig, colocation_bundles
+from .config import ConfigError, GRPOConfig, MasterConfig, colocation_bundles, generation_colocated
 
 
 class _RayTokenAuthNotice(logging.Filter):
@@ -42,18 +46,129 @@ def ray_auth_note() -> str:
 
 
 def init_ray(cfg: MasterConfig) -> None:
-    """Connect to the configured Ray cluster, or start a local one (fractional actors fit 2 cores)."""
+    """Connect to the configured Ray cluster, or start a local one (fractional actors fit 2 cores).
+
+    A local Ray is sized here, so a run whose actors can never fit it is refused (:class:`ConfigError`)
+    before Ray starts (CPUs) or right after (GPUs, which Ray detects); on an attached cluster, which may
+    autoscale, the same shortfall is only a warning. The caller's SIGTERM handler stays in force.
+    """
     import ray
 
     if ray.is_initialized():
         return
     logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(_RAY_TOKEN_NOTICE)
+    num_cpus = cfg.cluster.num_cpus or os.cpu_count() or 1
+    if not cfg.cluster.ray_address:
+        check_cluster_fits(cfg, {"CPU": num_cpus}, local=True, resources=("CPU",))  # GPUs: once Ray has found them
+    main_thread = threading.current_thread() is threading.main_thread()
+    # ray.init replaces SIGTERM's handler twice: with sys.exit, then (the core worker's) a C++ one that
+    # dumps a stack and aborts - a `kill` would skip the trainer's clean stop (workers, TQ, driver record).
+    on_sigterm = signal.getsignal(signal.SIGTERM) if main_thread else None
     if cfg.cluster.ray_address:
         # No secret travels through the environment: every actor gets the data plane's TQConnection.
         ray.init(address=cfg.cluster.ray_address, log_to_driver=True)
     else:
         # address="local": a Ray of its own, never a `ray start` cluster that happens to run on this host.
-        ray.init(address="local", num_cpus=cfg.cluster.num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    if callable(on_sigterm):
+        signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        check_cluster_fits(cfg, ray.cluster_resources(), local=not cfg.cluster.ray_address)
+    except ConfigError:
+        ray.shutdown()  # the Ray this call started, before the caller hears why
+        raise
+
+
+def resource_demand(cfg: MasterConfig) -> dict[str, list[tuple[str, float]]]:
+    """What the run's long-lived actors reserve, per Ray resource (``"CPU"``, ``"GPU"``): a list of
+    (what, amount) each - the policy's ranks (or their placement group's bundles), the rollout actor,
+    its generation workers and math verifiers, and in async mode the collector and its own. All of
+    them hold their share for the whole run, so the sums must fit the cluster at once."""
+    from rollout.actors import DEFAULT_NUM_CPUS
+
+    p, g = cfg.policy, cfg.generation
+    cpu: list[tuple[str, float]] = []
+    gpu: list[tuple[str, float]] = []
+    bundles = colocation_bundles(cfg)
+    if bundles is not None:
+        what = f"policy.dp_size={p.dp_size} ranks, a GPU each"
+        cpu.append((f"{what}, {bundles[0]['CPU']:g} CPUs each", len(bundles) * bundles[0]["CPU"]))
+        gpu.append((what, float(len(bundles))))
+    else:
+        cpu.append(
+            (f"policy.dp_size={p.dp_size} x policy.num_cpus_per_worker={p.num_cpus_per_worker:g}", p.dp_size * p.num_cpus_per_worker)
+        )
+        if p.num_gpus_per_worker:
+            gpu.append(
+                (f"policy.dp_size={p.dp_size} x policy.num_gpus_per_worker={p.num_gpus_per_worker:g}", p.dp_size * p.num_gpus_per_worker)
+            )
+    async_mode = cfg.async_grpo.enabled
+    engines = 2 if async_mode else 1  # async: the collector generates too, beside the validation actor
+    cpu.append(("the rollout actor", DEFAULT_NUM_CPUS))
+    if async_mode:
+        cpu.append(("async_grpo.collector_num_cpus", cfg.async_grpo.collector_num_cpus))
+    in_bundles = bundles is not None and generation_colocated(cfg)
+    if g.ray_workers and not in_bundles:
+        n = engines * g.ray_workers
+        cpu.append((f"{n} x generation.num_cpus_per_worker={g.num_cpus_per_worker:g}", n * g.num_cpus_per_worker))
+        if g.num_gpus_per_worker:
+            gpu.append((f"{n} x generation.num_gpus_per_worker={g.num_gpus_per_worker:g}", n * g.num_gpus_per_worker))
+    if cfg.env.name == "math" and cfg.env.num_workers:
+        n = engines * cfg.env.num_workers
+        cpu.append((f"{n} math verifiers (env.num_workers)", n * 0.25))  # MathEnvironment's num_cpus_per_worker
+    return {"CPU": [x for x in cpu if x[1] > 0], "GPU": gpu}
+
+
+def check_cluster_fits(
+    cfg: MasterConfig, available: Mapping[str, float], *, local: bool, resources: tuple[str, ...] = ("CPU", "GPU")
+) -> None:
+    """Compare :func:`resource_demand` with ``available`` (a Ray cluster's totals) for ``resources``.
+    Where the run cannot fit, a local Ray (sized by this run) raises :class:`ConfigError` naming the
+    settings - its actors would otherwise wait ``policy.ray_timeout_s`` in silence; an attached
+    cluster, which may add nodes, gets a warning instead."""
+    demand = resource_demand(cfg)
+    short = []
+    for res in resources:
+        need, have = sum(n for _, n in demand[res]), float(available.get(res, 0.0))
+        if need > have + 1e-9:
+            parts = ", ".join(f"{w}: {n:g}" for w, n in demand[res])
+            short.append((res, f"{need:g} {res}s ({parts}) but {have:g} {'is' if have == 1 else 'are'} there"))
+    if not short:
+        return
+    what = "; and ".join(line for _, line in short)
+    if local:
+        size = (
+            f"cluster.num_cpus={cfg.cluster.num_cpus}"
+            if cfg.cluster.num_cpus
+            else "this machine's CPUs; cluster.num_cpus sets another count"
+        )
+        fix = "lower policy.dp_size or policy.num_cpus_per_worker" + (", or raise cluster.num_cpus" if short[0][0] == "CPU" else "")
+        if any(res == "GPU" for res, _ in short):
+            fix += "; Ray sees the GPUs in CUDA_VISIBLE_DEVICES (all when unset)"
+        raise ConfigError(f"the run's actors need {what} in the local Ray ({size}): they could never all start - {fix}")
+    print(
+        f"warning: the run's actors need {what} in the Ray cluster at {cfg.cluster.ray_address}: unless it adds nodes, "
+        f"they wait up to policy.ray_timeout_s={cfg.policy.ray_timeout_s:g}s and fail",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def check_output_paths(cfg: MasterConfig) -> None:
+    """Fail at once, naming the key, when a directory the run writes (``logger.log_dir``, and
+    ``checkpointing.checkpoint_dir`` when checkpointing) is a file, lies under one, or cannot be
+    created - before Ray starts rather than as a NotADirectoryError once the workers are up."""
+    dirs = {"logger.log_dir": cfg.logger.log_dir}
+    if cfg.checkpointing.enabled:
+        dirs["checkpointing.checkpoint_dir"] = cfg.checkpointing.checkpoint_dir
+    for key, value in dirs.items():
+        path = Path(value).expanduser()
+        existing = next(p for p in (path, *path.parents) if p.exists() or p == Path(p.anchor))
+        if not existing.is_dir():
+            what = "is a file" if existing == path else f"lies under {existing}, which is a file"
+            raise ConfigError(f"{key}={value}: {what}, not a directory")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(f"{key}={value}: {existing} is not writable")
 
 
 def colocation_group(cfg: MasterConfig) -> Any:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import ray
 import torch
@@ -127,6 +127,13 @@ class GRPOAsyncTrainer(GRPOSyncTrainer):
         self.get(self.collector.wait_for_target.remote(self.step), f"trajectories of step {self.step}")
         weights = self.refit_weights()
         self.get(self.collector.stage_weights.remote(weights, self.step), "collector stage_weights")
+
+    loader_state_key = "collector"
+
+    def saved_loader_state(self, state: Mapping[str, Any]) -> Any:
+        """The collector's data loader state (the collector draws the prompts in async mode)."""
+        collector = state.get("collector")
+        return collector.get("loader") if isinstance(collector, dict) else None
 
     def _maybe_resume(self) -> None:
         path = self.resume_from

@@ -24,6 +24,7 @@ micro-batch, so the empty micro-batches that equalize plans across ranks are ski
 from __future__ import annotations
 
 import copy
+import math
 import os
 import socket
 import time
@@ -302,6 +303,8 @@ class DPPolicyWorker:
             # Gradients are identical on every rank after the all-reduce, so is the clipping.
             max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+            if not math.isfinite(grad_norm):  # NaN/inf loss or gradients: stop before they reach the weights
+                raise RuntimeError(self._non_finite_message(grad_norm, mb_metrics))
             lr = self.optimizer.param_groups[0]["lr"]
             self.optimizer.step()
             self.scheduler.step()
@@ -320,6 +323,22 @@ class DPPolicyWorker:
         out["step"] = self.step
         self._timings["compute_s"] += time.perf_counter() - t0
         return out
+
+    def _non_finite_message(self, grad_norm: float, mb_metrics: Sequence[Mapping[str, Any]]) -> str:
+        """Why a training step was refused: the first micro-batch whose loss is non-finite (looked up
+        only on this failure path), else the gradient norm (the same on every rank after the all-reduce)."""
+        where = f"policy rank {self.rank}, optimizer step {self.step + 1}"
+        for j, m in enumerate(mb_metrics):
+            loss = m.get("loss")
+            if loss is not None and not math.isfinite(float(loss)):
+                return (
+                    f"{where}: non-finite loss ({float(loss)}) in micro-batch {j + 1} of {len(mb_metrics)} (gradient norm "
+                    f"{grad_norm}); the weights were not updated - check the rewards / advantages and the learning rate"
+                )
+        return (
+            f"{where}: non-finite gradient norm ({grad_norm}) over {len(mb_metrics)} micro-batch(es) with finite losses on this rank; "
+            "the weights were not updated - check the learning rate and the data"
+        )
 
     def _plan(self, extra_info: Mapping[str, Any], n: int, purpose: str) -> MicroBatchPlan:
         size = self.cfg.train_micro_batch_size if purpose == "train" else self.cfg.logprob_batch_size

@@ -16,9 +16,10 @@ tokens decode to (the chat-template rendering of that message, as NeMo-RL stores
 from __future__ import annotations
 
 import json
+import logging
 import string
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence, TypedDict
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator, Mapping, Sequence, TypedDict
 
 import numpy as np
 import torch
@@ -28,6 +29,12 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 from rollout.interfaces import Message
+
+
+log = logging.getLogger(__name__)
+
+#: Rows ``PromptDataset`` tokenizes at start-up to estimate how many prompts ``max_seq_length`` cuts.
+_LENGTH_SAMPLE = 512
 
 
 class DatasetError(ValueError):
@@ -74,34 +81,54 @@ class DataProcessorConfig(BaseModel):
 
 
 # ---------------------------------------------------------------------------------------- loading
-def _read_jsonl(path: Path) -> list[Any]:
+def _read_text(path: Path) -> str:
+    """The file as text: UTF-8 (a leading BOM is dropped); a bad byte is a ``DatasetError`` naming its line."""
+    data = path.read_bytes()
+    bom = 3 if data.startswith(b"\xef\xbb\xbf") else 0  # written by some Windows tools
+    try:
+        return data[bom:].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        at = bom + exc.start
+        lineno = data[:at].count(b"\n") + 1
+        raise DatasetError(
+            f"{path}: line {lineno}: not UTF-8 text (byte 0x{data[at]:02x} at offset {at}); datasets must be UTF-8"
+        ) from None
+
+
+def _read_jsonl(path: Path, text: str | None = None) -> list[Any]:
     rows = []
-    with path.open("r", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise DatasetError(f"{path}: line {lineno}: invalid JSON ({exc.msg})") from None
+    # split on "\n" only: str.splitlines would also split on U+2028 etc., which JSON allows inside strings
+    for lineno, line in enumerate((_read_text(path) if text is None else text).split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{path}: line {lineno}: invalid JSON ({exc.msg})") from None
     return rows
 
 
 def _read_json(path: Path) -> list[Any]:
-    text = path.read_text(encoding="utf-8")
+    text = _read_text(path)
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
-        return _read_jsonl(path)  # many ".json" datasets are JSON lines
+        return _read_jsonl(path, text)  # many ".json" datasets are JSON lines
     if not isinstance(data, list):
         raise DatasetError(f"{path}: expected a JSON array of rows (or JSON lines), got {type(data).__name__}")
     return data
 
 
 def _read_parquet(path: Path) -> list[Any]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    return pq.read_table(path).to_pylist()
+    try:
+        return pq.read_table(path).to_pylist()
+    except (pa.ArrowException, OSError) as exc:  # not Parquet, truncated, or corrupt
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        why = why.split(f"{path}': ", 1)[-1]  # pyarrow repeats the path the message already names
+        raise DatasetError(f"{path}: not a readable Parquet file ({why})") from None
 
 
 _READERS: dict[str, Callable[[Path], list[Any]]] = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
@@ -232,17 +259,28 @@ def render_chat_messages(messages: list[dict[str, str]], tokenizer: PreTrainedTo
     return pieces
 
 
-def process_record(row: Mapping[str, Any], idx: int, tokenizer: PreTrainedTokenizerBase, config: DataProcessorConfig) -> DatumSpec:
-    """Turn one validated row into a ``DatumSpec`` (truncating and masking an over-long prompt)."""
+def task_of(row: Mapping[str, Any], config: DataProcessorConfig) -> str:
+    """The task (environment name) of a validated row: ``config.task_name``, else the row's
+    ``task_name`` field, else "default"."""
+    return config.task_name or (row.get("task_name") if isinstance(row.get("task_name"), str) else None) or "default"
+
+
+def _tokenize_prompt(
+    row: Mapping[str, Any], tokenizer: PreTrainedTokenizerBase, config: DataProcessorConfig
+) -> tuple[list[dict[str, str]], list[str], list[list[int]]]:
+    """A row's messages, each message's rendered text and its token ids (not truncated)."""
     messages = _user_messages(row, config)
     if config.use_chat_template:
         texts = render_chat_messages(messages, tokenizer)
-        token_lists = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    else:
-        # No template: one prompt string, with the tokenizer's own special tokens (e.g. BOS).
-        texts = ["".join(m["content"] for m in messages)]
-        messages = [{"role": "user", "content": texts[0]}]
-        token_lists = [tokenizer(texts[0], add_special_tokens=True)["input_ids"]]
+        return messages, texts, [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    # No template: one prompt string, with the tokenizer's own special tokens (e.g. BOS).
+    texts = ["".join(m["content"] for m in messages)]
+    return [{"role": "user", "content": texts[0]}], texts, [tokenizer(texts[0], add_special_tokens=True)["input_ids"]]
+
+
+def process_record(row: Mapping[str, Any], idx: int, tokenizer: PreTrainedTokenizerBase, config: DataProcessorConfig) -> DatumSpec:
+    """Turn one validated row into a ``DatumSpec`` (truncating and masking an over-long prompt)."""
+    messages, texts, token_lists = _tokenize_prompt(row, tokenizer, config)
     total = sum(len(t) for t in token_lists)
     loss_multiplier = 1.0
     if total > config.max_seq_length:
@@ -262,22 +300,31 @@ def process_record(row: Mapping[str, Any], idx: int, tokenizer: PreTrainedTokeni
         extra["ground_truth"] = str(row[config.ground_truth_key])
     for key in config.extra_env_keys:
         extra[key] = row[key]
-    task = config.task_name or (row.get("task_name") if isinstance(row.get("task_name"), str) else None) or "default"
     return DatumSpec(
         message_log=message_log,
         length=sum(len(t) for t in token_lists),
         extra_env_info=extra,
         loss_multiplier=loss_multiplier,
         idx=idx,
-        task_name=task,
+        task_name=task_of(row, config),
     )
 
 
 class PromptDataset(Sequence[DatumSpec]):
-    """Rows processed into ``DatumSpec`` on access; all rows validated up front."""
+    """Rows processed into ``DatumSpec`` on access; all rows validated up front.
+
+    Also refused up front: a ``max_seq_length`` shorter than every prompt, and (given
+    ``known_tasks``, the run's environment names) a row whose task has no environment. A
+    ``max_seq_length`` that cuts most prompts is logged as a warning.
+    """
 
     def __init__(
-        self, records: Sequence[Mapping[str, Any]], tokenizer: PreTrainedTokenizerBase, config: DataProcessorConfig | None = None
+        self,
+        records: Sequence[Mapping[str, Any]],
+        tokenizer: PreTrainedTokenizerBase,
+        config: DataProcessorConfig | None = None,
+        *,
+        known_tasks: Collection[str] | None = None,
     ) -> None:
         self.records = list(records)
         self.tokenizer = tokenizer
@@ -286,13 +333,91 @@ class PromptDataset(Sequence[DatumSpec]):
             _template_fields(self.config.prompt_template)  # reject positional templates early
         for i, row in enumerate(self.records):
             validate_record(row, i, self.config)
+        if known_tasks is not None:
+            self.check_task_names(known_tasks)
+        self._check_prompt_lengths()
+
+    def _check_prompt_lengths(self) -> None:
+        """Refuse a ``max_seq_length`` no prompt fits in (every sample would be masked out of the loss:
+        a run that trains nothing), and warn when most prompts are cut.
+
+        Tokenizing every row would cost seconds at start-up on a large dataset, so the warning's
+        fraction is estimated on up to ``_LENGTH_SAMPLE`` evenly spaced rows; only when none of them
+        fits are the other rows scanned, stopping at the first that fits.
+        """
+        n, limit = len(self.records), self.config.max_seq_length
+        if n == 0:
+            return
+        sample = np.unique(np.linspace(0, n - 1, min(n, _LENGTH_SAMPLE)).round().astype(np.int64))
+        lengths = {int(i): self._prompt_length(int(i)) for i in sample}
+        too_long = sum(v > limit for v in lengths.values())
+        if too_long == len(lengths):
+            for i in range(n):
+                if i not in lengths:
+                    lengths[i] = self._prompt_length(i)
+                    if lengths[i] <= limit:
+                        break
+            else:
+                shortest = min(lengths, key=lengths.__getitem__)
+                raise DatasetError(
+                    f"data.processor.max_seq_length={limit} is shorter than every prompt (the shortest, row {shortest}, has "
+                    f"{lengths[shortest]} tokens): every sample would be truncated and masked out of the loss; raise it to at "
+                    f"least {lengths[shortest]}"
+                )
+        if too_long * 2 > len(lengths):
+            of = f"{too_long} of {len(lengths)}" + (" sampled rows" if len(lengths) < n else " prompts")
+            log.warning(
+                "%s are longer than data.processor.max_seq_length=%d tokens (longest %d): they are truncated and masked "
+                "out of the loss, so most of the dataset trains nothing",
+                of,
+                limit,
+                max(lengths.values()),
+            )
+
+    def _prompt_length(self, idx: int) -> int:
+        """Tokens of row ``idx``'s prompt before truncation."""
+        return sum(len(ids) for ids in _tokenize_prompt(self.records[idx], self.tokenizer, self.config)[2])
+
+    def check_task_names(self, known: Collection[str]) -> None:
+        """Raise ``DatasetError`` naming the first row whose task has no environment in ``known``.
+
+        The trainer calls it at start-up with its environments' names, so a misspelt ``task_name``
+        fails before anything starts instead of when a rollout first draws that row (maybe epochs in).
+        """
+        known = set(known)
+        fix = f"data.processor.task_name={next(iter(known))}" if len(known) == 1 else "data.processor.task_name"
+        if self.config.task_name is not None:
+            if self.config.task_name not in known:
+                raise DatasetError(
+                    f"data.processor.task_name={self.config.task_name!r} names no environment of this run "
+                    f"(environments: {sorted(known)}); set {fix}"
+                )
+            return
+        for i, row in enumerate(self.records):
+            task = task_of(row, self.config)
+            if task in known:
+                continue
+            if isinstance(row.get("task_name"), str) and row["task_name"]:
+                why = f"task_name {task!r}"
+            else:
+                why = "task 'default' (the row has no task_name field and data.processor.task_name is null)"
+            raise DatasetError(
+                f"row {i}: {why} names no environment of this run (environments: {sorted(known)}); set {fix} "
+                "or fix the row's task_name field"
+            )
 
     @classmethod
     def from_path(
-        cls, path: str | Path, tokenizer: PreTrainedTokenizerBase, config: DataProcessorConfig | None = None, *, split: str | None = None
+        cls,
+        path: str | Path,
+        tokenizer: PreTrainedTokenizerBase,
+        config: DataProcessorConfig | None = None,
+        *,
+        split: str | None = None,
+        known_tasks: Collection[str] | None = None,
     ) -> "PromptDataset":
-        """Load ``path`` (see ``load_records``) and validate every row."""
-        return cls(load_records(path, split=split), tokenizer, config)
+        """Load ``path`` (see ``load_records``) and validate every row (see ``PromptDataset``)."""
+        return cls(load_records(path, split=split), tokenizer, config, known_tasks=known_tasks)
 
     def __len__(self) -> int:
         return len(self.records)

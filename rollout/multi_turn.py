@@ -19,6 +19,8 @@ Bad input, as a user expects it:
 - a prompt that leaves no room to generate: no generation, reward 0, ``loss_multiplier`` 0, truncated;
 - an environment that raises: only the conversations that make it raise (found by retrying the
   failed batch one conversation at a time) get reward 0 and ``loss_multiplier`` 0 (``env_error``);
+- an environment (or its post-processing hook) returning a NaN / inf reward: ``EnvironmentContractError``
+  naming the task and the dataset row (it would zero its group's advantages or make the loss NaN);
 - a generation of zero tokens: nothing to train on, so reward 0 and ``loss_multiplier`` 0
   (``empty_generation``). A response that is only a stop token is a real action of the policy: the
   environment scores it (an empty answer scores 0) and it stays in the loss, so the policy learns
@@ -189,7 +191,20 @@ class _EnvStep:
     answer: str | None
 
 
-def _split_env_return(ret: Any, n: int, task: str) -> list[_EnvStep]:
+def _check_finite_rewards(rewards: torch.Tensor, task: str, records: Sequence[Mapping[str, Any]], what: str) -> None:
+    """A NaN / inf reward would silently zero its group's advantages or turn the loss NaN: refuse it."""
+    bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
+    if bad:
+        k = bad[0]
+        idx = records[k].get("idx")
+        sample = f"dataset row {int(idx)}" if idx is not None else f"sample {k} of its batch"
+        raise EnvironmentContractError(
+            f"the environment for task {task!r} ({what}) returned a non-finite reward ({rewards[k].item()}) for {sample}"
+            + (f" and {len(bad) - 1} more" if len(bad) > 1 else "")
+        )
+
+
+def _split_env_return(ret: Any, n: int, task: str, records: Sequence[Mapping[str, Any]]) -> list[_EnvStep]:
     if not isinstance(ret, EnvironmentReturn):
         raise EnvironmentContractError(f"environment for task {task!r} returned {type(ret).__name__}, not EnvironmentReturn")
     rewards = torch.as_tensor(ret.rewards, dtype=torch.float32).flatten()
@@ -206,6 +221,7 @@ def _split_env_return(ret: Any, n: int, task: str) -> list[_EnvStep]:
     wrong = {k: v for k, v in sizes.items() if v != n}
     if wrong:
         raise EnvironmentContractError(f"environment for task {task!r} stepped {n} conversations but returned {wrong}")
+    _check_finite_rewards(rewards, task, records, "step")
     return [
         _EnvStep(
             dict(ret.observations[k]),
@@ -234,7 +250,7 @@ def _step_env(env: EnvironmentInterface, task: str, records: list[dict[str, Any]
         r = records[0]
         log.warning("environment for task %r raised on dataset row %s; it scores 0 and is masked", task, r.get("idx"), exc_info=True)
         return [None]
-    return _split_env_return(ret, len(records), task)
+    return _split_env_return(ret, len(records), task, records)
 
 
 def _take_env(r: dict[str, Any], step: _EnvStep | None, tokenizer: Any, limits: RolloutLimits) -> bool:
@@ -294,6 +310,7 @@ def postprocess_rewards(
         rewards = torch.as_tensor(out["rewards"], dtype=torch.float32).flatten()
         if rewards.numel() != len(idxs):
             raise EnvironmentContractError(f"post-processing of task {task!r} returned {rewards.numel()} rewards for {len(idxs)}")
+        _check_finite_rewards(rewards, task, [records[i] for i in idxs], "global_post_process_and_metrics")
         for i, v in zip(idxs, rewards.tolist()):
             if not records[i]["env_error"] and not records[i]["empty_generation"]:
                 records[i]["total_reward"] = v

@@ -209,3 +209,57 @@ def test_loader_shuffles_per_epoch_with_a_seed(tok):
     ds = PromptDataset([{"prompt": f"{i}+1=", "ground_truth": str(i + 1)} for i in range(6)], tok)
     batch = StatefulDataLoader(ds, 2, seed=0, collate_fn=collate_datums).next_batch()
     assert len(batch["message_log"]) == 2 and batch["idx"].shape == (2,)
+
+
+def test_unreadable_files_are_one_line_dataset_errors(tmp_path):
+    bad_byte = tmp_path / "latin1.jsonl"
+    bad_byte.write_bytes(b'{"prompt": "a", "ground_truth": "1"}\n{"prompt": "caf\xff", "ground_truth": "1"}\n')
+    with pytest.raises(DatasetError, match=r"latin1.jsonl: line 2: not UTF-8 text \(byte 0xff"):
+        load_records(bad_byte)
+    not_parquet = tmp_path / "fake.parquet"
+    not_parquet.write_text('{"prompt": "a"}\n')
+    with pytest.raises(DatasetError, match=r"fake.parquet: not a readable Parquet file \(.*magic bytes"):
+        load_records(not_parquet)
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    with pytest.raises(DatasetError, match="empty.parquet: not a readable Parquet file"):
+        load_records(tmp_path / "empty.parquet")
+    # A UTF-8 byte-order mark (some Windows tools write one) is not part of the first row.
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in ROWS).encode())
+    assert load_records(bom) == ROWS
+    (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(ROWS).encode())
+    assert load_records(tmp_path / "bom.json") == ROWS
+
+
+def test_max_seq_length_no_prompt_fits_is_refused_and_most_cut_warns(tok, caplog, monkeypatch):
+    rows = [{"prompt": "x" * n, "ground_truth": "1"} for n in (30, 12, 50)]
+    shortest = len(tok.apply_chat_template([{"role": "user", "content": "x" * 12}], add_generation_prompt=True, tokenize=True)["input_ids"])
+    with pytest.raises(DatasetError, match=f"max_seq_length=10 is shorter than every prompt .*row 1, has {shortest} tokens"):
+        PromptDataset(rows, tok, DataProcessorConfig(max_seq_length=10))
+    PromptDataset(rows, tok, DataProcessorConfig(max_seq_length=shortest))  # one fits: a run can train
+    assert "longer than data.processor.max_seq_length" in caplog.text  # but 2 of 3 are cut: warned
+    caplog.clear()
+    PromptDataset(rows, tok, DataProcessorConfig(max_seq_length=1000))
+    assert "max_seq_length" not in caplog.text
+    # Past the sample only the rows needed are tokenized: the one that fits is found beyond it.
+    monkeypatch.setattr("rollout.data._LENGTH_SAMPLE", 2)
+    PromptDataset([{"prompt": "x" * 50, "ground_truth": "1"}] * 2 + rows[1:2] + rows[:1], tok, DataProcessorConfig(max_seq_length=shortest))
+
+
+def test_unknown_task_names_are_refused_at_load(tmp_path, tok):
+    rows = [{"prompt": "1+1=", "ground_truth": "2", "task_name": "math"}] * 7 + [
+        {"prompt": "1+2=", "ground_truth": "3", "task_name": "mathh"}
+    ]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(DatasetError, match=r"row 7: task_name 'mathh' names no environment of this run \(environments: \['math'\]\)"):
+        PromptDataset.from_path(path, tok, known_tasks=["math"])
+    untagged = [{"prompt": "1+1=", "ground_truth": "2"}]
+    with pytest.raises(
+        DatasetError,
+        match="row 0: task 'default' .*no task_name field and data.processor.task_name is null.*set data.processor.task_name=math",
+    ):
+        PromptDataset(untagged, tok, known_tasks={"math"})
+    assert PromptDataset(untagged, tok, DataProcessorConfig(task_name="math"), known_tasks={"math"})[0]["task_name"] == "math"
+    with pytest.raises(DatasetError, match="data.processor.task_name='mathh' names no environment"):
+        PromptDataset(untagged, tok, DataProcessorConfig(task_name="mathh"), known_tasks={"math"})
+    assert len(PromptDataset(rows[:7], tok, known_tasks=["math"])) == 7

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -9,6 +12,7 @@ import torch
 
 from common.models import TINY_MODEL, build_tiny_tokenizer, load_model
 from rollout.data import PromptDataset
+from rollout.environments import math_env
 from rollout.environments import (
     BUILTIN_TASK_NAME,
     BuiltinTaskEnvironment,
@@ -110,6 +114,73 @@ def test_math_environment_splits_batch_over_ray_workers(ray_session):
         assert ret.rewards.tolist() == list(expected)
     finally:
         env.shutdown()
+
+
+HOSTILE = "9^{9^{9^{9}}}"  # sympy evaluates the power tower: minutes holding the GIL, unless interrupted
+
+# A rollout thread stepping the math environment (as trainer.grpo_async's collector and RolloutManager's
+# asyncio.to_thread do), in a process of its own: a thread holding the GIL would hang pytest itself.
+OFF_MAIN_THREAD = """
+import asyncio, json, time
+from rollout.environments import MathEnvironment, math_env
+
+env = MathEnvironment(num_workers=0, verify_timeout_s=1)
+logs = [[{"role": "user", "content": "q"}, {"role": "assistant", "content": a}] for a in ("2", "\\\\boxed{4}", "\\\\boxed{9}")]
+meta = [{"ground_truth": g} for g in ("HOSTILE", "4", "9")]
+t0 = time.monotonic()
+ret = asyncio.run(asyncio.to_thread(env.step, logs, meta))
+pool = math_env._shared_pool()
+children = [p.proc for p in pool._idle]
+env.shutdown()
+print(json.dumps({"rewards": ret.rewards.tolist(), "seconds": time.monotonic() - t0, "children": len(children),
+                  "reaped": all(c.poll() is not None for c in children)}))
+""".replace("HOSTILE", HOSTILE)
+
+
+def test_math_verification_off_the_main_thread_is_bounded():
+    r = subprocess.run([sys.executable, "-c", OFF_MAIN_THREAD], capture_output=True, text=True, timeout=90)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.splitlines()[-1])
+    assert out["rewards"] == [0.0, 1.0, 1.0]  # timed out as math-verify times out: 0; the others verified
+    assert out["seconds"] < 20  # math-verify's 1s per phase, plus starting the child
+    assert out["children"] == 1 and out["reaped"]  # one child verified the batch; shutdown reaped it
+
+
+def test_a_verification_child_past_its_deadline_is_killed_and_replaced(monkeypatch):
+    # The parent's own deadline is the backstop for a child math-verify's timeout does not stop: made
+    # shorter than that timeout here, so the parent kills the child first.
+    monkeypatch.setattr(math_env._VerifierPool, "GRACE_S", -3 * 2 + 1.0)  # deadline 1s, math-verify's 2s
+    pool = math_env._VerifierPool(size=1)
+    try:
+        assert pool.verify([("\\boxed{4}", "4")], 2, 10_000, None) == [(1.0, "4")]
+        child = pool._idle[0].proc
+        assert pool.verify([("\\boxed{5}", "4")], 2, 10_000, None) == [(0.0, "5")]
+        assert pool._idle[0].proc is child  # the child stays up between batches
+        pairs = [("\\boxed{2}", HOSTILE), ("\\boxed{4}", "4"), ("\\boxed{5}", "4")]
+        assert pool.verify(pairs, 2, 10_000, None) == [(0.0, None), (1.0, "4"), (0.0, "5")]
+        assert child.poll() is not None  # killed and reaped; a new child verified the rest
+        assert pool.num_processes() == 1 and pool._idle[0].proc.pid != child.pid
+        pool._idle[0].proc.kill()  # an idle child that died (OOM killer, a user): replaced, its answer still verified
+        pool._idle[0].proc.wait()
+        assert pool.verify([("\\boxed{4}", "4")], 2, 10_000, None) == [(1.0, "4")] and pool.num_processes() == 1
+        # A batch budget spent mid-answer stops the batch: the answers left are not verified.
+        t0 = time.monotonic()
+        assert pool.verify(pairs, 2, 10_000, budget_s=0.5) == []
+        assert time.monotonic() - t0 < 2 and pool.num_processes() == 0
+    finally:
+        pool.close()
+    assert pool.num_processes() == 0
+
+
+def test_a_batch_of_hostile_answers_is_bounded_by_its_budget():
+    # On the main thread (math-verify's timeouts work): 3 answers of 1s each, but a budget of 1.5s.
+    t0 = time.monotonic()
+    got = math_env.verify_math_answers([("\\boxed{2}", HOSTILE)] * 3 + [("\\boxed{4}", "4")], timeout_s=1, budget_s=1.5)
+    assert [r for r, _ in got] == [0.0] * 4 and time.monotonic() - t0 < 3.5  # not 3s + the easy one
+    env = MathEnvironment(num_workers=0, verify_timeout_s=1, batch_timeout_s=1.5)
+    t0 = time.monotonic()
+    ret = env.step([convo("2")] * 3 + [convo("\\boxed{4}")], [{"ground_truth": HOSTILE}] * 3 + [{"ground_truth": "4"}])
+    assert ret.rewards.tolist() == [0.0] * 4 and time.monotonic() - t0 < 3.5
 
 
 def test_reward_metrics_and_post_process():

@@ -227,6 +227,24 @@ def test_bf16_worker_keeps_float32_master_weights(batch):
     assert max((after[k] - before[k]).abs().max().item() for k in before) > 5e-7  # ~lr: not lost to bf16 rounding
 
 
+def test_a_non_finite_loss_is_refused_before_the_weights_change(batch):
+    """In process (no Ray): a NaN advantage makes the loss NaN; the step raises naming the micro-batch
+    instead of writing NaN weights."""
+    from policy.worker import DPPolicyWorker
+
+    worker = DPPolicyWorker(_cfg(dp_size=1), rank=0, world_size=1)
+    worker.init_distributed("127.0.0.1", 0)
+    data = batch.slice(0, 8).select_columns(ROLLOUT_FIELDS + ("advantages",))
+    data["prev_logprobs"] = worker.get_logprobs(data, {})["logprobs"]
+    data["reference_policy_logprobs"] = worker.get_logprobs(data, {}, reference=True)["logprobs"]
+    data["advantages"][4] = float("nan")  # row 4: the second micro-batch of 3 rows
+    before = worker.get_weights()
+    with pytest.raises(RuntimeError, match=r"policy rank 0, optimizer step 1: non-finite loss \(nan\) in micro-batch 2 of 3"):
+        worker.train([(data, {})], LOSS)
+    after = worker.get_weights()
+    assert worker.step == 0 and all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_a_dead_actor_is_named_even_when_a_peer_failed_first(ray_session):
     """When a rank dies its peers fail too (one blocked in a collective with it sees the connection
     close), and ray.get raises whichever failed ref comes first. ActorCalls.get raises the death,

@@ -20,7 +20,7 @@ from rollout.generation import GenerationBackendConfig
 from rollout.generation.hf_backend import HFGenerationBackend
 from rollout.interfaces import GenerationOutput
 from rollout.manager import RolloutManager
-from rollout.multi_turn import Completion, RolloutLimits, records_to_columns, run_multi_turn_rollout
+from rollout.multi_turn import Completion, EnvironmentContractError, RolloutLimits, records_to_columns, run_multi_turn_rollout
 
 
 def backend(model, tok, **cfg) -> HFGenerationBackend:
@@ -45,6 +45,15 @@ class RaisesOnBoom(BuiltinTaskEnvironment):
         if any(m.get("ground_truth") == "boom" for m in metadata):
             raise ValueError("cannot score 'boom'")
         return super().step(message_log_batch, metadata)
+
+
+class NaNOnBoom(BuiltinTaskEnvironment):
+    """A user's environment with a bug: it scores the ground truth "boom" NaN (e.g. 0/0 in a shaping term)."""
+
+    def step(self, message_log_batch, metadata):
+        ret = super().step(message_log_batch, metadata)
+        ret.rewards = torch.where(torch.tensor([m.get("ground_truth") == "boom" for m in metadata]), float("nan"), ret.rewards)
+        return ret
 
 
 class StopTokenStrippingBackend(HFGenerationBackend):
@@ -184,6 +193,27 @@ def _immediate_stop_seed(model, tok, prompt, n):
         if rows:
             return seed, rows
     raise AssertionError("no seed in 200 draws a stop token first")
+
+
+def test_non_finite_reward_is_refused_naming_the_task_and_row(model, tok):
+    # A NaN reward would make its group's advantages 0 (or NaN, unnormalised) and the loss NaN.
+    rows = [{"prompt": "1+2=", "ground_truth": "3"}, {"prompt": "2+2=", "ground_truth": "boom"}]
+    records = builtin_records(tok, rows)
+    with pytest.raises(
+        EnvironmentContractError, match=r"task 'builtin_add' \(step\) returned a non-finite reward \(nan\) for dataset row 1"
+    ):
+        run_multi_turn_rollout(
+            backend(model, tok, seed=0), tok, records, {BUILTIN_TASK_NAME: NaNOnBoom()}, RolloutLimits(max_seq_len=32, max_new_tokens=2)
+        )
+    manager = RolloutManager(  # the concurrent path (environment steps in a worker thread) refuses it too
+        generation=backend(model, tok, seed=0),
+        tokenizer=tok,
+        environments={BUILTIN_TASK_NAME: NaNOnBoom()},
+        limits={"max_seq_len": 32, "max_new_tokens": 2},
+        num_generations_per_prompt=2,
+    )
+    with pytest.raises(EnvironmentContractError, match="non-finite reward .* for dataset row 1"):
+        manager.run_rollouts(records)
 
 
 def test_generation_that_returns_nothing(model, tok):

@@ -49,6 +49,19 @@ def test_a_malformed_dataset_is_one_line_naming_the_key_row_and_field_before_ray
     assert "ray" not in r.stdout.lower()
 
 
+def test_a_row_whose_task_names_no_environment_is_refused_before_ray_starts(tmp_path):
+    """One row of eight naming a task no environment of the run has ('mathh') failed only when a
+    rollout drew it - a step in here, epochs in on a big dataset: now named before Ray starts."""
+    data = tmp_path / "mixed.jsonl"
+    rows = [f'{{"prompt": "{i}+1=", "ground_truth": "{i + 1}", "task_name": "{"mathh" if i == 6 else "math"}"}}' for i in range(8)]
+    data.write_text("\n".join(rows) + "\n")
+    r = _trainer(f"data.dataset={data}", "env.name=math", "data.processor.task_name=null", f"logger.log_dir={tmp_path}")
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2, r.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"error: data.dataset={data}: row 6: task_name 'mathh' names no environment"), lines
+    assert "ray" not in r.stdout.lower()
+
+
 def test_an_output_dir_that_is_a_file_is_named_before_ray_starts(tmp_path):
     """logger.log_dir or checkpointing.checkpoint_dir naming a file (or a path under one): one line naming
     the key, before Ray starts - it used to be a NotADirectoryError traceback once the workers were up."""

@@ -207,12 +207,16 @@ def build_datasets(cfg: MasterConfig) -> tuple[PromptDataset, PromptDataset | No
             builtin_task_dataset(cfg.data.num_builtin_prompts, seed=cfg.grpo.seed, split="train", held_out=held_out),
             tok,
             cfg.data.processor,
+            known_tasks=[cfg.env.name],
         )
         val = None
         if cfg.grpo.val_period:
             n = min(cfg.grpo.max_val_samples, held_out)
             val = PromptDataset(
-                builtin_task_dataset(n, seed=cfg.grpo.seed + 1, split="held_out", held_out=held_out), tok, cfg.data.processor
+                builtin_task_dataset(n, seed=cfg.grpo.seed + 1, split="held_out", held_out=held_out),
+                tok,
+                cfg.data.processor,
+                known_tasks=[cfg.env.name],
             )
         return train, val
     # Missing files: trainer.config.check_local_paths names the key before anything starts; from_path
@@ -227,7 +231,8 @@ def build_datasets(cfg: MasterConfig) -> tuple[PromptDataset, PromptDataset | No
 def _prompts(cfg: MasterConfig, key: str, path: str, tok: Any, split: str | None = None) -> PromptDataset:
     """The dataset at ``path`` (config ``key``); its DatasetError names the key and the file."""
     try:
-        return PromptDataset.from_path(path, tok, cfg.data.processor, split=split)
+        # every row's task is checked against the run's environment here, not when a rollout draws it
+        return PromptDataset.from_path(path, tok, cfg.data.processor, split=split, known_tasks=[cfg.env.name])
     except DatasetError as exc:
         raise DatasetError(f"{key}: {exc}" if str(exc).startswith(path) else f"{key}={path}: {exc}") from None
 

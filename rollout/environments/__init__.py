@@ -22,7 +22,14 @@ from rollout.environments.builtin_task import (
     score_builtin_answer,
 )
 from rollout.environments.common import last_assistant_content, reward_metrics
-from rollout.environments.math_env import MATH_TASK_NAME, MathEnvironment, MathVerifyWorker, verify_math_answer
+from rollout.environments.math_env import (
+    MATH_TASK_NAME,
+    MathEnvironment,
+    MathVerifyWorker,
+    shutdown_verifier_processes,
+    verify_math_answer,
+    verify_math_answers,
+)
 from rollout.environments.multi_turn import TWO_TURN_TASK_NAME, TwoTurnGuessEnvironment, two_turn_guess_dataset
 from rollout.interfaces import EnvironmentInterface
 
@@ -58,6 +65,8 @@ __all__ = [
     "make_environment",
     "reward_metrics",
     "score_builtin_answer",
+    "shutdown_verifier_processes",
     "two_turn_guess_dataset",
     "verify_math_answer",
+    "verify_math_answers",
 ]

@@ -106,3 +106,13 @@ def test_an_attached_cluster_too_small_for_the_run_gets_a_warning_not_a_refusal(
     assert "10.0.0.1:6379" in err and "policy.ray_timeout_s=600s" in err
     check_cluster_fits(cfg, {"CPU": 64.0, "GPU": 2.0}, local=False)
     assert capsys.readouterr().err == ""
+
+
+def test_the_async_recipe_given_to_the_sync_trainer_is_refused_naming_the_trainer_to_run():
+    """async_grpo.enabled on trainer.grpo_sync was ignored: the run trained synchronously."""
+    r = _trainer("--config", "trainer/configs/grpo_async_cpu.yaml")
+    assert r.returncode == 2, r.stderr
+    assert (
+        "error: async_grpo.enabled is true: python -m trainer.grpo_sync trains synchronously; run python -m trainer.grpo_async" in r.stderr
+    )
+    assert "Traceback" not in r.stderr

@@ -213,6 +213,11 @@ class GRPOTrainerBase(ABC):
     @classmethod
     def check_config(cls, cfg: MasterConfig) -> None:
         """What this trainer needs of the configuration beyond the schema (raises :class:`ConfigError`)."""
+        if cfg.async_grpo.enabled:  # this trainer would train synchronously, ignoring the async settings
+            raise ConfigError(
+                f"async_grpo.enabled is true: python -m trainer.{cls.name} trains synchronously; run python -m trainer.grpo_async "
+                "(or set async_grpo.enabled=false)"
+            )
 
     # ------------------------------------------------------------------ what the two paths implement
     @abstractmethod

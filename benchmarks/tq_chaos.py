@@ -1444,6 +1444,11 @@ def run_chaos(
                 if not any(p.is_alive() for p in workers) and results.empty():
                     break
         elapsed = time.monotonic() - go_at.value
+        # A client that reported is exiting; its liveness file is swept at the service's stop only once its
+        # process is gone (on a loaded 2-core VM two were still exiting and their files were counted as left)
+        join_by = time.monotonic() + 30.0
+        for p in workers:
+            p.join(timeout=max(0.0, join_by - time.monotonic()))
         phases["clients_done_s"] = round(time.monotonic() - t_start, 1)
         stop_monitor.set()
         try:  # everything left (the canary's keys; whatever a client could not discard) goes too

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 import os
 import signal
 import subprocess
@@ -348,6 +349,29 @@ def test_lease_ends_when_the_views_are_collected_and_the_rows_are_freed(tq_serve
         gc.collect()
         st = _stats_until(client, lambda s: s["rows_waiting_for_leases"] == 0 and _used(s) < before, timeout=5.0)
         assert st["rows_waiting_for_leases"] == 0 and _used(st) < before
+
+
+def test_a_lease_keeper_whose_thread_died_is_replaced_and_the_collected_views_leases_still_end(tq_server, client, partition):
+    """The keeper's thread was started at a client's first borrowed get; a Ctrl-C landing inside that
+    Thread.start() could kill the new thread in CPython's bootstrap (KeyError in _limbo, seen in the
+    interrupt storm) while the keeper took it for running: no lease of the client was renewed or given
+    up again. The thread starts with the client, and one found dead is replaced."""
+    prior = _used(_settled(client))
+    meta = client.put(partition, unique_keys(8), _batch(8, seed=3))
+    with TQClient(tq_server.address, timeout=10.0, lease_s=20.0) as reader:  # no lease runs out within the test
+        assert reader._leases._thread is not None and reader._leases._thread.is_alive()  # running before any borrowed get
+        dead = threading.Thread(target=lambda: None)  # what a start cut short leaves: a thread that is not running
+        dead.start()
+        dead.join()
+        reader._leases._thread = dead
+        got = reader.get(meta, ["tokens"], copy=False, layout="list")
+        before = _used(_stats_until(client, lambda s: _used(s) > prior))
+        client.discard(meta)
+        assert client.stats()["rows_waiting_for_leases"] > 0
+        del got
+        gc.collect()  # the views' lease is the keeper thread's to give up
+        st = _stats_until(client, lambda s: s["rows_waiting_for_leases"] == 0 and _used(s) < before, timeout=2.0)
+        assert st["rows_waiting_for_leases"] == 0 and reader._leases._thread is not dead
 
 
 _COLLECTED_MID_REQUEST = """

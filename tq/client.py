@@ -468,6 +468,11 @@ class _LeaseKeeper:
         self._thread: threading.Thread | None = None
         self.pins: PinFile | None = None  # the client's pin file for new pins, once registered
         self._retired_pins: list[PinFile] = []  # files no longer read: closed once they pin nothing
+        # Started with the client, not at its first borrowed get: a Ctrl-C landing inside Thread.start()
+        # there could kill the new thread in CPython's bootstrap (KeyError in _limbo) and leave every
+        # lease of the client unrenewed and never given up.
+        with self._lock:
+            self._start()
 
     def hold(self, lease: int, arrays: list[np.ndarray], pin: tuple[PinFile, int] | None = None) -> Callable[[], None]:
         """Track ``lease`` (``pin``: its pin file and slot, for a pin) until every array handed to
@@ -536,8 +541,9 @@ class _LeaseKeeper:
         self._events.put(None)
 
     def _start(self) -> None:
-        """Start the keeper's thread if not yet (call with the lock held)."""
-        if self._thread is None:
+        """Start the keeper's thread if it is not running (call with the lock held): a thread that
+        died - an interrupt cut its start short - is replaced, not taken for a live one."""
+        if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="tq-lease-keeper", daemon=True)
             self._thread.start()
 

@@ -314,6 +314,8 @@ def test_the_policy_scores_at_the_temperature_the_generator_reports_and_one_toke
     assert cfg.policy.logprob_temperature == 0.7  # 'processed' log-probs: the tempered distribution
     assert parse_cli(["generation.temperature=0.7", "generation.logprobs_mode=raw"]).policy.logprob_temperature == 1.0
     assert parse_cli(["generation.temperature=0"]).policy.logprob_temperature == 1.0  # greedy: no processing
+    for recipe in sorted(CONFIG_DIR.glob("*.yaml")):  # the usual override works on every recipe (they set grpo's only)
+        assert load_config(recipe, ["grpo.max_new_tokens=24"]).generation.max_new_tokens == 24
     both = parse_cli(["generation.max_new_tokens=8", "grpo.max_new_tokens=8"])
     assert both.grpo.max_new_tokens == both.generation.max_new_tokens == 8
     from trainer.config import MasterConfig

@@ -144,9 +144,12 @@ def load_records(path: str | Path, *, split: str | None = None) -> list[dict[str
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"dataset path does not exist: {p}")
+    hf = p.is_dir() and any((p / n).exists() for n in ("dataset_info.json", "state.json", "dataset_dict.json"))
+    if split is not None and not hf:  # it would be ignored: every row read, whatever split was asked for
+        raise DatasetError(f"{p}: split={split!r} picks a split of a datasets save_to_disk directory; this is a plain file or folder")
+    if hf:
+        return _load_hf_from_disk(p, split)
     if p.is_dir():
-        if (p / "dataset_info.json").exists() or (p / "state.json").exists() or (p / "dataset_dict.json").exists():
-            return _load_hf_from_disk(p, split)
         files = sorted(f for f in p.iterdir() if f.suffix in (".jsonl", ".parquet"))
         if not files:
             raise DatasetError(f"{p}: no .jsonl or .parquet files, and not a datasets save_to_disk directory")

@@ -53,6 +53,10 @@ def test_jsonl_parquet_and_datasets_dirs_load_the_same_rows(tmp_path):
     write_jsonl(parts / "0.jsonl", ROWS[:2])
     pq.write_table(pa.Table.from_pylist(ROWS[2:]), parts / "1.parquet")
     assert load_records(parts) == ROWS
+    # a split names a part of a save_to_disk directory; of a plain file or folder it was ignored (all rows read)
+    for plain in (tmp_path / "d.jsonl", tmp_path / "d.parquet", parts):
+        with pytest.raises(DatasetError, match=r"split='test' picks a split of a datasets save_to_disk directory; this is a plain"):
+            load_records(plain, split="test")
 
 
 def test_missing_path_and_unsupported_files(tmp_path):

@@ -85,6 +85,7 @@ def resource_demand(cfg: MasterConfig) -> dict[str, list[tuple[str, float]]]:
     its generation workers and math verifiers, and in async mode the collector and its own. All of
     them hold their share for the whole run, so the sums must fit the cluster at once."""
     from rollout.actors import DEFAULT_NUM_CPUS
+    from rollout.environments.math_env import VERIFIER_NUM_CPUS
 
     p, g = cfg.policy, cfg.generation
     cpu: list[tuple[str, float]] = []
@@ -115,7 +116,7 @@ def resource_demand(cfg: MasterConfig) -> dict[str, list[tuple[str, float]]]:
             gpu.append((f"{n} x generation.num_gpus_per_worker={g.num_gpus_per_worker:g}", n * g.num_gpus_per_worker))
     if cfg.env.name == "math" and cfg.env.num_workers:
         n = engines * cfg.env.num_workers
-        cpu.append((f"{n} math verifiers (env.num_workers)", n * 0.25))  # MathEnvironment's num_cpus_per_worker
+        cpu.append((f"{n} math verifiers (env.num_workers)", n * VERIFIER_NUM_CPUS))
     return {"CPU": [x for x in cpu if x[1] > 0], "GPU": gpu}
 
 

@@ -292,6 +292,11 @@ def shutdown_verifier_processes() -> None:
         pool.close()
 
 
+#: Logical CPUs of one verification actor (``MathEnvironment``'s default; the trainers count it when
+#: they size a run against its Ray cluster).
+VERIFIER_NUM_CPUS = 0.25
+
+
 class MathVerifyWorker:
     """Body of one verification actor (``MathEnvironment`` wraps it with ``ray.remote``)."""
 
@@ -328,7 +333,7 @@ class MathEnvironment(EnvironmentInterface):
         self,
         num_workers: int = 2,
         *,
-        num_cpus_per_worker: float = 0.25,
+        num_cpus_per_worker: float = VERIFIER_NUM_CPUS,
         verify_timeout_s: int = 5,
         batch_timeout_s: float = 120.0,
         max_response_chars: int = 10_000,

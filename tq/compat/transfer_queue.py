@@ -541,7 +541,9 @@ def _register(client: TQClient, partition_id: str, keys: list[str]) -> _NativeMe
     """Register the keys not registered yet (no fields), then return the meta of all of them. Another
     writer registering one of them (DuplicateKeyError: nothing registered) or a clear removing one
     (KeyNotFoundError) in between is looked at again - an upsert does not fail for a race it lost."""
-    for attempt in range(_UPSERT_ATTEMPTS):
+    attempt = 0
+    while True:
+        attempt += 1
         held = set(client.get_meta(partition_id).keys)
         new = [k for k in keys if k not in held]
         try:
@@ -549,9 +551,8 @@ def _register(client: TQClient, partition_id: str, keys: list[str]) -> _NativeMe
                 client.register_keys(partition_id, new)
             return client.get_meta(partition_id, keys)
         except (DuplicateKeyError, KeyNotFoundError):
-            if attempt == _UPSERT_ATTEMPTS - 1:
+            if attempt == _UPSERT_ATTEMPTS:
                 raise
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 #: How often an upsert looks again at keys that other writers registered or cleared under it.
